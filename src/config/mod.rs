@@ -1,0 +1,659 @@
+//! Configuration: a YAML file plus CLI overrides, validated in one place.
+//!
+//! The file is decoded from a positioned YAML tree (not serde), so that every problem in it — unknown
+//! keys, wrong types, out-of-range values, broken cross-field invariants — is reported at once, each with
+//! its YAML path and line, or with the flag the value came from.
+//!
+//! Loading runs in three steps: `yaml` builds the tree (syntax, duplicate keys), `validate` walks it
+//! along the schema, merges the flags and defaults and checks everything, and the result is either a
+//! [`Config`] or [`ConfigError::Invalid`] listing every problem. Problems come in phases — single values,
+//! then cross-field checks, then the structure of the pools — and a check is skipped when a value it
+//! depends on already failed, so each mistake is reported once, at its source. [`Config::to_yaml`] renders
+//! the effective configuration back in the file's format.
+
+// Configuration errors are reported, never panicked on.
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod duration;
+mod emit;
+mod error;
+mod types;
+mod validate;
+mod yaml;
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::Path;
+
+pub use error::{ConfigError, Origin, Problem};
+pub use types::*;
+
+/// Values given as command-line flags; each replaces the file's value and is validated like it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    /// `--listen`
+    pub listen: Option<SocketAddr>,
+    /// `--metrics-listen`
+    pub metrics_listen: Option<SocketAddr>,
+    /// `--worker-queue-limit`
+    pub worker_queue_limit: Option<u64>,
+    /// `--saturation-queue-floor`
+    pub saturation_queue_floor: Option<u64>,
+    /// `--min-load-choices`
+    pub min_load_choices: Option<u64>,
+}
+
+/// Reads and validates the configuration file at `path`, with `overrides` applied.
+pub fn load(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
+    let source = fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse(&source, &path.display().to_string(), overrides)
+}
+
+/// Validates configuration `source`; `origin_name` names it in the error (usually the file's path).
+pub fn parse(
+    source: &str,
+    origin_name: &str,
+    overrides: &Overrides,
+) -> Result<Config, ConfigError> {
+    let mut problems = error::Problems::default();
+    let config = yaml::parse(source, &mut problems)
+        .and_then(|root| validate::validate(&root, overrides, &mut problems));
+    match config {
+        Ok(config) if problems.is_empty() => Ok(config),
+        _ => Err(ConfigError::Invalid {
+            file: origin_name.to_owned(),
+            problems: problems.into_sorted(),
+        }),
+    }
+}
+
+#[cfg(test)]
+#[allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+mod tests {
+    use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::worker::{Engine, Role};
+
+    /// The documented example, plus a default pool exercising the remaining options.
+    const EXAMPLE: &str = "\
+listen: 127.0.0.1:9002          # ext_proc gRPC
+metrics_listen: 127.0.0.1:9090
+policy:
+  worker_queue_limit: 4
+  saturation_queue_floor: 2
+  min_load_choices: 2
+  min_match_tokens: 1024
+  pin_depth_ratio: 0.5
+  max_fallbacks: 2
+load:
+  scrape_interval: 1s
+  scrape_timeout: 500ms
+  freshness: 3s
+pools:
+  - model: llama-3-8b
+    engine: vllm
+    block_size: 64
+    tokenizer: {kind: tiktoken, encoding: o200k_base}
+    workers:
+      - endpoint: 10.0.0.11:8000
+        metrics_url: http://10.0.0.11:8000/metrics
+        role: both
+        dp_size: 1
+  - model: \"*\"
+    engine: sglang
+    block_size: 16
+    tokenizer:
+      kind: huggingface
+      path: /models/qwen/tokenizer.json
+    workers:
+      - endpoint: 10.0.0.21:30000
+        role: prefill
+        dp_size: 4
+      - endpoint: \"[fd00::22]:30000\"
+        metrics_url: https://metrics.internal/w22
+        role: decode
+";
+
+    /// The smallest valid file: one pool, one worker.
+    const POOL: &str =
+        "pools:\n  - model: m\n    engine: vllm\n    workers:\n      - endpoint: 10.0.0.1:8000\n";
+
+    const NO_FLAGS: Overrides = Overrides {
+        listen: None,
+        metrics_listen: None,
+        worker_queue_limit: None,
+        saturation_queue_floor: None,
+        min_load_choices: None,
+    };
+
+    fn problems(source: &str, overrides: &Overrides) -> Vec<Problem> {
+        match parse(source, "test.yaml", overrides) {
+            Ok(config) => panic!("accepted:\n{source}\nas {config:?}"),
+            Err(ConfigError::Invalid { file, problems }) => {
+                assert_eq!(file, "test.yaml");
+                assert!(!problems.is_empty());
+                problems
+            }
+            Err(error) => panic!("unexpected {error}"),
+        }
+    }
+
+    fn addr(text: &str) -> SocketAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn the_full_example_is_accepted_with_its_values() {
+        let config = parse(EXAMPLE, "example.yaml", &Overrides::default()).unwrap();
+        let expected = Config {
+            listen: addr("127.0.0.1:9002"),
+            metrics_listen: addr("127.0.0.1:9090"),
+            policy: PolicyConfig {
+                gate: QueueGate::new(NonZeroU64::new(4).unwrap(), NonZeroU64::new(2)),
+                min_load_choices: NonZeroUsize::new(2).unwrap(),
+                min_match_tokens: 1024,
+                pin_depth_ratio: DepthRatio::new(0.5).unwrap(),
+                max_fallbacks: 2,
+            },
+            load: LoadConfig {
+                scrape_interval: Duration::from_secs(1),
+                scrape_timeout: Duration::from_millis(500),
+                freshness: Duration::from_secs(3),
+            },
+            pools: vec![
+                PoolConfig {
+                    model: ModelMatch::Exact("llama-3-8b".into()),
+                    engine: Engine::Vllm,
+                    block_size: NonZeroU32::new(64).unwrap(),
+                    tokenizer: TokenizerConfig::Tiktoken {
+                        encoding: TiktokenEncoding::O200kBase,
+                    },
+                    workers: vec![WorkerConfig {
+                        endpoint: addr("10.0.0.11:8000"),
+                        metrics_url: "http://10.0.0.11:8000/metrics".into(),
+                        role: Role::Both,
+                        dp_size: NonZeroU32::MIN,
+                    }],
+                },
+                PoolConfig {
+                    model: ModelMatch::Any,
+                    engine: Engine::Sglang,
+                    block_size: NonZeroU32::new(16).unwrap(),
+                    tokenizer: TokenizerConfig::HuggingFace {
+                        path: PathBuf::from("/models/qwen/tokenizer.json"),
+                    },
+                    workers: vec![
+                        WorkerConfig {
+                            endpoint: addr("10.0.0.21:30000"),
+                            metrics_url: "http://10.0.0.21:30000/metrics".into(),
+                            role: Role::Prefill,
+                            dp_size: NonZeroU32::new(4).unwrap(),
+                        },
+                        WorkerConfig {
+                            endpoint: addr("[fd00::22]:30000"),
+                            metrics_url: "https://metrics.internal/w22".into(),
+                            role: Role::Decode,
+                            dp_size: NonZeroU32::MIN,
+                        },
+                    ],
+                },
+            ],
+        };
+        assert_eq!(config, expected);
+    }
+
+    #[test]
+    fn the_shipped_example_is_accepted() {
+        let config = parse(
+            include_str!("../../examples/cachepick.yaml"),
+            "cachepick.yaml",
+            &NO_FLAGS,
+        )
+        .unwrap();
+        let workers = &config.pools[0].workers;
+        assert_eq!(workers.len(), 3);
+        assert_eq!(
+            (workers[1].role, workers[2].role),
+            (Role::Both, Role::Decode)
+        );
+    }
+
+    #[test]
+    fn defaults_fill_a_minimal_file() {
+        let config = parse(POOL, "minimal.yaml", &Overrides::default()).unwrap();
+        assert_eq!(config.listen, addr("127.0.0.1:9002"));
+        assert_eq!(config.metrics_listen, addr("127.0.0.1:9090"));
+        assert_eq!(config.policy, PolicyConfig::default());
+        assert_eq!(config.policy.gate, None);
+        assert_eq!(config.policy.min_match_tokens, 1024);
+        assert_eq!(config.policy.pin_depth_ratio.get(), 0.5);
+        assert_eq!(config.load, LoadConfig::default());
+        let pool = &config.pools[0];
+        assert_eq!(pool.block_size.get(), 64);
+        assert_eq!(
+            pool.tokenizer,
+            TokenizerConfig::Tiktoken {
+                encoding: TiktokenEncoding::O200kBase
+            }
+        );
+        assert_eq!(
+            pool.workers,
+            [WorkerConfig {
+                endpoint: addr("10.0.0.1:8000"),
+                metrics_url: "http://10.0.0.1:8000/metrics".into(),
+                role: Role::Both,
+                dp_size: NonZeroU32::MIN,
+            }]
+        );
+    }
+
+    #[test]
+    fn null_values_and_empty_sections_count_as_absent() {
+        let source = format!("listen: ~\npolicy:\nload:\n  freshness: null\n{POOL}");
+        assert_eq!(
+            parse(&source, "t", &NO_FLAGS).unwrap(),
+            parse(POOL, "t", &NO_FLAGS).unwrap()
+        );
+    }
+
+    #[test]
+    fn scalars_are_read_as_their_key_expects() {
+        let source = "pools:\n  - model: 3\n    engine: 'vllm'\n    tokenizer: {kind: bytes}\n    workers:\n      \
+                      - endpoint: '10.0.0.1:8000'\n        role: \"decode\"\n      - endpoint: 10.0.0.2:8000\n";
+        let config = parse(source, "t", &NO_FLAGS).unwrap();
+        assert_eq!(config.pools[0].model, ModelMatch::Exact("3".into()));
+        assert_eq!(config.pools[0].tokenizer, TokenizerConfig::Bytes);
+        assert_eq!(config.pools[0].workers[0].role, Role::Decode);
+    }
+
+    #[test]
+    fn flags_override_file_values() {
+        let source = format!(
+            "listen: 0.0.0.0:1\npolicy:\n  worker_queue_limit: 4\n  min_load_choices: 3\n{POOL}"
+        );
+        let overrides = Overrides {
+            listen: Some(addr("127.0.0.1:7000")),
+            metrics_listen: Some(addr("0.0.0.0:9100")),
+            worker_queue_limit: Some(8),
+            saturation_queue_floor: Some(8),
+            min_load_choices: Some(1),
+        };
+        let config = parse(&source, "t", &overrides).unwrap();
+        assert_eq!(config.listen, addr("127.0.0.1:7000"));
+        assert_eq!(config.metrics_listen, addr("0.0.0.0:9100"));
+        assert_eq!(
+            config.policy.gate.map(|gate| (gate.limit(), gate.floor())),
+            Some((8, Some(8)))
+        );
+        assert_eq!(config.policy.min_load_choices.get(), 1);
+    }
+
+    #[test]
+    fn the_effective_config_round_trips_through_yaml() {
+        let sub_millisecond = format!(
+            "load:\n  scrape_interval: 1.5s\n  scrape_timeout: 0.25ms\n  freshness: 2m\n{POOL}"
+        );
+        let bytes = POOL.replace("engine: vllm", "engine: vllm\n    tokenizer: {kind: bytes}");
+        let flagged = Overrides {
+            worker_queue_limit: Some(3),
+            ..NO_FLAGS
+        };
+        for (source, overrides) in [
+            (EXAMPLE, &NO_FLAGS),
+            (POOL, &NO_FLAGS),
+            (&sub_millisecond, &NO_FLAGS),
+            (&bytes, &flagged),
+        ] {
+            let config = parse(source, "t", overrides).unwrap();
+            let yaml = config.to_yaml();
+            assert_eq!(
+                parse(&yaml, "emitted", &NO_FLAGS).unwrap(),
+                config,
+                "{yaml}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_effective_config_uses_the_file_keys_and_readable_durations() {
+        let yaml = parse(EXAMPLE, "t", &NO_FLAGS).unwrap().to_yaml();
+        for expected in [
+            "listen: 127.0.0.1:9002",
+            "  worker_queue_limit: 4\n  saturation_queue_floor: 2\n",
+            "  scrape_interval: 1s\n  scrape_timeout: 500ms\n  freshness: 3s\n",
+            "  tokenizer:\n    kind: tiktoken\n    encoding: o200k_base\n",
+            "    kind: huggingface\n",
+            "metrics_url: http://10.0.0.21:30000/metrics",
+        ] {
+            assert!(yaml.contains(expected), "{expected:?} not in\n{yaml}");
+        }
+        assert!(
+            !parse(POOL, "t", &NO_FLAGS)
+                .unwrap()
+                .to_yaml()
+                .contains("worker_queue_limit")
+        );
+    }
+
+    /// Each case has exactly one problem, at `at`, whose message contains `message`.
+    #[test]
+    fn each_invalid_value_gives_one_message_at_its_origin() {
+        // POOL with more lines for its worker, from line 6 on.
+        let pool = |worker: &str| format!("{POOL}{worker}");
+        // POOL and a second pool, whose model is on line 6 and endpoint on line 9.
+        let two_pools = |first: &str, second: &str, endpoint: &str| {
+            let second = format!(
+                "  - model: {second}\n    engine: vllm\n    workers:\n      - endpoint: {endpoint}\n"
+            );
+            format!(
+                "{}{second}",
+                POOL.replace("model: m", &format!("model: {first}"))
+            )
+        };
+        let pool_with =
+            |extra: &str| POOL.replace("engine: vllm\n", &format!("engine: vllm\n    {extra}\n"));
+        let policy = |lines: &str| format!("policy:\n{lines}{POOL}");
+        let load = |lines: &str| format!("load:\n{lines}{POOL}");
+        let floor_flag = Overrides {
+            saturation_queue_floor: Some(5),
+            ..NO_FLAGS
+        };
+        let limit_flag = Overrides {
+            worker_queue_limit: Some(0),
+            ..NO_FLAGS
+        };
+        let choices_flag = Overrides {
+            min_load_choices: Some(0),
+            ..NO_FLAGS
+        };
+        #[rustfmt::skip]
+        let cases: Vec<(&str, String, &Overrides, &str, &str)> = vec![
+            ("floor without limit", policy("  saturation_queue_floor: 2\n"), &NO_FLAGS,
+             "policy.saturation_queue_floor (line 2)",
+             "saturation_queue_floor requires worker_queue_limit (there is no diversion to cancel without it)"),
+            ("floor above limit", policy("  worker_queue_limit: 2\n  saturation_queue_floor: 3\n"), &NO_FLAGS,
+             "policy.saturation_queue_floor (line 3)",
+             "saturation_queue_floor (3) must be at most worker_queue_limit (2): a floor above the limit would \
+              declare the fleet saturated while the gate still admits some workers"),
+            ("floor flag above file limit", policy("  worker_queue_limit: 4\n"), &floor_flag,
+             "--saturation-queue-floor", "--saturation-queue-floor (5) must be at most worker_queue_limit (4)"),
+            ("floor flag without limit", POOL.to_owned(), &floor_flag,
+             "--saturation-queue-floor", "--saturation-queue-floor requires worker_queue_limit"),
+            ("floor 0", policy("  worker_queue_limit: 2\n  saturation_queue_floor: 0\n"), &NO_FLAGS,
+             "policy.saturation_queue_floor (line 3)", "must be at least 1"),
+            ("limit 0", policy("  worker_queue_limit: 0\n"), &NO_FLAGS,
+             "policy.worker_queue_limit (line 2)", "must be at least 1"),
+            ("limit 0 hides the floor check", policy("  worker_queue_limit: 0\n  saturation_queue_floor: 2\n"),
+             &NO_FLAGS, "policy.worker_queue_limit (line 2)", "must be at least 1"),
+            ("limit flag 0", policy("  worker_queue_limit: 4\n"), &limit_flag,
+             "--worker-queue-limit", "must be at least 1"),
+            ("min_load_choices 0", policy("  min_load_choices: 0\n"), &NO_FLAGS,
+             "policy.min_load_choices (line 2)", "must be at least 1"),
+            ("min_load_choices flag 0", POOL.to_owned(), &choices_flag, "--min-load-choices", "must be at least 1"),
+            ("ratio above 1", policy("  pin_depth_ratio: 1.5\n"), &NO_FLAGS,
+             "policy.pin_depth_ratio (line 2)", "must be between 0 and 1, got 1.5"),
+            ("ratio below 0", policy("  pin_depth_ratio: -0.1\n"), &NO_FLAGS,
+             "policy.pin_depth_ratio (line 2)", "must be between 0 and 1, got -0.1"),
+            ("ratio not finite", policy("  pin_depth_ratio: NaN\n"), &NO_FLAGS,
+             "policy.pin_depth_ratio (line 2)", "must be between 0 and 1"),
+            ("too many fallbacks", policy("  max_fallbacks: 9\n"), &NO_FLAGS,
+             "policy.max_fallbacks (line 2)", "must be at most 8"),
+            ("integer as a word", policy("  min_match_tokens: lots\n"), &NO_FLAGS,
+             "policy.min_match_tokens (line 2)", "expected a non-negative integer, got `lots`"),
+            ("quoted integer", policy("  worker_queue_limit: \"4\"\n"), &NO_FLAGS,
+             "policy.worker_queue_limit (line 2)", "expected a non-negative integer, got the quoted string \"4\""),
+            ("negative integer", policy("  min_match_tokens: -1\n"), &NO_FLAGS,
+             "policy.min_match_tokens (line 2)", "expected a non-negative integer, got `-1`"),
+            ("integer beyond u64", policy("  min_match_tokens: 18446744073709551616\n"), &NO_FLAGS,
+             "policy.min_match_tokens (line 2)", "must be at most 18446744073709551615"),
+            ("zero interval", load("  scrape_interval: 0s\n"), &NO_FLAGS,
+             "load.scrape_interval (line 2)", "must be greater than 0"),
+            ("zero timeout", load("  scrape_timeout: 0ms\n"), &NO_FLAGS,
+             "load.scrape_timeout (line 2)", "must be greater than 0"),
+            ("zero freshness", load("  freshness: 0s\n"), &NO_FLAGS,
+             "load.freshness (line 2)", "must be greater than 0"),
+            ("duration without unit", load("  freshness: 3\n"), &NO_FLAGS,
+             "load.freshness (line 2)",
+             "expected a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h), got `3`"),
+            ("negative duration", load("  freshness: -3s\n"), &NO_FLAGS,
+             "load.freshness (line 2)", "expected a duration"),
+            ("timeout above interval", load("  scrape_interval: 1s\n  scrape_timeout: 1.5s\n"), &NO_FLAGS,
+             "load.scrape_timeout (line 3)",
+             "scrape_timeout (1500ms) must be at most scrape_interval (1s): scrape rounds would overlap"),
+            ("freshness within interval", load("  scrape_interval: 2s\n  freshness: 2s\n"), &NO_FLAGS,
+             "load.freshness (line 3)",
+             "freshness (2s) must be longer than scrape_interval (2s): a healthy worker's reading would lapse \
+              between scrapes and the gate would go blind"),
+            ("interval beyond default freshness", load("  scrape_interval: 5s\n"), &NO_FLAGS,
+             "load.scrape_interval (line 2)", "freshness (3s) must be longer than scrape_interval (5s)"),
+            ("unknown top-level key", format!("{POOL}listn: 127.0.0.1:1\n"), &NO_FLAGS,
+             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, policy, load, pools"),
+            ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
+             "policy.worker_queue_limt (line 2)",
+             "unknown key; expected one of: worker_queue_limit, saturation_queue_floor, min_load_choices, \
+              min_match_tokens, pin_depth_ratio, max_fallbacks"),
+            ("unknown worker key", pool("        weight: 2\n"), &NO_FLAGS,
+             "pools[0].workers[0].weight (line 6)",
+             "unknown key; expected one of: endpoint, metrics_url, role, dp_size"),
+            ("duplicate key", policy("  min_load_choices: 2\n  min_load_choices: 3\n"), &NO_FLAGS,
+             "policy.min_load_choices (line 3)", "duplicate key; first given on line 2"),
+            ("section of the wrong type", format!("policy: 4\n{POOL}"), &NO_FLAGS,
+             "policy (line 1)", "expected a mapping, got `4`"),
+            ("malformed listen", format!("listen: localhost:9002\n{POOL}"), &NO_FLAGS,
+             "listen (line 1)", "expected ip:port such as 10.0.0.11:8000"),
+            ("endpoint without port", POOL.replace("10.0.0.1:8000", "10.0.0.11"), &NO_FLAGS,
+             "pools[0].workers[0].endpoint (line 5)", "expected ip:port such as 10.0.0.11:8000"),
+            ("endpoint with host name", POOL.replace("10.0.0.1:8000", "host:80"), &NO_FLAGS,
+             "pools[0].workers[0].endpoint (line 5)", "expected ip:port such as 10.0.0.11:8000"),
+            ("missing endpoint", pool("      - role: both\n"), &NO_FLAGS,
+             "pools[0].workers[1].endpoint (line 6)", "missing required key"),
+            ("missing engine", POOL.replace("    engine: vllm\n", ""), &NO_FLAGS,
+             "pools[0].engine (line 2)", "missing required key"),
+            ("empty model", POOL.replace("model: m", "model: ''"), &NO_FLAGS,
+             "pools[0].model (line 2)", "must not be empty"),
+            ("unknown engine", POOL.replace("engine: vllm", "engine: tgi"), &NO_FLAGS,
+             "pools[0].engine (line 3)", "expected one of: vllm, sglang; got `tgi`"),
+            ("unknown role", pool("        role: both-ways\n"), &NO_FLAGS,
+             "pools[0].workers[0].role (line 6)", "expected one of: prefill, decode, both; got `both-ways`"),
+            ("block_size 0", pool_with("block_size: 0"), &NO_FLAGS,
+             "pools[0].block_size (line 4)", "must be at least 1"),
+            ("block_size beyond u32", pool_with("block_size: 4294967296"), &NO_FLAGS,
+             "pools[0].block_size (line 4)", "must be at most 4294967295"),
+            ("dp_size 0", pool("        dp_size: 0\n"), &NO_FLAGS,
+             "pools[0].workers[0].dp_size (line 6)", "must be at least 1"),
+            ("metrics_url without scheme", pool("        metrics_url: 10.0.0.1:8000/metrics\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)", "must start with http:// or https://"),
+            ("unknown tokenizer kind", pool_with("tokenizer: {kind: sentencepiece}"), &NO_FLAGS,
+             "pools[0].tokenizer.kind (line 4)",
+             "expected one of: tiktoken, huggingface, bytes; got `sentencepiece`"),
+            ("unknown encoding", pool_with("tokenizer: {kind: tiktoken, encoding: gpt2}"), &NO_FLAGS,
+             "pools[0].tokenizer.encoding (line 4)",
+             "expected one of: o200k_base, cl100k_base, p50k_base, r50k_base; got `gpt2`"),
+            ("huggingface without path", pool_with("tokenizer: {kind: huggingface}"), &NO_FLAGS,
+             "pools[0].tokenizer.path (line 4)", "missing required key"),
+            ("key of another tokenizer kind", pool_with("tokenizer: {kind: bytes, encoding: o200k_base}"), &NO_FLAGS,
+             "pools[0].tokenizer.encoding (line 4)", "unknown key; expected one of: kind"),
+            ("empty pools", "pools: []\n".to_owned(), &NO_FLAGS,
+             "pools (line 1)", "at least one pool is required"),
+            ("no pools", "listen: 127.0.0.1:9002\n".to_owned(), &NO_FLAGS,
+             "pools (line 1)", "missing: at least one pool is required"),
+            ("empty file", String::new(), &NO_FLAGS, "pools (line 1)", "missing: at least one pool is required"),
+            ("pool without workers", POOL.replace("\n      - endpoint: 10.0.0.1:8000", " []"), &NO_FLAGS,
+             "pools[0].workers (line 4)", "at least one worker is required"),
+            ("pool with workers missing", POOL.replace("    workers:\n      - endpoint: 10.0.0.1:8000\n", ""),
+             &NO_FLAGS, "pools[0].workers (line 2)", "missing: at least one worker is required"),
+            ("duplicate endpoint in a pool", pool("      - endpoint: 10.0.0.1:8000\n"), &NO_FLAGS,
+             "pools[0].workers[1].endpoint (line 6)",
+             "duplicate endpoint 10.0.0.1:8000; already listed at pools[0].workers[0].endpoint (line 5)"),
+            ("duplicate endpoint across pools", two_pools("m", "n", "10.0.0.1:8000"), &NO_FLAGS,
+             "pools[1].workers[0].endpoint (line 9)",
+             "duplicate endpoint 10.0.0.1:8000; already listed at pools[0].workers[0].endpoint (line 5)"),
+            ("duplicate model", two_pools("m", "m", "10.0.0.2:8000"), &NO_FLAGS,
+             "pools[1].model (line 6)", "duplicate model m; already served by pools[0].model (line 2)"),
+            ("two default pools", two_pools("'*'", "\"*\"", "10.0.0.2:8000"), &NO_FLAGS,
+             "pools[1].model (line 6)",
+             "a second default pool (`*`); the default pool is already pools[0].model (line 2)"),
+            ("pool without a prefill worker", pool("        role: decode\n"), &NO_FLAGS,
+             "pools[0].workers (line 4)",
+             "no worker has role prefill or both: every request to this pool would be rejected"),
+            ("YAML syntax error", format!("{POOL}  - model: [x\n"), &NO_FLAGS, "line 7", "invalid YAML"),
+            ("alias", format!("{}      - endpoint: *e\n", POOL.replace("endpoint: ", "endpoint: &e ")), &NO_FLAGS,
+             "line 6", "aliases (*name) are not supported"),
+        ];
+        for (name, source, overrides, at, message) in cases {
+            let found = problems(&source, overrides);
+            let [problem] = found.as_slice() else {
+                panic!("{name}: expected one problem, got {found:#?}\nin\n{source}");
+            };
+            assert_eq!(problem.at.to_string(), at, "{name}: {problem}");
+            assert!(
+                problem.message.contains(message),
+                "{name}: {problem}\nexpected: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_unknown_key_is_listed() {
+        let found = problems(
+            &format!("lissen: 1\npolicy:\n  max_fallback: 1\n{POOL}"),
+            &NO_FLAGS,
+        );
+        let at: Vec<_> = found.iter().map(|problem| problem.at.to_string()).collect();
+        assert_eq!(at, ["lissen (line 1)", "policy.max_fallback (line 3)"]);
+    }
+
+    #[test]
+    fn problems_are_listed_in_phase_order() {
+        let source = "\
+policy:
+  saturation_queue_floor: 2
+pools:
+  - model: m
+    engine: vllm
+    workers:
+      - endpoint: 10.0.0.1:8000
+        dp_size: 0
+  - model: m
+    engine: vllm
+    workers:
+      - endpoint: 10.0.0.2:8000
+listn: 1
+";
+        let found: Vec<_> = problems(source, &NO_FLAGS)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let at: Vec<_> = found
+            .iter()
+            .map(|problem| problem.split(':').next().unwrap())
+            .collect();
+        assert_eq!(
+            at,
+            [
+                "pools[0].workers[0].dp_size (line 8)",
+                "listn (line 13)",
+                "policy.saturation_queue_floor (line 2)",
+                "pools[1].model (line 9)",
+            ],
+            "{found:#?}"
+        );
+    }
+
+    #[test]
+    fn the_error_lists_every_problem_one_per_line() {
+        let error = parse(
+            &format!("policy:\n  worker_queue_limit: 0\n  min_load_choices: 0\n{POOL}"),
+            "f.yaml",
+            &NO_FLAGS,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            error,
+            "invalid configuration in f.yaml:\n  policy.worker_queue_limit (line 2): must be at least 1\n  \
+             policy.min_load_choices (line 3): must be at least 1"
+        );
+    }
+
+    #[test]
+    fn load_reads_the_file_and_names_it_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cachepick.yaml");
+        let missing = load(&path, &NO_FLAGS).unwrap_err();
+        assert!(matches!(missing, ConfigError::Read { .. }), "{missing:?}");
+        assert!(
+            missing.to_string().contains("cachepick.yaml: No such file"),
+            "{missing}"
+        );
+        std::fs::write(&path, POOL).unwrap();
+        assert_eq!(
+            load(&path, &NO_FLAGS).unwrap(),
+            parse(POOL, "t", &NO_FLAGS).unwrap()
+        );
+        std::fs::write(&path, "pools: []\n").unwrap();
+        let Err(ConfigError::Invalid { file, .. }) = load(&path, &NO_FLAGS) else {
+            panic!("accepted")
+        };
+        assert_eq!(file, path.display().to_string());
+    }
+
+    /// Characters that make YAML structure, for mutating the example.
+    const YAML_CHARS: &[char] = &[
+        ':', '-', ' ', '\n', '[', ']', '{', '}', '#', '&', '*', '!', '|', '>', '\'', '"', '?', ',',
+        '%', '@', '`', '0', 'a', '.', '\t',
+    ];
+
+    /// Up to seven insertions, deletions or replacements of single characters.
+    fn edits() -> impl Strategy<Value = Vec<(prop::sample::Index, u8, char)>> {
+        let edit = (
+            any::<prop::sample::Index>(),
+            0..3u8,
+            prop::sample::select(YAML_CHARS),
+        );
+        prop::collection::vec(edit, 1..8)
+    }
+
+    proptest! {
+        #[test]
+        fn parse_never_panics_on_arbitrary_text(source in any::<String>()) {
+            let _ = parse(&source, "fuzz", &NO_FLAGS);
+        }
+
+        #[test]
+        fn mutations_of_the_example_never_panic_and_round_trip_when_accepted(edits in edits()) {
+            let mut source: Vec<char> = EXAMPLE.chars().collect();
+            for (at, edit, c) in edits {
+                let i = at.index(source.len() + 1);
+                match edit {
+                    0 => source.insert(i, c),
+                    1 if i < source.len() => { source.remove(i); }
+                    _ if i < source.len() => source[i] = c,
+                    _ => source.push(c),
+                }
+            }
+            let source: String = source.into_iter().collect();
+            if let Ok(config) = parse(&source, "fuzz", &NO_FLAGS) {
+                prop_assert_eq!(parse(&config.to_yaml(), "emitted", &NO_FLAGS).unwrap(), config);
+            }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Validated configuration. Every value here has passed the checks in `validate`; the types hold the
+//! invariants that can be held in a type, so no consumer re-checks them.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::worker::{Engine, Role};
+
+/// The whole validated configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// ext_proc gRPC listener.
+    pub listen: SocketAddr,
+    /// Prometheus `/metrics` and the debug endpoints; loopback by default.
+    pub metrics_listen: SocketAddr,
+    pub policy: PolicyConfig,
+    pub load: LoadConfig,
+    /// At least one pool; models are unique and at most one pool is the default (`*`).
+    pub pools: Vec<PoolConfig>,
+}
+
+impl Config {
+    pub const DEFAULT_LISTEN: SocketAddr =
+        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9002));
+    /// Loopback: the debug endpoints are not for the network at large.
+    pub const DEFAULT_METRICS_LISTEN: SocketAddr =
+        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090));
+}
+
+/// Knobs of the routing ladder (see `policy`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyConfig {
+    /// The queue gate and its saturation floor; `None` is pure prefix affinity.
+    pub gate: Option<QueueGate>,
+    /// Power-of-k sampling for off-owner picks.
+    pub min_load_choices: NonZeroUsize,
+    /// An owner must hold at least this many leading prompt tokens to count as one.
+    pub min_match_tokens: u64,
+    /// The saturation pin only weighs owners matching at least this share of the deepest pinnable match.
+    pub pin_depth_ratio: DepthRatio,
+    /// How many fallback endpoints follow the selected one in the answer, for Envoy to retry on.
+    pub max_fallbacks: usize,
+}
+
+impl PolicyConfig {
+    pub const DEFAULT_MIN_LOAD_CHOICES: usize = 2;
+    pub const DEFAULT_MIN_MATCH_TOKENS: u64 = 1024;
+    pub const DEFAULT_PIN_DEPTH_RATIO: f64 = 0.5;
+    pub const DEFAULT_MAX_FALLBACKS: usize = 2;
+    /// Envoy tries at most a handful of hosts; a longer list only costs header bytes.
+    pub const MAX_FALLBACKS_LIMIT: usize = 8;
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            gate: None,
+            min_load_choices: NonZeroUsize::new(Self::DEFAULT_MIN_LOAD_CHOICES)
+                .unwrap_or(NonZeroUsize::MIN),
+            min_match_tokens: Self::DEFAULT_MIN_MATCH_TOKENS,
+            pin_depth_ratio: DepthRatio::new(Self::DEFAULT_PIN_DEPTH_RATIO)
+                .unwrap_or(DepthRatio::ZERO),
+            max_fallbacks: Self::DEFAULT_MAX_FALLBACKS,
+        }
+    }
+}
+
+/// `worker_queue_limit` with its optional `saturation_queue_floor`.
+///
+/// Guarantees: the floor exists only with a limit (without the gate there is no diversion for the floor
+/// to cancel), and `1 <= floor <= limit` (a floor above the limit would declare the fleet saturated while
+/// the gate still admits some workers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueGate {
+    limit: NonZeroU64,
+    floor: Option<NonZeroU64>,
+}
+
+impl QueueGate {
+    /// `None` if the floor exceeds the limit.
+    pub fn new(limit: NonZeroU64, floor: Option<NonZeroU64>) -> Option<Self> {
+        match floor {
+            Some(floor) if floor > limit => None,
+            _ => Some(QueueGate { limit, floor }),
+        }
+    }
+
+    /// An owner with this many or more waiting requests is passed over.
+    pub fn limit(self) -> u64 {
+        self.limit.get()
+    }
+
+    /// The fleet is saturated when no worker has a fresh reading below this.
+    pub fn floor(self) -> Option<u64> {
+        self.floor.map(NonZeroU64::get)
+    }
+}
+
+/// A share in `[0, 1]`, finite.
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+pub struct DepthRatio(f64);
+
+impl DepthRatio {
+    pub const ZERO: DepthRatio = DepthRatio(0.0);
+
+    pub fn new(value: f64) -> Option<Self> {
+        (value.is_finite() && (0.0..=1.0).contains(&value)).then_some(DepthRatio(value))
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
+    }
+}
+
+/// How load is scraped and when a reading stops counting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadConfig {
+    pub scrape_interval: Duration,
+    /// At most `scrape_interval`, so rounds never overlap.
+    pub scrape_timeout: Duration,
+    /// Longer than `scrape_interval`, so a healthy worker's reading never lapses between two scrapes.
+    pub freshness: Duration,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        LoadConfig {
+            scrape_interval: Duration::from_secs(1),
+            scrape_timeout: Duration::from_millis(500),
+            freshness: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Which requests a pool serves, matched against the body's `model`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ModelMatch {
+    Exact(String),
+    /// `*`: requests whose model names no other pool (and requests without a model).
+    Any,
+}
+
+/// A set of workers serving one model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolConfig {
+    pub model: ModelMatch,
+    pub engine: Engine,
+    /// Tokens per prefix block.
+    pub block_size: NonZeroU32,
+    pub tokenizer: TokenizerConfig,
+    /// Non-empty, unique endpoints, at least one of them serving prefill.
+    pub workers: Vec<WorkerConfig>,
+}
+
+impl PoolConfig {
+    pub const DEFAULT_BLOCK_SIZE: u32 = 64;
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerConfig {
+    /// A bundled tiktoken encoding; needs no files.
+    Tiktoken { encoding: TiktokenEncoding },
+    /// A local `tokenizer.json`.
+    HuggingFace { path: PathBuf },
+    /// Four bytes per pseudo-token: no tokenizer at all, for when tokenizing costs too much.
+    Bytes,
+}
+
+impl Default for TokenizerConfig {
+    fn default() -> Self {
+        TokenizerConfig::Tiktoken {
+            encoding: TiktokenEncoding::O200kBase,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TiktokenEncoding {
+    O200kBase,
+    Cl100kBase,
+    P50kBase,
+    R50kBase,
+}
+
+impl TiktokenEncoding {
+    pub const ALL: [TiktokenEncoding; 4] = [
+        TiktokenEncoding::O200kBase,
+        TiktokenEncoding::Cl100kBase,
+        TiktokenEncoding::P50kBase,
+        TiktokenEncoding::R50kBase,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TiktokenEncoding::O200kBase => "o200k_base",
+            TiktokenEncoding::Cl100kBase => "cl100k_base",
+            TiktokenEncoding::P50kBase => "p50k_base",
+            TiktokenEncoding::R50kBase => "r50k_base",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// `ip:port` Envoy sends the request to; unique across all pools.
+    pub endpoint: SocketAddr,
+    /// Where the engine's load is read; derived from the endpoint when not given.
+    pub metrics_url: String,
+    pub role: Role,
+    /// Data-parallel ranks; a reading is complete only when all of them reported.
+    pub dp_size: NonZeroU32,
+}
+
+impl WorkerConfig {
+    pub const DEFAULT_ROLE: Role = Role::Both;
+    pub const DEFAULT_DP_SIZE: u32 = 1;
+}
