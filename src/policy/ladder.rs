@@ -1,0 +1,257 @@
+//! The decision ladder itself; see the module documentation of `policy` for the rules.
+
+use rand::Rng;
+
+use super::outcome::{Decision, Outcome, Reason, Reject, RejectReason};
+use super::rank::{self, Member};
+use super::trace::{Gate, OwnerVerdict, Rung, Sampled, Saturation, Trace};
+use super::{LoadView, OwnerMatch, RequestFacts};
+use crate::config::PolicyConfig;
+
+/// Picks the worker for one request. Pure: same arguments (and random draws), same outcome.
+pub fn decide<R: Rng + ?Sized>(
+    request: &RequestFacts<'_>,
+    owners: &[OwnerMatch],
+    load: &LoadView<'_>,
+    config: &PolicyConfig,
+    rng: &mut R,
+) -> Outcome {
+    let snapshot = load.snapshot;
+    let limit = config.gate.map(|gate| gate.limit());
+    let mut trace = Trace {
+        snapshot_version: snapshot.version,
+        ..Trace::default()
+    };
+
+    // Leading tokens each worker holds, by worker index; duplicates keep the deepest match.
+    let mut matched = vec![0_u64; snapshot.workers().len()];
+    let mut unknown_workers = 0;
+    for owner in owners.iter().filter(|owner| owner.matched_tokens > 0) {
+        match matched.get_mut(owner.worker.index()) {
+            Some(depth) => *depth = (*depth).max(owner.matched_tokens),
+            None => unknown_workers += 1,
+        }
+    }
+
+    let fleet: Vec<Member<'_>> = snapshot
+        .workers()
+        .iter()
+        .filter(|state| state.routable && state.role.serves_prefill())
+        .filter(|state| {
+            request
+                .allowed
+                .is_none_or(|allowed| allowed.contains(&state.id))
+        })
+        .map(|state| {
+            let fresh = snapshot.fresh_load(state.id, load.now);
+            Member {
+                state,
+                fresh,
+                matched_tokens: matched.get(state.id.index()).copied().unwrap_or(0),
+                gate: rank::gate(limit, fresh),
+                admission: rank::admission(state, fresh, request.prompt_tokens),
+                dispatched: load.dispatches.since_reading(state.id),
+            }
+        })
+        .collect();
+    trace.fleet = fleet.len();
+    trace.fresh = fleet.iter().filter(|member| member.fresh.is_some()).count();
+    if fleet.is_empty() {
+        return Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            trace,
+        });
+    }
+
+    // A match counts only if it is real (at least one token) and deep enough to be worth a detour.
+    let min_match = config.min_match_tokens.max(1);
+    let owners: Vec<Member<'_>> = fleet
+        .iter()
+        .filter(|member| member.matched_tokens >= min_match)
+        .copied()
+        .collect();
+    let matching_workers = matched.iter().filter(|depth| **depth > 0).count();
+    trace.ignored_matches = unknown_workers + matching_workers.saturating_sub(owners.len());
+    trace.owners = owner_verdicts(&owners);
+
+    let ranks = 1 + config.max_fallbacks;
+
+    // Rung 1: owners passing the gate and hard admission, deepest first.
+    let admitted: Vec<Member<'_>> = owners
+        .iter()
+        .filter(|owner| owner.gate.passes() && owner.admission.admits())
+        .copied()
+        .collect();
+    if !admitted.is_empty() {
+        let (ranked, source) = rank::take_ranked(admitted, ranks, rank::deepest);
+        trace.pressure = source;
+        trace.rung = Rung::Owners;
+        if let Some(outcome) = route(&ranked, Reason::CacheHit, &mut trace) {
+            return outcome;
+        }
+    }
+
+    // Owners the gate turned away; the saturation rungs may take them back.
+    let queued: Vec<Member<'_>> = owners
+        .iter()
+        .filter(|owner| matches!(owner.gate, Gate::Queued { .. }))
+        .copied()
+        .collect();
+    let mut gate_voided = false;
+    if let (Some(gate), false) = (config.gate, queued.is_empty()) {
+        let pinnable = || {
+            queued
+                .iter()
+                .filter(|owner| owner.admission.admits())
+                .copied()
+        };
+        match gate.floor() {
+            // Rung 2: the saturation pin.
+            Some(floor) => {
+                trace.saturation = saturation_below(&fleet, floor, false);
+                if matches!(trace.saturation, Saturation::Saturated { .. }) {
+                    gate_voided = true;
+                    let deepest = pinnable()
+                        .map(|owner| owner.matched_tokens)
+                        .max()
+                        .unwrap_or(0);
+                    let cutoff = config.pin_depth_ratio.get() * deepest as f64;
+                    let eligible: Vec<Member<'_>> = pinnable()
+                        .filter(|owner| owner.matched_tokens as f64 >= cutoff)
+                        .collect();
+                    let (ranked, source) =
+                        rank::take_ranked(eligible, ranks, rank::least_pressured);
+                    trace.pressure = source;
+                    trace.rung = Rung::SaturationPin;
+                    if let Some(outcome) = route(&ranked, Reason::SaturationPin, &mut trace) {
+                        return outcome;
+                    }
+                }
+            }
+            // Rung 3: every fleet worker at the limit, no floor: the owners come back.
+            None => {
+                trace.saturation = saturation_below(&fleet, gate.limit(), true);
+                if matches!(trace.saturation, Saturation::Saturated { .. }) {
+                    gate_voided = true;
+                    let (ranked, source) =
+                        rank::take_ranked(pinnable().collect(), ranks, rank::deepest);
+                    trace.pressure = source;
+                    trace.rung = Rung::AllQueued;
+                    if let Some(outcome) = route(&ranked, Reason::AllQueued, &mut trace) {
+                        return outcome;
+                    }
+                }
+            }
+        }
+    }
+
+    // Rung 4: off-owner. Under saturation the gate's verdict on the owners was voided, so what kept the
+    // request from them is capacity, not their queue.
+    let reason = if owners.is_empty() {
+        Reason::CacheMiss
+    } else if !queued.is_empty() && !gate_voided {
+        Reason::CacheWorkerQueued
+    } else {
+        Reason::CapacityFallback
+    };
+    trace.pressure = None;
+    let open: Vec<Member<'_>> = fleet
+        .iter()
+        .filter(|member| member.gate.passes() && member.admission.admits())
+        .copied()
+        .collect();
+    let (mut pool, rung) = if open.is_empty() {
+        let admitted: Vec<Member<'_>> = fleet
+            .iter()
+            .filter(|member| member.admission.admits())
+            .copied()
+            .collect();
+        (admitted, Rung::OffOwnerAdmission)
+    } else {
+        (open, Rung::OffOwnerGateAndAdmission)
+    };
+    if !pool.is_empty() {
+        rank::sample(&mut pool, config.min_load_choices.get(), rng);
+        trace.sampled = pool
+            .iter()
+            .map(|member| Sampled {
+                worker: member.id(),
+                load: member.load(),
+            })
+            .collect();
+        trace.rung = rung;
+        let (ranked, _) = rank::take_ranked(pool, ranks, rank::least_loaded);
+        if let Some(outcome) = route(&ranked, reason, &mut trace) {
+            return outcome;
+        }
+    }
+
+    // Nobody can take the request by its engine's own limits: send it where the wait is shortest
+    // rather than reject it, since the limits are estimates and the engine queues.
+    let (ranked, source) = rank::take_ranked(fleet, ranks, rank::least_pressured);
+    trace.pressure = source;
+    trace.rung = Rung::LeastPressured;
+    match route(&ranked, reason, &mut trace) {
+        Some(outcome) => outcome,
+        None => Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            trace,
+        }),
+    }
+}
+
+/// Routes to the first of `ranked` with the rest as fallbacks; `None` (trace untouched) if it is empty.
+fn route(ranked: &[Member<'_>], reason: Reason, trace: &mut Trace) -> Option<Outcome> {
+    let (first, rest) = ranked.split_first()?;
+    Some(Outcome::Route(Decision {
+        selected: first.id(),
+        fallbacks: rest.iter().map(Member::id).collect(),
+        reason,
+        matched_tokens: first.matched_tokens,
+        trace: std::mem::take(trace),
+    }))
+}
+
+/// The owners as the trace shows them: deepest first, then by id.
+fn owner_verdicts(owners: &[Member<'_>]) -> Vec<OwnerVerdict> {
+    let mut verdicts: Vec<OwnerVerdict> = owners
+        .iter()
+        .map(|owner| OwnerVerdict {
+            worker: owner.id(),
+            matched_tokens: owner.matched_tokens,
+            gate: owner.gate,
+            admission: owner.admission,
+        })
+        .collect();
+    // Integer keys: a total order, safe to sort.
+    verdicts.sort_unstable_by_key(|verdict| {
+        (std::cmp::Reverse(verdict.matched_tokens), verdict.worker)
+    });
+    verdicts
+}
+
+/// Looks for a fleet worker whose fresh queue is below `threshold`: the evidence that diverting can pay
+/// off. A worker without a fresh reading is no such evidence for the floor (fail-closed); for the
+/// all-queued check (`require_fresh`) it is the opposite, since "every worker is at the limit" cannot
+/// be shown for a worker nobody has read.
+fn saturation_below(fleet: &[Member<'_>], threshold: u64, require_fresh: bool) -> Saturation {
+    for member in fleet {
+        match member.fresh {
+            Some(load) if load.waiting < threshold => {
+                return Saturation::Relieved {
+                    witness: member.id(),
+                    waiting: load.waiting,
+                    threshold,
+                };
+            }
+            None if require_fresh => {
+                return Saturation::Unread {
+                    witness: member.id(),
+                    threshold,
+                };
+            }
+            _ => {}
+        }
+    }
+    Saturation::Saturated { threshold }
+}

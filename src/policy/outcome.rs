@@ -1,0 +1,121 @@
+//! What the policy returns: a routing decision or a rejection, each with its reason and trace.
+
+use serde::Serialize;
+
+use super::trace::Trace;
+use crate::worker::WorkerId;
+
+/// Why a request went where it went. The label values are part of the public interface: they appear
+/// in `x-cachepick-decision`, Envoy's virtual-cluster stats and Prometheus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// The deepest prefix owner that passes the queue gate and hard admission.
+    CacheHit,
+    /// The fleet is saturated (no fresh reading below the floor): diverting buys nothing, so the request
+    /// waits at the least-pressured queued owner and prefills from its cache.
+    SaturationPin,
+    /// No floor is set and every fleet worker is queueing at the limit: the owners are re-admitted and
+    /// the deepest takes the request.
+    AllQueued,
+    /// The owners are queueing at the limit while some worker is not: the request is diverted off-owner.
+    CacheWorkerQueued,
+    /// Owners exist but none can take the request (KV cache or running slots full), and queueing is not
+    /// what stopped them.
+    CapacityFallback,
+    /// No worker holds enough of the prompt's prefix.
+    CacheMiss,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 6] = [
+        Reason::CacheHit,
+        Reason::SaturationPin,
+        Reason::AllQueued,
+        Reason::CacheWorkerQueued,
+        Reason::CapacityFallback,
+        Reason::CacheMiss,
+    ];
+
+    /// The metric label and header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::CacheHit => "cache_hit",
+            Reason::SaturationPin => "saturation_pin",
+            Reason::AllQueued => "all_queued",
+            Reason::CacheWorkerQueued => "cache_worker_queued",
+            Reason::CapacityFallback => "capacity_fallback",
+            Reason::CacheMiss => "cache_miss",
+        }
+    }
+}
+
+/// Why no worker was chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    /// The fleet is empty: no routable prefill worker in the pool (and in the proxy's subset, if any).
+    NoWorkers,
+}
+
+impl RejectReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::NoWorkers => "no_workers",
+        }
+    }
+}
+
+/// A routed request.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    pub selected: WorkerId,
+    /// Next best workers of the same rung, best first, for the proxy to retry on; never contains
+    /// `selected` nor a worker twice.
+    pub fallbacks: Vec<WorkerId>,
+    pub reason: Reason,
+    /// Leading prompt tokens the owner index credits to `selected` (0 when it holds none).
+    pub matched_tokens: u64,
+    pub trace: Trace,
+}
+
+impl Decision {
+    /// Depth of the deepest queued owner the request was diverted away from; `None` unless the request
+    /// really left an owner because of the queue gate.
+    pub fn diverted_tokens(&self) -> Option<u64> {
+        match self.reason {
+            Reason::CacheWorkerQueued => self.trace.deepest_queued_owner_tokens(),
+            _ => None,
+        }
+    }
+}
+
+/// A request no worker can take.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Reject {
+    pub reason: RejectReason,
+    pub trace: Trace,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "outcome")]
+pub enum Outcome {
+    Route(Decision),
+    Reject(Reject),
+}
+
+impl Outcome {
+    pub fn trace(&self) -> &Trace {
+        match self {
+            Outcome::Route(decision) => &decision.trace,
+            Outcome::Reject(reject) => &reject.trace,
+        }
+    }
+
+    pub fn decision(&self) -> Option<&Decision> {
+        match self {
+            Outcome::Route(decision) => Some(decision),
+            Outcome::Reject(_) => None,
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Per-worker verdicts and orderings used by the ladder.
+//!
+//! Orderings are linear minimum scans over integer keys. The pressure key is chosen per compared set
+//! (see [`PressureSource`]), so two workers are never ordered on numbers only one of them has; sorting
+//! with a pairwise comparator that mixes sources would not be a total order.
+
+use rand::Rng;
+
+use super::trace::{Admission, Gate, PressureSource};
+use crate::load::{EngineLoad, WorkerState};
+use crate::worker::WorkerId;
+
+/// A fleet worker with everything the ladder asks about it, computed once per decision.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Member<'a> {
+    pub state: &'a WorkerState,
+    pub fresh: Option<&'a EngineLoad>,
+    pub matched_tokens: u64,
+    pub gate: Gate,
+    pub admission: Admission,
+    pub dispatched: u64,
+}
+
+impl Member<'_> {
+    pub fn id(&self) -> WorkerId {
+        self.state.id
+    }
+
+    /// waiting + running + requests dispatched since the last fresh reading. A worker without a fresh
+    /// reading counts only what this picker sent it.
+    pub fn load(&self) -> u64 {
+        let engine = self
+            .fresh
+            .map_or(0, |load| load.waiting.saturating_add(load.running));
+        engine.saturating_add(self.dispatched)
+    }
+
+    fn pressure_key(&self, source: PressureSource) -> [u64; 3] {
+        match (source, self.fresh) {
+            (PressureSource::UncachedTokens, Some(load)) => [
+                load.waiting_uncached_tokens.unwrap_or(u64::MAX),
+                load.waiting,
+                load.running,
+            ],
+            (PressureSource::Queue, Some(load)) => [load.waiting, load.running, 0],
+            _ => [self.dispatched, 0, 0],
+        }
+    }
+}
+
+/// The queue gate: passes when no limit is set, when the worker has no fresh reading (fail-open), or when
+/// fewer than `limit` requests are waiting.
+pub(super) fn gate(limit: Option<u64>, fresh: Option<&EngineLoad>) -> Gate {
+    match (limit, fresh) {
+        (None, _) => Gate::Off,
+        (Some(_), None) => Gate::Unread,
+        (Some(limit), Some(load)) if load.waiting < limit => Gate::Open {
+            waiting: load.waiting,
+        },
+        (Some(_), Some(load)) => Gate::Queued {
+            waiting: load.waiting,
+        },
+    }
+}
+
+/// Hard admission: a free running slot and room in the KV cache for the prompt, each checked only where
+/// both the reading and the capacity are known.
+pub(super) fn admission(
+    state: &WorkerState,
+    fresh: Option<&EngineLoad>,
+    request_tokens: u64,
+) -> Admission {
+    let Some(load) = fresh else {
+        return Admission::Admitted;
+    };
+    if let Some(max_running) = state.capacity.max_running
+        && load.running.saturating_add(1) > max_running
+    {
+        return Admission::RunningFull {
+            running: load.running,
+            max_running,
+        };
+    }
+    if let (Some(used_tokens), Some(max_total_tokens)) =
+        (load.used_tokens, state.capacity.max_total_tokens)
+        && used_tokens.saturating_add(request_tokens) > max_total_tokens
+    {
+        return Admission::KvFull {
+            used_tokens,
+            request_tokens,
+            max_total_tokens,
+        };
+    }
+    Admission::Admitted
+}
+
+/// The richest pressure measure every worker in the set has.
+pub(super) fn pressure_source<'a, 'm: 'a>(
+    set: impl Iterator<Item = &'a Member<'m>>,
+) -> PressureSource {
+    let mut source = PressureSource::UncachedTokens;
+    for member in set {
+        match member.fresh {
+            None => return PressureSource::RouterLocal,
+            Some(load) if load.waiting_uncached_tokens.is_none() => source = PressureSource::Queue,
+            Some(_) => {}
+        }
+    }
+    source
+}
+
+/// Index of the least-pressured member (ties by id), with the source that ordered them.
+pub(super) fn least_pressured(set: &[Member<'_>]) -> Option<Pick> {
+    let source = pressure_source(set.iter());
+    let index = set
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, member)| (member.pressure_key(source), member.id()))
+        .map(|(index, _)| index)?;
+    Some(Pick {
+        index,
+        source: Some(source),
+    })
+}
+
+/// Index of the deepest member; among equally deep ones the least pressured, then the lowest id.
+pub(super) fn deepest(set: &[Member<'_>]) -> Option<Pick> {
+    let depth = set.iter().map(|member| member.matched_tokens).max()?;
+    let tied = || {
+        set.iter()
+            .filter(move |member| member.matched_tokens == depth)
+    };
+    let source = pressure_source(tied());
+    let index = set
+        .iter()
+        .enumerate()
+        .filter(|(_, member)| member.matched_tokens == depth)
+        .min_by_key(|(_, member)| (member.pressure_key(source), member.id()))
+        .map(|(index, _)| index)?;
+    Some(Pick {
+        index,
+        source: Some(source),
+    })
+}
+
+/// Index of the least-loaded member, ties by id.
+pub(super) fn least_loaded(set: &[Member<'_>]) -> Option<Pick> {
+    let index = set
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, member)| (member.load(), member.id()))
+        .map(|(index, _)| index)?;
+    Some(Pick {
+        index,
+        source: None,
+    })
+}
+
+/// One choice of a ranking: the member's index in the set, and the pressure measure that decided it
+/// (`None` when pressure played no part).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pick {
+    pub index: usize,
+    pub source: Option<PressureSource>,
+}
+
+/// Takes up to `n` members, best first, by repeatedly applying `pick` to what is left. Returns the
+/// pressure source of the first pick.
+pub(super) fn take_ranked<'m>(
+    mut set: Vec<Member<'m>>,
+    n: usize,
+    pick: fn(&[Member<'m>]) -> Option<Pick>,
+) -> (Vec<Member<'m>>, Option<PressureSource>) {
+    let mut ranked = Vec::with_capacity(n.min(set.len()));
+    let mut first_source = None;
+    while ranked.len() < n {
+        let Some(Pick { index, source }) = pick(&set) else {
+            break;
+        };
+        if index >= set.len() {
+            break;
+        }
+        if ranked.is_empty() {
+            first_source = source;
+        }
+        ranked.push(set.swap_remove(index));
+    }
+    (ranked, first_source)
+}
+
+/// Keeps `k` members drawn uniformly without replacement (partial Fisher–Yates); keeps all of them, in
+/// order and without touching `rng`, when `k` covers the set.
+pub(super) fn sample<R: Rng + ?Sized>(set: &mut Vec<Member<'_>>, k: usize, rng: &mut R) {
+    let n = set.len();
+    if k >= n {
+        return;
+    }
+    for i in 0..k {
+        let j = rng.random_range(i..n);
+        set.swap(i, j);
+    }
+    set.truncate(k);
+}

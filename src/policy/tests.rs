@@ -1,0 +1,867 @@
+//! The ladder as tables of plain data. Unless a test says otherwise the gate has limit 4 and floor 2,
+//! `min_match_tokens` is 1024 and blocks are 64 tokens.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
+
+use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+use super::*;
+use crate::config::{DepthRatio, PolicyConfig, QueueGate};
+use crate::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
+use crate::worker::{Role, WorkerId};
+
+const BLOCK: u64 = 64;
+const FRESHNESS: Duration = Duration::from_secs(3);
+
+fn gate(limit: u64, floor: Option<u64>) -> Option<QueueGate> {
+    QueueGate::new(
+        NonZeroU64::new(limit).unwrap(),
+        floor.map(|f| NonZeroU64::new(f).unwrap()),
+    )
+}
+
+fn config(limit: Option<u64>, floor: Option<u64>) -> PolicyConfig {
+    PolicyConfig {
+        gate: limit.and_then(|limit| gate(limit, floor)),
+        ..PolicyConfig::default()
+    }
+}
+
+/// One scenario: a pool of workers, what the owner index says, and the knobs.
+#[derive(Debug)]
+struct Case {
+    workers: Vec<WorkerState>,
+    owners: Vec<OwnerMatch>,
+    dispatches: Vec<u64>,
+    config: PolicyConfig,
+    prompt_tokens: u64,
+    allowed: Option<Vec<WorkerId>>,
+    now: Instant,
+    seed: u64,
+}
+
+impl Case {
+    fn new(config: PolicyConfig) -> Self {
+        Case {
+            workers: Vec::new(),
+            owners: Vec::new(),
+            dispatches: Vec::new(),
+            config,
+            prompt_tokens: 2048,
+            allowed: None,
+            now: Instant::now() + Duration::from_secs(60),
+            seed: 7,
+        }
+    }
+
+    /// The default knobs: limit 4, floor 2.
+    fn gated() -> Self {
+        Case::new(config(Some(4), Some(2)))
+    }
+
+    /// Adds a prefill+decode worker with a fresh reading of `waiting` queued requests, or none.
+    fn worker(mut self, waiting: Option<u64>) -> Self {
+        let id = WorkerId(self.workers.len() as u32);
+        let endpoint = SocketAddr::from(([127, 0, 0, 1], 18000 + id.0 as u16));
+        let mut state = WorkerState::new(id, endpoint, Role::Both);
+        state.reading = waiting.map(|waiting| Reading {
+            captured_at: self.now - Duration::from_millis(500),
+            complete: true,
+            load: EngineLoad {
+                waiting,
+                ..EngineLoad::default()
+            },
+        });
+        self.workers.push(state);
+        self.dispatches.push(0);
+        self
+    }
+
+    /// Changes the last added worker.
+    fn with(mut self, change: impl FnOnce(&mut WorkerState)) -> Self {
+        change(self.workers.last_mut().unwrap());
+        self
+    }
+
+    fn running(self, running: u64) -> Self {
+        self.with(|w| w.reading.as_mut().unwrap().load.running = running)
+    }
+
+    fn uncached(self, tokens: u64) -> Self {
+        self.with(|w| w.reading.as_mut().unwrap().load.waiting_uncached_tokens = Some(tokens))
+    }
+
+    fn kv_full(self) -> Self {
+        self.with(|w| {
+            w.capacity.max_total_tokens = Some(10_000);
+            w.reading.as_mut().unwrap().load.used_tokens = Some(9_999);
+        })
+    }
+
+    /// The last added worker holds `blocks` leading blocks of the prompt.
+    fn owns(mut self, blocks: u64) -> Self {
+        let worker = self.workers.last().unwrap().id;
+        self.owners.push(OwnerMatch {
+            worker,
+            matched_tokens: blocks * BLOCK,
+        });
+        self
+    }
+
+    fn dispatched(mut self, count: u64) -> Self {
+        *self.dispatches.last_mut().unwrap() = count;
+        self
+    }
+
+    fn decide(&self) -> Outcome {
+        let mut rng = SmallRng::seed_from_u64(self.seed);
+        self.decide_with(&mut rng)
+    }
+
+    fn decide_with(&self, rng: &mut SmallRng) -> Outcome {
+        let snapshot = PoolSnapshot::new(42, FRESHNESS, self.workers.clone());
+        let dispatches = Dispatches(&self.dispatches);
+        let load = LoadView {
+            snapshot: &snapshot,
+            dispatches: &dispatches,
+            now: self.now,
+        };
+        let request = RequestFacts {
+            prompt_tokens: self.prompt_tokens,
+            allowed: self.allowed.as_deref(),
+        };
+        decide(&request, &self.owners, &load, &self.config, rng)
+    }
+
+    fn routed(&self) -> Decision {
+        match self.decide() {
+            Outcome::Route(decision) => decision,
+            Outcome::Reject(reject) => panic!("expected a route, got {reject:?}"),
+        }
+    }
+
+    /// (selected worker index, reason)
+    fn pick(&self) -> (u32, Reason) {
+        let decision = self.routed();
+        (decision.selected.0, decision.reason)
+    }
+}
+
+// === the queue gate ===
+
+#[test]
+fn an_owner_at_the_limit_is_passed_over_for_an_idle_worker() {
+    let case = Case::gated().worker(Some(4)).owns(32).worker(Some(0));
+    assert_eq!(case.pick(), (1, Reason::CacheWorkerQueued));
+    assert_eq!(case.routed().diverted_tokens(), Some(32 * BLOCK));
+}
+
+#[test]
+fn an_owner_one_below_the_limit_keeps_the_request() {
+    let case = Case::gated().worker(Some(3)).owns(32).worker(Some(0));
+    assert_eq!(case.pick(), (0, Reason::CacheHit));
+}
+
+#[test]
+fn without_a_limit_the_deepest_owner_wins_even_at_waiting_40() {
+    let case = Case::new(config(None, None))
+        .worker(Some(40))
+        .owns(32)
+        .worker(Some(0))
+        .owns(20)
+        .worker(Some(0));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (0, Reason::CacheHit)
+    );
+    assert_eq!(decision.trace.owners[0].gate, Gate::Off);
+}
+
+#[test]
+fn an_owner_without_a_fresh_reading_passes_the_gate() {
+    let unread = Case::gated().worker(None).owns(32).worker(Some(0));
+    assert_eq!(unread.pick(), (0, Reason::CacheHit));
+
+    let stale = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .with(|w| w.reading.as_mut().unwrap().captured_at -= FRESHNESS)
+        .worker(Some(0));
+    assert_eq!(stale.pick(), (0, Reason::CacheHit));
+
+    let missing_rank = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .with(|w| w.reading.as_mut().unwrap().complete = false)
+        .worker(Some(0));
+    assert_eq!(missing_rank.pick(), (0, Reason::CacheHit));
+    assert_eq!(missing_rank.routed().trace.owners[0].gate, Gate::Unread);
+}
+
+#[test]
+fn a_reading_exactly_as_old_as_the_freshness_window_is_stale() {
+    let case = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .with(|w| w.reading.as_mut().unwrap().captured_at -= FRESHNESS - Duration::from_millis(500))
+        .worker(Some(0));
+    assert_eq!(case.pick(), (0, Reason::CacheHit));
+}
+
+#[test]
+fn the_deepest_admitted_owner_wins_and_shallower_owners_follow_as_fallbacks() {
+    let case = Case::gated()
+        .worker(Some(1))
+        .owns(20)
+        .worker(Some(4))
+        .owns(40)
+        .worker(Some(3))
+        .owns(30)
+        .worker(Some(0));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (2, Reason::CacheHit)
+    );
+    assert_eq!(decision.fallbacks, vec![WorkerId(0)]);
+    assert_eq!(decision.matched_tokens, 30 * BLOCK);
+}
+
+#[test]
+fn equally_deep_owners_are_ordered_by_pressure_then_id() {
+    let case = Case::gated()
+        .worker(Some(2))
+        .owns(32)
+        .worker(Some(1))
+        .owns(32)
+        .worker(Some(1))
+        .owns(32);
+    let decision = case.routed();
+    assert_eq!(decision.selected, WorkerId(1));
+    assert_eq!(decision.fallbacks, vec![WorkerId(2), WorkerId(0)]);
+    assert_eq!(decision.trace.pressure, Some(PressureSource::Queue));
+}
+
+#[test]
+fn uncached_tokens_order_owners_when_every_compared_owner_reports_them() {
+    let both = Case::gated()
+        .worker(Some(1))
+        .uncached(100)
+        .owns(32)
+        .worker(Some(3))
+        .uncached(10)
+        .owns(32);
+    assert_eq!(both.pick(), (1, Reason::CacheHit));
+    assert_eq!(
+        both.routed().trace.pressure,
+        Some(PressureSource::UncachedTokens)
+    );
+
+    // One owner lacks the measure: the set falls back to the queue both have.
+    let one = Case::gated()
+        .worker(Some(1))
+        .owns(32)
+        .worker(Some(3))
+        .uncached(10)
+        .owns(32);
+    assert_eq!(one.pick(), (0, Reason::CacheHit));
+    assert_eq!(one.routed().trace.pressure, Some(PressureSource::Queue));
+}
+
+#[test]
+fn owners_without_readings_are_compared_on_router_local_dispatches() {
+    let case = Case::gated()
+        .worker(None)
+        .owns(32)
+        .dispatched(5)
+        .worker(Some(0))
+        .owns(32)
+        .dispatched(1);
+    let decision = case.routed();
+    assert_eq!(decision.selected, WorkerId(1));
+    assert_eq!(decision.trace.pressure, Some(PressureSource::RouterLocal));
+}
+
+#[test]
+fn a_worker_holding_fewer_than_min_match_tokens_is_not_an_owner() {
+    // 15 blocks = 960 tokens < 1024.
+    let case = Case::gated()
+        .worker(Some(0))
+        .owns(15)
+        .worker(Some(0))
+        .dispatched(0);
+    let decision = case.routed();
+    assert_eq!(decision.reason, Reason::CacheMiss);
+    assert!(decision.trace.owners.is_empty());
+    assert_eq!(decision.trace.ignored_matches, 1);
+
+    // 16 blocks = 1024 tokens counts.
+    let case = Case::gated().worker(Some(1)).owns(16).worker(Some(0));
+    assert_eq!(case.pick(), (0, Reason::CacheHit));
+}
+
+#[test]
+fn dispatches_since_the_last_reading_add_to_load_but_never_to_the_queue() {
+    // The owner's queue stays below the limit however much was dispatched to it.
+    let owner = Case::gated()
+        .worker(Some(3))
+        .owns(32)
+        .dispatched(100)
+        .worker(Some(0));
+    assert_eq!(owner.pick(), (0, Reason::CacheHit));
+
+    // Off-owner, the dispatch count steers away from the worker that just received a burst.
+    let mut config = config(Some(4), Some(2));
+    config.min_load_choices = NonZeroUsize::new(8).unwrap();
+    let off = Case::new(config)
+        .worker(Some(4))
+        .owns(32)
+        .worker(Some(0))
+        .dispatched(3)
+        .worker(Some(1));
+    let decision = off.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (2, Reason::CacheWorkerQueued)
+    );
+    assert_eq!(decision.fallbacks, vec![WorkerId(1)]);
+}
+
+// === the saturation pin ===
+
+#[test]
+fn queued_owners_pin_to_the_calmer_one_when_no_worker_is_below_the_floor() {
+    let case = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(5))
+        .owns(32)
+        .worker(Some(3));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::SaturationPin)
+    );
+    assert_eq!(decision.fallbacks, vec![WorkerId(0)]);
+    assert_eq!(
+        decision.trace.saturation,
+        Saturation::Saturated { threshold: 2 }
+    );
+    assert_eq!(decision.diverted_tokens(), None);
+}
+
+#[test]
+fn an_idle_worker_below_the_floor_cancels_the_pin() {
+    let case = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(5))
+        .owns(32)
+        .worker(Some(0));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (2, Reason::CacheWorkerQueued)
+    );
+    assert_eq!(
+        decision.trace.saturation,
+        Saturation::Relieved {
+            witness: WorkerId(2),
+            waiting: 0,
+            threshold: 2
+        }
+    );
+}
+
+#[test]
+fn the_floor_boundary_is_strict() {
+    // A worker at exactly the floor is not evidence of idleness.
+    let at_floor = Case::gated().worker(Some(6)).owns(32).worker(Some(2));
+    assert_eq!(at_floor.pick(), (0, Reason::SaturationPin));
+    let below = Case::gated().worker(Some(6)).owns(32).worker(Some(1));
+    assert_eq!(below.pick(), (1, Reason::CacheWorkerQueued));
+}
+
+#[test]
+fn the_depth_ratio_keeps_the_pin_on_the_deep_owner() {
+    // Depths of 100, 20 and 10 blocks; the shallower, the less pressured.
+    let case = |ratio: f64| {
+        let mut config = config(Some(4), Some(2));
+        config.pin_depth_ratio = DepthRatio::new(ratio).unwrap();
+        config.min_match_tokens = BLOCK;
+        Case::new(config)
+            .worker(Some(9))
+            .owns(100)
+            .worker(Some(5))
+            .owns(20)
+            .worker(Some(4))
+            .owns(10)
+            .worker(Some(3))
+    };
+    assert_eq!(case(0.5).pick(), (0, Reason::SaturationPin));
+    assert_eq!(case(0.0).pick(), (2, Reason::SaturationPin));
+    // 0.2 admits the 20-block owner (20 >= 0.2 * 100) but not the 10-block one.
+    assert_eq!(case(0.2).pick(), (1, Reason::SaturationPin));
+}
+
+#[test]
+fn a_fleet_worker_without_a_fresh_reading_does_not_block_the_pin() {
+    let unread = Case::gated().worker(Some(9)).owns(32).worker(None);
+    assert_eq!(unread.pick(), (0, Reason::SaturationPin));
+
+    let stale = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(0))
+        .with(|w| w.reading.as_mut().unwrap().captured_at -= FRESHNESS);
+    assert_eq!(stale.pick(), (0, Reason::SaturationPin));
+}
+
+#[test]
+fn workers_outside_the_fleet_do_not_block_the_pin() {
+    let decode_only = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(0))
+        .with(|w| w.role = Role::Decode);
+    assert_eq!(decode_only.pick(), (0, Reason::SaturationPin));
+
+    let removed = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(0))
+        .with(|w| w.routable = false);
+    assert_eq!(removed.pick(), (0, Reason::SaturationPin));
+
+    let mut outside_subset = Case::gated()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(6))
+        .worker(Some(0));
+    outside_subset.allowed = Some(vec![WorkerId(0), WorkerId(1)]);
+    assert_eq!(outside_subset.pick(), (0, Reason::SaturationPin));
+
+    // Another pool's idle worker is in another snapshot: this pool's decision cannot see it.
+    let other_pool = Case::gated().worker(Some(9)).owns(32).worker(Some(6));
+    assert_eq!(other_pool.pick(), (0, Reason::SaturationPin));
+}
+
+#[test]
+fn the_pin_skips_an_owner_whose_kv_cache_is_full() {
+    let case = Case::gated()
+        .worker(Some(5))
+        .owns(32)
+        .kv_full()
+        .worker(Some(9))
+        .owns(32)
+        .worker(Some(3));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::SaturationPin)
+    );
+    assert!(decision.fallbacks.is_empty());
+    assert!(matches!(
+        decision.trace.owners[0].admission,
+        Admission::KvFull { .. }
+    ));
+    assert_eq!(decision.trace.owners[0].gate, Gate::Queued { waiting: 5 });
+}
+
+#[test]
+fn a_saturated_fleet_whose_owners_are_all_kv_full_still_routes_and_says_why() {
+    let case = Case::gated()
+        .worker(Some(5))
+        .owns(32)
+        .kv_full()
+        .worker(Some(9))
+        .owns(32)
+        .kv_full()
+        .worker(Some(3))
+        .worker(Some(6));
+    let decision = case.routed();
+    // The floor voided the gate, so capacity is what kept the request from its owners.
+    assert_eq!(decision.reason, Reason::CapacityFallback);
+    assert_eq!(
+        decision.trace.saturation,
+        Saturation::Saturated { threshold: 2 }
+    );
+    assert_eq!(decision.trace.rung, Rung::OffOwnerGateAndAdmission);
+    assert_eq!(
+        decision.selected,
+        WorkerId(2),
+        "the only worker below the limit"
+    );
+    assert_eq!(decision.diverted_tokens(), None);
+}
+
+#[test]
+fn when_nobody_passes_hard_admission_the_least_pressured_worker_takes_the_request() {
+    let fleet = |owner_waiting: u64| {
+        Case::gated()
+            .worker(Some(owner_waiting))
+            .owns(32)
+            .kv_full()
+            .worker(Some(1))
+            .kv_full()
+            .worker(Some(2))
+            .kv_full()
+    };
+    // The owner is queued and a worker is below the floor: a queue diversion, whatever capacity says.
+    let queued = fleet(5).routed();
+    assert_eq!(
+        (queued.selected.0, queued.reason),
+        (1, Reason::CacheWorkerQueued)
+    );
+    assert_eq!(queued.trace.rung, Rung::LeastPressured);
+    assert_eq!(queued.fallbacks, vec![WorkerId(2), WorkerId(0)]);
+
+    // The owner's queue is short; only its KV cache kept the request away.
+    let full = fleet(0).routed();
+    assert_eq!(
+        (full.selected.0, full.reason),
+        (0, Reason::CapacityFallback)
+    );
+    assert_eq!(full.trace.rung, Rung::LeastPressured);
+}
+
+#[test]
+fn a_full_running_batch_fails_hard_admission() {
+    let case = Case::gated()
+        .worker(Some(0))
+        .owns(32)
+        .running(8)
+        .with(|w| w.capacity.max_running = Some(8))
+        .worker(Some(0));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::CapacityFallback)
+    );
+    assert_eq!(
+        decision.trace.owners[0].admission,
+        Admission::RunningFull {
+            running: 8,
+            max_running: 8
+        }
+    );
+}
+
+// === all queued, no floor ===
+
+#[test]
+fn without_a_floor_a_fleet_queued_everywhere_readmits_the_deepest_owner() {
+    let case = Case::new(config(Some(4), None))
+        .worker(Some(9))
+        .owns(40)
+        .worker(Some(5))
+        .owns(20)
+        .worker(Some(4));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (0, Reason::AllQueued)
+    );
+    assert_eq!(decision.fallbacks, vec![WorkerId(1)]);
+}
+
+#[test]
+fn without_a_floor_one_unread_worker_means_the_fleet_is_not_all_queued() {
+    let case = Case::new(config(Some(4), None))
+        .worker(Some(9))
+        .owns(40)
+        .worker(None);
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::CacheWorkerQueued)
+    );
+    assert_eq!(
+        decision.trace.saturation,
+        Saturation::Unread {
+            witness: WorkerId(1),
+            threshold: 4
+        }
+    );
+}
+
+#[test]
+fn without_a_floor_a_worker_below_the_limit_takes_the_diverted_request() {
+    let case = Case::new(config(Some(4), None))
+        .worker(Some(9))
+        .owns(40)
+        .worker(Some(3));
+    assert_eq!(case.pick(), (1, Reason::CacheWorkerQueued));
+}
+
+// === off-owner sampling ===
+
+fn off_owner_case(k: usize, seed: u64) -> Case {
+    let mut config = config(Some(4), Some(2));
+    config.min_load_choices = NonZeroUsize::new(k).unwrap();
+    let mut case = Case::new(config);
+    for waiting in [3, 1, 0, 2, 3, 1] {
+        case = case.worker(Some(waiting));
+    }
+    case.seed = seed;
+    case
+}
+
+#[test]
+fn k_at_least_the_fleet_size_picks_the_exact_minimum() {
+    for seed in 0..20 {
+        let decision = off_owner_case(6, seed).routed();
+        assert_eq!(
+            (decision.selected.0, decision.reason),
+            (2, Reason::CacheMiss)
+        );
+        assert_eq!(decision.fallbacks, vec![WorkerId(1), WorkerId(5)]);
+        assert_eq!(decision.trace.sampled.len(), 6);
+    }
+    assert_eq!(off_owner_case(64, 3).pick(), (2, Reason::CacheMiss));
+}
+
+#[test]
+fn k_of_one_draws_uniformly_and_sometimes_misses_the_minimum() {
+    let case = off_owner_case(1, 0);
+    let mut rng = SmallRng::seed_from_u64(11);
+    let mut seen = [0_u32; 6];
+    for _ in 0..600 {
+        let decision = match case.decide_with(&mut rng) {
+            Outcome::Route(decision) => decision,
+            Outcome::Reject(reject) => panic!("{reject:?}"),
+        };
+        assert!(decision.fallbacks.is_empty(), "a single draw has no backup");
+        seen[decision.selected.index()] += 1;
+    }
+    assert!(
+        seen.iter().all(|count| *count > 50),
+        "every worker drawn: {seen:?}"
+    );
+}
+
+#[test]
+fn the_same_seed_gives_the_same_decision() {
+    let a = off_owner_case(2, 99).routed();
+    let b = off_owner_case(2, 99).routed();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn when_no_worker_passes_the_gate_the_sample_comes_from_those_passing_admission() {
+    let case = Case::new(config(Some(4), None))
+        .worker(Some(7))
+        .worker(Some(5))
+        .kv_full()
+        .worker(Some(6));
+    let decision = case.routed();
+    assert_eq!(decision.trace.rung, Rung::OffOwnerAdmission);
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (2, Reason::CacheMiss)
+    );
+}
+
+// === rejection ===
+
+#[test]
+fn an_empty_fleet_is_rejected_with_a_reason() {
+    let nobody = Case::gated();
+    assert!(matches!(
+        nobody.decide(),
+        Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            ..
+        })
+    ));
+
+    let decode_only = Case::gated()
+        .worker(Some(0))
+        .with(|w| w.role = Role::Decode);
+    assert!(matches!(
+        decode_only.decide(),
+        Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            ..
+        })
+    ));
+
+    let mut outside = Case::gated().worker(Some(0)).owns(32);
+    outside.allowed = Some(vec![WorkerId(5)]);
+    let outcome = outside.decide();
+    assert!(matches!(
+        outcome,
+        Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            ..
+        })
+    ));
+    assert_eq!(outcome.trace().fleet, 0);
+}
+
+#[test]
+fn matches_for_unknown_workers_are_ignored() {
+    let mut case = Case::gated().worker(Some(0));
+    case.owners.push(OwnerMatch {
+        worker: WorkerId(9),
+        matched_tokens: 4096,
+    });
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (0, Reason::CacheMiss)
+    );
+    assert_eq!(decision.trace.ignored_matches, 1);
+}
+
+// === robustness ===
+
+/// A pool of `n` workers with arbitrary readings, capacities, roles and matches.
+fn arbitrary_case() -> impl Strategy<Value = Case> {
+    let worker = (
+        prop::option::of((0_u64..12, 0_u64..12, prop::option::of(0_u64..50_000))),
+        prop::option::of(0_u64..20_000),
+        prop::option::of(1_u64..16),
+        prop::option::of(1_u64..20_000),
+        0_u8..8,
+        0_u64..200,
+        0_u64..8,
+    );
+    (
+        prop::collection::vec(worker, 0..64),
+        prop::option::of((1_u64..8, prop::option::of(1_u64..8))),
+        1_usize..8,
+        0_u64..2048,
+        0.0_f64..=1.0,
+        0_u64..30_000,
+        any::<u64>(),
+        prop::option::of(prop::collection::vec(0_u32..70, 0..8)),
+    )
+        .prop_map(
+            |(workers, knobs, k, min_match, ratio, prompt, seed, allowed)| {
+                let gate =
+                    knobs.and_then(|(limit, floor)| gate(limit, floor.filter(|f| *f <= limit)));
+                let mut case = Case::new(PolicyConfig {
+                    gate,
+                    min_load_choices: NonZeroUsize::new(k).unwrap(),
+                    min_match_tokens: min_match,
+                    pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
+                    max_fallbacks: 3,
+                });
+                case.prompt_tokens = prompt;
+                case.seed = seed;
+                case.allowed = allowed.map(|ids| ids.into_iter().map(WorkerId).collect());
+                for (reading, used, max_running, max_tokens, shape, blocks, dispatched) in workers {
+                    case = case
+                        .worker(reading.map(|(waiting, _, _)| waiting))
+                        .dispatched(dispatched)
+                        .with(|w| {
+                            if let (Some(r), Some((_, running, uncached))) =
+                                (w.reading.as_mut(), reading)
+                            {
+                                r.load.running = running;
+                                r.load.waiting_uncached_tokens = uncached;
+                                r.load.used_tokens = used;
+                                r.complete = shape != 1;
+                                if shape == 2 {
+                                    r.captured_at -= FRESHNESS;
+                                }
+                            }
+                            w.capacity = Capacity {
+                                max_running,
+                                max_total_tokens: max_tokens,
+                            };
+                            w.role = match shape {
+                                3 => Role::Decode,
+                                4 => Role::Prefill,
+                                _ => Role::Both,
+                            };
+                            w.routable = shape != 5;
+                        });
+                    if blocks > 0 {
+                        case = case.owns(blocks);
+                    }
+                }
+                case
+            },
+        )
+}
+
+fn in_fleet(case: &Case, id: WorkerId) -> bool {
+    case.workers.get(id.index()).is_some_and(|w| {
+        w.routable
+            && w.role.serves_prefill()
+            && case
+                .allowed
+                .as_ref()
+                .is_none_or(|allowed| allowed.contains(&id))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn the_selected_worker_is_always_in_the_fleet(case in arbitrary_case()) {
+        let fleet_size = case.workers.iter().enumerate().filter(|(i, _)| in_fleet(&case, WorkerId(*i as u32))).count();
+        match case.decide() {
+            Outcome::Route(decision) => {
+                prop_assert!(in_fleet(&case, decision.selected));
+                let mut seen = vec![decision.selected];
+                for fallback in &decision.fallbacks {
+                    prop_assert!(in_fleet(&case, *fallback));
+                    prop_assert!(!seen.contains(fallback), "duplicate fallback");
+                    seen.push(*fallback);
+                }
+                prop_assert!(decision.fallbacks.len() <= 3);
+            }
+            Outcome::Reject(reject) => {
+                prop_assert_eq!(reject.reason, RejectReason::NoWorkers);
+                prop_assert_eq!(fleet_size, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn the_pin_never_fires_while_a_fleet_worker_is_fresh_below_the_floor(case in arbitrary_case()) {
+        let Some(floor) = case.config.gate.and_then(|gate| gate.floor()) else { return Ok(()) };
+        let snapshot = PoolSnapshot::new(0, FRESHNESS, case.workers.clone());
+        let relieved = snapshot.workers().iter().any(|w| {
+            in_fleet(&case, w.id) && snapshot.fresh_load(w.id, case.now).is_some_and(|load| load.waiting < floor)
+        });
+        if let Outcome::Route(decision) = case.decide() {
+            if relieved {
+                prop_assert_ne!(decision.reason, Reason::SaturationPin);
+            }
+            if decision.reason == Reason::SaturationPin {
+                let owner = decision.trace.owners.iter().find(|o| o.worker == decision.selected);
+                let queued_and_admitted =
+                    owner.is_some_and(|o| !o.gate.passes() && o.admission.admits());
+                prop_assert!(queued_and_admitted);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_64_worker_pool_of_mixed_data_never_panics() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = arbitrary_case();
+    for _ in 0..500 {
+        let case = strategy.new_tree(&mut runner).unwrap().current();
+        let _ = case.decide();
+    }
+}

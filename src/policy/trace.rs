@@ -1,0 +1,152 @@
+//! What each rung of the ladder saw, for logs and the explain endpoint.
+
+use serde::Serialize;
+
+use crate::worker::WorkerId;
+
+/// The record of one decision. Enough to answer "why did this request go there?" without re-running it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Trace {
+    /// Version of the load snapshot decided from.
+    pub snapshot_version: u64,
+    /// Routable prefill workers of the pool, within the proxy's subset.
+    pub fleet: usize,
+    /// Fleet workers with a fresh reading.
+    pub fresh: usize,
+    /// Every owner that counted (in the fleet, holding at least `min_match_tokens`), deepest first.
+    pub owners: Vec<OwnerVerdict>,
+    /// Index matches that did not count: too shallow, or outside the fleet.
+    pub ignored_matches: usize,
+    /// The fleet-wide saturation check, when some owner was queued.
+    pub saturation: Saturation,
+    /// The rung that chose, and what it compared.
+    pub rung: Rung,
+    /// How the chosen rung ordered workers of equal depth or load.
+    pub pressure: Option<PressureSource>,
+    /// Workers drawn for an off-owner pick, with their load, in draw order.
+    pub sampled: Vec<Sampled>,
+}
+
+impl Trace {
+    /// The deepest owner the queue gate turned away.
+    pub fn deepest_queued_owner_tokens(&self) -> Option<u64> {
+        self.owners
+            .iter()
+            .filter(|owner| matches!(owner.gate, Gate::Queued { .. }))
+            .map(|owner| owner.matched_tokens)
+            .max()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct OwnerVerdict {
+    pub worker: WorkerId,
+    pub matched_tokens: u64,
+    pub gate: Gate,
+    pub admission: Admission,
+}
+
+/// The queue gate's verdict on one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "verdict")]
+pub enum Gate {
+    /// No `worker_queue_limit` is set.
+    Off,
+    /// No fresh reading: the gate fails open, an unknown queue never blocks affinity.
+    Unread,
+    /// Fresh reading below the limit.
+    Open { waiting: u64 },
+    /// Fresh reading at or above the limit.
+    Queued { waiting: u64 },
+}
+
+impl Gate {
+    pub fn passes(self) -> bool {
+        !matches!(self, Gate::Queued { .. })
+    }
+}
+
+/// Hard admission: whether the engine could take the request at all, where its limits are known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "verdict")]
+pub enum Admission {
+    Admitted,
+    /// `running + 1 > max_running_requests`.
+    RunningFull {
+        running: u64,
+        max_running: u64,
+    },
+    /// `used_tokens + request_tokens > max_total_tokens`.
+    KvFull {
+        used_tokens: u64,
+        request_tokens: u64,
+        max_total_tokens: u64,
+    },
+}
+
+impl Admission {
+    pub fn admits(self) -> bool {
+        matches!(self, Admission::Admitted)
+    }
+}
+
+/// Whether the whole fleet is queueing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum Saturation {
+    /// Not evaluated: no owner was queued, or no gate is configured.
+    #[default]
+    NotChecked,
+    /// This fleet worker proves a diversion can pay off: its fresh queue is below the threshold.
+    Relieved {
+        witness: WorkerId,
+        waiting: u64,
+        threshold: u64,
+    },
+    /// (All-queued check only) this fleet worker has no fresh reading, so the fleet cannot be shown to
+    /// be queueing everywhere.
+    Unread { witness: WorkerId, threshold: u64 },
+    /// No fleet worker has a fresh reading below the threshold (the floor, or the limit without one).
+    Saturated { threshold: u64 },
+}
+
+/// The rung of the ladder that produced the outcome.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rung {
+    /// Empty fleet.
+    #[default]
+    None,
+    /// Owners passing the gate and hard admission.
+    Owners,
+    /// Queued owners under a saturated fleet, with the floor.
+    SaturationPin,
+    /// Re-admitted owners when every fleet worker is at the limit and no floor is set.
+    AllQueued,
+    /// Sampled among fleet workers passing the gate and hard admission.
+    OffOwnerGateAndAdmission,
+    /// Sampled among fleet workers passing hard admission (none passed the gate).
+    OffOwnerAdmission,
+    /// Nobody passes hard admission: the least-pressured fleet worker.
+    LeastPressured,
+}
+
+/// Which numbers ordered workers by pressure. A measure is used only when every compared worker has it,
+/// so a worker is never compared on a number another worker lacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PressureSource {
+    /// Engine-reported prompt tokens waiting that miss the cache, then (waiting, running).
+    UncachedTokens,
+    /// Engine-reported (waiting, running).
+    Queue,
+    /// Some compared worker has no fresh reading: requests this picker dispatched since the last reading.
+    RouterLocal,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Sampled {
+    pub worker: WorkerId,
+    /// waiting + running + dispatched since the last fresh reading.
+    pub load: u64,
+}
