@@ -1,0 +1,21 @@
+//! cachepick: an Envoy external processor that picks the GPU worker for each LLM inference request.
+//!
+//! # Layout
+//! - [`config`]: the YAML file and CLI overrides, validated in one place into typed configuration.
+//! - [`worker`]: worker identity (`WorkerId`, role, engine) shared by every other module.
+//! - [`load`]: the immutable per-pool load snapshot and router-local dispatch counts.
+//! - [`policy`]: the pure routing decision (queue gate, saturation pin, off-owner sampling).
+//! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
+//! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
+//!
+//! `ARCHITECTURE.md` at the repository root holds the code map and the invariants.
+#![forbid(unsafe_code)]
+// `clippy.toml` bans clock reads; the modules that decide (`policy`) deny them, the I/O edges may read it.
+#![allow(clippy::disallowed_methods)]
+
+pub mod app;
+pub mod config;
+pub mod extproc;
+pub mod load;
+pub mod policy;
+pub mod worker;

@@ -1,0 +1,130 @@
+//! The `cachepick` command line: parses arguments and calls into the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use cachepick::config::{self, Config, Overrides};
+
+/// Exit status for a configuration that cannot be used.
+const EXIT_BAD_CONFIG: u8 = 2;
+
+#[derive(Parser)]
+#[command(
+    name = "cachepick",
+    version,
+    about = "Envoy ext_proc picker that routes LLM requests to the worker holding their prompt prefix"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the external processor.
+    Serve(ConfigArgs),
+    /// Validate the configuration and print the effective configuration as YAML.
+    Check(ConfigArgs),
+}
+
+/// The configuration file and the flags that override it.
+#[derive(Args)]
+struct ConfigArgs {
+    /// YAML configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    /// ext_proc gRPC listen address (overrides `listen`).
+    #[arg(long, value_name = "IP:PORT")]
+    listen: Option<SocketAddr>,
+    /// Prometheus and debug listen address (overrides `metrics_listen`).
+    #[arg(long, value_name = "IP:PORT")]
+    metrics_listen: Option<SocketAddr>,
+    /// Pass over a prefix owner with this many requests waiting (overrides `policy.worker_queue_limit`).
+    #[arg(long, value_name = "N")]
+    worker_queue_limit: Option<u64>,
+    /// Pin to the owner when no worker is below this queue (overrides `policy.saturation_queue_floor`).
+    #[arg(long, value_name = "N")]
+    saturation_queue_floor: Option<u64>,
+    /// Workers sampled for an off-owner pick (overrides `policy.min_load_choices`).
+    #[arg(long, value_name = "K")]
+    min_load_choices: Option<u64>,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<Config, config::ConfigError> {
+        let overrides = Overrides {
+            listen: self.listen,
+            metrics_listen: self.metrics_listen,
+            worker_queue_limit: self.worker_queue_limit,
+            saturation_queue_floor: self.saturation_queue_floor,
+            min_load_choices: self.min_load_choices,
+        };
+        config::load(&self.config, &overrides)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let args = match &cli.command {
+        Command::Serve(args) | Command::Check(args) => args,
+    };
+    let config = match args.load() {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("{error}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let result = match cli.command {
+        Command::Check(_) => {
+            print!("{}", config.to_yaml());
+            Ok(())
+        }
+        Command::Serve(_) => serve(&config),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("cachepick: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(config: &Config) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(cachepick::app::run(config, shutdown_signal()))?;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM (what Kubernetes sends).
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(_) => {
+                    let _ = interrupt.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

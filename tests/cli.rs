@@ -1,0 +1,230 @@
+//! The `cachepick` binary as an operator runs it: real processes, real files, real sockets.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+fn cachepick(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        .args(args)
+        .output()
+        .expect("the cachepick binary runs")
+}
+
+fn example() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/cachepick.yaml")
+}
+
+fn write_config(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().expect("temp file");
+    file.write_all(text.as_bytes()).expect("write config");
+    file
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn check_accepts_the_example_and_prints_the_effective_config() {
+    let output = cachepick(&["check", "--config", example().to_str().unwrap()]);
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let effective: serde_yaml::Value = serde_yaml::from_str(&stdout(&output)).expect("YAML output");
+    assert_eq!(effective["policy"]["worker_queue_limit"], 4);
+    assert_eq!(effective["policy"]["saturation_queue_floor"], 2);
+    assert_eq!(
+        effective["pools"][0]["workers"][1]["role"], "both",
+        "defaults are filled in"
+    );
+    assert_eq!(
+        effective["pools"][0]["workers"][1]["metrics_url"],
+        "http://10.0.0.12:8000/metrics"
+    );
+}
+
+#[test]
+fn the_effective_config_is_itself_a_valid_config() {
+    let first = cachepick(&["check", "--config", example().to_str().unwrap()]);
+    let file = write_config(&stdout(&first));
+    let second = cachepick(&["check", "--config", file.path().to_str().unwrap()]);
+    assert!(second.status.success(), "stderr: {}", stderr(&second));
+    assert_eq!(stdout(&first), stdout(&second));
+}
+
+#[test]
+fn flags_override_the_file() {
+    let output = cachepick(&[
+        "check",
+        "--config",
+        example().to_str().unwrap(),
+        "--worker-queue-limit",
+        "8",
+        "--saturation-queue-floor",
+        "3",
+        "--min-load-choices",
+        "4",
+        "--listen",
+        "127.0.0.1:7000",
+    ]);
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let effective: serde_yaml::Value = serde_yaml::from_str(&stdout(&output)).unwrap();
+    assert_eq!(effective["policy"]["worker_queue_limit"], 8);
+    assert_eq!(effective["policy"]["saturation_queue_floor"], 3);
+    assert_eq!(effective["policy"]["min_load_choices"], 4);
+    assert_eq!(effective["listen"], "127.0.0.1:7000");
+}
+
+#[test]
+fn check_lists_every_problem_and_exits_2() {
+    let file = write_config(
+        "\
+listen: nowhere
+policy:
+  worker_queue_limit: 0
+  min_load_choices: 0
+  pin_depth_ratio: 1.5
+  bogus: true
+pools:
+  - model: m
+    engine: vllm
+    workers:
+      - endpoint: 10.0.0.1:80
+      - endpoint: 10.0.0.1:80
+",
+    );
+    let output = cachepick(&["check", "--config", file.path().to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = stderr(&output);
+    for expected in [
+        "listen (line 1)",
+        "policy.worker_queue_limit (line 3)",
+        "policy.min_load_choices (line 4)",
+        "policy.pin_depth_ratio (line 5)",
+        "policy.bogus (line 6)",
+        "10.0.0.1:80",
+    ] {
+        assert!(
+            message.contains(expected),
+            "missing {expected:?} in:\n{message}"
+        );
+    }
+    assert!(
+        stdout(&output).is_empty(),
+        "nothing printed as effective config"
+    );
+}
+
+#[test]
+fn a_flag_that_breaks_an_invariant_is_named_in_the_message() {
+    let output = cachepick(&[
+        "check",
+        "--config",
+        example().to_str().unwrap(),
+        "--saturation-queue-floor",
+        "9",
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = stderr(&output);
+    assert!(message.contains("--saturation-queue-floor"), "{message}");
+    assert!(message.contains("must be at most"), "{message}");
+}
+
+#[test]
+fn a_missing_config_file_is_a_config_error() {
+    let output = cachepick(&["check", "--config", "/nonexistent/cachepick.yaml"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr(&output).contains("/nonexistent/cachepick.yaml"));
+}
+
+/// A `serve` process, killed if the test fails before stopping it.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn serve_answers_grpc_health_and_stops_on_sigterm() {
+    let config = write_config(
+        "\
+pools:
+  - model: m
+    engine: sglang
+    workers: [{endpoint: 127.0.0.1:1}]
+",
+    );
+    let child = Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        .args([
+            "serve",
+            "--config",
+            config.path().to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    let mut server = Server(child);
+
+    // The log names the address actually bound.
+    let stdout = server.0.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("serve logs its address")
+            .expect("log line");
+        if let Some(rest) = line.split("listen=").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_owned();
+        }
+    };
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap();
+        let channel = tokio::time::timeout(Duration::from_secs(10), endpoint.connect())
+            .await
+            .expect("connects in time")
+            .expect("connects");
+        let mut client = HealthClient::new(channel);
+        let status = |service: &str| HealthCheckRequest {
+            service: service.to_owned(),
+        };
+        let liveness = client.check(status("liveness")).await.unwrap().into_inner();
+        assert_eq!(liveness.status(), ServingStatus::Serving);
+        let readiness = client
+            .check(status("readiness"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            readiness.status(),
+            ServingStatus::NotServing,
+            "not ready without load data"
+        );
+    });
+
+    let pid = server.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let status = server.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "serve exits cleanly on SIGTERM: {status:?}"
+    );
+}
