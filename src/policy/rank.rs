@@ -111,30 +111,26 @@ pub(super) fn pressure_source<'a, 'm: 'a>(
 
 /// Index of the least-pressured member (ties by id), with the source that ordered them.
 pub(super) fn least_pressured(set: &[Member<'_>]) -> Option<Pick> {
-    let source = pressure_source(set.iter());
-    let index = set
-        .iter()
-        .enumerate()
-        .min_by_key(|(_, member)| (member.pressure_key(source), member.id()))
-        .map(|(index, _)| index)?;
-    Some(Pick {
-        index,
-        source: Some(source),
-    })
+    least_pressured_where(set, |_| true)
 }
 
 /// Index of the deepest member; among equally deep ones the least pressured, then the lowest id.
 pub(super) fn deepest(set: &[Member<'_>]) -> Option<Pick> {
     let depth = set.iter().map(|member| member.matched_tokens).max()?;
-    let tied = || {
-        set.iter()
-            .filter(move |member| member.matched_tokens == depth)
-    };
-    let source = pressure_source(tied());
+    least_pressured_where(set, |member| member.matched_tokens == depth)
+}
+
+/// The least-pressured member among those `include` accepts, compared on the richest measure they
+/// all have.
+fn least_pressured_where(
+    set: &[Member<'_>],
+    include: impl Fn(&Member<'_>) -> bool,
+) -> Option<Pick> {
+    let source = pressure_source(set.iter().filter(|member| include(member)));
     let index = set
         .iter()
         .enumerate()
-        .filter(|(_, member)| member.matched_tokens == depth)
+        .filter(|(_, member)| include(member))
         .min_by_key(|(_, member)| (member.pressure_key(source), member.id()))
         .map(|(index, _)| index)?;
     Some(Pick {
