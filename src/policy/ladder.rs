@@ -7,6 +7,7 @@ use super::rank::{self, Member};
 use super::trace::{Gate, OwnerVerdict, Rung, Sampled, Saturation, Trace};
 use super::{LoadView, OwnerMatch, RequestFacts};
 use crate::config::PolicyConfig;
+use crate::worker::WorkerId;
 
 /// Picks the worker for one request. Pure: same arguments (and random draws), same outcome.
 pub fn decide<R: Rng + ?Sized>(
@@ -74,7 +75,10 @@ pub fn decide<R: Rng + ?Sized>(
     trace.ignored_matches = unknown_workers + matching_workers.saturating_sub(owners.len());
     trace.owners = owner_verdicts(&owners);
 
-    let ranks = 1 + config.max_fallbacks;
+    let ranks = config
+        .max_fallbacks
+        .min(PolicyConfig::MAX_FALLBACKS_LIMIT)
+        .saturating_add(1);
 
     // Rung 1: owners passing the gate and hard admission, deepest first.
     let admitted: Vec<Member<'_>> = owners
@@ -86,7 +90,7 @@ pub fn decide<R: Rng + ?Sized>(
         let (ranked, source) = rank::take_ranked(admitted, ranks, rank::deepest);
         trace.pressure = source;
         trace.rung = Rung::Owners;
-        if let Some(outcome) = route(&ranked, Reason::CacheHit, &mut trace) {
+        if let Some(outcome) = route(&ranked, Reason::CacheHit, &mut trace, &fleet, ranks) {
             return outcome;
         }
     }
@@ -123,7 +127,9 @@ pub fn decide<R: Rng + ?Sized>(
                         rank::take_ranked(eligible, ranks, rank::least_pressured);
                     trace.pressure = source;
                     trace.rung = Rung::SaturationPin;
-                    if let Some(outcome) = route(&ranked, Reason::SaturationPin, &mut trace) {
+                    if let Some(outcome) =
+                        route(&ranked, Reason::SaturationPin, &mut trace, &fleet, ranks)
+                    {
                         return outcome;
                     }
                 }
@@ -137,7 +143,9 @@ pub fn decide<R: Rng + ?Sized>(
                         rank::take_ranked(pinnable().collect(), ranks, rank::deepest);
                     trace.pressure = source;
                     trace.rung = Rung::AllQueued;
-                    if let Some(outcome) = route(&ranked, Reason::AllQueued, &mut trace) {
+                    if let Some(outcome) =
+                        route(&ranked, Reason::AllQueued, &mut trace, &fleet, ranks)
+                    {
                         return outcome;
                     }
                 }
@@ -145,14 +153,24 @@ pub fn decide<R: Rng + ?Sized>(
         }
     }
 
-    // Rung 4: off-owner. Under saturation the gate's verdict on the owners was voided, so what kept the
-    // request from them is capacity, not their queue.
-    let reason = if owners.is_empty() {
-        Reason::CacheMiss
-    } else if !queued.is_empty() && !gate_voided {
-        Reason::CacheWorkerQueued
-    } else {
-        Reason::CapacityFallback
+    // Rung 4: off-owner. The reason names what kept the request from its owners: their queue when a
+    // diversion can pay off, saturation when it cannot (the gate was voided, yet no queued owner had room),
+    // capacity when the queue was not the cause. A pick that lands on an owner after all is no diversion.
+    let off_owner_reason = |selected: &Member<'_>| {
+        if owners.is_empty() {
+            Reason::CacheMiss
+        } else if selected.matched_tokens >= min_match {
+            match selected.gate {
+                Gate::Queued { .. } => Reason::AllQueued,
+                _ => Reason::CapacityFallback,
+            }
+        } else if gate_voided {
+            Reason::AllQueued
+        } else if !queued.is_empty() {
+            Reason::CacheWorkerQueued
+        } else {
+            Reason::CapacityFallback
+        }
     };
     trace.pressure = None;
     let open: Vec<Member<'_>> = fleet
@@ -170,7 +188,14 @@ pub fn decide<R: Rng + ?Sized>(
     } else {
         (open, Rung::OffOwnerGateAndAdmission)
     };
-    if !pool.is_empty() {
+    let ranked = if pool.is_empty() {
+        // Nobody can take the request by its engine's own limits: send it where the wait is shortest
+        // rather than reject it, since the limits are estimates and the engine queues.
+        let (ranked, source) = rank::take_ranked(fleet.clone(), ranks, rank::least_pressured);
+        trace.pressure = source;
+        trace.rung = Rung::LeastPressured;
+        ranked
+    } else {
         rank::sample(&mut pool, config.min_load_choices.get(), rng);
         trace.sampled = pool
             .iter()
@@ -180,18 +205,10 @@ pub fn decide<R: Rng + ?Sized>(
             })
             .collect();
         trace.rung = rung;
-        let (ranked, _) = rank::take_ranked(pool, ranks, rank::least_loaded);
-        if let Some(outcome) = route(&ranked, reason, &mut trace) {
-            return outcome;
-        }
-    }
-
-    // Nobody can take the request by its engine's own limits: send it where the wait is shortest
-    // rather than reject it, since the limits are estimates and the engine queues.
-    let (ranked, source) = rank::take_ranked(fleet, ranks, rank::least_pressured);
-    trace.pressure = source;
-    trace.rung = Rung::LeastPressured;
-    match route(&ranked, reason, &mut trace) {
+        rank::take_ranked(pool, ranks, rank::least_loaded).0
+    };
+    let reason = ranked.first().map_or(Reason::CacheMiss, off_owner_reason);
+    match route(&ranked, reason, &mut trace, &fleet, ranks) {
         Some(outcome) => outcome,
         None => Outcome::Reject(Reject {
             reason: RejectReason::NoWorkers,
@@ -200,16 +217,45 @@ pub fn decide<R: Rng + ?Sized>(
     }
 }
 
-/// Routes to the first of `ranked` with the rest as fallbacks; `None` (trace untouched) if it is empty.
-fn route(ranked: &[Member<'_>], reason: Reason, trace: &mut Trace) -> Option<Outcome> {
-    let (first, rest) = ranked.split_first()?;
+/// Routes to the first of `ranked`; `None` (trace untouched) if it is empty. The fallbacks are the rest
+/// of `ranked`, then — so that Envoy always has somewhere to retry — the other fleet workers in off-owner
+/// order (passing the gate and admission, then admission, then the rest; least load, then id), up to
+/// `ranks - 1` in all.
+fn route(
+    ranked: &[Member<'_>],
+    reason: Reason,
+    trace: &mut Trace,
+    fleet: &[Member<'_>],
+    ranks: usize,
+) -> Option<Outcome> {
+    let first = ranked.first()?;
+    let mut chosen: Vec<WorkerId> = ranked.iter().map(Member::id).take(ranks).collect();
+    while chosen.len() < ranks {
+        let next = fleet
+            .iter()
+            .filter(|member| !chosen.contains(&member.id()))
+            .min_by_key(|member| (off_owner_tier(member), member.load(), member.id()));
+        match next {
+            Some(member) => chosen.push(member.id()),
+            None => break,
+        }
+    }
     Some(Outcome::Route(Decision {
         selected: first.id(),
-        fallbacks: rest.iter().map(Member::id).collect(),
+        fallbacks: chosen.into_iter().skip(1).collect(),
         reason,
         matched_tokens: first.matched_tokens,
         trace: std::mem::take(trace),
     }))
+}
+
+/// How suitable a worker is for an off-owner pick: 0 passes the gate and admission, 1 admission only.
+fn off_owner_tier(member: &Member<'_>) -> u8 {
+    match (member.gate.passes(), member.admission.admits()) {
+        (true, true) => 0,
+        (false, true) => 1,
+        _ => 2,
+    }
 }
 
 /// The owners as the trace shows them: deepest first, then by id.

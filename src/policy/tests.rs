@@ -236,7 +236,11 @@ fn the_deepest_admitted_owner_wins_and_shallower_owners_follow_as_fallbacks() {
         (decision.selected.0, decision.reason),
         (2, Reason::CacheHit)
     );
-    assert_eq!(decision.fallbacks, vec![WorkerId(0)]);
+    assert_eq!(
+        decision.fallbacks,
+        vec![WorkerId(0), WorkerId(3)],
+        "then the idle worker"
+    );
     assert_eq!(decision.matched_tokens, 30 * BLOCK);
 }
 
@@ -337,7 +341,7 @@ fn dispatches_since_the_last_reading_add_to_load_but_never_to_the_queue() {
         (decision.selected.0, decision.reason),
         (2, Reason::CacheWorkerQueued)
     );
-    assert_eq!(decision.fallbacks, vec![WorkerId(1)]);
+    assert_eq!(decision.fallbacks, vec![WorkerId(1), WorkerId(0)]);
 }
 
 // === the saturation pin ===
@@ -355,7 +359,7 @@ fn queued_owners_pin_to_the_calmer_one_when_no_worker_is_below_the_floor() {
         (decision.selected.0, decision.reason),
         (1, Reason::SaturationPin)
     );
-    assert_eq!(decision.fallbacks, vec![WorkerId(0)]);
+    assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(2)]);
     assert_eq!(
         decision.trace.saturation,
         Saturation::Saturated { threshold: 2 }
@@ -454,9 +458,8 @@ fn workers_outside_the_fleet_do_not_block_the_pin() {
     outside_subset.allowed = Some(vec![WorkerId(0), WorkerId(1)]);
     assert_eq!(outside_subset.pick(), (0, Reason::SaturationPin));
 
-    // Another pool's idle worker is in another snapshot: this pool's decision cannot see it.
-    let other_pool = Case::gated().worker(Some(9)).owns(32).worker(Some(6));
-    assert_eq!(other_pool.pick(), (0, Reason::SaturationPin));
+    // Another pool's idle worker cannot veto either: a decision reads only its own pool's snapshot, so
+    // there is no way to pass it one (`decide` takes a single `PoolSnapshot`).
 }
 
 #[test]
@@ -473,7 +476,11 @@ fn the_pin_skips_an_owner_whose_kv_cache_is_full() {
         (decision.selected.0, decision.reason),
         (1, Reason::SaturationPin)
     );
-    assert!(decision.fallbacks.is_empty());
+    assert_eq!(
+        decision.fallbacks,
+        vec![WorkerId(2), WorkerId(0)],
+        "the KV-full owner comes last"
+    );
     assert!(matches!(
         decision.trace.owners[0].admission,
         Admission::KvFull { .. }
@@ -493,8 +500,8 @@ fn a_saturated_fleet_whose_owners_are_all_kv_full_still_routes_and_says_why() {
         .worker(Some(3))
         .worker(Some(6));
     let decision = case.routed();
-    // The floor voided the gate, so capacity is what kept the request from its owners.
-    assert_eq!(decision.reason, Reason::CapacityFallback);
+    // The floor voided the gate and the owners had no room: the saturation signal survives the detour.
+    assert_eq!(decision.reason, Reason::AllQueued);
     assert_eq!(
         decision.trace.saturation,
         Saturation::Saturated { threshold: 2 }
@@ -560,6 +567,88 @@ fn a_full_running_batch_fails_hard_admission() {
     );
 }
 
+#[test]
+fn the_floor_replaces_the_all_queued_rung_when_every_worker_is_at_the_limit() {
+    // Deep owner busier than the shallow one: the pin (pressure, ratio 0) and all_queued (deepest)
+    // disagree; with a floor set the pin decides.
+    let mut config = config(Some(4), Some(2));
+    config.pin_depth_ratio = DepthRatio::ZERO;
+    let case = Case::new(config)
+        .worker(Some(9))
+        .owns(40)
+        .worker(Some(5))
+        .owns(20)
+        .worker(Some(4));
+    assert_eq!(case.pick(), (1, Reason::SaturationPin));
+}
+
+#[test]
+fn an_off_owner_pick_that_lands_on_a_queued_owner_is_not_a_diversion() {
+    // No worker passes both the gate and admission: the idle one is KV-full. Among those with room the
+    // queued owner is the least loaded, so the request stays with it.
+    let case = Case::gated()
+        .worker(Some(5))
+        .owns(32)
+        .worker(Some(0))
+        .kv_full()
+        .worker(Some(9));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (0, Reason::AllQueued)
+    );
+    assert_eq!(decision.trace.rung, Rung::OffOwnerAdmission);
+    assert_eq!(decision.diverted_tokens(), None);
+}
+
+#[test]
+fn load_counts_running_requests_as_well_as_waiting_ones() {
+    let mut config = config(Some(4), Some(2));
+    config.min_load_choices = NonZeroUsize::new(8).unwrap();
+    let case = Case::new(config)
+        .worker(Some(1))
+        .running(9)
+        .worker(Some(2))
+        .running(1);
+    assert_eq!(case.pick(), (1, Reason::CacheMiss));
+}
+
+#[test]
+fn pressure_counts_running_requests_when_queues_tie() {
+    let case = Case::gated()
+        .worker(Some(2))
+        .running(7)
+        .owns(32)
+        .worker(Some(2))
+        .running(3)
+        .owns(32);
+    assert_eq!(case.pick(), (1, Reason::CacheHit));
+}
+
+#[test]
+fn extreme_readings_and_counts_never_overflow() {
+    let mut case = Case::gated();
+    for i in 0..64_u64 {
+        case = case
+            .worker(Some(u64::MAX - i))
+            .running(u64::MAX)
+            .uncached(u64::MAX)
+            .dispatched(u64::MAX)
+            .with(|w| {
+                w.capacity = Capacity {
+                    max_running: Some(u64::MAX),
+                    max_total_tokens: Some(u64::MAX),
+                };
+                w.reading.as_mut().unwrap().load.used_tokens = Some(u64::MAX);
+            })
+            .owns(u64::MAX / BLOCK);
+    }
+    case.prompt_tokens = u64::MAX;
+    case.config.max_fallbacks = usize::MAX;
+    let decision = case.routed();
+    assert_eq!(decision.fallbacks.len(), PolicyConfig::MAX_FALLBACKS_LIMIT);
+}
+
 // === all queued, no floor ===
 
 #[test]
@@ -575,7 +664,7 @@ fn without_a_floor_a_fleet_queued_everywhere_readmits_the_deepest_owner() {
         (decision.selected.0, decision.reason),
         (0, Reason::AllQueued)
     );
-    assert_eq!(decision.fallbacks, vec![WorkerId(1)]);
+    assert_eq!(decision.fallbacks, vec![WorkerId(1), WorkerId(2)]);
 }
 
 #[test]
@@ -644,7 +733,12 @@ fn k_of_one_draws_uniformly_and_sometimes_misses_the_minimum() {
             Outcome::Route(decision) => decision,
             Outcome::Reject(reject) => panic!("{reject:?}"),
         };
-        assert!(decision.fallbacks.is_empty(), "a single draw has no backup");
+        assert_eq!(
+            decision.fallbacks.len(),
+            2,
+            "retries go to the next best workers"
+        );
+        assert!(!decision.fallbacks.contains(&decision.selected));
         seen[decision.selected.index()] += 1;
     }
     assert!(
@@ -826,7 +920,7 @@ proptest! {
                     prop_assert!(!seen.contains(fallback), "duplicate fallback");
                     seen.push(*fallback);
                 }
-                prop_assert!(decision.fallbacks.len() <= 3);
+                prop_assert_eq!(decision.fallbacks.len(), fleet_size.saturating_sub(1).min(3));
             }
             Outcome::Reject(reject) => {
                 prop_assert_eq!(reject.reason, RejectReason::NoWorkers);
