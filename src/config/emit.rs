@@ -1,14 +1,17 @@
 //! The effective configuration rendered back into the file's own format.
 //!
 //! Every key is written, defaults and derived values included (e.g. each worker's `metrics_url`), so the
-//! output shows what is actually in force and parses back to an equal [`Config`].
+//! output shows what is actually in force and parses back to an equal [`Config`]. Optional values that
+//! are not set (the queue gate, capacity overrides, a `loads_url` for a worker reading metrics) are left
+//! out, since writing them would set them.
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
+use std::num::NonZeroU64;
 
 use serde::Serialize;
 
-use super::{Config, ModelMatch, PoolConfig, TokenizerConfig, duration};
+use super::{Config, ModelMatch, PoolConfig, TokenizerConfig, duration, size};
 use crate::worker::{Engine, Role};
 
 impl Config {
@@ -46,6 +49,25 @@ struct Load {
     scrape_interval: String,
     scrape_timeout: String,
     freshness: String,
+    max_body_bytes: Size,
+    max_concurrent_scrapes: usize,
+}
+
+/// A byte size: `4MiB` when a binary unit holds it exactly, else a bare number of bytes.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(usize),
+    WithUnit(String),
+}
+
+impl From<usize> for Size {
+    fn from(bytes: usize) -> Self {
+        match size::in_binary_unit(bytes) {
+            Some(_) => Size::WithUnit(size::format(bytes)),
+            None => Size::Bytes(bytes),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -69,8 +91,15 @@ enum Tokenizer<'c> {
 struct Worker<'c> {
     endpoint: SocketAddr,
     metrics_url: &'c str,
+    load_source: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loads_url: Option<&'c str>,
     role: Role,
     dp_size: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_running_requests: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_total_tokens: Option<u64>,
 }
 
 impl<'c> From<&'c Config> for File<'c> {
@@ -91,6 +120,8 @@ impl<'c> From<&'c Config> for File<'c> {
                 scrape_interval: duration::format(config.load.scrape_interval),
                 scrape_timeout: duration::format(config.load.scrape_timeout),
                 freshness: duration::format(config.load.freshness),
+                max_body_bytes: config.load.max_body_bytes.get().into(),
+                max_concurrent_scrapes: config.load.max_concurrent_scrapes.get(),
             },
             pools: config.pools.iter().map(Pool::from).collect(),
         }
@@ -122,8 +153,12 @@ impl<'c> From<&'c PoolConfig> for Pool<'c> {
                 .map(|worker| Worker {
                     endpoint: worker.endpoint,
                     metrics_url: &worker.metrics_url,
+                    load_source: worker.load_source.as_str(),
+                    loads_url: worker.loads_url.as_deref(),
                     role: worker.role,
                     dp_size: worker.dp_size.get(),
+                    max_running_requests: worker.max_running_requests.map(NonZeroU64::get),
+                    max_total_tokens: worker.max_total_tokens.map(NonZeroU64::get),
                 })
                 .collect(),
         }

@@ -22,6 +22,7 @@
 mod duration;
 mod emit;
 mod error;
+mod size;
 mod types;
 mod validate;
 mod yaml;
@@ -107,6 +108,8 @@ load:
   scrape_interval: 1s
   scrape_timeout: 500ms
   freshness: 3s
+  max_body_bytes: 512KiB
+  max_concurrent_scrapes: 16
 pools:
   - model: llama-3-8b
     engine: vllm
@@ -115,8 +118,11 @@ pools:
     workers:
       - endpoint: 10.0.0.11:8000
         metrics_url: http://10.0.0.11:8000/metrics
+        load_source: metrics
         role: both
         dp_size: 1
+        max_running_requests: 256
+        max_total_tokens: 500000
   - model: \"*\"
     engine: sglang
     block_size: 16
@@ -127,9 +133,13 @@ pools:
       - endpoint: 10.0.0.21:30000
         role: prefill
         dp_size: 4
+        load_source: loads
       - endpoint: \"[fd00::22]:30000\"
-        metrics_url: https://metrics.internal/w22
+        metrics_url: http://metrics.internal/w22
+        load_source: loads
+        loads_url: http://loads.internal:8080/w22
         role: decode
+        max_total_tokens: 1000000
 ";
 
     /// The smallest valid file: one pool, one worker.
@@ -177,6 +187,8 @@ pools:
                 scrape_interval: Duration::from_secs(1),
                 scrape_timeout: Duration::from_millis(500),
                 freshness: Duration::from_secs(3),
+                max_body_bytes: NonZeroUsize::new(512 << 10).unwrap(),
+                max_concurrent_scrapes: NonZeroUsize::new(16).unwrap(),
             },
             pools: vec![
                 PoolConfig {
@@ -189,8 +201,12 @@ pools:
                     workers: vec![WorkerConfig {
                         endpoint: addr("10.0.0.11:8000"),
                         metrics_url: "http://10.0.0.11:8000/metrics".into(),
+                        load_source: LoadSource::Metrics,
+                        loads_url: None,
                         role: Role::Both,
                         dp_size: NonZeroU32::MIN,
+                        max_running_requests: NonZeroU64::new(256),
+                        max_total_tokens: NonZeroU64::new(500_000),
                     }],
                 },
                 PoolConfig {
@@ -204,14 +220,22 @@ pools:
                         WorkerConfig {
                             endpoint: addr("10.0.0.21:30000"),
                             metrics_url: "http://10.0.0.21:30000/metrics".into(),
+                            load_source: LoadSource::Loads,
+                            loads_url: Some("http://10.0.0.21:30000/v1/loads".into()),
                             role: Role::Prefill,
                             dp_size: NonZeroU32::new(4).unwrap(),
+                            max_running_requests: None,
+                            max_total_tokens: None,
                         },
                         WorkerConfig {
                             endpoint: addr("[fd00::22]:30000"),
-                            metrics_url: "https://metrics.internal/w22".into(),
+                            metrics_url: "http://metrics.internal/w22".into(),
+                            load_source: LoadSource::Loads,
+                            loads_url: Some("http://loads.internal:8080/w22".into()),
                             role: Role::Decode,
                             dp_size: NonZeroU32::MIN,
+                            max_running_requests: None,
+                            max_total_tokens: NonZeroU64::new(1_000_000),
                         },
                     ],
                 },
@@ -234,6 +258,21 @@ pools:
             (workers[1].role, workers[2].role),
             (Role::Both, Role::Decode)
         );
+        // The SGLang pool reads /v1/loads, with two data-parallel ranks per worker.
+        let sglang = &config.pools[1];
+        assert_eq!(sglang.engine, Engine::Sglang);
+        assert!(
+            sglang
+                .workers
+                .iter()
+                .all(|worker| worker.load_source == LoadSource::Loads && worker.dp_size.get() == 2)
+        );
+        assert!(
+            sglang
+                .workers
+                .iter()
+                .any(|worker| worker.max_running_requests.is_some())
+        );
     }
 
     #[test]
@@ -246,6 +285,8 @@ pools:
         assert_eq!(config.policy.min_match_tokens, 1024);
         assert_eq!(config.policy.pin_depth_ratio.get(), 0.5);
         assert_eq!(config.load, LoadConfig::default());
+        assert_eq!(config.load.max_body_bytes.get(), 4 << 20);
+        assert_eq!(config.load.max_concurrent_scrapes.get(), 64);
         let pool = &config.pools[0];
         assert_eq!(pool.block_size.get(), 64);
         assert_eq!(
@@ -259,10 +300,77 @@ pools:
             [WorkerConfig {
                 endpoint: addr("10.0.0.1:8000"),
                 metrics_url: "http://10.0.0.1:8000/metrics".into(),
+                load_source: LoadSource::Metrics,
+                loads_url: None,
                 role: Role::Both,
                 dp_size: NonZeroU32::MIN,
+                max_running_requests: None,
+                max_total_tokens: None,
             }]
         );
+        assert_eq!(pool.workers[0].scrape_url(), "http://10.0.0.1:8000/metrics");
+    }
+
+    #[test]
+    fn a_loads_worker_gets_a_loads_url_from_its_endpoint() {
+        let source = "pools:\n  - model: m\n    engine: sglang\n    workers:\n      \
+                      - {endpoint: 10.0.0.1:30000, load_source: loads}\n      \
+                      - {endpoint: '[fd00::2]:30000', load_source: loads}\n      \
+                      - {endpoint: 10.0.0.3:30000, load_source: loads, loads_url: 'http://lb:1/x'}\n      \
+                      - {endpoint: 10.0.0.4:30000, load_source: metrics}\n";
+        let config = parse(source, "t", &NO_FLAGS).unwrap();
+        let urls: Vec<_> = config.pools[0]
+            .workers
+            .iter()
+            .map(|worker| (worker.loads_url.as_deref(), worker.scrape_url()))
+            .collect();
+        assert_eq!(
+            urls,
+            [
+                (
+                    Some("http://10.0.0.1:30000/v1/loads"),
+                    "http://10.0.0.1:30000/v1/loads"
+                ),
+                (
+                    Some("http://[fd00::2]:30000/v1/loads"),
+                    "http://[fd00::2]:30000/v1/loads"
+                ),
+                (Some("http://lb:1/x"), "http://lb:1/x"),
+                (None, "http://10.0.0.4:30000/metrics"),
+            ]
+        );
+    }
+
+    /// Sizes are whole numbers of bytes or of a unit, case-sensitive: `4mb` is rejected (see the table of
+    /// invalid values), since lower case often means bits.
+    #[test]
+    fn max_body_bytes_is_a_size_emitted_in_the_largest_exact_binary_unit() {
+        for (given, bytes, emitted) in [
+            ("4MiB", 4 << 20, "4MiB"),
+            ("1KB", 1000, "1000"),
+            ("512KiB", 512 << 10, "512KiB"),
+            ("123", 123, "123"),
+            ("1024KiB", 1 << 20, "1MiB"),
+            ("2048", 2048, "2KiB"),
+            ("'64KiB'", 64 << 10, "64KiB"),
+            ("1MB", 1_000_000, "1000000"),
+            ("3GB", 3_000_000_000, "3000000000"),
+            ("2GiB", 2 << 30, "2GiB"),
+        ] {
+            let source = format!("load:\n  max_body_bytes: {given}\n{POOL}");
+            let config = parse(&source, "t", &NO_FLAGS).unwrap();
+            assert_eq!(config.load.max_body_bytes.get(), bytes, "{given}");
+            let yaml = config.to_yaml();
+            assert!(
+                yaml.contains(&format!("\n  max_body_bytes: {emitted}\n")),
+                "{given}: expected {emitted} in\n{yaml}"
+            );
+            assert_eq!(
+                parse(&yaml, "emitted", &NO_FLAGS).unwrap(),
+                config,
+                "{yaml}"
+            );
+        }
     }
 
     #[test]
@@ -312,6 +420,10 @@ pools:
             "load:\n  scrape_interval: 1.5s\n  scrape_timeout: 0.25ms\n  freshness: 2m\n{POOL}"
         );
         let bytes = POOL.replace("engine: vllm", "engine: vllm\n    tokenizer: {kind: bytes}");
+        let loads = format!(
+            "load:\n  max_body_bytes: 1KB\n  max_concurrent_scrapes: 1\n{}        load_source: loads\n",
+            POOL.replace("engine: vllm", "engine: sglang")
+        );
         let flagged = Overrides {
             worker_queue_limit: Some(3),
             ..NO_FLAGS
@@ -321,6 +433,7 @@ pools:
             (POOL, &NO_FLAGS),
             (&sub_millisecond, &NO_FLAGS),
             (&bytes, &flagged),
+            (&loads, &NO_FLAGS),
         ] {
             let config = parse(source, "t", overrides).unwrap();
             let yaml = config.to_yaml();
@@ -342,15 +455,28 @@ pools:
             "  tokenizer:\n    kind: tiktoken\n    encoding: o200k_base\n",
             "    kind: huggingface\n",
             "metrics_url: http://10.0.0.21:30000/metrics",
+            "  max_body_bytes: 512KiB\n  max_concurrent_scrapes: 16\n",
+            "load_source: loads\n    loads_url: http://10.0.0.21:30000/v1/loads\n",
+            "max_running_requests: 256\n    max_total_tokens: 500000\n",
         ] {
             assert!(yaml.contains(expected), "{expected:?} not in\n{yaml}");
         }
-        assert!(
-            !parse(POOL, "t", &NO_FLAGS)
-                .unwrap()
-                .to_yaml()
-                .contains("worker_queue_limit")
-        );
+        // Unset options stay unset; the load keys and the load source are always written.
+        let minimal = parse(POOL, "t", &NO_FLAGS).unwrap().to_yaml();
+        for absent in [
+            "worker_queue_limit",
+            "loads_url",
+            "max_running_requests",
+            "max_total_tokens",
+        ] {
+            assert!(!minimal.contains(absent), "{absent:?} in\n{minimal}");
+        }
+        for present in [
+            "  max_body_bytes: 4MiB\n  max_concurrent_scrapes: 64\n",
+            "    load_source: metrics\n",
+        ] {
+            assert!(minimal.contains(present), "{present:?} not in\n{minimal}");
+        }
     }
 
     /// Each case has exactly one problem, at `at`, whose message contains `message`.
@@ -370,6 +496,10 @@ pools:
         };
         let pool_with =
             |extra: &str| POOL.replace("engine: vllm\n", &format!("engine: vllm\n    {extra}\n"));
+        // POOL on SGLang, with more lines for its worker, from line 6 on.
+        let sglang =
+            |worker: &str| format!("{}{worker}", POOL.replace("engine: vllm", "engine: sglang"));
+        let too_large = format!("must be at most {} bytes", usize::MAX);
         let policy = |lines: &str| format!("policy:\n{lines}{POOL}");
         let load = |lines: &str| format!("load:\n{lines}{POOL}");
         let floor_flag = Overrides {
@@ -388,7 +518,8 @@ pools:
         let cases: Vec<(&str, String, &Overrides, &str, &str)> = vec![
             ("floor without limit", policy("  saturation_queue_floor: 2\n"), &NO_FLAGS,
              "policy.saturation_queue_floor (line 2)",
-             "saturation_queue_floor requires worker_queue_limit (there is no diversion to cancel without it)"),
+             "requires a queue limit, policy.worker_queue_limit or --worker-queue-limit (there is no diversion \
+              to cancel without it)"),
             ("floor above limit", policy("  worker_queue_limit: 2\n  saturation_queue_floor: 3\n"), &NO_FLAGS,
              "policy.saturation_queue_floor (line 3)",
              "saturation_queue_floor (3) must be at most worker_queue_limit (2): a floor above the limit would \
@@ -396,7 +527,9 @@ pools:
             ("floor flag above file limit", policy("  worker_queue_limit: 4\n"), &floor_flag,
              "--saturation-queue-floor", "--saturation-queue-floor (5) must be at most worker_queue_limit (4)"),
             ("floor flag without limit", POOL.to_owned(), &floor_flag,
-             "--saturation-queue-floor", "--saturation-queue-floor requires worker_queue_limit"),
+             "--saturation-queue-floor", "requires a queue limit"),
+            ("floor 0 without limit", policy("  saturation_queue_floor: 0\n"), &NO_FLAGS,
+             "policy.saturation_queue_floor (line 2)", "must be at least 1"),
             ("floor 0", policy("  worker_queue_limit: 2\n  saturation_queue_floor: 0\n"), &NO_FLAGS,
              "policy.saturation_queue_floor (line 3)", "must be at least 1"),
             ("limit 0", policy("  worker_queue_limit: 0\n"), &NO_FLAGS,
@@ -442,6 +575,35 @@ pools:
              "load.freshness (line 3)",
              "freshness (2s) must be longer than scrape_interval (2s): a healthy worker's reading would lapse \
               between scrapes and the gate would go blind"),
+            ("max_body_bytes 0", load("  max_body_bytes: 0\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "must be at least 1 byte"),
+            ("max_body_bytes 0MiB", load("  max_body_bytes: 0MiB\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "must be at least 1 byte"),
+            ("negative size", load("  max_body_bytes: -1\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)",
+             "expected a size such as 4MiB, 512KiB or 200000 (a whole number of bytes or of KiB, MiB, GiB, KB, \
+              MB, GB), got `-1`"),
+            ("fractional size", load("  max_body_bytes: 1.5MiB\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "expected a size such as 4MiB, 512KiB or 200000"),
+            ("lower-case unit", load("  max_body_bytes: 4mb\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "expected a size such as 4MiB, 512KiB or 200000"),
+            ("unit without a number", load("  max_body_bytes: MiB\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "got `MiB`"),
+            ("size with a space", load("  max_body_bytes: 4 MiB\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "got `4 MiB`"),
+            ("size beyond usize", load("  max_body_bytes: 99999999999999999999GiB\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", &too_large),
+            ("size as a list", load("  max_body_bytes: [4MiB]\n"), &NO_FLAGS,
+             "load.max_body_bytes (line 2)", "expected a size such as 4MiB, 512KiB or 200000 (a whole number of \
+              bytes or of KiB, MiB, GiB, KB, MB, GB), got a list"),
+            ("max_concurrent_scrapes 0", load("  max_concurrent_scrapes: 0\n"), &NO_FLAGS,
+             "load.max_concurrent_scrapes (line 2)", "must be at least 1"),
+            ("max_concurrent_scrapes as a word", load("  max_concurrent_scrapes: many\n"), &NO_FLAGS,
+             "load.max_concurrent_scrapes (line 2)", "expected a non-negative integer, got `many`"),
+            ("unknown load key", load("  max_body_size: 1MiB\n"), &NO_FLAGS,
+             "load.max_body_size (line 2)",
+             "unknown key; expected one of: scrape_interval, scrape_timeout, freshness, max_body_bytes, \
+              max_concurrent_scrapes"),
             ("interval beyond default freshness", load("  scrape_interval: 5s\n"), &NO_FLAGS,
              "load.scrape_interval (line 2)", "freshness (3s) must be longer than scrape_interval (5s)"),
             ("unknown top-level key", format!("{POOL}listn: 127.0.0.1:1\n"), &NO_FLAGS,
@@ -452,7 +614,8 @@ pools:
               min_match_tokens, pin_depth_ratio, max_fallbacks"),
             ("unknown worker key", pool("        weight: 2\n"), &NO_FLAGS,
              "pools[0].workers[0].weight (line 6)",
-             "unknown key; expected one of: endpoint, metrics_url, role, dp_size"),
+             "unknown key; expected one of: endpoint, metrics_url, load_source, loads_url, role, dp_size, \
+              max_running_requests, max_total_tokens"),
             ("duplicate key", policy("  min_load_choices: 2\n  min_load_choices: 3\n"), &NO_FLAGS,
              "policy.min_load_choices (line 3)", "duplicate key; first given on line 2"),
             ("section of the wrong type", format!("policy: 4\n{POOL}"), &NO_FLAGS,
@@ -463,6 +626,10 @@ pools:
              "pools[0].workers[0].endpoint (line 5)", "expected ip:port such as 10.0.0.11:8000"),
             ("endpoint with host name", POOL.replace("10.0.0.1:8000", "host:80"), &NO_FLAGS,
              "pools[0].workers[0].endpoint (line 5)", "expected ip:port such as 10.0.0.11:8000"),
+            ("unspecified endpoint", POOL.replace("10.0.0.1:8000", "0.0.0.0:8000"), &NO_FLAGS,
+             "pools[0].workers[0].endpoint (line 5)", "0.0.0.0:8000 is not an address Envoy can send a request to"),
+            ("endpoint port 0", POOL.replace("10.0.0.1:8000", "10.0.0.1:0"), &NO_FLAGS,
+             "pools[0].workers[0].endpoint (line 5)", "10.0.0.1:0 is not an address Envoy can send a request to"),
             ("missing endpoint", pool("      - role: both\n"), &NO_FLAGS,
              "pools[0].workers[1].endpoint (line 6)", "missing required key"),
             ("missing engine", POOL.replace("    engine: vllm\n", ""), &NO_FLAGS,
@@ -480,7 +647,56 @@ pools:
             ("dp_size 0", pool("        dp_size: 0\n"), &NO_FLAGS,
              "pools[0].workers[0].dp_size (line 6)", "must be at least 1"),
             ("metrics_url without scheme", pool("        metrics_url: 10.0.0.1:8000/metrics\n"), &NO_FLAGS,
-             "pools[0].workers[0].metrics_url (line 6)", "must start with http:// or https://"),
+             "pools[0].workers[0].metrics_url (line 6)",
+             "expected a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics, \
+              got `10.0.0.1:8000/metrics`"),
+            ("metrics_url without host", pool("        metrics_url: http:///metrics\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+            ("metrics_url with an empty host", pool("        metrics_url: http://:8000/metrics\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+            ("metrics_url of scheme only", pool("        metrics_url: http://\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+            ("metrics_url with a space", pool("        metrics_url: http://a b/metrics\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+            ("metrics_url of another scheme", pool("        metrics_url: ftp://10.0.0.1/metrics\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+            ("metrics_url over TLS", pool("        metrics_url: https://10.0.0.1:8000/metrics\n"), &NO_FLAGS,
+             "pools[0].workers[0].metrics_url (line 6)",
+             "TLS scraping is not supported: expose the engine's metrics over plain HTTP on the pod network"),
+            ("loads_url over TLS", sglang("        load_source: loads\n        loads_url: https://w/v1/loads\n"),
+             &NO_FLAGS, "pools[0].workers[0].loads_url (line 7)",
+             "TLS scraping is not supported: expose the engine's /v1/loads over plain HTTP on the pod network"),
+            ("loads_url without scheme", sglang("        load_source: loads\n        loads_url: /v1/loads\n"),
+             &NO_FLAGS, "pools[0].workers[0].loads_url (line 7)",
+             "expected a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics, got `/v1/loads`"),
+            ("unknown load source", pool("        load_source: prometheus\n"), &NO_FLAGS,
+             "pools[0].workers[0].load_source (line 6)", "expected one of: metrics, loads; got `prometheus`"),
+            ("loads_url without a load source", sglang("        loads_url: http://w/v1/loads\n"), &NO_FLAGS,
+             "pools[0].workers[0].loads_url (line 6)", "loads_url is read only with load_source: loads"),
+            ("loads_url with the metrics source",
+             sglang("        load_source: metrics\n        loads_url: http://w/v1/loads\n"), &NO_FLAGS,
+             "pools[0].workers[0].loads_url (line 7)", "loads_url is read only with load_source: loads"),
+            ("loads_url with a rejected load source",
+             sglang("        load_source: load\n        loads_url: http://w/v1/loads\n"), &NO_FLAGS,
+             "pools[0].workers[0].load_source (line 6)", "expected one of: metrics, loads; got `load`"),
+            ("loads on vllm", pool("        load_source: loads\n"), &NO_FLAGS,
+             "pools[0].workers[0].load_source (line 6)",
+             "load_source: loads reads SGLang's /v1/loads; engine vllm has no such endpoint"),
+            ("loads and loads_url on vllm", pool("        load_source: loads\n        loads_url: http://w/l\n"),
+             &NO_FLAGS, "pools[0].workers[0].load_source (line 6)",
+             "load_source: loads reads SGLang's /v1/loads; engine vllm has no such endpoint"),
+            ("loads on a rejected engine",
+             pool("        load_source: loads\n").replace("engine: vllm", "engine: tgi"), &NO_FLAGS,
+             "pools[0].engine (line 3)", "expected one of: vllm, sglang; got `tgi`"),
+            ("max_running_requests 0", pool("        max_running_requests: 0\n"), &NO_FLAGS,
+             "pools[0].workers[0].max_running_requests (line 6)", "must be at least 1"),
+            ("max_total_tokens 0", pool("        max_total_tokens: 0\n"), &NO_FLAGS,
+             "pools[0].workers[0].max_total_tokens (line 6)", "must be at least 1"),
+            ("max_total_tokens as a size", pool("        max_total_tokens: 1MiB\n"), &NO_FLAGS,
+             "pools[0].workers[0].max_total_tokens (line 6)", "expected a non-negative integer, got `1MiB`"),
+            ("quoted max_running_requests", pool("        max_running_requests: '8'\n"), &NO_FLAGS,
+             "pools[0].workers[0].max_running_requests (line 6)",
+             "expected a non-negative integer, got the quoted string \"8\""),
             ("unknown tokenizer kind", pool_with("tokenizer: {kind: sentencepiece}"), &NO_FLAGS,
              "pools[0].tokenizer.kind (line 4)",
              "expected one of: tiktoken, huggingface, bytes; got `sentencepiece`"),
@@ -632,7 +848,104 @@ listn: 1
         prop::collection::vec(edit, 1..8)
     }
 
+    /// Values for the load keys and a worker's load and capacity keys; `None` leaves a key out.
+    #[derive(Debug)]
+    struct LoadKeys {
+        max_body_bytes: Option<String>,
+        max_concurrent_scrapes: Option<u64>,
+        engine: Engine,
+        load_source: Option<LoadSource>,
+        loads_url: Option<String>,
+        max_running_requests: Option<u64>,
+        max_total_tokens: Option<u64>,
+    }
+
+    fn load_keys() -> impl Strategy<Value = LoadKeys> {
+        let size = (
+            1u64..=u64::from(u32::MAX),
+            prop::sample::select(&["", "KiB", "MiB", "GiB", "KB", "MB", "GB"][..]),
+        )
+            .prop_map(|(count, unit)| format!("{count}{unit}"));
+        (
+            prop::option::of(size),
+            prop::option::of(1u64..=1024),
+            prop::sample::select(&[Engine::Vllm, Engine::Sglang][..]),
+            prop::option::of(prop::sample::select(
+                &[LoadSource::Metrics, LoadSource::Loads][..],
+            )),
+            prop::option::of("http://[a-z]{1,8}(:[0-9]{1,4})?(/[a-z0-9]{0,8}){0,2}"),
+            prop::option::of(1u64..),
+            prop::option::of(1u64..),
+        )
+            .prop_map(
+                |(size, scrapes, engine, source, url, running, tokens)| LoadKeys {
+                    max_body_bytes: size,
+                    max_concurrent_scrapes: scrapes,
+                    engine,
+                    load_source: source,
+                    loads_url: url,
+                    max_running_requests: running,
+                    max_total_tokens: tokens,
+                },
+            )
+    }
+
+    impl LoadKeys {
+        fn source(&self) -> String {
+            let mut load = String::new();
+            if let Some(bytes) = &self.max_body_bytes {
+                load += &format!("  max_body_bytes: {bytes}\n");
+            }
+            if let Some(scrapes) = self.max_concurrent_scrapes {
+                load += &format!("  max_concurrent_scrapes: {scrapes}\n");
+            }
+            let mut worker = String::new();
+            if let Some(source) = self.load_source {
+                worker += &format!("        load_source: {}\n", source.as_str());
+            }
+            if let Some(url) = &self.loads_url {
+                worker += &format!("        loads_url: {url}\n");
+            }
+            if let Some(running) = self.max_running_requests {
+                worker += &format!("        max_running_requests: {running}\n");
+            }
+            if let Some(tokens) = self.max_total_tokens {
+                worker += &format!("        max_total_tokens: {tokens}\n");
+            }
+            let pool = POOL.replace("engine: vllm", &format!("engine: {}", self.engine.as_str()));
+            format!("load:\n{load}{pool}{worker}")
+        }
+
+        /// Whether the rules accept these values.
+        fn valid(&self) -> bool {
+            let loads = self.load_source == Some(LoadSource::Loads);
+            (!loads || self.engine == Engine::Sglang) && (loads || self.loads_url.is_none())
+        }
+    }
+
     proptest! {
+        #[test]
+        fn the_load_keys_are_accepted_as_the_rules_say_and_round_trip(keys in load_keys()) {
+            let source = keys.source();
+            // Sizes are at most u32::MAX GB, which fits a 64-bit usize.
+            match parse(&source, "t", &NO_FLAGS) {
+                Ok(config) => {
+                    prop_assert!(keys.valid(), "accepted:\n{}", source);
+                    let worker = &config.pools[0].workers[0];
+                    prop_assert_eq!(worker.load_source, keys.load_source.unwrap_or_default());
+                    let loads = worker.load_source == LoadSource::Loads;
+                    prop_assert_eq!(worker.loads_url.is_some(), loads);
+                    let running = worker.max_running_requests.map(NonZeroU64::get);
+                    prop_assert_eq!(running, keys.max_running_requests);
+                    let tokens = worker.max_total_tokens.map(NonZeroU64::get);
+                    prop_assert_eq!(tokens, keys.max_total_tokens);
+                    let emitted = parse(&config.to_yaml(), "emitted", &NO_FLAGS).unwrap();
+                    prop_assert_eq!(emitted, config);
+                }
+                Err(error) => prop_assert!(!keys.valid(), "rejected:\n{}\n{}", source, error),
+            }
+        }
+
         #[test]
         fn parse_never_panics_on_arbitrary_text(source in any::<String>()) {
             let _ = parse(&source, "fuzz", &NO_FLAGS);
@@ -655,5 +968,19 @@ listn: 1
                 prop_assert_eq!(parse(&config.to_yaml(), "emitted", &NO_FLAGS).unwrap(), config);
             }
         }
+    }
+
+    #[test]
+    fn a_misspelt_tokenizer_kind_is_named_as_an_unknown_key() {
+        let text = POOL.replace(
+            "engine: vllm",
+            "engine: vllm\n    tokenizer: {kidn: tiktoken}",
+        );
+        let message = parse(&text, "t.yaml", &NO_FLAGS).unwrap_err().to_string();
+        assert!(
+            message.contains("pools[0].tokenizer.kidn (line 4): unknown key"),
+            "{message}"
+        );
+        assert!(message.contains("pools[0].tokenizer.kind"), "{message}");
     }
 }

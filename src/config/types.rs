@@ -122,6 +122,17 @@ pub struct LoadConfig {
     pub scrape_timeout: Duration,
     /// Longer than `scrape_interval`, so a healthy worker's reading never lapses between two scrapes.
     pub freshness: Duration,
+    /// A scrape response larger than this is abandoned and counted as an error: a worker that answers
+    /// with megabytes must not cost the picker memory or CPU.
+    pub max_body_bytes: NonZeroUsize,
+    /// Scrape requests in flight at once per pool.
+    pub max_concurrent_scrapes: NonZeroUsize,
+}
+
+impl LoadConfig {
+    /// Real expositions are 50–200 KB; sixteen times that is still small and leaves room to grow.
+    pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+    pub const DEFAULT_MAX_CONCURRENT_SCRAPES: usize = 64;
 }
 
 impl Default for LoadConfig {
@@ -130,6 +141,29 @@ impl Default for LoadConfig {
             scrape_interval: Duration::from_secs(1),
             scrape_timeout: Duration::from_millis(500),
             freshness: Duration::from_secs(3),
+            max_body_bytes: NonZeroUsize::new(Self::DEFAULT_MAX_BODY_BYTES)
+                .unwrap_or(NonZeroUsize::MIN),
+            max_concurrent_scrapes: NonZeroUsize::new(Self::DEFAULT_MAX_CONCURRENT_SCRAPES)
+                .unwrap_or(NonZeroUsize::MIN),
+        }
+    }
+}
+
+/// Where a worker's load is read from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LoadSource {
+    /// The engine's Prometheus `/metrics`.
+    #[default]
+    Metrics,
+    /// SGLang's `/v1/loads` JSON, which also carries the uncached-token queue depth.
+    Loads,
+}
+
+impl LoadSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadSource::Metrics => "metrics",
+            LoadSource::Loads => "loads",
         }
     }
 }
@@ -206,14 +240,31 @@ impl TiktokenEncoding {
 pub struct WorkerConfig {
     /// `ip:port` Envoy sends the request to; unique across all pools.
     pub endpoint: SocketAddr,
-    /// Where the engine's load is read; derived from the endpoint when not given.
+    /// The engine's Prometheus endpoint (plain `http://`); derived from the endpoint when not given.
     pub metrics_url: String,
+    /// Which endpoint load is read from; `Loads` only for SGLang.
+    pub load_source: LoadSource,
+    /// SGLang's `/v1/loads` (plain `http://`); `Some` exactly when `load_source` is `Loads`, derived
+    /// from the endpoint when not given.
+    pub loads_url: Option<String>,
     pub role: Role,
     /// Data-parallel ranks; a reading is complete only when all of them reported.
     pub dp_size: NonZeroU32,
+    /// Overrides the engine-reported `max_running_requests` (summed over ranks).
+    pub max_running_requests: Option<NonZeroU64>,
+    /// Overrides the engine-reported KV-cache capacity in tokens (summed over ranks).
+    pub max_total_tokens: Option<NonZeroU64>,
 }
 
 impl WorkerConfig {
     pub const DEFAULT_ROLE: Role = Role::Both;
     pub const DEFAULT_DP_SIZE: u32 = 1;
+
+    /// The URL the scraper reads, by load source.
+    pub fn scrape_url(&self) -> &str {
+        match (&self.load_source, &self.loads_url) {
+            (LoadSource::Loads, Some(url)) => url,
+            _ => &self.metrics_url,
+        }
+    }
 }

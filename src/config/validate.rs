@@ -16,8 +16,8 @@ use std::time::Duration;
 use super::error::{Origin, Phase, Problems, Reported, Res};
 use super::yaml::{Entry, Kind, Node, Place};
 use super::{
-    Config, DepthRatio, LoadConfig, ModelMatch, Overrides, PolicyConfig, PoolConfig, QueueGate,
-    TiktokenEncoding, TokenizerConfig, WorkerConfig, duration,
+    Config, DepthRatio, LoadConfig, LoadSource, ModelMatch, Overrides, PolicyConfig, PoolConfig,
+    QueueGate, TiktokenEncoding, TokenizerConfig, WorkerConfig, duration, size,
 };
 use crate::worker::{Engine, Role};
 
@@ -30,13 +30,30 @@ const POLICY_KEYS: &[&str] = &[
     "pin_depth_ratio",
     "max_fallbacks",
 ];
-const LOAD_KEYS: &[&str] = &["scrape_interval", "scrape_timeout", "freshness"];
+const LOAD_KEYS: &[&str] = &[
+    "scrape_interval",
+    "scrape_timeout",
+    "freshness",
+    "max_body_bytes",
+    "max_concurrent_scrapes",
+];
 const POOL_KEYS: &[&str] = &["model", "engine", "block_size", "tokenizer", "workers"];
-const WORKER_KEYS: &[&str] = &["endpoint", "metrics_url", "role", "dp_size"];
+const WORKER_KEYS: &[&str] = &[
+    "endpoint",
+    "metrics_url",
+    "load_source",
+    "loads_url",
+    "role",
+    "dp_size",
+    "max_running_requests",
+    "max_total_tokens",
+];
 
 const ADDRESS: &str = "ip:port such as 10.0.0.11:8000 (an IP address, not a host name)";
 const DURATION: &str = "a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h)";
 const INTEGER: &str = "a non-negative integer";
+const SIZE: &str = "a size such as 4MiB, 512KiB or 200000 (a whole number of bytes or of KiB, MiB, GiB, KB, MB, GB)";
+const HTTP_URL: &str = "a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics";
 
 /// Decodes and checks the whole configuration; `Ok` only means every value could be built; the
 /// configuration is valid only if, in addition, no problem was recorded (e.g. an unknown key).
@@ -130,8 +147,13 @@ struct PoolDraft {
 struct WorkerDraft {
     endpoint: Res<Val<SocketAddr>>,
     metrics_url: Res<Option<String>>,
+    load_source: Res<LoadSource>,
+    /// As given; only ever `Some` with `LoadSource::Loads`.
+    loads_url: Res<Option<String>>,
     role: Res<Role>,
     dp_size: Res<NonZeroU32>,
+    max_running_requests: Res<Option<NonZeroU64>>,
+    max_total_tokens: Res<Option<NonZeroU64>>,
 }
 
 impl PoolDraft {
@@ -161,14 +183,26 @@ impl PoolDraft {
 impl WorkerDraft {
     fn build(self) -> Res<WorkerConfig> {
         let endpoint = self.endpoint?.value;
+        let load_source = self.load_source?;
+        let loads_url = self.loads_url?;
         Ok(WorkerConfig {
             endpoint,
             // Both engines serve Prometheus metrics on their API port.
             metrics_url: self
                 .metrics_url?
                 .unwrap_or_else(|| format!("http://{endpoint}/metrics")),
+            load_source,
+            // SGLang serves /v1/loads on its API port too.
+            loads_url: match load_source {
+                LoadSource::Loads => {
+                    Some(loads_url.unwrap_or_else(|| format!("http://{endpoint}/v1/loads")))
+                }
+                LoadSource::Metrics => None,
+            },
             role: self.role?,
             dp_size: self.dp_size?,
+            max_running_requests: self.max_running_requests?,
+            max_total_tokens: self.max_total_tokens?,
         })
     }
 }
@@ -224,10 +258,7 @@ impl Validator<'_> {
         let choices = overridden(choices, overrides.min_load_choices, "--min-load-choices");
         let choices = self.check(
             with_default(choices, PolicyConfig::DEFAULT_MIN_LOAD_CHOICES as u64),
-            |n| {
-                NonZeroUsize::try_from(at_least_one(n)?)
-                    .map_err(|_| format!("must be at most {}", usize::MAX))
-            },
+            at_least_one_usize,
         );
         let min_match_tokens = self.opt(map, "min_match_tokens", Self::integer);
         let min_match_tokens =
@@ -269,10 +300,8 @@ impl Validator<'_> {
         match (limit?, floor?) {
             (limit, None) => Ok(limit.and_then(|limit| QueueGate::new(limit.value, None))),
             (None, Some(floor)) => {
-                let message = format!(
-                    "{} requires worker_queue_limit (there is no diversion to cancel without it)",
-                    floor.name("saturation_queue_floor")
-                );
+                let message = "requires a queue limit, policy.worker_queue_limit or --worker-queue-limit \
+                               (there is no diversion to cancel without it)";
                 Err(self.report(Phase::Cross, floor.at, message))
             }
             (Some(limit), Some(floor)) => match QueueGate::new(limit.value, Some(floor.value)) {
@@ -320,12 +349,24 @@ impl Validator<'_> {
             }
             _ => Ok(()),
         };
+        let body = self.opt(map, "max_body_bytes", Self::size);
+        let body = self.check(
+            with_default(body, LoadConfig::DEFAULT_MAX_BODY_BYTES),
+            |bytes| NonZeroUsize::new(bytes).ok_or_else(|| "must be at least 1 byte".to_owned()),
+        );
+        let scrapes = self.opt(map, "max_concurrent_scrapes", Self::integer);
+        let scrapes = self.check(
+            with_default(scrapes, LoadConfig::DEFAULT_MAX_CONCURRENT_SCRAPES as u64),
+            at_least_one_usize,
+        );
         timeout_fits?;
         freshness_lasts?;
         Ok(LoadConfig {
             scrape_interval: interval?.value,
             scrape_timeout: timeout?.value,
             freshness: freshness?.value,
+            max_body_bytes: body?.value,
+            max_concurrent_scrapes: scrapes?.value,
         })
     }
 
@@ -382,17 +423,23 @@ impl Validator<'_> {
             Some((node, at)) => self.tokenizer(node, &at),
             None => Ok(TokenizerConfig::default()),
         };
+        let engine = engine.map(|engine| engine.value);
+        let workers = self.workers(&map, engine.ok());
         Ok(PoolDraft {
             model,
-            engine: engine.map(|engine| engine.value),
+            engine,
             block_size: block_size.map(|size| size.value),
             tokenizer,
-            workers: self.workers(&map),
+            workers,
         })
     }
 
     fn tokenizer(&mut self, node: &Node, at: &Place) -> Res<TokenizerConfig> {
         let map = self.any_mapping(node, at)?;
+        if map.get("kind").is_none() {
+            // Without a kind, a misspelt key is the likelier mistake: name it against every kind's keys.
+            self.known_keys(&map, &["kind", "encoding", "path"]);
+        }
         let kind = self.required(&map, "kind", Self::string)?;
         match kind.value.as_str() {
             "tiktoken" => {
@@ -424,7 +471,8 @@ impl Validator<'_> {
         }
     }
 
-    fn workers(&mut self, pool: &Map) -> Res<Vec<Res<WorkerDraft>>> {
+    /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
+    fn workers(&mut self, pool: &Map, engine: Option<Engine>) -> Res<Vec<Res<WorkerDraft>>> {
         let Some((node, at)) = pool.get("workers") else {
             let at = pool.place_of("workers").origin();
             return Err(self.report(
@@ -444,7 +492,7 @@ impl Validator<'_> {
         let workers: Vec<_> = items
             .iter()
             .enumerate()
-            .map(|(i, item)| self.worker(item, &at.index(i, item.line)))
+            .map(|(i, item)| self.worker(item, &at.index(i, item.line), engine))
             .collect();
         // Judged only when every worker's role is known: a rejected one may have been the prefill worker.
         let roles: Res<Vec<Role>> = workers
@@ -459,10 +507,37 @@ impl Validator<'_> {
         Ok(workers)
     }
 
-    fn worker(&mut self, node: &Node, at: &Place) -> Res<WorkerDraft> {
+    fn worker(&mut self, node: &Node, at: &Place, engine: Option<Engine>) -> Res<WorkerDraft> {
         let map = self.mapping(node, at, WORKER_KEYS)?;
-        let endpoint = self.required(&map, "endpoint", Self::address);
-        let metrics_url = self.opt(&map, "metrics_url", Self::metrics_url);
+        let endpoint = self.required(&map, "endpoint", Self::address).and_then(|endpoint| {
+            if endpoint.value.ip().is_unspecified() || endpoint.value.port() == 0 {
+                let message = format!(
+                    "{} is not an address Envoy can send a request to: give the worker's own IP and port",
+                    endpoint.value
+                );
+                return Err(self.report(Phase::Value, endpoint.at, message));
+            }
+            Ok(endpoint)
+        });
+        let metrics_url = self.opt(&map, "metrics_url", |v, node, at| {
+            v.http_url(node, at, "metrics")
+        });
+        let load_source = self.opt(&map, "load_source", |v, node, at| {
+            v.keyword(
+                node,
+                at,
+                &[LoadSource::Metrics, LoadSource::Loads],
+                LoadSource::as_str,
+            )
+        });
+        let loads_url = self.opt(&map, "loads_url", |v, node, at| {
+            v.http_url(node, at, "/v1/loads")
+        });
+        let (load_source, loads_url) = self.load_source(
+            with_default(load_source, LoadSource::default()),
+            loads_url,
+            engine,
+        );
         let role = self.opt(&map, "role", |v, node, at| {
             v.keyword(
                 node,
@@ -476,12 +551,50 @@ impl Validator<'_> {
             with_default(dp_size, WorkerConfig::DEFAULT_DP_SIZE.into()),
             at_least_one_u32,
         );
+        let max_running_requests = self.opt(&map, "max_running_requests", Self::integer);
+        let max_running_requests = self.check_opt(max_running_requests, at_least_one);
+        let max_total_tokens = self.opt(&map, "max_total_tokens", Self::integer);
+        let max_total_tokens = self.check_opt(max_total_tokens, at_least_one);
+        let value = |field: Field<NonZeroU64>| field.map(|given| given.map(|given| given.value));
         Ok(WorkerDraft {
             endpoint,
             metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
+            load_source,
+            loads_url,
             role: with_default(role, WorkerConfig::DEFAULT_ROLE).map(|role| role.value),
             dp_size: dp_size.map(|size| size.value),
+            max_running_requests: value(max_running_requests),
+            max_total_tokens: value(max_total_tokens),
         })
+    }
+
+    /// A worker's load source against its pool's engine, and its `loads_url` against the source; each
+    /// check is skipped when a value it reads was rejected.
+    fn load_source(
+        &mut self,
+        source: Res<Val<LoadSource>>,
+        url: Field<String>,
+        engine: Option<Engine>,
+    ) -> (Res<LoadSource>, Res<Option<String>>) {
+        let source = source.and_then(|source| match (source.value, engine) {
+            (LoadSource::Loads, Some(engine)) if engine != Engine::Sglang => {
+                let message = format!(
+                    "load_source: loads reads SGLang's /v1/loads; engine {} has no such endpoint",
+                    engine.as_str()
+                );
+                Err(self.report(Phase::Cross, source.at, message))
+            }
+            _ => Ok(source.value),
+        });
+        let url = url.and_then(|url| match (url, source) {
+            (Some(url), Ok(LoadSource::Metrics)) => Err(self.report(
+                Phase::Cross,
+                url.at,
+                "loads_url is read only with load_source: loads",
+            )),
+            (url, _) => Ok(url.map(|url| url.value)),
+        });
+        (source, url)
     }
 
     /// Models are unique, and at most one pool is the default (`*`).
@@ -702,18 +815,37 @@ impl Validator<'_> {
         text.parse().map_err(|_| self.type_error(node, at, ADDRESS))
     }
 
-    fn metrics_url(&mut self, node: &Node, at: &Place) -> Res<String> {
+    /// A byte size, bare or with a unit (see `size`).
+    fn size(&mut self, node: &Node, at: &Place) -> Res<usize> {
+        let text = self.text(node, at, SIZE)?;
+        size::parse(text).map_err(|invalid| match invalid {
+            size::Invalid::Malformed => self.type_error(node, at, SIZE),
+            size::Invalid::TooLarge => {
+                let message = format!("must be at most {} bytes", usize::MAX);
+                self.report(Phase::Value, at.origin(), message)
+            }
+        })
+    }
+
+    /// A URL the scraper can request as is: plain `http://` (it speaks no TLS) with a host, parsed the
+    /// way the HTTP client will parse it. `serves` names what the engine exposes there.
+    fn http_url(&mut self, node: &Node, at: &Place, serves: &str) -> Res<String> {
         let url = self.string(node, at)?;
-        let has_host = |scheme| {
-            url.strip_prefix(scheme)
-                .is_some_and(|rest: &str| !rest.is_empty())
-        };
-        if has_host("http://") || has_host("https://") {
+        if url.starts_with("https://") {
+            let message = format!(
+                "TLS scraping is not supported: expose the engine's {serves} over plain HTTP on the pod \
+                 network, got `{url}`"
+            );
+            return Err(self.report(Phase::Value, at.origin(), message));
+        }
+        let has_host = url.starts_with("http://")
+            && url
+                .parse::<http::Uri>()
+                .is_ok_and(|uri| uri.host().is_some_and(|host| !host.is_empty()));
+        if has_host {
             Ok(url)
         } else {
-            let message =
-                format!("must start with http:// or https:// and name a host, got `{url}`");
-            Err(self.report(Phase::Value, at.origin(), message))
+            Err(self.type_error(node, at, HTTP_URL))
         }
     }
 
@@ -748,6 +880,10 @@ impl Validator<'_> {
 
 fn at_least_one(n: u64) -> Result<NonZeroU64, String> {
     NonZeroU64::new(n).ok_or_else(|| "must be at least 1".to_owned())
+}
+
+fn at_least_one_usize(n: u64) -> Result<NonZeroUsize, String> {
+    NonZeroUsize::try_from(at_least_one(n)?).map_err(|_| format!("must be at most {}", usize::MAX))
 }
 
 fn at_least_one_u32(n: u64) -> Result<NonZeroU32, String> {
