@@ -1,12 +1,24 @@
 //! Worker load: what every engine reported, when, and how much the picker has sent it since.
 //!
-//! The scraper (one task per pool) builds a fresh [`PoolSnapshot`] after each round and publishes it
-//! whole; routing decisions read whichever snapshot is current and never wait on a scrape. A published
-//! snapshot is never mutated. The only per-request mutable state is [`Dispatches`], the router-local count
-//! of requests sent to each worker since its last fresh reading.
+//! A [`Scraper`] task per pool reads every worker's `/metrics` (or SGLang's `/v1/loads`) each
+//! `scrape_interval` and publishes a new [`PoolSnapshot`] whole; routing decisions read whichever
+//! snapshot is current through [`PoolLoad`] and never wait on a scrape. A published snapshot is never
+//! mutated. The only per-request mutable state is the [`DispatchTable`], the router-local count of
+//! requests sent to each worker since its last complete reading.
 
+mod dispatch;
+mod engine;
+mod inspect;
+mod prom;
+mod scrape;
 mod snapshot;
 
+pub use dispatch::DispatchTable;
+pub use engine::{ExtractError, RankLoad, Report, from_loads_json, from_metrics};
+pub use inspect::{PoolView, WorkerView, render_table};
+pub use prom::{Labels, Sample, Samples, samples};
+pub use scrape::{PoolLoad, ScrapeError, Scraper};
 pub use snapshot::{
-    Capacity, DispatchCounts, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState,
+    Capacity, DispatchCounts, Dispatches, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome,
+    ScrapeStatus, WorkerState,
 };

@@ -1,7 +1,10 @@
 //! The immutable per-pool load snapshot the policy decides from.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use serde::Serialize;
 
 use crate::worker::{Role, WorkerId};
 
@@ -50,6 +53,48 @@ pub struct WorkerState {
     pub routable: bool,
     pub capacity: Capacity,
     pub reading: Option<Reading>,
+    /// How the last scrape went, for operators; the policy never reads it.
+    pub scrape: ScrapeStatus,
+}
+
+/// The result of a worker's most recent scrape.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ScrapeStatus {
+    pub attempts: u64,
+    pub last_outcome: Option<ScrapeOutcome>,
+    /// Why the last scrape failed, or which ranks it lacked.
+    pub last_error: Option<Arc<str>>,
+}
+
+/// How one scrape ended; the values are the `outcome` label of `cachepick_scrapes_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScrapeOutcome {
+    Ok,
+    Timeout,
+    HttpError,
+    ParseError,
+    ConnectError,
+}
+
+impl ScrapeOutcome {
+    pub const ALL: [ScrapeOutcome; 5] = [
+        ScrapeOutcome::Ok,
+        ScrapeOutcome::Timeout,
+        ScrapeOutcome::HttpError,
+        ScrapeOutcome::ParseError,
+        ScrapeOutcome::ConnectError,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScrapeOutcome::Ok => "ok",
+            ScrapeOutcome::Timeout => "timeout",
+            ScrapeOutcome::HttpError => "http_error",
+            ScrapeOutcome::ParseError => "parse_error",
+            ScrapeOutcome::ConnectError => "connect_error",
+        }
+    }
 }
 
 impl WorkerState {
@@ -62,6 +107,7 @@ impl WorkerState {
             routable: true,
             capacity: Capacity::default(),
             reading: None,
+            scrape: ScrapeStatus::default(),
         }
     }
 }
@@ -101,8 +147,13 @@ impl PoolSnapshot {
     /// The worker's load if its reading is complete and younger than `freshness` at `now`.
     pub fn fresh_load(&self, id: WorkerId, now: Instant) -> Option<&EngineLoad> {
         let reading = self.worker(id)?.reading.as_ref()?;
-        let age = now.saturating_duration_since(reading.captured_at);
-        (reading.complete && age < self.freshness).then_some(&reading.load)
+        self.is_fresh(reading, now).then_some(&reading.load)
+    }
+
+    /// Whether `reading` counts at `now`: every rank reported, and the oldest of them is younger than
+    /// `freshness`.
+    pub fn is_fresh(&self, reading: &Reading, now: Instant) -> bool {
+        reading.complete && now.saturating_duration_since(reading.captured_at) < self.freshness
     }
 }
 

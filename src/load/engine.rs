@@ -1,0 +1,281 @@
+//! What each engine reports, read into per-rank load samples.
+//!
+//! vLLM and SGLang name their gauges differently and label data-parallel ranks differently (vLLM's
+//! `engine`, SGLang's `dp_rank`); tensor-parallel ranks repeat the same numbers, so only `tp_rank` 0 (or
+//! an unlabelled series) is read. A series without a rank label is rank 0: a worker configured with
+//! `dp_size > 1` whose engine publishes one aggregate series therefore never has a complete reading,
+//! which is the honest answer — configure `dp_size: 1` for such an engine.
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use super::prom;
+use crate::worker::Engine;
+
+/// One data-parallel rank's numbers from one scrape.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankLoad {
+    pub waiting: u64,
+    pub running: u64,
+    pub waiting_uncached_tokens: Option<u64>,
+    pub used_tokens: Option<u64>,
+    /// KV-cache usage in `[0, 1]`, as the engine reports it.
+    pub kv_usage: Option<f64>,
+    /// KV-cache capacity in tokens.
+    pub max_total_tokens: Option<u64>,
+    pub max_running: Option<u64>,
+}
+
+/// The ranks one scrape reported, indexed by rank; `None` for a rank the response did not cover.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Report {
+    pub ranks: Vec<Option<RankLoad>>,
+    /// Lines or entries that could not be read.
+    pub malformed: usize,
+}
+
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum ExtractError {
+    /// The response parsed, but no rank has both its waiting and its running count.
+    #[error("no rank reports both {waiting} and {running}")]
+    MissingSeries {
+        waiting: &'static str,
+        running: &'static str,
+    },
+    #[error("invalid /v1/loads JSON: {0}")]
+    Json(String),
+}
+
+/// The series names of one engine's `/metrics`.
+struct Names {
+    waiting: &'static str,
+    running: &'static str,
+    /// KV usage in [0, 1]; the first present one wins.
+    kv_usage: &'static [&'static str],
+    used_tokens: Option<&'static str>,
+    max_total_tokens: Option<&'static str>,
+    max_running: Option<&'static str>,
+    /// `cache_config_info`, and the labels whose product is the KV capacity in tokens.
+    cache_info: &'static str,
+    cache_info_labels: (&'static str, &'static str),
+    /// Labels naming the data-parallel rank, tried in order.
+    rank_labels: &'static [&'static str],
+}
+
+const VLLM: Names = Names {
+    waiting: "vllm:num_requests_waiting",
+    running: "vllm:num_requests_running",
+    // `gpu_cache_usage_perc` is the deprecated name older releases still emit.
+    kv_usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    used_tokens: None,
+    max_total_tokens: None,
+    max_running: None,
+    cache_info: "vllm:cache_config_info",
+    cache_info_labels: ("block_size", "num_gpu_blocks"),
+    rank_labels: &["engine", "dp_rank"],
+};
+
+const SGLANG: Names = Names {
+    waiting: "sglang:num_queue_reqs",
+    running: "sglang:num_running_reqs",
+    kv_usage: &["sglang:token_usage"],
+    used_tokens: Some("sglang:num_used_tokens"),
+    max_total_tokens: Some("sglang:max_total_num_tokens"),
+    max_running: Some("sglang:max_running_requests"),
+    cache_info: "sglang:cache_config_info",
+    cache_info_labels: ("page_size", "num_pages"),
+    rank_labels: &["dp_rank"],
+};
+
+impl Names {
+    fn of(engine: Engine) -> &'static Names {
+        match engine {
+            Engine::Vllm => &VLLM,
+            Engine::Sglang => &SGLANG,
+        }
+    }
+
+    fn wants(&self, name: &str) -> bool {
+        name == self.waiting
+            || name == self.running
+            || self.kv_usage.contains(&name)
+            || Some(name) == self.used_tokens
+            || Some(name) == self.max_total_tokens
+            || Some(name) == self.max_running
+            || name == self.cache_info
+    }
+}
+
+/// Per-rank values gathered from the series, before the required ones are checked.
+#[derive(Clone, Copy, Debug, Default)]
+struct Partial {
+    waiting: Option<u64>,
+    running: Option<u64>,
+    used_tokens: Option<u64>,
+    /// (priority in `kv_usage`, value): a lower priority index wins.
+    kv_usage: Option<(usize, f64)>,
+    max_total_tokens: Option<u64>,
+    cache_info_tokens: Option<u64>,
+    max_running: Option<u64>,
+}
+
+/// Reads an engine's Prometheus exposition into the ranks `0..dp_size`.
+pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, ExtractError> {
+    let names = Names::of(engine);
+    let mut partial = vec![Partial::default(); dp_size as usize];
+    let mut samples = prom::samples(text, |name| names.wants(name));
+    let mut malformed = 0;
+    for sample in samples.by_ref() {
+        if sample.label("tp_rank").is_some_and(|rank| rank != "0") {
+            continue;
+        }
+        let rank = names
+            .rank_labels
+            .iter()
+            .find_map(|label| sample.label(label))
+            .map_or(Some(0), |rank| rank.parse::<usize>().ok());
+        let Some(slot) = rank.and_then(|rank| partial.get_mut(rank)) else {
+            malformed += 1;
+            continue;
+        };
+        let name = sample.name;
+        if name == names.cache_info {
+            let (a, b) = names.cache_info_labels;
+            let product = sample
+                .label(a)
+                .and_then(|v| v.parse::<u64>().ok())
+                .zip(sample.label(b).and_then(|v| v.parse::<u64>().ok()))
+                .map(|(a, b)| a.saturating_mul(b));
+            slot.cache_info_tokens = slot.cache_info_tokens.or(product);
+            continue;
+        }
+        if let Some(priority) = names.kv_usage.iter().position(|n| *n == name) {
+            if sample.value.is_finite() && slot.kv_usage.is_none_or(|(p, _)| priority < p) {
+                slot.kv_usage = Some((priority, sample.value.clamp(0.0, 1.0)));
+            }
+            continue;
+        }
+        let Some(count) = count(sample.value) else {
+            malformed += 1;
+            continue;
+        };
+        let field = if name == names.waiting {
+            &mut slot.waiting
+        } else if name == names.running {
+            &mut slot.running
+        } else if Some(name) == names.used_tokens {
+            &mut slot.used_tokens
+        } else if Some(name) == names.max_total_tokens {
+            &mut slot.max_total_tokens
+        } else {
+            &mut slot.max_running
+        };
+        // Several series for one rank (another model name, say): the first is kept.
+        field.get_or_insert(count);
+    }
+    malformed += samples.malformed();
+
+    let ranks: Vec<Option<RankLoad>> = partial.iter().map(complete_rank).collect();
+    if ranks.iter().all(Option::is_none) {
+        return Err(ExtractError::MissingSeries {
+            waiting: names.waiting,
+            running: names.running,
+        });
+    }
+    Ok(Report { ranks, malformed })
+}
+
+fn complete_rank(partial: &Partial) -> Option<RankLoad> {
+    let max_total_tokens = partial.max_total_tokens.or(partial.cache_info_tokens);
+    let kv_usage = partial.kv_usage.map(|(_, usage)| usage);
+    let used_tokens = partial.used_tokens.or_else(|| {
+        let (usage, capacity) = kv_usage.zip(max_total_tokens)?;
+        Some((usage * capacity as f64).round() as u64)
+    });
+    Some(RankLoad {
+        waiting: partial.waiting?,
+        running: partial.running?,
+        waiting_uncached_tokens: None,
+        used_tokens,
+        kv_usage,
+        max_total_tokens,
+        max_running: partial.max_running,
+    })
+}
+
+/// A gauge read as a count: finite and non-negative, rounded.
+fn count(value: f64) -> Option<u64> {
+    (value.is_finite() && value >= 0.0).then(|| value.round() as u64)
+}
+
+/// One rank of SGLang's `/v1/loads`. Fields are optional because releases differ in what they include.
+#[derive(Deserialize)]
+struct LoadsRank {
+    dp_rank: Option<u64>,
+    num_waiting_reqs: Option<f64>,
+    num_running_reqs: Option<f64>,
+    num_waiting_uncached_tokens: Option<f64>,
+    num_used_tokens: Option<f64>,
+    max_total_num_tokens: Option<f64>,
+    max_running_requests: Option<f64>,
+    token_usage: Option<f64>,
+}
+
+/// `/v1/loads` is a per-rank array, bare or under `loads` depending on the release.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum LoadsBody {
+    Ranks(Vec<LoadsRank>),
+    Wrapped { loads: Vec<LoadsRank> },
+}
+
+/// Reads SGLang's `/v1/loads` JSON into the ranks `0..dp_size`. It carries the uncached-token queue depth
+/// the metrics endpoint lacks.
+pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError> {
+    let parsed: LoadsBody =
+        serde_json::from_slice(body).map_err(|error| ExtractError::Json(error.to_string()))?;
+    let entries = match parsed {
+        LoadsBody::Ranks(ranks) | LoadsBody::Wrapped { loads: ranks } => ranks,
+    };
+    let mut ranks = vec![None; dp_size as usize];
+    let mut malformed = 0;
+    for (position, entry) in entries.iter().enumerate() {
+        let rank = entry
+            .dp_rank
+            .map_or(position, |rank| usize::try_from(rank).unwrap_or(usize::MAX));
+        let load = entry
+            .num_waiting_reqs
+            .and_then(count)
+            .zip(entry.num_running_reqs.and_then(count));
+        match (ranks.get_mut(rank), load) {
+            (Some(slot @ None), Some((waiting, running))) => {
+                *slot = Some(RankLoad {
+                    waiting,
+                    running,
+                    waiting_uncached_tokens: entry.num_waiting_uncached_tokens.and_then(count),
+                    used_tokens: entry.num_used_tokens.and_then(count),
+                    kv_usage: entry
+                        .token_usage
+                        .filter(|usage| usage.is_finite())
+                        .map(|usage| usage.clamp(0.0, 1.0)),
+                    max_total_tokens: entry.max_total_num_tokens.and_then(count),
+                    max_running: entry.max_running_requests.and_then(count),
+                });
+            }
+            _ => malformed += 1,
+        }
+    }
+    if ranks.iter().all(Option::is_none) {
+        return Err(ExtractError::MissingSeries {
+            waiting: "num_waiting_reqs",
+            running: "num_running_reqs",
+        });
+    }
+    Ok(Report { ranks, malformed })
+}

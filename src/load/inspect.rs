@@ -1,0 +1,186 @@
+//! "What does cachepick see?": a worker-by-worker view of a snapshot, as a table or JSON.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::snapshot::{PoolSnapshot, ScrapeOutcome, WorkerState};
+
+/// One worker's reading as an operator reads it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerView {
+    pub endpoint: String,
+    pub role: &'static str,
+    pub fresh: bool,
+    /// Why the reading does not count, when it does not.
+    pub why_not_fresh: Option<String>,
+    pub waiting: Option<u64>,
+    pub running: Option<u64>,
+    pub waiting_uncached_tokens: Option<u64>,
+    pub used_tokens: Option<u64>,
+    pub max_total_tokens: Option<u64>,
+    pub max_running: Option<u64>,
+    /// `used_tokens / max_total_tokens`, where both are known.
+    pub kv_usage: Option<f64>,
+    pub age_seconds: Option<f64>,
+    pub scrapes: u64,
+    pub last_outcome: Option<ScrapeOutcome>,
+    pub last_error: Option<String>,
+}
+
+/// A pool's snapshot as an operator reads it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PoolView {
+    pub pool: String,
+    pub version: u64,
+    pub freshness_seconds: f64,
+    pub workers: Vec<WorkerView>,
+}
+
+impl PoolView {
+    pub fn new(pool: &str, snapshot: &PoolSnapshot, now: Instant) -> Self {
+        PoolView {
+            pool: pool.to_owned(),
+            version: snapshot.version,
+            freshness_seconds: snapshot.freshness.as_secs_f64(),
+            workers: snapshot
+                .workers()
+                .iter()
+                .map(|worker| worker_view(snapshot, worker, now))
+                .collect(),
+        }
+    }
+}
+
+fn worker_view(snapshot: &PoolSnapshot, worker: &WorkerState, now: Instant) -> WorkerView {
+    let reading = worker.reading.as_ref();
+    let fresh = reading.is_some_and(|reading| snapshot.is_fresh(reading, now));
+    let age = reading.map(|reading| now.saturating_duration_since(reading.captured_at));
+    let last_error = worker.scrape.last_error.as_deref().map(str::to_owned);
+    let why_not_fresh = match (reading, age) {
+        _ if fresh => None,
+        (None, _) => Some(match &last_error {
+            Some(error) => format!("no reading yet: {error}"),
+            None => "no reading yet".to_owned(),
+        }),
+        (Some(reading), _) if !reading.complete => Some(format!(
+            "incomplete: {}",
+            last_error
+                .as_deref()
+                .unwrap_or("not every rank has reported")
+        )),
+        (Some(_), Some(age)) => Some(format!(
+            "reading {} old, freshness is {}{}",
+            seconds(age),
+            seconds(snapshot.freshness),
+            last_error
+                .as_deref()
+                .map(|error| format!("; last scrape: {error}"))
+                .unwrap_or_default()
+        )),
+        (Some(_), None) => None,
+    };
+    let load = reading.map(|reading| reading.load);
+    let used_tokens = load.and_then(|load| load.used_tokens);
+    WorkerView {
+        endpoint: worker.endpoint.to_string(),
+        role: worker.role.as_str(),
+        fresh,
+        why_not_fresh,
+        waiting: load.map(|load| load.waiting),
+        running: load.map(|load| load.running),
+        waiting_uncached_tokens: load.and_then(|load| load.waiting_uncached_tokens),
+        used_tokens,
+        max_total_tokens: worker.capacity.max_total_tokens,
+        max_running: worker.capacity.max_running,
+        kv_usage: used_tokens
+            .zip(worker.capacity.max_total_tokens)
+            .filter(|(_, max)| *max > 0)
+            .map(|(used, max)| used as f64 / max as f64),
+        age_seconds: age.map(|age| age.as_secs_f64()),
+        scrapes: worker.scrape.attempts,
+        last_outcome: worker.scrape.last_outcome,
+        last_error,
+    }
+}
+
+fn seconds(duration: Duration) -> String {
+    format!("{:.1}s", duration.as_secs_f64())
+}
+
+fn cell(value: Option<u64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |value| value.to_string())
+}
+
+/// Plain-text table of every pool.
+pub fn render_table(pools: &[PoolView]) -> String {
+    let mut out = String::new();
+    for pool in pools {
+        let _ = writeln!(
+            out,
+            "pool {} (snapshot v{}, freshness {:.1}s)",
+            pool.pool, pool.version, pool.freshness_seconds
+        );
+        out.push_str(&row([
+            "WORKER",
+            "ROLE",
+            "WAITING",
+            "RUNNING",
+            "UNCACHED",
+            "USED/MAX TOKENS",
+            "KV",
+            "MAXRUN",
+            "AGE",
+            "FRESH",
+        ]));
+        for worker in &pool.workers {
+            let tokens = match (worker.used_tokens, worker.max_total_tokens) {
+                (None, None) => "-".to_owned(),
+                (used, max) => format!("{}/{}", cell(used), cell(max)),
+            };
+            let kv = worker
+                .kv_usage
+                .map_or_else(|| "-".to_owned(), |usage| format!("{:.0}%", usage * 100.0));
+            let age = worker
+                .age_seconds
+                .map_or_else(|| "-".to_owned(), |age| format!("{age:.1}s"));
+            let fresh = match &worker.why_not_fresh {
+                None => "yes".to_owned(),
+                Some(why) => format!("no: {why}"),
+            };
+            out.push_str(&row([
+                &worker.endpoint,
+                worker.role,
+                &cell(worker.waiting),
+                &cell(worker.running),
+                &cell(worker.waiting_uncached_tokens),
+                &tokens,
+                &kv,
+                &cell(worker.max_running),
+                &age,
+                &fresh,
+            ]));
+        }
+    }
+    out
+}
+
+fn row(cells: [&str; 10]) -> String {
+    let [
+        worker,
+        role,
+        waiting,
+        running,
+        uncached,
+        tokens,
+        kv,
+        max_running,
+        age,
+        fresh,
+    ] = cells;
+    format!(
+        "  {worker:<22} {role:<7} {waiting:>7} {running:>7} {uncached:>9} {tokens:>21} {kv:>6} \
+         {max_running:>6} {age:>6}  {fresh}\n"
+    )
+}

@@ -1,0 +1,436 @@
+//! Load scraping against real HTTP servers on loopback: healthy engines of both kinds, and every way an
+//! engine can fail. In each failure the reading stops counting within `freshness`, the scrape counter
+//! names the cause, nothing panics, and the other workers are unaffected.
+
+// Tests and benchmarks measure real time; the clock ban is for the code that decides.
+#![allow(clippy::disallowed_methods)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cachepick::config::{self, Config, Overrides};
+use cachepick::load::{DispatchCounts, PoolLoad, PoolSnapshot, ScrapeOutcome, Scraper};
+use cachepick::metrics::Metrics;
+use cachepick::worker::WorkerId;
+use support::engine::{FakeEngine, Mode, refused_addr, sglang_metrics, vllm_metrics};
+
+const TEXT: &str = "text/plain; version=0.0.4";
+
+/// One pool of `engine` over the given workers (each an address plus extra YAML keys).
+fn config(engine: &str, load: &str, workers: &[(SocketAddr, &str)]) -> Config {
+    let mut yaml =
+        format!("load: {{{load}}}\npools:\n  - model: m\n    engine: {engine}\n    workers:\n");
+    for (addr, extra) in workers {
+        yaml.push_str(&format!("      - {{endpoint: \"{addr}\"{extra}}}\n"));
+    }
+    config::parse(&yaml, "test.yaml", &Overrides::default()).expect("valid test config")
+}
+
+const QUICK: &str = "scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s";
+
+struct Pool {
+    load: Arc<PoolLoad>,
+    scraper: Scraper,
+    metrics: Arc<Metrics>,
+}
+
+impl Pool {
+    fn new(config: &Config) -> Self {
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let pool = &config.pools[0];
+        let load = PoolLoad::new(pool, &config.load);
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(&metrics));
+        Pool {
+            load,
+            scraper,
+            metrics,
+        }
+    }
+
+    fn snapshot(&self) -> Arc<PoolSnapshot> {
+        self.load.snapshot()
+    }
+
+    fn scrapes(&self, worker: SocketAddr, outcome: ScrapeOutcome) -> u64 {
+        self.metrics
+            .scrapes
+            .with_label_values(&["m", &worker.to_string(), outcome.as_str()])
+            .get()
+    }
+}
+
+fn is_fresh(snapshot: &PoolSnapshot, worker: u32) -> bool {
+    snapshot
+        .fresh_load(WorkerId(worker), Instant::now())
+        .is_some()
+}
+
+fn last_error(snapshot: &PoolSnapshot, worker: u32) -> String {
+    snapshot.workers()[worker as usize]
+        .scrape
+        .last_error
+        .as_deref()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+// === healthy engines ===
+
+#[tokio::test]
+async fn a_vllm_worker_reports_its_queue_running_batch_and_kv_capacity() {
+    let engine = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 3, 7, 0.25)]))).await;
+    let mut pool = Pool::new(&config("vllm", QUICK, &[(engine.addr, "")]));
+    pool.scraper.round().await;
+
+    let snapshot = pool.snapshot();
+    let load = snapshot
+        .fresh_load(WorkerId(0), Instant::now())
+        .expect("fresh");
+    assert_eq!((load.waiting, load.running), (3, 7));
+    let capacity = snapshot.workers()[0].capacity;
+    assert_eq!(
+        capacity.max_total_tokens,
+        Some(16 * 1000),
+        "block_size x num_gpu_blocks"
+    );
+    assert_eq!(load.used_tokens, Some(4000), "kv usage x capacity");
+    assert_eq!(pool.scrapes(engine.addr, ScrapeOutcome::Ok), 1);
+    assert_eq!(*pool.load.rounds().borrow(), 1);
+}
+
+#[tokio::test]
+async fn data_parallel_ranks_are_summed_and_tensor_parallel_copies_ignored() {
+    let engine = FakeEngine::start(Mode::Body(TEXT, sglang_metrics(&[(0, 2, 5), (1, 4, 6)]))).await;
+    let mut pool = Pool::new(&config("sglang", QUICK, &[(engine.addr, ", dp_size: 2")]));
+    pool.scraper.round().await;
+
+    let snapshot = pool.snapshot();
+    let load = snapshot
+        .fresh_load(WorkerId(0), Instant::now())
+        .expect("fresh");
+    assert_eq!((load.waiting, load.running), (6, 11));
+    assert_eq!(load.used_tokens, Some(2000));
+    let capacity = snapshot.workers()[0].capacity;
+    assert_eq!(
+        (capacity.max_running, capacity.max_total_tokens),
+        (Some(256), Some(100_000))
+    );
+}
+
+#[tokio::test]
+async fn sglang_loads_json_carries_the_uncached_token_queue() {
+    let body = r#"{"loads": [
+        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_waiting_uncached_tokens": 900,
+         "num_used_tokens": 5000, "max_total_num_tokens": 60000, "max_running_requests": 64},
+        {"dp_rank": 1, "num_running_reqs": 2, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0,
+         "num_used_tokens": 100, "max_total_num_tokens": 60000, "max_running_requests": 64}
+    ]}"#;
+    let engine = FakeEngine::start(Mode::Body("application/json", body.to_owned())).await;
+    let mut pool = Pool::new(&config(
+        "sglang",
+        QUICK,
+        &[(engine.addr, ", dp_size: 2, load_source: loads")],
+    ));
+    pool.scraper.round().await;
+
+    let snapshot = pool.snapshot();
+    let load = snapshot
+        .fresh_load(WorkerId(0), Instant::now())
+        .expect("fresh");
+    assert_eq!(
+        (load.waiting, load.running, load.waiting_uncached_tokens),
+        (1, 5, Some(900))
+    );
+    assert_eq!(
+        snapshot.workers()[0].capacity.max_total_tokens,
+        Some(120_000)
+    );
+}
+
+#[tokio::test]
+async fn configured_capacity_overrides_what_the_engine_reports() {
+    let engine = FakeEngine::start(Mode::Body(TEXT, sglang_metrics(&[(0, 0, 1)]))).await;
+    let extra = ", max_running_requests: 9, max_total_tokens: 777";
+    let mut pool = Pool::new(&config("sglang", QUICK, &[(engine.addr, extra)]));
+    pool.scraper.round().await;
+    let capacity = pool.snapshot().workers()[0].capacity;
+    assert_eq!(
+        (capacity.max_running, capacity.max_total_tokens),
+        (Some(9), Some(777))
+    );
+}
+
+// === faults, each beside a healthy worker ===
+
+/// Scrapes a faulty engine next to a healthy one and returns the pool after one round.
+async fn one_round_beside_a_healthy_worker(
+    engine: &str,
+    faulty: SocketAddr,
+    extra: &str,
+) -> (Pool, FakeEngine) {
+    let healthy_body = if engine == "vllm" {
+        vllm_metrics(&[(0, 1, 1, 0.1)])
+    } else {
+        sglang_metrics(&[(0, 1, 1)])
+    };
+    let healthy = FakeEngine::start(Mode::Body(TEXT, healthy_body)).await;
+    let mut pool = Pool::new(&config(
+        engine,
+        QUICK,
+        &[(faulty, extra), (healthy.addr, "")],
+    ));
+    pool.scraper.round().await;
+    assert!(
+        is_fresh(&pool.snapshot(), 1),
+        "the healthy worker is unaffected"
+    );
+    assert!(
+        !is_fresh(&pool.snapshot(), 0),
+        "the faulty worker has no fresh reading"
+    );
+    (pool, healthy)
+}
+
+#[tokio::test]
+async fn a_worker_that_refuses_connections_is_a_connect_error() {
+    let addr = refused_addr();
+    let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", addr, "").await;
+    assert_eq!(pool.scrapes(addr, ScrapeOutcome::ConnectError), 1);
+    assert!(pool.snapshot().workers()[0].reading.is_none());
+}
+
+#[tokio::test]
+async fn a_worker_that_hangs_times_out_without_holding_up_the_round_longer() {
+    let engine = FakeEngine::start(Mode::Hang).await;
+    let started = Instant::now();
+    let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", engine.addr, "").await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "bounded by scrape_timeout"
+    );
+    assert_eq!(pool.scrapes(engine.addr, ScrapeOutcome::Timeout), 1);
+    assert!(last_error(&pool.snapshot(), 0).contains("timed out"));
+}
+
+#[tokio::test]
+async fn a_worker_answering_500_is_an_http_error() {
+    let engine = FakeEngine::start(Mode::Status(500)).await;
+    let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", engine.addr, "").await;
+    assert_eq!(pool.scrapes(engine.addr, ScrapeOutcome::HttpError), 1);
+    assert!(last_error(&pool.snapshot(), 0).contains("500"));
+}
+
+#[tokio::test]
+async fn a_worker_answering_html_or_garbage_is_a_parse_error() {
+    for body in [
+        "<html><body>Welcome to nginx!</body></html>",
+        "\u{0}\u{1}garbage{{{ 12 ab",
+        "",
+    ] {
+        let engine = FakeEngine::start(Mode::Body("text/html", body.to_owned())).await;
+        let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", engine.addr, "").await;
+        assert_eq!(
+            pool.scrapes(engine.addr, ScrapeOutcome::ParseError),
+            1,
+            "body {body:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_exposition_without_the_needed_series_is_a_parse_error() {
+    let other = "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n";
+    let engine = FakeEngine::start(Mode::Body(TEXT, other.to_owned())).await;
+    let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", engine.addr, "").await;
+    assert_eq!(pool.scrapes(engine.addr, ScrapeOutcome::ParseError), 1);
+    assert!(last_error(&pool.snapshot(), 0).contains("vllm:num_requests_waiting"));
+}
+
+#[tokio::test]
+async fn a_worker_missing_a_data_parallel_rank_has_no_fresh_reading() {
+    let engine = FakeEngine::start(Mode::Body(
+        TEXT,
+        vllm_metrics(&[(0, 0, 1, 0.1), (2, 0, 1, 0.1)]),
+    ))
+    .await;
+    let (pool, _healthy) =
+        one_round_beside_a_healthy_worker("vllm", engine.addr, ", dp_size: 3").await;
+    let snapshot = pool.snapshot();
+    let reading = snapshot.workers()[0].reading.expect("partial reading kept");
+    assert!(!reading.complete);
+    assert_eq!(pool.scrapes(engine.addr, ScrapeOutcome::Ok), 1);
+    assert!(
+        last_error(&snapshot, 0).contains("rank 1 missing"),
+        "{}",
+        last_error(&snapshot, 0)
+    );
+}
+
+#[tokio::test]
+async fn a_body_over_the_cap_is_abandoned_as_an_http_error() {
+    for declared in [true, false] {
+        let engine = FakeEngine::start(Mode::Huge {
+            size: 50 << 20,
+            declared,
+        })
+        .await;
+        let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", engine.addr, "").await;
+        assert_eq!(
+            pool.scrapes(engine.addr, ScrapeOutcome::HttpError),
+            1,
+            "declared length {declared}"
+        );
+        assert!(
+            last_error(&pool.snapshot(), 0).contains("cap"),
+            "{}",
+            last_error(&pool.snapshot(), 0)
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_rank_that_stops_reporting_ages_the_whole_reading_out() {
+    let engine = FakeEngine::start(Mode::Body(TEXT, sglang_metrics(&[(0, 1, 1), (1, 1, 1)]))).await;
+    let load = "scrape_interval: 100ms, scrape_timeout: 100ms, freshness: 300ms";
+    let mut pool = Pool::new(&config("sglang", load, &[(engine.addr, ", dp_size: 2")]));
+    pool.scraper.round().await;
+    assert!(is_fresh(&pool.snapshot(), 0));
+
+    engine.set(Mode::Body(TEXT, sglang_metrics(&[(0, 1, 1)])));
+    pool.scraper.round().await;
+    // Rank 1's sample from the first round still stands, so the reading is complete but as old as it.
+    let snapshot = pool.snapshot();
+    let reading = snapshot.workers()[0].reading.unwrap();
+    assert!(reading.complete);
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    pool.scraper.round().await;
+    assert!(
+        !is_fresh(&pool.snapshot(), 0),
+        "the oldest rank decides the age"
+    );
+}
+
+// === the periodic scraper ===
+
+async fn run_for(scraper: Scraper, wall: Duration, mut during: impl FnMut()) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(scraper.run(async {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + wall;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        during();
+    }
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(2), task)
+        .await
+        .expect("the scraper stops on shutdown")
+        .expect("no panic");
+}
+
+#[tokio::test]
+async fn a_hung_worker_never_delays_another_workers_sample() {
+    let hung = FakeEngine::start(Mode::Hang).await;
+    let healthy = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 0, 1, 0.1)]))).await;
+    let load = "scrape_interval: 100ms, scrape_timeout: 100ms, freshness: 500ms";
+    let pool = Pool::new(&config(
+        "vllm",
+        load,
+        &[(hung.addr, ""), (healthy.addr, "")],
+    ));
+    let state = Arc::clone(&pool.load);
+    let mut worst_age = Duration::ZERO;
+    let mut checks = 0;
+    run_for(pool.scraper, Duration::from_millis(1200), || {
+        let snapshot = state.snapshot();
+        if let Some(reading) = snapshot.workers()[1].reading
+            && snapshot.version > 2
+        {
+            worst_age =
+                worst_age.max(Instant::now().saturating_duration_since(reading.captured_at));
+            checks += 1;
+        }
+    })
+    .await;
+    assert!(checks > 20);
+    assert!(
+        worst_age < Duration::from_millis(300),
+        "healthy reading lagged {worst_age:?}"
+    );
+    assert!(
+        healthy.hits() >= 8,
+        "scraped every tick: {}",
+        healthy.hits()
+    );
+    let timeouts = pool
+        .metrics
+        .scrapes
+        .with_label_values(&["m", &hung.addr.to_string(), "timeout"])
+        .get();
+    assert!(timeouts >= 5, "timeouts {timeouts}");
+}
+
+#[tokio::test]
+async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_again() {
+    let engine = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 2, 2, 0.1)]))).await;
+    let load = "scrape_interval: 100ms, scrape_timeout: 100ms, freshness: 400ms";
+    let config = config("vllm", load, &[(engine.addr, "")]);
+    let pool = Pool::new(&config);
+    let state = Arc::clone(&pool.load);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(pool.scraper.run(async {
+        let _ = stopped.await;
+    }));
+
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(is_fresh(&state.snapshot(), 0));
+    state.dispatches().record(WorkerId(0));
+    state.dispatches().record(WorkerId(0));
+
+    engine.set(Mode::Status(503));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        state.dispatches().since_reading(WorkerId(0)),
+        2,
+        "no new reading, no reset"
+    );
+    // Stale within freshness (400ms) plus one interval of slack.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        !is_fresh(&state.snapshot(), 0),
+        "stale once freshness passed"
+    );
+    assert!(pool.metrics.workers_stale.with_label_values(&["m"]).get() == 1);
+
+    engine.set(Mode::Body(TEXT, vllm_metrics(&[(0, 5, 1, 0.1)])));
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let snapshot = state.snapshot();
+    assert_eq!(
+        snapshot
+            .fresh_load(WorkerId(0), Instant::now())
+            .map(|l| l.waiting),
+        Some(5)
+    );
+    assert_eq!(
+        state.dispatches().since_reading(WorkerId(0)),
+        0,
+        "a new reading covers what was sent"
+    );
+    assert_eq!(
+        pool.metrics.workers_fresh.with_label_values(&["m"]).get(),
+        1
+    );
+    let errors = pool
+        .metrics
+        .scrapes
+        .with_label_values(&["m", &engine.addr.to_string(), "http_error"])
+        .get();
+    assert!(errors >= 3, "http errors {errors}");
+
+    let _ = stop.send(());
+    task.await.unwrap();
+}
