@@ -3,9 +3,11 @@
 //! # Layout
 //! - [`config`]: the YAML file and CLI overrides, validated in one place into typed configuration.
 //! - [`worker`]: worker identity (`WorkerId`, role, engine) shared by every other module.
-//! - [`load`]: the immutable per-pool load snapshot and router-local dispatch counts.
+//! - [`load`]: scraping worker load into immutable per-pool snapshots; router-local dispatch counts.
+//! - [`metrics`]: cachepick's own Prometheus metrics, defined in one place.
 //! - [`policy`]: the pure routing decision (queue gate, saturation pin, off-owner sampling).
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
+//! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
 //!
 //! `ARCHITECTURE.md` at the repository root holds the code map and the invariants.
@@ -13,9 +15,11 @@
 // `clippy.toml` bans clock reads; the modules that decide (`policy`) deny them, the I/O edges may read it.
 #![allow(clippy::disallowed_methods)]
 
+pub mod admin;
 pub mod app;
 pub mod config;
 pub mod extproc;
 pub mod load;
+pub mod metrics;
 pub mod policy;
 pub mod worker;

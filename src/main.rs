@@ -29,6 +29,17 @@ enum Command {
     Serve(ConfigArgs),
     /// Validate the configuration and print the effective configuration as YAML.
     Check(ConfigArgs),
+    /// Scrape every worker and print what cachepick sees: each worker's reading, and fresh or why not.
+    Snapshot {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Scrape rounds to run, `load.scrape_interval` apart.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        rounds: u32,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// The configuration file and the flags that override it.
@@ -70,7 +81,9 @@ impl ConfigArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let args = match &cli.command {
-        Command::Serve(args) | Command::Check(args) => args,
+        Command::Serve(args) | Command::Check(args) | Command::Snapshot { config: args, .. } => {
+            args
+        }
     };
     let config = match args.load() {
         Ok(config) => config,
@@ -85,6 +98,7 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Serve(_) => serve(&config),
+        Command::Snapshot { rounds, json, .. } => snapshot(&config, rounds, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -104,6 +118,17 @@ fn serve(config: &Config) -> anyhow::Result<()> {
         .init();
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(cachepick::app::run(config, shutdown_signal()))?;
+    Ok(())
+}
+
+fn snapshot(config: &Config, rounds: u32, json: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let pools = runtime.block_on(cachepick::app::snapshot(config, rounds.max(1)))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&pools)?);
+    } else {
+        print!("{}", cachepick::load::render_table(&pools));
+    }
     Ok(())
 }
 

@@ -1,11 +1,15 @@
 //! The `cachepick` binary as an operator runs it: real processes, real files, real sockets.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use tonic_health::pb::HealthCheckRequest;
+
+use support::engine::{FakeEngine, Mode, refused_addr, vllm_metrics};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -172,6 +176,8 @@ pools:
             config.path().to_str().unwrap(),
             "--listen",
             "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
         ])
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
@@ -184,13 +190,20 @@ pools:
     // The log names the address actually bound.
     let stdout = server.0.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
-    let addr = loop {
+    let field = |line: &str, name: &str| {
+        line.split(&format!(" {name}="))
+            .nth(1)
+            .map(|rest| rest.split_whitespace().next().unwrap().to_owned())
+    };
+    let (addr, metrics_addr) = loop {
         let line = lines
             .next()
             .expect("serve logs its address")
             .expect("log line");
-        if let Some(rest) = line.split("listen=").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_owned();
+        if let (Some(addr), Some(metrics)) =
+            (field(&line, "listen"), field(&line, "metrics_listen"))
+        {
+            break (addr, metrics);
         }
     };
 
@@ -219,6 +232,31 @@ pools:
         );
     });
 
+    // Prometheus on metrics_listen, with the scraper's counters for the configured (unreachable) worker.
+    let metrics = std::thread::spawn(move || {
+        for _ in 0..50 {
+            let text = http_get(&metrics_addr, "/metrics");
+            if text.contains("cachepick_workers_stale") {
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("no scrape gauges on /metrics");
+    })
+    .join()
+    .unwrap();
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(
+        metrics.contains(
+            r#"cachepick_scrapes_total{outcome="connect_error",pool="m",worker="127.0.0.1:1"}"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"cachepick_workers_stale{pool="m"} 1"#),
+        "{metrics}"
+    );
+
     let pid = server.0.id().to_string();
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());
@@ -227,4 +265,68 @@ pools:
         status.success(),
         "serve exits cleanly on SIGTERM: {status:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_shows_what_cachepick_sees_of_each_worker() {
+    let engine = FakeEngine::start(Mode::Body("text/plain", vllm_metrics(&[(0, 3, 5, 0.5)]))).await;
+    let down = refused_addr();
+    let config = write_config(&format!(
+        "load: {{scrape_interval: 200ms, scrape_timeout: 100ms, freshness: 1s}}\n\
+         pools:\n  - model: m\n    engine: vllm\n    workers:\n\
+         \x20     - endpoint: \"{}\"\n      - endpoint: \"{down}\"\n",
+        engine.addr
+    ));
+    let path = config.path().to_str().unwrap().to_owned();
+    let output = tokio::task::spawn_blocking(move || {
+        cachepick(&["snapshot", "--config", &path, "--rounds", "2", "--json"])
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let pools: serde_json::Value = serde_json::from_str(&stdout(&output)).expect("JSON output");
+    let workers = &pools[0]["workers"];
+    assert_eq!(workers[0]["fresh"], true);
+    assert_eq!(workers[0]["waiting"], 3);
+    assert_eq!(workers[0]["running"], 5);
+    assert_eq!(workers[0]["max_total_tokens"], 16000);
+    assert_eq!(workers[0]["scrapes"], 2);
+    assert_eq!(workers[1]["fresh"], false);
+    assert_eq!(workers[1]["last_outcome"], "connect_error");
+    assert!(
+        workers[1]["why_not_fresh"]
+            .as_str()
+            .unwrap()
+            .contains("no reading yet")
+    );
+    assert_eq!(engine.hits(), 2, "one request per round");
+
+    let path = config.path().to_str().unwrap().to_owned();
+    let table = tokio::task::spawn_blocking(move || cachepick(&["snapshot", "--config", &path]))
+        .await
+        .unwrap();
+    let table = stdout(&table);
+    assert!(table.contains("WAITING"), "{table}");
+    assert!(table.contains(&format!("{down}")), "{table}");
+    assert!(
+        table.contains("no: no reading yet: cannot connect"),
+        "{table}"
+    );
+}
+
+/// A plain HTTP/1.1 GET over a fresh connection; returns the whole response.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read response");
+    response
 }
