@@ -279,3 +279,95 @@ pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError
     }
     Ok(Report { ranks, malformed })
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+    use super::*;
+
+    #[test]
+    fn vllm_falls_back_to_the_deprecated_kv_usage_name() {
+        let text = "vllm:num_requests_waiting 1\nvllm:num_requests_running 2\nvllm:gpu_cache_usage_perc 0.5\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1\n";
+        let report = from_metrics(Engine::Vllm, text, 1).unwrap();
+        let rank = report.ranks[0].unwrap();
+        assert_eq!(
+            (rank.kv_usage, rank.used_tokens, rank.max_total_tokens),
+            (Some(0.5), Some(800), Some(1600))
+        );
+    }
+
+    #[test]
+    fn the_current_kv_usage_name_wins_over_the_deprecated_one_in_either_order() {
+        for text in [
+            "vllm:gpu_cache_usage_perc 0.9\nvllm:kv_cache_usage_perc 0.2\n",
+            "vllm:kv_cache_usage_perc 0.2\nvllm:gpu_cache_usage_perc 0.9\n",
+        ] {
+            let text = format!("vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n{text}");
+            let report = from_metrics(Engine::Vllm, &text, 1).unwrap();
+            assert_eq!(report.ranks[0].unwrap().kv_usage, Some(0.2));
+        }
+    }
+
+    #[test]
+    fn a_rank_outside_dp_size_or_a_negative_gauge_is_counted_as_malformed() {
+        let text = "sglang:num_queue_reqs{dp_rank=\"0\"} 1\nsglang:num_running_reqs{dp_rank=\"0\"} 1\n\
+                    sglang:num_queue_reqs{dp_rank=\"7\"} 1\nsglang:num_running_reqs{dp_rank=\"x\"} 1\n\
+                    sglang:num_used_tokens{dp_rank=\"0\"} -5\n";
+        let report = from_metrics(Engine::Sglang, text, 1).unwrap();
+        assert_eq!(report.malformed, 3);
+        assert_eq!(report.ranks[0].unwrap().used_tokens, None);
+    }
+
+    #[test]
+    fn sglang_capacity_comes_from_cache_config_info_when_the_gauge_is_missing() {
+        let text = "sglang:num_queue_reqs 0\nsglang:num_running_reqs 0\nsglang:token_usage 0.25\n\
+                    sglang:cache_config_info{page_size=\"1\",num_pages=\"4000\"} 1\n";
+        let rank = from_metrics(Engine::Sglang, text, 1).unwrap().ranks[0].unwrap();
+        assert_eq!(
+            (rank.max_total_tokens, rank.used_tokens),
+            (Some(4000), Some(1000))
+        );
+    }
+
+    #[test]
+    fn a_rank_missing_either_count_is_absent_and_none_at_all_is_an_error() {
+        let text = "vllm:num_requests_waiting{engine=\"0\"} 1\nvllm:num_requests_running{engine=\"0\"} 1\n\
+                    vllm:num_requests_waiting{engine=\"1\"} 1\n";
+        let report = from_metrics(Engine::Vllm, text, 2).unwrap();
+        assert!(report.ranks[0].is_some() && report.ranks[1].is_none());
+        assert!(matches!(
+            from_metrics(Engine::Vllm, "vllm:num_requests_waiting 1\n", 1),
+            Err(ExtractError::MissingSeries { .. })
+        ));
+    }
+
+    #[test]
+    fn loads_json_is_read_bare_or_wrapped_and_positions_stand_in_for_missing_ranks() {
+        let bare = br#"[{"num_waiting_reqs": 2, "num_running_reqs": 1}, {"num_waiting_reqs": 3, "num_running_reqs": 4}]"#;
+        let report = from_loads_json(bare, 2).unwrap();
+        assert_eq!(report.ranks[1].unwrap().waiting, 3);
+        let wrapped = br#"{"loads": [{"dp_rank": 1, "num_waiting_reqs": 5, "num_running_reqs": 0}], "version": 2}"#;
+        let report = from_loads_json(wrapped, 2).unwrap();
+        assert!(report.ranks[0].is_none());
+        assert_eq!(report.ranks[1].unwrap().waiting, 5);
+    }
+
+    #[test]
+    fn loads_json_duplicates_and_incomplete_entries_are_malformed_and_garbage_is_an_error() {
+        let body = br#"[{"dp_rank": 0, "num_waiting_reqs": 1, "num_running_reqs": 1},
+                        {"dp_rank": 0, "num_waiting_reqs": 9, "num_running_reqs": 9},
+                        {"dp_rank": 1, "num_waiting_reqs": 1}]"#;
+        let report = from_loads_json(body, 2).unwrap();
+        assert_eq!((report.ranks[0].unwrap().waiting, report.malformed), (1, 2));
+        assert!(matches!(
+            from_loads_json(b"<html>", 1),
+            Err(ExtractError::Json(_))
+        ));
+        assert!(matches!(
+            from_loads_json(b"[]", 1),
+            Err(ExtractError::MissingSeries { .. })
+        ));
+    }
+}
