@@ -1,9 +1,18 @@
 //! cachepick's own Prometheus metrics, defined and registered in one place.
 //!
 //! Components receive a shared [`Metrics`] and update the handles they own; label values come from
-//! enums (`ScrapeOutcome::as_str`, `Reason::as_str`) so the label sets stay bounded.
+//! enums (`ScrapeOutcome::as_str`, `Reason::as_str`) so the label sets stay bounded. Gauges that describe
+//! the current load snapshots are computed when `/metrics` is read, so they stay true even if a scraper
+//! stalls.
 
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{Encoder, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use crate::load::PoolLoad;
 
 /// Every metric cachepick exports.
 #[derive(Clone, Debug)]
@@ -11,29 +20,28 @@ pub struct Metrics {
     registry: Registry,
     /// `cachepick_scrapes_total{pool,worker,outcome}`.
     pub scrapes: IntCounterVec,
-    /// `cachepick_worker_reading_age_seconds{pool,worker}`: age of the oldest rank of the current reading,
-    /// as of the end of the last scrape round; absent until a worker's first reading.
-    pub reading_age: GaugeVec,
+    load: Arc<LoadGauges>,
+}
+
+/// Gauges read off the current snapshots of every watched pool at collection time.
+#[derive(Debug)]
+struct LoadGauges {
+    /// `cachepick_worker_reading_age_seconds{pool,worker}`: age of the reading's oldest DP rank; absent
+    /// until a worker's first reading.
+    reading_age: GaugeVec,
     /// `cachepick_workers_fresh{pool}` / `cachepick_workers_stale{pool}`.
-    pub workers_fresh: IntGaugeVec,
-    pub workers_stale: IntGaugeVec,
+    workers_fresh: IntGaugeVec,
+    workers_stale: IntGaugeVec,
+    pools: Mutex<Vec<Arc<PoolLoad>>>,
 }
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
-        let metrics = Metrics {
-            registry: Registry::new(),
-            scrapes: IntCounterVec::new(
-                Opts::new(
-                    "cachepick_scrapes_total",
-                    "Load scrapes of each worker, by outcome (ok, timeout, http_error, parse_error, connect_error).",
-                ),
-                &["pool", "worker", "outcome"],
-            )?,
+        let load = Arc::new(LoadGauges {
             reading_age: GaugeVec::new(
                 Opts::new(
                     "cachepick_worker_reading_age_seconds",
-                    "Age of each worker's current load reading (its oldest DP rank), at the end of the last scrape round.",
+                    "Age of each worker's current load reading (its oldest DP rank).",
                 ),
                 &["pool", "worker"],
             )?,
@@ -51,20 +59,33 @@ impl Metrics {
                 ),
                 &["pool"],
             )?,
+            pools: Mutex::new(Vec::new()),
+        });
+        let metrics = Metrics {
+            registry: Registry::new(),
+            scrapes: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_scrapes_total",
+                    "Load scrapes of each worker, by outcome (ok, timeout, http_error, parse_error, connect_error).",
+                ),
+                &["pool", "worker", "outcome"],
+            )?,
+            load,
         };
         metrics
             .registry
             .register(Box::new(metrics.scrapes.clone()))?;
         metrics
             .registry
-            .register(Box::new(metrics.reading_age.clone()))?;
-        metrics
-            .registry
-            .register(Box::new(metrics.workers_fresh.clone()))?;
-        metrics
-            .registry
-            .register(Box::new(metrics.workers_stale.clone()))?;
+            .register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
         Ok(metrics)
+    }
+
+    /// Reports `pool`'s freshness gauges from now on.
+    pub fn watch_pool(&self, pool: Arc<PoolLoad>) {
+        if let Ok(mut pools) = self.load.pools.lock() {
+            pools.push(pool);
+        }
     }
 
     pub fn registry(&self) -> &Registry {
@@ -80,6 +101,62 @@ impl Metrics {
     }
 }
 
+impl LoadGauges {
+    fn refresh(&self, now: Instant) {
+        let Ok(pools) = self.pools.lock() else {
+            return;
+        };
+        self.reading_age.reset();
+        for pool in pools.iter() {
+            let snapshot = pool.snapshot();
+            let mut fresh = 0_i64;
+            for worker in snapshot.workers() {
+                let Some(reading) = &worker.reading else {
+                    continue;
+                };
+                let age = now.saturating_duration_since(reading.captured_at);
+                let endpoint = worker.endpoint.to_string();
+                self.reading_age
+                    .with_label_values(&[pool.label(), endpoint.as_str()])
+                    .set(age.as_secs_f64());
+                if snapshot.is_fresh(reading, now) {
+                    fresh += 1;
+                }
+            }
+            let total = i64::try_from(snapshot.workers().len()).unwrap_or(i64::MAX);
+            self.workers_fresh
+                .with_label_values(&[pool.label()])
+                .set(fresh);
+            self.workers_stale
+                .with_label_values(&[pool.label()])
+                .set(total.saturating_sub(fresh));
+        }
+    }
+}
+
+/// Registers the shared gauges with the registry while `Metrics` keeps its handle to watch pools.
+#[derive(Debug)]
+struct SharedCollector(Arc<LoadGauges>);
+
+impl Collector for SharedCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        let gauges = &self.0;
+        let mut descs = gauges.reading_age.desc();
+        descs.extend(gauges.workers_fresh.desc());
+        descs.extend(gauges.workers_stale.desc());
+        descs
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let gauges = &self.0;
+        gauges.refresh(Instant::now());
+        let mut families = gauges.reading_age.collect();
+        families.extend(gauges.workers_fresh.collect());
+        families.extend(gauges.workers_stale.collect());
+        families
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,11 +168,9 @@ mod tests {
             .scrapes
             .with_label_values(&["m", "127.0.0.1:1", "ok"])
             .inc();
-        metrics.workers_fresh.with_label_values(&["m"]).set(1);
         let text = metrics.render();
         assert!(text.contains(
             "cachepick_scrapes_total{outcome=\"ok\",pool=\"m\",worker=\"127.0.0.1:1\"} 1"
         ));
-        assert!(text.contains("cachepick_workers_fresh{pool=\"m\"} 1"));
     }
 }

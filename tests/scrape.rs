@@ -336,7 +336,7 @@ async fn run_for(scraper: Scraper, wall: Duration, mut during: impl FnMut()) {
 async fn a_hung_worker_never_delays_another_workers_sample() {
     let hung = FakeEngine::start(Mode::Hang).await;
     let healthy = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 0, 1, 0.1)]))).await;
-    let load = "scrape_interval: 100ms, scrape_timeout: 100ms, freshness: 500ms";
+    let load = "scrape_interval: 100ms, scrape_timeout: 50ms, freshness: 500ms";
     let pool = Pool::new(&config(
         "vllm",
         load,
@@ -404,7 +404,11 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
         !is_fresh(&state.snapshot(), 0),
         "stale once freshness passed"
     );
-    assert!(pool.metrics.workers_stale.with_label_values(&["m"]).get() == 1);
+    assert!(
+        pool.metrics
+            .render()
+            .contains("cachepick_workers_stale{pool=\"m\"} 1")
+    );
 
     engine.set(Mode::Body(TEXT, vllm_metrics(&[(0, 5, 1, 0.1)])));
     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -420,9 +424,10 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
         0,
         "a new reading covers what was sent"
     );
-    assert_eq!(
-        pool.metrics.workers_fresh.with_label_values(&["m"]).get(),
-        1
+    assert!(
+        pool.metrics
+            .render()
+            .contains("cachepick_workers_fresh{pool=\"m\"} 1")
     );
     let errors = pool
         .metrics
@@ -431,6 +436,93 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
         .get();
     assert!(errors >= 3, "http errors {errors}");
 
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn requests_dispatched_while_a_scrape_is_in_flight_stay_counted() {
+    let body = vllm_metrics(&[(0, 0, 0, 0.1)]);
+    let engine = FakeEngine::start(Mode::Slow(Duration::from_millis(80), body)).await;
+    let mut pool = Pool::new(&config("vllm", QUICK, &[(engine.addr, "")]));
+    let load = Arc::clone(&pool.load);
+    load.dispatches().record(WorkerId(0));
+    let scraping = pool.scraper.round();
+    let dispatching = async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        for _ in 0..5 {
+            load.dispatches().record(WorkerId(0));
+        }
+    };
+    tokio::join!(scraping, dispatching);
+    assert!(is_fresh(&pool.snapshot(), 0));
+    assert_eq!(
+        load.dispatches().since_reading(WorkerId(0)),
+        5,
+        "the one sent before the scrape is covered by it; the five sent during it are not"
+    );
+}
+
+#[tokio::test]
+async fn failing_workers_queue_behind_healthy_ones_for_scrape_slots() {
+    let mut hung = Vec::new();
+    for _ in 0..4 {
+        hung.push(FakeEngine::start(Mode::Hang).await);
+    }
+    let healthy = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 0, 1, 0.1)]))).await;
+    let load =
+        "scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s, max_concurrent_scrapes: 2";
+    let mut workers: Vec<(SocketAddr, &str)> =
+        hung.iter().map(|engine| (engine.addr, "")).collect();
+    workers.push((healthy.addr, ""));
+    let pool = Pool::new(&config("vllm", load, &workers));
+    let state = Arc::clone(&pool.load);
+    let mut worst_age = Duration::ZERO;
+    run_for(pool.scraper, Duration::from_millis(1500), || {
+        let snapshot = state.snapshot();
+        if let Some(reading) = snapshot.workers()[4].reading {
+            worst_age =
+                worst_age.max(Instant::now().saturating_duration_since(reading.captured_at));
+        }
+    })
+    .await;
+    // Once the hung workers have failed once, the healthy one is first in line every tick.
+    assert!(
+        healthy.hits() >= 6,
+        "healthy worker scraped {} times",
+        healthy.hits()
+    );
+    assert!(
+        worst_age < Duration::from_millis(600),
+        "healthy reading lagged {worst_age:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_fresh_worker_that_starts_hanging_goes_stale_within_freshness_and_spares_the_other() {
+    let flaky = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 1, 1, 0.1)]))).await;
+    let steady = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 1, 1, 0.1)]))).await;
+    let load = "scrape_interval: 100ms, scrape_timeout: 50ms, freshness: 300ms";
+    let pool = Pool::new(&config(
+        "vllm",
+        load,
+        &[(flaky.addr, ""), (steady.addr, "")],
+    ));
+    let state = Arc::clone(&pool.load);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(pool.scraper.run(async {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(is_fresh(&state.snapshot(), 0) && is_fresh(&state.snapshot(), 1));
+
+    flaky.set(Mode::Hang);
+    // freshness (300ms) plus one interval of slack.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let snapshot = state.snapshot();
+    assert!(!is_fresh(&snapshot, 0), "a hung worker's reading ages out");
+    assert!(is_fresh(&snapshot, 1), "the other worker is unaffected");
+    assert!(last_error(&snapshot, 0).contains("timed out"));
     let _ = stop.send(());
     task.await.unwrap();
 }

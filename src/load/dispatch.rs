@@ -6,8 +6,8 @@ use super::snapshot::DispatchCounts;
 use crate::worker::WorkerId;
 
 /// One counter per worker of a pool. The request path increments it after each decision; the scraper
-/// clears it when a newer complete reading arrives, since the engine's own numbers then include what was
-/// sent. Relaxed ordering suffices: each counter is an independent estimate, never a synchronisation
+/// subtracts what had been sent when a newer complete reading was requested, since the engine's numbers
+/// then include those requests. Relaxed ordering suffices: each counter is an independent estimate, never a synchronisation
 /// point.
 #[derive(Debug)]
 pub struct DispatchTable {
@@ -28,10 +28,13 @@ impl DispatchTable {
         }
     }
 
-    /// Forgets what was sent to `id`: a newer reading covers it.
-    pub fn reset(&self, id: WorkerId) {
-        if let Some(count) = self.counts.get(id.index()) {
-            count.store(0, Ordering::Relaxed);
+    /// Forgets `count` requests sent to `id`: a newer reading covers them. Requests sent since that
+    /// reading was requested stay counted.
+    pub fn forget(&self, id: WorkerId, count: u64) {
+        if let Some(slot) = self.counts.get(id.index()) {
+            let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
+                Some(current.saturating_sub(count))
+            });
         }
     }
 }

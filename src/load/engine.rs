@@ -1,10 +1,13 @@
 //! What each engine reports, read into per-rank load samples.
 //!
 //! vLLM and SGLang name their gauges differently and label data-parallel ranks differently (vLLM's
-//! `engine`, SGLang's `dp_rank`); tensor-parallel ranks repeat the same numbers, so only `tp_rank` 0 (or
-//! an unlabelled series) is read. A series without a rank label is rank 0: a worker configured with
-//! `dp_size > 1` whose engine publishes one aggregate series therefore never has a complete reading,
-//! which is the honest answer — configure `dp_size: 1` for such an engine.
+//! `engine`, SGLang's `dp_rank`). Within one DP rank, tensor- and pipeline-parallel schedulers repeat the
+//! same numbers — under DP attention SGLang labels each with its global `tp_rank`, so rank 1 of a tp=4,
+//! dp=2 server reports as `tp_rank` 2 and 3 — and the series with the lowest `(tp_rank, pp_rank)` is read.
+//! A series without a rank label is rank 0: a worker configured with `dp_size > 1` whose engine
+//! publishes one aggregate series therefore never has a complete reading, which is the honest answer —
+//! configure `dp_size: 1` for such an engine. A rank at or beyond `dp_size` is an error rather than
+//! something to skip: dropping it would make a worker with a too-small `dp_size` look idler than it is.
 #![deny(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -50,6 +53,11 @@ pub enum ExtractError {
     },
     #[error("invalid /v1/loads JSON: {0}")]
     Json(String),
+    #[error(
+        "reports data-parallel rank {rank} but dp_size is {dp_size}: set dp_size to the number of ranks \
+         this endpoint reports"
+    )]
+    UnexpectedRank { rank: u64, dp_size: u32 },
 }
 
 /// The series names of one engine's `/metrics`.
@@ -112,17 +120,29 @@ impl Names {
     }
 }
 
+/// Which copy of a rank's numbers a series is: `(tp_rank, pp_rank)`, absent labels as 0. The lowest wins.
+type Replica = (u64, u64);
+
+/// A value and the copy it came from; a lower-ordered copy replaces it.
+type Kept<T> = Option<(Replica, T)>;
+
+fn keep<T>(field: &mut Kept<T>, replica: Replica, value: T) {
+    if field.as_ref().is_none_or(|(kept, _)| replica < *kept) {
+        *field = Some((replica, value));
+    }
+}
+
 /// Per-rank values gathered from the series, before the required ones are checked.
 #[derive(Clone, Copy, Debug, Default)]
 struct Partial {
-    waiting: Option<u64>,
-    running: Option<u64>,
-    used_tokens: Option<u64>,
-    /// (priority in `kv_usage`, value): a lower priority index wins.
-    kv_usage: Option<(usize, f64)>,
-    max_total_tokens: Option<u64>,
-    cache_info_tokens: Option<u64>,
-    max_running: Option<u64>,
+    waiting: Kept<u64>,
+    running: Kept<u64>,
+    used_tokens: Kept<u64>,
+    /// Keyed by the name's position in `kv_usage` first: the current name beats the deprecated one.
+    kv_usage: Option<((usize, Replica), f64)>,
+    max_total_tokens: Kept<u64>,
+    cache_info_tokens: Kept<u64>,
+    max_running: Kept<u64>,
 }
 
 /// Reads an engine's Prometheus exposition into the ranks `0..dp_size`.
@@ -132,18 +152,25 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
     let mut samples = prom::samples(text, |name| names.wants(name));
     let mut malformed = 0;
     for sample in samples.by_ref() {
-        if sample.label("tp_rank").is_some_and(|rank| rank != "0") {
-            continue;
-        }
-        let rank = names
-            .rank_labels
-            .iter()
-            .find_map(|label| sample.label(label))
-            .map_or(Some(0), |rank| rank.parse::<usize>().ok());
-        let Some(slot) = rank.and_then(|rank| partial.get_mut(rank)) else {
-            malformed += 1;
-            continue;
+        let number = |label: &str| sample.label(label).map(|value| value.parse::<u64>().ok());
+        let rank = match names.rank_labels.iter().find_map(|label| number(label)) {
+            None => 0,
+            Some(Some(rank)) => rank,
+            Some(None) => {
+                malformed += 1;
+                continue;
+            }
         };
+        let Some(slot) = usize::try_from(rank)
+            .ok()
+            .and_then(|rank| partial.get_mut(rank))
+        else {
+            return Err(ExtractError::UnexpectedRank { rank, dp_size });
+        };
+        let replica = (
+            number("tp_rank").flatten().unwrap_or(0),
+            number("pp_rank").flatten().unwrap_or(0),
+        );
         let name = sample.name;
         if name == names.cache_info {
             let (a, b) = names.cache_info_labels;
@@ -152,12 +179,15 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
                 .and_then(|v| v.parse::<u64>().ok())
                 .zip(sample.label(b).and_then(|v| v.parse::<u64>().ok()))
                 .map(|(a, b)| a.saturating_mul(b));
-            slot.cache_info_tokens = slot.cache_info_tokens.or(product);
+            if let Some(tokens) = product {
+                keep(&mut slot.cache_info_tokens, replica, tokens);
+            }
             continue;
         }
         if let Some(priority) = names.kv_usage.iter().position(|n| *n == name) {
-            if sample.value.is_finite() && slot.kv_usage.is_none_or(|(p, _)| priority < p) {
-                slot.kv_usage = Some((priority, sample.value.clamp(0.0, 1.0)));
+            let key = (priority, replica);
+            if sample.value.is_finite() && slot.kv_usage.is_none_or(|(kept, _)| key < kept) {
+                slot.kv_usage = Some((key, sample.value.clamp(0.0, 1.0)));
             }
             continue;
         }
@@ -176,8 +206,8 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
         } else {
             &mut slot.max_running
         };
-        // Several series for one rank (another model name, say): the first is kept.
-        field.get_or_insert(count);
+        // Several series of one copy (another model name, say): the first is kept.
+        keep(field, replica, count);
     }
     malformed += samples.malformed();
 
@@ -192,20 +222,21 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
 }
 
 fn complete_rank(partial: &Partial) -> Option<RankLoad> {
-    let max_total_tokens = partial.max_total_tokens.or(partial.cache_info_tokens);
+    let value = |kept: Kept<u64>| kept.map(|(_, value)| value);
+    let max_total_tokens = value(partial.max_total_tokens).or(value(partial.cache_info_tokens));
     let kv_usage = partial.kv_usage.map(|(_, usage)| usage);
-    let used_tokens = partial.used_tokens.or_else(|| {
+    let used_tokens = value(partial.used_tokens).or_else(|| {
         let (usage, capacity) = kv_usage.zip(max_total_tokens)?;
         Some((usage * capacity as f64).round() as u64)
     });
     Some(RankLoad {
-        waiting: partial.waiting?,
-        running: partial.running?,
+        waiting: value(partial.waiting)?,
+        running: value(partial.running)?,
         waiting_uncached_tokens: None,
         used_tokens,
         kv_usage,
         max_total_tokens,
-        max_running: partial.max_running,
+        max_running: value(partial.max_running),
     })
 }
 
@@ -246,9 +277,11 @@ pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError
     let mut ranks = vec![None; dp_size as usize];
     let mut malformed = 0;
     for (position, entry) in entries.iter().enumerate() {
-        let rank = entry
-            .dp_rank
-            .map_or(position, |rank| usize::try_from(rank).unwrap_or(usize::MAX));
+        let rank = entry.dp_rank.unwrap_or(position as u64);
+        if rank >= u64::from(dp_size) {
+            return Err(ExtractError::UnexpectedRank { rank, dp_size });
+        }
+        let rank = usize::try_from(rank).unwrap_or(usize::MAX);
         let load = entry
             .num_waiting_reqs
             .and_then(count)
@@ -311,13 +344,54 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_outside_dp_size_or_a_negative_gauge_is_counted_as_malformed() {
+    fn an_unreadable_rank_or_a_negative_gauge_is_counted_as_malformed() {
         let text = "sglang:num_queue_reqs{dp_rank=\"0\"} 1\nsglang:num_running_reqs{dp_rank=\"0\"} 1\n\
-                    sglang:num_queue_reqs{dp_rank=\"7\"} 1\nsglang:num_running_reqs{dp_rank=\"x\"} 1\n\
-                    sglang:num_used_tokens{dp_rank=\"0\"} -5\n";
+                    sglang:num_running_reqs{dp_rank=\"x\"} 1\nsglang:num_used_tokens{dp_rank=\"0\"} -5\n";
         let report = from_metrics(Engine::Sglang, text, 1).unwrap();
-        assert_eq!(report.malformed, 3);
+        assert_eq!(report.malformed, 2);
         assert_eq!(report.ranks[0].unwrap().used_tokens, None);
+    }
+
+    #[test]
+    fn a_rank_beyond_dp_size_is_an_error_not_a_partial_load() {
+        let text = "vllm:num_requests_waiting{engine=\"0\"} 1\nvllm:num_requests_running{engine=\"0\"} 1\n\
+                    vllm:num_requests_waiting{engine=\"1\"} 50\nvllm:num_requests_running{engine=\"1\"} 1\n";
+        let error = from_metrics(Engine::Vllm, text, 1).unwrap_err();
+        assert_eq!(
+            error,
+            ExtractError::UnexpectedRank {
+                rank: 1,
+                dp_size: 1
+            }
+        );
+        assert!(error.to_string().contains("set dp_size"));
+        let json = br#"[{"dp_rank": 3, "num_waiting_reqs": 1, "num_running_reqs": 1}]"#;
+        assert!(matches!(
+            from_loads_json(json, 2),
+            Err(ExtractError::UnexpectedRank {
+                rank: 3,
+                dp_size: 2
+            })
+        ));
+    }
+
+    #[test]
+    fn under_dp_attention_each_rank_is_read_from_its_lowest_tensor_parallel_scheduler() {
+        // tp=4, dp=2 with DP attention: rank 1's schedulers carry global tp_rank 2 and 3.
+        let mut text = String::new();
+        for (dp, tp, queued) in [(1, 3, 9), (0, 0, 2), (0, 1, 2), (1, 2, 5)] {
+            let labels = format!("dp_rank=\"{dp}\",tp_rank=\"{tp}\"");
+            text.push_str(&format!(
+                "sglang:num_queue_reqs{{{labels}}} {queued}\nsglang:num_running_reqs{{{labels}}} 1\n"
+            ));
+        }
+        let report = from_metrics(Engine::Sglang, &text, 2).unwrap();
+        assert_eq!(report.ranks[0].unwrap().waiting, 2);
+        assert_eq!(
+            report.ranks[1].unwrap().waiting,
+            5,
+            "tp_rank 2 wins over 3 in any order"
+        );
     }
 
     #[test]

@@ -28,6 +28,7 @@ use tokio::time::MissedTickBehavior;
 
 use super::dispatch::DispatchTable;
 use super::engine::{self, ExtractError, RankLoad, Report};
+use super::snapshot::DispatchCounts;
 use super::snapshot::{Capacity, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome, WorkerState};
 use crate::config::{LoadConfig, LoadSource, ModelMatch, PoolConfig};
 use crate::metrics::Metrics;
@@ -145,7 +146,6 @@ struct Tracked {
     in_flight: bool,
     /// `cachepick_scrapes_total` for this worker, one handle per outcome (in `ScrapeOutcome::ALL` order).
     counters: Vec<IntCounter>,
-    reading_age: prometheus::Gauge,
 }
 
 /// What a request needs to know about its worker; shared with the in-flight future.
@@ -156,7 +156,8 @@ struct Target {
     dp_size: u32,
 }
 
-type Fetched = (usize, u64, Instant, Result<Report, ScrapeError>);
+/// A finished request: worker index, round, when it was sent, the dispatch count at that moment, result.
+type Fetched = (usize, u64, Instant, u64, Result<Report, ScrapeError>);
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -167,9 +168,10 @@ pub struct Scraper {
     client: HttpClient,
     config: LoadConfig,
     limiter: Arc<Semaphore>,
-    metrics: Arc<Metrics>,
     version: u64,
+    /// Rounds started, which tags each request.
     round: u64,
+    completed_rounds: u64,
     last_blind_warning: Option<Instant>,
 }
 
@@ -213,9 +215,6 @@ impl Scraper {
                             ])
                         })
                         .collect(),
-                    reading_age: metrics
-                        .reading_age
-                        .with_label_values(&[label.as_str(), endpoint.as_str()]),
                 }
             })
             .collect();
@@ -226,23 +225,47 @@ impl Scraper {
             .pool_idle_timeout(config.scrape_interval.saturating_mul(4))
             .pool_max_idle_per_host(1)
             .build(connector);
+        metrics.watch_pool(Arc::clone(&pool));
         Scraper {
             pool,
             workers,
             client,
             config: *config,
             limiter: Arc::new(Semaphore::new(config.max_concurrent_scrapes.get())),
-            metrics,
             version: 0,
             round: 0,
+            completed_rounds: 0,
             last_blind_warning: None,
         }
+    }
+
+    /// Worker indices without a request in flight, those whose last scrape succeeded first: the permit
+    /// queue is first-come, so this keeps failing or hung workers from holding up healthy ones.
+    fn idle_healthy_first(&self) -> Vec<usize> {
+        let mut idle: Vec<(bool, usize)> = self
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(_, worker)| !worker.in_flight)
+            .map(|(index, worker)| {
+                let failing = worker
+                    .state
+                    .scrape
+                    .last_outcome
+                    .is_some_and(|outcome| outcome != ScrapeOutcome::Ok);
+                (failing, index)
+            })
+            .collect();
+        idle.sort_unstable();
+        idle.into_iter().map(|(_, index)| index).collect()
     }
 
     /// Scrapes every worker once, waits for all of them, and publishes: the `snapshot` command's round.
     pub async fn round(&mut self) {
         self.round += 1;
-        let fetches: Vec<_> = (0..self.workers.len())
+        let fetches: Vec<_> = self
+            .idle_healthy_first()
+            .into_iter()
             .map(|index| self.start(index))
             .collect();
         let results = futures_util::future::join_all(fetches).await;
@@ -266,9 +289,7 @@ impl Scraper {
                 () = &mut shutdown => break,
                 _ = ticker.tick() => {
                     self.round += 1;
-                    let idle: Vec<usize> = (0..self.workers.len())
-                        .filter(|index| self.workers.get(*index).is_some_and(|worker| !worker.in_flight))
-                        .collect();
+                    let idle = self.idle_healthy_first();
                     if idle.is_empty() {
                         continue;
                     }
@@ -303,19 +324,24 @@ impl Scraper {
     /// Starts a request for worker `index`; the future owns everything it needs.
     fn start(&mut self, index: usize) -> impl Future<Output = Fetched> + use<> {
         let round = self.round;
+        let dispatches = self.pool.dispatches();
         let request = self.workers.get_mut(index).map(|worker| {
             worker.in_flight = true;
-            Arc::clone(&worker.target)
+            (
+                Arc::clone(&worker.target),
+                dispatches.since_reading(worker.id),
+            )
         });
         let client = self.client.clone();
         let limiter = Arc::clone(&self.limiter);
         let config = self.config;
         async move {
-            let Some(target) = request else {
+            let Some((target, dispatched)) = request else {
                 return (
                     index,
                     round,
                     Instant::now(),
+                    0,
                     Err(ScrapeError::Url("no such worker".into())),
                 );
             };
@@ -329,12 +355,12 @@ impl Scraper {
                     Ok(result) => result,
                     Err(_) => Err(ScrapeError::Timeout(config.scrape_timeout)),
                 };
-            (index, round, sent, result)
+            (index, round, sent, dispatched, result)
         }
     }
 
-    /// Records one result: rank samples, status, counters, dispatch reset.
-    fn apply(&mut self, (index, _, sent, result): Fetched) {
+    /// Records one result: rank samples, status, counters, dispatch count.
+    fn apply(&mut self, (index, _, sent, dispatched, result): Fetched) {
         let dispatches = self.pool.dispatches();
         let label = self.pool.label();
         let Some(worker) = self.workers.get_mut(index) else {
@@ -381,7 +407,9 @@ impl Scraper {
                     && reading.complete
                     && before.is_none_or(|before| reading.captured_at > before)
                 {
-                    dispatches.reset(worker.id);
+                    // The engine's numbers cover what was sent before the request, not what was sent
+                    // while it was in flight.
+                    dispatches.forget(worker.id, dispatched);
                 }
                 if was_failing {
                     tracing::info!(pool = label, worker = %worker.state.endpoint, "worker scrape recovered");
@@ -409,31 +437,19 @@ impl Scraper {
         self.pool.current.store(Arc::new(snapshot));
     }
 
-    /// End-of-round bookkeeping: gauges, the blind-gate warning, the round counter.
+    /// End-of-round bookkeeping: the blind-gate warning and the completed-round count.
     fn finish_round(&mut self, now: Instant) {
         let snapshot = self.pool.snapshot();
-        let mut fresh = 0;
-        for (worker, state) in self.workers.iter().zip(snapshot.workers()) {
-            if let Some(reading) = &state.reading {
-                worker.reading_age.set(
-                    now.saturating_duration_since(reading.captured_at)
-                        .as_secs_f64(),
-                );
-                if snapshot.is_fresh(reading, now) {
-                    fresh += 1;
-                }
-            }
-        }
         let total = snapshot.workers().len();
-        let label = self.pool.label();
-        self.metrics
-            .workers_fresh
-            .with_label_values(&[label])
-            .set(fresh as i64);
-        self.metrics
-            .workers_stale
-            .with_label_values(&[label])
-            .set(total.saturating_sub(fresh) as i64);
+        let fresh = snapshot
+            .workers()
+            .iter()
+            .filter(|worker| {
+                worker
+                    .reading
+                    .is_some_and(|reading| snapshot.is_fresh(&reading, now))
+            })
+            .count();
         if fresh == 0
             && total > 0
             && self
@@ -442,12 +458,13 @@ impl Scraper {
         {
             self.last_blind_warning = Some(now);
             tracing::warn!(
-                pool = label,
+                pool = self.pool.label(),
                 workers = total,
                 "no worker of the pool has a fresh load reading: the queue gate admits every owner blind"
             );
         }
-        self.pool.rounds.send_replace(self.round);
+        self.completed_rounds += 1;
+        self.pool.rounds.send_replace(self.completed_rounds);
     }
 }
 
