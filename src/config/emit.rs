@@ -2,12 +2,13 @@
 //!
 //! Every key is written, defaults and derived values included (e.g. each worker's `metrics_url`), so the
 //! output shows what is actually in force and parses back to an equal [`Config`]. Optional values that
-//! are not set (the queue gate, capacity overrides, a `loads_url` for a worker reading metrics) are left
-//! out, since writing them would set them.
+//! are not set (the queue gate, capacity overrides, a `loads_url` for a worker reading metrics, a chat
+//! template) are left out, since writing them would set them.
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::num::NonZeroU64;
+use std::path::Path;
 
 use serde::Serialize;
 
@@ -27,6 +28,7 @@ impl Config {
 struct File<'c> {
     listen: SocketAddr,
     metrics_listen: SocketAddr,
+    max_body_bytes: Size,
     policy: Policy,
     load: Load,
     pools: Vec<Pool<'c>>,
@@ -76,6 +78,10 @@ struct Pool<'c> {
     engine: Engine,
     block_size: u32,
     tokenizer: Tokenizer<'c>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chat_template: Option<Cow<'c, str>>,
+    segment_cache_entries: usize,
+    default_cache_blocks: usize,
     workers: Vec<Worker<'c>>,
 }
 
@@ -108,6 +114,7 @@ impl<'c> From<&'c Config> for File<'c> {
         File {
             listen: config.listen,
             metrics_listen: config.metrics_listen,
+            max_body_bytes: config.max_body_bytes.get().into(),
             policy: Policy {
                 worker_queue_limit: policy.gate.map(|gate| gate.limit()),
                 saturation_queue_floor: policy.gate.and_then(|gate| gate.floor()),
@@ -147,6 +154,10 @@ impl<'c> From<&'c PoolConfig> for Pool<'c> {
                 },
                 TokenizerConfig::Bytes => Tokenizer::Bytes,
             },
+            // Also from the file as UTF-8.
+            chat_template: pool.chat_template.as_deref().map(Path::to_string_lossy),
+            segment_cache_entries: pool.segment_cache_entries.get(),
+            default_cache_blocks: pool.default_cache_blocks.get(),
             workers: pool
                 .workers
                 .iter()

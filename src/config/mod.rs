@@ -97,6 +97,7 @@ mod tests {
     const EXAMPLE: &str = "\
 listen: 127.0.0.1:9002          # ext_proc gRPC
 metrics_listen: 127.0.0.1:9090
+max_body_bytes: 16MiB
 policy:
   worker_queue_limit: 4
   saturation_queue_floor: 2
@@ -129,6 +130,9 @@ pools:
     tokenizer:
       kind: huggingface
       path: /models/qwen/tokenizer.json
+    chat_template: /models/qwen/tokenizer_config.json
+    segment_cache_entries: 4096
+    default_cache_blocks: 65536
     workers:
       - endpoint: 10.0.0.21:30000
         role: prefill
@@ -190,6 +194,7 @@ pools:
                 max_body_bytes: NonZeroUsize::new(512 << 10).unwrap(),
                 max_concurrent_scrapes: NonZeroUsize::new(16).unwrap(),
             },
+            max_body_bytes: NonZeroUsize::new(16 << 20).unwrap(),
             pools: vec![
                 PoolConfig {
                     model: ModelMatch::Exact("llama-3-8b".into()),
@@ -198,6 +203,9 @@ pools:
                     tokenizer: TokenizerConfig::Tiktoken {
                         encoding: TiktokenEncoding::O200kBase,
                     },
+                    chat_template: None,
+                    segment_cache_entries: NonZeroUsize::new(16_384).unwrap(),
+                    default_cache_blocks: NonZeroUsize::new(16_384).unwrap(),
                     workers: vec![WorkerConfig {
                         endpoint: addr("10.0.0.11:8000"),
                         metrics_url: "http://10.0.0.11:8000/metrics".into(),
@@ -216,6 +224,9 @@ pools:
                     tokenizer: TokenizerConfig::HuggingFace {
                         path: PathBuf::from("/models/qwen/tokenizer.json"),
                     },
+                    chat_template: Some(PathBuf::from("/models/qwen/tokenizer_config.json")),
+                    segment_cache_entries: NonZeroUsize::new(4096).unwrap(),
+                    default_cache_blocks: NonZeroUsize::new(65_536).unwrap(),
                     workers: vec![
                         WorkerConfig {
                             endpoint: addr("10.0.0.21:30000"),
@@ -287,8 +298,12 @@ pools:
         assert_eq!(config.load, LoadConfig::default());
         assert_eq!(config.load.max_body_bytes.get(), 4 << 20);
         assert_eq!(config.load.max_concurrent_scrapes.get(), 64);
+        assert_eq!(config.max_body_bytes.get(), 8 << 20);
         let pool = &config.pools[0];
         assert_eq!(pool.block_size.get(), 64);
+        assert_eq!(pool.chat_template, None);
+        assert_eq!(pool.segment_cache_entries.get(), 16_384);
+        assert_eq!(pool.default_cache_blocks.get(), 16_384);
         assert_eq!(
             pool.tokenizer,
             TokenizerConfig::Tiktoken {
@@ -428,12 +443,23 @@ pools:
             worker_queue_limit: Some(3),
             ..NO_FLAGS
         };
+        // Template paths are kept as written, so ones YAML would read as other types must come back quoted.
+        let relative_template = POOL.replace(
+            "engine: vllm",
+            "engine: vllm\n    chat_template: 'templates/chat ml.jinja'",
+        );
+        let numeric_template = format!(
+            "max_body_bytes: 1000\n{}",
+            POOL.replace("engine: vllm", "engine: vllm\n    chat_template: 0x10")
+        );
         for (source, overrides) in [
             (EXAMPLE, &NO_FLAGS),
             (POOL, &NO_FLAGS),
             (&sub_millisecond, &NO_FLAGS),
             (&bytes, &flagged),
             (&loads, &NO_FLAGS),
+            (&relative_template, &NO_FLAGS),
+            (&numeric_template, &NO_FLAGS),
         ] {
             let config = parse(source, "t", overrides).unwrap();
             let yaml = config.to_yaml();
@@ -458,6 +484,9 @@ pools:
             "  max_body_bytes: 512KiB\n  max_concurrent_scrapes: 16\n",
             "load_source: loads\n    loads_url: http://10.0.0.21:30000/v1/loads\n",
             "max_running_requests: 256\n    max_total_tokens: 500000\n",
+            "metrics_listen: 127.0.0.1:9090\nmax_body_bytes: 16MiB\npolicy:\n",
+            "  chat_template: /models/qwen/tokenizer_config.json\n  segment_cache_entries: 4096\n  \
+             default_cache_blocks: 65536\n",
         ] {
             assert!(yaml.contains(expected), "{expected:?} not in\n{yaml}");
         }
@@ -468,12 +497,15 @@ pools:
             "loads_url",
             "max_running_requests",
             "max_total_tokens",
+            "chat_template",
         ] {
             assert!(!minimal.contains(absent), "{absent:?} in\n{minimal}");
         }
         for present in [
             "  max_body_bytes: 4MiB\n  max_concurrent_scrapes: 64\n",
             "    load_source: metrics\n",
+            "\nmax_body_bytes: 8MiB\n",
+            "  segment_cache_entries: 16384\n  default_cache_blocks: 16384\n",
         ] {
             assert!(minimal.contains(present), "{present:?} not in\n{minimal}");
         }
@@ -607,7 +639,7 @@ pools:
             ("interval beyond default freshness", load("  scrape_interval: 5s\n"), &NO_FLAGS,
              "load.scrape_interval (line 2)", "freshness (3s) must be longer than scrape_interval (5s)"),
             ("unknown top-level key", format!("{POOL}listn: 127.0.0.1:1\n"), &NO_FLAGS,
-             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, policy, load, pools"),
+             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, max_body_bytes, policy, load, pools"),
             ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
              "policy.worker_queue_limt (line 2)",
              "unknown key; expected one of: worker_queue_limit, saturation_queue_floor, min_load_choices, \
@@ -644,8 +676,32 @@ pools:
              "pools[0].block_size (line 4)", "must be at least 1"),
             ("block_size beyond u32", pool_with("block_size: 4294967296"), &NO_FLAGS,
              "pools[0].block_size (line 4)", "must be at most 4294967295"),
+            ("empty chat_template", pool_with("chat_template: ''"), &NO_FLAGS,
+             "pools[0].chat_template (line 4)", "must not be empty"),
+            ("chat_template as a list", pool_with("chat_template: [a.jinja]"), &NO_FLAGS,
+             "pools[0].chat_template (line 4)", "expected a string, got a list"),
+            ("segment_cache_entries 0", pool_with("segment_cache_entries: 0"), &NO_FLAGS,
+             "pools[0].segment_cache_entries (line 4)", "must be at least 1"),
+            ("segment_cache_entries as a word", pool_with("segment_cache_entries: many"), &NO_FLAGS,
+             "pools[0].segment_cache_entries (line 4)", "expected a non-negative integer, got `many`"),
+            ("default_cache_blocks 0", pool_with("default_cache_blocks: 0"), &NO_FLAGS,
+             "pools[0].default_cache_blocks (line 4)", "must be at least 1"),
+            ("default_cache_blocks as a size", pool_with("default_cache_blocks: 1MiB"), &NO_FLAGS,
+             "pools[0].default_cache_blocks (line 4)", "expected a non-negative integer, got `1MiB`"),
+            ("unknown pool key", pool_with("chat_templates: a.jinja"), &NO_FLAGS,
+             "pools[0].chat_templates (line 4)",
+             "unknown key; expected one of: model, engine, block_size, tokenizer, chat_template, \
+              segment_cache_entries, default_cache_blocks, workers"),
+            ("request body limit 0", format!("max_body_bytes: 0\n{POOL}"), &NO_FLAGS,
+             "max_body_bytes (line 1)", "must be at least 1 byte"),
+            ("request body limit in lower case", format!("max_body_bytes: 8mib\n{POOL}"), &NO_FLAGS,
+             "max_body_bytes (line 1)", "expected a size such as 4MiB, 512KiB or 200000"),
+            ("request body limit beyond usize", format!("max_body_bytes: 99999999999999999999GiB\n{POOL}"),
+             &NO_FLAGS, "max_body_bytes (line 1)", &too_large),
             ("dp_size 0", pool("        dp_size: 0\n"), &NO_FLAGS,
              "pools[0].workers[0].dp_size (line 6)", "must be at least 1"),
+            ("dp_size absurdly large", pool("        dp_size: 10000000\n"), &NO_FLAGS,
+             "pools[0].workers[0].dp_size (line 6)", "must be at most 1024"),
             ("metrics_url without scheme", pool("        metrics_url: 10.0.0.1:8000/metrics\n"), &NO_FLAGS,
              "pools[0].workers[0].metrics_url (line 6)",
              "expected a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics, \

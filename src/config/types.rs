@@ -19,9 +19,13 @@ pub struct Config {
     pub load: LoadConfig,
     /// At least one pool; models are unique and at most one pool is the default (`*`).
     pub pools: Vec<PoolConfig>,
+    /// A request body larger than this is refused (413) before it is parsed.
+    pub max_body_bytes: NonZeroUsize,
 }
 
 impl Config {
+    /// Long conversations with tools reach a few hundred KB; 8 MiB leaves room for pasted documents.
+    pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
     pub const DEFAULT_LISTEN: SocketAddr =
         SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9002));
     /// Loopback: the debug endpoints are not for the network at large.
@@ -184,12 +188,23 @@ pub struct PoolConfig {
     /// Tokens per prefix block.
     pub block_size: NonZeroU32,
     pub tokenizer: TokenizerConfig,
+    /// A Jinja chat template (a template file, or an HF `tokenizer_config.json` holding
+    /// `chat_template`), rendered the way the engine renders it; without one, chats are rendered by
+    /// cachepick's documented fixed format.
+    pub chat_template: Option<PathBuf>,
+    /// Tokenized message segments kept per pool, so a growing conversation re-tokenizes only its new turn.
+    pub segment_cache_entries: NonZeroUsize,
+    /// Prefix blocks the owner index keeps per worker when the engine does not report its KV capacity.
+    pub default_cache_blocks: NonZeroUsize,
     /// Non-empty, unique endpoints, at least one of them serving prefill.
     pub workers: Vec<WorkerConfig>,
 }
 
 impl PoolConfig {
     pub const DEFAULT_BLOCK_SIZE: u32 = 64;
+    pub const DEFAULT_SEGMENT_CACHE_ENTRIES: usize = 16_384;
+    /// About 1M tokens at 64 tokens per block: a mid-size GPU's KV cache.
+    pub const DEFAULT_CACHE_BLOCKS: usize = 16_384;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -259,6 +274,8 @@ pub struct WorkerConfig {
 impl WorkerConfig {
     pub const DEFAULT_ROLE: Role = Role::Both;
     pub const DEFAULT_DP_SIZE: u32 = 1;
+    /// Far above any real data-parallel degree; a typo such as 10000000 is caught instead of allocated.
+    pub const MAX_DP_SIZE: u32 = 1024;
 
     /// The URL the scraper reads, by load source.
     pub fn scrape_url(&self) -> &str {

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::error::{Origin, Phase, Problems, Reported, Res};
@@ -21,7 +22,14 @@ use super::{
 };
 use crate::worker::{Engine, Role};
 
-const ROOT_KEYS: &[&str] = &["listen", "metrics_listen", "policy", "load", "pools"];
+const ROOT_KEYS: &[&str] = &[
+    "listen",
+    "metrics_listen",
+    "max_body_bytes",
+    "policy",
+    "load",
+    "pools",
+];
 const POLICY_KEYS: &[&str] = &[
     "worker_queue_limit",
     "saturation_queue_floor",
@@ -37,7 +45,16 @@ const LOAD_KEYS: &[&str] = &[
     "max_body_bytes",
     "max_concurrent_scrapes",
 ];
-const POOL_KEYS: &[&str] = &["model", "engine", "block_size", "tokenizer", "workers"];
+const POOL_KEYS: &[&str] = &[
+    "model",
+    "engine",
+    "block_size",
+    "tokenizer",
+    "chat_template",
+    "segment_cache_entries",
+    "default_cache_blocks",
+    "workers",
+];
 const WORKER_KEYS: &[&str] = &[
     "endpoint",
     "metrics_url",
@@ -141,6 +158,9 @@ struct PoolDraft {
     engine: Res<Engine>,
     block_size: Res<NonZeroU32>,
     tokenizer: Res<TokenizerConfig>,
+    chat_template: Res<Option<PathBuf>>,
+    segment_cache_entries: Res<NonZeroUsize>,
+    default_cache_blocks: Res<NonZeroUsize>,
     workers: Res<Vec<Res<WorkerDraft>>>,
 }
 
@@ -171,6 +191,9 @@ impl PoolDraft {
             engine: self.engine?,
             block_size: self.block_size?,
             tokenizer: self.tokenizer?,
+            chat_template: self.chat_template?,
+            segment_cache_entries: self.segment_cache_entries?,
+            default_cache_blocks: self.default_cache_blocks?,
             workers: self
                 .workers?
                 .into_iter()
@@ -227,6 +250,8 @@ impl Validator<'_> {
         let metrics_listen =
             overridden(metrics_listen, overrides.metrics_listen, "--metrics-listen");
         let metrics_listen = with_default(metrics_listen, Config::DEFAULT_METRICS_LISTEN);
+        let max_body_bytes =
+            self.positive_size(&root, "max_body_bytes", Config::DEFAULT_MAX_BODY_BYTES);
         let policy = self
             .section(&root, "policy", POLICY_KEYS)
             .and_then(|map| self.policy(&map, overrides));
@@ -240,6 +265,7 @@ impl Validator<'_> {
             policy: policy?,
             load: load?,
             pools: pools?,
+            max_body_bytes: max_body_bytes?.value,
         })
     }
 
@@ -349,11 +375,7 @@ impl Validator<'_> {
             }
             _ => Ok(()),
         };
-        let body = self.opt(map, "max_body_bytes", Self::size);
-        let body = self.check(
-            with_default(body, LoadConfig::DEFAULT_MAX_BODY_BYTES),
-            |bytes| NonZeroUsize::new(bytes).ok_or_else(|| "must be at least 1 byte".to_owned()),
-        );
+        let body = self.positive_size(map, "max_body_bytes", LoadConfig::DEFAULT_MAX_BODY_BYTES);
         let scrapes = self.opt(map, "max_concurrent_scrapes", Self::integer);
         let scrapes = self.check(
             with_default(scrapes, LoadConfig::DEFAULT_MAX_CONCURRENT_SCRAPES as u64),
@@ -379,6 +401,21 @@ impl Validator<'_> {
                 Ok(duration)
             }
         })
+    }
+
+    /// A byte size of at least 1, `default` when absent.
+    fn positive_size(&mut self, map: &Map, key: &str, default: usize) -> Res<Val<NonZeroUsize>> {
+        let given = self.opt(map, key, Self::size);
+        self.check(with_default(given, default), |bytes| {
+            NonZeroUsize::new(bytes).ok_or_else(|| "must be at least 1 byte".to_owned())
+        })
+    }
+
+    /// A count of at least 1, `default` when absent.
+    fn positive_count(&mut self, map: &Map, key: &str, default: usize) -> Res<NonZeroUsize> {
+        let given = self.opt(map, key, Self::integer);
+        self.check(with_default(given, default as u64), at_least_one_usize)
+            .map(|count| count.value)
     }
 
     fn pools(&mut self, root: &Map) -> Res<Vec<PoolConfig>> {
@@ -423,6 +460,20 @@ impl Validator<'_> {
             Some((node, at)) => self.tokenizer(node, &at),
             None => Ok(TokenizerConfig::default()),
         };
+        // Kept as written: whether the file exists and parses is judged where it is loaded.
+        let chat_template = self
+            .opt(&map, "chat_template", Self::string)
+            .map(|path| path.map(|path| PathBuf::from(path.value)));
+        let segment_cache_entries = self.positive_count(
+            &map,
+            "segment_cache_entries",
+            PoolConfig::DEFAULT_SEGMENT_CACHE_ENTRIES,
+        );
+        let default_cache_blocks = self.positive_count(
+            &map,
+            "default_cache_blocks",
+            PoolConfig::DEFAULT_CACHE_BLOCKS,
+        );
         let engine = engine.map(|engine| engine.value);
         let workers = self.workers(&map, engine.ok());
         Ok(PoolDraft {
@@ -430,6 +481,9 @@ impl Validator<'_> {
             engine,
             block_size: block_size.map(|size| size.value),
             tokenizer,
+            chat_template,
+            segment_cache_entries,
+            default_cache_blocks,
             workers,
         })
     }
@@ -549,7 +603,18 @@ impl Validator<'_> {
         let dp_size = self.opt(&map, "dp_size", Self::integer);
         let dp_size = self.check(
             with_default(dp_size, WorkerConfig::DEFAULT_DP_SIZE.into()),
-            at_least_one_u32,
+            |n| {
+                at_least_one_u32(n).and_then(|size| {
+                    if size.get() > WorkerConfig::MAX_DP_SIZE {
+                        Err(format!(
+                            "must be at most {}: the scraper keeps a sample per rank",
+                            WorkerConfig::MAX_DP_SIZE
+                        ))
+                    } else {
+                        Ok(size)
+                    }
+                })
+            },
         );
         let max_running_requests = self.opt(&map, "max_running_requests", Self::integer);
         let max_running_requests = self.check_opt(max_running_requests, at_least_one);
