@@ -1,0 +1,1054 @@
+//! The one pass of serde_json over a body: hand-written visitors that read the members routing needs,
+//! borrow their strings from the body, skip everything else within the depth bound, and name the member
+//! at fault when something is wrong.
+//!
+//! Every visitor reads through `deserialize_any` and answers every JSON type itself — the ones it does
+//! not accept through `visitor_common!` — so a wrong type is reported with the member's path and the
+//! expected type rather than serde's generic "invalid type" text. serde_json's errors carry only text, so
+//! a visitor that fails records the typed [`BodyError`] in [`Faults`] first, and [`read`] returns that.
+//!
+//! Depth: serde_json bounds the values it deserializes (128 levels), but skips `IgnoredAny` and reads
+//! `RawValue` iteratively with no bound at all. That never overflows the stack, but it would accept a
+//! 100,000-deep `tools` and hand it on to the template renderer. So skipped members go through [`Skip`],
+//! which counts levels, and raw members are scanned once; both enforce [`MAX_DEPTH`], counted from the
+//! body's root. The bound sits below serde_json's own, so it is always this one that fires.
+
+use std::borrow::Cow;
+use std::cell::Cell;
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::{Api, BodyError, Message, Prompt};
+
+/// Arrays and objects nest at most this deep, counted from the body's root, in every member alike:
+/// read, skipped or kept raw. JSON schemas in `tools` nest about a dozen levels; nothing legitimate comes
+/// near this. A skipped level costs about 2 KiB of stack in a debug build (serde_json's `deserialize_any`
+/// and [`Skip`]), so the deepest body stays under 128 KiB of stack, far within any thread's.
+pub(super) const MAX_DEPTH: usize = 64;
+
+/// The members read from a body, before the API decides which of them make the prompt. A member given
+/// twice keeps its last value, as the engines' JSON parsers do; `null` counts as absent.
+#[derive(Default)]
+pub(super) struct Draft<'a> {
+    pub(super) model: Option<Cow<'a, str>>,
+    pub(super) cache_salt: Option<Cow<'a, str>>,
+    pub(super) stream: Option<bool>,
+    pub(super) max_tokens: Option<u64>,
+    pub(super) max_completion_tokens: Option<u64>,
+    /// `sampling_params.max_new_tokens` (SGLang).
+    pub(super) max_new_tokens: Option<u64>,
+    pub(super) messages: Option<Vec<Message<'a>>>,
+    pub(super) tools: Option<&'a RawValue>,
+    /// `/v1/completions`' `prompt`: text or tokens.
+    pub(super) prompt: Option<Prompt<'a>>,
+    /// SGLang's `text`, as [`Prompt::Text`].
+    pub(super) text: Option<Prompt<'a>>,
+    /// SGLang's `input_ids`, as [`Prompt::Tokens`].
+    pub(super) input_ids: Option<Prompt<'a>>,
+}
+
+/// Reads `body` in one pass. With an `api`, the prompt members of the other APIs are skipped unread;
+/// without one, every prompt member is read and the caller picks by shape.
+pub(super) fn read(body: &str, api: Option<Api>) -> Result<Draft<'_>, BodyError> {
+    let faults = Faults::default();
+    let faults = &faults;
+    let mut json = serde_json::Deserializer::from_str(body);
+    let draft = Any(BodyVisitor { api, faults })
+        .deserialize(&mut json)
+        .and_then(|draft| json.end().map(|()| draft));
+    // Without a recorded fault the error is serde_json's own: syntax or an early end.
+    draft.map_err(|error| faults.take().unwrap_or(BodyError::InvalidJson(error)))
+}
+
+/// The typed error behind a failed pass.
+#[derive(Default)]
+struct Faults(Cell<Option<BodyError>>);
+
+impl Faults {
+    /// Records `error` and returns the serde error that aborts the pass.
+    fn fail<E: de::Error>(&self, error: BodyError) -> E {
+        let abort = E::custom(&error);
+        self.0.set(Some(error));
+        abort
+    }
+
+    fn take(&self) -> Option<BodyError> {
+        self.0.take()
+    }
+}
+
+/// Where a value sits in the body; formatted only for an error.
+#[derive(Clone, Copy)]
+enum At {
+    Body,
+    /// `name`
+    Member(&'static str),
+    /// `name.inner`
+    Inner(&'static str, &'static str),
+    /// `name[i]`
+    Item(&'static str, usize),
+    /// `name[i][j]`
+    ItemOf(&'static str, usize, usize),
+    /// `messages[i].name`
+    MessageMember(usize, &'static str),
+    /// `messages[i].content[j]`
+    Part(usize, usize),
+    /// `messages[i].content[j].name`
+    PartMember(usize, usize, &'static str),
+}
+
+impl fmt::Display for At {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            At::Body => f.write_str("the request body"),
+            At::Member(name) => write!(f, "`{name}`"),
+            At::Inner(name, inner) => write!(f, "`{name}.{inner}`"),
+            At::Item(name, i) => write!(f, "`{name}[{i}]`"),
+            At::ItemOf(name, i, j) => write!(f, "`{name}[{i}][{j}]`"),
+            At::MessageMember(i, name) => write!(f, "`messages[{i}].{name}`"),
+            At::Part(i, j) => write!(f, "`messages[{i}].content[{j}]`"),
+            At::PartMember(i, j, name) => write!(f, "`messages[{i}].content[{j}].{name}`"),
+        }
+    }
+}
+
+fn missing(at: At) -> BodyError {
+    BodyError::MissingField(format!("{at} is required"))
+}
+
+/// What a visitor reads and where, for its messages.
+trait Expect {
+    fn at(&self) -> At;
+    fn expected(&self) -> &'static str;
+    fn faults(&self) -> &Faults;
+
+    fn wrong<E: de::Error>(&self, got: &'static str) -> E {
+        self.faults().fail(BodyError::WrongType {
+            field: self.at().to_string(),
+            expected: self.expected(),
+            got,
+        })
+    }
+}
+
+/// `expecting` from [`Expect`], and a `WrongType` for each JSON type listed: the ones the visitor does
+/// not accept. `$de` is the visitor's lifetime.
+macro_rules! visitor_common {
+    ($de:lifetime; $($kind:ident),*) => {
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.expected())
+        }
+        $(visitor_common!(@reject $de; $kind);)*
+    };
+    (@reject $de:lifetime; bool) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Err(self.wrong("a boolean"))
+        }
+    };
+    (@reject $de:lifetime; number) => {
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Err(self.wrong("a number"))
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Err(self.wrong("a number"))
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Err(self.wrong("a number"))
+        }
+    };
+    (@reject $de:lifetime; string) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Err(self.wrong("a string"))
+        }
+    };
+    (@reject $de:lifetime; null) => {
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Err(self.wrong("null"))
+        }
+    };
+    (@reject $de:lifetime; list) => {
+        fn visit_seq<A: SeqAccess<$de>>(self, _: A) -> Result<Self::Value, A::Error> {
+            Err(self.wrong("a list"))
+        }
+    };
+    (@reject $de:lifetime; object) => {
+        fn visit_map<A: MapAccess<$de>>(self, _: A) -> Result<Self::Value, A::Error> {
+            Err(self.wrong("an object"))
+        }
+    };
+}
+
+/// Reads a value with a visitor through `deserialize_any`, so the visitor sees whatever type is there.
+struct Any<V>(V);
+
+impl<'a, V: Visitor<'a>> DeserializeSeed<'a> for Any<V> {
+    type Value = V::Value;
+
+    fn deserialize<D: Deserializer<'a>>(self, deserializer: D) -> Result<V::Value, D::Error> {
+        deserializer.deserialize_any(self.0)
+    }
+}
+
+/// An object key, borrowed unless it has escapes.
+struct Key;
+
+impl<'a> DeserializeSeed<'a> for Key {
+    type Value = Cow<'a, str>;
+
+    fn deserialize<D: Deserializer<'a>>(self, deserializer: D) -> Result<Cow<'a, str>, D::Error> {
+        // JSON keys are always strings.
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'a> Visitor<'a> for Key {
+    type Value = Cow<'a, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a key")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, key: &'a str) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Borrowed(key))
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Cow<'a, str>, E> {
+        Ok(Cow::Owned(key.to_owned()))
+    }
+}
+
+/// Any value, read only to find its end; arrays and objects count towards [`MAX_DEPTH`].
+#[derive(Clone, Copy)]
+struct Skip<'f> {
+    /// Arrays and objects around the value.
+    enclosing: usize,
+    faults: &'f Faults,
+}
+
+impl<'f> Skip<'f> {
+    /// The skip of a value inside this one, which is a container: fails if it nests too deep.
+    fn inner<E: de::Error>(&self) -> Result<Skip<'f>, E> {
+        let level = self.enclosing + 1;
+        if level > MAX_DEPTH {
+            return Err(self.faults.fail(BodyError::TooDeep { limit: MAX_DEPTH }));
+        }
+        Ok(Skip {
+            enclosing: level,
+            faults: self.faults,
+        })
+    }
+}
+
+impl<'a> Visitor<'a> for Skip<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<(), A::Error> {
+        let inner = self.inner()?;
+        while seq.next_element_seed(Any(inner))?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<(), A::Error> {
+        let inner = self.inner()?;
+        while map.next_key::<IgnoredAny>()?.is_some() {
+            map.next_value_seed(Any(inner))?;
+        }
+        Ok(())
+    }
+}
+
+/// Skips the rest of a list whose first item decided the value.
+fn skip_rest<'a, A: SeqAccess<'a>>(
+    seq: &mut A,
+    enclosing: usize,
+    faults: &Faults,
+) -> Result<(), A::Error> {
+    while seq
+        .next_element_seed(Any(Skip { enclosing, faults }))?
+        .is_some()
+    {}
+    Ok(())
+}
+
+/// A member kept as its raw JSON text, whose own nesting is bounded like everything else's.
+fn raw<'a, A: MapAccess<'a>>(
+    map: &mut A,
+    enclosing: usize,
+    faults: &Faults,
+) -> Result<&'a RawValue, A::Error> {
+    let raw: &'a RawValue = map.next_value()?;
+    if nests_deeper(raw.get(), MAX_DEPTH.saturating_sub(enclosing)) {
+        return Err(faults.fail(BodyError::TooDeep { limit: MAX_DEPTH }));
+    }
+    Ok(raw)
+}
+
+/// A raw member that must be a list (or null, which is absent).
+fn raw_list<'a, A: MapAccess<'a>>(
+    map: &mut A,
+    enclosing: usize,
+    at: At,
+    expected: &'static str,
+    faults: &Faults,
+) -> Result<Option<&'a RawValue>, A::Error> {
+    let value = raw(map, enclosing, faults)?;
+    // serde_json's raw text starts at the value itself, after any whitespace.
+    let got = match value.get().as_bytes().first() {
+        Some(b'[') => return Ok(Some(value)),
+        Some(b'n') => return Ok(None),
+        Some(b'{') => "an object",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        _ => "a number",
+    };
+    Err(faults.fail(BodyError::WrongType {
+        field: at.to_string(),
+        expected,
+        got,
+    }))
+}
+
+/// Whether valid JSON `text` nests arrays and objects more than `limit` deep.
+fn nests_deeper(text: &str, limit: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for byte in text.bytes() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// The body: an object whose known members are read and the rest skipped.
+struct BodyVisitor<'f> {
+    /// `None` reads the prompt members of every API.
+    api: Option<Api>,
+    faults: &'f Faults,
+}
+
+impl Expect for BodyVisitor<'_> {
+    fn at(&self) -> At {
+        At::Body
+    }
+    fn expected(&self) -> &'static str {
+        "a JSON object"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for BodyVisitor<'_> {
+    type Value = Draft<'a>;
+
+    visitor_common!('a; bool, number, string, null, list);
+
+    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Draft<'a>, A::Error> {
+        let faults = self.faults;
+        let reads = |api: Api| self.api.is_none_or(|wanted| wanted == api);
+        let text = |name| Any(Text::new(At::Member(name), faults));
+        let count = |name| Any(Count::new(At::Member(name), faults));
+        let mut draft = Draft::default();
+        while let Some(key) = map.next_key_seed(Key)? {
+            match &*key {
+                "model" => draft.model = map.next_value_seed(text("model"))?,
+                "cache_salt" => draft.cache_salt = map.next_value_seed(text("cache_salt"))?,
+                "stream" => draft.stream = map.next_value_seed(Any(Flag::new("stream", faults)))?,
+                "max_tokens" => draft.max_tokens = map.next_value_seed(count("max_tokens"))?,
+                "max_completion_tokens" => {
+                    draft.max_completion_tokens =
+                        map.next_value_seed(count("max_completion_tokens"))?;
+                }
+                "sampling_params" => {
+                    draft.max_new_tokens = map.next_value_seed(Any(SamplingParams { faults }))?;
+                }
+                "messages" if reads(Api::ChatCompletions) => {
+                    draft.messages = map.next_value_seed(Any(Messages { faults }))?;
+                }
+                "tools" if reads(Api::ChatCompletions) => {
+                    let at = At::Member("tools");
+                    draft.tools = raw_list(&mut map, 1, at, "a list of tools", faults)?;
+                }
+                "prompt" if reads(Api::Completions) => {
+                    let prompt = PromptVisitor::new("prompt", Accepts::TextOrTokens, faults);
+                    draft.prompt = map.next_value_seed(Any(prompt))?;
+                }
+                "text" if reads(Api::Generate) => {
+                    let text = PromptVisitor::new("text", Accepts::Text, faults);
+                    draft.text = map.next_value_seed(Any(text))?;
+                }
+                "input_ids" if reads(Api::Generate) => {
+                    let ids = PromptVisitor::new("input_ids", Accepts::Tokens, faults);
+                    draft.input_ids = map.next_value_seed(Any(ids))?;
+                }
+                _ => map.next_value_seed(Any(Skip {
+                    enclosing: 1,
+                    faults,
+                }))?,
+            }
+        }
+        Ok(draft)
+    }
+}
+
+/// A string member, borrowed unless it has escapes; `null` is absent.
+struct Text<'f> {
+    at: At,
+    faults: &'f Faults,
+}
+
+impl<'f> Text<'f> {
+    fn new(at: At, faults: &'f Faults) -> Self {
+        Text { at, faults }
+    }
+}
+
+impl Expect for Text<'_> {
+    fn at(&self) -> At {
+        self.at
+    }
+    fn expected(&self) -> &'static str {
+        "a string"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Text<'_> {
+    type Value = Option<Cow<'a, str>>;
+
+    visitor_common!('a; bool, number, list, object);
+
+    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<Self::Value, E> {
+        Ok(Some(Cow::Borrowed(text)))
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(Some(Cow::Owned(text.to_owned())))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+/// A boolean member; `null` is absent.
+struct Flag<'f> {
+    name: &'static str,
+    faults: &'f Faults,
+}
+
+impl<'f> Flag<'f> {
+    fn new(name: &'static str, faults: &'f Faults) -> Self {
+        Flag { name, faults }
+    }
+}
+
+impl Expect for Flag<'_> {
+    fn at(&self) -> At {
+        At::Member(self.name)
+    }
+    fn expected(&self) -> &'static str {
+        "true or false"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Flag<'_> {
+    type Value = Option<bool>;
+
+    visitor_common!('a; number, string, list, object);
+
+    fn visit_bool<E: de::Error>(self, flag: bool) -> Result<Self::Value, E> {
+        Ok(Some(flag))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+/// A non-negative integer member; `null` is absent.
+struct Count<'f> {
+    at: At,
+    faults: &'f Faults,
+}
+
+impl<'f> Count<'f> {
+    fn new(at: At, faults: &'f Faults) -> Self {
+        Count { at, faults }
+    }
+}
+
+impl Expect for Count<'_> {
+    fn at(&self) -> At {
+        self.at
+    }
+    fn expected(&self) -> &'static str {
+        "a non-negative integer"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Count<'_> {
+    type Value = Option<u64>;
+
+    visitor_common!('a; bool, string, list, object);
+
+    fn visit_u64<E: de::Error>(self, count: u64) -> Result<Self::Value, E> {
+        Ok(Some(count))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Err(self.wrong("a negative number"))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Err(self.wrong("a number that is not an integer below 2^64"))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+/// SGLang's `sampling_params`, of which only `max_new_tokens` is read.
+struct SamplingParams<'f> {
+    faults: &'f Faults,
+}
+
+impl Expect for SamplingParams<'_> {
+    fn at(&self) -> At {
+        At::Member("sampling_params")
+    }
+    fn expected(&self) -> &'static str {
+        "an object"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for SamplingParams<'_> {
+    type Value = Option<u64>;
+
+    visitor_common!('a; bool, number, string, list);
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let faults = self.faults;
+        let mut max_new_tokens = None;
+        while let Some(key) = map.next_key_seed(Key)? {
+            if key == "max_new_tokens" {
+                let at = At::Inner("sampling_params", "max_new_tokens");
+                max_new_tokens = map.next_value_seed(Any(Count::new(at, faults)))?;
+            } else {
+                map.next_value_seed(Any(Skip {
+                    enclosing: 2,
+                    faults,
+                }))?;
+            }
+        }
+        Ok(max_new_tokens)
+    }
+}
+
+/// `messages`: a list of message objects; `null` is absent.
+struct Messages<'f> {
+    faults: &'f Faults,
+}
+
+impl Expect for Messages<'_> {
+    fn at(&self) -> At {
+        At::Member("messages")
+    }
+    fn expected(&self) -> &'static str {
+        "a list of messages"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Messages<'_> {
+    type Value = Option<Vec<Message<'a>>>;
+
+    visitor_common!('a; bool, number, string, object);
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut messages = Vec::new();
+        let faults = self.faults;
+        while let Some(message) = seq.next_element_seed(Any(MessageVisitor {
+            index: messages.len(),
+            faults,
+        }))? {
+            messages.push(message);
+        }
+        Ok(Some(messages))
+    }
+}
+
+/// One message: `role`, `content` and, for an assistant's tool calls, `tool_calls`.
+struct MessageVisitor<'f> {
+    index: usize,
+    faults: &'f Faults,
+}
+
+impl Expect for MessageVisitor<'_> {
+    fn at(&self) -> At {
+        At::Item("messages", self.index)
+    }
+    fn expected(&self) -> &'static str {
+        "an object"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for MessageVisitor<'_> {
+    type Value = Message<'a>;
+
+    visitor_common!('a; bool, number, string, null, list);
+
+    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Message<'a>, A::Error> {
+        let (index, faults) = (self.index, self.faults);
+        let mut role = None;
+        let mut content = Vec::new();
+        let mut tool_calls = None;
+        while let Some(key) = map.next_key_seed(Key)? {
+            match &*key {
+                "role" => {
+                    let at = At::MessageMember(index, "role");
+                    role = map.next_value_seed(Any(Text::new(at, faults)))?;
+                }
+                "content" => content = map.next_value_seed(Any(Content { index, faults }))?,
+                "tool_calls" => {
+                    let at = At::MessageMember(index, "tool_calls");
+                    tool_calls = raw_list(&mut map, 3, at, "a list of tool calls", faults)?;
+                }
+                _ => map.next_value_seed(Any(Skip {
+                    enclosing: 3,
+                    faults,
+                }))?,
+            }
+        }
+        let role = role.ok_or_else(|| faults.fail(missing(At::MessageMember(index, "role"))))?;
+        content.extend(tool_calls.map(|calls| Cow::Borrowed(calls.get())));
+        Ok(Message { role, content })
+    }
+}
+
+/// A message's `content`: a string (one part), a list of content parts, or `null` (no parts).
+struct Content<'f> {
+    index: usize,
+    faults: &'f Faults,
+}
+
+impl Expect for Content<'_> {
+    fn at(&self) -> At {
+        At::MessageMember(self.index, "content")
+    }
+    fn expected(&self) -> &'static str {
+        "a string or a list of content parts"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Content<'_> {
+    type Value = Vec<Cow<'a, str>>;
+
+    visitor_common!('a; bool, number, object);
+
+    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<Self::Value, E> {
+        Ok(vec![Cow::Borrowed(text)])
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(vec![Cow::Owned(text.to_owned())])
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Vec::new())
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut parts = Vec::new();
+        let (index, faults) = (self.index, self.faults);
+        while let Some(part) = seq.next_element_seed(Any(Part {
+            index,
+            part: parts.len(),
+            faults,
+        }))? {
+            parts.push(part);
+        }
+        Ok(parts)
+    }
+}
+
+/// One content part: a text part's `text`, or for any other type (`image_url`, `input_audio`, …) the
+/// placeholder `<{type}:{digest}>`. The digest is a chained xxh3-64 over each member other than `type`
+/// and `text`, key then raw JSON text, in the order written; so the same image gives the same placeholder
+/// and a different one diverges there, as engines key cached images by a hash of their content. A part
+/// without `type` is a text part if it has `text`.
+struct Part<'f> {
+    index: usize,
+    part: usize,
+    faults: &'f Faults,
+}
+
+impl Expect for Part<'_> {
+    fn at(&self) -> At {
+        At::Part(self.index, self.part)
+    }
+    fn expected(&self) -> &'static str {
+        "a content part object"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Part<'_> {
+    type Value = Cow<'a, str>;
+
+    visitor_common!('a; bool, number, string, null, list);
+
+    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Cow<'a, str>, A::Error> {
+        let (index, part, faults) = (self.index, self.part, self.faults);
+        let mut kind = None;
+        let mut text = None;
+        let mut digest = 0;
+        while let Some(key) = map.next_key_seed(Key)? {
+            match &*key {
+                "type" => {
+                    let at = At::PartMember(index, part, "type");
+                    kind = map.next_value_seed(Any(Text::new(at, faults)))?;
+                }
+                "text" => {
+                    let at = At::PartMember(index, part, "text");
+                    text = map.next_value_seed(Any(Text::new(at, faults)))?;
+                }
+                _ => {
+                    let value = raw(&mut map, 5, faults)?;
+                    digest = xxh3_64_with_seed(key.as_bytes(), digest);
+                    digest = xxh3_64_with_seed(value.get().as_bytes(), digest);
+                }
+            }
+        }
+        match (kind.as_deref(), text) {
+            (Some("text") | None, Some(text)) => Ok(text),
+            (Some("text"), None) => Err(faults.fail(missing(At::PartMember(index, part, "text")))),
+            (Some(kind), _) => Ok(Cow::Owned(format!("<{kind}:{digest:016x}>"))),
+            (None, None) => Err(faults.fail(missing(At::PartMember(index, part, "type")))),
+        }
+    }
+}
+
+/// Which prompt shapes a member accepts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Accepts {
+    /// `/v1/completions`' `prompt`.
+    TextOrTokens,
+    /// SGLang's `text`.
+    Text,
+    /// SGLang's `input_ids`.
+    Tokens,
+}
+
+impl Accepts {
+    fn text(self) -> bool {
+        self != Accepts::Tokens
+    }
+
+    fn tokens(self) -> bool {
+        self != Accepts::Text
+    }
+}
+
+/// A prompt member: a string, or a list whose first item decides — a string (a batch of texts), a token
+/// id (a token list), or a token list (a batch of token lists). A batch is routed by its first prompt;
+/// the rest is skipped unread. `null` is absent; an empty list is an empty prompt.
+struct PromptVisitor<'f> {
+    name: &'static str,
+    accepts: Accepts,
+    faults: &'f Faults,
+}
+
+impl<'f> PromptVisitor<'f> {
+    fn new(name: &'static str, accepts: Accepts, faults: &'f Faults) -> Self {
+        PromptVisitor {
+            name,
+            accepts,
+            faults,
+        }
+    }
+}
+
+impl Expect for PromptVisitor<'_> {
+    fn at(&self) -> At {
+        At::Member(self.name)
+    }
+    fn expected(&self) -> &'static str {
+        match self.accepts {
+            Accepts::TextOrTokens => {
+                "a string, a list of strings, a list of token ids or a list of token-id lists"
+            }
+            Accepts::Text => "a string or a list of strings",
+            Accepts::Tokens => "a list of token ids or a list of token-id lists",
+        }
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for PromptVisitor<'_> {
+    type Value = Option<Prompt<'a>>;
+
+    visitor_common!('a; bool, number, object);
+
+    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<Self::Value, E> {
+        if !self.accepts.text() {
+            return Err(self.wrong("a string"));
+        }
+        Ok(Some(Prompt::Text(Cow::Borrowed(text))))
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
+        if !self.accepts.text() {
+            return Err(self.wrong("a string"));
+        }
+        Ok(Some(Prompt::Text(Cow::Owned(text.to_owned()))))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let (name, faults) = (self.name, self.faults);
+        let first = FirstItem {
+            name,
+            accepts: self.accepts,
+            faults,
+        };
+        let prompt = match seq.next_element_seed(Any(first))? {
+            None if self.accepts.tokens() => Prompt::Tokens(Vec::new()),
+            None => Prompt::Text(Cow::Borrowed("")),
+            Some(First::Text(text)) => {
+                skip_rest(&mut seq, 2, faults)?;
+                Prompt::Text(text)
+            }
+            Some(First::Tokens(tokens)) => {
+                skip_rest(&mut seq, 2, faults)?;
+                Prompt::Tokens(tokens)
+            }
+            Some(First::Token(token)) => {
+                let mut tokens = vec![token];
+                while let Some(token) = seq.next_element_seed(Any(Token {
+                    at: At::Item(name, tokens.len()),
+                    faults,
+                }))? {
+                    tokens.push(token);
+                }
+                Prompt::Tokens(tokens)
+            }
+        };
+        Ok(Some(prompt))
+    }
+}
+
+/// The first item of a prompt list, which decides what the list is.
+enum First<'a> {
+    Text(Cow<'a, str>),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+struct FirstItem<'f> {
+    name: &'static str,
+    accepts: Accepts,
+    faults: &'f Faults,
+}
+
+impl FirstItem<'_> {
+    fn token(&self) -> Token<'_> {
+        Token {
+            at: self.at(),
+            faults: self.faults,
+        }
+    }
+}
+
+impl Expect for FirstItem<'_> {
+    fn at(&self) -> At {
+        At::Item(self.name, 0)
+    }
+    fn expected(&self) -> &'static str {
+        match self.accepts {
+            Accepts::TextOrTokens => "a string, a token id or a list of token ids",
+            Accepts::Text => "a string",
+            Accepts::Tokens => "a token id or a list of token ids",
+        }
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for FirstItem<'_> {
+    type Value = First<'a>;
+
+    visitor_common!('a; bool, null, object);
+
+    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<First<'a>, E> {
+        if !self.accepts.text() {
+            return Err(self.wrong("a string"));
+        }
+        Ok(First::Text(Cow::Borrowed(text)))
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<First<'a>, E> {
+        if !self.accepts.text() {
+            return Err(self.wrong("a string"));
+        }
+        Ok(First::Text(Cow::Owned(text.to_owned())))
+    }
+
+    fn visit_u64<E: de::Error>(self, id: u64) -> Result<First<'a>, E> {
+        if !self.accepts.tokens() {
+            return Err(self.wrong("a number"));
+        }
+        self.token().visit_u64(id).map(First::Token)
+    }
+
+    fn visit_i64<E: de::Error>(self, id: i64) -> Result<First<'a>, E> {
+        if !self.accepts.tokens() {
+            return Err(self.wrong("a number"));
+        }
+        self.token().visit_i64(id).map(First::Token)
+    }
+
+    fn visit_f64<E: de::Error>(self, id: f64) -> Result<First<'a>, E> {
+        if !self.accepts.tokens() {
+            return Err(self.wrong("a number"));
+        }
+        self.token().visit_f64(id).map(First::Token)
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<First<'a>, A::Error> {
+        if !self.accepts.tokens() {
+            return Err(self.wrong("a list"));
+        }
+        let (name, faults) = (self.name, self.faults);
+        let mut tokens = Vec::new();
+        while let Some(token) = seq.next_element_seed(Any(Token {
+            at: At::ItemOf(name, 0, tokens.len()),
+            faults,
+        }))? {
+            tokens.push(token);
+        }
+        Ok(First::Tokens(tokens))
+    }
+}
+
+/// A token id: an integer that fits `u32`, as every engine's vocabulary does.
+struct Token<'f> {
+    at: At,
+    faults: &'f Faults,
+}
+
+impl Expect for Token<'_> {
+    fn at(&self) -> At {
+        self.at
+    }
+    fn expected(&self) -> &'static str {
+        "a token id (an integer from 0 to 4294967295)"
+    }
+    fn faults(&self) -> &Faults {
+        self.faults
+    }
+}
+
+impl<'a> Visitor<'a> for Token<'_> {
+    type Value = u32;
+
+    visitor_common!('a; bool, string, null, list, object);
+
+    fn visit_u64<E: de::Error>(self, id: u64) -> Result<u32, E> {
+        u32::try_from(id).map_err(|_| self.wrong("a number above 4294967295"))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<u32, E> {
+        Err(self.wrong("a negative number"))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<u32, E> {
+        Err(self.wrong("a number that is not an integer below 2^64"))
+    }
+}
