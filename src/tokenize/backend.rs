@@ -1,0 +1,127 @@
+//! The three ways a pool turns text into token ids: a bundled tiktoken encoding, a local Hugging Face
+//! `tokenizer.json`, or four bytes per pseudo-token.
+
+use std::collections::HashSet;
+use std::error::Error;
+use std::fs;
+use std::path::Path;
+use std::sync::OnceLock;
+
+use tiktoken_rs::CoreBPE;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::{Mode, TokenizeError};
+use crate::config::{TiktokenEncoding, TokenizerConfig};
+
+/// Bytes packed into one pseudo-token by the `bytes` backend.
+const BYTES_PER_TOKEN: usize = 4;
+
+pub(super) enum Backend {
+    Tiktoken {
+        bpe: &'static CoreBPE,
+        /// Every special token of the encoding, recognised wherever it appears in the text.
+        special: HashSet<&'static str>,
+    },
+    HuggingFace(Box<tokenizers::Tokenizer>),
+    Bytes,
+}
+
+impl Backend {
+    /// Loads the backend and returns it with a hash of its identity: the encoding's name, or the bytes
+    /// of the `tokenizer.json`.
+    pub(super) fn load(config: &TokenizerConfig) -> Result<(Backend, u64), TokenizeError> {
+        match config {
+            TokenizerConfig::Tiktoken { encoding } => {
+                let bpe = shared_encoding(*encoding)?;
+                let identity = xxh3_64(format!("tiktoken:{}", encoding.as_str()).as_bytes());
+                let special = bpe.special_tokens();
+                Ok((Backend::Tiktoken { bpe, special }, identity))
+            }
+            TokenizerConfig::HuggingFace { path } => {
+                let bytes = fs::read(path).map_err(|source| TokenizeError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                let tokenizer = hugging_face(&bytes, path)?;
+                Ok((Backend::HuggingFace(Box::new(tokenizer)), xxh3_64(&bytes)))
+            }
+            TokenizerConfig::Bytes => Ok((Backend::Bytes, xxh3_64(b"bytes"))),
+        }
+    }
+
+    pub(super) fn encode(&self, text: &str, mode: Mode) -> Result<Vec<u32>, TokenizeError> {
+        match self {
+            Backend::Tiktoken { bpe, special } => bpe
+                .encode(text, special)
+                .map(|(tokens, _)| tokens)
+                .map_err(|source| TokenizeError::Encode(source.into())),
+            Backend::HuggingFace(tokenizer) => tokenizer
+                .encode_fast(text, mode == Mode::Prompt)
+                .map(|encoding| encoding.get_ids().to_vec())
+                .map_err(TokenizeError::Encode),
+            Backend::Bytes => Ok(pack_bytes(text)),
+        }
+    }
+}
+
+/// The encoding, loaded on first use and shared by every pool in the process: loading `o200k_base`
+/// takes about 130 ms and its tables hold tens of megabytes.
+fn shared_encoding(encoding: TiktokenEncoding) -> Result<&'static CoreBPE, TokenizeError> {
+    static O200K_BASE: OnceLock<CoreBPE> = OnceLock::new();
+    static CL100K_BASE: OnceLock<CoreBPE> = OnceLock::new();
+    static P50K_BASE: OnceLock<CoreBPE> = OnceLock::new();
+    static R50K_BASE: OnceLock<CoreBPE> = OnceLock::new();
+    match encoding {
+        TiktokenEncoding::O200kBase => load_once(&O200K_BASE, encoding, tiktoken_rs::o200k_base),
+        TiktokenEncoding::Cl100kBase => load_once(&CL100K_BASE, encoding, tiktoken_rs::cl100k_base),
+        TiktokenEncoding::P50kBase => load_once(&P50K_BASE, encoding, tiktoken_rs::p50k_base),
+        TiktokenEncoding::R50kBase => load_once(&R50K_BASE, encoding, tiktoken_rs::r50k_base),
+    }
+}
+
+fn load_once<E>(
+    cell: &'static OnceLock<CoreBPE>,
+    encoding: TiktokenEncoding,
+    load: fn() -> Result<CoreBPE, E>,
+) -> Result<&'static CoreBPE, TokenizeError>
+where
+    E: Into<Box<dyn Error + Send + Sync>>,
+{
+    if let Some(bpe) = cell.get() {
+        return Ok(bpe);
+    }
+    // Pools are built one after another at start-up, so two threads loading at once (the loser's copy
+    // is dropped) costs a little time and nothing else.
+    let bpe = load().map_err(|source| TokenizeError::Encoding {
+        encoding: encoding.as_str(),
+        source: source.into(),
+    })?;
+    Ok(cell.get_or_init(|| bpe))
+}
+
+fn hugging_face(bytes: &[u8], path: &Path) -> Result<tokenizers::Tokenizer, TokenizeError> {
+    let invalid = |source| TokenizeError::Tokenizer {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut tokenizer = tokenizers::Tokenizer::from_bytes(bytes).map_err(invalid)?;
+    // Some tokenizer.json files carry the truncation or padding of a training run; the engine applies
+    // neither to a prompt, and a truncated prompt would hide its tail from the prefix index.
+    tokenizer.with_truncation(None).map_err(invalid)?;
+    tokenizer.with_padding(None);
+    Ok(tokenizer)
+}
+
+/// Packs each 4-byte chunk of the UTF-8 text into a little-endian `u32`, zero-padding the last chunk.
+fn pack_bytes(text: &str) -> Vec<u32> {
+    text.as_bytes()
+        .chunks(BYTES_PER_TOKEN)
+        .map(|chunk| {
+            let mut word = [0u8; BYTES_PER_TOKEN];
+            word.iter_mut()
+                .zip(chunk)
+                .for_each(|(to, from)| *to = *from);
+            u32::from_le_bytes(word)
+        })
+        .collect()
+}
