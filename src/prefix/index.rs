@@ -1,0 +1,891 @@
+//! The owner index: which workers hold which prompt blocks, learned from cachepick's own decisions.
+//!
+//! Engines do not tell cachepick what they cache, so the index records what cachepick sent where:
+//! right after each decision the selected worker's block hashes are inserted, synchronously, so a
+//! burst of identical prompts already sees the first one's placement. Each worker keeps its blocks in
+//! a least-recently-used list bounded by its KV capacity in blocks, the way the engine's own cache
+//! evicts. The index is approximate: a worker may have evicted a block earlier (other traffic, a
+//! restart) or kept it longer than the index believes.
+//!
+//! # Data structures
+//! - `blocks`: block hash → its owner, packed with the owner's LRU slot into 8 bytes; a block with
+//!   two or more owners says so and keeps its owners in `shared`, as a list sorted by worker and as a
+//!   bitset of workers. Most blocks have one owner (the conversation's worker); the shared ones are
+//!   mostly system prompts, which many workers hold and many prompts start with.
+//! - Per worker an `Lru`: a slab of 16-byte nodes linked in recency order. A node's slot never
+//!   moves while the block is held, and the block map remembers it, so refreshing a block needs no
+//!   per-worker map. A single-owner block thus costs 16 bytes of LRU plus a 17-byte table bucket
+//!   divided by the table's load factor; `benches/prefix.rs` measures 40 to 51 bytes per (block,
+//!   owner) entry at a million entries.
+//!
+//! # Locking
+//! Both maps are `DashMap`s, sharded read-write locks, so concurrent `matches` only share-lock
+//! shards and never wait for each other, and an insert blocks only the readers of the one shard it
+//! is writing. Every path takes locks in this order and holds at most one of each kind at a time: a
+//! worker's `Mutex<Lru>`, then one `blocks` shard, then one `shared` shard. `matches` takes no worker
+//! lock. Inserts for different workers therefore meet only on shard locks, which nobody holds while
+//! waiting for a worker lock, so no cycle (and no deadlock) can form; eviction releases the shard of
+//! the block being added before it locks the shard of the block being evicted. No lock is held
+//! across I/O or an await.
+//!
+//! # Recency within a chain
+//! [`OwnerIndex::insert`] refreshes a chain from its last block to its first, so the first block
+//! ends up most recent. A block's ancestors are in every chain that contains it, so they are always
+//! at least as recent as it is: eviction trims chains from their ends and never punches a hole at
+//! the start, the same reason vLLM frees a finished request's blocks tail first. It also means a
+//! concurrent `matches` sees a worker on a new chain only once the whole chain is in place.
+
+use std::cmp::Reverse;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::num::NonZeroU32;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
+
+use crate::policy::OwnerMatch;
+use crate::worker::WorkerId;
+
+/// The most blocks one worker can hold: slots are `u32` and slot 0 is the list's sentinel, and one
+/// more block than the capacity exists briefly before its eviction.
+const MAX_BLOCKS_PER_WORKER: usize = u32::MAX as usize - 2;
+
+/// A concurrent map of prompt blocks to the workers believed to hold them, for one pool.
+///
+/// `Send + Sync`; share it with an `Arc`. Worker ids outside the pool it was built for are ignored.
+pub struct OwnerIndex {
+    blocks: DashMap<u64, Owners, KeyedHash>,
+    /// Owners of the blocks marked `Owners::Shared`.
+    shared: DashMap<u64, SharedOwners, KeyedHash>,
+    /// One LRU per worker, indexed by [`WorkerId`].
+    lrus: Box<[Mutex<Lru>]>,
+}
+
+/// What the index holds, for metrics and `cachepick explain`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct blocks with at least one owner.
+    pub blocks: usize,
+    /// (block, owner) pairs: the sum of `held`.
+    pub entries: usize,
+    /// Blocks each worker holds, indexed by [`WorkerId`].
+    pub held: Vec<usize>,
+}
+
+impl OwnerIndex {
+    /// An empty index for a pool whose worker `i` can hold `capacity_blocks[i]` blocks.
+    ///
+    /// The caller computes capacities in blocks of the index's block size (engine-reported KV tokens
+    /// divided by it, else a configured default); [`OwnerIndex::set_capacity`] corrects them later.
+    pub fn new(capacity_blocks: &[usize]) -> Self {
+        let hasher = KeyedHash::new();
+        OwnerIndex {
+            blocks: DashMap::with_hasher(hasher.clone()),
+            shared: DashMap::with_hasher(hasher),
+            lrus: capacity_blocks
+                .iter()
+                .map(|&capacity| Mutex::new(Lru::new(capacity)))
+                .collect(),
+        }
+    }
+
+    /// Records that `worker` now holds the chain `hashes` (in prompt order), as its most recently
+    /// used blocks, evicting its least recently used blocks beyond its capacity.
+    pub fn insert(&self, worker: WorkerId, hashes: &[u64]) {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return;
+        };
+        let mut lru = lock(lru);
+        if lru.capacity == 0 {
+            return;
+        }
+        // Last block first, so that the first block ends up most recent (see the module docs).
+        for &hash in hashes.iter().rev() {
+            self.hold(worker.0, &mut lru, hash);
+            self.evict_beyond_capacity(worker.0, &mut lru);
+        }
+    }
+
+    /// For each worker holding the chain's first block, how many leading prompt tokens it holds:
+    /// the longest run of consecutive blocks from the first, times `block_size`. Deepest first, ties
+    /// by worker id.
+    ///
+    /// The walk follows the chain and intersects the owners still matching with each block's owners,
+    /// stopping as soon as none is left, so a miss costs one lookup.
+    pub fn matches(&self, hashes: &[u64], block_size: NonZeroU32) -> Vec<OwnerMatch> {
+        let mut walk = Walk::new(self.lrus.len(), block_size);
+        let mut hashes = hashes.iter();
+        if let Some(&first) = hashes.next() {
+            self.with_owners(first, |held| walk.start(held));
+        }
+        let mut depth = 1;
+        for &hash in hashes {
+            if walk.alive == 0 {
+                break;
+            }
+            self.with_owners(hash, |held| walk.step(depth, held));
+            depth += 1;
+        }
+        walk.finish(depth)
+    }
+
+    /// Sets how many blocks `worker` can hold, evicting its least recently used blocks if it now
+    /// holds more; engine-reported capacity may arrive after the configured default.
+    pub fn set_capacity(&self, worker: WorkerId, blocks: usize) {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return;
+        };
+        let mut lru = lock(lru);
+        lru.capacity = blocks.min(MAX_BLOCKS_PER_WORKER);
+        self.evict_beyond_capacity(worker.0, &mut lru);
+    }
+
+    /// Forgets every block of `worker`, which was removed from the pool, and gives it no capacity,
+    /// so a decision racing the removal cannot bring it back; [`OwnerIndex::set_capacity`] does.
+    pub fn remove_worker(&self, worker: WorkerId) {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return;
+        };
+        let mut lru = lock(lru);
+        while let Some(hash) = lru.pop_oldest() {
+            self.release(worker.0, hash);
+        }
+        // Drops the slab too, rather than keeping it for a worker that may never return.
+        *lru = Lru::new(0);
+    }
+
+    /// Counts what the index holds. Exact when no insert runs concurrently, otherwise a close view.
+    pub fn stats(&self) -> IndexStats {
+        let held: Vec<usize> = self.lrus.iter().map(|lru| lock(lru).len).collect();
+        IndexStats {
+            blocks: self.blocks.len(),
+            entries: held.iter().sum(),
+            held,
+        }
+    }
+
+    /// Makes `hash` the most recent block of `worker`, adding it to the block's owners if needed.
+    fn hold(&self, worker: u32, lru: &mut Lru, hash: u64) {
+        match self.blocks.entry(hash) {
+            Entry::Vacant(vacant) => {
+                if let Some(slot) = lru.push(hash) {
+                    vacant.insert(Owners::One(Holder { worker, slot }));
+                }
+            }
+            Entry::Occupied(mut occupied) => match *occupied.get() {
+                Owners::One(holder) if holder.worker == worker => lru.touch(holder.slot),
+                Owners::One(other) => {
+                    let Some(slot) = lru.push(hash) else {
+                        return;
+                    };
+                    let mut owners = SharedOwners::default();
+                    owners.add(other);
+                    owners.add(Holder { worker, slot });
+                    self.shared.insert(hash, owners);
+                    *occupied.get_mut() = Owners::Shared;
+                }
+                Owners::Shared => {
+                    let mut owners = self.shared.entry(hash).or_default();
+                    match owners.get(worker) {
+                        Some(holder) => lru.touch(holder.slot),
+                        None => {
+                            if let Some(slot) = lru.push(hash) {
+                                owners.add(Holder { worker, slot });
+                            }
+                        }
+                    }
+                }
+            },
+        }
+    }
+
+    /// Removes `worker` from the owners of `hash`; the block disappears with its last owner.
+    fn release(&self, worker: u32, hash: u64) {
+        let Entry::Occupied(mut occupied) = self.blocks.entry(hash) else {
+            return;
+        };
+        match *occupied.get() {
+            Owners::One(holder) => {
+                if holder.worker == worker {
+                    occupied.remove();
+                }
+            }
+            Owners::Shared => {
+                let Entry::Occupied(mut owners) = self.shared.entry(hash) else {
+                    // A shared block always has its owners; without them nobody is known to hold it.
+                    occupied.remove();
+                    return;
+                };
+                owners.get_mut().remove(worker);
+                match *owners.get().holders.as_slice() {
+                    [] => {
+                        owners.remove();
+                        occupied.remove();
+                    }
+                    [last] => {
+                        owners.remove();
+                        *occupied.get_mut() = Owners::One(last);
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn evict_beyond_capacity(&self, worker: u32, lru: &mut Lru) {
+        while lru.len > lru.capacity {
+            let Some(oldest) = lru.pop_oldest() else {
+                return;
+            };
+            self.release(worker, oldest);
+        }
+    }
+
+    /// Runs `f` on the owners of `hash`.
+    fn with_owners<R>(&self, hash: u64, f: impl FnOnce(Held<'_>) -> R) -> R {
+        let Some(owners) = self.blocks.get(&hash) else {
+            return f(Held::Nobody);
+        };
+        match *owners {
+            Owners::One(holder) => {
+                drop(owners);
+                f(Held::One(holder))
+            }
+            // The `blocks` guard stays held, so the owners cannot collapse back to one between the
+            // two reads; lock order `blocks` then `shared`, as everywhere.
+            Owners::Shared => match self.shared.get(&hash) {
+                Some(shared) => f(Held::Several(&shared)),
+                None => f(Held::Nobody),
+            },
+        }
+    }
+}
+
+/// The owners of one block, as `matches` reads them.
+enum Held<'a> {
+    Nobody,
+    One(Holder),
+    Several(&'a SharedOwners),
+}
+
+/// A worker's hold on a block, and where the block sits in that worker's LRU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    worker: u32,
+    slot: NonZeroU32,
+}
+
+/// The owners of one block. `Shared` fits in the niche of `slot`, keeping a map bucket at 16 bytes.
+#[derive(Clone, Copy, Debug)]
+enum Owners {
+    One(Holder),
+    /// Two or more owners, listed in `OwnerIndex::shared`.
+    Shared,
+}
+
+const _: () = assert!(size_of::<Owners>() == 8);
+
+/// The owners of a block held by two or more workers: their holds sorted by worker, and the same
+/// workers as a bitset, so that `matches` intersects a popular block in one word per 64 workers.
+#[derive(Default)]
+struct SharedOwners {
+    holders: Vec<Holder>,
+    workers: Vec<u64>,
+}
+
+impl SharedOwners {
+    fn get(&self, worker: u32) -> Option<Holder> {
+        let at = self.find(worker).ok()?;
+        self.holders.get(at).copied()
+    }
+
+    /// Adds `holder`, whose worker is not an owner yet.
+    fn add(&mut self, holder: Holder) {
+        if let Err(at) = self.find(holder.worker) {
+            self.holders.insert(at, holder);
+            let (word, bit) = bit_of(holder.worker);
+            if self.workers.len() <= word {
+                self.workers.resize(word + 1, 0);
+            }
+            if let Some(word) = self.workers.get_mut(word) {
+                *word |= bit;
+            }
+        }
+    }
+
+    fn remove(&mut self, worker: u32) {
+        if let Ok(at) = self.find(worker) {
+            self.holders.remove(at);
+            let (word, bit) = bit_of(worker);
+            if let Some(word) = self.workers.get_mut(word) {
+                *word &= !bit;
+            }
+        }
+    }
+
+    fn find(&self, worker: u32) -> Result<usize, usize> {
+        self.holders
+            .binary_search_by_key(&worker, |holder| holder.worker)
+    }
+}
+
+/// The word and the bit of `worker` in a worker bitset.
+fn bit_of(worker: u32) -> (usize, u64) {
+    ((worker / 64) as usize, 1 << (worker % 64))
+}
+
+/// The state of one `matches` call: the workers that held every block so far, as a bitset.
+struct Walk {
+    /// How many bits of `workers` are set; the walk stops at 0.
+    alive: usize,
+    workers: Vec<u64>,
+    found: Vec<OwnerMatch>,
+    block_size: u64,
+}
+
+impl Walk {
+    fn new(workers: usize, block_size: NonZeroU32) -> Self {
+        Walk {
+            alive: 0,
+            workers: vec![0; workers.div_ceil(64)],
+            found: Vec::new(),
+            block_size: u64::from(block_size.get()),
+        }
+    }
+
+    /// Starts from the owners of the first block.
+    fn start(&mut self, held: Held<'_>) {
+        match held {
+            Held::Nobody => {}
+            Held::One(holder) => {
+                let (word, bit) = bit_of(holder.worker);
+                if let Some(word) = self.workers.get_mut(word) {
+                    *word = bit;
+                    self.alive = 1;
+                }
+            }
+            Held::Several(owners) => {
+                for (alive, owners) in self.workers.iter_mut().zip(&owners.workers) {
+                    *alive = *owners;
+                }
+                self.alive = self.count();
+            }
+        }
+    }
+
+    /// Keeps the workers holding block `depth`; the others matched `depth` blocks.
+    fn step(&mut self, depth: u64, held: Held<'_>) {
+        match held {
+            Held::Nobody => self.keep(depth, |_| 0),
+            Held::One(holder) => {
+                let (word, bit) = bit_of(holder.worker);
+                // Deep in a conversation one worker is left and holds the block: nothing changes.
+                let holds = self.workers.get(word).is_some_and(|alive| alive & bit != 0);
+                if !(holds && self.alive == 1) {
+                    self.keep(depth, |at| if at == word { bit } else { 0 });
+                }
+            }
+            Held::Several(owners) => {
+                self.keep(depth, |at| owners.workers.get(at).copied().unwrap_or(0));
+            }
+        }
+    }
+
+    /// Intersects the alive workers with `owners(word index)`, recording the ones that drop out.
+    fn keep(&mut self, depth: u64, owners: impl Fn(usize) -> u64) {
+        let matched_tokens = depth * self.block_size;
+        for (at, alive) in self.workers.iter_mut().enumerate() {
+            let mut dropped = *alive & !owners(at);
+            *alive &= !dropped;
+            while dropped != 0 {
+                let bit = dropped.trailing_zeros();
+                dropped &= dropped - 1;
+                self.found.push(OwnerMatch {
+                    worker: WorkerId(at as u32 * 64 + bit),
+                    matched_tokens,
+                });
+                self.alive = self.alive.saturating_sub(1);
+            }
+        }
+    }
+
+    /// The matches, deepest first, once the workers still alive held all `depth` blocks walked.
+    fn finish(mut self, depth: u64) -> Vec<OwnerMatch> {
+        if self.alive > 0 {
+            self.keep(depth, |_| 0);
+        }
+        self.found
+            .sort_unstable_by_key(|owner| (Reverse(owner.matched_tokens), owner.worker));
+        self.found
+    }
+
+    fn count(&self) -> usize {
+        self.workers
+            .iter()
+            .map(|word| word.count_ones() as usize)
+            .sum()
+    }
+}
+
+/// One worker's blocks in recency order, bounded by its capacity.
+///
+/// A slab of nodes linked into a circular list through `u32` slots: `nodes[0]` is the sentinel,
+/// whose `next` is the most recent block and whose `prev` the least recent. Freed slots are chained
+/// through `next` from `free` and reused before the slab grows.
+struct Lru {
+    nodes: Vec<Node>,
+    /// First free slot, 0 when none.
+    free: u32,
+    len: usize,
+    capacity: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Node {
+    hash: u64,
+    prev: u32,
+    next: u32,
+}
+
+// The memory budget rests on these sizes (see the module docs).
+const _: () = assert!(size_of::<Node>() == 16);
+
+const SENTINEL: u32 = 0;
+
+impl Lru {
+    fn new(capacity: usize) -> Self {
+        Lru {
+            nodes: vec![Node {
+                hash: 0,
+                prev: SENTINEL,
+                next: SENTINEL,
+            }],
+            free: SENTINEL,
+            len: 0,
+            capacity: capacity.min(MAX_BLOCKS_PER_WORKER),
+        }
+    }
+
+    /// Adds `hash` as the most recent block and returns its slot.
+    fn push(&mut self, hash: u64) -> Option<NonZeroU32> {
+        let slot = if self.free != SENTINEL {
+            let slot = self.free;
+            let node = self.nodes.get_mut(slot as usize)?;
+            self.free = node.next;
+            node.hash = hash;
+            slot
+        } else {
+            let slot = u32::try_from(self.nodes.len()).ok()?;
+            self.reserve_one();
+            self.nodes.push(Node {
+                hash,
+                prev: SENTINEL,
+                next: SENTINEL,
+            });
+            slot
+        };
+        self.link_front(slot);
+        self.len += 1;
+        NonZeroU32::new(slot)
+    }
+
+    /// Makes the block in `slot` the most recent.
+    fn touch(&mut self, slot: NonZeroU32) {
+        self.unlink(slot.get());
+        self.link_front(slot.get());
+    }
+
+    /// Removes the least recent block and returns its hash.
+    fn pop_oldest(&mut self) -> Option<u64> {
+        let slot = self.node(SENTINEL)?.prev;
+        if slot == SENTINEL {
+            return None;
+        }
+        self.unlink(slot);
+        let free = self.free;
+        let node = self.nodes.get_mut(slot as usize)?;
+        node.next = free;
+        self.free = slot;
+        self.len = self.len.saturating_sub(1);
+        Some(node.hash)
+    }
+
+    /// Grows the slab geometrically, but never past what the capacity can use, so that a full
+    /// worker's list costs 16 bytes per block rather than up to twice that.
+    fn reserve_one(&mut self) {
+        let len = self.nodes.len();
+        if len < self.nodes.capacity() {
+            return;
+        }
+        // The sentinel, the capacity, and one block about to be evicted.
+        let limit = self.capacity.saturating_add(2);
+        let target = len.saturating_mul(2).max(16).min(limit).max(len + 1);
+        self.nodes.reserve_exact(target - len);
+    }
+
+    fn link_front(&mut self, slot: u32) {
+        let Some(first) = self.node(SENTINEL).map(|sentinel| sentinel.next) else {
+            return;
+        };
+        if let Some(node) = self.nodes.get_mut(slot as usize) {
+            node.prev = SENTINEL;
+            node.next = first;
+        }
+        if let Some(first) = self.nodes.get_mut(first as usize) {
+            first.prev = slot;
+        }
+        if let Some(sentinel) = self.nodes.get_mut(SENTINEL as usize) {
+            sentinel.next = slot;
+        }
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let Some(&Node { prev, next, .. }) = self.node(slot) else {
+            return;
+        };
+        if let Some(prev) = self.nodes.get_mut(prev as usize) {
+            prev.next = next;
+        }
+        if let Some(next) = self.nodes.get_mut(next as usize) {
+            next.prev = prev;
+        }
+    }
+
+    fn node(&self, slot: u32) -> Option<&Node> {
+        self.nodes.get(slot as usize)
+    }
+}
+
+/// A poisoned LRU only means a panic elsewhere mid-update, which the lints rule out in this module;
+/// routing on whatever it holds beats failing every later request.
+fn lock(lru: &Mutex<Lru>) -> MutexGuard<'_, Lru> {
+    lru.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The maps' hasher: one keyed, folded multiply per key.
+///
+/// Keys are already xxh3 outputs, so mixing needs little work, but they are outputs over client
+/// tokens under a public seed: an unkeyed hash would let a client aim many blocks at one bucket. A
+/// per-process random key prevents that at a fraction of SipHash's cost on the `matches` walk.
+#[derive(Clone)]
+struct KeyedHash {
+    key: u64,
+    multiplier: u64,
+}
+
+impl KeyedHash {
+    fn new() -> Self {
+        let random = RandomState::new();
+        KeyedHash {
+            key: random.hash_one(0_u64),
+            multiplier: random.hash_one(1_u64) | 1,
+        }
+    }
+}
+
+impl BuildHasher for KeyedHash {
+    type Hasher = KeyedHasher;
+
+    fn build_hasher(&self) -> KeyedHasher {
+        KeyedHasher {
+            key: self.key,
+            multiplier: self.multiplier,
+            hash: 0,
+        }
+    }
+}
+
+struct KeyedHasher {
+    key: u64,
+    multiplier: u64,
+    hash: u64,
+}
+
+impl Hasher for KeyedHasher {
+    fn write_u64(&mut self, value: u64) {
+        let product = u128::from(self.hash ^ value ^ self.key) * u128::from(self.multiplier);
+        self.hash = (product as u64) ^ ((product >> 64) as u64);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0_u8; 8];
+            word.iter_mut()
+                .zip(chunk)
+                .for_each(|(dst, src)| *dst = *src);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Unit tests, and the inspection helpers the model-based tests in `prefix::tests` use too.
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+    use super::*;
+
+    const BLOCK: NonZeroU32 = NonZeroU32::new(64).unwrap();
+
+    impl Lru {
+        /// `(slot, hash)` of every block, most recent first.
+        fn in_order(&self) -> Vec<(u32, u64)> {
+            let mut order = Vec::new();
+            let mut slot = self
+                .node(SENTINEL)
+                .map_or(SENTINEL, |sentinel| sentinel.next);
+            while slot != SENTINEL && order.len() < self.nodes.len() {
+                let node = self.node(slot).copied().unwrap();
+                order.push((slot, node.hash));
+                slot = node.next;
+            }
+            order
+        }
+    }
+
+    impl OwnerIndex {
+        /// `worker`'s blocks, most recent first.
+        pub(crate) fn held_in_order(&self, worker: WorkerId) -> Vec<u64> {
+            let lru = lock(self.lrus.get(worker.index()).unwrap());
+            lru.in_order().into_iter().map(|(_, hash)| hash).collect()
+        }
+
+        /// Checks that the LRUs, the block map and the shared lists describe the same (block, owner)
+        /// pairs, each pair once, with every slot pointing at its block.
+        pub(crate) fn assert_consistent(&self) {
+            let mut pairs = 0;
+            for (worker, lru) in self.lrus.iter().enumerate() {
+                let lru = lock(lru);
+                let order = lru.in_order();
+                assert_eq!(order.len(), lru.len, "w{worker}: list length");
+                assert!(lru.len <= lru.capacity, "w{worker}: over capacity");
+                for (slot, hash) in order {
+                    let holder = Holder {
+                        worker: worker as u32,
+                        slot: NonZeroU32::new(slot).unwrap(),
+                    };
+                    let owned = self.with_owners(hash, |held| match held {
+                        Held::Nobody => false,
+                        Held::One(one) => one == holder,
+                        Held::Several(owners) => owners.holders.contains(&holder),
+                    });
+                    assert!(owned, "w{worker}: {hash:x} not owned");
+                }
+                pairs += lru.len;
+            }
+            let mut listed = 0;
+            let mut shared = 0;
+            for block in self.blocks.iter() {
+                match *block.value() {
+                    Owners::One(_) => listed += 1,
+                    Owners::Shared => {
+                        let owners = self.shared.get(block.key()).unwrap();
+                        let holders = &owners.holders;
+                        assert!(holders.len() >= 2, "{:x}: {holders:?}", block.key());
+                        assert!(
+                            holders
+                                .windows(2)
+                                .all(|pair| pair[0].worker < pair[1].worker)
+                        );
+                        let mut workers = vec![0_u64; owners.workers.len()];
+                        for holder in holders {
+                            let (word, bit) = bit_of(holder.worker);
+                            workers[word] |= bit;
+                        }
+                        assert_eq!(workers, owners.workers, "{:x}: bitset", block.key());
+                        listed += holders.len();
+                        shared += 1;
+                    }
+                }
+            }
+            assert_eq!(listed, pairs, "owner entries vs LRU entries");
+            assert_eq!(self.shared.len(), shared, "shared lists vs shared blocks");
+        }
+    }
+
+    fn owner(worker: u32, blocks: u64) -> OwnerMatch {
+        OwnerMatch {
+            worker: WorkerId(worker),
+            matched_tokens: blocks * 64,
+        }
+    }
+
+    #[test]
+    fn a_worker_matches_as_many_leading_blocks_as_it_holds() {
+        let index = OwnerIndex::new(&[10, 10]);
+        index.insert(WorkerId(1), &[1, 2, 3]);
+        assert_eq!(index.matches(&[1, 2, 3, 4], BLOCK), [owner(1, 3)]);
+        assert_eq!(index.matches(&[1, 2, 9, 3], BLOCK), [owner(1, 2)]);
+        assert_eq!(index.matches(&[1, 2], BLOCK), [owner(1, 2)]);
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn a_hole_in_the_chain_stops_the_run() {
+        let index = OwnerIndex::new(&[10]);
+        index.insert(WorkerId(0), &[1, 3, 4]);
+        assert_eq!(index.matches(&[1, 2, 3, 4], BLOCK), [owner(0, 1)]);
+    }
+
+    #[test]
+    fn a_prompt_whose_first_block_nobody_holds_matches_nobody() {
+        let index = OwnerIndex::new(&[10]);
+        index.insert(WorkerId(0), &[2, 3]);
+        assert_eq!(index.matches(&[1, 2, 3], BLOCK), []);
+        assert_eq!(index.matches(&[], BLOCK), []);
+    }
+
+    #[test]
+    fn owners_come_deepest_first_then_by_worker_id() {
+        let index = OwnerIndex::new(&[10, 10, 10, 10]);
+        index.insert(WorkerId(3), &[1]);
+        index.insert(WorkerId(2), &[1, 2, 3]);
+        index.insert(WorkerId(0), &[1]);
+        index.insert(WorkerId(1), &[1, 2]);
+        assert_eq!(
+            index.matches(&[1, 2, 3], BLOCK),
+            [owner(2, 3), owner(1, 2), owner(0, 1), owner(3, 1)]
+        );
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn the_least_recently_used_blocks_go_first_beyond_capacity() {
+        let index = OwnerIndex::new(&[3]);
+        index.insert(WorkerId(0), &[1, 2]);
+        index.insert(WorkerId(0), &[3, 4]);
+        // A chain's first block is its most recent: 2 was the oldest.
+        assert_eq!(index.held_in_order(WorkerId(0)), [3, 4, 1]);
+        assert_eq!(index.matches(&[1, 2], BLOCK), [owner(0, 1)]);
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn refreshing_a_chain_saves_it_from_eviction() {
+        let index = OwnerIndex::new(&[2]);
+        index.insert(WorkerId(0), &[1]);
+        index.insert(WorkerId(0), &[2]);
+        index.insert(WorkerId(0), &[1]);
+        index.insert(WorkerId(0), &[3]);
+        assert_eq!(index.held_in_order(WorkerId(0)), [3, 1]);
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn a_chain_longer_than_the_capacity_keeps_its_first_blocks() {
+        let index = OwnerIndex::new(&[2]);
+        index.insert(WorkerId(0), &[1, 2, 3, 4]);
+        assert_eq!(index.held_in_order(WorkerId(0)), [1, 2]);
+        assert_eq!(index.matches(&[1, 2, 3, 4], BLOCK), [owner(0, 2)]);
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn shrinking_the_capacity_evicts_the_least_recent_blocks() {
+        let index = OwnerIndex::new(&[10]);
+        index.insert(WorkerId(0), &[1, 2, 3]);
+        index.insert(WorkerId(0), &[4]);
+        index.set_capacity(WorkerId(0), 2);
+        assert_eq!(index.held_in_order(WorkerId(0)), [4, 1]);
+        assert_eq!(index.stats().blocks, 2);
+        index.insert(WorkerId(0), &[5]);
+        assert_eq!(index.held_in_order(WorkerId(0)), [5, 4]);
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn a_worker_without_capacity_holds_nothing_until_it_gets_some() {
+        let index = OwnerIndex::new(&[0]);
+        index.insert(WorkerId(0), &[1]);
+        assert_eq!(index.matches(&[1], BLOCK), []);
+        index.set_capacity(WorkerId(0), 1);
+        index.insert(WorkerId(0), &[1]);
+        assert_eq!(index.matches(&[1], BLOCK), [owner(0, 1)]);
+    }
+
+    #[test]
+    fn a_removed_worker_disappears_from_every_owner_set() {
+        let index = OwnerIndex::new(&[10, 10, 10]);
+        index.insert(WorkerId(0), &[1, 2]);
+        index.insert(WorkerId(1), &[1, 2, 3]);
+        index.insert(WorkerId(2), &[1]);
+        index.remove_worker(WorkerId(1));
+        assert_eq!(index.matches(&[1, 2, 3], BLOCK), [owner(0, 2), owner(2, 1)]);
+        // A decision that raced the removal cannot bring it back.
+        index.insert(WorkerId(1), &[1, 2, 3]);
+        assert_eq!(index.matches(&[1, 2, 3], BLOCK), [owner(0, 2), owner(2, 1)]);
+        assert_eq!(
+            index.stats(),
+            IndexStats {
+                blocks: 2,
+                entries: 3,
+                held: vec![2, 0, 1],
+            }
+        );
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn a_shared_block_returns_to_a_single_owner_as_owners_leave() {
+        let index = OwnerIndex::new(&[1, 1, 1]);
+        for worker in 0..3 {
+            index.insert(WorkerId(worker), &[1]);
+        }
+        index.assert_consistent();
+        index.insert(WorkerId(0), &[2]);
+        index.insert(WorkerId(2), &[3]);
+        assert_eq!(index.matches(&[1], BLOCK), [owner(1, 1)]);
+        index.assert_consistent();
+        index.remove_worker(WorkerId(1));
+        assert_eq!(index.stats().blocks, 2);
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn fleets_beyond_64_workers_match_every_owner() {
+        let index = OwnerIndex::new(&[10; 300]);
+        for worker in [299, 3, 64, 130, 63] {
+            index.insert(WorkerId(worker), &[1, 2]);
+        }
+        index.insert(WorkerId(130), &[1, 2, 3]);
+        index.insert(WorkerId(64), &[1, 5]);
+        assert_eq!(
+            index.matches(&[1, 2, 3], BLOCK),
+            [
+                owner(130, 3),
+                owner(3, 2),
+                owner(63, 2),
+                owner(64, 2),
+                owner(299, 2)
+            ]
+        );
+        index.assert_consistent();
+    }
+
+    #[test]
+    fn workers_outside_the_pool_are_ignored() {
+        let index = OwnerIndex::new(&[10]);
+        index.insert(WorkerId(1), &[1]);
+        index.set_capacity(WorkerId(1), 5);
+        index.remove_worker(WorkerId(1));
+        assert_eq!(index.matches(&[1], BLOCK), []);
+        assert_eq!(index.stats().held, [0]);
+    }
+
+    #[test]
+    fn freed_slots_are_reused_before_the_slab_grows() {
+        let index = OwnerIndex::new(&[4]);
+        for round in 0..100 {
+            index.insert(WorkerId(0), &[round, round + 1000]);
+        }
+        let lru = lock(&index.lrus[0]);
+        // The sentinel, four blocks and the one about to be evicted.
+        assert_eq!(lru.nodes.len(), 6);
+        assert!(lru.nodes.capacity() <= 6);
+    }
+}

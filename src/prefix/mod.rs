@@ -1,0 +1,23 @@
+//! Prompt prefixes: token blocks, their chained hashes, and which workers hold them.
+//!
+//! [`block_hashes`] turns a prompt's tokens into one hash per full block, each naming the whole prefix
+//! up to its block; the [`OwnerIndex`] answers, per worker, how many leading blocks of a prompt it is
+//! believed to hold, from cachepick's own routing decisions. Hashing is a compatibility contract
+//! between replicas and releases (`hash.rs`, `README.md`); the index lives in memory, one per pool,
+//! shared by every request task.
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
+
+mod hash;
+mod index;
+
+#[cfg(test)]
+mod tests;
+
+pub use hash::{block_hashes, block_hashes_into, prefix_seed};
+pub use index::{IndexStats, OwnerIndex};

@@ -1,0 +1,202 @@
+//! The owner index against a naive model, and under concurrent use.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+use std::cmp::Reverse;
+use std::collections::{HashSet, VecDeque};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use super::{IndexStats, OwnerIndex, block_hashes, prefix_seed};
+use crate::policy::OwnerMatch;
+use crate::worker::WorkerId;
+
+const BLOCK: NonZeroU32 = NonZeroU32::new(2).unwrap();
+
+/// The same semantics, written the obvious way: per worker a deque of hashes, most recent first, and
+/// a match is the length of the chain's leading run found in it.
+struct Model {
+    held: Vec<VecDeque<u64>>,
+    capacity: Vec<usize>,
+}
+
+impl Model {
+    fn insert(&mut self, worker: usize, hashes: &[u64]) {
+        let Some(held) = self.held.get_mut(worker) else {
+            return;
+        };
+        let capacity = self.capacity[worker];
+        if capacity == 0 {
+            return;
+        }
+        for &hash in hashes.iter().rev() {
+            held.retain(|&h| h != hash);
+            held.push_front(hash);
+            held.truncate(capacity);
+        }
+    }
+
+    fn set_capacity(&mut self, worker: usize, blocks: usize) {
+        if let Some(held) = self.held.get_mut(worker) {
+            self.capacity[worker] = blocks;
+            held.truncate(blocks);
+        }
+    }
+
+    fn remove(&mut self, worker: usize) {
+        if let Some(held) = self.held.get_mut(worker) {
+            held.clear();
+            self.capacity[worker] = 0;
+        }
+    }
+
+    fn matches(&self, hashes: &[u64]) -> Vec<OwnerMatch> {
+        let mut found: Vec<OwnerMatch> = self
+            .held
+            .iter()
+            .enumerate()
+            .map(|(worker, held)| OwnerMatch {
+                worker: WorkerId(worker as u32),
+                matched_tokens: hashes.iter().take_while(|h| held.contains(h)).count() as u64
+                    * u64::from(BLOCK.get()),
+            })
+            .filter(|owner| owner.matched_tokens > 0)
+            .collect();
+        found.sort_by_key(|owner| (Reverse(owner.matched_tokens), owner.worker));
+        found
+    }
+
+    fn stats(&self) -> IndexStats {
+        let held: Vec<usize> = self.held.iter().map(VecDeque::len).collect();
+        IndexStats {
+            blocks: self.held.iter().flatten().collect::<HashSet<_>>().len(),
+            entries: held.iter().sum(),
+            held,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Insert(usize, Vec<u32>),
+    Match(Vec<u32>),
+    SetCapacity(usize, usize),
+    Remove(usize),
+}
+
+/// Prompts over a three-token alphabet in blocks of two: nine distinct first blocks, so chains share
+/// prefixes often.
+fn prompt() -> impl Strategy<Value = Vec<u32>> {
+    prop::collection::vec(0..3_u32, 0..12)
+}
+
+/// The pool has 130 workers so that owner bitsets span three words; operations name four of them,
+/// or 130, which is outside the pool.
+const POOL: usize = 130;
+
+fn worker() -> impl Strategy<Value = usize> {
+    prop::sample::select(vec![0, 1, 64, 129, 130])
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (worker(), prompt()).prop_map(|(w, p)| Op::Insert(w, p)),
+        3 => prompt().prop_map(Op::Match),
+        1 => (worker(), 0..8_usize).prop_map(|(w, c)| Op::SetCapacity(w, c)),
+        1 => worker().prop_map(Op::Remove),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn the_index_behaves_like_the_naive_model(
+        capacity in prop::collection::vec(0..8_usize, POOL),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let seed = prefix_seed("model", None);
+        let index = OwnerIndex::new(&capacity);
+        let mut model = Model { held: vec![VecDeque::new(); POOL], capacity };
+        for op in ops {
+            match &op {
+                Op::Insert(worker, prompt) => {
+                    let hashes = block_hashes(seed, prompt, BLOCK);
+                    index.insert(WorkerId(*worker as u32), &hashes);
+                    model.insert(*worker, &hashes);
+                    prop_assert_eq!(index.matches(&hashes, BLOCK), model.matches(&hashes));
+                }
+                Op::Match(prompt) => {
+                    let hashes = block_hashes(seed, prompt, BLOCK);
+                    prop_assert_eq!(index.matches(&hashes, BLOCK), model.matches(&hashes));
+                }
+                Op::SetCapacity(worker, blocks) => {
+                    index.set_capacity(WorkerId(*worker as u32), *blocks);
+                    model.set_capacity(*worker, *blocks);
+                }
+                Op::Remove(worker) => {
+                    index.remove_worker(WorkerId(*worker as u32));
+                    model.remove(*worker);
+                }
+            }
+            prop_assert_eq!(index.stats(), model.stats(), "after {:?}", op);
+            for (worker, held) in model.held.iter().enumerate() {
+                prop_assert_eq!(
+                    index.held_in_order(WorkerId(worker as u32)),
+                    held.iter().copied().collect::<Vec<_>>()
+                );
+            }
+            index.assert_consistent();
+        }
+    }
+}
+
+#[test]
+fn concurrent_inserts_and_matches_leave_a_consistent_index() {
+    const WORKERS: usize = 8;
+    const CAPACITY: usize = 40;
+    let index = Arc::new(OwnerIndex::new(&[CAPACITY; WORKERS]));
+    let seed = prefix_seed("model", None);
+    std::thread::scope(|scope| {
+        for thread in 0..4_u64 {
+            let index = Arc::clone(&index);
+            scope.spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(thread);
+                for round in 0..3_000 {
+                    let len = rng.random_range(0..24);
+                    let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..3)).collect();
+                    let hashes = block_hashes(seed, &prompt, BLOCK);
+                    let worker = WorkerId(rng.random_range(0..WORKERS as u32));
+                    index.insert(worker, &hashes);
+                    let found = index.matches(&hashes, BLOCK);
+                    assert!(found.windows(2).all(|pair| {
+                        (Reverse(pair[0].matched_tokens), pair[0].worker)
+                            < (Reverse(pair[1].matched_tokens), pair[1].worker)
+                    }));
+                    assert!(found.iter().all(|owner| {
+                        owner.matched_tokens <= hashes.len() as u64 * u64::from(BLOCK.get())
+                    }));
+                    if thread == 0 && round % 500 == 0 {
+                        index.set_capacity(worker, rng.random_range(10..CAPACITY));
+                    }
+                    if thread == 1 && round % 1_000 == 999 {
+                        index.remove_worker(worker);
+                        index.set_capacity(worker, CAPACITY);
+                    }
+                }
+            });
+        }
+    });
+    index.assert_consistent();
+    let stats = index.stats();
+    assert!(stats.held.iter().all(|&held| held <= CAPACITY));
+    assert!(stats.blocks <= stats.entries);
+}
