@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use serde::Serialize;
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -13,6 +14,8 @@ use tokio::sync::watch;
 use crate::config::Config;
 use crate::load::{PoolLoad, PoolView, Scraper};
 use crate::metrics::Metrics;
+use crate::picker::{Picker, PickerError, Prepared, RequestError};
+use crate::policy::Outcome;
 use crate::{admin, extproc};
 
 #[derive(Debug, Error)]
@@ -27,6 +30,19 @@ pub enum AppError {
     Metrics(#[from] prometheus::Error),
     #[error(transparent)]
     Serve(#[from] extproc::ServeError),
+    #[error(transparent)]
+    Picker(#[from] PickerError),
+}
+
+/// What `cachepick explain` reports about one request body.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    pub prepared: Prepared,
+    pub block_size: u32,
+    /// The decision a picker with this load and an empty owner index would make.
+    pub outcome: Outcome,
+    /// Endpoints by worker id, so the outcome's ids can be read.
+    pub endpoints: Vec<String>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), AppError> {
@@ -65,8 +81,12 @@ pub async fn run(
         }
     };
 
+    let pools = pools(config, &metrics);
+    let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
+    // Loading every tokenizer and template up front makes a bad file a start-up error, not a 400 later.
+    let _picker = Picker::new(config, &loads)?;
     let mut tasks = tokio::task::JoinSet::new();
-    for (_, scraper) in pools(config, &metrics) {
+    for (_, scraper) in pools {
         tasks.spawn(scraper.run(stopped_future()));
     }
     tasks.spawn(admin::serve(
@@ -106,4 +126,113 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolView>, App
         .iter()
         .map(|(load, _)| PoolView::new(load.label(), &load.snapshot(), now))
         .collect())
+}
+
+/// Scrapes every pool once and explains how `body`, sent to `path`, would be routed by a picker that has
+/// this load and has not routed anything yet (so its owner index is empty).
+pub async fn explain(
+    config: &Config,
+    path: &str,
+    body: &[u8],
+) -> Result<Result<Explanation, RequestError>, AppError> {
+    let metrics = Arc::new(Metrics::new()?);
+    let mut pools = pools(config, &metrics);
+    futures_util::future::join_all(pools.iter_mut().map(|(_, scraper)| scraper.round())).await;
+    let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
+    let picker = Picker::new(config, &loads)?;
+    let prepared = match picker.prepare(path, body) {
+        Ok(prepared) => prepared,
+        Err(error) => return Ok(Err(error)),
+    };
+    let mut rng = rand::rng();
+    let outcome = picker.decide(&prepared, None, Instant::now(), &mut rng);
+    let pool = config.pools.get(prepared.pool);
+    Ok(Ok(Explanation {
+        block_size: pool.map_or(0, |pool| pool.block_size.get()),
+        endpoints: pool
+            .map(|pool| {
+                pool.workers
+                    .iter()
+                    .map(|w| w.endpoint.to_string())
+                    .collect()
+            })
+            .unwrap_or_default(),
+        prepared,
+        outcome,
+    }))
+}
+
+/// `cachepick explain`'s text form.
+pub fn render_explanation(explanation: &Explanation) -> String {
+    use std::fmt::Write as _;
+    let prepared = &explanation.prepared;
+    let endpoint = |id: crate::worker::WorkerId| {
+        explanation
+            .endpoints
+            .get(id.index())
+            .cloned()
+            .unwrap_or_else(|| id.to_string())
+    };
+    let mut out = String::new();
+    let _ = writeln!(out, "pool:    {}", prepared.pool_label);
+    let _ = writeln!(
+        out,
+        "prompt:  {} tokens, {} full blocks of {}",
+        prepared.prompt_tokens,
+        prepared.block_hashes.len(),
+        explanation.block_size
+    );
+    let shown: Vec<String> = prepared
+        .block_hashes
+        .iter()
+        .take(4)
+        .map(|hash| format!("{hash:016x}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "blocks:  {}{}",
+        shown.join(" "),
+        if prepared.block_hashes.len() > 4 {
+            " …"
+        } else {
+            ""
+        }
+    );
+    if prepared.owners.is_empty() {
+        let _ = writeln!(
+            out,
+            "owners:  none (this one-shot picker has routed nothing yet)"
+        );
+    }
+    for owner in &prepared.owners {
+        let _ = writeln!(
+            out,
+            "owner:   {} holds {} tokens",
+            endpoint(owner.worker),
+            owner.matched_tokens
+        );
+    }
+    match &explanation.outcome {
+        Outcome::Route(decision) => {
+            let fallbacks: Vec<String> =
+                decision.fallbacks.iter().map(|id| endpoint(*id)).collect();
+            let _ = writeln!(
+                out,
+                "decision: {} -> {} (fallbacks: {})",
+                decision.reason.as_str(),
+                endpoint(decision.selected),
+                if fallbacks.is_empty() {
+                    "none".to_owned()
+                } else {
+                    fallbacks.join(", ")
+                }
+            );
+        }
+        Outcome::Reject(reject) => {
+            let _ = writeln!(out, "decision: reject {}", reject.reason.as_str());
+        }
+    }
+    let trace = serde_json::to_string_pretty(explanation.outcome.trace()).unwrap_or_default();
+    let _ = writeln!(out, "trace:   {trace}");
+    out
 }

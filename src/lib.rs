@@ -3,9 +3,14 @@
 //! # Layout
 //! - [`config`]: the YAML file and CLI overrides, validated in one place into typed configuration.
 //! - [`worker`]: worker identity (`WorkerId`, role, engine) shared by every other module.
+//! - [`request`]: request bodies → the API, model and prompt routing needs, borrowed from the body.
 //! - [`load`]: scraping worker load into immutable per-pool snapshots; router-local dispatch counts.
 //! - [`metrics`]: cachepick's own Prometheus metrics, defined in one place.
+//! - [`tokenize`]: prompt → tokens per pool (tiktoken, Hugging Face or bytes), chat templates, and the
+//!   segment cache that lets a growing conversation re-tokenize only its new turn.
 //! - [`policy`]: the pure routing decision (queue gate, saturation pin, off-owner sampling).
+//! - [`prefix`]: chained block hashes of a prompt and the owner index of which worker holds them.
+//! - [`picker`]: the request path — body → pool → tokens → block hashes → owners → decision → commit.
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
 //! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
@@ -21,5 +26,9 @@ pub mod config;
 pub mod extproc;
 pub mod load;
 pub mod metrics;
+pub mod picker;
 pub mod policy;
+pub mod prefix;
+pub mod request;
+pub mod tokenize;
 pub mod worker;

@@ -29,6 +29,20 @@ enum Command {
     Serve(ConfigArgs),
     /// Validate the configuration and print the effective configuration as YAML.
     Check(ConfigArgs),
+    /// Explain how a request body would be routed: pool, tokens, blocks, owners and the policy's trace.
+    Explain {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// The request path, which selects the API (`/v1/chat/completions`, `/v1/completions`, `/generate`).
+        #[arg(long, default_value = "/v1/chat/completions")]
+        path: String,
+        /// File holding the request body.
+        #[arg(long, value_name = "FILE")]
+        body: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Scrape every worker and print what cachepick sees: each worker's reading, and fresh or why not.
     Snapshot {
         #[command(flatten)]
@@ -81,9 +95,10 @@ impl ConfigArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let args = match &cli.command {
-        Command::Serve(args) | Command::Check(args) | Command::Snapshot { config: args, .. } => {
-            args
-        }
+        Command::Serve(args)
+        | Command::Check(args)
+        | Command::Snapshot { config: args, .. }
+        | Command::Explain { config: args, .. } => args,
     };
     let config = match args.load() {
         Ok(config) => config,
@@ -99,6 +114,9 @@ fn main() -> ExitCode {
         }
         Command::Serve(_) => serve(&config),
         Command::Snapshot { rounds, json, .. } => snapshot(&config, rounds, json),
+        Command::Explain {
+            path, body, json, ..
+        } => explain(&config, &path, &body, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -128,6 +146,21 @@ fn snapshot(config: &Config, rounds: u32, json: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&pools)?);
     } else {
         print!("{}", cachepick::load::render_table(&pools));
+    }
+    Ok(())
+}
+
+fn explain(config: &Config, path: &str, body: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    let body = std::fs::read(body).with_context(|| format!("cannot read {}", body.display()))?;
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    match runtime.block_on(cachepick::app::explain(config, path, &body))? {
+        Ok(explanation) if json => println!("{}", serde_json::to_string_pretty(&explanation)?),
+        Ok(explanation) => print!("{}", cachepick::app::render_explanation(&explanation)),
+        Err(error) => anyhow::bail!(
+            "the request would be refused: {} {}: {error}",
+            error.status(),
+            error.kind()
+        ),
     }
     Ok(())
 }

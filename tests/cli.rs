@@ -330,3 +330,60 @@ fn http_get(addr: &str, path: &str) -> String {
     stream.read_to_string(&mut response).expect("read response");
     response
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
+    let engine = FakeEngine::start(Mode::Body("text/plain", vllm_metrics(&[(0, 0, 2, 0.1)]))).await;
+    let config = write_config(&format!(
+        "pools:\n  - model: m\n    engine: vllm\n    block_size: 16\n    workers:\n\
+         \x20     - endpoint: \"{}\"\n",
+        engine.addr
+    ));
+    let body = write_config(
+        r#"{"model": "m", "messages": [{"role": "system", "content": "You are terse and exact, and you answer in one line."},
+            {"role": "user", "content": "Which worker serves this request, and why does it hold the prefix of my prompt?"}]}"#,
+    );
+    let (config_path, body_path) = (
+        config.path().to_str().unwrap().to_owned(),
+        body.path().to_str().unwrap().to_owned(),
+    );
+    let output = tokio::task::spawn_blocking(move || {
+        cachepick(&[
+            "explain",
+            "--config",
+            &config_path,
+            "--body",
+            &body_path,
+            "--json",
+        ])
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let explanation: serde_json::Value =
+        serde_json::from_str(&stdout(&output)).expect("JSON output");
+    let tokens = explanation["prepared"]["prompt_tokens"].as_u64().unwrap();
+    let blocks = explanation["prepared"]["block_hashes"]
+        .as_array()
+        .unwrap()
+        .len() as u64;
+    assert!(tokens > 16, "{explanation}");
+    assert_eq!(blocks, tokens / 16, "full blocks only");
+    assert_eq!(explanation["outcome"]["outcome"], "route");
+    assert_eq!(explanation["outcome"]["reason"], "cache_miss");
+    assert_eq!(
+        explanation["outcome"]["trace"]["fresh"], 1,
+        "the worker was scraped first"
+    );
+
+    let bad = write_config(r#"{"model": "m", "messages": "hello"}"#);
+    let config_path = config.path().to_str().unwrap().to_owned();
+    let bad_path = bad.path().to_str().unwrap().to_owned();
+    let refused = tokio::task::spawn_blocking(move || {
+        cachepick(&["explain", "--config", &config_path, "--body", &bad_path])
+    })
+    .await
+    .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(stderr(&refused).contains("400"), "{}", stderr(&refused));
+}

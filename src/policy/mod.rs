@@ -59,7 +59,7 @@ pub struct RequestFacts<'a> {
 }
 
 /// One worker's match in the owner index: how many leading prompt tokens it holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct OwnerMatch {
     pub worker: WorkerId,
     pub matched_tokens: u64,

@@ -1,0 +1,122 @@
+//! The request path on realistic bodies: body → pool → tokens → block hashes → owners (→ decision).
+//!
+//! Run: `cargo bench --bench pipeline`. Cold means a fresh picker (empty segment cache); warm means the
+//! same conversation was routed before, so its segments are cached and its blocks are in the index.
+
+#![allow(clippy::disallowed_methods)] // a benchmark picks its instants
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cachepick::config::{self, Overrides};
+use cachepick::load::PoolLoad;
+use cachepick::picker::Picker;
+use cachepick::policy::Outcome;
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+fn picker() -> Picker {
+    let mut yaml =
+        String::from("pools:\n  - model: m\n    engine: vllm\n    block_size: 64\n    workers:\n");
+    for port in 1..=16 {
+        yaml.push_str(&format!("      - endpoint: 127.0.0.1:{port}\n"));
+    }
+    let config = config::parse(&yaml, "bench.yaml", &Overrides::default()).unwrap();
+    let loads: Vec<Arc<PoolLoad>> = config
+        .pools
+        .iter()
+        .map(|pool| PoolLoad::new(pool, &config.load))
+        .collect();
+    Picker::new(&config, &loads).unwrap()
+}
+
+/// A chat of `turns` user/assistant pairs after a long system prompt, `words` words per message.
+fn chat(turns: usize, words: usize) -> Vec<u8> {
+    let vocabulary = [
+        "the", "cache", "router", "sends", "each", "request", "to", "a", "worker", "that",
+        "already", "holds", "its", "prefix", "so", "prefill", "is", "short", "and", "latency",
+        "drops", "when", "queues", "grow",
+    ];
+    let text = |seed: usize| {
+        (0..words)
+            .map(|i| vocabulary[(i * 7 + seed * 13) % vocabulary.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut messages = vec![serde_json::json!({"role": "system", "content": text(0)})];
+    for turn in 1..=turns {
+        messages.push(serde_json::json!({"role": "user", "content": text(2 * turn)}));
+        messages.push(serde_json::json!({"role": "assistant", "content": text(2 * turn + 1)}));
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
+}
+
+fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) {
+    let prepared = picker.prepare("/v1/chat/completions", body).unwrap();
+    if let Outcome::Route(decision) = picker.decide(&prepared, None, Instant::now(), rng) {
+        picker.commit(&prepared, &decision);
+    }
+}
+
+fn bench_pipeline(c: &mut Criterion) {
+    let mut rng = SmallRng::seed_from_u64(5);
+    // (a) About 8k tokens over 10 turns.
+    let body = chat(10, 380);
+    let tokens = picker()
+        .prepare("/v1/chat/completions", &body)
+        .unwrap()
+        .prompt_tokens;
+    let mut group = c.benchmark_group("prepare_8k_10_turns");
+    group.throughput(Throughput::Bytes(body.len() as u64));
+    group.bench_function("cold", |b| {
+        b.iter_batched(
+            picker,
+            |picker| black_box(picker.prepare("/v1/chat/completions", &body).unwrap()),
+            BatchSize::PerIteration,
+        )
+    });
+    let warm = picker();
+    route(&warm, &body, &mut rng);
+    group.bench_function("warm", |b| {
+        b.iter(|| {
+            black_box(
+                warm.prepare("/v1/chat/completions", black_box(&body))
+                    .unwrap(),
+            )
+        })
+    });
+    group.finish();
+    println!("prepare_8k_10_turns: {} bytes, {tokens} tokens", body.len());
+
+    // (d) A 220 KB body end to end: prepare, decide, commit.
+    let big = chat(40, 560);
+    let tokens = picker()
+        .prepare("/v1/chat/completions", &big)
+        .unwrap()
+        .prompt_tokens;
+    let mut group = c.benchmark_group("route_220kb");
+    group.throughput(Throughput::Bytes(big.len() as u64));
+    group.bench_function("cold", |b| {
+        b.iter_batched(
+            picker,
+            |picker| {
+                let mut rng = SmallRng::seed_from_u64(1);
+                route(&picker, &big, &mut rng);
+                picker
+            },
+            BatchSize::PerIteration,
+        )
+    });
+    let warm = picker();
+    route(&warm, &big, &mut rng);
+    group.bench_function("warm", |b| {
+        b.iter(|| route(&warm, black_box(&big), &mut rng))
+    });
+    group.finish();
+    println!("route_220kb: {} bytes, {tokens} tokens", big.len());
+}
+
+criterion_group!(benches, bench_pipeline);
+criterion_main!(benches);

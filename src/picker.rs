@@ -1,0 +1,229 @@
+//! The request path, from body to decision: shared by the ext_proc server and `cachepick explain`.
+//!
+//! [`Picker::prepare`] parses the body, chooses the pool, tokenizes the prompt, hashes its full blocks
+//! and asks the pool's owner index who holds them. [`Picker::decide`] runs the policy on the pool's
+//! current snapshot. [`Picker::commit`] then records the decision synchronously — the selected worker
+//! now holds the prompt's blocks, and one more request is in flight there — so that a burst of identical
+//! prompts sees the first one's placement instead of all landing on the same idle worker.
+
+use std::borrow::Cow;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::Rng;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::config::{Config, PolicyConfig, PoolConfig};
+use crate::load::PoolLoad;
+use crate::policy::{
+    self, Decision, LoadView, Outcome, OwnerMatch, Reject, RejectReason, RequestFacts, Trace,
+};
+use crate::prefix::{OwnerIndex, block_hashes, prefix_seed};
+use crate::request::{self, BodyError, Prompt};
+use crate::tokenize::{ChatTurn, PoolTokenizer, TokenizeError};
+use crate::worker::WorkerId;
+
+/// Why a request cannot be routed before the policy even runs.
+#[derive(Debug, Error)]
+pub enum RequestError {
+    #[error(transparent)]
+    Body(#[from] BodyError),
+    #[error("cannot tokenize the prompt: {0}")]
+    Tokenize(#[from] TokenizeError),
+}
+
+impl RequestError {
+    /// The HTTP status the client gets.
+    pub fn status(&self) -> u16 {
+        match self {
+            RequestError::Body(error) => error.status(),
+            // A template that cannot render this chat is the request's shape meeting our template.
+            RequestError::Tokenize(_) => 400,
+        }
+    }
+
+    /// A stable label for metrics and the JSON error `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RequestError::Body(error) => error.kind(),
+            RequestError::Tokenize(_) => "untokenizable",
+        }
+    }
+}
+
+/// Why the picker cannot start.
+#[derive(Debug, Error)]
+pub enum PickerError {
+    #[error("pool {pool}: {source}")]
+    Tokenizer {
+        pool: String,
+        #[source]
+        source: TokenizeError,
+    },
+}
+
+/// One pool's runtime: its configuration, load, tokenizer and owner index.
+struct PoolRoute {
+    load: Arc<PoolLoad>,
+    tokenizer: PoolTokenizer,
+    index: OwnerIndex,
+}
+
+/// Everything the policy needs about one request, computed once.
+#[derive(Clone, Debug, Serialize)]
+pub struct Prepared {
+    /// Index of the pool in the configuration.
+    pub pool: usize,
+    pub pool_label: String,
+    pub model: Option<String>,
+    pub prompt_tokens: u64,
+    /// Chained hashes of the prompt's full blocks.
+    pub block_hashes: Vec<u64>,
+    /// Every worker holding at least one leading block, deepest first.
+    pub owners: Vec<OwnerMatch>,
+}
+
+/// The request path for every pool of a configuration.
+pub struct Picker {
+    /// The pools' configurations, index-aligned with `pools`.
+    configs: Vec<PoolConfig>,
+    pools: Vec<PoolRoute>,
+    policy: PolicyConfig,
+    max_body_bytes: usize,
+}
+
+impl Picker {
+    /// Loads every pool's tokenizer and creates empty owner indexes sized by the workers' capacities.
+    /// `loads` are the pools' shared load states, in configuration order.
+    pub fn new(config: &Config, loads: &[Arc<PoolLoad>]) -> Result<Self, PickerError> {
+        let pools = config
+            .pools
+            .iter()
+            .zip(loads)
+            .map(|(pool, load)| {
+                let tokenizer =
+                    PoolTokenizer::new(pool).map_err(|source| PickerError::Tokenizer {
+                        pool: load.label().to_owned(),
+                        source,
+                    })?;
+                let snapshot = load.snapshot();
+                let capacities: Vec<usize> = snapshot
+                    .workers()
+                    .iter()
+                    .map(|worker| capacity_blocks(pool, worker.capacity.max_total_tokens))
+                    .collect();
+                Ok(PoolRoute {
+                    load: Arc::clone(load),
+                    tokenizer,
+                    index: OwnerIndex::new(&capacities),
+                })
+            })
+            .collect::<Result<_, PickerError>>()?;
+        Ok(Picker {
+            configs: config.pools.clone(),
+            pools,
+            policy: config.policy.clone(),
+            max_body_bytes: config.max_body_bytes.get(),
+        })
+    }
+
+    /// Body → pool, tokens, block hashes and owners.
+    pub fn prepare(&self, path: &str, body: &[u8]) -> Result<Prepared, RequestError> {
+        let parsed = request::parse(path, body, self.max_body_bytes)?;
+        let (pool_index, config) = request::select_pool(&self.configs, parsed.model.as_deref())?;
+        let Some(pool) = self.pools.get(pool_index) else {
+            return Err(RequestError::Body(BodyError::MissingModel));
+        };
+        let tokens: Cow<'_, [u32]> = match &parsed.prompt {
+            Prompt::Chat { messages, tools } => {
+                let turns: Vec<ChatTurn<'_>> = messages
+                    .iter()
+                    .map(|message| ChatTurn {
+                        role: &message.role,
+                        parts: &message.content,
+                    })
+                    .collect();
+                Cow::Owned(
+                    pool.tokenizer
+                        .tokens_for_chat(&turns, tools.map(|raw| raw.get()))?,
+                )
+            }
+            Prompt::Text(text) => Cow::Owned(pool.tokenizer.tokens_for_text(text)?),
+            Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
+        };
+        let model = parsed.model.as_deref().unwrap_or(pool.load.label());
+        let seed = prefix_seed(model, parsed.cache_salt.as_deref());
+        let hashes = block_hashes(seed, &tokens, config.block_size);
+        let owners = pool.index.matches(&hashes, config.block_size);
+        Ok(Prepared {
+            pool: pool_index,
+            pool_label: pool.load.label().to_owned(),
+            model: parsed.model.map(Cow::into_owned),
+            prompt_tokens: tokens.len() as u64,
+            block_hashes: hashes,
+            owners,
+        })
+    }
+
+    /// Runs the policy for a prepared request on its pool's current snapshot.
+    pub fn decide<R: Rng + ?Sized>(
+        &self,
+        prepared: &Prepared,
+        allowed: Option<&[WorkerId]>,
+        now: Instant,
+        rng: &mut R,
+    ) -> Outcome {
+        let Some(pool) = self.pools.get(prepared.pool) else {
+            // `prepare` only names pools that exist; a foreign `Prepared` has no workers here.
+            return Outcome::Reject(Reject {
+                reason: RejectReason::NoWorkers,
+                trace: Trace::default(),
+            });
+        };
+        let snapshot = pool.load.snapshot();
+        let view = LoadView {
+            snapshot: &snapshot,
+            dispatches: pool.load.dispatches(),
+            now,
+        };
+        let facts = RequestFacts {
+            prompt_tokens: prepared.prompt_tokens,
+            allowed,
+        };
+        policy::decide(&facts, &prepared.owners, &view, &self.policy, rng)
+    }
+
+    /// Records a routed request: its blocks now live on the selected worker, and one more request is in
+    /// flight there.
+    pub fn commit(&self, prepared: &Prepared, decision: &Decision) {
+        let (Some(pool), Some(config)) = (
+            self.pools.get(prepared.pool),
+            self.configs.get(prepared.pool),
+        ) else {
+            return;
+        };
+        let snapshot = pool.load.snapshot();
+        if let Some(worker) = snapshot.worker(decision.selected) {
+            let capacity = capacity_blocks(config, worker.capacity.max_total_tokens);
+            pool.index.set_capacity(decision.selected, capacity);
+        }
+        pool.index.insert(decision.selected, &prepared.block_hashes);
+        pool.load.dispatches().record(decision.selected);
+    }
+
+    /// The pools' shared load states, in configuration order.
+    pub fn loads(&self) -> impl Iterator<Item = &Arc<PoolLoad>> {
+        self.pools.iter().map(|pool| &pool.load)
+    }
+}
+
+/// A worker's capacity in our blocks: the engine's KV tokens divided by our block size, else the pool's
+/// configured default.
+fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
+    let block: u64 = NonZeroU32::get(pool.block_size).into();
+    max_total_tokens
+        .map(|tokens| usize::try_from(tokens / block).unwrap_or(usize::MAX).max(1))
+        .unwrap_or(pool.default_cache_blocks.get())
+}
