@@ -39,8 +39,10 @@ impl RequestError {
     pub fn status(&self) -> u16 {
         match self {
             RequestError::Body(error) => error.status(),
-            // A template that cannot render this chat is the request's shape meeting our template.
-            RequestError::Tokenize(_) => 400,
+            // A template that cannot render this chat, or tools that are not JSON, are the request's
+            // doing; a tokenizer failing on text is ours.
+            RequestError::Tokenize(TokenizeError::Render { .. } | TokenizeError::Tools(_)) => 400,
+            RequestError::Tokenize(_) => 500,
         }
     }
 
@@ -48,7 +50,10 @@ impl RequestError {
     pub fn kind(&self) -> &'static str {
         match self {
             RequestError::Body(error) => error.kind(),
-            RequestError::Tokenize(_) => "untokenizable",
+            RequestError::Tokenize(TokenizeError::Render { .. } | TokenizeError::Tools(_)) => {
+                "untokenizable"
+            }
+            RequestError::Tokenize(_) => "tokenizer_failed",
         }
     }
 }
@@ -205,10 +210,16 @@ impl Picker {
             return;
         };
         let snapshot = pool.load.snapshot();
-        if let Some(worker) = snapshot.worker(decision.selected) {
-            let capacity = capacity_blocks(config, worker.capacity.max_total_tokens);
-            pool.index.set_capacity(decision.selected, capacity);
-        }
+        // A worker the current roster no longer routes to gets nothing recorded, so a decision made just
+        // before its removal cannot bring its blocks back.
+        let Some(worker) = snapshot
+            .worker(decision.selected)
+            .filter(|worker| worker.routable)
+        else {
+            return;
+        };
+        let capacity = capacity_blocks(config, worker.capacity.max_total_tokens);
+        pool.index.set_capacity(decision.selected, capacity);
         pool.index.insert(decision.selected, &prepared.block_hashes);
         pool.load.dispatches().record(decision.selected);
     }

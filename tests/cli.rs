@@ -376,6 +376,26 @@ async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
         "the worker was scraped first"
     );
 
+    let (config_path, body_path) = (
+        config.path().to_str().unwrap().to_owned(),
+        body.path().to_str().unwrap().to_owned(),
+    );
+    let text = tokio::task::spawn_blocking(move || {
+        cachepick(&["explain", "--config", &config_path, "--body", &body_path])
+    })
+    .await
+    .unwrap();
+    let text = stdout(&text);
+    assert!(text.contains("pool:    m"), "{text}");
+    assert!(
+        text.contains(&format!("{tokens} tokens, {blocks} full blocks of 16")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("decision: cache_miss -> {}", engine.addr)),
+        "{text}"
+    );
+
     let bad = write_config(r#"{"model": "m", "messages": "hello"}"#);
     let config_path = config.path().to_str().unwrap().to_owned();
     let bad_path = bad.path().to_str().unwrap().to_owned();

@@ -141,8 +141,9 @@ impl OwnerIndex {
         self.evict_beyond_capacity(worker.0, &mut lru);
     }
 
-    /// Forgets every block of `worker`, which was removed from the pool, and gives it no capacity,
-    /// so a decision racing the removal cannot bring it back; [`OwnerIndex::set_capacity`] does.
+    /// Forgets every block of `worker`, which was removed from the pool, and gives it no capacity, so
+    /// an insert racing the removal records nothing; only [`OwnerIndex::set_capacity`] brings it back
+    /// (the picker calls it only for workers its current roster still routes to).
     pub fn remove_worker(&self, worker: WorkerId) {
         let Some(lru) = self.lrus.get(worker.index()) else {
             return;

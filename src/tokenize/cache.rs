@@ -9,7 +9,10 @@
 //! The LRU is split into shards, each behind its own mutex, so concurrent requests rarely wait on one
 //! another; a lock is held only to look up or insert, never while tokenizing. Two requests that miss the
 //! same segment at once both tokenize it, and the second insert replaces the first with equal tokens.
-//! The bound is a number of entries, not bytes: memory is about entries × mean segment length × 4 bytes.
+//! Memory is bounded twice: by entries (`segment_cache_entries`) and by tokens, at
+//! [`TOKENS_PER_ENTRY`] per entry on average (32 MiB per pool at the default 16,384 entries). A segment
+//! longer than an eighth of its shard's token budget is not cached at all, so one huge prompt — or a
+//! client sending many — cannot flush the conversations the cache exists for.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,7 +25,14 @@ use super::Mode;
 /// Enough shards that a busy pool's request threads seldom meet on one lock.
 const SHARDS: usize = 16;
 
-type Lru = LruCache<u128, Arc<[u32]>>;
+/// The average segment the token budget allows for: a long chat turn.
+pub(super) const TOKENS_PER_ENTRY: usize = 512;
+
+/// One shard: its LRU and the tokens it holds.
+struct Shard {
+    lru: LruCache<u128, Arc<[u32]>>,
+    tokens: usize,
+}
 
 /// How often the cache answered, since the pool's tokenizer was built.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -37,7 +47,9 @@ pub(super) struct SegmentCache {
     /// Mixed into every key: the tokenizer's identity, so equal text under two tokenizers never shares
     /// an entry even if a cache were shared.
     seed: u64,
-    shards: Box<[Mutex<Lru>]>,
+    shards: Box<[Mutex<Shard>]>,
+    /// Tokens each shard may hold.
+    shard_tokens: usize,
     hits: AtomicU64,
     misses: AtomicU64,
 }
@@ -50,8 +62,14 @@ impl SegmentCache {
         SegmentCache {
             seed,
             shards: (0..shards)
-                .map(|_| Mutex::new(LruCache::new(per_shard)))
+                .map(|_| {
+                    Mutex::new(Shard {
+                        lru: LruCache::new(per_shard),
+                        tokens: 0,
+                    })
+                })
                 .collect(),
+            shard_tokens: per_shard.saturating_mul(TOKENS_PER_ENTRY),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         }
@@ -69,7 +87,9 @@ impl SegmentCache {
 
     /// The cached tokens for `key`, counting the hit or miss.
     pub(super) fn get(&self, key: u128) -> Option<Arc<[u32]>> {
-        let found = self.with_shard(key, |lru| lru.get(&key).cloned()).flatten();
+        let found = self
+            .with_shard(key, |shard| shard.lru.get(&key).cloned())
+            .flatten();
         let counter = if found.is_some() {
             &self.hits
         } else {
@@ -79,8 +99,38 @@ impl SegmentCache {
         found
     }
 
+    /// Caches `tokens` unless the segment is too long to be worth its share of the budget, evicting the
+    /// least recently used entries until the shard is within both of its bounds.
     pub(super) fn insert(&self, key: u128, tokens: Arc<[u32]>) {
-        self.with_shard(key, |lru| lru.insert(key, tokens));
+        let budget = self.shard_tokens;
+        if tokens.len() > budget / 8 {
+            return;
+        }
+        self.with_shard(key, |shard| {
+            let len = tokens.len();
+            if let Some(old) = shard.lru.remove(&key) {
+                shard.tokens = shard.tokens.saturating_sub(old.len());
+            }
+            while shard.lru.len() >= shard.lru.capacity()
+                || shard.tokens.saturating_add(len) > budget
+            {
+                match shard.lru.remove_lru() {
+                    Some((_, evicted)) => shard.tokens = shard.tokens.saturating_sub(evicted.len()),
+                    None => break,
+                }
+            }
+            shard.lru.insert(key, tokens);
+            shard.tokens = shard.tokens.saturating_add(len);
+        });
+    }
+
+    /// Tokens held across all shards.
+    #[cfg(test)]
+    pub(super) fn held_tokens(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| shard.lock().unwrap_or_else(PoisonError::into_inner).tokens)
+            .sum()
     }
 
     pub(super) fn stats(&self) -> CacheStats {
@@ -91,13 +141,50 @@ impl SegmentCache {
     }
 
     /// Runs `f` on the shard that holds `key`, under its lock.
-    fn with_shard<R>(&self, key: u128, f: impl FnOnce(&mut Lru) -> R) -> Option<R> {
+    fn with_shard<R>(&self, key: u128, f: impl FnOnce(&mut Shard) -> R) -> Option<R> {
         // The high bits pick the shard; the shard's own table hashes the whole key.
         let high = usize::try_from(key >> 96).unwrap_or_default();
         let shard = self.shards.get(high % self.shards.len().max(1))?;
         // A panic while the lock was held cannot leave an entry half-written (each use is one LRU
         // call), so a poisoned shard is still a good cache.
-        let mut lru = shard.lock().unwrap_or_else(PoisonError::into_inner);
-        Some(f(&mut lru))
+        let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(f(&mut shard))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_holds_no_more_tokens_than_its_budget_and_skips_huge_segments() {
+        let cache = SegmentCache::new(16, 7);
+        // One entry per shard, 512 tokens per shard.
+        let huge: Arc<[u32]> = vec![1; 65].into();
+        cache.insert(cache.key(Mode::Segment, &["huge"]), Arc::clone(&huge));
+        assert_eq!(
+            cache.held_tokens(),
+            0,
+            "longer than an eighth of a shard's budget"
+        );
+        for i in 0..200 {
+            let text = format!("segment {i}");
+            let tokens: Arc<[u32]> = vec![2; 60].into();
+            cache.insert(cache.key(Mode::Segment, &[text.as_str()]), tokens);
+        }
+        assert!(cache.held_tokens() <= 16 * TOKENS_PER_ENTRY);
+        assert!(cache.held_tokens() <= 16 * 60, "one entry per shard");
+        let last = cache.key(Mode::Segment, &["segment 199"]);
+        assert!(cache.get(last).is_some(), "the newest entry survives");
+    }
+
+    #[test]
+    fn replacing_an_entry_does_not_count_its_tokens_twice() {
+        let cache = SegmentCache::new(64, 1);
+        let key = cache.key(Mode::Prompt, &["same"]);
+        for _ in 0..10 {
+            cache.insert(key, vec![3; 40].into());
+        }
+        assert_eq!(cache.held_tokens(), 40);
     }
 }
