@@ -112,22 +112,60 @@ impl OwnerIndex {
     /// by worker id.
     ///
     /// The walk follows the chain and intersects the owners still matching with each block's owners,
-    /// stopping as soon as none is left, so a miss costs one lookup.
+    /// stopping as soon as none is left, so a miss costs one lookup. Ownership is prefix-closed — a
+    /// worker holding a block holds its ancestors, because `insert` refreshes a chain last block
+    /// first and eviction takes the least recent — so once a block drops nobody, the walk gallops
+    /// ahead (1, 2, 4, … blocks) while every surviving worker still holds the probed block, then
+    /// binary-searches the first block where one of them stops. A conversation owned by a few workers
+    /// to a few depths thus costs tens of lookups instead of one per block. While an insert races a
+    /// match, a probe may see a later block before its ancestors and report a deeper match than the
+    /// linear walk would; the index is approximate, and the next decision sees the settled state.
     pub fn matches(&self, hashes: &[u64], block_size: NonZeroU32) -> Vec<OwnerMatch> {
         let mut walk = Walk::new(self.lrus.len(), block_size);
-        let mut hashes = hashes.iter();
-        if let Some(&first) = hashes.next() {
-            self.with_owners(first, |held| walk.start(held));
-        }
+        let Some(&first) = hashes.first() else {
+            return walk.finish(1);
+        };
+        self.with_owners(first, |held| walk.start(held));
+        let blocks = hashes.len();
+        // `depth` is the index of the next block to apply; every alive worker holds the ones before.
         let mut depth = 1;
-        for &hash in hashes {
-            if walk.alive == 0 {
+        while walk.alive > 0 && depth < blocks {
+            let Some(&hash) = hashes.get(depth) else {
                 break;
-            }
-            self.with_owners(hash, |held| walk.step(depth, held));
+            };
+            let alive = walk.alive;
+            self.with_owners(hash, |held| walk.step(depth as u64, held));
             depth += 1;
+            if walk.alive < alive || walk.alive == 0 {
+                continue;
+            }
+            // Nobody dropped: find the first later block not held by every alive worker.
+            let covered = |index: usize| {
+                hashes
+                    .get(index)
+                    .is_some_and(|&hash| self.with_owners(hash, |held| walk.covers(held)))
+            };
+            let (mut good, mut bad, mut step) = (depth - 1, blocks, 1);
+            while good + step < blocks {
+                if covered(good + step) {
+                    good += step;
+                    step *= 2;
+                } else {
+                    bad = good + step;
+                    break;
+                }
+            }
+            while bad - good > 1 {
+                let middle = good + (bad - good) / 2;
+                if covered(middle) {
+                    good = middle;
+                } else {
+                    bad = middle;
+                }
+            }
+            depth = good + 1;
         }
-        walk.finish(depth)
+        walk.finish(depth as u64)
     }
 
     /// Sets how many blocks `worker` can hold, evicting its least recently used blocks if it now
@@ -372,6 +410,22 @@ impl Walk {
                 }
                 self.alive = self.count();
             }
+        }
+    }
+
+    /// Whether every alive worker holds the block.
+    fn covers(&self, held: Held<'_>) -> bool {
+        match held {
+            Held::Nobody => self.alive == 0,
+            Held::One(holder) => {
+                let (word, bit) = bit_of(holder.worker);
+                self.alive == 1 && self.workers.get(word).is_some_and(|alive| alive & bit != 0)
+            }
+            Held::Several(owners) => self
+                .workers
+                .iter()
+                .enumerate()
+                .all(|(at, alive)| *alive & !owners.workers.get(at).copied().unwrap_or(0) == 0),
         }
     }
 

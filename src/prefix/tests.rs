@@ -200,3 +200,35 @@ fn concurrent_inserts_and_matches_leave_a_consistent_index() {
     assert!(stats.held.iter().all(|&held| held <= CAPACITY));
     assert!(stats.blocks <= stats.entries);
 }
+
+#[test]
+fn long_chains_held_to_many_depths_match_exactly_like_a_linear_walk() {
+    // Worker w holds the first depths[w] blocks of one 600-block chain; the walk gallops over the long
+    // stretches where nobody drops, and must still find every boundary.
+    let seed = prefix_seed("m", None);
+    let tokens: Vec<u32> = (0..1200).collect();
+    let hashes = block_hashes(seed, &tokens, BLOCK);
+    assert_eq!(hashes.len(), 600);
+    let depths = [600, 1, 2, 3, 64, 65, 127, 128, 129, 300, 599, 0, 17, 300];
+    let index = OwnerIndex::new(&[1000; 14]);
+    for (worker, depth) in depths.iter().enumerate() {
+        if *depth > 0 {
+            index.insert(WorkerId(worker as u32), &hashes[..*depth]);
+        }
+    }
+    let mut expected: Vec<OwnerMatch> = depths
+        .iter()
+        .enumerate()
+        .filter(|(_, depth)| **depth > 0)
+        .map(|(worker, depth)| OwnerMatch {
+            worker: WorkerId(worker as u32),
+            matched_tokens: *depth as u64 * u64::from(BLOCK.get()),
+        })
+        .collect();
+    expected.sort_unstable_by_key(|owner| (Reverse(owner.matched_tokens), owner.worker));
+    assert_eq!(index.matches(&hashes, BLOCK), expected);
+    // A shorter probe stops at its own end.
+    let short = index.matches(&hashes[..100], BLOCK);
+    assert!(short.iter().all(|owner| owner.matched_tokens <= 200));
+    assert_eq!(short.first().map(|owner| owner.matched_tokens), Some(200));
+}
