@@ -113,6 +113,17 @@ pub async fn run(
 
 /// Scrapes every pool `rounds` times, `scrape_interval` apart, and returns what cachepick then sees.
 pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolView>, AppError> {
+    let loads = scraped(config, rounds).await?;
+    let now = Instant::now();
+    Ok(loads
+        .iter()
+        .map(|load| PoolView::new(load.label(), &load.snapshot(), now))
+        .collect())
+}
+
+/// Every pool's load after `rounds` scrape rounds, `scrape_interval` apart: what the one-shot commands
+/// read instead of a running scraper.
+async fn scraped(config: &Config, rounds: u32) -> Result<Vec<Arc<PoolLoad>>, AppError> {
     let metrics = Arc::new(Metrics::new()?);
     let mut pools = pools(config, &metrics);
     for round in 0..rounds {
@@ -121,11 +132,7 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolView>, App
         }
         futures_util::future::join_all(pools.iter_mut().map(|(_, scraper)| scraper.round())).await;
     }
-    let now = Instant::now();
-    Ok(pools
-        .iter()
-        .map(|(load, _)| PoolView::new(load.label(), &load.snapshot(), now))
-        .collect())
+    Ok(pools.into_iter().map(|(load, _)| load).collect())
 }
 
 /// Scrapes every pool once and explains how `body`, sent to `path`, would be routed by a picker that has
@@ -135,10 +142,7 @@ pub async fn explain(
     path: &str,
     body: &[u8],
 ) -> Result<Result<Explanation, RequestError>, AppError> {
-    let metrics = Arc::new(Metrics::new()?);
-    let mut pools = pools(config, &metrics);
-    futures_util::future::join_all(pools.iter_mut().map(|(_, scraper)| scraper.round())).await;
-    let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
+    let loads = scraped(config, 1).await?;
     let picker = Picker::new(config, &loads)?;
     let prepared = match picker.prepare(path, body) {
         Ok(prepared) => prepared,
