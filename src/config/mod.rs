@@ -22,6 +22,8 @@
 mod duration;
 mod emit;
 mod error;
+mod sim_types;
+mod sim_validate;
 mod size;
 mod types;
 mod validate;
@@ -32,6 +34,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 pub use error::{ConfigError, Origin, Problem};
+pub use sim_types::*;
+pub use sim_validate::SimOverrides;
 pub use types::*;
 
 /// Values given as command-line flags; each replaces the file's value and is validated like it.
@@ -71,6 +75,48 @@ pub fn parse(
         Ok(config) if problems.is_empty() => Ok(config),
         _ => Err(ConfigError::Invalid {
             file: origin_name.to_owned(),
+            problems: problems.into_sorted(),
+        }),
+    }
+}
+
+/// Reads and validates a simulator file (`cachepick sim --config`), with `overrides` applied.
+pub fn load_sim(path: &Path, overrides: &SimOverrides) -> Result<SimConfig, ConfigError> {
+    let source = fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse_sim(&source, &path.display().to_string(), overrides)
+}
+
+/// Validates simulator configuration `source`; an empty source is every default (flags still apply).
+pub fn parse_sim(
+    source: &str,
+    origin_name: &str,
+    overrides: &SimOverrides,
+) -> Result<SimConfig, ConfigError> {
+    let mut problems = error::Problems::default();
+    let config = yaml::parse(source, &mut problems)
+        .and_then(|root| sim_validate::validate(&root, overrides, &mut problems));
+    match config {
+        Ok(config) if problems.is_empty() => Ok(config),
+        _ => Err(ConfigError::Invalid {
+            file: origin_name.to_owned(),
+            problems: problems.into_sorted(),
+        }),
+    }
+}
+
+/// Validates a change of simulator model parameters (a JSON or YAML mapping of `SimParams` keys);
+/// keys not given keep their value in `base`.
+pub fn parse_sim_params(source: &str, base: &SimParams) -> Result<SimParams, ConfigError> {
+    let mut problems = error::Problems::default();
+    let params = yaml::parse(source, &mut problems)
+        .and_then(|root| sim_validate::validate_params(&root, base, &mut problems));
+    match params {
+        Ok(params) if problems.is_empty() => Ok(params),
+        _ => Err(ConfigError::Invalid {
+            file: "the request body".to_owned(),
             problems: problems.into_sorted(),
         }),
     }

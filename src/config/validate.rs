@@ -66,9 +66,9 @@ const WORKER_KEYS: &[&str] = &[
     "max_total_tokens",
 ];
 
-const ADDRESS: &str = "ip:port such as 10.0.0.11:8000 (an IP address, not a host name)";
-const DURATION: &str = "a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h)";
-const INTEGER: &str = "a non-negative integer";
+pub(super) const ADDRESS: &str = "ip:port such as 10.0.0.11:8000 (an IP address, not a host name)";
+pub(super) const DURATION: &str = "a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h)";
+pub(super) const INTEGER: &str = "a non-negative integer";
 const SIZE: &str = "a size such as 4MiB, 512KiB or 200000 (a whole number of bytes or of KiB, MiB, GiB, KB, MB, GB)";
 const HTTP_URL: &str = "a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics";
 
@@ -79,9 +79,9 @@ pub(super) fn validate(root: &Node, overrides: &Overrides, problems: &mut Proble
 }
 
 /// A value and where it came from.
-struct Val<T> {
-    value: T,
-    at: Origin,
+pub(super) struct Val<T> {
+    pub(super) value: T,
+    pub(super) at: Origin,
 }
 
 impl<T> Val<T> {
@@ -95,10 +95,10 @@ impl<T> Val<T> {
 }
 
 /// An optional value: absent, given, or given but rejected.
-type Field<T> = Res<Option<Val<T>>>;
+pub(super) type Field<T> = Res<Option<Val<T>>>;
 
 /// A flag, when given, replaces the file's value.
-fn overridden<T>(file: Field<T>, flag: Option<T>, name: &'static str) -> Field<T> {
+pub(super) fn overridden<T>(file: Field<T>, flag: Option<T>, name: &'static str) -> Field<T> {
     match flag {
         Some(value) => Ok(Some(Val {
             value,
@@ -108,7 +108,7 @@ fn overridden<T>(file: Field<T>, flag: Option<T>, name: &'static str) -> Field<T
     }
 }
 
-fn with_default<T>(field: Field<T>, default: T) -> Res<Val<T>> {
+pub(super) fn with_default<T>(field: Field<T>, default: T) -> Res<Val<T>> {
     field.map(|given| {
         given.unwrap_or(Val {
             value: default,
@@ -126,14 +126,14 @@ fn blame<A, B>(first: &Val<A>, second: &Val<B>) -> Origin {
 }
 
 /// A mapping being decoded.
-struct Map<'n> {
-    at: Place,
-    entries: &'n [Entry],
+pub(super) struct Map<'n> {
+    pub(super) at: Place,
+    pub(super) entries: &'n [Entry],
 }
 
 impl<'n> Map<'n> {
     /// The value of `key` and its place; a null value counts as absent.
-    fn get(&self, key: &str) -> Option<(&'n Node, Place)> {
+    pub(super) fn get(&self, key: &str) -> Option<(&'n Node, Place)> {
         let entry = self
             .entries
             .iter()
@@ -142,7 +142,7 @@ impl<'n> Map<'n> {
     }
 
     /// Where `key` is, or would be: its own line if written, else the mapping's.
-    fn place_of(&self, key: &str) -> Place {
+    pub(super) fn place_of(&self, key: &str) -> Place {
         let line = self
             .entries
             .iter()
@@ -230,12 +230,17 @@ impl WorkerDraft {
     }
 }
 
-struct Validator<'p> {
-    problems: &'p mut Problems,
+pub(super) struct Validator<'p> {
+    pub(super) problems: &'p mut Problems,
 }
 
 impl Validator<'_> {
-    fn report(&mut self, phase: Phase, at: Origin, message: impl Into<String>) -> Reported {
+    pub(super) fn report(
+        &mut self,
+        phase: Phase,
+        at: Origin,
+        message: impl Into<String>,
+    ) -> Reported {
         self.problems.report(phase, at, message)
     }
 
@@ -488,7 +493,7 @@ impl Validator<'_> {
         })
     }
 
-    fn tokenizer(&mut self, node: &Node, at: &Place) -> Res<TokenizerConfig> {
+    pub(super) fn tokenizer(&mut self, node: &Node, at: &Place) -> Res<TokenizerConfig> {
         let map = self.any_mapping(node, at)?;
         if map.get("kind").is_none() {
             // Without a kind, a misspelt key is the likelier mistake: name it against every kind's keys.
@@ -705,14 +710,19 @@ impl Validator<'_> {
     // Walking the tree.
 
     /// A mapping with exactly the keys known at this point of the schema.
-    fn mapping<'n>(&mut self, node: &'n Node, at: &Place, keys: &[&str]) -> Res<Map<'n>> {
+    pub(super) fn mapping<'n>(
+        &mut self,
+        node: &'n Node,
+        at: &Place,
+        keys: &[&str],
+    ) -> Res<Map<'n>> {
         let map = self.any_mapping(node, at)?;
         self.known_keys(&map, keys);
         Ok(map)
     }
 
     /// A mapping whose keys are checked later; null reads as an empty mapping (an empty file).
-    fn any_mapping<'n>(&mut self, node: &'n Node, at: &Place) -> Res<Map<'n>> {
+    pub(super) fn any_mapping<'n>(&mut self, node: &'n Node, at: &Place) -> Res<Map<'n>> {
         match &node.kind {
             Kind::Map(entries) => Ok(Map {
                 at: at.clone(),
@@ -726,7 +736,7 @@ impl Validator<'_> {
         }
     }
 
-    fn known_keys(&mut self, map: &Map, keys: &[&str]) {
+    pub(super) fn known_keys(&mut self, map: &Map, keys: &[&str]) {
         for entry in map
             .entries
             .iter()
@@ -759,7 +769,7 @@ impl Validator<'_> {
         }
     }
 
-    fn opt<T>(
+    pub(super) fn opt<T>(
         &mut self,
         map: &Map,
         key: &str,
@@ -775,7 +785,7 @@ impl Validator<'_> {
         }))
     }
 
-    fn required<T>(
+    pub(super) fn required<T>(
         &mut self,
         map: &Map,
         key: &str,
@@ -791,7 +801,7 @@ impl Validator<'_> {
     }
 
     /// Checks a value on its own, turning it into its validated type.
-    fn check<T, U>(
+    pub(super) fn check<T, U>(
         &mut self,
         given: Res<Val<T>>,
         check: impl FnOnce(T) -> Result<U, String>,
@@ -803,7 +813,7 @@ impl Validator<'_> {
         }
     }
 
-    fn check_opt<T, U>(
+    pub(super) fn check_opt<T, U>(
         &mut self,
         given: Field<T>,
         check: impl FnOnce(T) -> Result<U, String>,
@@ -811,7 +821,7 @@ impl Validator<'_> {
         given?.map(|given| self.check(Ok(given), check)).transpose()
     }
 
-    fn type_error(&mut self, node: &Node, at: &Place, expected: &str) -> Reported {
+    pub(super) fn type_error(&mut self, node: &Node, at: &Place, expected: &str) -> Reported {
         let got = match &node.kind {
             Kind::Map(_) => "a mapping".to_owned(),
             Kind::Seq(_) => "a list".to_owned(),
@@ -828,14 +838,14 @@ impl Validator<'_> {
     // Scalars, read as the schema expects.
 
     /// Any scalar, as text: where a string is expected, `3` is "3".
-    fn text<'n>(&mut self, node: &'n Node, at: &Place, expected: &str) -> Res<&'n str> {
+    pub(super) fn text<'n>(&mut self, node: &'n Node, at: &Place, expected: &str) -> Res<&'n str> {
         match &node.kind {
             Kind::Scalar { text, .. } => Ok(text),
             _ => Err(self.type_error(node, at, expected)),
         }
     }
 
-    fn string(&mut self, node: &Node, at: &Place) -> Res<String> {
+    pub(super) fn string(&mut self, node: &Node, at: &Place) -> Res<String> {
         match self.text(node, at, "a string")? {
             "" => Err(self.report(Phase::Value, at.origin(), "must not be empty")),
             text => Ok(text.to_owned()),
@@ -843,7 +853,7 @@ impl Validator<'_> {
     }
 
     /// Numbers are plain scalars; a quoted one is a string.
-    fn integer(&mut self, node: &Node, at: &Place) -> Res<u64> {
+    pub(super) fn integer(&mut self, node: &Node, at: &Place) -> Res<u64> {
         match &node.kind {
             Kind::Scalar { text, plain: true } => text.parse().map_err(|_| {
                 if text.bytes().all(|b| b.is_ascii_digit()) {
@@ -860,7 +870,7 @@ impl Validator<'_> {
         }
     }
 
-    fn number(&mut self, node: &Node, at: &Place) -> Res<f64> {
+    pub(super) fn number(&mut self, node: &Node, at: &Place) -> Res<f64> {
         match &node.kind {
             Kind::Scalar { text, plain: true } => text
                 .parse()
@@ -869,13 +879,13 @@ impl Validator<'_> {
         }
     }
 
-    fn duration(&mut self, node: &Node, at: &Place) -> Res<Duration> {
+    pub(super) fn duration(&mut self, node: &Node, at: &Place) -> Res<Duration> {
         let text = self.text(node, at, DURATION)?;
         duration::parse(text).ok_or_else(|| self.type_error(node, at, DURATION))
     }
 
     /// An IP literal, not a host name: Envoy's `override_host` needs an address.
-    fn address(&mut self, node: &Node, at: &Place) -> Res<SocketAddr> {
+    pub(super) fn address(&mut self, node: &Node, at: &Place) -> Res<SocketAddr> {
         let text = self.text(node, at, ADDRESS)?;
         text.parse().map_err(|_| self.type_error(node, at, ADDRESS))
     }
@@ -923,7 +933,7 @@ impl Validator<'_> {
         })
     }
 
-    fn keyword<T: Copy>(
+    pub(super) fn keyword<T: Copy>(
         &mut self,
         node: &Node,
         at: &Place,
@@ -943,14 +953,14 @@ impl Validator<'_> {
     }
 }
 
-fn at_least_one(n: u64) -> Result<NonZeroU64, String> {
+pub(super) fn at_least_one(n: u64) -> Result<NonZeroU64, String> {
     NonZeroU64::new(n).ok_or_else(|| "must be at least 1".to_owned())
 }
 
-fn at_least_one_usize(n: u64) -> Result<NonZeroUsize, String> {
+pub(super) fn at_least_one_usize(n: u64) -> Result<NonZeroUsize, String> {
     NonZeroUsize::try_from(at_least_one(n)?).map_err(|_| format!("must be at most {}", usize::MAX))
 }
 
-fn at_least_one_u32(n: u64) -> Result<NonZeroU32, String> {
+pub(super) fn at_least_one_u32(n: u64) -> Result<NonZeroU32, String> {
     NonZeroU32::try_from(at_least_one(n)?).map_err(|_| format!("must be at most {}", u32::MAX))
 }
