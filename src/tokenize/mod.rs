@@ -243,6 +243,18 @@ impl PoolTokenizer {
         Ok(text)
     }
 
+    /// The tokens of a whole text in one pass, bypassing the segment cache, as an engine tokenizes its
+    /// prompt: `add_special` for a raw completion prompt, not for a rendered chat (whose template wrote
+    /// its own special tokens). The fleet simulator tokenizes this way.
+    pub fn encode_whole(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        let mode = if add_special {
+            Mode::Prompt
+        } else {
+            Mode::Segment
+        };
+        self.backend.encode(text, mode)
+    }
+
     /// Segment cache hits and misses since the tokenizer was built.
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.stats()
