@@ -1,0 +1,27 @@
+//! The fleet simulator behind `cachepick sim`: GPU-free stand-ins for vLLM and SGLang workers that look
+//! like the real engines from the network and whose KV cache and queue behave enough like one that
+//! routing quality can be measured.
+//!
+//! # Layout
+//! - [`model`]: one data-parallel rank's KV block cache (chained block hashes, LRU of unreferenced
+//!   blocks, pinned blocks of running requests) and its scheduler (at most `max_running` running, FIFO
+//!   queue). Pure and synchronous: no clock, no I/O.
+//! - [`timing`]: how long prefill and each output token take, from the parameters, the load and a
+//!   seeded random source. Pure.
+//! - [`wire`]: the OpenAI and SGLang request bodies the workers accept and the JSON and SSE they answer.
+//! - [`expo`]: the engine's `/metrics` exposition (vLLM or SGLang names), SGLang's `/v1/loads`, and the
+//!   discovery documents (`/v1/models`, `/version`, `/server_info`, `/model_info`).
+//! - [`server`]: one worker's HTTP server: request lifecycle, admin controls, crash and restart.
+//! - [`fleet`]: N workers on loopback, the cachepick config that fronts them, and the fleet control.
+//!
+//! The simulator shares no code with the picker's routing path (`request`, `prefix`, `policy`,
+//! `picker`, `load`): it parses bodies, hashes blocks and keeps its cache on its own, so it cannot agree
+//! with the picker by construction. It shares only the tokenizer and chat template, as a real engine
+//! shares the model's tokenizer with the router in front of it; and it tokenizes the whole rendered
+//! prompt at once, as engines do, not segment by segment as the picker does.
+
+pub mod expo;
+pub mod model;
+pub mod stats;
+pub mod timing;
+pub mod wire;

@@ -1,0 +1,102 @@
+//! What a simulated rank reports: the state the engine's `/metrics` and `/v1/loads` expose. Filled in by
+//! the model (`model::RankModel::stats`) and the server (latency histograms); rendered by `expo`.
+
+/// One data-parallel rank's state and counters at one instant.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankStats {
+    pub rank: u32,
+    /// Requests admitted and not finished (prefill or decode).
+    pub running: u64,
+    /// Requests in the FIFO queue.
+    pub waiting: u64,
+    /// Uncached prompt tokens of the waiting requests, as far as the cache knows now.
+    pub waiting_uncached_tokens: u64,
+    /// KV blocks held by running requests (pinned) plus blocks cached for reuse.
+    pub kv_used_blocks: u64,
+    /// KV blocks pinned by running requests.
+    pub kv_pinned_blocks: u64,
+    pub kv_total_blocks: u64,
+    pub block_size: u32,
+    pub max_running: u64,
+    /// Counters since start (or restart).
+    pub counters: RankCounters,
+    /// Latency histograms since start (or restart); bucket bounds in `LATENCY_BUCKETS`.
+    pub ttft: Histogram,
+    pub e2e: Histogram,
+}
+
+impl RankStats {
+    /// KV usage in [0, 1] as engines report it: blocks in use over capacity.
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_total_blocks == 0 {
+            0.0
+        } else {
+            (self.kv_used_blocks as f64 / self.kv_total_blocks as f64).min(1.0)
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankCounters {
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: u64,
+    /// Output tokens produced.
+    pub generation_tokens: u64,
+    /// Prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`).
+    pub prefix_queried_tokens: u64,
+    /// Prompt tokens found in the prefix cache (vLLM's `prefix_cache_hits`).
+    pub prefix_hit_tokens: u64,
+    /// Requests finished with all their tokens.
+    pub finished_length: u64,
+    /// Requests abandoned by their client before they finished.
+    pub aborted: u64,
+    /// Requests refused: full queue, too long, or an injected failure.
+    pub rejected: u64,
+    /// Cached blocks evicted to make room.
+    pub evicted_blocks: u64,
+}
+
+/// Upper bounds (seconds) of the latency histograms, as vLLM's TTFT buckets.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// A cumulative Prometheus histogram over `LATENCY_BUCKETS`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Histogram {
+    /// Observations at or below each bound, not cumulative; `counts.len() == LATENCY_BUCKETS.len()`
+    /// once anything was observed.
+    pub counts: Vec<u64>,
+    pub count: u64,
+    pub sum: f64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, seconds: f64) {
+        if self.counts.len() != LATENCY_BUCKETS.len() {
+            self.counts = vec![0; LATENCY_BUCKETS.len()];
+        }
+        if let Some(slot) = LATENCY_BUCKETS
+            .iter()
+            .position(|bound| seconds <= *bound)
+            .and_then(|index| self.counts.get_mut(index))
+        {
+            *slot += 1;
+        }
+        self.count += 1;
+        self.sum += seconds;
+    }
+
+    /// `(upper bound, cumulative count)` for every bucket, `+Inf` excluded (it is `count`).
+    pub fn cumulative(&self) -> impl Iterator<Item = (f64, u64)> + '_ {
+        let mut running = 0;
+        LATENCY_BUCKETS
+            .iter()
+            .enumerate()
+            .map(move |(index, bound)| {
+                running += self.counts.get(index).copied().unwrap_or(0);
+                (*bound, running)
+            })
+    }
+}
