@@ -14,6 +14,8 @@
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
 //! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
+//! - [`sim`]: the fleet simulator (`cachepick sim`): GPU-free vLLM- and SGLang-like workers with a real
+//!   prefix cache and queue, for tests, the demo and benchmarks.
 //!
 //! `ARCHITECTURE.md` at the repository root holds the code map and the invariants.
 #![forbid(unsafe_code)]
@@ -30,5 +32,6 @@ pub mod picker;
 pub mod policy;
 pub mod prefix;
 pub mod request;
+pub mod sim;
 pub mod tokenize;
 pub mod worker;

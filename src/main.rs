@@ -54,6 +54,69 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run simulated vLLM or SGLang workers on loopback: try cachepick without GPUs.
+    Sim(SimArgs),
+}
+
+/// `cachepick sim`: a simulated fleet on loopback.
+#[derive(Args)]
+struct SimArgs {
+    /// Simulator YAML file (every key is optional; flags override it).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Engine kind the workers imitate: vllm or sglang (overrides `engine`).
+    #[arg(long, value_parser = parse_engine)]
+    engine: Option<cachepick::worker::Engine>,
+    /// Number of workers (overrides `workers`).
+    #[arg(long, value_name = "N")]
+    workers: Option<u64>,
+    /// Loopback address the workers bind (overrides `host`).
+    #[arg(long, value_name = "IP")]
+    host: Option<std::net::IpAddr>,
+    /// Worker i listens on BASE + i; ephemeral ports when absent (overrides `base_port`).
+    #[arg(long, value_name = "BASE")]
+    base_port: Option<u64>,
+    /// Seed of every random draw (overrides `seed`).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Multiplies every modelled duration; 0.01 runs 100 times faster (overrides `time_scale`).
+    #[arg(long, value_name = "X")]
+    time_scale: Option<f64>,
+    /// Data-parallel ranks per worker (overrides `dp_size`).
+    #[arg(long, value_name = "N")]
+    dp_size: Option<u64>,
+    /// Write a cachepick configuration fronting the fleet to FILE.
+    #[arg(long, value_name = "FILE")]
+    emit_config: Option<PathBuf>,
+    /// Address of the fleet control endpoint (kill and restart workers).
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    control: SocketAddr,
+}
+
+fn parse_engine(text: &str) -> Result<cachepick::worker::Engine, String> {
+    match text {
+        "vllm" => Ok(cachepick::worker::Engine::Vllm),
+        "sglang" => Ok(cachepick::worker::Engine::Sglang),
+        other => Err(format!("expected vllm or sglang, got `{other}`")),
+    }
+}
+
+impl SimArgs {
+    fn load(&self) -> Result<config::SimConfig, config::ConfigError> {
+        let overrides = config::SimOverrides {
+            engine: self.engine,
+            workers: self.workers,
+            host: self.host,
+            base_port: self.base_port,
+            seed: self.seed,
+            time_scale: self.time_scale,
+            dp_size: self.dp_size,
+        };
+        match &self.config {
+            Some(path) => config::load_sim(path, &overrides),
+            None => config::parse_sim("", "the command line", &overrides),
+        }
+    }
 }
 
 /// The configuration file and the flags that override it.
@@ -94,7 +157,11 @@ impl ConfigArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Sim(args) = &cli.command {
+        return sim(args);
+    }
     let args = match &cli.command {
+        Command::Sim(_) => return ExitCode::FAILURE,
         Command::Serve(args)
         | Command::Check(args)
         | Command::Snapshot { config: args, .. }
@@ -117,11 +184,39 @@ fn main() -> ExitCode {
         Command::Explain {
             path, body, json, ..
         } => explain(&config, &path, &body, json),
+        Command::Sim(_) => Ok(()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("cachepick: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn sim(args: &SimArgs) -> ExitCode {
+    let config = match args.load() {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("{error}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let run = || -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+        runtime.block_on(cachepick::sim::fleet::run(
+            config,
+            args.emit_config.clone(),
+            args.control,
+            shutdown_signal(),
+        ))?;
+        Ok(())
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("cachepick sim: {error:#}");
             ExitCode::FAILURE
         }
     }

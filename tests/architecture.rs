@@ -95,3 +95,39 @@ fn anyhow_is_used_only_by_the_binary() {
         "library modules use typed errors: {offenders:?}"
     );
 }
+
+/// The simulator must not agree with the picker by construction: it parses bodies, hashes blocks and
+/// keeps its cache with code of its own. Only the tokenizer is shared, as an engine shares the model's
+/// tokenizer with the router in front of it. Test code inside a file (after `#[cfg(test)]`) may use the
+/// picker's readers to prove the simulator's output is readable.
+#[test]
+fn the_simulator_shares_no_code_with_the_routing_path() {
+    let routing = [
+        "crate::request",
+        "crate::prefix",
+        "crate::policy",
+        "crate::picker",
+        "crate::load",
+        "super::super::",
+    ];
+    let offenders: Vec<String> = sources()
+        .into_iter()
+        .filter(|(path, _)| path.starts_with("sim"))
+        .flat_map(|(path, text)| {
+            let code = text
+                .split("#[cfg(test)]")
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            routing
+                .iter()
+                .filter(|needle| code.contains(*needle))
+                .map(|needle| format!("{} uses {needle}", path.display()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "the simulator reaches into the routing path: {offenders:?}"
+    );
+}

@@ -21,7 +21,9 @@
 //! prompt at once, as engines do, not segment by segment as the picker does.
 
 pub mod expo;
+pub mod fleet;
 pub mod model;
+pub mod server;
 pub mod stats;
 pub mod timing;
 pub mod wire;
