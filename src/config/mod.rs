@@ -1085,4 +1085,80 @@ listn: 1
         );
         assert!(message.contains("pools[0].tokenizer.kind"), "{message}");
     }
+
+    fn sim_problems(source: &str, overrides: &SimOverrides) -> Vec<String> {
+        match parse_sim(source, "sim.yaml", overrides) {
+            Ok(config) => panic!("accepted:\n{source}\nas {config:?}"),
+            Err(ConfigError::Invalid { problems, .. }) => {
+                problems.iter().map(ToString::to_string).collect()
+            }
+            Err(error) => panic!("unexpected {error}"),
+        }
+    }
+
+    #[test]
+    fn an_empty_simulator_file_is_every_default_once_the_engine_is_named() {
+        let flags = SimOverrides {
+            engine: Some(Engine::Sglang),
+            workers: Some(3),
+            ..SimOverrides::default()
+        };
+        let config = parse_sim("", "cli", &flags).unwrap();
+        let mut expected = SimConfig::new(Engine::Sglang, NonZeroU32::new(3).unwrap());
+        assert_eq!(config, expected);
+        expected.params.prefill_per_token = Duration::from_micros(50);
+        expected.params.max_queue = Some(10);
+        let file = "engine: vllm\nprefill_per_token: 0.05ms\nmax_queue: 10\n";
+        let config = parse_sim(file, "sim.yaml", &flags).unwrap();
+        assert_eq!(config.engine, Engine::Sglang, "the flag beats the file");
+        assert_eq!(config.params, expected.params);
+    }
+
+    #[test]
+    fn every_simulator_problem_is_listed_with_its_line() {
+        let file = "workers: 0\nhost: 10.0.0.1\njitter: 2\ntime_scale: 0\nkv_blocks: x\nbogus: 1\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        for expected in [
+            "workers (line 1): must be at least 1",
+            "host (line 2): must be a loopback address",
+            "jitter (line 3): must be between 0 and 0.5",
+            "time_scale (line 4): must be greater than 0",
+            "kv_blocks (line 5): expected a non-negative integer",
+            "bogus (line 6): unknown key",
+        ] {
+            assert!(
+                problems.iter().any(|problem| problem.contains(expected)),
+                "{expected:?} not in {problems:#?}"
+            );
+        }
+        assert_eq!(problems.len(), 7, "{problems:#?}");
+    }
+
+    #[test]
+    fn a_parameter_change_keeps_what_it_does_not_name() {
+        let base = SimParams {
+            max_queue: Some(4),
+            ..SimParams::default()
+        };
+        let changed = parse_sim_params(
+            "{\"max_running\": 8, \"inter_token_latency\": \"5ms\"}",
+            &base,
+        )
+        .unwrap();
+        assert_eq!(changed.max_running.get(), 8);
+        assert_eq!(changed.inter_token_latency, Duration::from_millis(5));
+        assert_eq!(changed.max_queue, Some(4));
+        assert_eq!(changed.kv_blocks, base.kv_blocks);
+        let message = parse_sim_params("{\"engine\": \"vllm\", \"max_running\": 0}", &base)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("engine (line 1): unknown key"),
+            "{message}"
+        );
+        assert!(
+            message.contains("max_running (line 1): must be at least 1"),
+            "{message}"
+        );
+    }
 }
