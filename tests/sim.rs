@@ -1331,3 +1331,41 @@ fn cachepick_sim_lists_every_problem_of_a_bad_file() {
     assert_eq!(listed, 4, "{stderr}");
     assert!(output.stdout.is_empty());
 }
+
+// === determinism ===
+
+/// Two fleets with the same seed, given the same requests in the same order, answer the same: same
+/// text, same cached tokens, same counters. A different seed changes the text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_and_a_request_order_determine_the_answers() {
+    async fn run(seed: u64) -> Vec<(String, u64, Usage)> {
+        let fleet = fleet(Engine::Vllm, 1, |config| {
+            config.seed = seed;
+            config.params.jitter = 0.3;
+            config.params.kv_blocks = nz(40);
+        })
+        .await;
+        let client = Client::new();
+        let addr = worker(&fleet, 0).addr();
+        let prompts = [
+            ids(0, 300),
+            ids(0, 300),
+            concat(&ids(0, 100), &ids(5000, 200)),
+            ids(9000, 400),
+            ids(0, 300),
+        ];
+        let mut answers = Vec::new();
+        for prompt in &prompts {
+            let reply = complete(&client, addr, prompt, 12).await;
+            let text = content_of(&reply.json());
+            answers.push((text, reply.cached_header(), reply.usage()));
+        }
+        answers
+    }
+    let first = run(7).await;
+    assert_eq!(first, run(7).await);
+    assert!(first.iter().any(|(_, cached, _)| *cached > 0), "{first:?}");
+    let other: Vec<String> = run(8).await.into_iter().map(|(text, ..)| text).collect();
+    let texts: Vec<String> = first.into_iter().map(|(text, ..)| text).collect();
+    assert_ne!(texts, other, "the seed chooses the output text");
+}
