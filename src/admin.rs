@@ -1,15 +1,22 @@
-//! The HTTP endpoint on `metrics_listen`: Prometheus `/metrics`.
+//! The HTTP endpoint on `metrics_listen`: Prometheus `/metrics` and the debug endpoints.
 //!
-//! Bound to loopback by default (`metrics_listen: 127.0.0.1:9090`): what it exposes describes the fleet
-//! and is for the operator, not for clients of the gateway.
+//! - `GET /metrics`: the text exposition of every cachepick metric.
+//! - `GET /debug/snapshot`: every pool's current load snapshot as cachepick sees it (JSON).
+//! - `POST /debug/explain?path=/v1/chat/completions`: how the posted body would be routed now, against
+//!   the live owner index and load, without routing it (JSON; the refusal's status and body otherwise).
+//!
+//! The debug endpoints describe the fleet (workers, their load, what they cache) and the routing of
+//! arbitrary prompts, which is why the listener is bound to loopback by default
+//! (`metrics_listen: 127.0.0.1:9090`): it is for the operator, not for clients of the gateway. They exist
+//! only when a [`DebugSource`] is given; otherwise they answer 404.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -18,10 +25,29 @@ use tokio::net::TcpListener;
 
 use crate::metrics::Metrics;
 
-/// Serves `/metrics` on `listener` until `shutdown` resolves.
+/// What the debug endpoints read; implemented by the request service.
+pub trait DebugSource: Send + Sync + 'static {
+    /// `GET /debug/snapshot`: JSON of every pool's current load snapshot as cachepick sees it.
+    fn snapshot_json(&self) -> Vec<u8>;
+    /// `POST /debug/explain?path=/v1/chat/completions`: how this body would be routed now, without
+    /// routing it. Ok = 200 JSON; Err((status, json body)) = the refusal.
+    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)>;
+    /// Request bodies larger than this get 413 before they are read whole.
+    fn max_body_bytes(&self) -> usize;
+}
+
+/// The API path `/debug/explain` assumes when the query names none.
+const DEFAULT_EXPLAIN_PATH: &str = "/v1/chat/completions";
+
+const JSON: &str = "application/json";
+const TEXT: &str = "text/plain; charset=utf-8";
+const EXPOSITION: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Serves `/metrics` (and, with `debug`, `/debug/*`) on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
+    debug: Option<Arc<dyn DebugSource>>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -38,10 +64,12 @@ pub async fn serve(
             }
         };
         let metrics = Arc::clone(&metrics);
+        let debug = debug.clone();
         tokio::spawn(async move {
             let service = service_fn(move |request| {
                 let metrics = Arc::clone(&metrics);
-                async move { Ok::<_, Infallible>(route(&request, &metrics)) }
+                let debug = debug.clone();
+                async move { Ok::<_, Infallible>(route(request, &metrics, debug).await) }
             });
             if let Err(error) = auto::Builder::new(TokioExecutor::new())
                 .serve_connection(TokioIo::new(stream), service)
@@ -53,27 +81,393 @@ pub async fn serve(
     }
 }
 
-fn route(request: &Request<Incoming>, metrics: &Metrics) -> Response<Full<Bytes>> {
-    match (request.method(), request.uri().path()) {
-        (&Method::GET, "/metrics") => respond(
-            StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
-            metrics.render(),
+async fn route(
+    request: Request<Incoming>,
+    metrics: &Metrics,
+    debug: Option<Arc<dyn DebugSource>>,
+) -> Response<Full<Bytes>> {
+    let method = request.method();
+    match (request.uri().path(), debug) {
+        ("/metrics", _) => {
+            if method == Method::GET {
+                respond(StatusCode::OK, EXPOSITION, metrics.render().into())
+            } else {
+                not_allowed("GET")
+            }
+        }
+        ("/debug/snapshot", Some(debug)) => {
+            if method == Method::GET {
+                respond(StatusCode::OK, JSON, debug.snapshot_json().into())
+            } else {
+                not_allowed("GET")
+            }
+        }
+        ("/debug/explain", Some(debug)) => {
+            if method == Method::POST {
+                explain(request, debug).await
+            } else {
+                not_allowed("POST")
+            }
+        }
+        (path, None) if path.starts_with("/debug/") => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "the debug endpoints are not enabled in this process",
         ),
         _ => respond(
             StatusCode::NOT_FOUND,
-            "text/plain; charset=utf-8",
-            "not found\n".to_owned(),
+            TEXT,
+            Bytes::from_static(b"not found\n"),
         ),
     }
 }
 
-fn respond(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(content_type),
+/// `POST /debug/explain`: checks the query and the body's size, then asks the source off the runtime
+/// (tokenizing a long prompt is CPU work).
+async fn explain(request: Request<Incoming>, debug: Arc<dyn DebugSource>) -> Response<Full<Bytes>> {
+    let path = match explain_path(request.uri().query()) {
+        Ok(path) => path.to_owned(),
+        Err(message) => return error(StatusCode::BAD_REQUEST, "invalid_path", &message),
+    };
+    let limit = debug.max_body_bytes();
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > u64::try_from(limit).unwrap_or(u64::MAX)) {
+        return too_large(limit);
+    }
+    let body = match Limited::new(request.into_body(), limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(cause) if cause.downcast_ref::<LengthLimitError>().is_some() => {
+            return too_large(limit);
+        }
+        Err(cause) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "body_read_error",
+                &format!("cannot read the request body: {cause}"),
+            );
+        }
+    };
+    let answer = tokio::task::spawn_blocking(move || debug.explain_json(&path, &body)).await;
+    match answer {
+        Ok(Ok(json)) => respond(StatusCode::OK, JSON, json.into()),
+        Ok(Err((status, json))) => respond(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            JSON,
+            json.into(),
+        ),
+        Err(cause) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            &format!("explaining the request failed: {cause}"),
+        ),
+    }
+}
+
+/// The `path` query parameter (the API path the body is for), `/v1/chat/completions` without one.
+fn explain_path(query: Option<&str>) -> Result<&str, String> {
+    let path = query
+        .into_iter()
+        .flat_map(|query| query.split('&'))
+        .find_map(|pair| pair.strip_prefix("path="))
+        .unwrap_or(DEFAULT_EXPLAIN_PATH);
+    if path.starts_with('/') {
+        Ok(path)
+    } else {
+        Err(format!(
+            "the path query parameter must be an API path starting with '/', got {path:?}"
+        ))
+    }
+}
+
+fn too_large(limit: usize) -> Response<Full<Bytes>> {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        &format!("the request body is larger than {limit} bytes"),
+    )
+}
+
+fn not_allowed(allow: &'static str) -> Response<Full<Bytes>> {
+    let mut response = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        &format!("this endpoint answers {allow} only"),
     );
     response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    response
+}
+
+/// A JSON error in cachepick's (OpenAI's) shape: `{"error": {"message", "type"}}`.
+fn error(status: StatusCode, kind: &str, message: &str) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({ "error": { "message": message, "type": kind } });
+    respond(
+        status,
+        JSON,
+        serde_json::to_vec(&body).unwrap_or_default().into(),
+    )
+}
+
+fn respond(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::Mutex;
+
+    use http::HeaderMap;
+    use http_body_util::StreamBody;
+    use http_body_util::combinators::BoxBody;
+    use hyper::body::Frame;
+    use tokio::net::TcpStream;
+
+    use super::*;
+
+    /// Echoes what it was asked; refuses bodies that are exactly `refuse`.
+    #[derive(Default)]
+    struct Fake {
+        paths: Mutex<Vec<String>>,
+    }
+
+    impl DebugSource for Fake {
+        fn snapshot_json(&self) -> Vec<u8> {
+            br#"{"pools":[{"pool":"m","workers":2}]}"#.to_vec()
+        }
+
+        fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
+            self.paths.lock().unwrap().push(path.to_owned());
+            if body == b"refuse" {
+                return Err((
+                    404,
+                    br#"{"error":{"message":"no","type":"unknown_model"}}"#.to_vec(),
+                ));
+            }
+            let echo = serde_json::json!({ "path": path, "bytes": body.len() });
+            Ok(serde_json::to_vec(&echo).unwrap())
+        }
+
+        fn max_body_bytes(&self) -> usize {
+            64
+        }
+    }
+
+    async fn start(debug: Option<Arc<dyn DebugSource>>) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = Arc::new(Metrics::new().unwrap());
+        tokio::spawn(serve(listener, metrics, debug, std::future::pending()));
+        addr
+    }
+
+    struct Reply {
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    }
+
+    impl Reply {
+        fn json(&self) -> serde_json::Value {
+            assert_eq!(self.headers[header::CONTENT_TYPE], JSON);
+            serde_json::from_slice(&self.body).unwrap()
+        }
+    }
+
+    async fn call(
+        addr: SocketAddr,
+        method: Method,
+        uri: &str,
+        body: BoxBody<Bytes, Infallible>,
+    ) -> Reply {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::HOST, addr.to_string())
+            .body(body)
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn full(body: &'static [u8]) -> BoxBody<Bytes, Infallible> {
+        Full::new(Bytes::from_static(body)).boxed()
+    }
+
+    /// A body without a length: sent chunked, so only the `Limited` reader can catch its size.
+    fn chunked(chunks: usize, size: usize) -> BoxBody<Bytes, Infallible> {
+        let frames = (0..chunks).map(move |_| Ok(Frame::data(Bytes::from(vec![b'x'; size]))));
+        StreamBody::new(futures_util::stream::iter(frames)).boxed()
+    }
+
+    #[tokio::test]
+    async fn metrics_and_snapshot() {
+        let addr = start(Some(Arc::new(Fake::default()))).await;
+        let reply = call(addr, Method::GET, "/metrics", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.headers[header::CONTENT_TYPE], EXPOSITION);
+        assert!(
+            std::str::from_utf8(&reply.body)
+                .unwrap()
+                .contains("cachepick_build_info")
+        );
+
+        let reply = call(addr, Method::GET, "/debug/snapshot", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.json()["pools"][0]["pool"], "m");
+
+        let reply = call(addr, Method::GET, "/nowhere", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn explain_answers_and_passes_refusals_through() {
+        let fake = Arc::new(Fake::default());
+        let addr = start(Some(Arc::clone(&fake) as Arc<dyn DebugSource>)).await;
+
+        let reply = call(
+            addr,
+            Method::POST,
+            "/debug/explain",
+            full(b"{\"model\":\"m\"}"),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let json = reply.json();
+        assert_eq!(json["path"], DEFAULT_EXPLAIN_PATH);
+        assert_eq!(json["bytes"], 13);
+
+        let reply = call(
+            addr,
+            Method::POST,
+            "/debug/explain?x=1&path=/v1/completions",
+            full(b"{}"),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.json()["path"], "/v1/completions");
+
+        let reply = call(addr, Method::POST, "/debug/explain", full(b"refuse")).await;
+        assert_eq!(reply.status, StatusCode::NOT_FOUND);
+        assert_eq!(
+            reply.body,
+            Bytes::from_static(br#"{"error":{"message":"no","type":"unknown_model"}}"#)
+        );
+
+        assert_eq!(
+            *fake.paths.lock().unwrap(),
+            [
+                DEFAULT_EXPLAIN_PATH,
+                "/v1/completions",
+                DEFAULT_EXPLAIN_PATH
+            ]
+        );
+
+        let reply = call(
+            addr,
+            Method::POST,
+            "/debug/explain?path=v1/completions",
+            full(b"{}"),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+        assert_eq!(reply.json()["error"]["type"], "invalid_path");
+        assert_eq!(
+            fake.paths.lock().unwrap().len(),
+            3,
+            "a bad path never reaches the source"
+        );
+    }
+
+    #[tokio::test]
+    async fn explain_refuses_bodies_over_the_limit() {
+        let fake = Arc::new(Fake::default());
+        let addr = start(Some(Arc::clone(&fake) as Arc<dyn DebugSource>)).await;
+
+        // Declared by Content-Length: refused before the body is read.
+        let reply = call(addr, Method::POST, "/debug/explain", full(&[b'x'; 65])).await;
+        assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(reply.json()["error"]["type"], "body_too_large");
+        assert!(reply.json()["error"]["message"].is_string());
+
+        // Chunked: cut off by the limited reader.
+        let reply = call(addr, Method::POST, "/debug/explain", chunked(5, 16)).await;
+        assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(reply.json()["error"]["type"], "body_too_large");
+
+        // Exactly at the limit, chunked: accepted.
+        let reply = call(addr, Method::POST, "/debug/explain", chunked(4, 16)).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.json()["bytes"], 64);
+        assert_eq!(fake.paths.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn wrong_methods_get_405_with_allow() {
+        let addr = start(Some(Arc::new(Fake::default()))).await;
+        for (method, uri, allow) in [
+            (Method::GET, "/debug/explain", "POST"),
+            (Method::POST, "/debug/snapshot", "GET"),
+            (Method::POST, "/metrics", "GET"),
+        ] {
+            let reply = call(addr, method.clone(), uri, full(b"")).await;
+            assert_eq!(
+                reply.status,
+                StatusCode::METHOD_NOT_ALLOWED,
+                "{method} {uri}"
+            );
+            assert_eq!(reply.headers[header::ALLOW], allow, "{method} {uri}");
+            assert_eq!(reply.json()["error"]["type"], "method_not_allowed");
+        }
+    }
+
+    #[tokio::test]
+    async fn without_a_source_debug_is_404_and_metrics_still_served() {
+        let addr = start(None).await;
+        for (method, uri) in [
+            (Method::GET, "/debug/snapshot"),
+            (Method::POST, "/debug/explain"),
+            (Method::GET, "/debug/explain"),
+        ] {
+            let reply = call(addr, method.clone(), uri, full(b"{}")).await;
+            assert_eq!(reply.status, StatusCode::NOT_FOUND, "{method} {uri}");
+            assert_eq!(reply.json()["error"]["type"], "not_found");
+        }
+        let reply = call(addr, Method::GET, "/metrics", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+    }
+
+    #[test]
+    fn explain_path_defaults_and_checks() {
+        assert_eq!(explain_path(None), Ok(DEFAULT_EXPLAIN_PATH));
+        assert_eq!(explain_path(Some("a=b")), Ok(DEFAULT_EXPLAIN_PATH));
+        assert_eq!(
+            explain_path(Some("path=/v1/completions&a=b")),
+            Ok("/v1/completions")
+        );
+        assert!(explain_path(Some("path=")).is_err());
+        assert!(explain_path(Some("path=v1")).is_err());
+    }
 }

@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde::Serialize;
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -14,8 +13,10 @@ use tokio::sync::watch;
 use crate::config::Config;
 use crate::load::{PoolLoad, PoolView, Scraper};
 use crate::metrics::Metrics;
-use crate::picker::{Picker, PickerError, Prepared, RequestError};
+pub use crate::picker::Explanation;
+use crate::picker::{Picker, PickerError, RequestError};
 use crate::policy::Outcome;
+use crate::service::Service;
 use crate::{admin, extproc};
 
 #[derive(Debug, Error)]
@@ -32,17 +33,6 @@ pub enum AppError {
     Serve(#[from] extproc::ServeError),
     #[error(transparent)]
     Picker(#[from] PickerError),
-}
-
-/// What `cachepick explain` reports about one request body.
-#[derive(Debug, Serialize)]
-pub struct Explanation {
-    pub prepared: Prepared,
-    pub block_size: u32,
-    /// The decision a picker with this load and an empty owner index would make.
-    pub outcome: Outcome,
-    /// Endpoints by worker id, so the outcome's ids can be read.
-    pub endpoints: Vec<String>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), AppError> {
@@ -84,14 +74,17 @@ pub async fn run(
     let pools = pools(config, &metrics);
     let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
     // Loading every tokenizer and template up front makes a bad file a start-up error, not a 400 later.
-    let _picker = Picker::new(config, &loads)?;
+    let picker = Picker::new(config, &loads)?;
+    let service = Service::new(picker, Arc::clone(&metrics));
     let mut tasks = tokio::task::JoinSet::new();
     for (_, scraper) in pools {
         tasks.spawn(scraper.run(stopped_future()));
     }
+    let debug: Arc<dyn admin::DebugSource> = Arc::clone(&service) as Arc<dyn admin::DebugSource>;
     tasks.spawn(admin::serve(
         metrics_listener,
         Arc::clone(&metrics),
+        Some(debug),
         stopped_future(),
     ));
     tracing::info!(
@@ -101,7 +94,7 @@ pub async fn run(
         workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
         "cachepick started"
     );
-    let served = extproc::serve(listener, async move {
+    let served = extproc::serve(listener, service, async move {
         shutdown.await;
         let _ = stop.send(true);
     })
@@ -144,26 +137,7 @@ pub async fn explain(
 ) -> Result<Result<Explanation, RequestError>, AppError> {
     let loads = scraped(config, 1).await?;
     let picker = Picker::new(config, &loads)?;
-    let prepared = match picker.prepare(path, body) {
-        Ok(prepared) => prepared,
-        Err(error) => return Ok(Err(error)),
-    };
-    let mut rng = rand::rng();
-    let outcome = picker.decide(&prepared, None, Instant::now(), &mut rng);
-    let pool = config.pools.get(prepared.pool);
-    Ok(Ok(Explanation {
-        block_size: pool.map_or(0, |pool| pool.block_size.get()),
-        endpoints: pool
-            .map(|pool| {
-                pool.workers
-                    .iter()
-                    .map(|w| w.endpoint.to_string())
-                    .collect()
-            })
-            .unwrap_or_default(),
-        prepared,
-        outcome,
-    }))
+    Ok(picker.explain(path, body, &mut rand::rng()))
 }
 
 /// `cachepick explain`'s text form.

@@ -11,8 +11,11 @@
 //! - [`policy`]: the pure routing decision (queue gate, saturation pin, off-owner sampling).
 //! - [`prefix`]: chained block hashes of a prompt and the owner index of which worker holds them.
 //! - [`picker`]: the request path — body → pool → tokens → block hashes → owners → decision → commit.
+//! - [`service`]: one call per request — prepare, decide, commit, count, log — answering in domain terms.
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
 //! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
+//! - [`envoy_config`]: `cachepick envoy-config` — the Envoy bootstrap generated from the configuration.
+//! - [`demo`]: `cachepick demo` — fleet, picker and Envoy on one machine, a bursty workload, a report.
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
 //! - [`sim`]: the fleet simulator (`cachepick sim`): GPU-free vLLM- and SGLang-like workers with a real
 //!   prefix cache and queue, for tests, the demo and benchmarks.
@@ -25,6 +28,8 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod demo;
+pub mod envoy_config;
 pub mod extproc;
 pub mod load;
 pub mod metrics;
@@ -32,6 +37,7 @@ pub mod picker;
 pub mod policy;
 pub mod prefix;
 pub mod request;
+pub mod service;
 pub mod sim;
 pub mod tokenize;
 pub mod worker;

@@ -56,6 +56,46 @@ enum Command {
     },
     /// Run simulated vLLM or SGLang workers on loopback: try cachepick without GPUs.
     Sim(SimArgs),
+    /// Print the Envoy bootstrap that puts cachepick in front of this configuration's workers.
+    EnvoyConfig {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// How Envoy hands bodies to cachepick: buffered, duplex (FULL_DUPLEX_STREAMED) or original-dst.
+        #[arg(long, default_value_t = cachepick::envoy_config::BodyMode::Buffered)]
+        mode: cachepick::envoy_config::BodyMode,
+        /// Envoy's HTTP listener, where clients send requests.
+        #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_LISTEN)]
+        envoy_listen: SocketAddr,
+        /// Envoy's admin interface.
+        #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_ADMIN)]
+        envoy_admin: SocketAddr,
+    },
+    /// One command to see cachepick work: a simulated fleet, the picker, and Envoy when installed,
+    /// driven by a bursty shared-prefix workload; prints decision reasons, prefix-hit rate and TTFT.
+    Demo(DemoArgs),
+}
+
+/// `cachepick demo`.
+#[derive(Args)]
+struct DemoArgs {
+    /// Simulated workers.
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Engine kind the workers imitate: vllm or sglang.
+    #[arg(long, value_parser = parse_engine, default_value = "vllm")]
+    engine: cachepick::worker::Engine,
+    /// The Envoy binary (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, then PATH).
+    #[arg(long, value_name = "PATH")]
+    envoy: Option<PathBuf>,
+    /// Drive the picker over ext_proc directly even when Envoy is available.
+    #[arg(long)]
+    no_envoy: bool,
+    /// Keep the fleet, picker and Envoy running after the report, until Ctrl-C.
+    #[arg(long)]
+    hold: bool,
+    /// Seed of the workload and the simulated fleet.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 /// `cachepick sim`: a simulated fleet on loopback.
@@ -160,12 +200,16 @@ fn main() -> ExitCode {
     if let Command::Sim(args) = &cli.command {
         return sim(args);
     }
+    if let Command::Demo(args) = &cli.command {
+        return demo(args);
+    }
     let args = match &cli.command {
-        Command::Sim(_) => return ExitCode::FAILURE,
+        Command::Sim(_) | Command::Demo(_) => return ExitCode::FAILURE,
         Command::Serve(args)
         | Command::Check(args)
         | Command::Snapshot { config: args, .. }
-        | Command::Explain { config: args, .. } => args,
+        | Command::Explain { config: args, .. }
+        | Command::EnvoyConfig { config: args, .. } => args,
     };
     let config = match args.load() {
         Ok(config) => config,
@@ -184,7 +228,23 @@ fn main() -> ExitCode {
         Command::Explain {
             path, body, json, ..
         } => explain(&config, &path, &body, json),
-        Command::Sim(_) => Ok(()),
+        Command::Sim(_) | Command::Demo(_) => Ok(()),
+        Command::EnvoyConfig {
+            config: args,
+            mode,
+            envoy_listen,
+            envoy_admin,
+        } => {
+            let options = cachepick::envoy_config::EnvoyOptions {
+                listen: envoy_listen,
+                admin: envoy_admin,
+                mode,
+                source: Some(args.config.display().to_string()),
+                ..cachepick::envoy_config::EnvoyOptions::for_config(&config)
+            };
+            print!("{}", cachepick::envoy_config::render(&config, &options));
+            Ok(())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -217,6 +277,29 @@ fn sim(args: &SimArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("cachepick sim: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn demo(args: &DemoArgs) -> ExitCode {
+    let options = cachepick::demo::DemoOptions {
+        workers: args.workers,
+        engine: args.engine,
+        envoy: args.envoy.clone(),
+        no_envoy: args.no_envoy,
+        hold: args.hold,
+        seed: args.seed,
+    };
+    let run = || -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+        runtime.block_on(cachepick::demo::run(options))?;
+        Ok(())
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("cachepick demo: {error:#}");
             ExitCode::FAILURE
         }
     }

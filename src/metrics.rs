@@ -1,18 +1,54 @@
 //! cachepick's own Prometheus metrics, defined and registered in one place.
 //!
-//! Components receive a shared [`Metrics`] and update the handles they own; label values come from
-//! enums (`ScrapeOutcome::as_str`, `Reason::as_str`) so the label sets stay bounded. Gauges that describe
-//! the current load snapshots are computed when `/metrics` is read, so they stay true even if a scraper
-//! stalls.
+//! Components receive a shared [`Metrics`] and update it through its methods or the handles they own;
+//! label values come from enums (`ScrapeOutcome::as_str`, `Reason::as_str`, [`StreamEnd::as_str`]) or
+//! stable snake_case kinds so the label sets stay bounded. Gauges that describe the current load
+//! snapshots and the owner indexes are computed when `/metrics` is read, so they stay true even if a
+//! scraper stalls.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{Encoder, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 use crate::load::PoolLoad;
+use crate::policy::{Reason, RejectReason};
+use crate::prefix::IndexStats;
+
+/// How an ext_proc stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamEnd {
+    /// cachepick answered the request (routed it or refused it with an immediate response).
+    Answered,
+    /// The proxy closed or reset the stream before an answer was sent.
+    Reset,
+    /// The stream failed: a protocol violation or a transport error.
+    Error,
+}
+
+impl StreamEnd {
+    pub const ALL: [StreamEnd; 3] = [StreamEnd::Answered, StreamEnd::Reset, StreamEnd::Error];
+
+    /// The `outcome` label of `cachepick_extproc_streams_closed_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamEnd::Answered => "answered",
+            StreamEnd::Reset => "reset",
+            StreamEnd::Error => "error",
+        }
+    }
+}
+
+/// Owner-index statistics per pool label, read when `/metrics` is collected.
+pub type IndexSource = Arc<dyn Fn() -> Vec<(String, IndexStats)> + Send + Sync>;
+
+/// Buckets of `cachepick_prefix_match_ratio`: 0 is a complete miss, 1 a complete hit.
+const MATCH_RATIO_BUCKETS: [f64; 11] = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
 
 /// Every metric cachepick exports.
 #[derive(Clone, Debug)]
@@ -20,7 +56,24 @@ pub struct Metrics {
     registry: Registry,
     /// `cachepick_scrapes_total{pool,worker,outcome}`.
     pub scrapes: IntCounterVec,
+    /// `cachepick_decisions_total{pool,reason}`.
+    decisions: IntCounterVec,
+    /// `cachepick_rejections_total{pool,reason}`.
+    rejections: IntCounterVec,
+    /// `cachepick_prefix_match_ratio{pool}`.
+    match_ratio: HistogramVec,
+    /// `cachepick_diverted_prefix_blocks{pool}`.
+    diverted_blocks: HistogramVec,
+    /// `cachepick_decision_seconds{pool}`.
+    decision_seconds: HistogramVec,
+    /// `cachepick_extproc_streams_opened_total`.
+    streams_opened: IntCounter,
+    /// `cachepick_extproc_streams_active`.
+    streams_active: IntGauge,
+    /// `cachepick_extproc_streams_closed_total{outcome}`.
+    streams_closed: IntCounterVec,
     load: Arc<LoadGauges>,
+    index: Arc<IndexGauges>,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -33,6 +86,25 @@ struct LoadGauges {
     workers_fresh: IntGaugeVec,
     workers_stale: IntGaugeVec,
     pools: Mutex<Vec<Arc<PoolLoad>>>,
+}
+
+/// Gauges read off the owner indexes at collection time.
+struct IndexGauges {
+    /// `cachepick_index_blocks{pool}` / `cachepick_index_entries{pool}`.
+    blocks: IntGaugeVec,
+    entries: IntGaugeVec,
+    sources: Mutex<Vec<IndexSource>>,
+}
+
+impl std::fmt::Debug for IndexGauges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sources = self.sources.lock().map_or(0, |sources| sources.len());
+        f.debug_struct("IndexGauges")
+            .field("blocks", &self.blocks)
+            .field("entries", &self.entries)
+            .field("sources", &sources)
+            .finish()
+    }
 }
 
 impl Metrics {
@@ -61,6 +133,46 @@ impl Metrics {
             )?,
             pools: Mutex::new(Vec::new()),
         });
+        let index = Arc::new(IndexGauges {
+            blocks: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_index_blocks",
+                    "Distinct prompt blocks the pool's owner index credits to at least one worker: how much \
+                     prefix cachepick can route on.",
+                ),
+                &["pool"],
+            )?,
+            entries: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_index_entries",
+                    "(block, worker) pairs in the pool's owner index; above cachepick_index_blocks when \
+                     prefixes are held by several workers.",
+                ),
+                &["pool"],
+            )?,
+            sources: Mutex::new(Vec::new()),
+        });
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "cachepick_build_info",
+                "Always 1; the version label says which cachepick release is running.",
+            ),
+            &["version"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        let streams_closed = IntCounterVec::new(
+            Opts::new(
+                "cachepick_extproc_streams_closed_total",
+                "ext_proc streams ended, by outcome: answered (cachepick sent its answer), reset (the proxy \
+                 went away first), error (protocol or transport failure).",
+            ),
+            &["outcome"],
+        )?;
+        for end in StreamEnd::ALL {
+            streams_closed.with_label_values(&[end.as_str()]);
+        }
         let metrics = Metrics {
             registry: Registry::new(),
             scrapes: IntCounterVec::new(
@@ -70,14 +182,75 @@ impl Metrics {
                 ),
                 &["pool", "worker", "outcome"],
             )?,
+            decisions: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_decisions_total",
+                    "Routed requests by the policy rung that decided (cache_hit, saturation_pin, all_queued, \
+                     cache_worker_queued, capacity_fallback, cache_miss): the share of cache_hit is how often \
+                     a request reached its prefix owner.",
+                ),
+                &["pool", "reason"],
+            )?,
+            rejections: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_rejections_total",
+                    "Requests cachepick refused, by reason (no_workers, malformed body kinds, unknown_model, \
+                     body_too_large...); pool is \"none\" when the request named no pool.",
+                ),
+                &["pool", "reason"],
+            )?,
+            match_ratio: HistogramVec::new(
+                HistogramOpts::new(
+                    "cachepick_prefix_match_ratio",
+                    "Share of each routed prompt's tokens the selected worker already holds per the owner \
+                     index (0 = none, 1 = all): the prefill cachepick saves.",
+                )
+                .buckets(MATCH_RATIO_BUCKETS.to_vec()),
+                &["pool"],
+            )?,
+            diverted_blocks: HistogramVec::new(
+                HistogramOpts::new(
+                    "cachepick_diverted_prefix_blocks",
+                    "Prefix blocks held by the queued owner a request was diverted away from: the cached \
+                     prefill each cache_worker_queued diversion gave up.",
+                )
+                .buckets(prometheus::exponential_buckets(1.0, 2.0, 15)?),
+                &["pool"],
+            )?,
+            decision_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "cachepick_decision_seconds",
+                    "Time from the request body's arrival to cachepick's answer: the latency cachepick adds \
+                     to each request.",
+                )
+                .buckets(prometheus::exponential_buckets(25e-6, 2.0, 16)?),
+                &["pool"],
+            )?,
+            streams_opened: IntCounter::new(
+                "cachepick_extproc_streams_opened_total",
+                "ext_proc streams the proxy opened (one per request it sent to cachepick).",
+            )?,
+            streams_active: IntGauge::new(
+                "cachepick_extproc_streams_active",
+                "ext_proc streams open now: requests the proxy is waiting on cachepick for.",
+            )?,
+            streams_closed,
             load,
+            index,
         };
-        metrics
-            .registry
-            .register(Box::new(metrics.scrapes.clone()))?;
-        metrics
-            .registry
-            .register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
+        let registry = &metrics.registry;
+        registry.register(Box::new(metrics.scrapes.clone()))?;
+        registry.register(Box::new(metrics.decisions.clone()))?;
+        registry.register(Box::new(metrics.rejections.clone()))?;
+        registry.register(Box::new(metrics.match_ratio.clone()))?;
+        registry.register(Box::new(metrics.diverted_blocks.clone()))?;
+        registry.register(Box::new(metrics.decision_seconds.clone()))?;
+        registry.register(Box::new(metrics.streams_opened.clone()))?;
+        registry.register(Box::new(metrics.streams_active.clone()))?;
+        registry.register(Box::new(metrics.streams_closed.clone()))?;
+        registry.register(Box::new(build_info))?;
+        registry.register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
+        registry.register(Box::new(IndexCollector(Arc::clone(&metrics.index))))?;
         Ok(metrics)
     }
 
@@ -86,6 +259,87 @@ impl Metrics {
         if let Ok(mut pools) = self.load.pools.lock() {
             pools.push(pool);
         }
+    }
+
+    /// Reports `cachepick_index_blocks{pool}` and `cachepick_index_entries{pool}` from now on, computed
+    /// from `source` each time `/metrics` is read.
+    pub fn watch_index(&self, source: IndexSource) {
+        if let Ok(mut sources) = self.index.sources.lock() {
+            sources.push(source);
+        }
+    }
+
+    /// Pre-creates the per-pool series (every `Reason::ALL` label at 0 for decisions_total) so
+    /// dashboards see zeros rather than no data.
+    pub fn init_pool(&self, pool: &str) {
+        for reason in Reason::ALL {
+            self.decisions.with_label_values(&[pool, reason.as_str()]);
+        }
+        self.rejections
+            .with_label_values(&[pool, RejectReason::NoWorkers.as_str()]);
+        self.match_ratio.with_label_values(&[pool]);
+        self.diverted_blocks.with_label_values(&[pool]);
+        self.decision_seconds.with_label_values(&[pool]);
+    }
+
+    /// One routed request: `cachepick_decisions_total{pool,reason}` += 1; `cachepick_prefix_match_ratio`
+    /// observes `matched / prompt` (0 for an empty prompt, clamped to [0, 1]);
+    /// `cachepick_diverted_prefix_blocks` observes `diverted_blocks` only when `Some` (a real diversion
+    /// off an owner).
+    pub fn record_decision(
+        &self,
+        pool: &str,
+        reason: Reason,
+        prompt_tokens: u64,
+        matched_tokens: u64,
+        diverted_blocks: Option<u64>,
+    ) {
+        self.decisions
+            .with_label_values(&[pool, reason.as_str()])
+            .inc();
+        let ratio = if prompt_tokens == 0 {
+            0.0
+        } else {
+            (matched_tokens as f64 / prompt_tokens as f64).clamp(0.0, 1.0)
+        };
+        self.match_ratio.with_label_values(&[pool]).observe(ratio);
+        if let Some(blocks) = diverted_blocks {
+            self.diverted_blocks
+                .with_label_values(&[pool])
+                .observe(blocks as f64);
+        }
+    }
+
+    /// One refused request: `cachepick_rejections_total{pool,reason}` += 1. `reason` is a stable
+    /// snake_case label (`no_workers`, a body error kind, `unknown_model`, `body_too_large`...); `pool`
+    /// is `"none"` when no pool was selected.
+    pub fn record_rejection(&self, pool: &str, reason: &str) {
+        self.rejections.with_label_values(&[pool, reason]).inc();
+    }
+
+    /// `cachepick_decision_seconds{pool}`: body received → answer sent. Negative durations count as 0;
+    /// NaN is dropped.
+    pub fn observe_decision_seconds(&self, pool: &str, seconds: f64) {
+        if seconds.is_nan() {
+            return;
+        }
+        self.decision_seconds
+            .with_label_values(&[pool])
+            .observe(seconds.max(0.0));
+    }
+
+    /// An ext_proc stream opened: `cachepick_extproc_streams_opened_total` and
+    /// `cachepick_extproc_streams_active` += 1.
+    pub fn stream_opened(&self) {
+        self.streams_opened.inc();
+        self.streams_active.inc();
+    }
+
+    /// An ext_proc stream ended: `cachepick_extproc_streams_closed_total{outcome}` += 1 and
+    /// `cachepick_extproc_streams_active` -= 1.
+    pub fn stream_closed(&self, end: StreamEnd) {
+        self.streams_closed.with_label_values(&[end.as_str()]).inc();
+        self.streams_active.dec();
     }
 
     pub fn registry(&self) -> &Registry {
@@ -102,9 +356,11 @@ impl Metrics {
 }
 
 impl LoadGauges {
-    fn refresh(&self, now: Instant) {
+    /// Sets the gauges from the watched pools' current snapshots and collects them, holding the pool
+    /// list's lock throughout so that concurrent collections cannot interleave a reset with a read.
+    fn collect_at(&self, now: Instant) -> Vec<MetricFamily> {
         let Ok(pools) = self.pools.lock() else {
-            return;
+            return Vec::new();
         };
         self.reading_age.reset();
         for pool in pools.iter() {
@@ -131,10 +387,39 @@ impl LoadGauges {
                 .with_label_values(&[pool.label()])
                 .set(total.saturating_sub(fresh));
         }
+        let mut families = self.reading_age.collect();
+        families.extend(self.workers_fresh.collect());
+        families.extend(self.workers_stale.collect());
+        families
     }
 }
 
-/// Registers the shared gauges with the registry while `Metrics` keeps its handle to watch pools.
+impl IndexGauges {
+    /// Sets the gauges from every source and collects them, under the sources' lock (see
+    /// [`LoadGauges::collect_at`]).
+    fn collect_now(&self) -> Vec<MetricFamily> {
+        let Ok(sources) = self.sources.lock() else {
+            return Vec::new();
+        };
+        self.blocks.reset();
+        self.entries.reset();
+        for source in sources.iter() {
+            for (pool, stats) in source() {
+                let blocks = i64::try_from(stats.blocks).unwrap_or(i64::MAX);
+                let entries = i64::try_from(stats.entries).unwrap_or(i64::MAX);
+                self.blocks.with_label_values(&[pool.as_str()]).set(blocks);
+                self.entries
+                    .with_label_values(&[pool.as_str()])
+                    .set(entries);
+            }
+        }
+        let mut families = self.blocks.collect();
+        families.extend(self.entries.collect());
+        families
+    }
+}
+
+/// Registers the shared load gauges with the registry while `Metrics` keeps its handle to watch pools.
 #[derive(Debug)]
 struct SharedCollector(Arc<LoadGauges>);
 
@@ -148,18 +433,48 @@ impl Collector for SharedCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let gauges = &self.0;
-        gauges.refresh(Instant::now());
-        let mut families = gauges.reading_age.collect();
-        families.extend(gauges.workers_fresh.collect());
-        families.extend(gauges.workers_stale.collect());
-        families
+        self.0.collect_at(Instant::now())
+    }
+}
+
+/// Registers the index gauges with the registry while `Metrics` keeps its handle to add sources.
+#[derive(Debug)]
+struct IndexCollector(Arc<IndexGauges>);
+
+impl Collector for IndexCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        let mut descs = self.0.blocks.desc();
+        descs.extend(self.0.entries.desc());
+        descs
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.0.collect_now()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
+
+    /// Fails with the whole exposition unless `text` has exactly the line `expected`.
+    #[track_caller]
+    fn assert_line(text: &str, expected: &str) {
+        assert!(
+            text.lines().any(|line| line == expected),
+            "missing line {expected:?} in\n{text}"
+        );
+    }
+
+    #[track_caller]
+    fn assert_no_series(text: &str, name: &str) {
+        assert!(
+            !text.lines().any(|line| line.starts_with(name)),
+            "unexpected {name} in\n{text}"
+        );
+    }
 
     #[test]
     fn every_metric_registers_and_renders() {
@@ -172,5 +487,228 @@ mod tests {
         assert!(text.contains(
             "cachepick_scrapes_total{outcome=\"ok\",pool=\"m\",worker=\"127.0.0.1:1\"} 1"
         ));
+        assert_line(
+            &text,
+            &format!(
+                "cachepick_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            ),
+        );
+        for end in StreamEnd::ALL {
+            assert_line(
+                &text,
+                &format!(
+                    "cachepick_extproc_streams_closed_total{{outcome=\"{}\"}} 0",
+                    end.as_str()
+                ),
+            );
+        }
+        // Every family has a HELP line an operator can read.
+        for line in text.lines().filter(|line| line.starts_with("# HELP")) {
+            assert!(line.split_whitespace().count() > 4, "{line}");
+        }
+    }
+
+    #[test]
+    fn init_pool_pre_creates_every_reason_at_zero() {
+        let metrics = Metrics::new().unwrap();
+        assert_no_series(&metrics.render(), "cachepick_decisions_total{");
+        metrics.init_pool("p");
+        let text = metrics.render();
+        for reason in Reason::ALL {
+            assert_line(
+                &text,
+                &format!(
+                    "cachepick_decisions_total{{pool=\"p\",reason=\"{}\"}} 0",
+                    reason.as_str()
+                ),
+            );
+        }
+        let decisions = text
+            .lines()
+            .filter(|line| line.starts_with("cachepick_decisions_total{"))
+            .count();
+        assert_eq!(decisions, 6);
+        assert_line(
+            &text,
+            "cachepick_rejections_total{pool=\"p\",reason=\"no_workers\"} 0",
+        );
+        assert_line(&text, "cachepick_prefix_match_ratio_count{pool=\"p\"} 0");
+        assert_line(
+            &text,
+            "cachepick_diverted_prefix_blocks_count{pool=\"p\"} 0",
+        );
+        assert_line(&text, "cachepick_decision_seconds_count{pool=\"p\"} 0");
+    }
+
+    #[test]
+    fn decisions_count_reasons_and_observe_match_and_diversion() {
+        let metrics = Metrics::new().unwrap();
+        metrics.record_decision("p", Reason::CacheHit, 100, 50, None);
+        metrics.record_decision("p", Reason::CacheWorkerQueued, 100, 0, Some(3));
+        // An empty prompt matches nothing; a match beyond the prompt is clamped to 1.
+        metrics.record_decision("p", Reason::CacheMiss, 0, 0, None);
+        metrics.record_decision("p", Reason::CacheHit, 10, 20, None);
+        let text = metrics.render();
+
+        assert_line(
+            &text,
+            "cachepick_decisions_total{pool=\"p\",reason=\"cache_hit\"} 2",
+        );
+        assert_line(
+            &text,
+            "cachepick_decisions_total{pool=\"p\",reason=\"cache_worker_queued\"} 1",
+        );
+        assert_line(
+            &text,
+            "cachepick_decisions_total{pool=\"p\",reason=\"cache_miss\"} 1",
+        );
+
+        for (le, count) in [
+            ("0", 2),
+            ("0.1", 2),
+            ("0.4", 2),
+            ("0.5", 3),
+            ("0.9", 3),
+            ("1", 4),
+            ("+Inf", 4),
+        ] {
+            assert_line(
+                &text,
+                &format!("cachepick_prefix_match_ratio_bucket{{pool=\"p\",le=\"{le}\"}} {count}"),
+            );
+        }
+        assert_line(&text, "cachepick_prefix_match_ratio_sum{pool=\"p\"} 1.5");
+        assert_line(&text, "cachepick_prefix_match_ratio_count{pool=\"p\"} 4");
+
+        // Only the one real diversion is observed.
+        for (le, count) in [("1", 0), ("2", 0), ("4", 1), ("16384", 1), ("+Inf", 1)] {
+            assert_line(
+                &text,
+                &format!(
+                    "cachepick_diverted_prefix_blocks_bucket{{pool=\"p\",le=\"{le}\"}} {count}"
+                ),
+            );
+        }
+        assert_line(&text, "cachepick_diverted_prefix_blocks_sum{pool=\"p\"} 3");
+        assert_line(
+            &text,
+            "cachepick_diverted_prefix_blocks_count{pool=\"p\"} 1",
+        );
+    }
+
+    #[test]
+    fn rejections_count_by_pool_and_reason() {
+        let metrics = Metrics::new().unwrap();
+        metrics.record_rejection("none", "malformed_body");
+        metrics.record_rejection("none", "malformed_body");
+        metrics.record_rejection("p", "no_workers");
+        let text = metrics.render();
+        assert_line(
+            &text,
+            "cachepick_rejections_total{pool=\"none\",reason=\"malformed_body\"} 2",
+        );
+        assert_line(
+            &text,
+            "cachepick_rejections_total{pool=\"p\",reason=\"no_workers\"} 1",
+        );
+    }
+
+    #[test]
+    fn decision_seconds_span_microseconds_to_a_second() {
+        let metrics = Metrics::new().unwrap();
+        metrics.observe_decision_seconds("p", 0.0001);
+        metrics.observe_decision_seconds("p", 0.3);
+        metrics.observe_decision_seconds("p", -1.0);
+        metrics.observe_decision_seconds("p", f64::NAN);
+        let text = metrics.render();
+        for (le, count) in [
+            ("0.000025", 1),
+            ("0.00005", 1),
+            ("0.0001", 2),
+            ("0.2048", 2),
+            ("0.4096", 3),
+            ("0.8192", 3),
+            ("+Inf", 3),
+        ] {
+            assert_line(
+                &text,
+                &format!("cachepick_decision_seconds_bucket{{pool=\"p\",le=\"{le}\"}} {count}"),
+            );
+        }
+        assert_line(&text, "cachepick_decision_seconds_count{pool=\"p\"} 3");
+    }
+
+    #[test]
+    fn active_streams_go_up_and_down() {
+        let metrics = Metrics::new().unwrap();
+        assert_line(&metrics.render(), "cachepick_extproc_streams_active 0");
+        metrics.stream_opened();
+        metrics.stream_opened();
+        metrics.stream_opened();
+        assert_line(&metrics.render(), "cachepick_extproc_streams_active 3");
+        metrics.stream_closed(StreamEnd::Answered);
+        metrics.stream_closed(StreamEnd::Reset);
+        let text = metrics.render();
+        assert_line(&text, "cachepick_extproc_streams_active 1");
+        assert_line(&text, "cachepick_extproc_streams_opened_total 3");
+        assert_line(
+            &text,
+            "cachepick_extproc_streams_closed_total{outcome=\"answered\"} 1",
+        );
+        assert_line(
+            &text,
+            "cachepick_extproc_streams_closed_total{outcome=\"reset\"} 1",
+        );
+        assert_line(
+            &text,
+            "cachepick_extproc_streams_closed_total{outcome=\"error\"} 0",
+        );
+        metrics.stream_closed(StreamEnd::Error);
+        let text = metrics.render();
+        assert_line(&text, "cachepick_extproc_streams_active 0");
+        assert_line(
+            &text,
+            "cachepick_extproc_streams_closed_total{outcome=\"error\"} 1",
+        );
+    }
+
+    #[test]
+    fn index_gauges_are_computed_from_the_source_at_collection() {
+        let metrics = Metrics::new().unwrap();
+        assert_no_series(&metrics.render(), "cachepick_index_blocks{");
+        let grown = Arc::new(AtomicUsize::new(5));
+        let source_grown = Arc::clone(&grown);
+        metrics.watch_index(Arc::new(move || {
+            let blocks = source_grown.load(Ordering::Relaxed);
+            vec![
+                (
+                    "a".to_owned(),
+                    IndexStats {
+                        blocks,
+                        entries: blocks + 2,
+                        held: vec![blocks, 2],
+                    },
+                ),
+                (
+                    "b".to_owned(),
+                    IndexStats {
+                        blocks: 0,
+                        entries: 0,
+                        held: vec![0],
+                    },
+                ),
+            ]
+        }));
+        let text = metrics.render();
+        assert_line(&text, "cachepick_index_blocks{pool=\"a\"} 5");
+        assert_line(&text, "cachepick_index_entries{pool=\"a\"} 7");
+        assert_line(&text, "cachepick_index_blocks{pool=\"b\"} 0");
+        assert_line(&text, "cachepick_index_entries{pool=\"b\"} 0");
+
+        grown.store(40, Ordering::Relaxed);
+        let text = metrics.render();
+        assert_line(&text, "cachepick_index_blocks{pool=\"a\"} 40");
+        assert_line(&text, "cachepick_index_entries{pool=\"a\"} 42");
     }
 }

@@ -90,6 +90,17 @@ pub struct Prepared {
     pub owners: Vec<OwnerMatch>,
 }
 
+/// What `cachepick explain` and the debug endpoints report about one request body.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    pub prepared: Prepared,
+    pub block_size: u32,
+    /// The decision the picker would make now (nothing is committed).
+    pub outcome: Outcome,
+    /// Endpoints by worker id, so the outcome's ids can be read.
+    pub endpoints: Vec<String>,
+}
+
 /// The request path for every pool of a configuration.
 pub struct Picker {
     /// The pools' configurations, index-aligned with `pools`.
@@ -169,6 +180,91 @@ impl Picker {
             prompt_tokens: tokens.len() as u64,
             block_hashes: hashes,
             owners,
+        })
+    }
+
+    /// A request without a body (a GET) names no model: it goes to the default pool (`*`), else to the
+    /// first pool, with no prompt and so no owners.
+    pub fn prepare_headerless(&self) -> Result<Prepared, RequestError> {
+        let pool_index = request::select_pool(&self.configs, None)
+            .map(|(index, _)| index)
+            .unwrap_or(0);
+        let Some(pool) = self.pools.get(pool_index) else {
+            return Err(RequestError::Body(BodyError::MissingModel));
+        };
+        Ok(Prepared {
+            pool: pool_index,
+            pool_label: pool.load.label().to_owned(),
+            model: None,
+            prompt_tokens: 0,
+            block_hashes: Vec::new(),
+            owners: Vec::new(),
+        })
+    }
+
+    /// The workers of `pool` whose endpoints are in `subset` (the proxy's hint), in id order.
+    pub fn workers_in(&self, pool: usize, subset: &[std::net::SocketAddr]) -> Vec<WorkerId> {
+        self.pools.get(pool).map_or_else(Vec::new, |pool| {
+            pool.load
+                .snapshot()
+                .workers()
+                .iter()
+                .filter(|worker| subset.contains(&worker.endpoint))
+                .map(|worker| worker.id)
+                .collect()
+        })
+    }
+
+    /// The endpoint of worker `id` of `pool`.
+    pub fn endpoint(&self, pool: usize, id: WorkerId) -> Option<std::net::SocketAddr> {
+        let pool = self.pools.get(pool)?;
+        pool.load
+            .snapshot()
+            .worker(id)
+            .map(|worker| worker.endpoint)
+    }
+
+    /// The pool's prefix block size in tokens (0 for an unknown pool).
+    pub fn block_size(&self, pool: usize) -> u32 {
+        self.configs
+            .get(pool)
+            .map_or(0, |pool| pool.block_size.get())
+    }
+
+    pub fn max_body_bytes(&self) -> usize {
+        self.max_body_bytes
+    }
+
+    /// Every pool's owner-index statistics, by pool label.
+    pub fn index_stats(&self) -> Vec<(String, crate::prefix::IndexStats)> {
+        self.pools
+            .iter()
+            .map(|pool| (pool.load.label().to_owned(), pool.index.stats()))
+            .collect()
+    }
+
+    /// How `body` would be routed now, on the live owner index and load, without committing anything.
+    pub fn explain<R: Rng + ?Sized>(
+        &self,
+        path: &str,
+        body: &[u8],
+        rng: &mut R,
+    ) -> Result<Explanation, RequestError> {
+        let prepared = self.prepare(path, body)?;
+        let outcome = self.decide(&prepared, None, Instant::now(), rng);
+        let config = self.configs.get(prepared.pool);
+        Ok(Explanation {
+            block_size: config.map_or(0, |pool| pool.block_size.get()),
+            endpoints: config
+                .map(|pool| {
+                    pool.workers
+                        .iter()
+                        .map(|worker| worker.endpoint.to_string())
+                        .collect()
+                })
+                .unwrap_or_default(),
+            prepared,
+            outcome,
         })
     }
 

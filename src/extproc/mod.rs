@@ -4,15 +4,31 @@
 //! domain type, and everything it sends out is built here from a domain outcome.
 //!
 //! Health follows the Endpoint Picker Protocol's service names: `liveness` is SERVING while the process
-//! runs; `readiness` and the ext_proc service report NOT_SERVING until the processor is wired to load
-//! data, so that a gateway never routes through a picker that cannot decide yet.
+//! runs; `readiness` and the ext_proc service turn SERVING once every pool has completed a scrape round,
+//! so a gateway never routes through a picker that has not seen the fleet's load yet.
+
+mod admin;
+pub mod client;
+mod process;
+
+/// The generated `cachepick.v1` admin API (messages, server, client), for tests and Rust tools.
+pub use admin::pb as admin_api;
 
 use std::future::Future;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+pub use process::{
+    DECISION_HEADER, DESTINATION, LB_NAMESPACE, MAX_STREAMED_CHUNK, PREFIX_TOKENS_HEADER,
+    REJECT_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
+
+use crate::service::Service;
 
 /// gRPC health service names, as the Gateway API Inference Extension expects them.
 pub const LIVENESS: &str = "liveness";
@@ -25,9 +41,13 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves on `listener` until `shutdown` resolves.
+/// Room for the headers and metadata Envoy sends beside a body of `max_body_bytes`.
+const MESSAGE_OVERHEAD: usize = 1 << 20;
+
+/// Serves ext_proc and health on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
+    service: Arc<Service>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -40,9 +60,35 @@ pub async fn serve(
     reporter
         .set_service_status(EXT_PROC_SERVICE, ServingStatus::NotServing)
         .await;
-    tonic::transport::Server::builder()
+    let rounds = service.rounds();
+    let readiness = tokio::spawn(async move {
+        // Ready once every pool has completed a scrape round; a pool whose scraper is gone never is.
+        for mut round in rounds {
+            if round.wait_for(|completed| *completed > 0).await.is_err() {
+                return;
+            }
+        }
+        reporter
+            .set_service_status(READINESS, ServingStatus::Serving)
+            .await;
+        reporter
+            .set_service_status(EXT_PROC_SERVICE, ServingStatus::Serving)
+            .await;
+        tracing::info!("ready: every pool has a scrape round");
+    });
+    // A BUFFERED body arrives in one message: the decode limit follows max_body_bytes (tonic's 4 MiB
+    // default would fail larger prompts before cachepick could answer 413 or route them).
+    let max_message = service.max_body_bytes().saturating_add(MESSAGE_OVERHEAD);
+    let processor = ExternalProcessorServer::new(process::Processor::new(Arc::clone(&service)))
+        .max_decoding_message_size(max_message);
+    let served = tonic::transport::Server::builder()
         .add_service(health)
+        .add_service(processor)
+        .add_service(admin::server(Arc::clone(&service)))
+        .add_optional_service(admin::reflection_v1())
+        .add_optional_service(admin::reflection_v1alpha())
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
-    Ok(())
+        .await;
+    readiness.abort();
+    Ok(served?)
 }

@@ -378,10 +378,14 @@ async fn accept_loop(
                         let incarnation = Arc::clone(&incarnation);
                         async move {
                             let served_by = HeaderValue::from_str(&shared.id).ok();
+                            let echoed = routing_headers(request.headers());
                             let mut response = route(shared, incarnation, request).await;
                             // Errors too: a test sees which worker refused a request.
                             if let Some(served_by) = served_by {
                                 response.headers_mut().insert("x-served-by", served_by);
+                            }
+                            for (name, value) in echoed {
+                                response.headers_mut().append(name, value);
                             }
                             Ok::<_, Infallible>(response)
                         }
@@ -394,6 +398,25 @@ async fn accept_loop(
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
+}
+
+/// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`), renamed
+/// `x-sim-echo-<name>`: what a gateway in front told this worker, visible to the client and to tests.
+fn routing_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            let name = name.as_str();
+            name.starts_with("x-gateway-") || name.starts_with("x-cachepick-")
+        })
+        .filter_map(|(name, value)| {
+            let echoed = format!("x-sim-echo-{}", name.as_str());
+            Some((
+                http::HeaderName::from_bytes(echoed.as_bytes()).ok()?,
+                value.clone(),
+            ))
+        })
+        .collect()
 }
 
 async fn route(

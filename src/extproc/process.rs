@@ -1,0 +1,535 @@
+//! `envoy.service.ext_proc.v3.ExternalProcessor/Process`: one gRPC stream per HTTP request.
+//!
+//! The stream is driven as a small state machine over Envoy's messages:
+//! - request headers: remember the path and the subset hint, strip client-sent `x-cachepick-*` and
+//!   destination headers; a header-only request (`end_of_stream`) is decided here;
+//! - BUFFERED body: the whole body arrives in one message; the answer is the body response, whose
+//!   header mutation carries the destination;
+//! - FULL_DUPLEX_STREAMED body: chunks are buffered to the end of the stream; the (delayed) headers
+//!   response carries the destination and the body is re-emitted as `streamed_response` chunks.
+//!
+//! Once the answer is sent the server ends the stream cleanly: Envoy proceeds with what it was told and
+//! later resets its side, which is normal and not counted as an error.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderMap, HeaderValue, HeaderValueOption, Metadata, header_value_option::HeaderAppendAction,
+};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
+    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse, body_mutation, external_processor_server::ExternalProcessor,
+    processing_request, processing_response,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value};
+use futures_util::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::metrics::StreamEnd;
+use crate::service::{Answer, Refusal, Service, error_json};
+
+/// The Endpoint Picker Protocol's destination header and metadata key.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// Dynamic metadata namespace Envoy's `override_host` and ORIGINAL_DST read the destination from.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Metadata namespace and key of the proxy's subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+pub const DECISION_HEADER: &str = "x-cachepick-decision";
+/// The selected worker alone (no fallbacks): what an ORIGINAL_DST cluster, which reads one address,
+/// connects to.
+pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
+pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
+pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
+/// Headers cachepick owns: a client's copies never reach a worker.
+const OWNED_PREFIX: &str = "x-cachepick-";
+/// Envoy recommends at most 64 KiB per streamed chunk; this leaves room for the message's framing.
+pub const MAX_STREAMED_CHUNK: usize = 62_000;
+
+/// The ext_proc service.
+pub struct Processor {
+    service: Arc<Service>,
+}
+
+impl Processor {
+    pub fn new(service: Arc<Service>) -> Processor {
+        Processor { service }
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for Processor {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        // One answer in flight at a time is all a stream ever has, plus the duplex body chunks.
+        let (sender, receiver) = mpsc::channel(8);
+        let service = Arc::clone(&self.service);
+        service.metrics().stream_opened();
+        tokio::spawn(async move {
+            let end = drive(&service, inbound, &sender).await;
+            service.metrics().stream_closed(end);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
+    }
+}
+
+/// What the stream has learnt so far.
+#[derive(Default)]
+struct Exchange {
+    path: String,
+    subset: Option<Vec<SocketAddr>>,
+    /// Client-sent headers cachepick owns, to be removed.
+    spoofed: Vec<String>,
+    body: Vec<u8>,
+    body_mode: Option<BodySendMode>,
+    /// The headers response is owed (duplex: it is sent with the decision).
+    headers_pending: bool,
+}
+
+type Sender = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+/// Runs one stream to its end and says how it ended.
+async fn drive(
+    service: &Service,
+    mut inbound: Streaming<ProcessingRequest>,
+    out: &Sender,
+) -> StreamEnd {
+    let mut exchange = Exchange::default();
+    loop {
+        let message = match inbound.message().await {
+            Ok(Some(message)) => message,
+            // Envoy closed its side before we answered: the client went away.
+            Ok(None) => return StreamEnd::Reset,
+            Err(status) => {
+                return if is_reset(&status) {
+                    StreamEnd::Reset
+                } else {
+                    tracing::debug!(%status, "ext_proc stream failed");
+                    StreamEnd::Error
+                };
+            }
+        };
+        if let Some(config) = &message.protocol_config {
+            exchange.body_mode = BodySendMode::try_from(config.request_body_mode).ok();
+        }
+        let Some(request) = message.request else {
+            continue;
+        };
+        let step = match request {
+            processing_request::Request::RequestHeaders(headers) => on_headers(
+                service,
+                &mut exchange,
+                headers,
+                message.metadata_context.as_ref(),
+            ),
+            processing_request::Request::RequestBody(body) => on_body(service, &mut exchange, body),
+            processing_request::Request::RequestTrailers(_) => on_trailers(service, &mut exchange),
+            // Response phases are configured off; answer whatever arrives so Envoy never waits.
+            processing_request::Request::ResponseHeaders(_) => Step::Reply(vec![response(
+                processing_response::Response::ResponseHeaders(HeadersResponse::default()),
+            )]),
+            processing_request::Request::ResponseBody(_) => Step::Reply(vec![response(
+                processing_response::Response::ResponseBody(BodyResponse::default()),
+            )]),
+            processing_request::Request::ResponseTrailers(_) => Step::Reply(vec![response(
+                processing_response::Response::ResponseTrailers(TrailersResponse::default()),
+            )]),
+        };
+        match step {
+            Step::Wait => {}
+            Step::Reply(responses) => {
+                if !send_all(out, responses).await {
+                    return StreamEnd::Reset;
+                }
+            }
+            Step::Answer {
+                responses,
+                answer,
+                received,
+            } => {
+                let sent = send_all(out, responses).await;
+                service.observe_latency(&answer, received.elapsed().as_secs_f64());
+                return if sent {
+                    StreamEnd::Answered
+                } else {
+                    StreamEnd::Reset
+                };
+            }
+        }
+    }
+}
+
+enum Step {
+    /// Nothing to send yet (a duplex chunk before the end of the body).
+    Wait,
+    /// Protocol replies; the stream goes on.
+    Reply(Vec<ProcessingResponse>),
+    /// The decision (or refusal) is made: send these and end the stream.
+    Answer {
+        responses: Vec<ProcessingResponse>,
+        answer: Answer,
+        received: Instant,
+    },
+}
+
+async fn send_all(out: &Sender, responses: Vec<ProcessingResponse>) -> bool {
+    for response in responses {
+        if out.send(Ok(response)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+fn on_headers(
+    service: &Service,
+    exchange: &mut Exchange,
+    headers: HttpHeaders,
+    metadata: Option<&Metadata>,
+) -> Step {
+    let received = Instant::now();
+    for header in headers
+        .headers
+        .iter()
+        .flat_map(|map: &HeaderMap| &map.headers)
+    {
+        let key = header.key.to_ascii_lowercase();
+        if key == ":path" {
+            let path = String::from_utf8_lossy(&header.raw_value);
+            // The API is chosen by path; the query string does not change it.
+            exchange.path = path.split('?').next().unwrap_or_default().to_owned();
+        } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION)
+            && !exchange.spoofed.contains(&key)
+        {
+            exchange.spoofed.push(key);
+        }
+    }
+    exchange.subset = metadata.and_then(subset_hint);
+    if headers.end_of_stream {
+        // No body follows (a GET): decide now, in the headers response.
+        let answer = service.route(&exchange.path, None, exchange.subset.as_deref());
+        let responses = vec![answer_in_headers(exchange, &answer)];
+        return Step::Answer {
+            responses,
+            answer,
+            received,
+        };
+    }
+    match exchange.body_mode {
+        Some(BodySendMode::FullDuplexStreamed) => {
+            // The headers response is the one that carries the decision; it waits for the body.
+            exchange.headers_pending = true;
+            Step::Wait
+        }
+        Some(BodySendMode::Buffered) | None => {
+            Step::Reply(vec![headers_response(HeaderMutation {
+                set_headers: Vec::new(),
+                remove_headers: exchange.spoofed.clone(),
+            })])
+        }
+        Some(mode) => {
+            // STREAMED, BUFFERED_PARTIAL or NONE: the body never arrives whole before Envoy picks the
+            // host, so no decision could take effect. Fail loudly rather than route blind.
+            let refusal = Refusal {
+                status: 500,
+                reason: "unsupported_body_mode",
+                message: format!(
+                    "cachepick needs the ext_proc filter's request_body_mode to be BUFFERED or \
+                     FULL_DUPLEX_STREAMED, got {}",
+                    mode.as_str_name()
+                ),
+                pool: None,
+            };
+            let answer = Answer::Refuse(refusal);
+            Step::Answer {
+                responses: vec![immediate(&answer)],
+                answer,
+                received,
+            }
+        }
+    }
+}
+
+fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
+    let duplex = exchange.headers_pending;
+    let limit = service.max_body_bytes();
+    if exchange.body.len().saturating_add(body.body.len()) > limit {
+        let answer = Answer::Refuse(Refusal {
+            status: 413,
+            reason: "too_large",
+            message: format!("the request body exceeds max_body_bytes ({limit} bytes)"),
+            pool: None,
+        });
+        service.metrics().record_rejection("none", "too_large");
+        return Step::Answer {
+            responses: vec![immediate(&answer)],
+            answer,
+            received: Instant::now(),
+        };
+    }
+    exchange.body.extend_from_slice(&body.body);
+    // BUFFERED sends the whole body in one message; its end_of_stream is false when trailers follow
+    // (they come in their own message, or not at all with trailer mode SKIP), so that message is the
+    // end either way. Duplex chunks end at end_of_stream, or at the trailers.
+    let ended = body.end_of_stream || body.end_of_stream_without_message || !duplex;
+    if !ended {
+        return Step::Wait;
+    }
+    decide_body(service, exchange, Ending::Body)
+}
+
+/// Trailers end a duplex body (the proto's signal that the whole body has arrived); in other modes the
+/// decision is already made and this only acknowledges them.
+fn on_trailers(service: &Service, exchange: &mut Exchange) -> Step {
+    if exchange.headers_pending {
+        decide_body(service, exchange, Ending::Trailers)
+    } else {
+        Step::Reply(vec![response(
+            processing_response::Response::RequestTrailers(TrailersResponse::default()),
+        )])
+    }
+}
+
+/// What ended the body: its last chunk, or trailers (which are then answered last, after the body).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Body,
+    Trailers,
+}
+
+fn decide_body(service: &Service, exchange: &mut Exchange, ending: Ending) -> Step {
+    let duplex = exchange.headers_pending;
+    let received = Instant::now();
+    let answer = service.route(
+        &exchange.path,
+        Some(&exchange.body),
+        exchange.subset.as_deref(),
+    );
+    let responses = match (&answer, duplex) {
+        (Answer::Refuse(_), _) => vec![immediate(&answer)],
+        (Answer::Route(_), true) => {
+            // Duplex order: the delayed headers response, the body, then the trailers if they ended it.
+            let mut responses = vec![answer_in_headers(exchange, &answer)];
+            responses.extend(streamed_body(&exchange.body, ending == Ending::Body));
+            if ending == Ending::Trailers {
+                responses.push(response(processing_response::Response::RequestTrailers(
+                    TrailersResponse::default(),
+                )));
+            }
+            responses
+        }
+        (Answer::Route(_), false) => vec![with_metadata(
+            &answer,
+            response(processing_response::Response::RequestBody(BodyResponse {
+                response: Some(CommonResponse {
+                    header_mutation: Some(mutation(exchange, &answer)),
+                    ..CommonResponse::default()
+                }),
+            })),
+        )],
+    };
+    Step::Answer {
+        responses,
+        answer,
+        received,
+    }
+}
+
+/// The answer as a headers response (header-only requests and duplex), or an immediate response.
+fn answer_in_headers(exchange: &Exchange, answer: &Answer) -> ProcessingResponse {
+    match answer {
+        Answer::Refuse(_) => immediate(answer),
+        Answer::Route(_) => with_metadata(answer, headers_response(mutation(exchange, answer))),
+    }
+}
+
+fn headers_response(mutation: HeaderMutation) -> ProcessingResponse {
+    response(processing_response::Response::RequestHeaders(
+        HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(mutation),
+                ..CommonResponse::default()
+            }),
+        },
+    ))
+}
+
+/// The body, re-emitted in chunks Envoy accepts; with `ends`, the last one ends the stream (not when
+/// trailers follow). An empty body is one empty chunk, so every body response carries a body mutation.
+fn streamed_body(body: &[u8], ends: bool) -> Vec<ProcessingResponse> {
+    let chunks: Vec<&[u8]> = if body.is_empty() {
+        vec![&[]]
+    } else {
+        body.chunks(MAX_STREAMED_CHUNK).collect()
+    };
+    let last = chunks.len().saturating_sub(1);
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(index, chunk)| {
+            response(processing_response::Response::RequestBody(BodyResponse {
+                response: Some(CommonResponse {
+                    body_mutation: Some(BodyMutation {
+                        mutation: Some(body_mutation::Mutation::StreamedResponse(
+                            StreamedBodyResponse {
+                                body: chunk.to_vec(),
+                                end_of_stream: ends && index == last,
+                                ..StreamedBodyResponse::default()
+                            },
+                        )),
+                    }),
+                    ..CommonResponse::default()
+                }),
+            }))
+        })
+        .collect()
+}
+
+/// The destination and decision headers, overwriting whatever the client sent, and the removal of the
+/// client's other `x-cachepick-*` headers.
+fn mutation(exchange: &Exchange, answer: &Answer) -> HeaderMutation {
+    let Answer::Route(routed) = answer else {
+        return HeaderMutation::default();
+    };
+    let selected = routed
+        .endpoints
+        .first()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let set = [
+        (DESTINATION, routed.destination()),
+        (SELECTED_HEADER, selected),
+        (DECISION_HEADER, routed.reason.as_str().to_owned()),
+        (PREFIX_TOKENS_HEADER, routed.matched_tokens.to_string()),
+    ];
+    let remove_headers = exchange
+        .spoofed
+        .iter()
+        .filter(|key| !set.iter().any(|(name, _)| name == key))
+        .cloned()
+        .collect();
+    let set_headers = set
+        .into_iter()
+        .map(|(key, value)| header(key, value.into_bytes()))
+        .collect();
+    HeaderMutation {
+        set_headers,
+        remove_headers,
+    }
+}
+
+/// Envoy 1.40 reads `raw_value` only (`value` alone is written empty; both is an error).
+fn header(key: &str, raw_value: Vec<u8>) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value,
+            ..HeaderValue::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..HeaderValueOption::default()
+    }
+}
+
+/// Adds `envoy.lb/x-gateway-destination-endpoint`, the same value as the header, to a routed answer.
+fn with_metadata(answer: &Answer, mut response: ProcessingResponse) -> ProcessingResponse {
+    if let Answer::Route(routed) = answer {
+        let destination = Value {
+            kind: Some(value::Kind::StringValue(routed.destination())),
+        };
+        let namespace = Struct {
+            fields: HashMap::from([(DESTINATION.to_owned(), destination)]),
+        };
+        response.dynamic_metadata = Some(Struct {
+            fields: HashMap::from([(
+                LB_NAMESPACE.to_owned(),
+                Value {
+                    kind: Some(value::Kind::StructValue(namespace)),
+                },
+            )]),
+        });
+    }
+    response
+}
+
+/// A refusal as Envoy's local reply: JSON body, content type, and the reason header.
+fn immediate(answer: &Answer) -> ProcessingResponse {
+    let (status, reason, message) = match answer {
+        Answer::Refuse(refusal) => (refusal.status, refusal.reason, refusal.message.as_str()),
+        Answer::Route(_) => (500, "internal", "a routed request answered locally"),
+    };
+    response(processing_response::Response::ImmediateResponse(
+        ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![
+                    header("content-type", b"application/json".to_vec()),
+                    header(REJECT_HEADER, reason.as_bytes().to_vec()),
+                ],
+                remove_headers: Vec::new(),
+            }),
+            body: error_json(reason, message),
+            details: format!("cachepick_{reason}"),
+            ..ImmediateResponse::default()
+        },
+    ))
+}
+
+fn response(response: processing_response::Response) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(response),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// The proxy's subset hint: a comma-separated string or a list of strings of `ip:port`. Entries that
+/// do not parse are skipped; a hint with none that parse allows nothing (so the request is a 503,
+/// never routed outside what the proxy allowed).
+fn subset_hint(metadata: &Metadata) -> Option<Vec<SocketAddr>> {
+    let hint = metadata.filter_metadata.get(SUBSET_NAMESPACE)?;
+    let value = hint.fields.get(SUBSET_KEY)?;
+    let mut endpoints = Vec::new();
+    let mut push = |text: &str| {
+        endpoints.extend(
+            text.split(',')
+                .filter_map(|entry| entry.trim().parse::<SocketAddr>().ok()),
+        );
+    };
+    match &value.kind {
+        Some(value::Kind::StringValue(text)) => push(text),
+        Some(value::Kind::ListValue(list)) => {
+            for item in &list.values {
+                if let Some(value::Kind::StringValue(text)) = &item.kind {
+                    push(text);
+                }
+            }
+        }
+        _ => {}
+    }
+    Some(endpoints)
+}
+
+/// Envoy resets the stream when the HTTP request ends; that is the normal end, not a failure.
+fn is_reset(status: &Status) -> bool {
+    matches!(status.code(), tonic::Code::Cancelled | tonic::Code::Unknown)
+        || status.message().contains("reset")
+        || status.message().contains("Reset")
+}
