@@ -220,16 +220,31 @@ pools:
         };
         let liveness = client.check(status("liveness")).await.unwrap().into_inner();
         assert_eq!(liveness.status(), ServingStatus::Serving);
-        let readiness = client
-            .check(status("readiness"))
+        // Ready once the pool has completed a scrape round, even one that only learnt the worker is
+        // unreachable: the picker then knows what it does not know (the gate fails open).
+        let mut ready = false;
+        for _ in 0..100 {
+            let readiness = client
+                .check(status("readiness"))
+                .await
+                .unwrap()
+                .into_inner();
+            if readiness.status() == ServingStatus::Serving {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            ready,
+            "readiness turns SERVING after the first scrape round"
+        );
+        let ext_proc = client
+            .check(status("envoy.service.ext_proc.v3.ExternalProcessor"))
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(
-            readiness.status(),
-            ServingStatus::NotServing,
-            "not ready without load data"
-        );
+        assert_eq!(ext_proc.status(), ServingStatus::Serving);
     });
 
     // Prometheus on metrics_listen, with the scraper's counters for the configured (unreachable) worker.

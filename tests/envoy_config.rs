@@ -1,0 +1,1083 @@
+//! cachepick's Envoy configuration against the real Envoy (1.40, provisioned by
+//! `scripts/provision-envoy` through `support/envoy.rs`): every shipped file validates and equals the
+//! generator's output, the generator's output for other fleets validates and says what it should, the CLI
+//! prints it, the Istio filter validates inside a bootstrap, and a live Envoy in front of two loopback
+//! workers keeps serving when the picker is down (and ignores client-sent routing headers).
+//!
+//! None of these tests skips: without Envoy they fail, saying why.
+
+// Tests measure real time; the clock ban is for the code that decides.
+#![allow(clippy::disallowed_methods)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
+#[path = "support/envoy.rs"]
+mod envoy;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use serde_json::json;
+use serde_yaml::Value;
+use tokio::net::TcpListener;
+
+use cachepick::config::{self, Config, Overrides};
+use cachepick::envoy_config::{
+    self, BodyMode, DECISION_HEADER, DESTINATION_HEADER, EXT_PROC_FILTER, EnvoyOptions,
+    SELECTED_HEADER,
+};
+use cachepick::policy::Reason;
+
+const EXAMPLE: &str = "examples/cachepick.yaml";
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn example() -> Config {
+    config::load(&root().join(EXAMPLE), &Overrides::default()).expect("the example config is valid")
+}
+
+fn parse_config(yaml: &str) -> Config {
+    config::parse(yaml, "test.yaml", &Overrides::default()).expect("valid test config")
+}
+
+/// The options the shipped files were generated with: defaults, and the example named as on the
+/// command line from the repository root.
+fn shipped_options(config: &Config, mode: BodyMode) -> EnvoyOptions {
+    EnvoyOptions {
+        mode,
+        source: Some(EXAMPLE.to_owned()),
+        ..EnvoyOptions::for_config(config)
+    }
+}
+
+fn yaml(text: &str) -> Value {
+    serde_yaml::from_str(text).expect("the generated configuration is YAML")
+}
+
+/// Every YAML document of a file.
+fn documents(text: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|document| Value::deserialize(document).expect("a YAML document"))
+        .collect()
+}
+
+fn seq(value: &Value) -> &Vec<Value> {
+    value.as_sequence().expect("a YAML sequence")
+}
+
+fn str_of(value: &Value) -> &str {
+    value.as_str().expect("a YAML string")
+}
+
+fn hcm(bootstrap: &Value) -> &Value {
+    &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+}
+
+fn http_filter<'a>(bootstrap: &'a Value, name: &str) -> &'a Value {
+    seq(&hcm(bootstrap)["http_filters"])
+        .iter()
+        .find(|filter| filter["name"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no http filter {name}"))
+}
+
+fn cluster<'a>(bootstrap: &'a Value, name: &str) -> Option<&'a Value> {
+    seq(&bootstrap["static_resources"]["clusters"])
+        .iter()
+        .find(|cluster| cluster["name"].as_str() == Some(name))
+}
+
+fn socket(value: &Value) -> SocketAddr {
+    let address = &value["socket_address"];
+    SocketAddr::new(
+        str_of(&address["address"]).parse().expect("an IP"),
+        address["port_value"]
+            .as_u64()
+            .and_then(|port| u16::try_from(port).ok())
+            .expect("a port"),
+    )
+}
+
+/// The endpoints of a STATIC cluster, in order.
+fn endpoints(cluster: &Value) -> Vec<SocketAddr> {
+    seq(&cluster["load_assignment"]["endpoints"])
+        .iter()
+        .flat_map(|locality| seq(&locality["lb_endpoints"]))
+        .map(|endpoint| socket(&endpoint["endpoint"]["address"]))
+        .collect()
+}
+
+/// The text of a YAML file's comments, whitespace-normalised (the generator wraps comment lines).
+fn comment_text(text: &str) -> String {
+    let comments: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.trim_start().strip_prefix('#'))
+        .collect();
+    comments
+        .join(" ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The shipped files
+
+#[test]
+fn every_shipped_envoy_file_passes_envoy_validation() {
+    let dir = root().join("envoy");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("envoy/ is readable")
+        .map(|entry| entry.expect("directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
+        .collect();
+    files.sort();
+    for mode in BodyMode::ALL {
+        assert!(
+            files.contains(&dir.join(mode.shipped_file())),
+            "envoy/{} is missing",
+            mode.shipped_file()
+        );
+    }
+    let failures: Vec<String> = files
+        .iter()
+        .filter_map(|file| envoy::validate(file).err())
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn shipped_files_are_exactly_the_generators_output_for_the_example() {
+    let config = example();
+    for mode in BodyMode::ALL {
+        let path = root().join("envoy").join(mode.shipped_file());
+        let shipped = std::fs::read_to_string(&path).expect("the shipped file is readable");
+        let generated = envoy_config::render(&config, &shipped_options(&config, mode));
+        assert!(
+            shipped == generated,
+            "{} differs from the generator's output; regenerate it from the repository root with\n  \
+             cargo run -q -- envoy-config --config {EXAMPLE} --mode {mode} > envoy/{}",
+            path.display(),
+            mode.shipped_file()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The generator
+
+const LOOPBACK_FLEET: &str = "\
+listen: 127.0.0.1:19002
+max_body_bytes: 1MiB
+policy: {max_fallbacks: 3}
+pools:
+  - model: a
+    engine: vllm
+    workers:
+      - {endpoint: \"127.0.0.1:18001\"}
+      - {endpoint: \"127.0.0.1:18002\", role: prefill}
+      - {endpoint: \"127.0.0.1:18003\", role: decode}
+  - model: b
+    engine: sglang
+    workers:
+      - {endpoint: \"[::1]:18004\"}
+";
+
+#[test]
+fn generated_configs_validate_and_name_every_worker_and_every_reason() {
+    let config = parse_config(LOOPBACK_FLEET);
+    let routable: Vec<SocketAddr> = ["127.0.0.1:18001", "127.0.0.1:18002", "[::1]:18004"]
+        .iter()
+        .map(|addr| addr.parse().unwrap())
+        .collect();
+    for mode in BodyMode::ALL {
+        let text = envoy_config::render(
+            &config,
+            &EnvoyOptions {
+                mode,
+                ..EnvoyOptions::for_config(&config)
+            },
+        );
+        if let Err(error) = envoy::validate_yaml(&text) {
+            panic!("mode {mode}: {error}\n{text}");
+        }
+        let bootstrap = yaml(&text);
+
+        // Addresses: defaults on loopback; the picker is cachepick's `listen`.
+        assert_eq!(
+            socket(&bootstrap["admin"]["address"]),
+            EnvoyOptions::DEFAULT_ADMIN
+        );
+        let listener = &bootstrap["static_resources"]["listeners"][0];
+        assert_eq!(socket(&listener["address"]), EnvoyOptions::DEFAULT_LISTEN);
+        let picker = cluster(&bootstrap, "cachepick").expect("the cachepick cluster");
+        assert_eq!(endpoints(picker), vec![config.listen]);
+
+        // Sizes from the configuration.
+        assert_eq!(
+            listener["per_connection_buffer_limit_bytes"].as_u64(),
+            Some(1 << 20)
+        );
+        let vhost = &hcm(&bootstrap)["route_config"]["virtual_hosts"][0];
+        let route = &vhost["routes"][0];
+        assert_eq!(route["request_body_buffer_limit"].as_u64(), Some(1 << 20));
+        assert_eq!(str_of(&route["route"]["timeout"]), "0s");
+
+        // One virtual cluster per reason, in Reason::ALL order, matched on the decision header.
+        assert_eq!(str_of(&vhost["name"]), "llm");
+        let vclusters = seq(&vhost["virtual_clusters"]);
+        assert_eq!(vclusters.len(), Reason::ALL.len());
+        for (vcluster, reason) in vclusters.iter().zip(Reason::ALL) {
+            assert_eq!(str_of(&vcluster["name"]), reason.as_str());
+            let header = &vcluster["headers"][0];
+            assert_eq!(str_of(&header["name"]), DECISION_HEADER);
+            assert_eq!(str_of(&header["string_match"]["exact"]), reason.as_str());
+        }
+
+        // Filters: strip client routing headers, then cachepick, then the router.
+        let names: Vec<&str> = seq(&hcm(&bootstrap)["http_filters"])
+            .iter()
+            .map(|filter| str_of(&filter["name"]))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "envoy.filters.http.header_mutation",
+                EXT_PROC_FILTER,
+                "envoy.filters.http.router"
+            ]
+        );
+        let removed: Vec<&str> = seq(&http_filter(
+            &bootstrap,
+            "envoy.filters.http.header_mutation",
+        )["typed_config"]["mutations"]["request_mutations"])
+        .iter()
+        .map(|mutation| str_of(&mutation["remove"]))
+        .collect();
+        assert_eq!(
+            removed,
+            [DESTINATION_HEADER, DECISION_HEADER, SELECTED_HEADER]
+        );
+        let ext_proc = &http_filter(&bootstrap, EXT_PROC_FILTER)["typed_config"];
+        assert_eq!(
+            str_of(&ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"]),
+            "cachepick"
+        );
+        assert_eq!(ext_proc["failure_mode_allow"].as_bool(), Some(true));
+        assert_eq!(
+            str_of(&ext_proc["metadata_options"]["receiving_namespaces"]["untyped"][0]),
+            "envoy.lb"
+        );
+        let processing = &ext_proc["processing_mode"];
+        assert_eq!(str_of(&processing["request_header_mode"]), "SEND");
+        assert_eq!(str_of(&processing["response_header_mode"]), "SKIP");
+        assert_eq!(str_of(&processing["response_body_mode"]), "NONE");
+        match mode {
+            BodyMode::Duplex => {
+                assert_eq!(
+                    str_of(&processing["request_body_mode"]),
+                    "FULL_DUPLEX_STREAMED"
+                );
+                assert_eq!(str_of(&processing["request_trailer_mode"]), "SEND");
+                assert!(ext_proc["message_timeout"].is_null());
+            }
+            BodyMode::Buffered | BodyMode::OriginalDst => {
+                assert_eq!(str_of(&processing["request_body_mode"]), "BUFFERED");
+                assert_eq!(str_of(&processing["request_trailer_mode"]), "SKIP");
+                assert_eq!(str_of(&ext_proc["message_timeout"]), "2s");
+            }
+        }
+
+        // Upstream: the prefill-capable workers of every pool (never the decode-only one), steered by
+        // override_host; or ORIGINAL_DST on the header.
+        match mode {
+            BodyMode::Buffered | BodyMode::Duplex => {
+                assert_eq!(str_of(&route["route"]["cluster"]), "workers");
+                let workers = cluster(&bootstrap, "workers").expect("the workers cluster");
+                assert_eq!(endpoints(workers), routable);
+                let policy =
+                    &workers["load_balancing_policy"]["policies"][0]["typed_extension_config"];
+                assert_eq!(
+                    str_of(&policy["name"]),
+                    "envoy.load_balancing_policies.override_host"
+                );
+                let sources = &policy["typed_config"]["override_host_sources"];
+                assert_eq!(str_of(&sources[0]["header"]), DESTINATION_HEADER);
+                assert_eq!(str_of(&sources[1]["metadata"]["key"]), "envoy.lb");
+                assert_eq!(
+                    str_of(&sources[1]["metadata"]["path"][0]["key"]),
+                    DESTINATION_HEADER
+                );
+                let fallback = &policy["typed_config"]["fallback_policy"]["policies"][0];
+                assert_eq!(
+                    str_of(&fallback["typed_extension_config"]["name"]),
+                    "envoy.load_balancing_policies.least_request"
+                );
+                assert_eq!(
+                    route["route"]["retry_policy"]["num_retries"].as_u64(),
+                    Some(3)
+                );
+            }
+            BodyMode::OriginalDst => {
+                assert_eq!(str_of(&route["route"]["cluster"]), "workers_original_dst");
+                assert!(cluster(&bootstrap, "workers").is_none());
+                let original = cluster(&bootstrap, "workers_original_dst").expect("the cluster");
+                assert_eq!(str_of(&original["type"]), "ORIGINAL_DST");
+                assert_eq!(
+                    original["original_dst_lb_config"]["use_http_header"].as_bool(),
+                    Some(true)
+                );
+                assert_eq!(
+                    str_of(&original["original_dst_lb_config"]["http_header_name"]),
+                    SELECTED_HEADER
+                );
+                assert!(route["route"]["retry_policy"].is_null());
+            }
+        }
+        // The workers Envoy does not route to are still named, in a comment saying why: the decode-only
+        // one always, and in ORIGINAL_DST mode (which lists no endpoints) every worker.
+        let comments = comment_text(&text);
+        assert!(
+            comments.contains(
+                "decode-only (cachepick never sends a request there, so the fallback must not): 127.0.0.1:18003."
+            ),
+            "mode {mode}: the decode-only worker is not explained"
+        );
+        if mode == BodyMode::OriginalDst {
+            for worker in &routable {
+                assert!(comments.contains(&worker.to_string()), "{worker} not named");
+            }
+        }
+        // ORIGINAL_DST reads the single selected endpoint, so fallbacks need no warning in any mode.
+        assert!(!comments.contains("WARNING"), "{comments}");
+
+        // The picker is health-checked, and never tried when unhealthy (what lets duplex mode fail open).
+        assert_eq!(
+            str_of(&picker["health_checks"][0]["grpc_health_check"]["service_name"]),
+            "envoy.service.ext_proc.v3.ExternalProcessor"
+        );
+        assert_eq!(
+            picker["common_lb_config"]["healthy_panic_threshold"]["value"].as_u64(),
+            Some(0)
+        );
+    }
+}
+
+#[test]
+fn envoy_validation_rejects_what_envoy_rejects() {
+    // The validation above means something only if Envoy does refuse bad configurations.
+    let config = parse_config(LOOPBACK_FLEET);
+    let good = envoy_config::render(&config, &EnvoyOptions::for_config(&config));
+    let unknown_field = good.replace(
+        "failure_mode_allow: true",
+        "failure_mode_allow: true\n              no_such_field: 1",
+    );
+    assert_ne!(unknown_field, good);
+    let error = envoy::validate_yaml(&unknown_field).expect_err("an unknown field is refused");
+    assert!(error.contains("no_such_field"), "{error}");
+    // FULL_DUPLEX_STREAMED needs request trailers: the reason duplex mode sends them.
+    let duplex = envoy_config::render(
+        &config,
+        &EnvoyOptions {
+            mode: BodyMode::Duplex,
+            ..EnvoyOptions::for_config(&config)
+        },
+    );
+    let no_trailers = duplex.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP");
+    assert_ne!(no_trailers, duplex);
+    envoy::validate_yaml(&no_trailers)
+        .expect_err("FULL_DUPLEX_STREAMED without trailers is refused");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The CLI
+
+fn cachepick(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        .args(args)
+        .output()
+        .expect("the cachepick binary runs")
+}
+
+#[test]
+fn the_cli_prints_what_render_returns() {
+    let config = example();
+    let path = root().join(EXAMPLE);
+    let path = path.to_str().expect("a UTF-8 path");
+    for mode in BodyMode::ALL {
+        let output = cachepick(&["envoy-config", "--config", path, "--mode", mode.as_str()]);
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let expected = envoy_config::render(
+            &config,
+            &EnvoyOptions {
+                mode,
+                source: Some(path.to_owned()),
+                ..EnvoyOptions::for_config(&config)
+            },
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout),
+            expected,
+            "mode {mode}"
+        );
+    }
+
+    // Without --mode: buffered. The flags move Envoy's listener and admin, and --listen (cachepick's
+    // own address, as in every other command) moves the picker cluster.
+    let output = cachepick(&[
+        "envoy-config",
+        "--config",
+        path,
+        "--envoy-listen",
+        "0.0.0.0:8080",
+        "--envoy-admin",
+        "127.0.0.1:19901",
+        "--listen",
+        "0.0.0.0:9102",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let moved = config::load(
+        Path::new(path),
+        &Overrides {
+            listen: Some("0.0.0.0:9102".parse().unwrap()),
+            ..Overrides::default()
+        },
+    )
+    .unwrap();
+    let expected = envoy_config::render(
+        &moved,
+        &EnvoyOptions {
+            listen: "0.0.0.0:8080".parse().unwrap(),
+            admin: "127.0.0.1:19901".parse().unwrap(),
+            source: Some(path.to_owned()),
+            ..EnvoyOptions::for_config(&moved)
+        },
+    );
+    assert_eq!(stdout, expected);
+    let bootstrap = yaml(&stdout);
+    assert_eq!(
+        endpoints(cluster(&bootstrap, "cachepick").unwrap()),
+        vec!["127.0.0.1:9102".parse::<SocketAddr>().unwrap()],
+        "cachepick listening everywhere is dialled on loopback"
+    );
+    assert!(
+        stdout
+            .contains("--mode buffered --envoy-listen 0.0.0.0:8080 --envoy-admin 127.0.0.1:19901")
+    );
+}
+
+#[test]
+fn the_cli_exits_2_on_a_bad_config_or_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "policy: {worker_queue_limit: 0}\npools: []\n").unwrap();
+    let output = cachepick(&["envoy-config", "--config", bad.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    assert!(output.stdout.is_empty(), "nothing printed for a bad config");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("worker_queue_limit"), "{stderr}");
+
+    let missing = dir.path().join("missing.yaml");
+    let output = cachepick(&["envoy-config", "--config", missing.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+
+    let example = root().join(EXAMPLE);
+    let output = cachepick(&[
+        "envoy-config",
+        "--config",
+        example.to_str().unwrap(),
+        "--mode",
+        "streamed",
+    ]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("buffered, duplex or original-dst"));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Istio
+
+fn envoyfilter_patches() -> Vec<Value> {
+    let text = std::fs::read_to_string(root().join("envoy/istio/envoyfilter.yaml")).unwrap();
+    let docs = documents(&text);
+    assert_eq!(docs.len(), 1);
+    assert_eq!(str_of(&docs[0]["kind"]), "EnvoyFilter");
+    seq(&docs[0]["spec"]["configPatches"]).clone()
+}
+
+fn to_json(value: &Value) -> serde_json::Value {
+    serde_json::to_value(value).expect("YAML with string keys converts to JSON")
+}
+
+#[test]
+fn the_istio_filter_validates_in_an_envoy_bootstrap_and_matches_the_generator() {
+    let patches = envoyfilter_patches();
+    assert_eq!(patches.len(), 3);
+
+    // Patch 1: ext_proc before the router, on the gateway.
+    let ext_proc = &patches[0];
+    assert_eq!(str_of(&ext_proc["applyTo"]), "HTTP_FILTER");
+    assert_eq!(str_of(&ext_proc["match"]["context"]), "GATEWAY");
+    let filter_match = &ext_proc["match"]["listener"]["filterChain"]["filter"];
+    assert_eq!(
+        str_of(&filter_match["name"]),
+        "envoy.filters.network.http_connection_manager"
+    );
+    assert_eq!(
+        str_of(&filter_match["subFilter"]["name"]),
+        "envoy.filters.http.router"
+    );
+    assert_eq!(str_of(&ext_proc["patch"]["operation"]), "INSERT_BEFORE");
+    let ext_proc_filter = &ext_proc["patch"]["value"];
+    assert_eq!(str_of(&ext_proc_filter["name"]), EXT_PROC_FILTER);
+    let picker_cluster =
+        str_of(&ext_proc_filter["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]);
+    assert_eq!(
+        picker_cluster,
+        "outbound|9002||cachepick.llm.svc.cluster.local"
+    );
+
+    // Patch 2: the header filter, before ext_proc.
+    let strip = &patches[1];
+    assert_eq!(str_of(&strip["applyTo"]), "HTTP_FILTER");
+    assert_eq!(str_of(&strip["match"]["context"]), "GATEWAY");
+    assert_eq!(
+        str_of(&strip["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]),
+        EXT_PROC_FILTER
+    );
+    assert_eq!(str_of(&strip["patch"]["operation"]), "INSERT_BEFORE");
+    let strip_filter = &strip["patch"]["value"];
+
+    // Patch 3: override_host merged into the workers' cluster.
+    let steer = &patches[2];
+    assert_eq!(str_of(&steer["applyTo"]), "CLUSTER");
+    assert_eq!(str_of(&steer["patch"]["operation"]), "MERGE");
+    let workers_cluster = format!(
+        "outbound|{}||{}",
+        steer["match"]["cluster"]["portNumber"].as_u64().unwrap(),
+        str_of(&steer["match"]["cluster"]["service"])
+    );
+
+    // The same settings as the generator's buffered mode: same keys, same values except the cluster.
+    let config = example();
+    let generated = yaml(&envoy_config::render(
+        &config,
+        &EnvoyOptions::for_config(&config),
+    ));
+    let ours = &http_filter(&generated, EXT_PROC_FILTER)["typed_config"];
+    let theirs = &ext_proc_filter["typed_config"];
+    let keys = |value: &Value| -> BTreeSet<String> {
+        value
+            .as_mapping()
+            .unwrap()
+            .keys()
+            .map(|key| str_of(key).to_owned())
+            .collect()
+    };
+    assert_eq!(keys(theirs), keys(ours));
+    for key in keys(ours).iter().filter(|key| *key != "grpc_service") {
+        assert_eq!(
+            theirs[key.as_str()],
+            ours[key.as_str()],
+            "ext_proc `{key}` differs from the generator's"
+        );
+    }
+    assert_eq!(
+        *strip_filter,
+        *http_filter(&generated, "envoy.filters.http.header_mutation")
+    );
+    assert_eq!(
+        steer["patch"]["value"]["load_balancing_policy"],
+        cluster(&generated, "workers").unwrap()["load_balancing_policy"]
+    );
+
+    // Embedded in a minimal static bootstrap, as the gateway would carry them, they validate.
+    let mut workers = json!({
+        "name": workers_cluster,
+        "type": "STATIC",
+        "lb_policy": "LEAST_REQUEST",
+        "connect_timeout": "2s",
+        "load_assignment": {
+            "cluster_name": workers_cluster,
+            "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8000}}}}
+            ]}]
+        }
+    });
+    for (key, value) in to_json(&steer["patch"]["value"]).as_object().unwrap() {
+        workers[key] = value.clone();
+    }
+    let bootstrap = json!({
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 19901}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": 18080}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "gateway",
+                        "route_config": {"virtual_hosts": [{
+                            "name": "llm",
+                            "domains": ["*"],
+                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": workers_cluster}}]
+                        }]},
+                        "http_filters": [
+                            to_json(strip_filter),
+                            to_json(ext_proc_filter),
+                            {"name": "envoy.filters.http.router", "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                            }}
+                        ]
+                    }
+                }]}]
+            }],
+            "clusters": [
+                workers,
+                {
+                    "name": picker_cluster,
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}}
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": picker_cluster,
+                        "endpoints": [{"lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9002}}}}
+                        ]}]
+                    }
+                }
+            ]
+        }
+    });
+    // JSON is YAML: Envoy reads it as such.
+    let text = serde_json::to_string_pretty(&bootstrap).unwrap();
+    if let Err(error) = envoy::validate_yaml(&text) {
+        panic!("{error}\n{text}");
+    }
+}
+
+#[test]
+fn the_inferencepool_sketch_points_at_a_valid_cachepick() {
+    let text = std::fs::read_to_string(root().join("envoy/istio/inferencepool.yaml")).unwrap();
+    let docs = documents(&text);
+    let by_kind: BTreeMap<&str, &Value> =
+        docs.iter().map(|doc| (str_of(&doc["kind"]), doc)).collect();
+    let pool = by_kind["InferencePool"];
+    assert_eq!(
+        str_of(&pool["apiVersion"]),
+        "inference.networking.k8s.io/v1"
+    );
+    let picker = &pool["spec"]["endpointPickerRef"];
+    assert_eq!(str_of(&picker["kind"]), "Service");
+    assert_eq!(str_of(&picker["name"]), "cachepick");
+    let port = picker["port"]["number"].as_u64().unwrap();
+    assert_eq!(port, 9002);
+    assert_eq!(
+        seq(&pool["spec"]["targetPorts"]).len(),
+        1,
+        "v1 allows exactly one target port"
+    );
+
+    let route = by_kind["HTTPRoute"];
+    let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(str_of(&backend["kind"]), "InferencePool");
+    assert_eq!(str_of(&backend["group"]), "inference.networking.k8s.io");
+    assert_eq!(str_of(&backend["name"]), str_of(&pool["metadata"]["name"]));
+
+    let service = by_kind["Service"];
+    assert_eq!(str_of(&service["metadata"]["name"]), "cachepick");
+    assert_eq!(service["spec"]["ports"][0]["port"].as_u64(), Some(port));
+
+    // The ConfigMap holds a configuration cachepick accepts, listening where the Service sends traffic.
+    let cachepick_yaml = str_of(&by_kind["ConfigMap"]["data"]["cachepick.yaml"]);
+    let config = config::parse(
+        cachepick_yaml,
+        "inferencepool.yaml ConfigMap",
+        &Overrides::default(),
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    assert_eq!(u64::from(config.listen.port()), port);
+    assert_eq!(
+        service["spec"]["ports"][0]["targetPort"].as_u64(),
+        Some(u64::from(config.listen.port()))
+    );
+}
+
+// ---------------------------------------------------------------------------------------------------
+// A live Envoy with the picker down
+
+/// A worker stand-in: answers every request with 200 and says who it is and which routing headers and
+/// how many body bytes reached it.
+async fn echo_worker() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let service = service_fn(move |request: Request<Incoming>| async move {
+                let seen = |name: &str| {
+                    request
+                        .headers()
+                        .get(name)
+                        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+                        .unwrap_or_else(|| "-".to_owned())
+                };
+                let destination = seen(DESTINATION_HEADER);
+                let decision = seen(DECISION_HEADER);
+                let bytes = request
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|body| body.to_bytes().len())
+                    .unwrap_or(0);
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .header("x-served-by", addr.to_string())
+                        .header("x-seen-destination", destination)
+                        .header("x-seen-decision", decision)
+                        .header("x-body-bytes", bytes.to_string())
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .unwrap(),
+                )
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: hyper::HeaderMap,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+    }
+}
+
+async fn post(envoy: &envoy::Envoy, headers: &[(&str, &str)], body: Vec<u8>) -> Answer {
+    let mut request = Request::post(format!(
+        "http://{}/v1/chat/completions",
+        envoy.listener_addr()
+    ))
+    .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(Bytes::from(body))).unwrap();
+    let response = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        envoy::client().request(request),
+    )
+    .await
+    .expect("Envoy answers within 10 s")
+    .unwrap_or_else(|error| {
+        panic!(
+            "request through Envoy failed: {error}\n{}",
+            envoy.log_tail()
+        )
+    });
+    let status = response.status();
+    let headers = response.headers().clone();
+    let _ = response.into_body().collect().await;
+    Answer { status, headers }
+}
+
+const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
+
+/// Two live workers, one dead one (unless `dead` is false), and a picker address where nothing listens.
+struct Fleet {
+    config: Config,
+    live: Vec<SocketAddr>,
+    dead: SocketAddr,
+    /// Keeps the dead worker's and the picker's ports bound but not listening: connections to them are
+    /// refused, and no other process can take them while the test runs.
+    _reserved: [tokio::net::TcpSocket; 2],
+}
+
+fn reserve() -> (tokio::net::TcpSocket, SocketAddr) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
+    (socket, addr)
+}
+
+async fn fleet_down_picker(max_body: &str, dead: bool) -> Fleet {
+    let live = vec![echo_worker().await, echo_worker().await];
+    let (dead_socket, dead_addr) = reserve();
+    let (picker_socket, picker) = reserve();
+    let mut yaml = format!(
+        "listen: \"{picker}\"\nmax_body_bytes: {max_body}\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - {{endpoint: \"{}\"}}\n      - {{endpoint: \"{}\"}}\n",
+        live[0], live[1]
+    );
+    if dead {
+        yaml.push_str(&format!("      - {{endpoint: \"{dead_addr}\"}}\n"));
+    }
+    Fleet {
+        config: parse_config(&yaml),
+        live,
+        dead: dead_addr,
+        _reserved: [dead_socket, picker_socket],
+    }
+}
+
+async fn start(config: &Config, mode: BodyMode) -> envoy::Envoy {
+    let options = EnvoyOptions {
+        mode,
+        listen: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
+        admin: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
+        ..EnvoyOptions::for_config(config)
+    };
+    envoy::Envoy::start(&envoy_config::render(config, &options)).await
+}
+
+/// The promise of the override_host modes: with the picker down, Envoy still serves every request from
+/// the fleet (least-request, retried off a dead worker), and a client's routing headers steer nothing.
+async fn picker_outage_degrades_to_load_balancing(mode: BodyMode) {
+    let fleet = fleet_down_picker("64KiB", true).await;
+    let (config, live, dead) = (&fleet.config, &fleet.live, fleet.dead);
+    let envoy = start(config, mode).await;
+    let live_names: BTreeSet<String> = live.iter().map(ToString::to_string).collect();
+    let mut served: BTreeMap<String, usize> = BTreeMap::new();
+    let mut total = 0;
+
+    for _ in 0..20 {
+        let answer = post(&envoy, &[], CHAT.to_vec()).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::OK,
+            "mode {mode}: {}",
+            envoy.log_tail()
+        );
+        assert!(
+            live_names.contains(answer.header("x-served-by")),
+            "served by {}",
+            answer.header("x-served-by")
+        );
+        assert_eq!(answer.header("x-body-bytes"), CHAT.len().to_string());
+        *served
+            .entry(answer.header("x-served-by").to_owned())
+            .or_default() += 1;
+        total += 1;
+    }
+
+    // A client naming a host outside the pool (and forging a decision) is served from the pool, and
+    // neither header reaches the worker.
+    for _ in 0..10 {
+        let answer = post(
+            &envoy,
+            &[
+                (DESTINATION_HEADER, "10.1.2.3:80"),
+                (DECISION_HEADER, "cache_hit"),
+            ],
+            CHAT.to_vec(),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::OK);
+        assert!(live_names.contains(answer.header("x-served-by")));
+        assert_eq!(answer.header("x-seen-destination"), "-");
+        assert_eq!(answer.header("x-seen-decision"), "-");
+        total += 1;
+    }
+    // Naming a member (or the dead worker) steers nothing either: the header is gone before the
+    // load balancer looks.
+    let steer_to = live[0].to_string();
+    let mut steered = BTreeMap::<String, usize>::new();
+    for _ in 0..20 {
+        let answer = post(
+            &envoy,
+            &[(DESTINATION_HEADER, steer_to.as_str())],
+            CHAT.to_vec(),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::OK);
+        assert_eq!(answer.header("x-seen-destination"), "-");
+        *steered
+            .entry(answer.header("x-served-by").to_owned())
+            .or_default() += 1;
+        *served
+            .entry(answer.header("x-served-by").to_owned())
+            .or_default() += 1;
+        total += 1;
+    }
+    assert!(
+        steered.len() == 2,
+        "a client header steered every request: {steered:?}"
+    );
+    let answer = post(
+        &envoy,
+        &[(DESTINATION_HEADER, dead.to_string().as_str())],
+        CHAT.to_vec(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::OK);
+    total += 1;
+    assert_eq!(
+        served.keys().cloned().collect::<BTreeSet<_>>(),
+        live_names,
+        "both workers serve: {served:?}"
+    );
+
+    // Envoy's own account: every request failed open, none carried a decision, so all are `other`.
+    let stats = envoy.stats().await;
+    let stat = |name: &str| envoy::parse_stat(&stats, name);
+    assert_eq!(
+        stat("http.ingress_http.ext_proc.failure_mode_allowed"),
+        Some(total),
+        "{stats}"
+    );
+    assert_eq!(
+        stat("vhost.llm.vcluster.other.upstream_rq_total"),
+        Some(total)
+    );
+    for reason in Reason::ALL {
+        let name = format!("vhost.llm.vcluster.{}.upstream_rq_total", reason.as_str());
+        assert_eq!(stat(&name).unwrap_or(0), 0, "{name}");
+    }
+    assert!(
+        stat("cluster.workers.upstream_cx_connect_fail").unwrap_or(0)
+            == stat("cluster.workers.upstream_rq_retry").unwrap_or(0)
+    );
+    let prometheus = envoy.prometheus().await;
+    assert!(
+        prometheus.contains("envoy_virtual_cluster=\"other\""),
+        "no per-vcluster series in /stats/prometheus"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_mode_serves_through_a_picker_outage() {
+    picker_outage_degrades_to_load_balancing(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_mode_serves_through_a_picker_outage() {
+    picker_outage_degrades_to_load_balancing(BodyMode::Duplex).await;
+}
+
+/// With the picker down nothing buffers the body, so a body above max_body_bytes reaches a worker too:
+/// neither Envoy's 413 (buffered mode) nor cachepick's applies. Fail-open is pass-through. (Such a body
+/// is also beyond the route's retry buffer: Envoy cannot retry it, which is why this fleet has no dead
+/// worker.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_open_passes_bodies_above_max_body_bytes_through() {
+    for mode in [BodyMode::Buffered, BodyMode::Duplex] {
+        let fleet = fleet_down_picker("64KiB", false).await;
+        let (config, live) = (&fleet.config, &fleet.live);
+        let envoy = start(config, mode).await;
+        let answer = post(&envoy, &[], vec![b' '; 100 << 10]).await;
+        assert_eq!(answer.status, StatusCode::OK, "mode {mode}");
+        assert!(
+            live.iter()
+                .any(|addr| addr.to_string() == answer.header("x-served-by"))
+        );
+        assert_eq!(answer.header("x-body-bytes"), (100 << 10).to_string());
+    }
+}
+
+/// ORIGINAL_DST has no fallback: with the picker down, requests get 503 — and a client-sent destination,
+/// even a live worker, is dropped before Envoy could connect to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn original_dst_mode_fails_closed_without_the_picker_and_ignores_client_destinations() {
+    let fleet = fleet_down_picker("64KiB", false).await;
+    let (config, live) = (&fleet.config, &fleet.live);
+    let envoy = start(config, BodyMode::OriginalDst).await;
+    let answer = post(&envoy, &[], CHAT.to_vec()).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    let answer = post(
+        &envoy,
+        &[(DESTINATION_HEADER, live[0].to_string().as_str())],
+        CHAT.to_vec(),
+    )
+    .await;
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a client steered ORIGINAL_DST"
+    );
+    assert_eq!(
+        envoy
+            .stat("http.ingress_http.ext_proc.failure_mode_allowed")
+            .await,
+        Some(2)
+    );
+}
+
+/// ORIGINAL_DST connects to a single `ip:port`: it reads the selected worker alone from
+/// `x-cachepick-endpoint`, never the list in `x-gateway-destination-endpoint` (selected worker, then
+/// fallbacks), which it could not parse. Shown with the client-header filter's line for
+/// `x-cachepick-endpoint` taken out, so the test can play cachepick's part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn original_dst_reads_the_selected_endpoint_not_the_fallback_list() {
+    let fleet = fleet_down_picker("64KiB", false).await;
+    let (config, live) = (&fleet.config, &fleet.live);
+    let options = EnvoyOptions {
+        mode: BodyMode::OriginalDst,
+        listen: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
+        admin: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
+        ..EnvoyOptions::for_config(config)
+    };
+    let generated = envoy_config::render(config, &options);
+    let strip = format!("- remove: {SELECTED_HEADER}\n");
+    let unguarded: String = generated
+        .lines()
+        .filter(|line| !line.ends_with(strip.trim_end()))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    assert_eq!(
+        unguarded.len() + strip.len() + 16,
+        generated.len(),
+        "one line removed"
+    );
+    let envoy = envoy::Envoy::start(&unguarded).await;
+
+    let one = live[1].to_string();
+    let list = format!("{},{}", live[0], live[1]);
+    let answer = post(
+        &envoy,
+        &[
+            (SELECTED_HEADER, one.as_str()),
+            (DESTINATION_HEADER, list.as_str()),
+        ],
+        CHAT.to_vec(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(
+        answer.header("x-served-by"),
+        one,
+        "the selected endpoint, not the list's first"
+    );
+}

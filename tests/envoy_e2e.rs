@@ -1,0 +1,1195 @@
+//! The whole product end to end: a simulated vLLM fleet, cachepick started in process through
+//! `app::run`, and a real Envoy 1.40 running the bootstrap `envoy_config::render` generates, with the
+//! client talking HTTP to Envoy only.
+//!
+//! What only this level can show: that a decision takes effect (the worker that served a request is the
+//! one cachepick named, and the simulator's own cache agrees it held the prefix), that a client cannot
+//! steer with the routing headers, that Envoy's per-reason virtual-cluster counters and cachepick's
+//! decision counters agree with a scripted scenario exactly, that SSE streams through unbuffered, that
+//! big bodies work in duplex mode and are refused quickly in buffered mode, that Envoy fails open when
+//! the picker is gone, and that refusals are cachepick's JSON answers that never reach a worker.
+//!
+//! Every stack binds ephemeral loopback ports and every wait is bounded, so a broken piece fails the
+//! test instead of hanging it. Envoy is never skipped: `envoy::binary()` provisions it or panics.
+
+// Tests measure real time; the clock ban is for the code that decides.
+#![allow(clippy::disallowed_methods)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+
+#[path = "support/envoy.rs"]
+mod envoy;
+#[path = "support/sim_client.rs"]
+mod sim_client;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as Legacy;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use cachepick::app::AppError;
+use cachepick::config::{self, Config, Overrides, SimConfig, TokenizerConfig};
+use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
+use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
+use cachepick::policy::Reason;
+use cachepick::sim::fleet::Fleet;
+use cachepick::worker::Engine;
+use sim_client::{Client, Reply, Usage};
+
+/// How long any one exchange may take before the test fails instead of hanging.
+const DEADLINE: Duration = Duration::from_secs(10);
+const MODEL: &str = SimConfig::DEFAULT_MODEL;
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+/// The queue gate of every stack: an owner with 2 or more waiting is passed over, and the fleet is
+/// saturated when no fresh reading is below 1.
+const QUEUE_LIMIT: u64 = 2;
+const QUEUE_FLOOR: u64 = 1;
+/// Low enough that a 2 KB prompt (about 500 byte-tokens) makes its worker an owner.
+const MIN_MATCH_TOKENS: u64 = 64;
+const SCRAPE_INTERVAL: Duration = Duration::from_millis(100);
+const SCRAPE_TIMEOUT: Duration = Duration::from_millis(80);
+const FRESHNESS: Duration = Duration::from_millis(500);
+/// The headers a worker echoes back as `x-sim-echo-<name>`.
+const ECHO_DESTINATION: &str = "x-sim-echo-x-gateway-destination-endpoint";
+const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
+const ECHO_PREFIX_TOKENS: &str = "x-sim-echo-x-cachepick-prefix-tokens";
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+/// Awaits `future` for at most `limit`, panicking with `what` on expiry.
+async fn bounded<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: nothing within {limit:?}"),
+    }
+}
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+// === the stack ===
+
+/// What differs between stacks.
+struct Setup {
+    mode: BodyMode,
+    /// cachepick's `max_body_bytes` (the generated Envoy buffer limits follow it); `None` keeps the default.
+    max_body_bytes: Option<usize>,
+    /// Applied to the simulator's configuration before the fleet starts.
+    tune: fn(&mut SimConfig),
+}
+
+impl Setup {
+    fn new(mode: BodyMode) -> Setup {
+        Setup {
+            mode,
+            max_body_bytes: None,
+            tune: |_| {},
+        }
+    }
+}
+
+/// Fleet + cachepick + Envoy. Dropping it stops cachepick, kills Envoy and stops the workers.
+struct Stack {
+    fleet: Fleet,
+    config: Config,
+    envoy: envoy::Envoy,
+    /// The bootstrap Envoy runs.
+    yaml: String,
+    /// Envoy's HTTP listener: where clients send LLM requests.
+    gateway: SocketAddr,
+    http: Legacy<HttpConnector, Full<Bytes>>,
+    /// The simulator client, for the workers' admin routes and cachepick's metrics listener.
+    sim: Client,
+    shutdown: Option<oneshot::Sender<()>>,
+    picker: Option<JoinHandle<Result<(), AppError>>>,
+}
+
+impl Stack {
+    async fn start(setup: Setup) -> Stack {
+        // (a) three simulated vLLM workers: exact byte tokenizer, 16-token blocks, no jitter, fast clock.
+        let mut sim = SimConfig::new(Engine::Vllm, nz(3));
+        sim.tokenizer = TokenizerConfig::Bytes;
+        sim.block_size = nz(16);
+        sim.params.jitter = 0.0;
+        sim.params.time_scale = 0.01;
+        sim.params.max_running = nz(4);
+        (setup.tune)(&mut sim);
+        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
+            .await
+            .expect("the fleet starts");
+
+        // (b) cachepick with the fleet's generated configuration, on free ports, with a fast scrape.
+        let generated = fleet.cachepick_config().expect("a generated config");
+        let overrides = Overrides {
+            listen: Some(loopback(envoy::free_port())),
+            metrics_listen: Some(loopback(envoy::free_port())),
+            worker_queue_limit: Some(QUEUE_LIMIT),
+            saturation_queue_floor: Some(QUEUE_FLOOR),
+            ..Overrides::default()
+        };
+        let mut config = config::parse(&generated, "the e2e configuration", &overrides)
+            .unwrap_or_else(|error| panic!("{error}\n{generated}"));
+        let gate = config.policy.gate.expect("the overrides set a queue gate");
+        assert_eq!(
+            (gate.limit(), gate.floor()),
+            (QUEUE_LIMIT, Some(QUEUE_FLOOR))
+        );
+        config.policy.min_match_tokens = MIN_MATCH_TOKENS;
+        config.load.scrape_interval = SCRAPE_INTERVAL;
+        config.load.scrape_timeout = SCRAPE_TIMEOUT;
+        config.load.freshness = FRESHNESS;
+        if let Some(bytes) = setup.max_body_bytes {
+            config.max_body_bytes = NonZeroUsize::new(bytes).expect("a positive body limit");
+        }
+        // The edits bypassed validation: round-trip the effective configuration through it.
+        let effective = config.to_yaml();
+        let config = config::parse(
+            &effective,
+            "the edited e2e configuration",
+            &Overrides::default(),
+        )
+        .unwrap_or_else(|error| panic!("{error}\n{effective}"));
+        assert_eq!(config.load.freshness, FRESHNESS, "{effective}");
+        let (shutdown, stopped) = oneshot::channel::<()>();
+        let picker = {
+            let config = config.clone();
+            tokio::spawn(async move {
+                cachepick::app::run(&config, async move {
+                    let _ = stopped.await;
+                })
+                .await
+            })
+        };
+        if let Err(error) =
+            cachepick::extproc::client::wait_ready(config.listen, Duration::from_secs(15)).await
+        {
+            picker.abort();
+            panic!("cachepick on {} is not ready: {error}", config.listen);
+        }
+
+        // (c) a real Envoy running the bootstrap generated from the same configuration.
+        let gateway = loopback(envoy::free_port());
+        let options = EnvoyOptions {
+            mode: setup.mode,
+            listen: gateway,
+            admin: loopback(envoy::free_port()),
+            ..EnvoyOptions::for_config(&config)
+        };
+        let yaml = envoy_config::render(&config, &options);
+        let envoy = envoy::Envoy::start(&yaml).await;
+
+        let http = Legacy::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
+            .build(HttpConnector::new());
+        Stack {
+            fleet,
+            config,
+            envoy,
+            yaml,
+            gateway,
+            http,
+            sim: Client::new(),
+            shutdown: Some(shutdown),
+            picker: Some(picker),
+        }
+    }
+
+    fn endpoints(&self) -> Vec<SocketAddr> {
+        self.fleet.endpoints()
+    }
+
+    fn endpoint_strings(&self) -> Vec<String> {
+        self.endpoints().iter().map(ToString::to_string).collect()
+    }
+
+    /// One request through Envoy, read whole; the transport error as text.
+    async fn try_send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> Result<Reply, String> {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.gateway));
+        if !body.is_empty() {
+            request = request.header(CONTENT_TYPE, "application/json");
+        }
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(Full::new(Bytes::from(body)))
+            .expect("a valid request");
+        let response = self
+            .http
+            .request(request)
+            .await
+            .map_err(|error| format!("{error:?}"))?;
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|error| format!("{error:?}"))?
+            .to_bytes();
+        Ok(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
+    /// One request through Envoy within `DEADLINE`; panics on a transport error.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> Reply {
+        let what = format!("{method} {path} through Envoy");
+        bounded(
+            &what,
+            DEADLINE,
+            self.try_send(method.clone(), path, headers, body),
+        )
+        .await
+        .unwrap_or_else(|error| panic!("{what}: {error}"))
+    }
+
+    /// A non-streaming chat of one user message through Envoy, with extra client headers.
+    async fn chat(&self, prompt: &str, headers: &[(&str, &str)]) -> Reply {
+        let body = json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 4,
+        });
+        self.send(
+            Method::POST,
+            CHAT,
+            headers,
+            serde_json::to_vec(&body).unwrap(),
+        )
+        .await
+    }
+
+    /// cachepick's `/metrics`.
+    async fn picker_metrics(&self) -> String {
+        let reply = self.sim.get(self.config.metrics_listen, "/metrics").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.text()
+    }
+
+    /// cachepick's `/debug/snapshot`: each worker's reading, by endpoint, as `(fresh, waiting)`.
+    async fn readings(&self) -> BTreeMap<String, (bool, Option<u64>)> {
+        let reply = self
+            .sim
+            .get(self.config.metrics_listen, "/debug/snapshot")
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let pools = reply.json();
+        pools[0]["workers"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no workers in the snapshot: {pools}"))
+            .iter()
+            .map(|worker| {
+                (
+                    worker["endpoint"].as_str().unwrap_or_default().to_owned(),
+                    (
+                        worker["fresh"].as_bool().unwrap_or(false),
+                        worker["waiting"].as_u64(),
+                    ),
+                )
+            })
+            .collect()
+    }
+
+    /// Makes worker `addr` report `waiting` requests waiting on every rank (`None` clears the fake).
+    async fn fake_waiting(&self, addr: SocketAddr, waiting: Option<u64>) {
+        let fake = waiting.map_or(Value::Null, |waiting| json!({"waiting": waiting}));
+        self.sim
+            .admin(addr, "/admin/metrics", &json!({"fake": fake}))
+            .await;
+    }
+
+    /// Waits until cachepick's snapshot shows every worker fresh with the `expected` waiting count.
+    async fn wait_readings(&self, expected: &BTreeMap<String, u64>) {
+        let start = Instant::now();
+        loop {
+            let readings = self.readings().await;
+            let seen: BTreeMap<String, u64> = readings
+                .iter()
+                .filter(|(_, (fresh, _))| *fresh)
+                .filter_map(|(endpoint, (_, waiting))| Some((endpoint.clone(), (*waiting)?)))
+                .collect();
+            if &seen == expected {
+                return;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "cachepick's snapshot never showed {expected:?} (fresh readings); last: {readings:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until Envoy's health check has marked the picker down (`cluster.cachepick.membership_healthy`
+    /// 0); panics after 5 s.
+    async fn wait_picker_unhealthy(&self) {
+        const NAME: &str = "cluster.cachepick.membership_healthy";
+        let start = Instant::now();
+        loop {
+            let healthy = self.envoy.stat(NAME).await;
+            if healthy == Some(0) {
+                return;
+            }
+            if start.elapsed() > Duration::from_secs(5) {
+                let stats = self.envoy.stats().await;
+                let picker: Vec<&str> = stats
+                    .lines()
+                    .filter(|line| {
+                        line.starts_with("cluster.cachepick.health_check")
+                            || line.starts_with("cluster.cachepick.membership")
+                    })
+                    .collect();
+                panic!(
+                    "Envoy never marked the stopped picker unhealthy ({NAME} = {healthy:?} after 5 s): \
+                     without an active health check on the `cachepick` cluster, a duplex-mode request \
+                     cannot fail open when the picker is gone. Stats:\n{}",
+                    picker.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops cachepick through its shutdown future; `app::run` must return `Ok` in time.
+    async fn stop_picker(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        let task = self.picker.take().expect("the picker runs");
+        let result = bounded("cachepick stops", DEADLINE, task)
+            .await
+            .expect("the picker task does not panic");
+        result.expect("cachepick stops cleanly");
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(task) = self.picker.take() {
+            task.abort();
+        }
+    }
+}
+
+// === reading replies ===
+
+/// Deterministic text of exactly `bytes` bytes, unique to `tag` from its first byte on, so two tags
+/// share no prefix block.
+fn text(tag: &str, bytes: usize) -> String {
+    let mut out = String::with_capacity(bytes + 32);
+    let mut index = 0_u64;
+    while out.len() < bytes {
+        out.push_str(&format!("{tag}:{index} "));
+        index += 1;
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// Every value of header `name`.
+fn all(reply: &Reply, name: &str) -> Vec<String> {
+    reply
+        .headers
+        .get_all(name)
+        .iter()
+        .map(|value| value.to_str().unwrap_or("<not text>").to_owned())
+        .collect()
+}
+
+/// The single value of header `name`; panics when absent or repeated.
+fn one(reply: &Reply, name: &str) -> String {
+    match all(reply, name).as_slice() {
+        [value] => value.clone(),
+        other => panic!(
+            "expected exactly one {name}, got {other:?}; headers {:?}; body {}",
+            reply.headers,
+            reply.text()
+        ),
+    }
+}
+
+/// What the worker that served a routed request reports about it.
+#[derive(Debug)]
+struct Routed {
+    served_by: String,
+    /// The destination list cachepick set (selected worker first), as the worker received it.
+    destination: Vec<String>,
+    decision: String,
+    cached_tokens: u64,
+}
+
+/// Checks the invariants of every routed reply and returns what it says: 200, served by a fleet
+/// worker, which is the first entry of the destination header cachepick set (one header, one list of
+/// distinct fleet members), and a known decision reason.
+fn routed(stack: &Stack, reply: &Reply) -> Routed {
+    assert_eq!(
+        reply.status,
+        StatusCode::OK,
+        "headers {:?}; body {}",
+        reply.headers,
+        reply.text()
+    );
+    let fleet = stack.endpoint_strings();
+    let served_by = one(reply, "x-served-by");
+    assert!(
+        fleet.contains(&served_by),
+        "served by {served_by}, not a fleet worker {fleet:?}"
+    );
+    let destination: Vec<String> = one(reply, ECHO_DESTINATION)
+        .split(',')
+        .map(|entry| entry.trim().to_owned())
+        .collect();
+    assert_eq!(
+        destination.first(),
+        Some(&served_by),
+        "the request was not served where cachepick sent it: destination {destination:?}"
+    );
+    for (index, entry) in destination.iter().enumerate() {
+        assert!(
+            fleet.contains(entry),
+            "{entry} in {destination:?} is not a fleet worker"
+        );
+        assert!(
+            !destination[..index].contains(entry),
+            "{entry} repeated in {destination:?}"
+        );
+    }
+    let decision = one(reply, ECHO_DECISION);
+    assert!(
+        Reason::ALL.iter().any(|reason| reason.as_str() == decision),
+        "unknown decision reason {decision:?}"
+    );
+    let cached_tokens = one(reply, "x-cached-tokens")
+        .parse()
+        .expect("x-cached-tokens is a number");
+    Routed {
+        served_by,
+        destination,
+        decision,
+        cached_tokens,
+    }
+}
+
+/// `name{labels…}` summed over the samples of a Prometheus text whose labels include `labels`; 0 when
+/// there is none.
+fn prom_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    sim_client::prom_samples(text)
+        .into_iter()
+        .filter(|sample| {
+            sample.name == name
+                && labels
+                    .iter()
+                    .all(|(label, value)| sample.label(label) == Some(value))
+        })
+        .map(|sample| sample.value)
+        .sum()
+}
+
+// === 1. requests land where the picker says ===
+
+async fn requests_land_where_the_picker_says(mode: BodyMode) {
+    let stack = Stack::start(Setup::new(mode)).await;
+    let prompts: Vec<String> = (0..5).map(|i| text(&format!("land-{i}"), 2048)).collect();
+    let mut owners = Vec::new();
+    for prompt in &prompts {
+        let first = routed(&stack, &stack.chat(prompt, &[]).await);
+        assert_eq!(first.decision, "cache_miss", "a new prompt: {first:?}");
+        assert_eq!(
+            first.cached_tokens, 0,
+            "nobody has seen this prompt: {first:?}"
+        );
+        owners.push(first.served_by);
+    }
+    for (prompt, owner) in prompts.iter().zip(&owners) {
+        let reply = stack.chat(prompt, &[]).await;
+        let again = routed(&stack, &reply);
+        assert_eq!(again.decision, "cache_hit", "a repeated prompt: {again:?}");
+        assert_eq!(
+            &again.served_by, owner,
+            "a repeat goes to the prompt's owner"
+        );
+        // The simulator keeps its own cache: it found the prefix, so the picker sent it to the owner.
+        assert!(
+            again.cached_tokens > 0,
+            "the owner's cache did not hold the prompt: {again:?}"
+        );
+        assert_eq!(reply.usage().cached_tokens, again.cached_tokens);
+        let credited: u64 = one(&reply, ECHO_PREFIX_TOKENS).parse().unwrap();
+        assert!(credited >= MIN_MATCH_TOKENS, "prefix tokens {credited}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_requests_land_where_the_picker_says() {
+    requests_land_where_the_picker_says(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_requests_land_where_the_picker_says() {
+    requests_land_where_the_picker_says(BodyMode::Duplex).await;
+}
+
+// === 2. a client cannot steer ===
+
+async fn spoofed_routing_headers_cannot_steer(mode: BodyMode) {
+    let stack = Stack::start(Setup::new(mode)).await;
+    let endpoints = stack.endpoint_strings();
+    let prompt = text("spoof", 2048);
+
+    // A new prompt with a forged decision and destination: the worker sees cachepick's values only.
+    let forged = endpoints[0].clone();
+    let first = routed(
+        &stack,
+        &stack
+            .chat(
+                &prompt,
+                &[(DESTINATION, &forged), (DECISION_HEADER, "cache_hit")],
+            )
+            .await,
+    );
+    assert_eq!(first.decision, "cache_miss", "{first:?}");
+    assert_eq!(
+        first.destination.len(),
+        1 + stack.config.policy.max_fallbacks,
+        "cachepick's list (selected worker and fallbacks), not the client's: {first:?}"
+    );
+    let owner = first.served_by;
+
+    // Its owner is A: a forged destination C (another fleet worker), forged decision, forged prefix
+    // credit and a made-up x-cachepick-* header change nothing and never reach the worker.
+    let other = endpoints
+        .iter()
+        .find(|endpoint| **endpoint != owner)
+        .unwrap()
+        .clone();
+    let reply = stack
+        .chat(
+            &prompt,
+            &[
+                (DESTINATION, &other),
+                (DECISION_HEADER, "saturation_pin"),
+                (PREFIX_TOKENS_HEADER, "999999"),
+                ("x-cachepick-forged", "1"),
+            ],
+        )
+        .await;
+    let second = routed(&stack, &reply);
+    assert_eq!(
+        second.served_by, owner,
+        "the forged destination steered: {second:?}"
+    );
+    assert_eq!(second.decision, "cache_hit", "{second:?}");
+    assert!(second.cached_tokens > 0, "{second:?}");
+    assert_ne!(one(&reply, ECHO_PREFIX_TOKENS), "999999");
+    assert!(
+        all(&reply, "x-sim-echo-x-cachepick-forged").is_empty(),
+        "a client's x-cachepick-* header reached the worker: {:?}",
+        reply.headers
+    );
+
+    // A non-member address is never contacted (override_host ignores it) and steers nothing either.
+    let reply = stack
+        .chat(
+            &prompt,
+            &[
+                (DESTINATION, "10.1.2.3:80"),
+                (DECISION_HEADER, "cache_miss"),
+            ],
+        )
+        .await;
+    let third = routed(&stack, &reply);
+    assert_eq!(third.served_by, owner, "{third:?}");
+    assert_eq!(third.decision, "cache_hit", "{third:?}");
+    assert!(!third.destination.contains(&"10.1.2.3:80".to_owned()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_spoofed_routing_headers_cannot_steer() {
+    spoofed_routing_headers_cannot_steer(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_spoofed_routing_headers_cannot_steer() {
+    spoofed_routing_headers_cannot_steer(BodyMode::Duplex).await;
+}
+
+// === 3. a scripted scenario, counted exactly by Envoy and cachepick ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripted_decisions_are_counted_exactly_by_envoy_and_cachepick() {
+    let stack = Stack::start(Setup::new(BodyMode::Buffered)).await;
+    let endpoints = stack.endpoint_strings();
+    let addr_of = |endpoint: &str| -> SocketAddr { endpoint.parse().unwrap() };
+    let prompt = text("scripted", 2048);
+    let mut sent: BTreeMap<&str, u64> = BTreeMap::new();
+
+    // Everyone idle and fresh.
+    let idle: BTreeMap<String, u64> = endpoints.iter().map(|e| (e.clone(), 0)).collect();
+    stack.wait_readings(&idle).await;
+
+    // Warm an owner: a miss, then a hit on the same worker.
+    let miss = routed(&stack, &stack.chat(&prompt, &[]).await);
+    assert_eq!(miss.decision, "cache_miss", "{miss:?}");
+    *sent.entry("cache_miss").or_default() += 1;
+    let owner = miss.served_by;
+    let hit = routed(&stack, &stack.chat(&prompt, &[]).await);
+    assert_eq!(hit.decision, "cache_hit", "{hit:?}");
+    assert_eq!(hit.served_by, owner);
+    assert!(hit.cached_tokens > 0, "{hit:?}");
+    *sent.entry("cache_hit").or_default() += 1;
+
+    // The owner queues at 5 ≥ the limit of 2 while the others wait 0 < the floor of 1: the request is
+    // diverted to a non-owner.
+    stack.fake_waiting(addr_of(&owner), Some(5)).await;
+    let mut expected = idle.clone();
+    expected.insert(owner.clone(), 5);
+    stack.wait_readings(&expected).await;
+    let diverted = routed(&stack, &stack.chat(&prompt, &[]).await);
+    assert_eq!(diverted.decision, "cache_worker_queued", "{diverted:?}");
+    assert_ne!(diverted.served_by, owner, "{diverted:?}");
+    assert_eq!(
+        diverted.cached_tokens, 0,
+        "the diverted-to worker never saw the prompt: {diverted:?}"
+    );
+    *sent.entry("cache_worker_queued").or_default() += 1;
+    // cachepick now credits the prompt to the diverted-to worker as well.
+    let second_owner = diverted.served_by;
+
+    // Every worker waits at or above the floor: the fleet is saturated and diverting buys nothing. Both
+    // owners are queued (3 and 4 ≥ 2); the pin takes the least pressured, the first owner (3 < 4).
+    let third = endpoints
+        .iter()
+        .find(|e| **e != owner && **e != second_owner)
+        .unwrap()
+        .clone();
+    let saturated: BTreeMap<String, u64> = [
+        (owner.clone(), 3),
+        (second_owner.clone(), 4),
+        (third.clone(), 3),
+    ]
+    .into_iter()
+    .collect();
+    for (endpoint, waiting) in &saturated {
+        stack.fake_waiting(addr_of(endpoint), Some(*waiting)).await;
+    }
+    stack.wait_readings(&saturated).await;
+    let pinned = routed(&stack, &stack.chat(&prompt, &[]).await);
+    assert_eq!(pinned.decision, "saturation_pin", "{pinned:?}");
+    assert_eq!(
+        pinned.served_by, owner,
+        "pinned to the least-pressured owner: {pinned:?}"
+    );
+    assert!(
+        pinned.cached_tokens > 0,
+        "the owner still holds the prompt: {pinned:?}"
+    );
+    *sent.entry("saturation_pin").or_default() += 1;
+
+    // Envoy's virtual clusters count exactly what was sent, per reason (polled: Envoy charges the
+    // counters as the upstream response completes).
+    let expected_count = |reason: &str| sent.get(reason).copied().unwrap_or(0);
+    let start = Instant::now();
+    let envoy_counts = loop {
+        let mut counts = BTreeMap::new();
+        for reason in Reason::ALL {
+            let name = format!("vhost.llm.vcluster.{}.upstream_rq_total", reason.as_str());
+            counts.insert(reason.as_str(), stack.envoy.stat(&name).await.unwrap_or(0));
+        }
+        let want: BTreeMap<&str, u64> = Reason::ALL
+            .iter()
+            .map(|reason| (reason.as_str(), expected_count(reason.as_str())))
+            .collect();
+        if counts == want || start.elapsed() > Duration::from_secs(5) {
+            break counts;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for reason in Reason::ALL {
+        let reason = reason.as_str();
+        assert_eq!(
+            envoy_counts[reason],
+            expected_count(reason),
+            "Envoy vhost.llm.vcluster.{reason}.upstream_rq_total; all: {envoy_counts:?}, sent {sent:?}"
+        );
+    }
+    // Nothing went through Envoy without a decision.
+    assert_eq!(
+        stack
+            .envoy
+            .stat("vhost.llm.vcluster.other.upstream_rq_total")
+            .await
+            .unwrap_or(0),
+        0
+    );
+
+    // cachepick counted the same decisions.
+    let metrics = stack.picker_metrics().await;
+    for reason in Reason::ALL {
+        let reason = reason.as_str();
+        let counted = prom_sum(
+            &metrics,
+            "cachepick_decisions_total",
+            &[("pool", MODEL), ("reason", reason)],
+        );
+        assert_eq!(
+            counted,
+            expected_count(reason) as f64,
+            "cachepick_decisions_total{{pool=\"{MODEL}\",reason=\"{reason}\"}}; sent {sent:?}"
+        );
+    }
+
+    // And Envoy's Prometheus view tags the per-reason counters with the virtual cluster.
+    let prometheus = stack.envoy.prometheus().await;
+    let pins: f64 = sim_client::prom_samples(&prometheus)
+        .into_iter()
+        .filter(|sample| {
+            sample.name == "envoy_vhost_vcluster_upstream_rq"
+                && sample.label("envoy_virtual_cluster") == Some("saturation_pin")
+                && sample.label("envoy_virtual_host") == Some("llm")
+        })
+        .map(|sample| sample.value)
+        .sum();
+    assert_eq!(
+        pins,
+        1.0,
+        "envoy_vhost_vcluster_upstream_rq{{envoy_virtual_cluster=\"saturation_pin\"}} in:\n{}",
+        prometheus
+            .lines()
+            .filter(|line| line.contains("vcluster"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+// === 4. SSE passes through intact and unbuffered ===
+
+/// One SSE event as the bytes arrived: its raw text (without the blank line) and when it completed.
+struct RawEvent {
+    raw: String,
+    at: Instant,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_streams_pass_through_intact_and_unbuffered() {
+    const MAX_TOKENS: u64 = 20;
+    // Real time: 20 tokens 20 ms apart take about 400 ms to decode.
+    let stack = Stack::start(Setup {
+        tune: |sim| {
+            sim.params.time_scale = 1.0;
+            sim.params.prefill_overhead = Duration::from_millis(5);
+            sim.params.prefill_per_token = Duration::from_micros(1);
+            sim.params.inter_token_latency = Duration::from_millis(20);
+            sim.params.load_slowdown = 1.0;
+        },
+        ..Setup::new(BodyMode::Duplex)
+    })
+    .await;
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text("sse", 2048)}],
+        "max_tokens": MAX_TOKENS,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let request = Request::post(format!("http://{}{CHAT}", stack.gateway))
+        .header(CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
+        .unwrap();
+    let sent = Instant::now();
+    let response = bounded("the stream's head", DEADLINE, stack.http.request(request))
+        .await
+        .expect("the stream opens");
+    assert_eq!(response.status(), StatusCode::OK);
+    let headers = response.headers().clone();
+    assert!(
+        headers
+            .get(CONTENT_TYPE)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with("text/event-stream")),
+        "{headers:?}"
+    );
+    let served_by = headers["x-served-by"].to_str().unwrap().to_owned();
+    let destination = headers[ECHO_DESTINATION].to_str().unwrap().to_owned();
+    assert_eq!(destination.split(',').next(), Some(served_by.as_str()));
+
+    // Read the raw bytes, frame by frame, and cut events at blank lines as they complete.
+    let mut body = response.into_body();
+    let mut pending = String::new();
+    let mut events = Vec::new();
+    while let Some(frame) = bounded("the next SSE bytes", DEADLINE, body.frame()).await {
+        let frame = frame.expect("the stream does not break");
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        let now = Instant::now();
+        pending.push_str(std::str::from_utf8(data).expect("UTF-8 events"));
+        while let Some(end) = pending.find("\n\n") {
+            events.push(RawEvent {
+                raw: pending[..end].to_owned(),
+                at: now,
+            });
+            pending.drain(..end + 2);
+        }
+    }
+    assert!(
+        pending.is_empty(),
+        "bytes after the last event: {pending:?}"
+    );
+
+    // Framing: every event is exactly one `data: ` line; every one but the last is JSON; the last is
+    // `[DONE]`.
+    assert!(events.len() >= 3, "too few events: {}", events.len());
+    let (done, payloads) = events.split_last().unwrap();
+    assert_eq!(done.raw, "data: [DONE]");
+    let mut content = String::new();
+    let mut usage = None;
+    for event in payloads {
+        let data = event
+            .raw
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not a data event: {:?}", event.raw));
+        assert!(!data.contains('\n'), "a multi-line event: {:?}", event.raw);
+        let value: Value = serde_json::from_str(data)
+            .unwrap_or_else(|error| panic!("event is not JSON ({error}): {data}"));
+        content.push_str(&sim_client::content_of(&value));
+        if value["usage"].is_object() {
+            usage = Some(Usage::of(&value["usage"]));
+        }
+    }
+    let usage = usage.expect("a usage chunk (include_usage)");
+    assert_eq!(usage.completion_tokens, MAX_TOKENS);
+    assert!(!content.is_empty());
+
+    // Unbuffered: the first content arrived well before the end, spread over the decode time.
+    let first = payloads
+        .iter()
+        .find(|event| {
+            serde_json::from_str::<Value>(event.raw.trim_start_matches("data: "))
+                .is_ok_and(|value| !sim_client::content_of(&value).is_empty())
+        })
+        .expect("an event with content");
+    let spread = done.at.duration_since(first.at);
+    assert!(
+        spread >= Duration::from_millis(250),
+        "events were not streamed: first content {:?} and [DONE] {:?} after the request",
+        first.at.duration_since(sent),
+        done.at.duration_since(sent)
+    );
+    let distinct_arrivals = {
+        let mut times: Vec<Instant> = events.iter().map(|event| event.at).collect();
+        times.dedup();
+        times.len()
+    };
+    assert!(
+        distinct_arrivals >= 5,
+        "only {distinct_arrivals} distinct arrival times over {} events",
+        events.len()
+    );
+}
+
+// === 5. big bodies ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_five_megabyte_prompt_reaches_the_worker_whole_in_duplex_mode() {
+    const PROMPT_BYTES: usize = 5_000_000;
+    let stack = Stack::start(Setup {
+        max_body_bytes: Some(8 << 20),
+        tune: |sim| {
+            // Room for 1.25M tokens, and a prefill that does not take minutes.
+            sim.params.max_model_len = nz(2_000_000);
+            sim.params.kv_blocks = nz(100_000);
+            sim.params.time_scale = 0.001;
+        },
+        ..Setup::new(BodyMode::Duplex)
+    })
+    .await;
+    let prompt = text("big", PROMPT_BYTES);
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap();
+    assert!(body.len() > PROMPT_BYTES && body.len() < 8 << 20);
+    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
+    let landed = routed(&stack, &reply);
+    assert_eq!(landed.decision, "cache_miss", "{landed:?}");
+    // The byte tokenizer packs 4 bytes per token: the worker counted every byte of the prompt.
+    assert_eq!(reply.usage().prompt_tokens, (PROMPT_BYTES / 4) as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_gets_413_quickly_in_buffered_mode() {
+    let stack = Stack::start(Setup {
+        max_body_bytes: Some(1 << 20),
+        ..Setup::new(BodyMode::Buffered)
+    })
+    .await;
+    // The generated Envoy buffers at most max_body_bytes, per connection and per route.
+    assert!(
+        stack
+            .yaml
+            .contains(&format!("per_connection_buffer_limit_bytes: {}", 1 << 20)),
+        "{}",
+        stack.yaml
+    );
+    assert!(
+        stack
+            .yaml
+            .contains(&format!("request_body_buffer_limit: {}", 1 << 20))
+    );
+    let prompt = text("too-big", 2 << 20);
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap();
+    let started = Instant::now();
+    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "headers {:?}; body {}",
+        reply.headers,
+        reply.text()
+    );
+    assert!(
+        all(&reply, "x-served-by").is_empty(),
+        "a worker saw it: {:?}",
+        reply.headers
+    );
+    assert!(started.elapsed() < DEADLINE);
+    // A body under the limit still goes through.
+    let small = routed(&stack, &stack.chat(&text("small", 4096), &[]).await);
+    assert_eq!(small.decision, "cache_miss");
+}
+
+// === 6. the picker gone: Envoy fails open ===
+
+async fn requests_are_served_without_the_picker(mode: BodyMode) {
+    let mut stack = Stack::start(Setup::new(mode)).await;
+    let fleet = stack.endpoint_strings();
+    let before = routed(&stack, &stack.chat(&text("before", 2048), &[]).await);
+    assert_eq!(before.decision, "cache_miss");
+
+    stack.stop_picker().await;
+    if mode == BodyMode::Duplex {
+        // Envoy fails open in FULL_DUPLEX_STREAMED only until a body chunk has gone to the processor
+        // (its `Filter::failureModeAllow()` is false after that): a request whose stream fails on a
+        // refused connection gets 500. It fails open at once when the picker's cluster has no healthy
+        // host, which the active health check on the `cachepick` cluster provides; wait for it.
+        stack.wait_picker_unhealthy().await;
+    }
+    // A request without a body: no body was handed to the picker, so every mode can fail open.
+    let get = stack.send(Method::GET, "/v1/models", &[], Vec::new()).await;
+    assert_eq!(
+        get.status,
+        StatusCode::OK,
+        "GET without the picker: {}",
+        get.text()
+    );
+    assert!(fleet.contains(&one(&get, "x-served-by")));
+    assert!(all(&get, ECHO_DESTINATION).is_empty());
+
+    for i in 0..4 {
+        // A forged destination: with the picker down, Envoy's header_mutation filter drops it.
+        let reply = stack
+            .chat(
+                &text(&format!("after-{i}"), 2048),
+                &[(DESTINATION, &fleet[0]), (DECISION_HEADER, "cache_hit")],
+            )
+            .await;
+        if reply.status != StatusCode::OK {
+            let stats = stack.envoy.stats().await;
+            let ext_proc: Vec<&str> = stats
+                .lines()
+                .filter(|line| line.contains("ext_proc") && !line.ends_with(": 0"))
+                .collect();
+            panic!(
+                "{mode} mode does not fail open with the picker down: request {i} got {} (headers \
+                 {:?}, body {:?}); Envoy's ext_proc stats:\n{}\n{}",
+                reply.status,
+                reply.headers,
+                reply.text(),
+                ext_proc.join("\n"),
+                stack.envoy.log_tail()
+            );
+        }
+        let served_by = one(&reply, "x-served-by");
+        assert!(fleet.contains(&served_by), "{served_by}");
+        assert!(
+            all(&reply, ECHO_DESTINATION).is_empty() && all(&reply, ECHO_DECISION).is_empty(),
+            "routing headers reached the worker without a picker: {:?}",
+            reply.headers
+        );
+    }
+    let allowed = stack
+        .envoy
+        .stat("http.ingress_http.ext_proc.failure_mode_allowed")
+        .await
+        .unwrap_or(0);
+    assert!(allowed >= 5, "failure_mode_allowed = {allowed}");
+    let other = stack
+        .envoy
+        .stat("vhost.llm.vcluster.other.upstream_rq_total")
+        .await
+        .unwrap_or(0);
+    assert!(
+        other >= 1,
+        "requests without a decision count under `other`: {other}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_requests_are_served_without_the_picker() {
+    requests_are_served_without_the_picker(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_requests_are_served_without_the_picker() {
+    requests_are_served_without_the_picker(BodyMode::Duplex).await;
+}
+
+// === 7. a request without a body ===
+
+async fn a_header_only_get_is_routed(mode: BodyMode) {
+    let stack = Stack::start(Setup::new(mode)).await;
+    let reply = stack.send(Method::GET, "/v1/models", &[], Vec::new()).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let served_by = one(&reply, "x-served-by");
+    let destination = one(&reply, ECHO_DESTINATION);
+    assert_eq!(
+        destination.split(',').next(),
+        Some(served_by.as_str()),
+        "{:?}",
+        reply.headers
+    );
+    let decision = one(&reply, ECHO_DECISION);
+    assert!(
+        Reason::ALL.iter().any(|reason| reason.as_str() == decision),
+        "unknown decision reason {decision:?}"
+    );
+    let models = reply.json();
+    assert_eq!(models["data"][0]["id"], MODEL, "{models}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_a_header_only_get_is_routed() {
+    a_header_only_get_is_routed(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_a_header_only_get_is_routed() {
+    a_header_only_get_is_routed(BodyMode::Duplex).await;
+}
+
+// === 8. refusals are cachepick's and never reach a worker ===
+
+fn assert_refused(reply: &Reply, status: StatusCode, reason: &str) {
+    assert_eq!(
+        reply.status,
+        status,
+        "headers {:?}; body {}",
+        reply.headers,
+        reply.text()
+    );
+    assert!(
+        all(reply, "x-served-by").is_empty(),
+        "a worker answered: {:?}",
+        reply.headers
+    );
+    assert_eq!(one(reply, CONTENT_TYPE.as_str()), "application/json");
+    assert_eq!(one(reply, REJECT_HEADER), reason);
+    let body = reply.json();
+    assert_eq!(body["error"]["type"], reason, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty())
+    );
+}
+
+async fn refusals_never_reach_a_worker(mode: BodyMode) {
+    let stack = Stack::start(Setup::new(mode)).await;
+    let malformed = stack
+        .send(
+            Method::POST,
+            CHAT,
+            &[],
+            br#"{"model": "sim-model", "messages": [{"role": "user", "content": "#.to_vec(),
+        )
+        .await;
+    assert_refused(&malformed, StatusCode::BAD_REQUEST, "invalid_json");
+
+    let unknown = stack
+        .send(
+            Method::POST,
+            CHAT,
+            &[],
+            serde_json::to_vec(&json!({
+                "model": "no-such-model",
+                "messages": [{"role": "user", "content": "hello"}],
+            }))
+            .unwrap(),
+        )
+        .await;
+    assert_refused(&unknown, StatusCode::NOT_FOUND, "unknown_model");
+
+    // No worker saw either request.
+    for addr in stack.endpoints() {
+        let state = stack.sim.state(addr).await;
+        assert_eq!(state.field("prompt_tokens"), 0, "{addr}: {}", state.json);
+    }
+    let metrics = stack.picker_metrics().await;
+    assert_eq!(
+        prom_sum(
+            &metrics,
+            "cachepick_rejections_total",
+            &[("reason", "invalid_json")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        prom_sum(
+            &metrics,
+            "cachepick_rejections_total",
+            &[("reason", "unknown_model")]
+        ),
+        1.0
+    );
+    assert_eq!(prom_sum(&metrics, "cachepick_decisions_total", &[]), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_refusals_never_reach_a_worker() {
+    refusals_never_reach_a_worker(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_refusals_never_reach_a_worker() {
+    refusals_never_reach_a_worker(BodyMode::Duplex).await;
+}
