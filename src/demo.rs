@@ -38,6 +38,8 @@ pub struct DemoOptions {
     /// Keep everything running after the report until Ctrl-C, to look around.
     pub hold: bool,
     pub seed: u64,
+    /// Multiplies the length of every phase (rates are unchanged); 1 is the full 14 s workload.
+    pub duration_scale: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,7 +159,7 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     };
 
     println!();
-    let samples = drive(&route, &sim.model, options.seed).await;
+    let samples = drive(&route, &sim.model, options.seed, options.duration_scale).await;
     let report = report(&samples, &config, envoy.as_ref()).await;
     print!("{report}");
 
@@ -214,7 +216,7 @@ fn words(seed: u64, count: usize) -> String {
     out
 }
 
-async fn drive(route: &Route, model: &str, seed: u64) -> Vec<Sample> {
+async fn drive(route: &Route, model: &str, seed: u64, scale: f64) -> Vec<Sample> {
     let http: HttpClient<HttpConnector, Full<Bytes>> =
         HttpClient::builder(TokioExecutor::new()).build_http();
     let systems: Vec<Arc<String>> = (0..GROUPS)
@@ -223,8 +225,17 @@ async fn drive(route: &Route, model: &str, seed: u64) -> Vec<Sample> {
     let limit = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let mut tasks = Vec::new();
     let mut counter = 0_u64;
+    let scale = if scale.is_finite() && scale > 0.0 {
+        scale
+    } else {
+        1.0
+    };
     for (phase, (name, rate, length)) in PHASES.iter().enumerate() {
-        println!("phase {name}: {rate} requests/s for {}s", length.as_secs());
+        let length = &length.mul_f64(scale);
+        println!(
+            "phase {name}: {rate} requests/s for {:.1}s",
+            length.as_secs_f64()
+        );
         let started = Instant::now();
         let gap = Duration::from_secs_f64(1.0 / rate);
         let mut next = started;

@@ -96,6 +96,9 @@ struct DemoArgs {
     /// Seed of the workload and the simulated fleet.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Multiplies the length of every workload phase (0.2 gives a 3-second run).
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    duration_scale: f64,
 }
 
 /// `cachepick sim`: a simulated fleet on loopback.
@@ -290,6 +293,7 @@ fn demo(args: &DemoArgs) -> ExitCode {
         no_envoy: args.no_envoy,
         hold: args.hold,
         seed: args.seed,
+        duration_scale: args.duration_scale,
     };
     let run = || -> anyhow::Result<()> {
         let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;

@@ -1193,3 +1193,77 @@ async fn buffered_refusals_never_reach_a_worker() {
 async fn duplex_refusals_never_reach_a_worker() {
     refusals_never_reach_a_worker(BodyMode::Duplex).await;
 }
+
+// === the one-command demo ===
+
+/// Runs `cachepick demo` with `args` (shortened phases) and returns its stdout; fails on a non-zero exit
+/// or after two minutes.
+fn run_demo(args: &[&str]) -> String {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        .arg("demo")
+        .args(["--duration-scale", "0.25", "--workers", "3"])
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the demo starts");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(status) = child.try_wait().expect("poll the demo") {
+            let output = child.wait_with_output().expect("demo output");
+            let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+            assert!(
+                status.success(),
+                "demo failed: {status}\n{stdout}\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            return stdout;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the demo did not finish within two minutes");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The `all` row of the demo's table: requests and errors.
+fn demo_totals(stdout: &str) -> (u64, u64) {
+    let row = stdout
+        .lines()
+        .find(|line| line.starts_with("all "))
+        .unwrap_or_else(|| panic!("no `all` row in:\n{stdout}"));
+    let fields: Vec<&str> = row.split_whitespace().collect();
+    (fields[1].parse().unwrap(), fields[2].parse().unwrap())
+}
+
+#[test]
+fn the_demo_runs_through_a_real_envoy_and_reports_envoys_counters() {
+    let binary = envoy::binary();
+    let stdout = run_demo(&["--envoy", binary.to_str().expect("UTF-8 path")]);
+    let (requests, errors) = demo_totals(&stdout);
+    assert!(requests > 50, "{stdout}");
+    assert_eq!(errors, 0, "{stdout}");
+    assert!(
+        stdout.contains("envoy: listener http://127.0.0.1:"),
+        "{stdout}"
+    );
+    // Envoy's per-reason counters add up to the requests the demo sent.
+    let counted: u64 = stdout
+        .lines()
+        .filter(|line| line.trim_start().starts_with("vhost.llm.vcluster."))
+        .filter_map(|line| line.rsplit(": ").next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(counted, requests, "{stdout}");
+    assert!(stdout.contains("prefix hit"), "{stdout}");
+}
+
+#[test]
+fn the_demo_drives_the_picker_directly_without_envoy() {
+    let stdout = run_demo(&["--no-envoy"]);
+    let (requests, errors) = demo_totals(&stdout);
+    assert!(requests > 50, "{stdout}");
+    assert_eq!(errors, 0, "{stdout}");
+    assert!(stdout.contains("cache_hit"), "{stdout}");
+    assert!(!stdout.contains("vhost.llm.vcluster."), "{stdout}");
+}
