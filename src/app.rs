@@ -80,11 +80,13 @@ pub async fn run(
     for (_, scraper) in pools {
         tasks.spawn(scraper.run(stopped_future()));
     }
-    let debug: Arc<dyn admin::DebugSource> = Arc::clone(&service) as Arc<dyn admin::DebugSource>;
+    let debug = config
+        .debug_endpoints
+        .then(|| Arc::clone(&service) as Arc<dyn admin::DebugSource>);
     tasks.spawn(admin::serve(
         metrics_listener,
         Arc::clone(&metrics),
-        Some(debug),
+        debug,
         stopped_future(),
     ));
     tracing::info!(
@@ -94,7 +96,7 @@ pub async fn run(
         workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
         "cachepick started"
     );
-    let served = extproc::serve(listener, service, async move {
+    let served = extproc::serve(listener, service, config.debug_endpoints, async move {
         shutdown.await;
         let _ = stop.send(true);
     })

@@ -60,6 +60,8 @@ pub struct Metrics {
     decisions: IntCounterVec,
     /// `cachepick_rejections_total{pool,reason}`.
     rejections: IntCounterVec,
+    /// `cachepick_passthrough_total{pool}`.
+    passthrough: IntCounterVec,
     /// `cachepick_prefix_match_ratio{pool}`.
     match_ratio: HistogramVec,
     /// `cachepick_diverted_prefix_blocks{pool}`.
@@ -194,10 +196,18 @@ impl Metrics {
             rejections: IntCounterVec::new(
                 Opts::new(
                     "cachepick_rejections_total",
-                    "Requests cachepick refused, by reason (no_workers, malformed body kinds, unknown_model, \
-                     body_too_large...); pool is \"none\" when the request named no pool.",
+                    "Requests cachepick refused, by reason (no_workers, the body errors invalid_json, \
+                     unknown_model, too_large...); pool is \"none\" when the request named no pool.",
                 ),
                 &["pool", "reason"],
+            )?,
+            passthrough: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_passthrough_total",
+                    "Requests without a prompt (GET /v1/models, POST /v1/embeddings...) routed by load alone: \
+                     not decisions, not in the owner index.",
+                ),
+                &["pool"],
             )?,
             match_ratio: HistogramVec::new(
                 HistogramOpts::new(
@@ -242,6 +252,7 @@ impl Metrics {
         registry.register(Box::new(metrics.scrapes.clone()))?;
         registry.register(Box::new(metrics.decisions.clone()))?;
         registry.register(Box::new(metrics.rejections.clone()))?;
+        registry.register(Box::new(metrics.passthrough.clone()))?;
         registry.register(Box::new(metrics.match_ratio.clone()))?;
         registry.register(Box::new(metrics.diverted_blocks.clone()))?;
         registry.register(Box::new(metrics.decision_seconds.clone()))?;
@@ -277,9 +288,15 @@ impl Metrics {
         }
         self.rejections
             .with_label_values(&[pool, RejectReason::NoWorkers.as_str()]);
+        self.passthrough.with_label_values(&[pool]);
         self.match_ratio.with_label_values(&[pool]);
         self.diverted_blocks.with_label_values(&[pool]);
         self.decision_seconds.with_label_values(&[pool]);
+    }
+
+    /// A request without a prompt routed by load alone: `cachepick_passthrough_total{pool}` += 1.
+    pub fn record_passthrough(&self, pool: &str) {
+        self.passthrough.with_label_values(&[pool]).inc();
     }
 
     /// One routed request: `cachepick_decisions_total{pool,reason}` += 1; `cachepick_prefix_match_ratio`
@@ -311,7 +328,8 @@ impl Metrics {
     }
 
     /// One refused request: `cachepick_rejections_total{pool,reason}` += 1. `reason` is a stable
-    /// snake_case label (`no_workers`, a body error kind, `unknown_model`, `body_too_large`...); `pool`
+    /// snake_case label (`no_workers`, a body error kind such as `invalid_json`, `unknown_model`,
+    /// `too_large`...); `pool`
     /// is `"none"` when no pool was selected.
     pub fn record_rejection(&self, pool: &str, reason: &str) {
         self.rejections.with_label_values(&[pool, reason]).inc();

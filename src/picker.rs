@@ -161,12 +161,12 @@ impl Picker {
                         parts: &message.content,
                     })
                     .collect();
-                Cow::Owned(
+                Cow::Owned(untokenized_as_empty(
                     pool.tokenizer
-                        .tokens_for_chat(&turns, tools.map(|raw| raw.get()))?,
-                )
+                        .tokens_for_chat(&turns, tools.map(|raw| raw.get())),
+                )?)
             }
-            Prompt::Text(text) => Cow::Owned(pool.tokenizer.tokens_for_text(text)?),
+            Prompt::Text(text) => Cow::Owned(untokenized_as_empty(pool.tokenizer.tokens_for_text(text))?),
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
         let model = parsed.model.as_deref().unwrap_or(pool.load.label());
@@ -183,19 +183,21 @@ impl Picker {
         })
     }
 
-    /// A request without a body (a GET) names no model: it goes to the default pool (`*`), else to the
-    /// first pool, with no prompt and so no owners.
-    pub fn prepare_headerless(&self) -> Result<Prepared, RequestError> {
-        let pool_index = request::select_pool(&self.configs, None)
-            .map(|(index, _)| index)
-            .unwrap_or(0);
+    /// A request without a prompt (a GET, or a POST to a non-generation API): the pool `model` names,
+    /// else the default pool (`*`), else the first; no tokens and so no owners.
+    pub fn prepare_passthrough(&self, model: Option<&str>) -> Result<Prepared, RequestError> {
+        let pool_index = match request::select_pool(&self.configs, model) {
+            Ok((index, _)) => index,
+            Err(error @ BodyError::UnknownModel { .. }) => return Err(error.into()),
+            Err(_) => 0,
+        };
         let Some(pool) = self.pools.get(pool_index) else {
             return Err(RequestError::Body(BodyError::MissingModel));
         };
         Ok(Prepared {
             pool: pool_index,
             pool_label: pool.load.label().to_owned(),
-            model: None,
+            model: model.map(str::to_owned),
             prompt_tokens: 0,
             block_hashes: Vec::new(),
             owners: Vec::new(),
@@ -323,6 +325,26 @@ impl Picker {
     /// The pools' shared load states, in configuration order.
     pub fn loads(&self) -> impl Iterator<Item = &Arc<PoolLoad>> {
         self.pools.iter().map(|pool| &pool.load)
+    }
+}
+
+/// A prompt the tokenizer itself fails on (a regex backtracking limit on a megabyte of whitespace, say)
+/// is still a servable request: it is routed without prefix information, as a miss, rather than refused.
+/// Failures that are the request's fault (a chat the template cannot render) stay errors.
+fn untokenized_as_empty(tokens: Result<Vec<u32>, TokenizeError>) -> Result<Vec<u32>, TokenizeError> {
+    match tokens {
+        Err(TokenizeError::Encode(error)) => {
+            // One line in 64: a client can send such prompts on purpose.
+            static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            if FAILURES
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                .is_multiple_of(64)
+            {
+                tracing::warn!(%error, "the tokenizer failed on a prompt; routed without prefix information (logged 1 in 64)");
+            }
+            Ok(Vec::new())
+        }
+        other => other,
     }
 }
 

@@ -15,6 +15,11 @@ use crate::load::PoolView;
 use crate::metrics::Metrics;
 use crate::picker::{Explanation, Picker, Prepared, RequestError};
 use crate::policy::{Decision, Gate, Outcome, Reason};
+use crate::request::{self, Api};
+
+/// The `x-cachepick-decision` of a request without a prompt (a GET, or a POST to a non-generation API
+/// such as `/v1/embeddings`): routed by load alone, not a decision of the ladder.
+pub const PASSTHROUGH: &str = "passthrough";
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -30,9 +35,20 @@ pub struct Routed {
     /// Leading prompt tokens the selected worker is credited with holding.
     pub matched_tokens: u64,
     pub prompt_tokens: u64,
+    /// No prompt: routed by load alone ([`PASSTHROUGH`]), not counted as a decision.
+    pub passthrough: bool,
 }
 
 impl Routed {
+    /// The `x-cachepick-decision` value: the reason, or [`PASSTHROUGH`].
+    pub fn label(&self) -> &'static str {
+        if self.passthrough {
+            PASSTHROUGH
+        } else {
+            self.reason.as_str()
+        }
+    }
+
     /// The Endpoint Picker Protocol's value: `ip:port[,ip:port...]`.
     pub fn destination(&self) -> String {
         let endpoints: Vec<String> = self.endpoints.iter().map(ToString::to_string).collect();
@@ -102,14 +118,39 @@ impl Service {
         &self.metrics
     }
 
-    /// Routes one request: `body` is `None` for a request without one (a GET), which names no model
-    /// and goes to the default pool; `subset` is the proxy's hint, the only endpoints it may pick.
+    /// Routes one request: `body` is `None` for a request without one; `subset` is the proxy's hint, the
+    /// only endpoints it may pick.
+    ///
+    /// Generation requests (`/v1/chat/completions`, `/v1/completions`, `/generate`) must carry a readable
+    /// prompt. Anything else — a GET, a POST to another API — is routed by load alone to the pool its
+    /// `model` names (else the default pool): a passthrough, neither a decision nor a prefix to learn.
     pub fn route(&self, path: &str, body: Option<&[u8]>, subset: Option<&[SocketAddr]>) -> Answer {
+        let generation = Api::of_path(path).is_some();
         let prepared = match body {
-            Some(body) => self.picker.prepare(path, body),
-            None => self.picker.prepare_headerless(),
+            Some(body) => match self.picker.prepare(path, body) {
+                Ok(prepared) => Ok((prepared, false)),
+                Err(_) if !generation => self
+                    .picker
+                    .prepare_passthrough(request::model_of(body).as_deref())
+                    .map(|prepared| (prepared, true)),
+                Err(error) => Err(error),
+            },
+            None if generation => {
+                let message = format!("a request to {path} needs a JSON body with a prompt");
+                self.metrics.record_rejection("none", "missing_body");
+                return Answer::Refuse(Refusal {
+                    status: 400,
+                    reason: "missing_body",
+                    message,
+                    pool: None,
+                });
+            }
+            None => self
+                .picker
+                .prepare_passthrough(None)
+                .map(|prepared| (prepared, true)),
         };
-        let prepared = match prepared {
+        let (prepared, passthrough) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => return self.refuse_request(&error),
         };
@@ -121,6 +162,7 @@ impl Service {
             &mut rand::rng(),
         );
         match outcome {
+            Outcome::Route(decision) if passthrough => self.passed_through(&prepared, &decision),
             Outcome::Route(decision) => self.routed(&prepared, decision),
             Outcome::Reject(reject) => {
                 let reason = reject.reason.as_str();
@@ -144,6 +186,29 @@ impl Service {
         }
     }
 
+    /// A request without a prompt: routed to the least-loaded sample, nothing committed (it leaves no
+    /// prefix behind), counted apart from decisions so it does not dilute the hit-rate metrics.
+    fn passed_through(&self, prepared: &Prepared, decision: &Decision) -> Answer {
+        self.metrics.record_passthrough(&prepared.pool_label);
+        let endpoints = self.endpoints(prepared, decision);
+        tracing::debug!(pool = %prepared.pool_label, selected = ?endpoints.first(), "passthrough");
+        Answer::Route(Routed {
+            pool: prepared.pool_label.clone(),
+            endpoints,
+            reason: decision.reason,
+            matched_tokens: 0,
+            prompt_tokens: 0,
+            passthrough: true,
+        })
+    }
+
+    fn endpoints(&self, prepared: &Prepared, decision: &Decision) -> Vec<SocketAddr> {
+        std::iter::once(decision.selected)
+            .chain(decision.fallbacks.iter().copied())
+            .filter_map(|id| self.picker.endpoint(prepared.pool, id))
+            .collect()
+    }
+
     /// Body received → answer sent, measured by the wire.
     pub fn observe_latency(&self, answer: &Answer, seconds: f64) {
         self.metrics
@@ -164,10 +229,7 @@ impl Service {
 
     fn routed(&self, prepared: &Prepared, decision: Decision) -> Answer {
         self.picker.commit(prepared, &decision);
-        let endpoints: Vec<SocketAddr> = std::iter::once(decision.selected)
-            .chain(decision.fallbacks.iter().copied())
-            .filter_map(|id| self.picker.endpoint(prepared.pool, id))
-            .collect();
+        let endpoints = self.endpoints(prepared, &decision);
         let block_size = self.picker.block_size(prepared.pool).max(1);
         let diverted_blocks = decision
             .diverted_tokens()
@@ -186,6 +248,7 @@ impl Service {
             reason: decision.reason,
             matched_tokens: decision.matched_tokens,
             prompt_tokens: prepared.prompt_tokens,
+            passthrough: false,
         })
     }
 

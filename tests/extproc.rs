@@ -1129,3 +1129,130 @@ async fn the_picker_becomes_ready_after_its_first_scrape_round_and_stops_cleanly
     }
     harness.stop().await;
 }
+
+// === requests without a prompt, and prompts the tokenizer cannot take ===
+
+/// A GET and a POST to a non-generation API are passthroughs: routed by load, labelled `passthrough`,
+/// counted apart from decisions and never in the owner index; a generation path without a body is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_a_prompt_pass_through_and_are_not_decisions() {
+    let harness = Harness::start(2, "").await;
+    let get = harness
+        .exchange(vec![headers(
+            "GET",
+            "/v1/models",
+            &[],
+            true,
+            BodySendMode::Buffered,
+            None,
+        )])
+        .await
+        .clean();
+    assert_eq!(route_of(&get[0]).reason, "passthrough");
+    let embeddings = buffered(
+        &harness,
+        "/v1/embeddings",
+        br#"{"model": "sim-model", "input": ["a", "b"]}"#,
+        None,
+    )
+    .await;
+    let route = route_of(&embeddings);
+    assert_eq!(route.reason, "passthrough");
+    assert!(harness.endpoints().contains(&route.endpoints[0]));
+    // A model no pool serves is still a 404, even for another API.
+    let unknown = refused(
+        &harness,
+        "/v1/embeddings",
+        br#"{"model": "nope", "input": "a"}"#,
+    )
+    .await;
+    assert_eq!(
+        (unknown.status, unknown.reason.as_str()),
+        (404, "unknown_model")
+    );
+    // A generation path with no body at all.
+    let empty = harness
+        .exchange(vec![headers(
+            "POST",
+            CHAT,
+            &[],
+            true,
+            BodySendMode::Buffered,
+            None,
+        )])
+        .await
+        .clean();
+    let missing = refusal_of(&empty[0]);
+    check_refusal(&missing);
+    assert_eq!(
+        (missing.status, missing.reason.as_str()),
+        (400, "missing_body")
+    );
+
+    let text = harness.metrics().await;
+    let pool = [("pool", POOL)];
+    assert_eq!(
+        metric(&text, "cachepick_passthrough_total", &pool),
+        2.0,
+        "{text}"
+    );
+    let decisions: f64 = cachepick::policy::Reason::ALL
+        .iter()
+        .map(|reason| {
+            metric(
+                &text,
+                "cachepick_decisions_total",
+                &[("pool", POOL), ("reason", reason.as_str())],
+            )
+        })
+        .sum();
+    assert_eq!(decisions, 0.0, "passthroughs are not decisions: {text}");
+    assert_eq!(
+        metric(&text, "cachepick_index_entries", &pool),
+        0.0,
+        "{text}"
+    );
+    harness.stop().await;
+}
+
+/// A prompt the tokenizer fails on is routed without prefix information, never refused with a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_the_tokenizer_fails_on_is_routed_as_a_miss() {
+    // The bytes tokenizer cannot fail; o200k's regex backtracking gives up on a megabyte of spaces.
+    let tiktoken =
+        Harness::start_with_tokenizer(2, "", cachepick::config::TokenizerConfig::default()).await;
+    let prompt = format!("hello{}world", " ".repeat(1_000_000));
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+    let answer = buffered(&tiktoken, COMPLETIONS, body.as_bytes(), None).await;
+    let route = route_of(&answer);
+    assert_eq!(route.reason, "cache_miss");
+    assert_eq!(route.prefix_tokens, 0);
+    tiktoken.stop().await;
+}
+
+/// `debug_endpoints: false` turns off /debug/* and the gRPC admin API; /metrics stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_endpoints_can_be_turned_off() {
+    let harness = Harness::start(2, "debug_endpoints: false").await;
+    let snapshot = http(
+        Method::GET,
+        harness.metrics_listen,
+        "/debug/snapshot",
+        &[],
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(snapshot.status, StatusCode::NOT_FOUND);
+    assert!(harness.metrics().await.contains("cachepick_build_info"));
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", harness.listen))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let status = cachepick::extproc::admin_api::admin_client::AdminClient::new(channel)
+        .snapshot(cachepick::extproc::admin_api::SnapshotRequest::default())
+        .await
+        .expect_err("the admin API is off");
+    assert_eq!(status.code(), tonic::Code::Unimplemented);
+    harness.stop().await;
+}

@@ -29,6 +29,7 @@ struct File<'c> {
     listen: SocketAddr,
     metrics_listen: SocketAddr,
     max_body_bytes: Size,
+    debug_endpoints: bool,
     policy: Policy,
     load: Load,
     pools: Vec<Pool<'c>>,
@@ -115,6 +116,7 @@ impl<'c> From<&'c Config> for File<'c> {
             listen: config.listen,
             metrics_listen: config.metrics_listen,
             max_body_bytes: config.max_body_bytes.get().into(),
+            debug_endpoints: config.debug_endpoints,
             policy: Policy {
                 worker_queue_limit: policy.gate.map(|gate| gate.limit()),
                 saturation_queue_floor: policy.gate.and_then(|gate| gate.floor()),

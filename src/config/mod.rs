@@ -226,6 +226,7 @@ pools:
         let expected = Config {
             listen: addr("127.0.0.1:9002"),
             metrics_listen: addr("127.0.0.1:9090"),
+            debug_endpoints: true,
             policy: PolicyConfig {
                 gate: QueueGate::new(NonZeroU64::new(4).unwrap(), NonZeroU64::new(2)),
                 min_load_choices: NonZeroUsize::new(2).unwrap(),
@@ -530,7 +531,7 @@ pools:
             "  max_body_bytes: 512KiB\n  max_concurrent_scrapes: 16\n",
             "load_source: loads\n    loads_url: http://10.0.0.21:30000/v1/loads\n",
             "max_running_requests: 256\n    max_total_tokens: 500000\n",
-            "metrics_listen: 127.0.0.1:9090\nmax_body_bytes: 16MiB\npolicy:\n",
+            "metrics_listen: 127.0.0.1:9090\nmax_body_bytes: 16MiB\ndebug_endpoints: true\npolicy:\n",
             "  chat_template: /models/qwen/tokenizer_config.json\n  segment_cache_entries: 4096\n  \
              default_cache_blocks: 65536\n",
         ] {
@@ -685,7 +686,7 @@ pools:
             ("interval beyond default freshness", load("  scrape_interval: 5s\n"), &NO_FLAGS,
              "load.scrape_interval (line 2)", "freshness (3s) must be longer than scrape_interval (5s)"),
             ("unknown top-level key", format!("{POOL}listn: 127.0.0.1:1\n"), &NO_FLAGS,
-             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, max_body_bytes, policy, load, pools"),
+             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, max_body_bytes, debug_endpoints, policy, load, pools"),
             ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
              "policy.worker_queue_limt (line 2)",
              "unknown key; expected one of: worker_queue_limit, saturation_queue_floor, min_load_choices, \
@@ -1070,6 +1071,16 @@ listn: 1
                 prop_assert_eq!(parse(&config.to_yaml(), "emitted", &NO_FLAGS).unwrap(), config);
             }
         }
+    }
+
+    #[test]
+    fn debug_endpoints_is_a_plain_boolean() {
+        let off = format!("debug_endpoints: false\n{POOL}");
+        assert!(!parse(&off, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints);
+        assert!(parse(POOL, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints);
+        let quoted = format!("debug_endpoints: \"false\"\n{POOL}");
+        let message = parse(&quoted, "t.yaml", &NO_FLAGS).unwrap_err().to_string();
+        assert!(message.contains("debug_endpoints (line 1): expected true or false"), "{message}");
     }
 
     #[test]

@@ -21,6 +21,10 @@ pub struct Config {
     pub pools: Vec<PoolConfig>,
     /// A request body larger than this is refused (413) before it is parsed.
     pub max_body_bytes: NonZeroUsize,
+    /// Serve `/debug/*` on `metrics_listen` and the gRPC admin API (and reflection) on `listen`. They
+    /// describe the fleet and explain routing to whoever can connect: turn them off where those listeners
+    /// are reachable beyond the operator (a pod network, say).
+    pub debug_endpoints: bool,
 }
 
 impl Config {

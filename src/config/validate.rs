@@ -26,6 +26,7 @@ const ROOT_KEYS: &[&str] = &[
     "listen",
     "metrics_listen",
     "max_body_bytes",
+    "debug_endpoints",
     "policy",
     "load",
     "pools",
@@ -257,6 +258,7 @@ impl Validator<'_> {
         let metrics_listen = with_default(metrics_listen, Config::DEFAULT_METRICS_LISTEN);
         let max_body_bytes =
             self.positive_size(&root, "max_body_bytes", Config::DEFAULT_MAX_BODY_BYTES);
+        let debug_endpoints = self.opt(&root, "debug_endpoints", Self::boolean);
         let policy = self
             .section(&root, "policy", POLICY_KEYS)
             .and_then(|map| self.policy(&map, overrides));
@@ -271,6 +273,7 @@ impl Validator<'_> {
             load: load?,
             pools: pools?,
             max_body_bytes: max_body_bytes?.value,
+            debug_endpoints: debug_endpoints?.is_none_or(|given| given.value),
         })
     }
 
@@ -867,6 +870,15 @@ impl Validator<'_> {
                 }
             }),
             _ => Err(self.type_error(node, at, INTEGER)),
+        }
+    }
+
+    /// `true` or `false`, plain; a quoted one is a string.
+    pub(super) fn boolean(&mut self, node: &Node, at: &Place) -> Res<bool> {
+        match &node.kind {
+            Kind::Scalar { text, plain: true } if text == "true" => Ok(true),
+            Kind::Scalar { text, plain: true } if text == "false" => Ok(false),
+            _ => Err(self.type_error(node, at, "true or false")),
         }
     }
 

@@ -45,9 +45,12 @@ pub enum ServeError {
 const MESSAGE_OVERHEAD: usize = 1 << 20;
 
 /// Serves ext_proc and health on `listener` until `shutdown` resolves.
+///
+/// With `debug` false the admin API and reflection are not served (`debug_endpoints: false`).
 pub async fn serve(
     listener: TcpListener,
     service: Arc<Service>,
+    debug: bool,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -84,9 +87,9 @@ pub async fn serve(
     let served = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(processor)
-        .add_service(admin::server(Arc::clone(&service)))
-        .add_optional_service(admin::reflection_v1())
-        .add_optional_service(admin::reflection_v1alpha())
+        .add_optional_service(debug.then(|| admin::server(Arc::clone(&service))))
+        .add_optional_service(admin::reflection_v1().filter(|_| debug))
+        .add_optional_service(admin::reflection_v1alpha().filter(|_| debug))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await;
     readiness.abort();

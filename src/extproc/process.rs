@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderMap, HeaderValue, HeaderValueOption, Metadata, header_value_option::HeaderAppendAction,
@@ -30,7 +30,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value};
 use futures_util::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -55,14 +55,26 @@ const OWNED_PREFIX: &str = "x-cachepick-";
 /// Envoy recommends at most 64 KiB per streamed chunk; this leaves room for the message's framing.
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
 
+/// Longest wait for the next message of a request whose answer is still owed: a client that stops
+/// sending its body mid-way must not hold a stream (and, in duplex mode, its buffered bytes) forever.
+pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(60);
+
 /// The ext_proc service.
 pub struct Processor {
     service: Arc<Service>,
+    /// Decisions (tokenizing, hashing, the policy) run on the blocking pool, at most this many at once:
+    /// a huge prompt occupies a blocking thread, never a runtime thread that other streams and the
+    /// health service need.
+    decisions: Arc<Semaphore>,
 }
 
 impl Processor {
     pub fn new(service: Arc<Service>) -> Processor {
-        Processor { service }
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        Processor {
+            service,
+            decisions: Arc::new(Semaphore::new(cores.saturating_mul(2))),
+        }
     }
 }
 
@@ -80,9 +92,10 @@ impl ExternalProcessor for Processor {
         // One answer in flight at a time is all a stream ever has, plus the duplex body chunks.
         let (sender, receiver) = mpsc::channel(8);
         let service = Arc::clone(&self.service);
+        let decisions = Arc::clone(&self.decisions);
         service.metrics().stream_opened();
         tokio::spawn(async move {
-            let end = drive(&service, inbound, &sender).await;
+            let end = drive(&service, &decisions, inbound, &sender).await;
             service.metrics().stream_closed(end);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
@@ -97,6 +110,8 @@ struct Exchange {
     /// Client-sent headers cachepick owns, to be removed.
     spoofed: Vec<String>,
     body: Vec<u8>,
+    /// Body messages received (a duplex request with trailers may have none).
+    chunks: usize,
     body_mode: Option<BodySendMode>,
     /// The headers response is owed (duplex: it is sent with the decision).
     headers_pending: bool,
@@ -106,22 +121,40 @@ type Sender = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
 /// Runs one stream to its end and says how it ended.
 async fn drive(
-    service: &Service,
+    service: &Arc<Service>,
+    decisions: &Semaphore,
     mut inbound: Streaming<ProcessingRequest>,
     out: &Sender,
 ) -> StreamEnd {
     let mut exchange = Exchange::default();
     loop {
-        let message = match inbound.message().await {
-            Ok(Some(message)) => message,
+        let message = match tokio::time::timeout(MESSAGE_DEADLINE, inbound.message()).await {
+            Ok(Ok(Some(message))) => message,
             // Envoy closed its side before we answered: the client went away.
-            Ok(None) => return StreamEnd::Reset,
-            Err(status) => {
-                return if is_reset(&status) {
-                    StreamEnd::Reset
+            Ok(Ok(None)) => return StreamEnd::Reset,
+            Ok(Err(status)) if is_reset(&status) => return StreamEnd::Reset,
+            Ok(Err(status)) => {
+                tracing::debug!(%status, "ext_proc stream failed");
+                // Say so, rather than end cleanly: a clean close would let Envoy carry on unrouted and
+                // count nothing as failed.
+                let _ = out.send(Err(status)).await;
+                return StreamEnd::Error;
+            }
+            Err(_) => {
+                let answer = refuse(
+                    service,
+                    408,
+                    "body_timeout",
+                    format!(
+                        "the request was not received within {} s",
+                        MESSAGE_DEADLINE.as_secs()
+                    ),
+                );
+                let sent = send_all(out, vec![immediate(&answer)]).await;
+                return if sent {
+                    StreamEnd::Answered
                 } else {
-                    tracing::debug!(%status, "ext_proc stream failed");
-                    StreamEnd::Error
+                    StreamEnd::Reset
                 };
             }
         };
@@ -139,7 +172,7 @@ async fn drive(
                 message.metadata_context.as_ref(),
             ),
             processing_request::Request::RequestBody(body) => on_body(service, &mut exchange, body),
-            processing_request::Request::RequestTrailers(_) => on_trailers(service, &mut exchange),
+            processing_request::Request::RequestTrailers(_) => on_trailers(&exchange),
             // Response phases are configured off; answer whatever arrives so Envoy never waits.
             processing_request::Request::ResponseHeaders(_) => Step::Reply(vec![response(
                 processing_response::Response::ResponseHeaders(HeadersResponse::default()),
@@ -151,27 +184,34 @@ async fn drive(
                 processing_response::Response::ResponseTrailers(TrailersResponse::default()),
             )]),
         };
-        match step {
-            Step::Wait => {}
+        let received = Instant::now();
+        let (responses, answer) = match step {
+            Step::Wait => continue,
             Step::Reply(responses) => {
                 if !send_all(out, responses).await {
                     return StreamEnd::Reset;
                 }
+                continue;
             }
-            Step::Answer {
-                responses,
-                answer,
-                received,
-            } => {
-                let sent = send_all(out, responses).await;
-                service.observe_latency(&answer, received.elapsed().as_secs_f64());
-                return if sent {
-                    StreamEnd::Answered
-                } else {
-                    StreamEnd::Reset
-                };
-            }
+            Step::Refuse(answer) => (vec![immediate(&answer)], answer),
+            Step::Decide(ending) => decide(service, decisions, &mut exchange, ending).await,
+        };
+        // The decision's latency ends when its first message is on its way; a duplex body echo after
+        // it is Envoy's transfer, not the decision.
+        let mut responses = responses.into_iter();
+        let mut sent = match responses.next() {
+            Some(first) => out.send(Ok(first)).await.is_ok(),
+            None => true,
+        };
+        service.observe_latency(&answer, received.elapsed().as_secs_f64());
+        for response in responses {
+            sent = sent && out.send(Ok(response)).await.is_ok();
         }
+        return if sent {
+            StreamEnd::Answered
+        } else {
+            StreamEnd::Reset
+        };
     }
 }
 
@@ -180,12 +220,21 @@ enum Step {
     Wait,
     /// Protocol replies; the stream goes on.
     Reply(Vec<ProcessingResponse>),
-    /// The decision (or refusal) is made: send these and end the stream.
-    Answer {
-        responses: Vec<ProcessingResponse>,
-        answer: Answer,
-        received: Instant,
-    },
+    /// The request is complete: decide, answer, and end the stream.
+    Decide(Ending),
+    /// Answer with this refusal, no decision needed, and end the stream.
+    Refuse(Answer),
+}
+
+/// What completed the request.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Headers with `end_of_stream`: there is no body.
+    Headers,
+    /// The body's last message.
+    Body,
+    /// Trailers (duplex): answered last, after the body.
+    Trailers,
 }
 
 async fn send_all(out: &Sender, responses: Vec<ProcessingResponse>) -> bool {
@@ -197,18 +246,24 @@ async fn send_all(out: &Sender, responses: Vec<ProcessingResponse>) -> bool {
     true
 }
 
+/// A refusal made here, before any decision, counted like the service counts its own.
+fn refuse(service: &Service, status: u16, reason: &'static str, message: String) -> Answer {
+    service.metrics().record_rejection("none", reason);
+    Answer::Refuse(Refusal {
+        status,
+        reason,
+        message,
+        pool: None,
+    })
+}
+
 fn on_headers(
     service: &Service,
     exchange: &mut Exchange,
     headers: HttpHeaders,
     metadata: Option<&Metadata>,
 ) -> Step {
-    let received = Instant::now();
-    for header in headers
-        .headers
-        .iter()
-        .flat_map(|map: &HeaderMap| &map.headers)
-    {
+    for header in headers.headers.iter().flat_map(|map: &HeaderMap| &map.headers) {
         let key = header.key.to_ascii_lowercase();
         if key == ":path" {
             let path = String::from_utf8_lossy(&header.raw_value);
@@ -223,13 +278,7 @@ fn on_headers(
     exchange.subset = metadata.and_then(subset_hint);
     if headers.end_of_stream {
         // No body follows (a GET): decide now, in the headers response.
-        let answer = service.route(&exchange.path, None, exchange.subset.as_deref());
-        let responses = vec![answer_in_headers(exchange, &answer)];
-        return Step::Answer {
-            responses,
-            answer,
-            received,
-        };
+        return Step::Decide(Ending::Headers);
     }
     match exchange.body_mode {
         Some(BodySendMode::FullDuplexStreamed) => {
@@ -243,26 +292,18 @@ fn on_headers(
                 remove_headers: exchange.spoofed.clone(),
             })])
         }
-        Some(mode) => {
-            // STREAMED, BUFFERED_PARTIAL or NONE: the body never arrives whole before Envoy picks the
-            // host, so no decision could take effect. Fail loudly rather than route blind.
-            let refusal = Refusal {
-                status: 500,
-                reason: "unsupported_body_mode",
-                message: format!(
-                    "cachepick needs the ext_proc filter's request_body_mode to be BUFFERED or \
-                     FULL_DUPLEX_STREAMED, got {}",
-                    mode.as_str_name()
-                ),
-                pool: None,
-            };
-            let answer = Answer::Refuse(refusal);
-            Step::Answer {
-                responses: vec![immediate(&answer)],
-                answer,
-                received,
-            }
-        }
+        // STREAMED, BUFFERED_PARTIAL or NONE: the body never arrives whole before Envoy picks the host,
+        // so no decision could take effect. Fail loudly rather than route blind.
+        Some(mode) => Step::Refuse(refuse(
+            service,
+            500,
+            "unsupported_body_mode",
+            format!(
+                "cachepick needs the ext_proc filter's request_body_mode to be BUFFERED or \
+                 FULL_DUPLEX_STREAMED, got {}",
+                mode.as_str_name()
+            ),
+        )),
     }
 }
 
@@ -270,35 +311,35 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     let duplex = exchange.headers_pending;
     let limit = service.max_body_bytes();
     if exchange.body.len().saturating_add(body.body.len()) > limit {
-        let answer = Answer::Refuse(Refusal {
-            status: 413,
-            reason: "too_large",
-            message: format!("the request body exceeds max_body_bytes ({limit} bytes)"),
-            pool: None,
-        });
-        service.metrics().record_rejection("none", "too_large");
-        return Step::Answer {
-            responses: vec![immediate(&answer)],
-            answer,
-            received: Instant::now(),
-        };
+        return Step::Refuse(refuse(
+            service,
+            413,
+            "too_large",
+            format!("the request body exceeds max_body_bytes ({limit} bytes)"),
+        ));
     }
-    exchange.body.extend_from_slice(&body.body);
+    exchange.chunks += 1;
+    if exchange.body.is_empty() {
+        // The common case (BUFFERED, or a duplex body's first chunk) keeps the message's buffer.
+        exchange.body = body.body;
+    } else {
+        exchange.body.extend_from_slice(&body.body);
+    }
     // BUFFERED sends the whole body in one message; its end_of_stream is false when trailers follow
     // (they come in their own message, or not at all with trailer mode SKIP), so that message is the
     // end either way. Duplex chunks end at end_of_stream, or at the trailers.
-    let ended = body.end_of_stream || body.end_of_stream_without_message || !duplex;
-    if !ended {
-        return Step::Wait;
+    if body.end_of_stream || body.end_of_stream_without_message || !duplex {
+        Step::Decide(Ending::Body)
+    } else {
+        Step::Wait
     }
-    decide_body(service, exchange, Ending::Body)
 }
 
 /// Trailers end a duplex body (the proto's signal that the whole body has arrived); in other modes the
 /// decision is already made and this only acknowledges them.
-fn on_trailers(service: &Service, exchange: &mut Exchange) -> Step {
+fn on_trailers(exchange: &Exchange) -> Step {
     if exchange.headers_pending {
-        decide_body(service, exchange, Ending::Trailers)
+        Step::Decide(Ending::Trailers)
     } else {
         Step::Reply(vec![response(
             processing_response::Response::RequestTrailers(TrailersResponse::default()),
@@ -306,27 +347,51 @@ fn on_trailers(service: &Service, exchange: &mut Exchange) -> Step {
     }
 }
 
-/// What ended the body: its last chunk, or trailers (which are then answered last, after the body).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Ending {
-    Body,
-    Trailers,
-}
-
-fn decide_body(service: &Service, exchange: &mut Exchange, ending: Ending) -> Step {
+/// Decides on the blocking pool and builds the answer's messages, in the order Envoy expects them.
+async fn decide(
+    service: &Arc<Service>,
+    decisions: &Semaphore,
+    exchange: &mut Exchange,
+    ending: Ending,
+) -> (Vec<ProcessingResponse>, Answer) {
+    let answer = {
+        // A closed semaphore is impossible (it is never closed); deciding without a permit is harmless.
+        let _permit = decisions.acquire().await.ok();
+        let service = Arc::clone(service);
+        let path = exchange.path.clone();
+        let subset = exchange.subset.clone();
+        let body = (ending != Ending::Headers).then(|| std::mem::take(&mut exchange.body));
+        let decided = tokio::task::spawn_blocking(move || {
+            let answer = service.route(&path, body.as_deref(), subset.as_deref());
+            (answer, body)
+        })
+        .await;
+        match decided {
+            Ok((answer, body)) => {
+                exchange.body = body.unwrap_or_default();
+                answer
+            }
+            Err(error) => {
+                tracing::error!(%error, "the decision task failed");
+                Answer::Refuse(Refusal {
+                    status: 500,
+                    reason: "internal",
+                    message: "cachepick failed to decide".to_owned(),
+                    pool: None,
+                })
+            }
+        }
+    };
     let duplex = exchange.headers_pending;
-    let received = Instant::now();
-    let answer = service.route(
-        &exchange.path,
-        Some(&exchange.body),
-        exchange.subset.as_deref(),
-    );
-    let responses = match (&answer, duplex) {
-        (Answer::Refuse(_), _) => vec![immediate(&answer)],
-        (Answer::Route(_), true) => {
+    let responses = match (&answer, ending, duplex) {
+        (Answer::Refuse(_), ..) => vec![immediate(&answer)],
+        (Answer::Route(_), Ending::Headers, _) => vec![answer_in_headers(exchange, &answer)],
+        (Answer::Route(_), _, true) => {
             // Duplex order: the delayed headers response, the body, then the trailers if they ended it.
             let mut responses = vec![answer_in_headers(exchange, &answer)];
-            responses.extend(streamed_body(&exchange.body, ending == Ending::Body));
+            if exchange.chunks > 0 {
+                responses.extend(streamed_body(&exchange.body, ending == Ending::Body));
+            }
             if ending == Ending::Trailers {
                 responses.push(response(processing_response::Response::RequestTrailers(
                     TrailersResponse::default(),
@@ -334,7 +399,7 @@ fn decide_body(service: &Service, exchange: &mut Exchange, ending: Ending) -> St
             }
             responses
         }
-        (Answer::Route(_), false) => vec![with_metadata(
+        (Answer::Route(_), _, false) => vec![with_metadata(
             &answer,
             response(processing_response::Response::RequestBody(BodyResponse {
                 response: Some(CommonResponse {
@@ -344,11 +409,7 @@ fn decide_body(service: &Service, exchange: &mut Exchange, ending: Ending) -> St
             })),
         )],
     };
-    Step::Answer {
-        responses,
-        answer,
-        received,
-    }
+    (responses, answer)
 }
 
 /// The answer as a headers response (header-only requests and duplex), or an immediate response.
@@ -415,7 +476,7 @@ fn mutation(exchange: &Exchange, answer: &Answer) -> HeaderMutation {
     let set = [
         (DESTINATION, routed.destination()),
         (SELECTED_HEADER, selected),
-        (DECISION_HEADER, routed.reason.as_str().to_owned()),
+        (DECISION_HEADER, routed.label().to_owned()),
         (PREFIX_TOKENS_HEADER, routed.matched_tokens.to_string()),
     ];
     let remove_headers = exchange

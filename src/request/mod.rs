@@ -81,7 +81,7 @@ impl Api {
     }
 
     /// The API a request path names, by suffix and without its query string; `None` for any other path.
-    fn of_path(path: &str) -> Option<Api> {
+    pub fn of_path(path: &str) -> Option<Api> {
         let path = path.split_once('?').map_or(path, |(path, _)| path);
         Api::ALL.into_iter().find(|api| path.ends_with(api.path()))
     }
@@ -121,6 +121,18 @@ pub enum Prompt<'a> {
 pub struct Message<'a> {
     pub role: Cow<'a, str>,
     pub content: Vec<Cow<'a, str>>,
+}
+
+/// The `model` of a JSON body that is not a generation request (`/v1/embeddings`, say), if it has one:
+/// enough to pick the pool for a request routed by load alone. Anything unreadable is `None`.
+pub fn model_of(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct ModelOnly {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<ModelOnly>(body)
+        .ok()
+        .and_then(|only| only.model)
 }
 
 /// Reads the request at `path` from `body`, refusing a body over `max_body_bytes` unread.

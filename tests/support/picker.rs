@@ -84,12 +84,21 @@ impl Harness {
     /// Starts `workers` simulated workers and cachepick with the fleet's generated configuration plus
     /// `head` (top-level YAML keys, e.g. `max_body_bytes: 64KiB`), then waits for readiness.
     pub async fn start(workers: u32, head: &str) -> Harness {
+        Harness::start_with_tokenizer(workers, head, TokenizerConfig::Bytes).await
+    }
+
+    /// [`start`](Self::start) with another tokenizer for the fleet and the picker.
+    pub async fn start_with_tokenizer(
+        workers: u32,
+        head: &str,
+        tokenizer: TokenizerConfig,
+    ) -> Harness {
         let started = Instant::now();
         let mut sim = SimConfig::new(
             Engine::Vllm,
             NonZeroU32::new(workers).expect("at least one worker"),
         );
-        sim.tokenizer = TokenizerConfig::Bytes;
+        sim.tokenizer = tokenizer;
         sim.block_size = NonZeroU32::new(16).expect("16");
         sim.params.jitter = 0.0;
         sim.params.time_scale = 0.01;
