@@ -13,6 +13,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
@@ -39,6 +40,10 @@ pub trait DebugSource: Send + Sync + 'static {
 /// The API path `/debug/explain` assumes when the query names none.
 const DEFAULT_EXPLAIN_PATH: &str = "/v1/chat/completions";
 
+/// The pause after a failed accept, and the least time between two logs of one.
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+const ACCEPT_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(1);
+
 const JSON: &str = "application/json";
 const TEXT: &str = "text/plain; charset=utf-8";
 const EXPOSITION: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -51,6 +56,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let mut last_logged: Option<Instant> = None;
     loop {
         let accepted = tokio::select! {
             () = &mut shutdown => break,
@@ -59,8 +65,16 @@ pub async fn serve(
         let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(error) => {
-                tracing::warn!(%error, "metrics listener accept failed");
-                continue;
+                // Out of file descriptors (EMFILE) and the like: accept fails again at once, so
+                // retrying without a pause would spin a core and flood the log.
+                if last_logged.is_none_or(|at| at.elapsed() >= ACCEPT_ERROR_LOG_INTERVAL) {
+                    tracing::warn!(%error, "metrics listener accept failed");
+                    last_logged = Some(Instant::now());
+                }
+                tokio::select! {
+                    () = &mut shutdown => break,
+                    () = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => continue,
+                }
             }
         };
         let metrics = Arc::clone(&metrics);

@@ -286,7 +286,10 @@ enum Target {
     Direct(PickerClient),
 }
 
-/// Sends one streaming chat request and reads it to the end.
+/// How long one demo request may take, from sending it to the end of its streamed answer.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Sends one streaming chat request and reads it to the end, within [`REQUEST_DEADLINE`].
 async fn one(
     http: &HttpClient<HttpConnector, Full<Bytes>>,
     target: Target,
@@ -336,9 +339,10 @@ async fn one(
         return sample;
     };
     let started = Instant::now();
-    let Ok(Ok(response)) =
-        tokio::time::timeout(Duration::from_secs(120), http.request(request)).await
-    else {
+    // One deadline for the whole exchange, the streamed body included: a worker that stops sending
+    // mid-stream costs the demo one failed sample, not a hang.
+    let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
+    let Ok(Ok(response)) = tokio::time::timeout_at(deadline, http.request(request)).await else {
         return sample;
     };
     sample.status = response.status().as_u16();
@@ -351,7 +355,13 @@ async fn one(
         .to_owned();
     let mut body = response.into_body();
     let mut tail = Vec::new();
-    while let Some(Ok(frame)) = body.frame().await {
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(None | Some(Err(_))) => break,
+            // Cut off: whatever arrived is not a complete answer.
+            Err(_) => return sample,
+        };
         if let Some(data) = frame.data_ref() {
             if sample.ttft.is_none() && data.windows(6).any(|window| window == b"data: ") {
                 sample.ttft = Some(started.elapsed());
@@ -580,11 +590,14 @@ async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
     let http: HttpClient<HttpConnector, Full<Bytes>> =
         HttpClient::builder(TokioExecutor::new()).build_http();
     let uri: http::Uri = format!("http://{admin}{path}").parse().ok()?;
-    let response = tokio::time::timeout(Duration::from_secs(2), http.get(uri))
+    let exchange = async {
+        let response = http.get(uri).await.ok()?;
+        response.into_body().collect().await.ok()
+    };
+    let body = tokio::time::timeout(Duration::from_secs(2), exchange)
         .await
-        .ok()?
-        .ok()?;
-    let body = response.into_body().collect().await.ok()?.to_bytes();
+        .ok()??
+        .to_bytes();
     Some(String::from_utf8_lossy(&body).into_owned())
 }
 

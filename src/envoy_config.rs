@@ -4,11 +4,14 @@
 //! [`render`] writes a complete, static Envoy v3 bootstrap (checked against the real Envoy 1.40 by
 //! `tests/envoy_config.rs`, which also keeps the shipped `envoy/*.yaml` equal to this output):
 //!
-//! - a listener whose buffer limits follow `max_body_bytes`;
-//! - a virtual host `llm` with one virtual cluster per decision [`Reason`], matched on
-//!   [`DECISION_HEADER`], so Envoy's `/stats` count requests and latencies per reason;
-//! - a filter chain `header_mutation` (drops client-sent routing headers) → `ext_proc` (cachepick) →
-//!   `router`;
+//! - a listener whose connection manager has receive-side deadlines ([`REQUEST_HEADERS_TIMEOUT`],
+//!   [`REQUEST_TIMEOUT`]), and a route whose body buffer limit is `max_body_bytes` and which puts no
+//!   deadline on the response (generations run for minutes);
+//! - a virtual host `llm` with one virtual cluster per decision [`Reason`] plus
+//!   [`PASSTHROUGH`], matched on [`DECISION_HEADER`], so Envoy's `/stats`
+//!   count requests and latencies per decision;
+//! - a filter chain `header_mutation` (drops every client-sent `x-cachepick-*` header and
+//!   [`DESTINATION_HEADER`]) → `ext_proc` (cachepick) → `router`;
 //! - the `workers` cluster: every prefill-capable worker, with the `override_host` load-balancing policy
 //!   that follows [`DESTINATION_HEADER`] (or the `envoy.lb` metadata) and falls back to least-request —
 //!   or, in [`BodyMode::OriginalDst`], an `ORIGINAL_DST` cluster, the form GIE gateways use;
@@ -23,6 +26,7 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::policy::Reason;
+use crate::service::PASSTHROUGH;
 
 /// The header cachepick sets to the selected worker (then its fallbacks), `ip:port[,ip:port…]`: the
 /// Endpoint Picker Protocol's name, which `override_host` and `ORIGINAL_DST` read.
@@ -35,6 +39,17 @@ pub const DECISION_HEADER: &str = crate::extproc::DECISION_HEADER;
 pub const LB_METADATA_NAMESPACE: &str = crate::extproc::LB_NAMESPACE;
 /// Envoy's name for the ext_proc filter, also the key of its per-route config.
 pub const EXT_PROC_FILTER: &str = "envoy.filters.http.ext_proc";
+/// Every request header with this prefix is cachepick's to set: Envoy drops a client's copies before
+/// cachepick runs, so with the picker down none reaches a worker. [`DECISION_HEADER`] and
+/// [`SELECTED_HEADER`] are among them.
+pub const OWNED_HEADER_PREFIX: &str = "x-cachepick-";
+/// The HTTP connection manager's `request_headers_timeout`: a client has this long to send its request
+/// headers (from their first byte).
+pub const REQUEST_HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
+/// The HTTP connection manager's `request_timeout`: a client has this long to send its whole request,
+/// body included. Envoy disarms it once the request has gone upstream or the response has begun, so it
+/// never cuts a generation (`tests/envoy_config.rs` checks both sides against a live Envoy).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How Envoy hands the request body to cachepick, and how it steers to the chosen worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -324,6 +339,10 @@ fn admin(out: &mut Yaml, options: &EnvoyOptions) {
         &[
             "A bound on downstream connections, so a connection flood exhausts a limit instead of memory (Envoy",
             "warns at start-up without one).",
+            "",
+            "No memory-based overload action: Envoy's fixed_heap monitor needs max_heap_size_bytes, Envoy's memory",
+            "budget, which only the deployment knows (Envoy refuses the monitor without it). Where you know it, add",
+            "that monitor with actions such as envoy.overload_actions.shrink_heap and stop_accepting_requests.",
         ],
     );
     out.line(0, "overload_manager:");
@@ -341,28 +360,19 @@ fn admin(out: &mut Yaml, options: &EnvoyOptions) {
 }
 
 fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
-    let limit = config.max_body_bytes.get();
     out.line(2, "listeners:");
     out.line(2, "- name: llm");
     out.line(4, "address:");
     out.socket_address(6, options.listen);
-    match options.mode {
-        BodyMode::Buffered | BodyMode::OriginalDst => out.comment(
-            4,
-            &[
-                "Envoy buffers the whole request body for cachepick, up to this many bytes: cachepick's max_body_bytes.",
-                "An HTTP/1.1 body above it is answered 413 by Envoy itself, as cachepick would answer it.",
-            ],
-        ),
-        BodyMode::Duplex => out.comment(
-            4,
-            &[
-                "cachepick's max_body_bytes. Streaming bodies are not capped by it (cachepick refuses bodies over the",
-                "limit itself); it bounds what Envoy buffers per connection and for retries.",
-            ],
-        ),
-    }
-    out.line(4, &format!("per_connection_buffer_limit_bytes: {limit}"));
+    out.comment(
+        4,
+        &[
+            "No per_connection_buffer_limit_bytes: Envoy's default (1 MiB) bounds each downstream connection's read",
+            "and write buffers (flow control: Envoy stops reading there; it does not cap a body). Raising it to",
+            "max_body_bytes would let every connection, whatever it sends, make Envoy buffer that much. The body",
+            "limit is the route's request_body_buffer_limit below.",
+        ],
+    );
     out.line(4, "filter_chains:");
     out.line(4, "- filters:");
     out.line(6, "- name: envoy.filters.network.http_connection_manager");
@@ -377,6 +387,29 @@ fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     );
     out.line(10, "stat_prefix: ingress_http");
     out.line(10, "codec_type: AUTO");
+    out.comment(
+        10,
+        &[
+            "Receive-side deadlines, since the route below has none: a client that trickles its request (a slow",
+            "upload, or one that stops sending) would otherwise hold a stream, its buffered body and a picker",
+            "stream for as long as it likes. request_headers_timeout: the headers must arrive within this",
+            "of their first byte. request_timeout: the whole request, body included, within this, else 408. Envoy",
+            "disarms it once the router has the whole request (after cachepick's decision) or the response has",
+            "begun, so it never cuts a generation or an SSE stream, however long. A client that cannot upload",
+            "max_body_bytes in this time gets 408.",
+        ],
+    );
+    out.line(
+        10,
+        &format!(
+            "request_headers_timeout: {}",
+            duration(REQUEST_HEADERS_TIMEOUT)
+        ),
+    );
+    out.line(
+        10,
+        &format!("request_timeout: {}", duration(REQUEST_TIMEOUT)),
+    );
     route_config(out, config, options);
     http_filters(out, options);
 }
@@ -390,14 +423,25 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     out.line(14, "domains: [\"*\"]");
     out.line(14, "routes:");
     out.line(14, "- match: {prefix: \"/\"}");
-    out.comment(
-        16,
-        &[
-            "The route's own body limit (retry buffering, buffering filters): max_body_bytes as well. A larger body",
-            "(possible only while failing open) is not kept for retries: if its first worker refuses it, Envoy",
-            "answers 507 instead of retrying.",
-        ],
-    );
+    match options.mode {
+        BodyMode::Buffered | BodyMode::OriginalDst => out.comment(
+            16,
+            &[
+                "cachepick's max_body_bytes: Envoy buffers the whole request body for cachepick up to this many bytes",
+                "(it overrides the listener's 1 MiB for this route's requests), and answers 413 itself to an HTTP/1.1",
+                "body above it, as cachepick would. It is also the retry buffer: a larger body (possible only while",
+                "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
+            ],
+        ),
+        BodyMode::Duplex => out.comment(
+            16,
+            &[
+                "cachepick's max_body_bytes. The body streams through cachepick, which refuses one over the limit",
+                "itself, so this bounds only what Envoy buffers for retries: a larger body (possible only while",
+                "failing open) is not kept, so if its first worker refuses it, Envoy answers 507.",
+            ],
+        ),
+    }
     out.line(16, &format!("request_body_buffer_limit: {limit}"));
     out.line(16, "route:");
     out.line(18, &format!("cluster: {}", upstream_cluster(options.mode)));
@@ -445,11 +489,18 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
             ),
             "shows vhost.llm.vcluster.<reason>.upstream_rq_{total,2xx,5xx,time,...}. The router matches them after",
             "ext_proc has run; requests without the header (picker down) count under vhost.llm.vcluster.other.",
+            &format!(
+                "The last, {PASSTHROUGH}, is not a routing reason: it counts requests without a prompt (header-only GETs"
+            ),
+            "such as /v1/models, POSTs to paths like /v1/embeddings), which cachepick sends by load alone.",
         ],
     );
     out.line(14, "virtual_clusters:");
-    for reason in Reason::ALL {
-        let name = reason.as_str();
+    let names = Reason::ALL
+        .iter()
+        .map(|reason| reason.as_str())
+        .chain([PASSTHROUGH]);
+    for name in names {
         out.line(14, &format!("- name: {name}"));
         out.line(
             16,
@@ -463,9 +514,12 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
     out.comment(
         10,
         &[
-            "1. Drop routing headers a client sent. cachepick overwrites them when it answers, but with the picker",
-            "   down a client could otherwise pick its worker (or, with ORIGINAL_DST, any address at all) and",
-            "   forge the per-reason stats.",
+            &format!(
+                "1. Drop the routing headers a client sent: {DESTINATION_HEADER} and every {OWNED_HEADER_PREFIX}* header"
+            ),
+            "(the prefix is cachepick's). cachepick overwrites its own when it answers, but with the picker down",
+            "a client could otherwise pick its worker (or, with ORIGINAL_DST, any address at all), forge the",
+            "per-decision stats, or pass a worker any header that looks like cachepick's.",
         ],
     );
     out.line(10, "- name: envoy.filters.http.header_mutation");
@@ -477,8 +531,10 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(14, "mutations:");
     out.line(16, "request_mutations:");
     out.line(16, &format!("- remove: {DESTINATION_HEADER}"));
-    out.line(16, &format!("- remove: {DECISION_HEADER}"));
-    out.line(16, &format!("- remove: {SELECTED_HEADER}"));
+    out.line(
+        16,
+        &format!("- remove_on_match: {{key_matcher: {{prefix: \"{OWNED_HEADER_PREFIX}\"}}}}"),
+    );
     out.comment(
         10,
         &["2. cachepick: reads the request, picks the worker, sets the headers above. Must precede the router."],
@@ -533,7 +589,12 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     match mode {
         BodyMode::Duplex => out.comment(
             indent,
-            &["No message_timeout: Envoy applies none in FULL_DUPLEX_STREAMED; cachepick bounds its own latency."],
+            &[
+                "No message_timeout: Envoy applies none in FULL_DUPLEX_STREAMED. What bounds a request's time in",
+                "cachepick instead: the HCM's request_timeout above (the whole request, decision included), and",
+                "cachepick's own per-stream deadline of 60 s on a body that stops arriving; cachepick decides on its",
+                "blocking thread pool, so a long tokenization does not stall other streams.",
+            ],
         ),
         BodyMode::Buffered | BodyMode::OriginalDst => {
             out.comment(
@@ -863,9 +924,16 @@ mod tests {
         let yaml = render(&config, &options);
         assert_eq!(yaml, render(&config, &options));
         assert!(yaml.contains(&format!(
-            "per_connection_buffer_limit_bytes: {}",
+            "request_body_buffer_limit: {}",
             Config::DEFAULT_MAX_BODY_BYTES
         )));
+        // The listener keeps Envoy's default per-connection buffer (only the comment names the field).
+        assert!(!yaml.lines().any(|line| {
+            line.trim_start()
+                .starts_with("per_connection_buffer_limit_bytes:")
+        }));
+        assert!(yaml.contains("request_headers_timeout: 10s\n"));
+        assert!(yaml.contains("request_timeout: 60s\n"));
         assert!(yaml.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
         assert!(
             !yaml
@@ -873,6 +941,19 @@ mod tests {
                 .any(|line| line.trim_start().starts_with("message_timeout:"))
         );
         assert!(yaml.contains("num_retries: 2"));
+    }
+
+    #[test]
+    fn cachepicks_headers_all_carry_the_prefix_envoy_strips() {
+        for header in [
+            DECISION_HEADER,
+            SELECTED_HEADER,
+            crate::extproc::PREFIX_TOKENS_HEADER,
+            crate::extproc::REJECT_HEADER,
+        ] {
+            assert!(header.starts_with(OWNED_HEADER_PREFIX), "{header}");
+        }
+        assert!(!DESTINATION_HEADER.starts_with(OWNED_HEADER_PREFIX));
     }
 
     #[test]

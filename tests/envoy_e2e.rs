@@ -42,6 +42,7 @@ use cachepick::config::{self, Config, Overrides, SimConfig, TokenizerConfig};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
 use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
 use cachepick::policy::Reason;
+use cachepick::service::PASSTHROUGH;
 use cachepick::sim::fleet::Fleet;
 use cachepick::worker::Engine;
 use sim_client::{Client, Reply, Usage};
@@ -952,18 +953,21 @@ async fn a_body_over_the_limit_gets_413_quickly_in_buffered_mode() {
         ..Setup::new(BodyMode::Buffered)
     })
     .await;
-    // The generated Envoy buffers at most max_body_bytes, per connection and per route.
+    // The generated Envoy buffers at most max_body_bytes per request (the route's limit); the listener
+    // keeps Envoy's default per-connection buffer.
     assert!(
         stack
             .yaml
-            .contains(&format!("per_connection_buffer_limit_bytes: {}", 1 << 20)),
+            .contains(&format!("request_body_buffer_limit: {}", 1 << 20)),
         "{}",
         stack.yaml
     );
     assert!(
-        stack
-            .yaml
-            .contains(&format!("request_body_buffer_limit: {}", 1 << 20))
+        !stack.yaml.lines().any(|line| line
+            .trim_start()
+            .starts_with("per_connection_buffer_limit_bytes:")),
+        "{}",
+        stack.yaml
     );
     let prompt = text("too-big", 2 << 20);
     let body =
@@ -988,7 +992,77 @@ async fn a_body_over_the_limit_gets_413_quickly_in_buffered_mode() {
     assert_eq!(small.decision, "cache_miss");
 }
 
+/// The body limit is the route's request_body_buffer_limit (max_body_bytes), not the listener's
+/// per-connection buffer, which stays at Envoy's default of 1 MiB: in buffered mode a 3 MiB HTTP/1.1
+/// body under an 8 MiB limit reaches cachepick whole and is routed, while one above 8 MiB still gets
+/// Envoy's 413.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_mode_takes_bodies_between_one_mebibyte_and_the_limit() {
+    const PROMPT_BYTES: usize = 3 << 20;
+    let stack = Stack::start(Setup {
+        max_body_bytes: Some(8 << 20),
+        tune: |sim| {
+            // Room for the prompt's 786k tokens, and a prefill that does not take minutes.
+            sim.params.max_model_len = nz(2_000_000);
+            sim.params.kv_blocks = nz(100_000);
+            sim.params.time_scale = 0.001;
+        },
+        ..Setup::new(BodyMode::Buffered)
+    })
+    .await;
+    assert!(
+        !stack.yaml.lines().any(|line| line
+            .trim_start()
+            .starts_with("per_connection_buffer_limit_bytes:")),
+        "the listener keeps Envoy's default buffer"
+    );
+    let prompt = text("three-mib", PROMPT_BYTES);
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap();
+    assert!(body.len() > 1 << 20 && body.len() < 8 << 20);
+    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
+    let landed = routed(&stack, &reply);
+    assert_eq!(landed.decision, "cache_miss", "{landed:?}");
+    // The byte tokenizer packs 4 bytes per token: the worker counted every byte of the prompt.
+    assert_eq!(reply.usage().prompt_tokens, (PROMPT_BYTES / 4) as u64);
+
+    let over = text("nine-mib", 9 << 20);
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": over, "max_tokens": 2})).unwrap();
+    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "headers {:?}; body {}",
+        reply.headers,
+        reply.text()
+    );
+    // Envoy's own 413: neither a worker nor cachepick (whose refusals carry a reason header) saw it.
+    assert!(all(&reply, "x-served-by").is_empty(), "{:?}", reply.headers);
+    assert!(all(&reply, REJECT_HEADER).is_empty(), "{:?}", reply.headers);
+}
+
 // === 6. the picker gone: Envoy fails open ===
+
+/// Headers a client has no business sending: cachepick's, and one that merely has its prefix.
+const FORGED: [(&str, &str); 4] = [
+    (DECISION_HEADER, "cache_hit"),
+    (PREFIX_TOKENS_HEADER, "4096"),
+    ("x-cachepick-endpoint", "10.1.2.3:80"),
+    ("x-cachepick-anything", "forged"),
+];
+
+/// The `x-cachepick-*` request headers the worker received (the simulator echoes each as
+/// `x-sim-echo-<name>`), by name.
+fn echoed_cachepick_headers(reply: &Reply) -> Vec<String> {
+    reply
+        .headers
+        .keys()
+        .filter_map(|name| name.as_str().strip_prefix("x-sim-echo-"))
+        .filter(|name| name.starts_with(cachepick::envoy_config::OWNED_HEADER_PREFIX))
+        .map(str::to_owned)
+        .collect()
+}
 
 async fn requests_are_served_without_the_picker(mode: BodyMode) {
     let mut stack = Stack::start(Setup::new(mode)).await;
@@ -1005,7 +1079,9 @@ async fn requests_are_served_without_the_picker(mode: BodyMode) {
         stack.wait_picker_unhealthy().await;
     }
     // A request without a body: no body was handed to the picker, so every mode can fail open.
-    let get = stack.send(Method::GET, "/v1/models", &[], Vec::new()).await;
+    let get = stack
+        .send(Method::GET, "/v1/models", &FORGED, Vec::new())
+        .await;
     assert_eq!(
         get.status,
         StatusCode::OK,
@@ -1014,14 +1090,15 @@ async fn requests_are_served_without_the_picker(mode: BodyMode) {
     );
     assert!(fleet.contains(&one(&get, "x-served-by")));
     assert!(all(&get, ECHO_DESTINATION).is_empty());
+    assert_eq!(echoed_cachepick_headers(&get), Vec::<String>::new());
 
     for i in 0..4 {
-        // A forged destination: with the picker down, Envoy's header_mutation filter drops it.
+        // A forged destination and cachepick headers: with the picker down, Envoy's header_mutation
+        // filter drops them.
+        let mut forged = FORGED.to_vec();
+        forged.push((DESTINATION, fleet[0].as_str()));
         let reply = stack
-            .chat(
-                &text(&format!("after-{i}"), 2048),
-                &[(DESTINATION, &fleet[0]), (DECISION_HEADER, "cache_hit")],
-            )
+            .chat(&text(&format!("after-{i}"), 2048), &forged)
             .await;
         if reply.status != StatusCode::OK {
             let stats = stack.envoy.stats().await;
@@ -1045,6 +1122,11 @@ async fn requests_are_served_without_the_picker(mode: BodyMode) {
             all(&reply, ECHO_DESTINATION).is_empty() && all(&reply, ECHO_DECISION).is_empty(),
             "routing headers reached the worker without a picker: {:?}",
             reply.headers
+        );
+        assert_eq!(
+            echoed_cachepick_headers(&reply),
+            Vec::<String>::new(),
+            "client-sent x-cachepick-* headers reached the worker without a picker"
         );
     }
     let allowed = stack
@@ -1076,6 +1158,8 @@ async fn duplex_requests_are_served_without_the_picker() {
 
 // === 7. a request without a body ===
 
+/// A request without a prompt is routed by load alone and labelled `passthrough`, which Envoy counts in
+/// its own virtual cluster.
 async fn a_header_only_get_is_routed(mode: BodyMode) {
     let stack = Stack::start(Setup::new(mode)).await;
     let reply = stack.send(Method::GET, "/v1/models", &[], Vec::new()).await;
@@ -1088,13 +1172,23 @@ async fn a_header_only_get_is_routed(mode: BodyMode) {
         "{:?}",
         reply.headers
     );
-    let decision = one(&reply, ECHO_DECISION);
-    assert!(
-        Reason::ALL.iter().any(|reason| reason.as_str() == decision),
-        "unknown decision reason {decision:?}"
+    assert_eq!(
+        one(&reply, ECHO_DECISION),
+        PASSTHROUGH,
+        "{:?}",
+        reply.headers
     );
     let models = reply.json();
     assert_eq!(models["data"][0]["id"], MODEL, "{models}");
+    assert_eq!(
+        stack
+            .envoy
+            .stat(&format!(
+                "vhost.llm.vcluster.{PASSTHROUGH}.upstream_rq_total"
+            ))
+            .await,
+        Some(1)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

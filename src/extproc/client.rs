@@ -45,7 +45,12 @@ pub enum ClientError {
     NoDecision,
     #[error("the picker is not ready: some pool has not completed a scrape round")]
     NotReady,
+    #[error("no answer from the picker within {0:?}")]
+    Timeout(Duration),
 }
+
+/// How long [`Client::decide`] waits for the whole exchange (sending the request, the decision).
+pub const DECIDE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A connection to a picker's ext_proc service; cheap to clone (one HTTP/2 connection).
 #[derive(Clone, Debug)]
@@ -66,8 +71,25 @@ impl Client {
         })
     }
 
-    /// Asks for the destination of a POST of `body` to `path`.
+    /// Asks for the destination of a POST of `body` to `path`; [`ClientError::Timeout`] after
+    /// [`DECIDE_TIMEOUT`].
     pub async fn decide(&self, path: &str, body: &[u8]) -> Result<Verdict, ClientError> {
+        self.decide_within(path, body, DECIDE_TIMEOUT).await
+    }
+
+    /// [`Client::decide`] with its own deadline for the whole exchange.
+    pub async fn decide_within(
+        &self,
+        path: &str,
+        body: &[u8],
+        limit: Duration,
+    ) -> Result<Verdict, ClientError> {
+        tokio::time::timeout(limit, self.exchange(path, body))
+            .await
+            .map_err(|_| ClientError::Timeout(limit))?
+    }
+
+    async fn exchange(&self, path: &str, body: &[u8]) -> Result<Verdict, ClientError> {
         let headers = ProcessingRequest {
             protocol_config: Some(ProtocolConfiguration {
                 request_body_mode: BodySendMode::Buffered as i32,
@@ -163,34 +185,87 @@ fn verdict(response: ProcessingResponse) -> Option<Verdict> {
 }
 
 /// Waits until the picker at `addr` reports `readiness` SERVING over gRPC health (every pool has
-/// completed a scrape round), or `timeout` passes.
+/// completed a scrape round), or `timeout` passes: each attempt's connect and health check are bounded
+/// by the time left, so a peer that accepts and never answers cannot hold it past `timeout`.
 pub async fn wait_ready(addr: SocketAddr, timeout: Duration) -> Result<(), ClientError> {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
 
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|source| ClientError::Connect { addr, source })?;
     let deadline = tokio::time::Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
     loop {
-        let last = match Endpoint::from_shared(format!("http://{addr}")) {
-            Ok(endpoint) => match endpoint.connect().await {
-                Ok(channel) => HealthClient::new(channel)
-                    .check(HealthCheckRequest {
-                        service: super::READINESS.to_owned(),
-                    })
-                    .await
-                    .map(|response| response.into_inner().status == ServingStatus::Serving as i32)
-                    .map_err(ClientError::Stream),
-                Err(source) => Err(ClientError::Connect { addr, source }),
-            },
-            Err(source) => return Err(ClientError::Connect { addr, source }),
+        let last = match tokio::time::timeout(left(), endpoint.connect()).await {
+            Err(_) => Err(ClientError::Timeout(timeout)),
+            Ok(Err(source)) => Err(ClientError::Connect { addr, source }),
+            Ok(Ok(channel)) => {
+                let mut health = HealthClient::new(channel);
+                let check = health.check(HealthCheckRequest {
+                    service: super::READINESS.to_owned(),
+                });
+                match tokio::time::timeout(left(), check).await {
+                    Err(_) => Err(ClientError::Timeout(timeout)),
+                    Ok(answer) => answer
+                        .map(|response| {
+                            response.into_inner().status == ServingStatus::Serving as i32
+                        })
+                        .map_err(ClientError::Stream),
+                }
+            }
         };
         match last {
             Ok(true) => return Ok(()),
-            Ok(false) if tokio::time::Instant::now() >= deadline => {
-                return Err(ClientError::NotReady);
-            }
-            Err(error) if tokio::time::Instant::now() >= deadline => return Err(error),
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            Ok(false) if left().is_zero() => return Err(ClientError::NotReady),
+            Err(error) if left().is_zero() => return Err(error),
+            _ => tokio::time::sleep(left().min(Duration::from_millis(50))).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A peer that accepts connections and never says a word.
+    async fn silent_peer() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn decide_gives_up_on_a_picker_that_never_answers() {
+        let addr = silent_peer().await;
+        let client = Client::connect(addr).await.expect("TCP connects");
+        let limit = Duration::from_millis(200);
+        let started = std::time::Instant::now();
+        let outcome = client.decide_within("/v1/completions", b"{}", limit).await;
+        assert!(
+            matches!(outcome, Err(ClientError::Timeout(d)) if d == limit),
+            "{outcome:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn wait_ready_returns_in_time_when_the_peer_never_answers() {
+        let addr = silent_peer().await;
+        let started = std::time::Instant::now();
+        let outcome = wait_ready(addr, Duration::from_millis(300)).await;
+        assert!(outcome.is_err(), "{outcome:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "took {:?}",
+            started.elapsed()
+        );
     }
 }

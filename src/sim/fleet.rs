@@ -160,6 +160,8 @@ impl Fleet {
     pub async fn serve_control(self: Arc<Self>, listener: TcpListener) {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
+                // EMFILE and the like fail again at once: pause instead of spinning.
+                tokio::time::sleep(super::server::ACCEPT_ERROR_BACKOFF).await;
                 continue;
             };
             let fleet = Arc::clone(&self);

@@ -352,6 +352,9 @@ async fn restart(shared: &Arc<Shared>) -> Result<(), StartError> {
     Ok(())
 }
 
+/// The pause after a failed accept (the fleet's control listener uses it too).
+pub(crate) const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+
 async fn accept_loop(
     listener: TcpListener,
     shared: Arc<Shared>,
@@ -368,7 +371,17 @@ async fn accept_loop(
                 return;
             }
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+                let Ok((stream, _)) = accepted else {
+                    // EMFILE and the like fail again at once: pause instead of spinning.
+                    tokio::select! {
+                        _ = &mut stop => {
+                            drop(listener);
+                            connections.shutdown().await;
+                            return;
+                        }
+                        () = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => continue,
+                    }
+                };
                 let _ = stream.set_nodelay(true);
                 let shared = Arc::clone(&shared);
                 let incarnation = Arc::clone(&incarnation);
