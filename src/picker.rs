@@ -166,7 +166,9 @@ impl Picker {
                         .tokens_for_chat(&turns, tools.map(|raw| raw.get())),
                 )?)
             }
-            Prompt::Text(text) => Cow::Owned(untokenized_as_empty(pool.tokenizer.tokens_for_text(text))?),
+            Prompt::Text(text) => {
+                Cow::Owned(untokenized_as_empty(pool.tokenizer.tokens_for_text(text))?)
+            }
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
         let model = parsed.model.as_deref().unwrap_or(pool.load.label());
@@ -331,7 +333,9 @@ impl Picker {
 /// A prompt the tokenizer itself fails on (a regex backtracking limit on a megabyte of whitespace, say)
 /// is still a servable request: it is routed without prefix information, as a miss, rather than refused.
 /// Failures that are the request's fault (a chat the template cannot render) stay errors.
-fn untokenized_as_empty(tokens: Result<Vec<u32>, TokenizeError>) -> Result<Vec<u32>, TokenizeError> {
+fn untokenized_as_empty(
+    tokens: Result<Vec<u32>, TokenizeError>,
+) -> Result<Vec<u32>, TokenizeError> {
     match tokens {
         Err(TokenizeError::Encode(error)) => {
             // One line in 64: a client can send such prompts on purpose.

@@ -1080,7 +1080,10 @@ listn: 1
         assert!(parse(POOL, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints);
         let quoted = format!("debug_endpoints: \"false\"\n{POOL}");
         let message = parse(&quoted, "t.yaml", &NO_FLAGS).unwrap_err().to_string();
-        assert!(message.contains("debug_endpoints (line 1): expected true or false"), "{message}");
+        assert!(
+            message.contains("debug_endpoints (line 1): expected true or false"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -263,7 +263,11 @@ fn on_headers(
     headers: HttpHeaders,
     metadata: Option<&Metadata>,
 ) -> Step {
-    for header in headers.headers.iter().flat_map(|map: &HeaderMap| &map.headers) {
+    for header in headers
+        .headers
+        .iter()
+        .flat_map(|map: &HeaderMap| &map.headers)
+    {
         let key = header.key.to_ascii_lowercase();
         if key == ":path" {
             let path = String::from_utf8_lossy(&header.raw_value);
