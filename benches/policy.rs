@@ -11,7 +11,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use cachepick::config::{PolicyConfig, QueueGate};
+use cachepick::config::{CacheAwareKnobs, Mode, PolicyConfig, QueueGate};
 use cachepick::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
 use cachepick::policy::{LoadView, OwnerMatch, RequestFacts, decide};
 use cachepick::worker::{Role, WorkerId};
@@ -59,8 +59,11 @@ fn fleet(n: usize, now: Instant, saturated: bool) -> (PoolSnapshot, Vec<OwnerMat
 #[allow(clippy::disallowed_methods)] // the benchmark, not the policy, picks the instant
 fn bench_decide(c: &mut Criterion) {
     let config = PolicyConfig {
-        gate: QueueGate::new(NonZeroU64::new(4).unwrap(), NonZeroU64::new(2)),
-        min_load_choices: NonZeroUsize::new(2).unwrap(),
+        mode: Mode::CacheAware(CacheAwareKnobs {
+            gate: QueueGate::new(NonZeroU64::new(4).unwrap(), NonZeroU64::new(2)),
+            min_load_choices: NonZeroUsize::new(2).unwrap(),
+            ..CacheAwareKnobs::default()
+        }),
         ..PolicyConfig::default()
     };
     let now = Instant::now();
@@ -78,6 +81,7 @@ fn bench_decide(c: &mut Criterion) {
             let request = RequestFacts {
                 prompt_tokens: 8192,
                 allowed: None,
+                sequence: 0,
             };
             let mut rng = SmallRng::seed_from_u64(1);
             group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {

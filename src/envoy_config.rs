@@ -303,12 +303,12 @@ fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     let addresses = format!(
         "Clients send LLM requests to {}. cachepick's ext_proc server (its `listen`) is at {}. \
          Envoy's admin interface is at {}. From the cachepick configuration: max_body_bytes {}, \
-         max_fallbacks {}.",
+         max_fallbacks (largest of any pool) {}.",
         options.listen,
         options.picker,
         options.admin,
         config.max_body_bytes,
-        config.policy.max_fallbacks
+        config.most_fallbacks()
     );
     out.comment(
         0,
@@ -454,7 +454,7 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     );
     out.line(18, "timeout: 0s");
     out.line(18, "idle_timeout: 0s");
-    let retries = config.policy.max_fallbacks;
+    let retries = config.most_fallbacks();
     if options.mode != BodyMode::OriginalDst && retries > 0 {
         out.comment(
             18,

@@ -187,9 +187,11 @@ impl Metrics {
             decisions: IntCounterVec::new(
                 Opts::new(
                     "cachepick_decisions_total",
-                    "Routed requests by the policy rung that decided (cache_hit, saturation_pin, all_queued, \
-                     cache_worker_queued, capacity_fallback, cache_miss): the share of cache_hit is how often \
-                     a request reached its prefix owner.",
+                    "Routed requests by decision reason: the cache_aware rung that decided (cache_hit, \
+                     saturation_pin, all_queued, cache_worker_queued, capacity_fallback, cache_miss), or the \
+                     pool's other mode (round_robin, least_load; balance_threshold: balanced_owner, \
+                     balanced_miss, imbalanced). Under cache_aware the share of cache_hit is how often a \
+                     request reached its prefix owner.",
                 ),
                 &["pool", "reason"],
             )?,
@@ -546,7 +548,7 @@ mod tests {
             .lines()
             .filter(|line| line.starts_with("cachepick_decisions_total{"))
             .count();
-        assert_eq!(decisions, 6);
+        assert_eq!(decisions, Reason::ALL.len());
         assert_line(
             &text,
             "cachepick_rejections_total{pool=\"p\",reason=\"no_workers\"} 0",

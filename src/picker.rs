@@ -5,17 +5,21 @@
 //! current snapshot. [`Picker::commit`] then records the decision synchronously — the selected worker
 //! now holds the prompt's blocks, and one more request is in flight there — so that a burst of identical
 //! prompts sees the first one's placement instead of all landing on the same idle worker.
+//!
+//! Each pool runs its own policy (`PoolConfig::policy`). The policy keeps no state, so a `round_robin`
+//! pool's turn comes from here: a per-pool counter, advanced once per decision.
 
 use std::borrow::Cow;
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::config::{Config, PolicyConfig, PoolConfig};
+use crate::config::{Config, Mode, PoolConfig};
 use crate::load::PoolLoad;
 use crate::policy::{
     self, Decision, LoadView, Outcome, OwnerMatch, Reject, RejectReason, RequestFacts, Trace,
@@ -74,6 +78,8 @@ struct PoolRoute {
     load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
     index: OwnerIndex,
+    /// Decisions taken so far under `round_robin`: the next request's turn.
+    sequence: AtomicU64,
 }
 
 /// Everything the policy needs about one request, computed once.
@@ -106,7 +112,6 @@ pub struct Picker {
     /// The pools' configurations, index-aligned with `pools`.
     configs: Vec<PoolConfig>,
     pools: Vec<PoolRoute>,
-    policy: PolicyConfig,
     max_body_bytes: usize,
 }
 
@@ -134,13 +139,13 @@ impl Picker {
                     load: Arc::clone(load),
                     tokenizer,
                     index: OwnerIndex::new(&capacities),
+                    sequence: AtomicU64::new(0),
                 })
             })
             .collect::<Result<_, PickerError>>()?;
         Ok(Picker {
             configs: config.pools.clone(),
             pools,
-            policy: config.policy.clone(),
             max_body_bytes: config.max_body_bytes.get(),
         })
     }
@@ -255,7 +260,8 @@ impl Picker {
         rng: &mut R,
     ) -> Result<Explanation, RequestError> {
         let prepared = self.prepare(path, body)?;
-        let outcome = self.decide(&prepared, None, Instant::now(), rng);
+        // Looks at the next turn without taking it: explaining routes nothing.
+        let outcome = self.decide_in_turn(&prepared, None, Instant::now(), false, rng);
         let config = self.configs.get(prepared.pool);
         Ok(Explanation {
             block_size: config.map_or(0, |pool| pool.block_size.get()),
@@ -272,7 +278,8 @@ impl Picker {
         })
     }
 
-    /// Runs the policy for a prepared request on its pool's current snapshot.
+    /// Runs the pool's policy for a prepared request on its pool's current snapshot. Under `round_robin`
+    /// this takes the pool's next turn.
     pub fn decide<R: Rng + ?Sized>(
         &self,
         prepared: &Prepared,
@@ -280,7 +287,22 @@ impl Picker {
         now: Instant,
         rng: &mut R,
     ) -> Outcome {
-        let Some(pool) = self.pools.get(prepared.pool) else {
+        self.decide_in_turn(prepared, allowed, now, true, rng)
+    }
+
+    /// `decide`; `take_turn` false peeks at the round-robin turn instead of advancing it.
+    fn decide_in_turn<R: Rng + ?Sized>(
+        &self,
+        prepared: &Prepared,
+        allowed: Option<&[WorkerId]>,
+        now: Instant,
+        take_turn: bool,
+        rng: &mut R,
+    ) -> Outcome {
+        let (Some(pool), Some(config)) = (
+            self.pools.get(prepared.pool),
+            self.configs.get(prepared.pool),
+        ) else {
             // `prepare` only names pools that exist; a foreign `Prepared` has no workers here.
             return Outcome::Reject(Reject {
                 reason: RejectReason::NoWorkers,
@@ -293,11 +315,18 @@ impl Picker {
             dispatches: pool.load.dispatches(),
             now,
         };
+        // Only round robin reads the sequence; other pools leave the counter alone.
+        let sequence = match config.policy.mode {
+            Mode::RoundRobin if take_turn => pool.sequence.fetch_add(1, Ordering::Relaxed),
+            Mode::RoundRobin => pool.sequence.load(Ordering::Relaxed),
+            _ => 0,
+        };
         let facts = RequestFacts {
             prompt_tokens: prepared.prompt_tokens,
             allowed,
+            sequence,
         };
-        policy::decide(&facts, &prepared.owners, &view, &self.policy, rng)
+        policy::decide(&facts, &prepared.owners, &view, &config.policy, rng)
     }
 
     /// Records a routed request: its blocks now live on the selected worker, and one more request is in
@@ -359,4 +388,90 @@ fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
     max_total_tokens
         .map(|tokens| usize::try_from(tokens / block).unwrap_or(usize::MAX).max(1))
         .unwrap_or(pool.default_cache_blocks.get())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use rand::SeedableRng;
+    use rand::rngs::SmallRng;
+
+    use super::*;
+    use crate::config::Overrides;
+    use crate::policy::Reason;
+
+    /// Pool `rr` runs round robin over three workers; pool `ca` inherits the top-level cache_aware.
+    fn picker() -> Picker {
+        let yaml = "\
+policy: {min_match_tokens: 4}
+pools:
+  - model: rr
+    engine: vllm
+    tokenizer: {kind: bytes}
+    policy: {mode: round_robin}
+    workers:
+      - endpoint: 127.0.0.1:1
+      - endpoint: 127.0.0.1:2
+      - endpoint: 127.0.0.1:3
+  - model: ca
+    engine: vllm
+    tokenizer: {kind: bytes}
+    workers:
+      - endpoint: 127.0.0.1:4
+      - endpoint: 127.0.0.1:5
+";
+        let config = crate::config::parse(yaml, "t", &Overrides::default()).unwrap();
+        let loads: Vec<Arc<PoolLoad>> = config
+            .pools
+            .iter()
+            .map(|pool| PoolLoad::new(pool, &config.load))
+            .collect();
+        Picker::new(&config, &loads).unwrap()
+    }
+
+    fn body(model: &str) -> Vec<u8> {
+        let prompt = "the same prompt, long enough for a few blocks ".repeat(40);
+        serde_json::to_vec(&serde_json::json!({"model": model, "prompt": prompt})).unwrap()
+    }
+
+    /// Routes and commits; (worker, reason).
+    fn route(picker: &Picker, model: &str, rng: &mut SmallRng) -> (u32, Reason) {
+        let prepared = picker.prepare("/v1/completions", &body(model)).unwrap();
+        let Outcome::Route(decision) = picker.decide(&prepared, None, Instant::now(), rng) else {
+            panic!("rejected")
+        };
+        picker.commit(&prepared, &decision);
+        (decision.selected.0, decision.reason)
+    }
+
+    #[test]
+    fn each_pool_runs_its_own_mode_and_round_robin_takes_one_turn_per_decision() {
+        let picker = picker();
+        let mut rng = SmallRng::seed_from_u64(1);
+        let rr: Vec<_> = (0..4).map(|_| route(&picker, "rr", &mut rng)).collect();
+        assert_eq!(
+            rr,
+            [
+                (0, Reason::RoundRobin),
+                (1, Reason::RoundRobin),
+                (2, Reason::RoundRobin),
+                (0, Reason::RoundRobin),
+            ],
+            "the same prompt each time: round robin ignores the owner it just made"
+        );
+        // The other pool's decisions do not move the turn, and follow the prefix.
+        let first = route(&picker, "ca", &mut rng);
+        assert_eq!(first.1, Reason::CacheMiss);
+        assert_eq!(route(&picker, "ca", &mut rng), (first.0, Reason::CacheHit));
+        // Explaining looks at the next turn without taking it.
+        for _ in 0..2 {
+            let explained = picker
+                .explain("/v1/completions", &body("rr"), &mut rng)
+                .unwrap();
+            let decision = explained.outcome.decision().unwrap();
+            assert_eq!(decision.selected.0, 1);
+            assert_eq!(decision.trace.sequence, Some(4));
+        }
+        assert_eq!(route(&picker, "rr", &mut rng), (1, Reason::RoundRobin));
+    }
 }

@@ -144,12 +144,20 @@ impl Stack {
         };
         let mut config = config::parse(&generated, "the e2e configuration", &overrides)
             .unwrap_or_else(|error| panic!("{error}\n{generated}"));
-        let gate = config.policy.gate.expect("the overrides set a queue gate");
+        let gate = config
+            .policy
+            .gate()
+            .expect("the overrides set a queue gate");
         assert_eq!(
             (gate.limit(), gate.floor()),
             (QUEUE_LIMIT, Some(QUEUE_FLOOR))
         );
-        config.policy.min_match_tokens = MIN_MATCH_TOKENS;
+        for policy in config.policies_mut() {
+            let knobs = policy
+                .cache_aware_mut()
+                .expect("the fleet's config is cache_aware");
+            knobs.min_match_tokens = MIN_MATCH_TOKENS;
+        }
         config.load.scrape_interval = SCRAPE_INTERVAL;
         config.load.scrape_timeout = SCRAPE_TIMEOUT;
         config.load.freshness = FRESHNESS;

@@ -14,7 +14,9 @@ use libfuzzer_sys::fuzz_target;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use cachepick::config::{DepthRatio, PolicyConfig, QueueGate};
+use cachepick::config::{
+    BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, PolicyConfig, QueueGate, RelThreshold,
+};
 use cachepick::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
 use cachepick::policy::{LoadView, Outcome, OwnerMatch, Reason, RequestFacts, decide};
 use cachepick::worker::{Role, WorkerId};
@@ -43,6 +45,10 @@ struct Input {
     allowed: Option<Vec<u8>>,
     stray_owner: Option<(u32, u32)>,
     seed: u64,
+    /// 0 (and anything above 3) cache_aware, 1 round_robin, 2 least_load, 3 balance_threshold.
+    mode: u8,
+    balance: (u16, u8, u8),
+    sequence: u64,
 }
 
 fn base() -> Instant {
@@ -116,11 +122,24 @@ fuzz_target!(|input: Input| {
                 .filter(|f| *f <= limit);
             QueueGate::new(limit, floor)
         });
+    let (abs, rel, cache) = input.balance;
+    let mode = match input.mode {
+        1 => Mode::RoundRobin,
+        2 => Mode::LeastLoad,
+        3 => Mode::BalanceThreshold(BalanceKnobs {
+            abs_threshold: u64::from(abs),
+            rel_threshold: RelThreshold::new(1.0 + (f64::from(rel) + 1.0) / 64.0).unwrap(),
+            cache_threshold: DepthRatio::new(f64::from(cache) / 255.0).unwrap(),
+        }),
+        _ => Mode::CacheAware(CacheAwareKnobs {
+            gate,
+            min_load_choices: NonZeroUsize::new(usize::from(input.k).max(1)).unwrap(),
+            min_match_tokens: u64::from(input.min_match_tokens),
+            pin_depth_ratio: DepthRatio::new(f64::from(input.ratio) / 255.0).unwrap(),
+        }),
+    };
     let config = PolicyConfig {
-        gate,
-        min_load_choices: NonZeroUsize::new(usize::from(input.k).max(1)).unwrap(),
-        min_match_tokens: u64::from(input.min_match_tokens),
-        pin_depth_ratio: DepthRatio::new(f64::from(input.ratio) / 255.0).unwrap(),
+        mode,
         max_fallbacks: usize::from(input.max_fallbacks % 9),
     };
     let allowed: Option<Vec<WorkerId>> = input
@@ -130,6 +149,7 @@ fuzz_target!(|input: Input| {
     let request = RequestFacts {
         prompt_tokens: u64::from(input.prompt_tokens),
         allowed: allowed.as_deref(),
+        sequence: input.sequence,
     };
     let dispatches = Dispatches(&dispatched);
     let load = LoadView {
@@ -155,7 +175,7 @@ fuzz_target!(|input: Input| {
             seen.push(*fallback);
         }
         assert!(decision.fallbacks.len() <= config.max_fallbacks);
-        if let Some(floor) = config.gate.and_then(|g| g.floor()) {
+        if let Some(floor) = config.gate().and_then(|g| g.floor()) {
             let relieved = snapshot.workers().iter().any(|w| {
                 in_fleet(w.id)
                     && snapshot

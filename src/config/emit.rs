@@ -4,6 +4,13 @@
 //! output shows what is actually in force and parses back to an equal [`Config`]. Optional values that
 //! are not set (the queue gate, capacity overrides, a `loads_url` for a worker reading metrics, a chat
 //! template) are left out, since writing them would set them.
+//!
+//! The top-level `policy` is written whole: its mode and every key that mode reads. A pool's `policy` is
+//! written as what differs from it — the keys whose value differs, or, when the pool runs another mode,
+//! that mode with every key it reads — so that the output, like the file, keeps the top level as the
+//! pools' default and a flag given with it still reaches the pools that do not set the key themselves.
+//! (A file cannot take an inherited gate away from a pool, so a pool without the queue gate or floor
+//! that the top level has can only come from code, and is written without it.)
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -12,7 +19,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::{Config, ModelMatch, PoolConfig, TokenizerConfig, duration, size};
+use super::{Config, Mode, ModelMatch, PolicyConfig, PoolConfig, TokenizerConfig, duration, size};
 use crate::worker::{Engine, Role};
 
 impl Config {
@@ -35,16 +42,101 @@ struct File<'c> {
     pools: Vec<Pool<'c>>,
 }
 
-#[derive(Serialize)]
+/// A `policy` section; a key is written when it is `Some`.
+#[derive(Clone, Default, PartialEq, Serialize)]
 struct Policy {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     worker_queue_limit: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     saturation_queue_floor: Option<u64>,
-    min_load_choices: usize,
-    min_match_tokens: u64,
-    pin_depth_ratio: f64,
-    max_fallbacks: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_load_choices: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_match_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pin_depth_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    balance_abs_threshold: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    balance_rel_threshold: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_threshold: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_fallbacks: Option<usize>,
+}
+
+impl Policy {
+    /// Every key `policy` sets: its mode, the keys that mode reads, and the shared ones.
+    fn whole(policy: &PolicyConfig) -> Policy {
+        let mut section = Policy {
+            mode: Some(policy.mode.kind().as_str()),
+            max_fallbacks: Some(policy.max_fallbacks),
+            ..Policy::default()
+        };
+        match &policy.mode {
+            Mode::CacheAware(knobs) => {
+                section.worker_queue_limit = knobs.gate.map(|gate| gate.limit());
+                section.saturation_queue_floor = knobs.gate.and_then(|gate| gate.floor());
+                section.min_load_choices = Some(knobs.min_load_choices.get());
+                section.min_match_tokens = Some(knobs.min_match_tokens);
+                section.pin_depth_ratio = Some(knobs.pin_depth_ratio.get());
+            }
+            Mode::RoundRobin | Mode::LeastLoad => {}
+            Mode::BalanceThreshold(knobs) => {
+                section.balance_abs_threshold = Some(knobs.abs_threshold);
+                section.balance_rel_threshold = Some(knobs.rel_threshold.get());
+                section.cache_threshold = Some(knobs.cache_threshold.get());
+            }
+        }
+        section
+    }
+
+    /// What a pool's section must say for the pool to run `pool` under the top-level `base`: under
+    /// the same mode, the keys whose value differs; under another, that mode and every key it reads
+    /// (nothing of another mode is inherited). The shared keys are written when they differ.
+    fn over(pool: &PolicyConfig, base: &PolicyConfig) -> Policy {
+        let mine = Policy::whole(pool);
+        let theirs = Policy::whole(base);
+        let fallbacks = differs(mine.max_fallbacks, theirs.max_fallbacks);
+        if pool.mode.kind() != base.mode.kind() {
+            return Policy {
+                max_fallbacks: fallbacks,
+                ..mine
+            };
+        }
+        Policy {
+            mode: None,
+            worker_queue_limit: differs(mine.worker_queue_limit, theirs.worker_queue_limit),
+            saturation_queue_floor: differs(
+                mine.saturation_queue_floor,
+                theirs.saturation_queue_floor,
+            ),
+            min_load_choices: differs(mine.min_load_choices, theirs.min_load_choices),
+            min_match_tokens: differs(mine.min_match_tokens, theirs.min_match_tokens),
+            pin_depth_ratio: differs(mine.pin_depth_ratio, theirs.pin_depth_ratio),
+            balance_abs_threshold: differs(
+                mine.balance_abs_threshold,
+                theirs.balance_abs_threshold,
+            ),
+            balance_rel_threshold: differs(
+                mine.balance_rel_threshold,
+                theirs.balance_rel_threshold,
+            ),
+            cache_threshold: differs(mine.cache_threshold, theirs.cache_threshold),
+            max_fallbacks: fallbacks,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        *self == Policy::default()
+    }
+}
+
+/// `mine` when it says something `theirs` does not.
+fn differs<T: PartialEq>(mine: Option<T>, theirs: Option<T>) -> Option<T> {
+    if mine == theirs { None } else { mine }
 }
 
 #[derive(Serialize)]
@@ -83,6 +175,8 @@ struct Pool<'c> {
     chat_template: Option<Cow<'c, str>>,
     segment_cache_entries: usize,
     default_cache_blocks: usize,
+    #[serde(skip_serializing_if = "Policy::is_empty")]
+    policy: Policy,
     workers: Vec<Worker<'c>>,
 }
 
@@ -111,20 +205,12 @@ struct Worker<'c> {
 
 impl<'c> From<&'c Config> for File<'c> {
     fn from(config: &'c Config) -> Self {
-        let policy = &config.policy;
         File {
             listen: config.listen,
             metrics_listen: config.metrics_listen,
             max_body_bytes: config.max_body_bytes.get().into(),
             debug_endpoints: config.debug_endpoints,
-            policy: Policy {
-                worker_queue_limit: policy.gate.map(|gate| gate.limit()),
-                saturation_queue_floor: policy.gate.and_then(|gate| gate.floor()),
-                min_load_choices: policy.min_load_choices.get(),
-                min_match_tokens: policy.min_match_tokens,
-                pin_depth_ratio: policy.pin_depth_ratio.get(),
-                max_fallbacks: policy.max_fallbacks,
-            },
+            policy: Policy::whole(&config.policy),
             load: Load {
                 scrape_interval: duration::format(config.load.scrape_interval),
                 scrape_timeout: duration::format(config.load.scrape_timeout),
@@ -132,13 +218,18 @@ impl<'c> From<&'c Config> for File<'c> {
                 max_body_bytes: config.load.max_body_bytes.get().into(),
                 max_concurrent_scrapes: config.load.max_concurrent_scrapes.get(),
             },
-            pools: config.pools.iter().map(Pool::from).collect(),
+            pools: config
+                .pools
+                .iter()
+                .map(|pool| Pool::new(pool, &config.policy))
+                .collect(),
         }
     }
 }
 
-impl<'c> From<&'c PoolConfig> for Pool<'c> {
-    fn from(pool: &'c PoolConfig) -> Self {
+impl<'c> Pool<'c> {
+    /// `policy` is the top-level section, which the pool's own is written against.
+    fn new(pool: &'c PoolConfig, policy: &PolicyConfig) -> Self {
         Pool {
             model: match &pool.model {
                 ModelMatch::Exact(name) => name,
@@ -160,6 +251,7 @@ impl<'c> From<&'c PoolConfig> for Pool<'c> {
             chat_template: pool.chat_template.as_deref().map(Path::to_string_lossy),
             segment_cache_entries: pool.segment_cache_entries.get(),
             default_cache_blocks: pool.default_cache_blocks.get(),
+            policy: Policy::over(&pool.policy, policy),
             workers: pool
                 .workers
                 .iter()

@@ -145,6 +145,7 @@ listen: 127.0.0.1:9002          # ext_proc gRPC
 metrics_listen: 127.0.0.1:9090
 max_body_bytes: 16MiB
 policy:
+  mode: cache_aware
   worker_queue_limit: 4
   saturation_queue_floor: 2
   min_load_choices: 2
@@ -179,6 +180,9 @@ pools:
     chat_template: /models/qwen/tokenizer_config.json
     segment_cache_entries: 4096
     default_cache_blocks: 65536
+    policy:                     # four ranks a worker: limit and floor scaled with dp_size
+      worker_queue_limit: 16
+      saturation_queue_floor: 8
     workers:
       - endpoint: 10.0.0.21:30000
         role: prefill
@@ -220,6 +224,17 @@ pools:
         text.parse().unwrap()
     }
 
+    /// The default cache-aware policy with a queue gate.
+    fn gated(limit: u64, floor: u64) -> PolicyConfig {
+        PolicyConfig {
+            mode: Mode::CacheAware(CacheAwareKnobs {
+                gate: QueueGate::new(NonZeroU64::new(limit).unwrap(), NonZeroU64::new(floor)),
+                ..CacheAwareKnobs::default()
+            }),
+            ..PolicyConfig::default()
+        }
+    }
+
     #[test]
     fn the_full_example_is_accepted_with_its_values() {
         let config = parse(EXAMPLE, "example.yaml", &Overrides::default()).unwrap();
@@ -227,13 +242,7 @@ pools:
             listen: addr("127.0.0.1:9002"),
             metrics_listen: addr("127.0.0.1:9090"),
             debug_endpoints: true,
-            policy: PolicyConfig {
-                gate: QueueGate::new(NonZeroU64::new(4).unwrap(), NonZeroU64::new(2)),
-                min_load_choices: NonZeroUsize::new(2).unwrap(),
-                min_match_tokens: 1024,
-                pin_depth_ratio: DepthRatio::new(0.5).unwrap(),
-                max_fallbacks: 2,
-            },
+            policy: gated(4, 2),
             load: LoadConfig {
                 scrape_interval: Duration::from_secs(1),
                 scrape_timeout: Duration::from_millis(500),
@@ -263,6 +272,7 @@ pools:
                         max_running_requests: NonZeroU64::new(256),
                         max_total_tokens: NonZeroU64::new(500_000),
                     }],
+                    policy: gated(4, 2),
                 },
                 PoolConfig {
                     model: ModelMatch::Any,
@@ -296,6 +306,7 @@ pools:
                             max_total_tokens: NonZeroU64::new(1_000_000),
                         },
                     ],
+                    policy: gated(16, 8),
                 },
             ],
         };
@@ -339,9 +350,14 @@ pools:
         assert_eq!(config.listen, addr("127.0.0.1:9002"));
         assert_eq!(config.metrics_listen, addr("127.0.0.1:9090"));
         assert_eq!(config.policy, PolicyConfig::default());
-        assert_eq!(config.policy.gate, None);
-        assert_eq!(config.policy.min_match_tokens, 1024);
-        assert_eq!(config.policy.pin_depth_ratio.get(), 0.5);
+        assert_eq!(config.policy.mode.kind(), ModeKind::CacheAware);
+        let knobs = config.policy.cache_aware().unwrap();
+        assert_eq!(knobs.gate, None);
+        assert_eq!(knobs.min_match_tokens, 1024);
+        assert_eq!(knobs.min_load_choices.get(), 2);
+        assert_eq!(knobs.pin_depth_ratio.get(), 0.5);
+        assert_eq!(config.policy.max_fallbacks, 2);
+        assert_eq!(config.pools[0].policy, config.policy);
         assert_eq!(config.load, LoadConfig::default());
         assert_eq!(config.load.max_body_bytes.get(), 4 << 20);
         assert_eq!(config.load.max_concurrent_scrapes.get(), 64);
@@ -470,10 +486,17 @@ pools:
         assert_eq!(config.listen, addr("127.0.0.1:7000"));
         assert_eq!(config.metrics_listen, addr("0.0.0.0:9100"));
         assert_eq!(
-            config.policy.gate.map(|gate| (gate.limit(), gate.floor())),
+            config
+                .policy
+                .gate()
+                .map(|gate| (gate.limit(), gate.floor())),
             Some((8, Some(8)))
         );
-        assert_eq!(config.policy.min_load_choices.get(), 1);
+        assert_eq!(
+            config.policy.cache_aware().unwrap().min_load_choices.get(),
+            1
+        );
+        assert_eq!(config.pools[0].policy, config.policy, "the pool inherits");
     }
 
     #[test]
@@ -593,6 +616,10 @@ pools:
             min_load_choices: Some(0),
             ..NO_FLAGS
         };
+        let choices_two = Overrides {
+            min_load_choices: Some(2),
+            ..NO_FLAGS
+        };
         #[rustfmt::skip]
         let cases: Vec<(&str, String, &Overrides, &str, &str)> = vec![
             ("floor without limit", policy("  saturation_queue_floor: 2\n"), &NO_FLAGS,
@@ -628,6 +655,54 @@ pools:
              "policy.pin_depth_ratio (line 2)", "must be between 0 and 1"),
             ("too many fallbacks", policy("  max_fallbacks: 9\n"), &NO_FLAGS,
              "policy.max_fallbacks (line 2)", "must be at most 8"),
+            ("unknown mode", policy("  mode: fastest\n"), &NO_FLAGS, "policy.mode (line 2)",
+             "expected one of: cache_aware, round_robin, least_load, balance_threshold; got `fastest`"),
+            ("mode as a number", policy("  mode: 1\n"), &NO_FLAGS, "policy.mode (line 2)",
+             "expected one of: cache_aware, round_robin, least_load, balance_threshold; got `1`"),
+            ("relative threshold of 1", policy("  mode: balance_threshold\n  balance_rel_threshold: 1\n"),
+             &NO_FLAGS, "policy.balance_rel_threshold (line 3)",
+             "must be greater than 1, got 1: the rule compares max > factor × min"),
+            ("relative threshold not finite", policy("  mode: balance_threshold\n  balance_rel_threshold: inf\n"),
+             &NO_FLAGS, "policy.balance_rel_threshold (line 3)", "must be greater than 1"),
+            ("absolute threshold negative", policy("  mode: balance_threshold\n  balance_abs_threshold: -1\n"),
+             &NO_FLAGS, "policy.balance_abs_threshold (line 3)", "expected a non-negative integer, got `-1`"),
+            ("cache threshold above 1", policy("  mode: balance_threshold\n  cache_threshold: 1.5\n"),
+             &NO_FLAGS, "policy.cache_threshold (line 3)", "must be between 0 and 1, got 1.5"),
+            ("cache threshold as a word", policy("  mode: balance_threshold\n  cache_threshold: high\n"),
+             &NO_FLAGS, "policy.cache_threshold (line 3)", "expected a number, got `high`"),
+            ("pool policy of the wrong type", pool_with("policy: 3"), &NO_FLAGS,
+             "pools[0].policy (line 4)", "expected a mapping, got `3`"),
+            ("unknown pool policy key", pool_with("policy: {mood: least_load}"), &NO_FLAGS,
+             "pools[0].policy.mood (line 4)", "unknown key; expected one of: mode, worker_queue_limit"),
+            ("pool limit 0", pool_with("policy: {worker_queue_limit: 0}"), &NO_FLAGS,
+             "pools[0].policy.worker_queue_limit (line 4)", "must be at least 1"),
+            ("pool floor without any limit", pool_with("policy: {saturation_queue_floor: 2}"), &NO_FLAGS,
+             "pools[0].policy.saturation_queue_floor (line 4)", "requires a queue limit"),
+            ("pool floor above the inherited limit",
+             format!("policy:\n  worker_queue_limit: 4\n{}", pool_with("policy: {saturation_queue_floor: 5}")),
+             &NO_FLAGS, "pools[0].policy.saturation_queue_floor (line 6)",
+             "saturation_queue_floor (5) must be at most worker_queue_limit (4, inherited from \
+              policy.worker_queue_limit (line 2))"),
+            ("pool limit below the inherited floor",
+             format!("policy:\n  worker_queue_limit: 4\n  saturation_queue_floor: 3\n{}",
+                     pool_with("policy: {worker_queue_limit: 2}")),
+             &NO_FLAGS, "pools[0].policy.worker_queue_limit (line 7)",
+             "saturation_queue_floor (3, inherited from policy.saturation_queue_floor (line 3)) must be at most \
+              worker_queue_limit (2)"),
+            ("pool knob of another mode", pool_with("policy: {mode: least_load, min_match_tokens: 64}"),
+             &NO_FLAGS, "pools[0].policy.min_match_tokens (line 4)",
+             "ignored by pools[0].policy.mode least_load (line 4): remove it (it only applies to cache_aware)"),
+            ("pool knob of the inherited mode",
+             format!("policy:\n  mode: round_robin\n{}", pool_with("policy: {pin_depth_ratio: 0.2}")),
+             &NO_FLAGS, "pools[0].policy.pin_depth_ratio (line 6)",
+             "ignored by policy.mode round_robin (line 2), which this pool inherits: remove it (it only applies \
+              to cache_aware)"),
+            ("balance knob under the default mode", policy("  cache_threshold: 0.5\n"), &NO_FLAGS,
+             "policy.cache_threshold (line 2)",
+             "ignored by policy.mode cache_aware (the default): remove it (it only applies to balance_threshold)"),
+            ("a flag under another mode", policy("  mode: least_load\n"), &choices_two,
+             "--min-load-choices",
+             "ignored by policy.mode least_load (line 2): remove it (it only applies to cache_aware)"),
             ("integer as a word", policy("  min_match_tokens: lots\n"), &NO_FLAGS,
              "policy.min_match_tokens (line 2)", "expected a non-negative integer, got `lots`"),
             ("quoted integer", policy("  worker_queue_limit: \"4\"\n"), &NO_FLAGS,
@@ -689,8 +764,9 @@ pools:
              "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, max_body_bytes, debug_endpoints, policy, load, pools"),
             ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
              "policy.worker_queue_limt (line 2)",
-             "unknown key; expected one of: worker_queue_limit, saturation_queue_floor, min_load_choices, \
-              min_match_tokens, pin_depth_ratio, max_fallbacks"),
+             "unknown key; expected one of: mode, worker_queue_limit, saturation_queue_floor, min_load_choices, \
+              min_match_tokens, pin_depth_ratio, balance_abs_threshold, balance_rel_threshold, cache_threshold, \
+              max_fallbacks"),
             ("unknown worker key", pool("        weight: 2\n"), &NO_FLAGS,
              "pools[0].workers[0].weight (line 6)",
              "unknown key; expected one of: endpoint, metrics_url, load_source, loads_url, role, dp_size, \
@@ -738,7 +814,7 @@ pools:
             ("unknown pool key", pool_with("chat_templates: a.jinja"), &NO_FLAGS,
              "pools[0].chat_templates (line 4)",
              "unknown key; expected one of: model, engine, block_size, tokenizer, chat_template, \
-              segment_cache_entries, default_cache_blocks, workers"),
+              segment_cache_entries, default_cache_blocks, policy, workers"),
             ("request body limit 0", format!("max_body_bytes: 0\n{POOL}"), &NO_FLAGS,
              "max_body_bytes (line 1)", "must be at least 1 byte"),
             ("request body limit in lower case", format!("max_body_bytes: 8mib\n{POOL}"), &NO_FLAGS,
@@ -847,6 +923,449 @@ pools:
                 problem.message.contains(message),
                 "{name}: {problem}\nexpected: {message}"
             );
+        }
+    }
+
+    /// Every mode-specific key, one per line from line 3 on, under `mode`.
+    fn every_knob(mode: &str) -> String {
+        format!(
+            "policy:\n  mode: {mode}\n  worker_queue_limit: 4\n  saturation_queue_floor: 2\n  \
+             min_load_choices: 3\n  min_match_tokens: 64\n  pin_depth_ratio: 0.5\n  \
+             balance_abs_threshold: 32\n  balance_rel_threshold: 2\n  cache_threshold: 0.5\n  \
+             max_fallbacks: 1\n{POOL}"
+        )
+    }
+
+    fn messages(source: &str, overrides: &Overrides) -> Vec<String> {
+        problems(source, overrides)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn every_knob_a_mode_ignores_is_listed_at_once_with_its_line() {
+        let cache = "remove it (it only applies to cache_aware)";
+        let balance = "remove it (it only applies to balance_threshold)";
+        let cache_keys = [
+            "worker_queue_limit (line 3)",
+            "saturation_queue_floor (line 4)",
+            "min_load_choices (line 5)",
+            "min_match_tokens (line 6)",
+            "pin_depth_ratio (line 7)",
+        ];
+        let balance_keys = [
+            "balance_abs_threshold (line 8)",
+            "balance_rel_threshold (line 9)",
+            "cache_threshold (line 10)",
+        ];
+        for mode in ["round_robin", "least_load"] {
+            let expected: Vec<String> = cache_keys
+                .iter()
+                .map(|key| (key, cache))
+                .chain(balance_keys.iter().map(|key| (key, balance)))
+                .map(|(key, why)| {
+                    format!("policy.{key}: ignored by policy.mode {mode} (line 2): {why}")
+                })
+                .collect();
+            assert_eq!(messages(&every_knob(mode), &NO_FLAGS), expected, "{mode}");
+        }
+        let expected: Vec<String> = cache_keys
+            .iter()
+            .map(|key| {
+                format!("policy.{key}: ignored by policy.mode balance_threshold (line 2): {cache}")
+            })
+            .collect();
+        assert_eq!(
+            messages(&every_knob("balance_threshold"), &NO_FLAGS),
+            expected
+        );
+        let expected: Vec<String> = balance_keys
+            .iter()
+            .map(|key| {
+                format!("policy.{key}: ignored by policy.mode cache_aware (line 2): {balance}")
+            })
+            .collect();
+        assert_eq!(messages(&every_knob("cache_aware"), &NO_FLAGS), expected);
+    }
+
+    #[test]
+    fn value_problems_come_before_the_mode_problems_and_both_are_listed() {
+        let source = format!(
+            "policy:\n  mode: least_load\n  worker_queue_limit: 0\n  balance_rel_threshold: 1\n  \
+             min_match_tokens: 64\n  max_fallbacks: 9\n{}",
+            POOL.replace(
+                "engine: vllm",
+                "engine: vllm\n    policy: {mode: balance_threshold, cache_threshold: 2, pin_depth_ratio: 0.5}"
+            )
+        );
+        let found = messages(&source, &NO_FLAGS);
+        let least_load = "ignored by policy.mode least_load (line 2): remove it";
+        let pool_mode = "ignored by pools[0].policy.mode balance_threshold (line 10): remove it";
+        let expected = [
+            "policy.worker_queue_limit (line 3): must be at least 1".to_owned(),
+            "policy.balance_rel_threshold (line 4): must be greater than 1, got 1".to_owned(),
+            "policy.max_fallbacks (line 6): must be at most 8".to_owned(),
+            "pools[0].policy.cache_threshold (line 10): must be between 0 and 1, got 2".to_owned(),
+            format!("policy.worker_queue_limit (line 3): {least_load}"),
+            format!("policy.balance_rel_threshold (line 4): {least_load}"),
+            format!("policy.min_match_tokens (line 5): {least_load}"),
+            format!("pools[0].policy.pin_depth_ratio (line 10): {pool_mode}"),
+        ];
+        assert_eq!(found.len(), expected.len(), "{found:#?}");
+        for (found, expected) in found.iter().zip(&expected) {
+            assert!(
+                found.starts_with(expected.as_str()),
+                "{found}\nexpected: {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_flag_for_a_knob_the_mode_ignores_is_named_with_the_file_key_it_replaces() {
+        let source = format!("policy:\n  mode: round_robin\n  worker_queue_limit: 4\n{POOL}");
+        let flags = Overrides {
+            worker_queue_limit: Some(8),
+            saturation_queue_floor: Some(2),
+            ..NO_FLAGS
+        };
+        let why = "ignored by policy.mode round_robin (line 2): remove it (it only applies to cache_aware)";
+        assert_eq!(
+            messages(&source, &flags),
+            [
+                format!("--worker-queue-limit: {why}"),
+                format!("--saturation-queue-floor: {why}"),
+                format!("policy.worker_queue_limit (line 3): {why}"),
+            ]
+        );
+    }
+
+    #[test]
+    fn pools_inherit_the_keys_they_do_not_set() {
+        let source = "\
+policy:
+  worker_queue_limit: 4
+  saturation_queue_floor: 2
+  min_match_tokens: 512
+  max_fallbacks: 3
+pools:
+  - model: a
+    engine: vllm
+    workers: [{endpoint: 10.0.0.1:8000}]
+  - model: b
+    engine: sglang
+    policy: {worker_queue_limit: 16}
+    workers: [{endpoint: 10.0.0.2:8000, dp_size: 4}]
+  - model: c
+    engine: vllm
+    policy: {mode: balance_threshold, cache_threshold: 0.5}
+    workers: [{endpoint: 10.0.0.3:8000}]
+  - model: d
+    engine: vllm
+    policy: {mode: round_robin, max_fallbacks: 0}
+    workers: [{endpoint: 10.0.0.4:8000}]
+";
+        let config = parse(source, "t", &NO_FLAGS).unwrap();
+        let cache_aware = |limit: u64, floor: u64| PolicyConfig {
+            mode: Mode::CacheAware(CacheAwareKnobs {
+                gate: QueueGate::new(NonZeroU64::new(limit).unwrap(), NonZeroU64::new(floor)),
+                min_match_tokens: 512,
+                ..CacheAwareKnobs::default()
+            }),
+            max_fallbacks: 3,
+        };
+        assert_eq!(config.policy, cache_aware(4, 2));
+        let policies: Vec<_> = config
+            .pools
+            .iter()
+            .map(|pool| pool.policy.clone())
+            .collect();
+        assert_eq!(
+            policies,
+            [
+                cache_aware(4, 2),
+                cache_aware(16, 2),
+                PolicyConfig {
+                    mode: Mode::BalanceThreshold(BalanceKnobs {
+                        cache_threshold: DepthRatio::new(0.5).unwrap(),
+                        ..BalanceKnobs::default()
+                    }),
+                    max_fallbacks: 3,
+                },
+                PolicyConfig {
+                    mode: Mode::RoundRobin,
+                    max_fallbacks: 0,
+                },
+            ]
+        );
+        assert_eq!(config.most_fallbacks(), 3);
+        let defaults = BalanceKnobs::default();
+        assert_eq!(
+            (defaults.abs_threshold, defaults.rel_threshold.get()),
+            (64, 1.5)
+        );
+
+        // A pool can run cache_aware under a top level that does not.
+        let source = "\
+policy: {mode: least_load, max_fallbacks: 1}
+pools:
+  - model: a
+    engine: vllm
+    policy: {mode: cache_aware, worker_queue_limit: 8}
+    workers: [{endpoint: 10.0.0.1:8000}]
+  - model: b
+    engine: vllm
+    workers: [{endpoint: 10.0.0.2:8000}]
+";
+        let config = parse(source, "t", &NO_FLAGS).unwrap();
+        assert_eq!(config.most_fallbacks(), 1);
+        assert_eq!(config.pools[0].policy.gate().map(QueueGate::limit), Some(8));
+        assert_eq!(config.pools[0].policy.max_fallbacks, 1);
+        assert_eq!(config.pools[1].policy, config.policy);
+        assert_eq!(config.policy.mode, Mode::LeastLoad);
+    }
+
+    #[test]
+    fn flags_replace_the_top_level_value_and_a_pools_own_key_still_wins() {
+        let source = "\
+policy: {worker_queue_limit: 4}
+pools:
+  - model: a
+    engine: vllm
+    workers: [{endpoint: 10.0.0.1:8000}]
+  - model: b
+    engine: vllm
+    policy: {worker_queue_limit: 16, min_load_choices: 4}
+    workers: [{endpoint: 10.0.0.2:8000}]
+";
+        let flags = Overrides {
+            worker_queue_limit: Some(6),
+            min_load_choices: Some(3),
+            ..NO_FLAGS
+        };
+        let config = parse(source, "t", &flags).unwrap();
+        let knobs = |policy: &PolicyConfig| {
+            let knobs = policy.cache_aware().unwrap();
+            (
+                knobs.gate.map(QueueGate::limit),
+                knobs.min_load_choices.get(),
+            )
+        };
+        assert_eq!(knobs(&config.policy), (Some(6), 3));
+        assert_eq!(knobs(&config.pools[0].policy), (Some(6), 3));
+        assert_eq!(knobs(&config.pools[1].policy), (Some(16), 4));
+    }
+
+    #[test]
+    fn a_top_level_problem_is_reported_once_however_many_pools_inherit_it() {
+        let pool = |i: u8| {
+            format!(
+                "  - model: m{i}\n    engine: vllm\n    workers: [{{endpoint: 10.0.0.{i}:8000}}]\n"
+            )
+        };
+        let source = format!(
+            "policy:\n  worker_queue_limit: 2\n  saturation_queue_floor: 3\npools:\n{}{}{}",
+            pool(1),
+            pool(2),
+            pool(3)
+        );
+        assert_eq!(
+            messages(&source, &NO_FLAGS),
+            [
+                "policy.saturation_queue_floor (line 3): saturation_queue_floor (3) must be at most \
+              worker_queue_limit (2): a floor above the limit would declare the fleet saturated while the \
+              gate still admits some workers"
+            ]
+        );
+        let source = format!(
+            "policy:\n  mode: round_robin\n  min_match_tokens: 3\npools:\n{}{}",
+            pool(1),
+            pool(2)
+        );
+        assert_eq!(messages(&source, &NO_FLAGS).len(), 1);
+    }
+
+    #[test]
+    fn per_pool_policies_round_trip_and_are_written_as_differences() {
+        let source = "\
+policy:
+  mode: cache_aware
+  worker_queue_limit: 4
+  saturation_queue_floor: 2
+pools:
+  - model: same
+    engine: vllm
+    policy: {worker_queue_limit: 4}
+    workers: [{endpoint: 10.0.0.1:8000}]
+  - model: bigger
+    engine: sglang
+    policy: {worker_queue_limit: 16, saturation_queue_floor: 8, pin_depth_ratio: 0.25}
+    workers: [{endpoint: 10.0.0.2:8000, dp_size: 4}]
+  - model: classic
+    engine: vllm
+    policy: {mode: balance_threshold, balance_abs_threshold: 32, max_fallbacks: 4}
+    workers: [{endpoint: 10.0.0.3:8000}]
+  - model: rr
+    engine: vllm
+    policy: {mode: round_robin}
+    workers: [{endpoint: 10.0.0.4:8000}]
+  - model: ll
+    engine: vllm
+    policy: {mode: least_load, max_fallbacks: 2}
+    workers: [{endpoint: 10.0.0.5:8000}]
+";
+        let config = parse(source, "t", &NO_FLAGS).unwrap();
+        let yaml = config.to_yaml();
+        let again = parse(&yaml, "emitted", &NO_FLAGS).unwrap();
+        assert_eq!(again, config, "{yaml}");
+        assert_eq!(again.to_yaml(), yaml, "emitting is idempotent");
+        let emitted: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        let pool_policy = |i: usize| serde_yaml::to_string(&emitted["pools"][i]["policy"]).unwrap();
+        assert_eq!(
+            pool_policy(0),
+            "null\n",
+            "same as the top level: not written"
+        );
+        assert_eq!(
+            pool_policy(1),
+            "worker_queue_limit: 16\nsaturation_queue_floor: 8\npin_depth_ratio: 0.25\n"
+        );
+        assert_eq!(
+            pool_policy(2),
+            "mode: balance_threshold\nbalance_abs_threshold: 32\nbalance_rel_threshold: 1.5\n\
+             cache_threshold: 0.3\nmax_fallbacks: 4\n"
+        );
+        assert_eq!(pool_policy(3), "mode: round_robin\n");
+        assert_eq!(pool_policy(4), "mode: least_load\n");
+        assert!(
+            yaml.contains(
+                "policy:\n  mode: cache_aware\n  worker_queue_limit: 4\n  saturation_queue_floor: 2\n  \
+                 min_load_choices: 2\n  min_match_tokens: 1024\n  pin_depth_ratio: 0.5\n  max_fallbacks: 2\n"
+            ),
+            "{yaml}"
+        );
+
+        // A top level of another mode is written with its own keys only.
+        let source =
+            format!("policy: {{mode: balance_threshold, balance_rel_threshold: 1.25}}\n{POOL}");
+        let config = parse(&source, "t", &NO_FLAGS).unwrap();
+        let yaml = config.to_yaml();
+        assert!(
+            yaml.contains(
+                "policy:\n  mode: balance_threshold\n  balance_abs_threshold: 64\n  balance_rel_threshold: 1.25\n  \
+                 cache_threshold: 0.3\n  max_fallbacks: 2\nload:"
+            ),
+            "{yaml}"
+        );
+        assert_eq!(parse(&yaml, "emitted", &NO_FLAGS).unwrap(), config);
+    }
+
+    /// Values for the policy keys of the top level and of one pool; `None` leaves a key out.
+    #[derive(Debug, Clone)]
+    struct PolicyKeys {
+        mode: Option<ModeKind>,
+        limit: Option<u64>,
+        floor: Option<u64>,
+        min_match_tokens: Option<u64>,
+        abs: Option<u64>,
+        rel: Option<f64>,
+        cache: Option<f64>,
+        max_fallbacks: Option<u64>,
+    }
+
+    fn policy_keys() -> impl Strategy<Value = PolicyKeys> {
+        (
+            prop::option::of(prop::sample::select(&ModeKind::ALL[..])),
+            prop::option::of(1_u64..20),
+            prop::option::of(1_u64..20),
+            prop::option::of(0_u64..5000),
+            prop::option::of(0_u64..200),
+            prop::option::of(1.01_f64..4.0),
+            prop::option::of(0.0_f64..=1.0),
+            prop::option::of(0_u64..=8),
+        )
+            .prop_map(
+                |(mode, limit, floor, min_match_tokens, abs, rel, cache, max_fallbacks)| {
+                    PolicyKeys {
+                        mode,
+                        limit,
+                        floor,
+                        min_match_tokens,
+                        abs,
+                        rel,
+                        cache,
+                        max_fallbacks,
+                    }
+                },
+            )
+    }
+
+    impl PolicyKeys {
+        fn flow(&self) -> String {
+            let mut keys = Vec::new();
+            if let Some(mode) = self.mode {
+                keys.push(format!("mode: {}", mode.as_str()));
+            }
+            let mut push = |key: &str, value: Option<String>| {
+                if let Some(value) = value {
+                    keys.push(format!("{key}: {value}"));
+                }
+            };
+            push("worker_queue_limit", self.limit.map(|v| v.to_string()));
+            push("saturation_queue_floor", self.floor.map(|v| v.to_string()));
+            push(
+                "min_match_tokens",
+                self.min_match_tokens.map(|v| v.to_string()),
+            );
+            push("balance_abs_threshold", self.abs.map(|v| v.to_string()));
+            push("balance_rel_threshold", self.rel.map(|v| v.to_string()));
+            push("cache_threshold", self.cache.map(|v| v.to_string()));
+            push("max_fallbacks", self.max_fallbacks.map(|v| v.to_string()));
+            format!("{{{}}}", keys.join(", "))
+        }
+    }
+
+    proptest! {
+        /// Whatever the keys at both levels, a configuration is accepted exactly when every key given
+        /// belongs to the mode in force where it is given, and every accepted one round-trips.
+        #[test]
+        fn per_pool_policies_are_accepted_as_the_rules_say_and_round_trip(
+            top in policy_keys(),
+            own in policy_keys(),
+        ) {
+            let source = format!(
+                "policy: {}\npools:\n  - model: m\n    engine: vllm\n    policy: {}\n    \
+                 workers: [{{endpoint: 10.0.0.1:8000}}]\n",
+                top.flow(),
+                own.flow(),
+            );
+            let fits = |keys: &PolicyKeys, mode: ModeKind| {
+                let cache = keys.limit.is_some() || keys.floor.is_some() || keys.min_match_tokens.is_some();
+                let balance = keys.abs.is_some() || keys.rel.is_some() || keys.cache.is_some();
+                (mode == ModeKind::CacheAware || !cache) && (mode == ModeKind::BalanceThreshold || !balance)
+            };
+            let top_mode = top.mode.unwrap_or_default();
+            let pool_mode = own.mode.unwrap_or(top_mode);
+            let gate_fits = |limit: Option<u64>, floor: Option<u64>| match (limit, floor) {
+                (None, Some(_)) => false,
+                (Some(limit), Some(floor)) => floor <= limit,
+                _ => true,
+            };
+            let top_gate = top_mode != ModeKind::CacheAware || gate_fits(top.limit, top.floor);
+            let own_gate = pool_mode != ModeKind::CacheAware
+                || gate_fits(own.limit.or(top.limit), own.floor.or(top.floor));
+            let valid = fits(&top, top_mode) && fits(&own, pool_mode) && top_gate && own_gate;
+            match parse(&source, "t", &NO_FLAGS) {
+                Ok(config) => {
+                    prop_assert!(valid, "accepted:\n{}", source);
+                    prop_assert_eq!(config.pools[0].policy.mode.kind(), pool_mode);
+                    let yaml = config.to_yaml();
+                    let again = parse(&yaml, "emitted", &NO_FLAGS).unwrap();
+                    prop_assert_eq!(&again, &config, "{}", yaml);
+                    prop_assert_eq!(again.to_yaml(), yaml);
+                }
+                Err(error) => prop_assert!(!valid, "rejected:\n{}\n{}", source, error),
+            }
         }
     }
 

@@ -28,6 +28,22 @@ pub struct Config {
 }
 
 impl Config {
+    /// Every policy in the configuration, for code that edits one: the top level's, then each pool's
+    /// (a pool's is the one in force for it; the top level's is what the file's pools inherit from, and
+    /// what `to_yaml` writes theirs against).
+    pub fn policies_mut(&mut self) -> impl Iterator<Item = &mut PolicyConfig> {
+        std::iter::once(&mut self.policy).chain(self.pools.iter_mut().map(|pool| &mut pool.policy))
+    }
+
+    /// The most fallbacks any answer lists: the largest `max_fallbacks` in force, over the top level and
+    /// every pool (a pool may set its own). What a proxy's retry budget should cover.
+    pub fn most_fallbacks(&self) -> usize {
+        self.pools
+            .iter()
+            .map(|pool| pool.policy.max_fallbacks)
+            .fold(self.policy.max_fallbacks, usize::max)
+    }
+
     /// Long conversations with tools reach a few hundred KB; 8 MiB leaves room for pasted documents.
     pub const DEFAULT_MAX_BODY_BYTES: usize = 8 << 20;
     pub const DEFAULT_LISTEN: SocketAddr =
@@ -37,9 +53,117 @@ impl Config {
         SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090));
 }
 
-/// Knobs of the routing ladder (see `policy`).
+/// Knobs of the routing policy (see `policy`): the mode, carrying only the knobs it reads, and what every
+/// mode shares. `Config::policy` is the top-level section; each pool's `PoolConfig::policy` is what that
+/// pool runs with (its own keys, the rest inherited from the top level).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PolicyConfig {
+    /// Which rule picks the worker.
+    pub mode: Mode,
+    /// How many fallback endpoints follow the selected one in the answer, for Envoy to retry on.
+    pub max_fallbacks: usize,
+}
+
+impl PolicyConfig {
+    pub const DEFAULT_MAX_FALLBACKS: usize = 2;
+    /// Envoy tries at most a handful of hosts; a longer list only costs header bytes.
+    pub const MAX_FALLBACKS_LIMIT: usize = 8;
+
+    /// The cache-aware knobs, when that is the mode.
+    pub fn cache_aware(&self) -> Option<&CacheAwareKnobs> {
+        match &self.mode {
+            Mode::CacheAware(knobs) => Some(knobs),
+            _ => None,
+        }
+    }
+
+    /// The cache-aware knobs, when that is the mode, for changing them.
+    pub fn cache_aware_mut(&mut self) -> Option<&mut CacheAwareKnobs> {
+        match &mut self.mode {
+            Mode::CacheAware(knobs) => Some(knobs),
+            _ => None,
+        }
+    }
+
+    /// The queue gate; `None` without one, and under every mode but `cache_aware`.
+    pub fn gate(&self) -> Option<QueueGate> {
+        self.cache_aware().and_then(|knobs| knobs.gate)
+    }
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            mode: Mode::default(),
+            max_fallbacks: Self::DEFAULT_MAX_FALLBACKS,
+        }
+    }
+}
+
+/// The name of a policy mode, as `policy.mode` spells it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModeKind {
+    #[default]
+    CacheAware,
+    RoundRobin,
+    LeastLoad,
+    BalanceThreshold,
+}
+
+impl ModeKind {
+    pub const ALL: [ModeKind; 4] = [
+        ModeKind::CacheAware,
+        ModeKind::RoundRobin,
+        ModeKind::LeastLoad,
+        ModeKind::BalanceThreshold,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModeKind::CacheAware => "cache_aware",
+            ModeKind::RoundRobin => "round_robin",
+            ModeKind::LeastLoad => "least_load",
+            ModeKind::BalanceThreshold => "balance_threshold",
+        }
+    }
+}
+
+/// A policy mode with its own knobs: a knob the mode does not read cannot be expressed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mode {
+    /// The ladder: prefix owners first, with the queue gate, the saturation floor and power-of-k
+    /// sampling off-owner. Without a limit it is pure prefix affinity.
+    CacheAware(CacheAwareKnobs),
+    /// The fleet in turn, ignoring load and prefixes.
+    RoundRobin,
+    /// The worker with the fewest waiting + running + dispatched requests, ignoring prefixes.
+    LeastLoad,
+    /// The classic SGLang router rule: prefix affinity while the fleet's load is balanced, shortest queue
+    /// when it is not.
+    BalanceThreshold(BalanceKnobs),
+}
+
+impl Mode {
+    pub fn kind(&self) -> ModeKind {
+        match self {
+            Mode::CacheAware(_) => ModeKind::CacheAware,
+            Mode::RoundRobin => ModeKind::RoundRobin,
+            Mode::LeastLoad => ModeKind::LeastLoad,
+            Mode::BalanceThreshold(_) => ModeKind::BalanceThreshold,
+        }
+    }
+}
+
+impl Default for Mode {
+    fn default() -> Self {
+        Mode::CacheAware(CacheAwareKnobs::default())
+    }
+}
+
+/// The knobs of `cache_aware`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheAwareKnobs {
     /// The queue gate and its saturation floor; `None` is pure prefix affinity.
     pub gate: Option<QueueGate>,
     /// Power-of-k sampling for off-owner picks.
@@ -48,30 +172,71 @@ pub struct PolicyConfig {
     pub min_match_tokens: u64,
     /// The saturation pin only weighs owners matching at least this share of the deepest pinnable match.
     pub pin_depth_ratio: DepthRatio,
-    /// How many fallback endpoints follow the selected one in the answer, for Envoy to retry on.
-    pub max_fallbacks: usize,
 }
 
-impl PolicyConfig {
+impl CacheAwareKnobs {
     pub const DEFAULT_MIN_LOAD_CHOICES: usize = 2;
     pub const DEFAULT_MIN_MATCH_TOKENS: u64 = 1024;
     pub const DEFAULT_PIN_DEPTH_RATIO: f64 = 0.5;
-    pub const DEFAULT_MAX_FALLBACKS: usize = 2;
-    /// Envoy tries at most a handful of hosts; a longer list only costs header bytes.
-    pub const MAX_FALLBACKS_LIMIT: usize = 8;
 }
 
-impl Default for PolicyConfig {
+impl Default for CacheAwareKnobs {
     fn default() -> Self {
-        PolicyConfig {
+        CacheAwareKnobs {
             gate: None,
             min_load_choices: NonZeroUsize::new(Self::DEFAULT_MIN_LOAD_CHOICES)
                 .unwrap_or(NonZeroUsize::MIN),
             min_match_tokens: Self::DEFAULT_MIN_MATCH_TOKENS,
             pin_depth_ratio: DepthRatio::new(Self::DEFAULT_PIN_DEPTH_RATIO)
                 .unwrap_or(DepthRatio::ZERO),
-            max_fallbacks: Self::DEFAULT_MAX_FALLBACKS,
         }
+    }
+}
+
+/// The knobs of `balance_threshold` (the SGLang router's defaults).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BalanceKnobs {
+    /// The fleet is imbalanced when `max - min` load exceeds this...
+    pub abs_threshold: u64,
+    /// ...and `max` exceeds this many times `min`.
+    pub rel_threshold: RelThreshold,
+    /// While balanced, the deepest owner takes the request only if it holds more than this share of the
+    /// prompt.
+    pub cache_threshold: DepthRatio,
+}
+
+impl BalanceKnobs {
+    pub const DEFAULT_ABS_THRESHOLD: u64 = 64;
+    pub const DEFAULT_REL_THRESHOLD: f64 = 1.5;
+    pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.3;
+}
+
+impl Default for BalanceKnobs {
+    fn default() -> Self {
+        BalanceKnobs {
+            abs_threshold: Self::DEFAULT_ABS_THRESHOLD,
+            rel_threshold: RelThreshold::new(Self::DEFAULT_REL_THRESHOLD)
+                .unwrap_or(RelThreshold::MIN_ABOVE_ONE),
+            cache_threshold: DepthRatio::new(Self::DEFAULT_CACHE_THRESHOLD)
+                .unwrap_or(DepthRatio::ZERO),
+        }
+    }
+}
+
+/// A finite factor greater than 1.
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+pub struct RelThreshold(f64);
+
+impl RelThreshold {
+    /// The smallest factor above 1 that an `f64` holds.
+    const MIN_ABOVE_ONE: RelThreshold = RelThreshold(1.0 + f64::EPSILON);
+
+    pub fn new(value: f64) -> Option<Self> {
+        (value.is_finite() && value > 1.0).then_some(RelThreshold(value))
+    }
+
+    pub fn get(self) -> f64 {
+        self.0
     }
 }
 
@@ -202,6 +367,9 @@ pub struct PoolConfig {
     pub default_cache_blocks: NonZeroUsize,
     /// Non-empty, unique endpoints, at least one of them serving prefill.
     pub workers: Vec<WorkerConfig>,
+    /// The policy this pool runs with: its own `pools[].policy` keys, the others from the top-level
+    /// `policy`.
+    pub policy: PolicyConfig,
 }
 
 impl PoolConfig {

@@ -2,67 +2,23 @@
 
 use rand::Rng;
 
+use super::fleet::{Fleet, owner_verdicts};
 use super::outcome::{Decision, Outcome, Reason, Reject, RejectReason};
 use super::rank::{self, Member};
-use super::trace::{Gate, OwnerVerdict, Rung, Sampled, Saturation, Trace};
-use super::{LoadView, OwnerMatch, RequestFacts};
-use crate::config::PolicyConfig;
+use super::trace::{Gate, Rung, Sampled, Saturation, Trace};
+use crate::config::CacheAwareKnobs;
 use crate::worker::WorkerId;
 
-/// Picks the worker for one request. Pure: same arguments (and random draws), same outcome.
-pub fn decide<R: Rng + ?Sized>(
-    request: &RequestFacts<'_>,
-    owners: &[OwnerMatch],
-    load: &LoadView<'_>,
-    config: &PolicyConfig,
+/// The `cache_aware` ladder over a non-empty `fleet`; `ranks` is the selected worker plus the fallbacks.
+pub(super) fn cache_aware<R: Rng + ?Sized>(
+    fleet: &Fleet<'_>,
+    config: &CacheAwareKnobs,
+    ranks: usize,
+    mut trace: Trace,
     rng: &mut R,
 ) -> Outcome {
-    let snapshot = load.snapshot;
-    let limit = config.gate.map(|gate| gate.limit());
-    let mut trace = Trace {
-        snapshot_version: snapshot.version,
-        ..Trace::default()
-    };
-
-    // Leading tokens each worker holds, by worker index; duplicates keep the deepest match.
-    let mut matched = vec![0_u64; snapshot.workers().len()];
-    let mut unknown_workers = 0;
-    for owner in owners.iter().filter(|owner| owner.matched_tokens > 0) {
-        match matched.get_mut(owner.worker.index()) {
-            Some(depth) => *depth = (*depth).max(owner.matched_tokens),
-            None => unknown_workers += 1,
-        }
-    }
-
-    let fleet: Vec<Member<'_>> = snapshot
-        .workers()
-        .iter()
-        .filter(|state| state.routable && state.role.serves_prefill())
-        .filter(|state| {
-            request
-                .allowed
-                .is_none_or(|allowed| allowed.contains(&state.id))
-        })
-        .map(|state| {
-            let fresh = snapshot.fresh_load(state.id, load.now);
-            Member {
-                state,
-                fresh,
-                matched_tokens: matched.get(state.id.index()).copied().unwrap_or(0),
-                gate: rank::gate(limit, fresh),
-                admission: rank::admission(state, fresh, request.prompt_tokens),
-                dispatched: load.dispatches.since_reading(state.id),
-            }
-        })
-        .collect();
-    trace.fleet = fleet.len();
-    trace.fresh = fleet.iter().filter(|member| member.fresh.is_some()).count();
-    if fleet.is_empty() {
-        return Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
-            trace,
-        });
-    }
+    let ignored = |counted: usize| fleet.ignored_matches(counted);
+    let fleet: &[Member<'_>] = &fleet.members;
 
     // A match counts only if it is real (at least one token) and deep enough to be worth a detour.
     let min_match = config.min_match_tokens.max(1);
@@ -71,14 +27,8 @@ pub fn decide<R: Rng + ?Sized>(
         .filter(|member| member.matched_tokens >= min_match)
         .copied()
         .collect();
-    let matching_workers = matched.iter().filter(|depth| **depth > 0).count();
-    trace.ignored_matches = unknown_workers + matching_workers.saturating_sub(owners.len());
+    trace.ignored_matches = ignored(owners.len());
     trace.owners = owner_verdicts(&owners);
-
-    let ranks = config
-        .max_fallbacks
-        .min(PolicyConfig::MAX_FALLBACKS_LIMIT)
-        .saturating_add(1);
 
     // Rung 1: owners passing the gate and hard admission, deepest first.
     let admitted: Vec<Member<'_>> = owners
@@ -90,7 +40,7 @@ pub fn decide<R: Rng + ?Sized>(
         let (ranked, source) = rank::take_ranked(admitted, ranks, rank::deepest);
         trace.pressure = source;
         trace.rung = Rung::Owners;
-        if let Some(outcome) = route(&ranked, Reason::CacheHit, &mut trace, &fleet, ranks) {
+        if let Some(outcome) = route(&ranked, Reason::CacheHit, &mut trace, fleet, ranks) {
             return outcome;
         }
     }
@@ -112,7 +62,7 @@ pub fn decide<R: Rng + ?Sized>(
         match gate.floor() {
             // Rung 2: the saturation pin.
             Some(floor) => {
-                trace.saturation = saturation_below(&fleet, floor, false);
+                trace.saturation = saturation_below(fleet, floor, false);
                 if matches!(trace.saturation, Saturation::Saturated { .. }) {
                     gate_voided = true;
                     let deepest = pinnable()
@@ -128,7 +78,7 @@ pub fn decide<R: Rng + ?Sized>(
                     trace.pressure = source;
                     trace.rung = Rung::SaturationPin;
                     if let Some(outcome) =
-                        route(&ranked, Reason::SaturationPin, &mut trace, &fleet, ranks)
+                        route(&ranked, Reason::SaturationPin, &mut trace, fleet, ranks)
                     {
                         return outcome;
                     }
@@ -136,7 +86,7 @@ pub fn decide<R: Rng + ?Sized>(
             }
             // Rung 3: every fleet worker at the limit, no floor: the owners come back.
             None => {
-                trace.saturation = saturation_below(&fleet, gate.limit(), true);
+                trace.saturation = saturation_below(fleet, gate.limit(), true);
                 if matches!(trace.saturation, Saturation::Saturated { .. }) {
                     gate_voided = true;
                     let (ranked, source) =
@@ -144,7 +94,7 @@ pub fn decide<R: Rng + ?Sized>(
                     trace.pressure = source;
                     trace.rung = Rung::AllQueued;
                     if let Some(outcome) =
-                        route(&ranked, Reason::AllQueued, &mut trace, &fleet, ranks)
+                        route(&ranked, Reason::AllQueued, &mut trace, fleet, ranks)
                     {
                         return outcome;
                     }
@@ -191,7 +141,7 @@ pub fn decide<R: Rng + ?Sized>(
     let ranked = if pool.is_empty() {
         // Nobody can take the request by its engine's own limits: send it where the wait is shortest
         // rather than reject it, since the limits are estimates and the engine queues.
-        let (ranked, source) = rank::take_ranked(fleet.clone(), ranks, rank::least_pressured);
+        let (ranked, source) = rank::take_ranked(fleet.to_vec(), ranks, rank::least_pressured);
         trace.pressure = source;
         trace.rung = Rung::LeastPressured;
         ranked
@@ -208,7 +158,7 @@ pub fn decide<R: Rng + ?Sized>(
         rank::take_ranked(pool, ranks, rank::least_loaded).0
     };
     let reason = ranked.first().map_or(Reason::CacheMiss, off_owner_reason);
-    match route(&ranked, reason, &mut trace, &fleet, ranks) {
+    match route(&ranked, reason, &mut trace, fleet, ranks) {
         Some(outcome) => outcome,
         None => Outcome::Reject(Reject {
             reason: RejectReason::NoWorkers,
@@ -256,24 +206,6 @@ fn off_owner_tier(member: &Member<'_>) -> u8 {
         (false, true) => 1,
         _ => 2,
     }
-}
-
-/// The owners as the trace shows them: deepest first, then by id.
-fn owner_verdicts(owners: &[Member<'_>]) -> Vec<OwnerVerdict> {
-    let mut verdicts: Vec<OwnerVerdict> = owners
-        .iter()
-        .map(|owner| OwnerVerdict {
-            worker: owner.id(),
-            matched_tokens: owner.matched_tokens,
-            gate: owner.gate,
-            admission: owner.admission,
-        })
-        .collect();
-    // Integer keys: a total order, safe to sort.
-    verdicts.sort_unstable_by_key(|verdict| {
-        (std::cmp::Reverse(verdict.matched_tokens), verdict.worker)
-    });
-    verdicts
 }
 
 /// Looks for a fleet worker whose fresh queue is below `threshold`: the evidence that diverting can pay

@@ -1,10 +1,27 @@
 //! The routing policy: a pure, synchronous decision over an immutable load snapshot.
 //!
-//! [`decide`] takes everything it depends on as arguments — the request's facts, the prefix owners the
-//! index found, the load snapshot with the router-local dispatch counts and the current instant, the
-//! policy configuration and a random source — and returns an [`Outcome`] whose reason is an enum. It
-//! performs no I/O, reads no clock, records no metrics and never awaits; the caller turns the reason into
-//! labels and headers. That keeps every routing rule testable as a table of plain data.
+//! [`decide`] takes everything it depends on as arguments — the request's facts (including, for round
+//! robin, its place in the pool's sequence), the prefix owners the index found, the load snapshot with
+//! the router-local dispatch counts and the current instant, the pool's policy configuration and a
+//! random source — and returns an [`Outcome`] whose reason is an enum. It performs no I/O, reads no
+//! clock, keeps no state, records no metrics and never awaits; the caller turns the reason into labels
+//! and headers. That keeps every routing rule testable as a table of plain data.
+//!
+//! Every mode chooses from the same **fleet**: the pool's routable workers with role `prefill` or
+//! `both`, within the proxy's subset hint; an empty fleet is [`RejectReason::NoWorkers`]. **Load** is
+//! waiting + running from a fresh reading, plus the requests dispatched since it; a worker without a
+//! fresh reading counts only its dispatches. The mode ([`Mode`]) then decides:
+//!
+//! - `round_robin`: the fleet in worker order, the request's `sequence` modulo the fleet size; the next
+//!   workers in turn are the fallbacks → [`Reason::RoundRobin`].
+//! - `least_load`: the least-loaded worker (a tie drawn at random); the next least loaded are the
+//!   fallbacks → [`Reason::LeastLoad`].
+//! - `balance_threshold`, the SGLang router's classic rule: the fleet is *imbalanced* when
+//!   `max − min > balance_abs_threshold` and `max > balance_rel_threshold × min` (load, over the fleet)
+//!   → least-loaded worker, [`Reason::Imbalanced`]. Otherwise the deepest owner takes the request when
+//!   it holds more than `cache_threshold` of the prompt's tokens → [`Reason::BalancedOwner`], else the
+//!   least-loaded worker → [`Reason::BalancedMiss`]. No gate, no hard admission, as upstream.
+//! - `cache_aware`, the ladder below.
 //!
 //! The ladder, first rung that yields a worker wins:
 //! 1. **Owners** passing the queue gate and hard admission: deepest match, then least pressure, then id
@@ -31,7 +48,9 @@
     clippy::disallowed_methods
 )]
 
+mod fleet;
 mod ladder;
+mod modes;
 mod outcome;
 mod rank;
 mod trace;
@@ -41,12 +60,63 @@ mod tests;
 
 use std::time::Instant;
 
-pub use ladder::decide;
-pub use outcome::{Decision, Outcome, Reason, Reject, RejectReason};
-pub use trace::{Admission, Gate, OwnerVerdict, PressureSource, Rung, Sampled, Saturation, Trace};
+use rand::Rng;
 
+pub use outcome::{Decision, Outcome, Reason, Reject, RejectReason};
+pub use trace::{
+    Admission, Balance, Gate, OwnerVerdict, PressureSource, Rung, Sampled, Saturation, Trace,
+};
+
+use crate::config::{Mode, PolicyConfig};
 use crate::load::{DispatchCounts, PoolSnapshot};
 use crate::worker::WorkerId;
+
+/// Picks the worker for one request under the pool's policy. Pure: same arguments (and random draws),
+/// same outcome.
+pub fn decide<R: Rng + ?Sized>(
+    request: &RequestFacts<'_>,
+    owners: &[OwnerMatch],
+    load: &LoadView<'_>,
+    config: &PolicyConfig,
+    rng: &mut R,
+) -> Outcome {
+    let fleet = fleet::Fleet::new(
+        request,
+        owners,
+        load,
+        config.gate().map(|gate| gate.limit()),
+    );
+    let trace = Trace {
+        snapshot_version: load.snapshot.version,
+        mode: config.mode.kind(),
+        fleet: fleet.members.len(),
+        fresh: fleet
+            .members
+            .iter()
+            .filter(|member| member.fresh.is_some())
+            .count(),
+        ..Trace::default()
+    };
+    if fleet.members.is_empty() {
+        return Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            trace,
+        });
+    }
+    // The selected worker and its fallbacks.
+    let ranks = config
+        .max_fallbacks
+        .min(PolicyConfig::MAX_FALLBACKS_LIMIT)
+        .saturating_add(1);
+    match &config.mode {
+        Mode::CacheAware(knobs) => ladder::cache_aware(&fleet, knobs, ranks, trace, rng),
+        Mode::RoundRobin => modes::round_robin(&fleet, request.sequence, ranks, trace),
+        Mode::LeastLoad => modes::least_load(&fleet, ranks, trace, rng),
+        Mode::BalanceThreshold(knobs) => {
+            modes::balance_threshold(&fleet, request.prompt_tokens, knobs, ranks, trace, rng)
+        }
+    }
+}
 
 /// What the policy needs to know about the request itself.
 #[derive(Clone, Copy, Debug, Default)]
@@ -56,6 +126,9 @@ pub struct RequestFacts<'a> {
     /// The endpoints the proxy allows for this request (its subset hint), as worker ids; `None` allows
     /// the whole pool.
     pub allowed: Option<&'a [WorkerId]>,
+    /// The request's number in its pool's sequence of decisions, for `round_robin` (the policy keeps no
+    /// state: the caller counts). Other modes ignore it.
+    pub sequence: u64,
 }
 
 /// One worker's match in the owner index: how many leading prompt tokens it holds.

@@ -25,16 +25,33 @@ pub enum Reason {
     CapacityFallback,
     /// No worker holds enough of the prompt's prefix.
     CacheMiss,
+    /// `round_robin`: the fleet worker whose turn it was.
+    RoundRobin,
+    /// `least_load`: the fleet worker with the fewest waiting + running + dispatched requests.
+    LeastLoad,
+    /// `balance_threshold`, fleet balanced: the deepest owner, holding more than `cache_threshold` of the
+    /// prompt.
+    BalancedOwner,
+    /// `balance_threshold`, fleet balanced, no owner holding more than `cache_threshold` of the prompt:
+    /// the least-loaded worker.
+    BalancedMiss,
+    /// `balance_threshold`, fleet imbalanced: the least-loaded worker, whoever holds the prefix.
+    Imbalanced,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 6] = [
+    pub const ALL: [Reason; 11] = [
         Reason::CacheHit,
         Reason::SaturationPin,
         Reason::AllQueued,
         Reason::CacheWorkerQueued,
         Reason::CapacityFallback,
         Reason::CacheMiss,
+        Reason::RoundRobin,
+        Reason::LeastLoad,
+        Reason::BalancedOwner,
+        Reason::BalancedMiss,
+        Reason::Imbalanced,
     ];
 
     /// The metric label and header value.
@@ -46,6 +63,11 @@ impl Reason {
             Reason::CacheWorkerQueued => "cache_worker_queued",
             Reason::CapacityFallback => "capacity_fallback",
             Reason::CacheMiss => "cache_miss",
+            Reason::RoundRobin => "round_robin",
+            Reason::LeastLoad => "least_load",
+            Reason::BalancedOwner => "balanced_owner",
+            Reason::BalancedMiss => "balanced_miss",
+            Reason::Imbalanced => "imbalanced",
         }
     }
 }

@@ -152,6 +152,25 @@ pub(super) fn least_loaded(set: &[Member<'_>]) -> Option<Pick> {
     })
 }
 
+/// Index of the deepest member; among equally deep ones the least loaded, then the lowest id.
+pub(super) fn deepest_least_loaded(set: &[Member<'_>]) -> Option<Pick> {
+    let index = set
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, member)| {
+            (
+                std::cmp::Reverse(member.matched_tokens),
+                member.load(),
+                member.id(),
+            )
+        })
+        .map(|(index, _)| index)?;
+    Some(Pick {
+        index,
+        source: None,
+    })
+}
+
 /// One choice of a ranking: the member's index in the set, and the pressure measure that decided it
 /// (`None` when pressure played no part).
 #[derive(Clone, Copy, Debug)]

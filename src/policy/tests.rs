@@ -18,7 +18,9 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 use super::*;
-use crate::config::{DepthRatio, PolicyConfig, QueueGate};
+use crate::config::{
+    BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, PolicyConfig, QueueGate, RelThreshold,
+};
 use crate::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
 use crate::worker::{Role, WorkerId};
 
@@ -34,9 +36,17 @@ fn gate(limit: u64, floor: Option<u64>) -> Option<QueueGate> {
 
 fn config(limit: Option<u64>, floor: Option<u64>) -> PolicyConfig {
     PolicyConfig {
-        gate: limit.and_then(|limit| gate(limit, floor)),
+        mode: Mode::CacheAware(CacheAwareKnobs {
+            gate: limit.and_then(|limit| gate(limit, floor)),
+            ..CacheAwareKnobs::default()
+        }),
         ..PolicyConfig::default()
     }
+}
+
+/// The cache-aware knobs of a cache-aware `config`, to change.
+fn ca(config: &mut PolicyConfig) -> &mut CacheAwareKnobs {
+    config.cache_aware_mut().unwrap()
 }
 
 /// One scenario: a pool of workers, what the owner index says, and the knobs.
@@ -50,6 +60,8 @@ struct Case {
     allowed: Option<Vec<WorkerId>>,
     now: Instant,
     seed: u64,
+    /// The request's number in the pool's sequence (round robin).
+    sequence: u64,
 }
 
 impl Case {
@@ -63,6 +75,7 @@ impl Case {
             allowed: None,
             now: Instant::now() + Duration::from_secs(60),
             seed: 7,
+            sequence: 0,
         }
     }
 
@@ -141,6 +154,7 @@ impl Case {
         let request = RequestFacts {
             prompt_tokens: self.prompt_tokens,
             allowed: self.allowed.as_deref(),
+            sequence: self.sequence,
         };
         decide(&request, &self.owners, &load, &self.config, rng)
     }
@@ -329,7 +343,7 @@ fn dispatches_since_the_last_reading_add_to_load_but_never_to_the_queue() {
 
     // Off-owner, the dispatch count steers away from the worker that just received a burst.
     let mut config = config(Some(4), Some(2));
-    config.min_load_choices = NonZeroUsize::new(8).unwrap();
+    ca(&mut config).min_load_choices = NonZeroUsize::new(8).unwrap();
     let off = Case::new(config)
         .worker(Some(4))
         .owns(32)
@@ -404,8 +418,8 @@ fn the_depth_ratio_keeps_the_pin_on_the_deep_owner() {
     // Depths of 100, 20 and 10 blocks; the shallower, the less pressured.
     let case = |ratio: f64| {
         let mut config = config(Some(4), Some(2));
-        config.pin_depth_ratio = DepthRatio::new(ratio).unwrap();
-        config.min_match_tokens = BLOCK;
+        ca(&mut config).pin_depth_ratio = DepthRatio::new(ratio).unwrap();
+        ca(&mut config).min_match_tokens = BLOCK;
         Case::new(config)
             .worker(Some(9))
             .owns(100)
@@ -572,7 +586,7 @@ fn the_floor_replaces_the_all_queued_rung_when_every_worker_is_at_the_limit() {
     // Deep owner busier than the shallow one: the pin (pressure, ratio 0) and all_queued (deepest)
     // disagree; with a floor set the pin decides.
     let mut config = config(Some(4), Some(2));
-    config.pin_depth_ratio = DepthRatio::ZERO;
+    ca(&mut config).pin_depth_ratio = DepthRatio::ZERO;
     let case = Case::new(config)
         .worker(Some(9))
         .owns(40)
@@ -604,7 +618,7 @@ fn an_off_owner_pick_that_lands_on_a_queued_owner_is_not_a_diversion() {
 #[test]
 fn load_counts_running_requests_as_well_as_waiting_ones() {
     let mut config = config(Some(4), Some(2));
-    config.min_load_choices = NonZeroUsize::new(8).unwrap();
+    ca(&mut config).min_load_choices = NonZeroUsize::new(8).unwrap();
     let case = Case::new(config)
         .worker(Some(1))
         .running(9)
@@ -700,7 +714,7 @@ fn without_a_floor_a_worker_below_the_limit_takes_the_diverted_request() {
 
 fn off_owner_case(k: usize, seed: u64) -> Case {
     let mut config = config(Some(4), Some(2));
-    config.min_load_choices = NonZeroUsize::new(k).unwrap();
+    ca(&mut config).min_load_choices = NonZeroUsize::new(k).unwrap();
     let mut case = Case::new(config);
     for waiting in [3, 1, 0, 2, 3, 1] {
         case = case.worker(Some(waiting));
@@ -821,6 +835,378 @@ fn matches_for_unknown_workers_are_ignored() {
     assert_eq!(decision.trace.ignored_matches, 1);
 }
 
+// === round_robin ===
+
+fn mode(mode: Mode) -> PolicyConfig {
+    PolicyConfig {
+        mode,
+        ..PolicyConfig::default()
+    }
+}
+
+fn balance(abs: u64, rel: f64, cache: f64) -> PolicyConfig {
+    mode(Mode::BalanceThreshold(BalanceKnobs {
+        abs_threshold: abs,
+        rel_threshold: RelThreshold::new(rel).unwrap(),
+        cache_threshold: DepthRatio::new(cache).unwrap(),
+    }))
+}
+
+impl Case {
+    /// (selected, fallbacks) for each request number in `sequences`.
+    fn turns(&mut self, sequences: std::ops::Range<u64>) -> Vec<(u32, Vec<u32>)> {
+        sequences
+            .map(|sequence| {
+                self.sequence = sequence;
+                let decision = self.routed();
+                assert_eq!(decision.reason, Reason::RoundRobin);
+                assert_eq!(decision.trace.rung, Rung::RoundRobin);
+                assert_eq!(decision.trace.sequence, Some(sequence));
+                let fallbacks = decision.fallbacks.iter().map(|id| id.0).collect();
+                (decision.selected.0, fallbacks)
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn round_robin_cycles_through_the_fleet_in_order_whatever_the_load_and_owners() {
+    let mut case = Case::new(mode(Mode::RoundRobin))
+        .worker(Some(40))
+        .owns(64)
+        .worker(Some(0))
+        .worker(None)
+        .dispatched(9);
+    assert_eq!(
+        case.turns(0..6),
+        [
+            (0, vec![1, 2]),
+            (1, vec![2, 0]),
+            (2, vec![0, 1]),
+            (0, vec![1, 2]),
+            (1, vec![2, 0]),
+            (2, vec![0, 1]),
+        ]
+    );
+    // The turn is the sequence modulo the fleet, however large the sequence.
+    assert_eq!(case.turns(u64::MAX..u64::MAX).len(), 0);
+    case.sequence = u64::MAX;
+    assert_eq!(case.routed().selected, WorkerId((u64::MAX % 3) as u32));
+    let decision = case.routed();
+    assert!(decision.trace.owners.is_empty());
+    assert_eq!(decision.trace.ignored_matches, 1, "owners do not count");
+}
+
+#[test]
+fn round_robin_skips_workers_outside_the_fleet() {
+    let mut case = Case::new(mode(Mode::RoundRobin))
+        .worker(Some(0))
+        .with(|w| w.role = Role::Decode)
+        .worker(Some(0))
+        .worker(Some(0))
+        .with(|w| w.routable = false)
+        .worker(Some(0))
+        .with(|w| w.role = Role::Prefill)
+        .worker(Some(0))
+        .worker(Some(0));
+    // Not in the proxy's subset: 4.
+    case.allowed = Some(vec![
+        WorkerId(0),
+        WorkerId(1),
+        WorkerId(2),
+        WorkerId(3),
+        WorkerId(5),
+    ]);
+    let selected: Vec<u32> = case.turns(0..6).into_iter().map(|(id, _)| id).collect();
+    assert_eq!(selected, [1, 3, 5, 1, 3, 5]);
+    // Two fallbacks wanted, but a fleet of one has none.
+    case.allowed = Some(vec![WorkerId(3)]);
+    assert_eq!(case.turns(7..9), [(3, vec![]), (3, vec![])]);
+}
+
+// === least_load ===
+
+#[test]
+fn least_load_picks_the_fewest_waiting_running_and_dispatched() {
+    let case = Case::new(mode(Mode::LeastLoad))
+        .worker(Some(2))
+        .running(1) // 3
+        .worker(Some(0))
+        .dispatched(4) // 4
+        .worker(Some(1))
+        .running(1) // 2
+        .worker(Some(9))
+        .owns(64); // 9, the only owner
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (2, Reason::LeastLoad)
+    );
+    assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(1)]);
+    assert_eq!(decision.trace.rung, Rung::LeastLoad);
+    assert_eq!(decision.matched_tokens, 0);
+    assert!(decision.trace.owners.is_empty());
+}
+
+#[test]
+fn least_load_counts_dispatches_and_an_unread_worker_by_its_dispatches_alone() {
+    // The idle reading is stale by three dispatches.
+    let dispatched = Case::new(mode(Mode::LeastLoad))
+        .worker(Some(0))
+        .dispatched(3)
+        .worker(Some(2));
+    assert_eq!(dispatched.pick(), (1, Reason::LeastLoad));
+
+    // Nobody has read the second worker: only what this picker sent it counts.
+    let unread = Case::new(mode(Mode::LeastLoad))
+        .worker(Some(1))
+        .running(1)
+        .worker(None)
+        .dispatched(1);
+    assert_eq!(unread.pick(), (1, Reason::LeastLoad));
+}
+
+#[test]
+fn least_load_draws_among_workers_tied_at_the_minimum() {
+    let case = Case::new(mode(Mode::LeastLoad))
+        .worker(Some(1))
+        .worker(Some(3))
+        .worker(Some(1))
+        .worker(Some(1))
+        .dispatched(1);
+    let mut rng = SmallRng::seed_from_u64(5);
+    let mut seen = [0_u32; 4];
+    for _ in 0..200 {
+        let Outcome::Route(decision) = case.decide_with(&mut rng) else {
+            panic!("rejected")
+        };
+        seen[decision.selected.index()] += 1;
+        // The fallbacks are the next least loaded, by id among equals.
+        let expected: Vec<WorkerId> = [0, 2, 3]
+            .into_iter()
+            .map(WorkerId)
+            .filter(|id| *id != decision.selected)
+            .collect();
+        assert_eq!(decision.fallbacks, expected);
+    }
+    assert!(seen[0] > 50 && seen[2] > 50, "{seen:?}");
+    assert_eq!((seen[1], seen[3]), (0, 0));
+}
+
+// === balance_threshold ===
+
+/// Prompts of 2048 tokens: 32 blocks. The default knobs: 64, 1.5, 0.3.
+fn balanced() -> Case {
+    Case::new(balance(64, 1.5, 0.3))
+}
+
+#[test]
+fn a_balanced_fleet_goes_to_the_owner_above_the_cache_threshold() {
+    // 10 blocks = 640 of 2048 tokens, 0.31.
+    let case = balanced()
+        .worker(Some(10))
+        .worker(Some(12))
+        .owns(10)
+        .worker(Some(11));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::BalancedOwner)
+    );
+    assert_eq!(decision.trace.rung, Rung::DeepestOwner);
+    assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(2)]);
+    assert_eq!(decision.matched_tokens, 10 * BLOCK);
+    let balance = decision.trace.balance.unwrap();
+    assert_eq!(
+        (balance.min_load, balance.max_load, balance.imbalanced),
+        (10, 12, false)
+    );
+    assert_eq!(balance.match_ratio, 640.0 / 2048.0);
+}
+
+#[test]
+fn a_balanced_fleet_goes_to_the_least_loaded_worker_at_or_below_the_threshold() {
+    // 9 blocks = 576 of 2048 tokens, 0.28.
+    let below = balanced()
+        .worker(Some(10))
+        .owns(9)
+        .worker(Some(12))
+        .worker(Some(11));
+    let decision = below.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (0, Reason::BalancedMiss)
+    );
+    let below = balanced()
+        .worker(Some(12))
+        .owns(9)
+        .worker(Some(10))
+        .worker(Some(11));
+    let decision = below.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::BalancedMiss)
+    );
+    assert_eq!(decision.trace.rung, Rung::LeastLoad);
+    assert_eq!(decision.fallbacks, vec![WorkerId(2), WorkerId(0)]);
+
+    // Exactly the threshold is not above it: 30 blocks of 6400 tokens is 0.3.
+    let mut at = balanced().worker(Some(5)).owns(30).worker(Some(4));
+    at.prompt_tokens = 6400;
+    assert_eq!(at.pick(), (1, Reason::BalancedMiss));
+    at.owners[0].matched_tokens += 1;
+    assert_eq!(at.pick(), (0, Reason::BalancedOwner));
+
+    // No owner at all.
+    let none = balanced().worker(Some(3)).worker(Some(2));
+    assert_eq!(none.pick(), (1, Reason::BalancedMiss));
+    assert_eq!(none.routed().trace.balance.unwrap().match_ratio, 0.0);
+}
+
+#[test]
+fn an_imbalanced_fleet_goes_to_the_shortest_queue_even_with_an_owner() {
+    // max − min = 90 > 64 and 100 > 1.5 × 10.
+    let case = balanced()
+        .worker(Some(100))
+        .owns(32)
+        .worker(Some(10))
+        .worker(Some(50));
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::Imbalanced)
+    );
+    assert_eq!(decision.fallbacks, vec![WorkerId(2), WorkerId(0)]);
+    assert!(decision.trace.balance.unwrap().imbalanced);
+    assert_eq!(decision.trace.balance.unwrap().match_ratio, 1.0);
+
+    // Both conditions are needed, and both are strict.
+    let spread = |owner: u64, other: u64| {
+        balanced()
+            .worker(Some(owner))
+            .owns(32)
+            .worker(Some(other))
+            .pick()
+    };
+    assert_eq!(spread(74, 10), (0, Reason::BalancedOwner), "74 − 10 = 64");
+    assert_eq!(spread(75, 10), (1, Reason::Imbalanced), "75 − 10 = 65");
+    assert_eq!(
+        spread(200, 135),
+        (0, Reason::BalancedOwner),
+        "200 < 1.5 × 135"
+    );
+    assert_eq!(
+        spread(300, 200),
+        (0, Reason::BalancedOwner),
+        "300 = 1.5 × 200"
+    );
+    assert_eq!(spread(301, 200), (1, Reason::Imbalanced), "301 > 1.5 × 200");
+    assert_eq!(
+        spread(65, 0),
+        (1, Reason::Imbalanced),
+        "anything exceeds 1.5 × 0"
+    );
+}
+
+#[test]
+fn the_balance_thresholds_are_configurable() {
+    let case = |config: PolicyConfig| {
+        Case::new(config)
+            .worker(Some(10))
+            .owns(8)
+            .worker(Some(5))
+            .pick()
+    };
+    // 10 vs 5: balanced by default; 8 blocks are 0.25 of the prompt.
+    assert_eq!(case(balance(64, 1.5, 0.3)), (1, Reason::BalancedMiss));
+    assert_eq!(case(balance(64, 1.5, 0.2)), (0, Reason::BalancedOwner));
+    assert_eq!(case(balance(4, 1.5, 0.2)), (1, Reason::Imbalanced));
+    assert_eq!(case(balance(4, 2.0, 0.2)), (0, Reason::BalancedOwner));
+}
+
+#[test]
+fn load_for_the_balance_counts_dispatches_and_running_requests() {
+    // Readings say 0 and 4 + 6 running; eighty requests were just sent to the first: 80 vs 10.
+    let case = balanced()
+        .worker(Some(0))
+        .owns(32)
+        .dispatched(80)
+        .worker(Some(4))
+        .running(6);
+    assert_eq!(case.pick(), (1, Reason::Imbalanced));
+    // Seventy would be within the absolute threshold (70 − 10 = 60).
+    let mut case = case;
+    case.dispatches[0] = 70;
+    assert_eq!(case.pick(), (0, Reason::BalancedOwner));
+}
+
+#[test]
+fn equally_deep_owners_are_ordered_by_load_and_other_owners_above_the_threshold_follow() {
+    let case = balanced()
+        .worker(Some(8))
+        .owns(20)
+        .worker(Some(3))
+        .owns(20)
+        .worker(Some(1))
+        .owns(12)
+        .worker(Some(0))
+        .owns(4);
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (1, Reason::BalancedOwner)
+    );
+    // Then the other 20-block owner, then the 12-block one (0.375); the 4-block one is below.
+    assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(2)]);
+    assert_eq!(decision.trace.owners.len(), 4);
+}
+
+#[test]
+fn balance_threshold_only_sees_owners_and_load_within_the_fleet() {
+    // The owner is decode-only, and the idle worker is outside the subset.
+    let mut case = balanced()
+        .worker(Some(5))
+        .owns(32)
+        .with(|w| w.role = Role::Decode)
+        .worker(Some(200))
+        .worker(Some(0))
+        .worker(Some(190));
+    case.allowed = Some(vec![WorkerId(0), WorkerId(1), WorkerId(3)]);
+    let decision = case.routed();
+    assert_eq!(
+        (decision.selected.0, decision.reason),
+        (3, Reason::BalancedMiss),
+        "200 vs 190 is balanced; the owner and the idle worker are not in the fleet"
+    );
+    assert_eq!(decision.trace.ignored_matches, 1);
+    assert_eq!(decision.fallbacks, vec![WorkerId(1)]);
+}
+
+#[test]
+fn every_mode_rejects_an_empty_fleet() {
+    for config in [
+        mode(Mode::RoundRobin),
+        mode(Mode::LeastLoad),
+        balance(64, 1.5, 0.3),
+        config(None, None),
+    ] {
+        let case = Case::new(config)
+            .worker(Some(0))
+            .with(|w| w.role = Role::Decode);
+        let outcome = case.decide();
+        assert!(
+            matches!(
+                outcome,
+                Outcome::Reject(Reject {
+                    reason: RejectReason::NoWorkers,
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+    }
+}
+
 // === robustness ===
 
 /// A pool of `n` workers with arbitrary readings, capacities, roles and matches.
@@ -843,18 +1229,39 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
         0_u64..30_000,
         any::<u64>(),
         prop::option::of(prop::collection::vec(0_u32..70, 0..8)),
+        (
+            0_u8..4,
+            0_u64..20,
+            1.01_f64..3.0,
+            0.0_f64..=1.0,
+            any::<u64>(),
+        ),
     )
         .prop_map(
-            |(workers, knobs, k, min_match, ratio, prompt, seed, allowed)| {
+            |(workers, knobs, k, min_match, ratio, prompt, seed, allowed, mode)| {
                 let gate =
                     knobs.and_then(|(limit, floor)| gate(limit, floor.filter(|f| *f <= limit)));
+                let (mode, abs, rel, cache, sequence) = mode;
+                let mode = match mode {
+                    0 => Mode::CacheAware(CacheAwareKnobs {
+                        gate,
+                        min_load_choices: NonZeroUsize::new(k).unwrap(),
+                        min_match_tokens: min_match,
+                        pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
+                    }),
+                    1 => Mode::RoundRobin,
+                    2 => Mode::LeastLoad,
+                    _ => Mode::BalanceThreshold(BalanceKnobs {
+                        abs_threshold: abs,
+                        rel_threshold: RelThreshold::new(rel).unwrap(),
+                        cache_threshold: DepthRatio::new(cache).unwrap(),
+                    }),
+                };
                 let mut case = Case::new(PolicyConfig {
-                    gate,
-                    min_load_choices: NonZeroUsize::new(k).unwrap(),
-                    min_match_tokens: min_match,
-                    pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
+                    mode,
                     max_fallbacks: 3,
                 });
+                case.sequence = sequence;
                 case.prompt_tokens = prompt;
                 case.seed = seed;
                 case.allowed = allowed.map(|ids| ids.into_iter().map(WorkerId).collect());
@@ -931,7 +1338,7 @@ proptest! {
 
     #[test]
     fn the_pin_never_fires_while_a_fleet_worker_is_fresh_below_the_floor(case in arbitrary_case()) {
-        let Some(floor) = case.config.gate.and_then(|gate| gate.floor()) else { return Ok(()) };
+        let Some(floor) = case.config.gate().and_then(|gate| gate.floor()) else { return Ok(()) };
         let snapshot = PoolSnapshot::new(0, FRESHNESS, case.workers.clone());
         let relieved = snapshot.workers().iter().any(|w| {
             in_fleet(&case, w.id) && snapshot.fresh_load(w.id, case.now).is_some_and(|load| load.waiting < floor)
@@ -945,6 +1352,71 @@ proptest! {
                 let queued_and_admitted =
                     owner.is_some_and(|o| !o.gate.passes() && o.admission.admits());
                 prop_assert!(queued_and_admitted);
+            }
+        }
+    }
+}
+
+/// waiting + running from a fresh reading, plus the dispatches since.
+fn load_of(case: &Case, id: WorkerId) -> u64 {
+    let snapshot = PoolSnapshot::new(0, FRESHNESS, case.workers.clone());
+    let engine = snapshot
+        .fresh_load(id, case.now)
+        .map_or(0, |load| load.waiting.saturating_add(load.running));
+    engine.saturating_add(case.dispatches[id.index()])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn each_mode_follows_its_own_rule(case in arbitrary_case()) {
+        let fleet: Vec<WorkerId> = (0..case.workers.len() as u32)
+            .map(WorkerId)
+            .filter(|id| in_fleet(&case, *id))
+            .collect();
+        let Outcome::Route(decision) = case.decide() else { return Ok(()) };
+        let min_load = fleet.iter().map(|id| load_of(&case, *id)).min().unwrap();
+        match &case.config.mode {
+            Mode::RoundRobin => {
+                let turn = (case.sequence % fleet.len() as u64) as usize;
+                prop_assert_eq!(decision.selected, fleet[turn]);
+                prop_assert_eq!(decision.reason, Reason::RoundRobin);
+                for (i, fallback) in decision.fallbacks.iter().enumerate() {
+                    prop_assert_eq!(*fallback, fleet[(turn + i + 1) % fleet.len()]);
+                }
+            }
+            Mode::LeastLoad => {
+                prop_assert_eq!(load_of(&case, decision.selected), min_load);
+                prop_assert_eq!(decision.reason, Reason::LeastLoad);
+            }
+            Mode::BalanceThreshold(knobs) => {
+                let max_load = fleet.iter().map(|id| load_of(&case, *id)).max().unwrap();
+                let imbalanced = max_load - min_load > knobs.abs_threshold
+                    && max_load as f64 > knobs.rel_threshold.get() * min_load as f64;
+                let balance = decision.trace.balance.unwrap();
+                prop_assert_eq!((balance.min_load, balance.max_load, balance.imbalanced), (min_load, max_load, imbalanced));
+                match decision.reason {
+                    Reason::BalancedOwner => {
+                        prop_assert!(!imbalanced);
+                        prop_assert!(balance.match_ratio > knobs.cache_threshold.get());
+                        let deepest = decision.trace.owners.first().unwrap().matched_tokens;
+                        prop_assert_eq!(decision.matched_tokens, deepest);
+                    }
+                    Reason::BalancedMiss | Reason::Imbalanced => {
+                        prop_assert_eq!(decision.reason == Reason::Imbalanced, imbalanced);
+                        prop_assert!(imbalanced || balance.match_ratio <= knobs.cache_threshold.get());
+                        prop_assert_eq!(load_of(&case, decision.selected), min_load);
+                    }
+                    other => prop_assert!(false, "{:?} under balance_threshold", other),
+                }
+            }
+            Mode::CacheAware(_) => {
+                prop_assert!(!matches!(
+                    decision.reason,
+                    Reason::RoundRobin | Reason::LeastLoad | Reason::BalancedOwner
+                        | Reason::BalancedMiss | Reason::Imbalanced
+                ));
             }
         }
     }

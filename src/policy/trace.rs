@@ -2,6 +2,7 @@
 
 use serde::Serialize;
 
+use crate::config::ModeKind;
 use crate::worker::WorkerId;
 
 /// The record of one decision. Enough to answer "why did this request go there?" without re-running it.
@@ -9,11 +10,15 @@ use crate::worker::WorkerId;
 pub struct Trace {
     /// Version of the load snapshot decided from.
     pub snapshot_version: u64,
+    /// The policy mode that decided.
+    pub mode: ModeKind,
     /// Routable prefill workers of the pool, within the proxy's subset.
     pub fleet: usize,
     /// Fleet workers with a fresh reading.
     pub fresh: usize,
-    /// Every owner that counted (in the fleet, holding at least `min_match_tokens`), deepest first.
+    /// Every owner that counted, deepest first: in the fleet and holding at least `min_match_tokens`
+    /// (`cache_aware`), or at least one token (`balance_threshold`); none for the modes that ignore
+    /// prefixes. Hard admission is shown for each, but only `cache_aware` enforces it.
     pub owners: Vec<OwnerVerdict>,
     /// Index matches that did not count: too shallow, or outside the fleet.
     pub ignored_matches: usize,
@@ -25,6 +30,12 @@ pub struct Trace {
     pub pressure: Option<PressureSource>,
     /// Workers drawn for an off-owner pick, with their load, in draw order.
     pub sampled: Vec<Sampled>,
+    /// `round_robin`: the request's number in the pool's sequence (its turn is this modulo the fleet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sequence: Option<u64>,
+    /// `balance_threshold`: the fleet's load spread and the deepest owner's share of the prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub balance: Option<Balance>,
 }
 
 impl Trace {
@@ -129,6 +140,24 @@ pub enum Rung {
     OffOwnerAdmission,
     /// Nobody passes hard admission: the least-pressured fleet worker.
     LeastPressured,
+    /// `round_robin`: the fleet worker whose turn it is.
+    RoundRobin,
+    /// `least_load`, and `balance_threshold` without a deep enough owner or with an imbalanced fleet: the
+    /// least-loaded fleet worker.
+    LeastLoad,
+    /// `balance_threshold`: the deepest owner, the fleet being balanced.
+    DeepestOwner,
+}
+
+/// What `balance_threshold` saw: load is waiting + running + dispatched since the last fresh reading.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Balance {
+    pub min_load: u64,
+    pub max_load: u64,
+    /// `max_load − min_load > balance_abs_threshold` and `max_load > balance_rel_threshold × min_load`.
+    pub imbalanced: bool,
+    /// The deepest fleet owner's matched tokens ÷ the prompt's tokens, in `[0, 1]` (0 without an owner).
+    pub match_ratio: f64,
 }
 
 /// Which numbers ordered workers by pressure. A measure is used only when every compared worker has it,

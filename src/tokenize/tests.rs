@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value as Json;
 
 use super::*;
-use crate::config::{ModelMatch, TiktokenEncoding};
+use crate::config::{ModelMatch, PolicyConfig, TiktokenEncoding};
 use crate::worker::Engine;
 
 fn fixture(name: &str) -> PathBuf {
@@ -556,6 +556,7 @@ fn a_pool_config_builds_its_tokenizer() {
         segment_cache_entries: NonZeroUsize::new(16).unwrap(),
         default_cache_blocks: NonZeroUsize::new(16).unwrap(),
         workers: Vec::new(),
+        policy: PolicyConfig::default(),
     };
     let pool = PoolTokenizer::new(&config).unwrap();
     assert_eq!(
