@@ -121,12 +121,15 @@ impl Client {
             .process(futures_util::stream::iter([headers, body]))
             .await?
             .into_inner();
+        let mut decided = None;
         while let Some(response) = responses.message().await? {
-            if let Some(verdict) = verdict(response) {
-                return Ok(verdict);
+            if decided.is_none() {
+                decided = verdict(response);
             }
         }
-        Err(ClientError::NoDecision)
+        // Read to the end of the stream (the picker ends it right after its answer): a stream dropped
+        // before its trailers arrive is reset, and h2 closes a connection after 1,024 such resets.
+        decided.ok_or(ClientError::NoDecision)
     }
 }
 

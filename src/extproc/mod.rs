@@ -25,7 +25,6 @@ pub use process::{
 
 use thiserror::Error;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::ServingStatus;
 
 use crate::service::Service;
@@ -90,7 +89,12 @@ pub async fn serve(
         .add_optional_service(debug.then(|| admin::server(Arc::clone(&service))))
         .add_optional_service(admin::reflection_v1().filter(|_| debug))
         .add_optional_service(admin::reflection_v1alpha().filter(|_| debug))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        // TCP_NODELAY: an answer is one small frame; without it, Nagle holds that frame until Envoy's
+        // delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
         .await;
     readiness.abort();
     Ok(served?)
