@@ -174,8 +174,9 @@ fn hit_rate(rank: &RankStats) -> f64 {
     }
 }
 
+/// Tokens in use as engines report them: pinned by requests (evictable cache counts as free).
 fn used_tokens(rank: &RankStats) -> u64 {
-    rank.kv_used_blocks
+    rank.kv_pinned_blocks
         .saturating_mul(u64::from(rank.block_size))
 }
 
@@ -637,7 +638,7 @@ mod tests {
                     assert_eq!(read.running, want.running);
                     assert_eq!(read.kv_usage, Some(want.kv_usage()));
                     assert_eq!(read.max_total_tokens, Some(want.kv_total_blocks * 16));
-                    assert_eq!(read.used_tokens, Some(want.kv_used_blocks * 16));
+                    assert_eq!(read.used_tokens, Some(want.kv_pinned_blocks * 16));
                     let max_running = (engine == Engine::Sglang).then_some(want.max_running);
                     assert_eq!(read.max_running, max_running);
                 }
@@ -676,7 +677,7 @@ mod tests {
                     read.waiting_uncached_tokens,
                     Some(want.waiting_uncached_tokens)
                 );
-                assert_eq!(read.used_tokens, Some(want.kv_used_blocks * 16));
+                assert_eq!(read.used_tokens, Some(want.kv_pinned_blocks * 16));
                 assert_eq!(read.max_total_tokens, Some(8192 * 16));
                 assert_eq!(read.max_running, Some(64));
                 assert_eq!(read.kv_usage, Some(want.kv_usage()));
@@ -689,7 +690,7 @@ mod tests {
             assert_eq!(last["cache_hit_rate"].as_f64(), Some(rate));
             assert_eq!(
                 last["num_total_tokens"],
-                want.kv_used_blocks * 16 + want.waiting_uncached_tokens
+                want.kv_pinned_blocks * 16 + want.waiting_uncached_tokens
             );
         }
         assert_eq!(render_loads(&[]), br#"{"loads":[]}"#);

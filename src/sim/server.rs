@@ -944,7 +944,8 @@ fn reported(shared: &Shared, incarnation: &Incarnation) -> Vec<RankStats> {
             }
             if let Some(usage) = fake.kv_usage {
                 let used = (usage.clamp(0.0, 1.0) * rank.kv_total_blocks as f64).round();
-                rank.kv_used_blocks = used as u64;
+                rank.kv_pinned_blocks = used as u64;
+                rank.kv_used_blocks = rank.kv_used_blocks.max(used as u64);
             }
         }
     }

@@ -11,9 +11,11 @@ pub struct RankStats {
     pub waiting: u64,
     /// Uncached prompt tokens of the waiting requests, as far as the cache knows now.
     pub waiting_uncached_tokens: u64,
-    /// KV blocks held by running requests (pinned) plus blocks cached for reuse.
+    /// KV blocks occupied: held by running requests (pinned) plus blocks cached for reuse.
     pub kv_used_blocks: u64,
-    /// KV blocks pinned by running requests.
+    /// KV blocks pinned by running requests: what engines report as used. vLLM's block pool and
+    /// SGLang's radix cache both count a cached block nobody references as free (it is evictable), so
+    /// a warm cache does not make a worker look full.
     pub kv_pinned_blocks: u64,
     pub kv_total_blocks: u64,
     pub block_size: u32,
@@ -26,12 +28,13 @@ pub struct RankStats {
 }
 
 impl RankStats {
-    /// KV usage in [0, 1] as engines report it: blocks in use over capacity.
+    /// KV usage in [0, 1] as engines report it: blocks pinned by requests over capacity (evictable
+    /// cached blocks count as free).
     pub fn kv_usage(&self) -> f64 {
         if self.kv_total_blocks == 0 {
             0.0
         } else {
-            (self.kv_used_blocks as f64 / self.kv_total_blocks as f64).min(1.0)
+            (self.kv_pinned_blocks as f64 / self.kv_total_blocks as f64).min(1.0)
         }
     }
 }
