@@ -15,6 +15,8 @@
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
 //! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
 //! - [`envoy_config`]: `cachepick envoy-config` — the Envoy bootstrap generated from the configuration.
+//! - [`replay`]: `cachepick replay` — a Mooncake trace or a burst scenario replayed once per routing
+//!   policy against a simulated fleet; prefix-hit rate, TTFT, balance and reasons as a table, JSON, SVG.
 //! - [`demo`]: `cachepick demo` — fleet, picker and Envoy on one machine, a bursty workload, a report.
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
 //! - [`sim`]: the fleet simulator (`cachepick sim`): GPU-free vLLM- and SGLang-like workers with a real
@@ -36,6 +38,7 @@ pub mod metrics;
 pub mod picker;
 pub mod policy;
 pub mod prefix;
+pub mod replay;
 pub mod request;
 pub mod service;
 pub mod sim;

@@ -73,6 +73,55 @@ enum Command {
     /// One command to see cachepick work: a simulated fleet, the picker, and Envoy when installed,
     /// driven by a bursty shared-prefix workload; prints decision reasons, prefix-hit rate and TTFT.
     Demo(DemoArgs),
+    /// Replay a Mooncake trace (or the synthetic burst scenario) once per routing policy against a
+    /// simulated fleet; compare prefix-hit rate, TTFT, balance and decision reasons.
+    Replay(ReplayArgs),
+}
+
+/// `cachepick replay`.
+#[derive(Args)]
+struct ReplayArgs {
+    /// Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids per line).
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present = "scenario",
+        conflicts_with = "scenario"
+    )]
+    trace: Option<PathBuf>,
+    /// A synthetic scenario instead of a trace: `burst` (steady, a burst well above capacity, steady).
+    #[arg(long, value_parser = ["burst"])]
+    scenario: Option<String>,
+    /// Simulator YAML describing the fleet (as `cachepick sim --config`); default: 4 vLLM workers.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Comma-separated policies (round_robin, least_load, balance_threshold, affinity, gate, gate_floor,
+    /// gate_floor_pressure_only, gate_floor_min_match_1block); default: the scenario's list.
+    #[arg(long, value_delimiter = ',')]
+    policies: Vec<String>,
+    /// Divide arrival times by X (default 8 for a trace, 4 for burst); the default fleet also runs its
+    /// model X times faster.
+    #[arg(long, value_name = "X")]
+    speedup: Option<f64>,
+    /// Replay only the first N requests.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// envoy: through a real Envoy with the generated configuration; direct: over ext_proc, then to the
+    /// chosen worker.
+    #[arg(long, default_value = "direct", value_parser = ["envoy", "direct"])]
+    via: String,
+    /// The Envoy binary for `--via envoy` (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, PATH).
+    #[arg(long, value_name = "PATH")]
+    envoy: Option<PathBuf>,
+    /// Output directory for report.json, table.md and the SVG charts (default target/replay/<scenario>).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Seed of the fleet and of the synthetic scenario.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Burst scenario: multiplies the length of every phase.
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    duration_scale: f64,
 }
 
 /// `cachepick demo`.
@@ -206,8 +255,11 @@ fn main() -> ExitCode {
     if let Command::Demo(args) = &cli.command {
         return demo(args);
     }
+    if let Command::Replay(args) = &cli.command {
+        return replay(args);
+    }
     let args = match &cli.command {
-        Command::Sim(_) | Command::Demo(_) => return ExitCode::FAILURE,
+        Command::Sim(_) | Command::Demo(_) | Command::Replay(_) => return ExitCode::FAILURE,
         Command::Serve(args)
         | Command::Check(args)
         | Command::Snapshot { config: args, .. }
@@ -231,7 +283,7 @@ fn main() -> ExitCode {
         Command::Explain {
             path, body, json, ..
         } => explain(&config, &path, &body, json),
-        Command::Sim(_) | Command::Demo(_) => Ok(()),
+        Command::Sim(_) | Command::Demo(_) | Command::Replay(_) => Ok(()),
         Command::EnvoyConfig {
             config: args,
             mode,
@@ -304,6 +356,51 @@ fn demo(args: &DemoArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("cachepick demo: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn replay(args: &ReplayArgs) -> ExitCode {
+    let scenario = match &args.trace {
+        Some(path) => cachepick::replay::Scenario::Trace(path.clone()),
+        None => cachepick::replay::Scenario::Burst,
+    };
+    let mut options = cachepick::replay::ReplayOptions::new(scenario);
+    options.sim_config = args.config.clone();
+    options.policies = args
+        .policies
+        .iter()
+        .filter(|p| !p.is_empty())
+        .cloned()
+        .collect();
+    options.speedup = args.speedup;
+    options.limit = args.limit;
+    options.via = if args.via == "envoy" {
+        cachepick::replay::Via::Envoy
+    } else {
+        cachepick::replay::Via::Direct
+    };
+    options.envoy = args.envoy.clone();
+    if let Some(out) = &args.out {
+        options.out = out.clone();
+    }
+    options.seed = args.seed;
+    options.duration_scale = args.duration_scale;
+    let run = || -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+        let replay = runtime.block_on(cachepick::replay::run(&options))?;
+        println!("\n{}", replay.table);
+        for skipped in &replay.skipped {
+            println!("skipped {}: {}", skipped.policy, skipped.error);
+        }
+        println!("report: {}", replay.out_dir.join("report.json").display());
+        Ok(())
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("cachepick replay: {error:#}");
             ExitCode::FAILURE
         }
     }

@@ -1,0 +1,238 @@
+//! The open-loop driver: every request is sent at its scheduled time, streamed to the end, and measured.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::Semaphore;
+
+use super::trace::{Item, PromptBuilder};
+use crate::extproc::client::{Client as PickerClient, Verdict};
+
+/// Where requests go: through Envoy, or to the picker over ext_proc and then to the chosen worker.
+#[derive(Clone)]
+pub enum Route {
+    Envoy(SocketAddr),
+    Direct(PickerClient),
+}
+
+/// How one request ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum End {
+    /// Streamed to the end with usage.
+    Ok,
+    /// The picker refused it (an immediate response).
+    #[default]
+    Rejected,
+    /// Any other failure: a worker error status, a broken or cut-off stream, no usage.
+    Error,
+    /// Not sent: the in-flight bound was reached.
+    Dropped,
+}
+
+/// One request's outcome as the client saw it.
+#[derive(Clone, Debug, Default)]
+pub struct Sample {
+    pub index: usize,
+    pub phase: usize,
+    /// Scheduled send time from the start of the run.
+    pub at: Duration,
+    pub end: End,
+    pub status: u16,
+    /// The decision reason (or the rejection reason).
+    pub reason: String,
+    /// The worker that served it (`x-served-by`).
+    pub worker: Option<String>,
+    pub ttft: Option<Duration>,
+    pub e2e: Option<Duration>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+const PATH: &str = "/v1/completions";
+/// How long one request may take, from sending it to the end of its streamed answer.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Sends every item at `timestamp_ms / speedup` after the start, at most `max_in_flight` at once (a
+/// request due while the bound is reached is dropped and counted, so arrivals stay open-loop).
+pub async fn drive(
+    route: &Route,
+    items: &[Item],
+    prompts: &PromptBuilder,
+    model: &str,
+    speedup: f64,
+    max_in_flight: usize,
+) -> Vec<Sample> {
+    let http: HttpClient<HttpConnector, Full<Bytes>> = HttpClient::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build_http();
+    let limit = Arc::new(Semaphore::new(max_in_flight.max(1)));
+    let first = items.first().map_or(0, |item| item.timestamp_ms);
+    let started = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(items.len());
+    let mut samples = Vec::with_capacity(items.len());
+    for (index, item) in items.iter().enumerate() {
+        let at = Duration::from_secs_f64((item.timestamp_ms - first) as f64 / 1000.0 / speedup);
+        tokio::time::sleep_until(started + at).await;
+        let Ok(permit) = Arc::clone(&limit).try_acquire_owned() else {
+            samples.push(Sample {
+                index,
+                phase: item.phase,
+                at,
+                end: End::Dropped,
+                ..Sample::default()
+            });
+            continue;
+        };
+        let body = serde_json::json!({
+            "model": model,
+            "prompt": prompts.prompt(item),
+            "max_tokens": item.output_length,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+        .to_string();
+        let http = http.clone();
+        let route = route.clone();
+        let phase = item.phase;
+        tasks.push(tokio::spawn(async move {
+            let mut sample = one(&http, route, body).await;
+            sample.index = index;
+            sample.phase = phase;
+            sample.at = at;
+            drop(permit);
+            sample
+        }));
+    }
+    for task in tasks {
+        if let Ok(sample) = task.await {
+            samples.push(sample);
+        }
+    }
+    samples.sort_by_key(|sample| sample.index);
+    samples
+}
+
+/// Sends one streaming completion and reads it to the end, within [`REQUEST_DEADLINE`].
+async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: String) -> Sample {
+    let mut sample = Sample {
+        end: End::Error,
+        ..Sample::default()
+    };
+    let started = Instant::now();
+    let (addr, headers) = match route {
+        Route::Envoy(addr) => (addr, Vec::new()),
+        Route::Direct(client) => match client.decide(PATH, body.as_bytes()).await {
+            Ok(Verdict::Route {
+                endpoints,
+                reason,
+                prefix_tokens,
+            }) => {
+                let Some(first) = endpoints.first().copied() else {
+                    return sample;
+                };
+                let destination: Vec<String> = endpoints.iter().map(ToString::to_string).collect();
+                (
+                    first,
+                    vec![
+                        ("x-gateway-destination-endpoint", destination.join(",")),
+                        ("x-cachepick-decision", reason),
+                        ("x-cachepick-prefix-tokens", prefix_tokens.to_string()),
+                    ],
+                )
+            }
+            Ok(Verdict::Refuse { status, reason, .. }) => {
+                sample.status = status;
+                sample.reason = reason;
+                sample.end = End::Rejected;
+                return sample;
+            }
+            Err(error) => {
+                sample.reason = format!("ext_proc error: {error}");
+                return sample;
+            }
+        },
+    };
+    let mut request =
+        Request::post(format!("http://{addr}{PATH}")).header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let Ok(request) = request.body(Full::new(Bytes::from(body))) else {
+        return sample;
+    };
+    let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
+    let Ok(Ok(response)) = tokio::time::timeout_at(deadline, http.request(request)).await else {
+        return sample;
+    };
+    sample.status = response.status().as_u16();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    };
+    if let Some(reject) = header("x-cachepick-reject-reason") {
+        sample.reason = reject;
+        sample.end = End::Rejected;
+        return sample;
+    }
+    sample.reason = header("x-sim-echo-x-cachepick-decision").unwrap_or_else(|| "none".to_owned());
+    sample.worker = header("x-served-by");
+    let mut body = response.into_body();
+    let mut tail = Vec::new();
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(None | Some(Err(_))) => break,
+            Err(_) => return sample,
+        };
+        if let Some(data) = frame.data_ref() {
+            if sample.ttft.is_none() && data.windows(6).any(|window| window == b"data: ") {
+                sample.ttft = Some(started.elapsed());
+            }
+            tail.extend_from_slice(data);
+            if tail.len() > 16 * 1024 {
+                tail.drain(..tail.len() - 4 * 1024);
+            }
+        }
+    }
+    sample.e2e = Some(started.elapsed());
+    let text = String::from_utf8_lossy(&tail);
+    let usage = text
+        .rsplit("data: ")
+        .filter_map(|event| serde_json::from_str::<serde_json::Value>(event.trim()).ok())
+        .find_map(|event| event.get("usage").cloned().filter(|usage| !usage.is_null()));
+    if let Some(usage) = usage {
+        sample.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+        sample.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        if sample.status == 200 {
+            sample.end = End::Ok;
+        }
+    }
+    sample
+}
+
+/// Requests per worker, in a stable order.
+pub fn per_worker(samples: &[Sample], endpoints: &[SocketAddr]) -> Vec<(String, u64)> {
+    let mut counts: HashMap<String, u64> = endpoints.iter().map(|e| (e.to_string(), 0)).collect();
+    for sample in samples {
+        if let Some(worker) = &sample.worker {
+            *counts.entry(worker.clone()).or_default() += 1;
+        }
+    }
+    let mut counts: Vec<(String, u64)> = counts.into_iter().collect();
+    counts.sort();
+    counts
+}

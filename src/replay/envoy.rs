@@ -1,0 +1,108 @@
+//! A real Envoy in front of one replay run, with the configuration `cachepick envoy-config` generates
+//! (buffered mode), killed on drop.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::Config;
+use crate::envoy_config::{BodyMode, EnvoyOptions};
+
+pub struct Envoy {
+    child: Child,
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    dir: PathBuf,
+}
+
+impl Envoy {
+    pub async fn start(path: &Path, config: &Config) -> Result<Envoy, String> {
+        let listen = super::free_port().map_err(|error| error.to_string())?;
+        let admin = super::free_port().map_err(|error| error.to_string())?;
+        let yaml = crate::envoy_config::render(
+            config,
+            &EnvoyOptions {
+                mode: BodyMode::Buffered,
+                listen,
+                admin,
+                ..EnvoyOptions::for_config(config)
+            },
+        );
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.subsec_nanos());
+        let dir =
+            std::env::temp_dir().join(format!("cachepick-replay-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|error| error.to_string())?;
+        let file = dir.join("envoy.yaml");
+        std::fs::write(&file, yaml).map_err(|error| error.to_string())?;
+        let log = dir.join("envoy.log");
+        let child = Command::new(path)
+            .arg("-c")
+            .arg(&file)
+            .args(["--concurrency", "2", "-l", "warning", "--log-path"])
+            .arg(&log)
+            .arg("--base-id")
+            .arg(((std::process::id() as u64) * 1000 + u64::from(nanos % 1000)).to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|error| format!("cannot start {}: {error}", path.display()))?;
+        let envoy = Envoy {
+            child,
+            listen,
+            admin,
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if envoy.ready().await {
+                return Ok(envoy);
+            }
+            if Instant::now() > deadline {
+                let tail = std::fs::read_to_string(&log).unwrap_or_default();
+                let tail: String = tail.lines().rev().take(10).collect::<Vec<_>>().join("\n");
+                return Err(format!("not ready after 20 s; log tail:\n{tail}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn ready(&self) -> bool {
+        let live = admin_get(self.admin, "/ready")
+            .await
+            .is_some_and(|body| body.trim() == "LIVE");
+        live && tokio::net::TcpStream::connect(self.listen).await.is_ok()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
+    let http: HttpClient<HttpConnector, Full<Bytes>> =
+        HttpClient::builder(TokioExecutor::new()).build_http();
+    let uri: http::Uri = format!("http://{admin}{path}").parse().ok()?;
+    let exchange = async {
+        let response = http.get(uri).await.ok()?;
+        response.into_body().collect().await.ok()
+    };
+    let body = tokio::time::timeout(Duration::from_secs(2), exchange)
+        .await
+        .ok()??
+        .to_bytes();
+    Some(String::from_utf8_lossy(&body).into_owned())
+}

@@ -1,0 +1,314 @@
+//! Per-policy figures computed from the samples, the printed table and the JSON report.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::drive::{End, Sample};
+
+/// Percentiles in milliseconds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+}
+
+/// One time bucket of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Bucket {
+    /// Start of the bucket, seconds of replay time from the first arrival.
+    pub start_s: f64,
+    pub requests: usize,
+    pub hit_rate: Option<f64>,
+    pub ttft_p50_ms: Option<f64>,
+}
+
+/// The figures of one workload phase (the burst scenario has three).
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseFigures {
+    pub phase: String,
+    pub requests: usize,
+    pub failed: usize,
+    pub hit_rate: Option<f64>,
+    pub ttft_ms: Percentiles,
+}
+
+/// One policy's run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyReport {
+    pub policy: String,
+    /// The `policy:` section the picker ran with.
+    pub policy_yaml: String,
+    pub requests: usize,
+    pub ok: usize,
+    pub errors: usize,
+    pub rejections: usize,
+    pub dropped: usize,
+    /// Σ cached tokens ÷ Σ prompt tokens, from the workers' usage.
+    pub hit_rate: Option<f64>,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub ttft_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    /// Requests each worker served, by endpoint.
+    pub worker_requests: BTreeMap<String, u64>,
+    /// Busiest worker's requests ÷ the mean over workers (1 is perfectly even).
+    pub worker_share: Option<f64>,
+    /// Decision reasons as the workers saw them, and rejection reasons.
+    pub reasons: BTreeMap<String, u64>,
+    pub phases: Vec<PhaseFigures>,
+    pub timeline: Vec<Bucket>,
+    /// Every successful request's TTFT in ms, sorted (the CDF).
+    #[serde(skip)]
+    pub ttft_sorted_ms: Vec<f64>,
+    /// Wall time of the run, seconds.
+    pub wall_s: f64,
+}
+
+/// A policy that could not run (for example a mode this build does not know).
+#[derive(Clone, Debug, Serialize)]
+pub struct Skipped {
+    pub policy: String,
+    pub error: String,
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1000.0
+}
+
+fn percentile(sorted: &[f64], share: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let index = ((sorted.len() - 1) as f64 * share).round() as usize;
+    sorted.get(index).copied()
+}
+
+fn percentiles(mut values: Vec<f64>) -> (Percentiles, Vec<f64>) {
+    values.sort_by(f64::total_cmp);
+    (
+        Percentiles {
+            p50: percentile(&values, 0.5),
+            p90: percentile(&values, 0.9),
+            p99: percentile(&values, 0.99),
+        },
+        values,
+    )
+}
+
+fn hit_rate(samples: &[&Sample]) -> Option<f64> {
+    let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
+    let cached: u64 = samples.iter().map(|s| s.cached_tokens).sum();
+    (prompt > 0).then(|| cached as f64 / prompt as f64)
+}
+
+impl PolicyReport {
+    /// `phases`: the names of the workload's phases; `bucket`: the timeline's bucket width.
+    pub fn new(
+        policy: &str,
+        policy_yaml: &str,
+        samples: &[Sample],
+        workers: Vec<(String, u64)>,
+        phases: &[&str],
+        bucket: Duration,
+        wall: Duration,
+    ) -> PolicyReport {
+        let all: Vec<&Sample> = samples.iter().collect();
+        let count = |end: End| samples.iter().filter(|s| s.end == end).count();
+        let (ttft_ms, ttft_sorted_ms) = percentiles(
+            samples
+                .iter()
+                .filter(|s| s.end == End::Ok)
+                .filter_map(|s| s.ttft.map(ms))
+                .collect(),
+        );
+        let (e2e_ms, _) = percentiles(
+            samples
+                .iter()
+                .filter(|s| s.end == End::Ok)
+                .filter_map(|s| s.e2e.map(ms))
+                .collect(),
+        );
+        let mut reasons = BTreeMap::new();
+        for sample in samples {
+            let reason = match sample.end {
+                End::Dropped => "(dropped: in-flight bound)".to_owned(),
+                End::Rejected => format!("reject:{}", sample.reason),
+                _ if sample.reason.is_empty() => "(no answer)".to_owned(),
+                _ => sample.reason.clone(),
+            };
+            *reasons.entry(reason).or_insert(0) += 1;
+        }
+        let total: u64 = workers.iter().map(|(_, n)| n).sum();
+        let max = workers.iter().map(|(_, n)| *n).max().unwrap_or(0);
+        let worker_share = (total > 0 && !workers.is_empty())
+            .then(|| max as f64 / (total as f64 / workers.len() as f64));
+        let phases = phases
+            .iter()
+            .enumerate()
+            .map(|(index, name)| {
+                let rows: Vec<&Sample> = samples.iter().filter(|s| s.phase == index).collect();
+                let (ttft, _) = percentiles(
+                    rows.iter()
+                        .filter(|s| s.end == End::Ok)
+                        .filter_map(|s| s.ttft.map(ms))
+                        .collect(),
+                );
+                PhaseFigures {
+                    phase: (*name).to_owned(),
+                    requests: rows.len(),
+                    failed: rows.iter().filter(|s| s.end != End::Ok).count(),
+                    hit_rate: hit_rate(&rows),
+                    ttft_ms: ttft,
+                }
+            })
+            .collect();
+        PolicyReport {
+            policy: policy.to_owned(),
+            policy_yaml: policy_yaml.to_owned(),
+            requests: samples.len(),
+            ok: count(End::Ok),
+            errors: count(End::Error),
+            rejections: count(End::Rejected),
+            dropped: count(End::Dropped),
+            hit_rate: hit_rate(&all),
+            prompt_tokens: samples.iter().map(|s| s.prompt_tokens).sum(),
+            cached_tokens: samples.iter().map(|s| s.cached_tokens).sum(),
+            ttft_ms,
+            e2e_ms,
+            worker_requests: workers.into_iter().collect(),
+            worker_share,
+            reasons,
+            phases,
+            timeline: timeline(samples, bucket),
+            ttft_sorted_ms,
+            wall_s: wall.as_secs_f64(),
+        }
+    }
+}
+
+/// Hit rate and TTFT p50 per `bucket` of send time.
+fn timeline(samples: &[Sample], bucket: Duration) -> Vec<Bucket> {
+    let width = bucket.as_secs_f64().max(1e-3);
+    let last = samples
+        .iter()
+        .map(|s| s.at.as_secs_f64())
+        .fold(0.0, f64::max);
+    let buckets = (last / width).floor() as usize + 1;
+    (0..buckets)
+        .map(|index| {
+            let start = index as f64 * width;
+            let rows: Vec<&Sample> = samples
+                .iter()
+                .filter(|s| {
+                    let at = s.at.as_secs_f64();
+                    at >= start && at < start + width
+                })
+                .collect();
+            let (ttft, _) = percentiles(
+                rows.iter()
+                    .filter(|s| s.end == End::Ok)
+                    .filter_map(|s| s.ttft.map(ms))
+                    .collect(),
+            );
+            Bucket {
+                start_s: start,
+                requests: rows.len(),
+                hit_rate: hit_rate(&rows),
+                ttft_p50_ms: ttft.p50,
+            }
+        })
+        .collect()
+}
+
+fn pct(value: Option<f64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{:.1}%", v * 100.0))
+}
+
+fn millis(value: Option<f64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
+}
+
+/// The comparison table, one row per policy, as Markdown (readable in a terminal too).
+pub fn table(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| policy | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share |"
+    );
+    let _ = writeln!(out, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+    for r in reports {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            r.policy,
+            r.requests,
+            r.errors,
+            r.rejections,
+            r.dropped,
+            pct(r.hit_rate),
+            millis(r.ttft_ms.p50),
+            millis(r.ttft_ms.p90),
+            millis(r.ttft_ms.p99),
+            millis(r.e2e_ms.p50),
+            millis(r.e2e_ms.p99),
+            r.worker_share
+                .map_or_else(|| "-".to_owned(), |v| format!("{v:.2}")),
+        );
+    }
+    out
+}
+
+/// Per-phase hit rate and TTFT, one row per policy (only when the workload has several phases).
+pub fn phase_table(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    let Some(first) = reports.first() else {
+        return out;
+    };
+    if first.phases.len() < 2 {
+        return out;
+    }
+    let mut header = "| policy |".to_owned();
+    let mut rule = "|---|".to_owned();
+    for phase in &first.phases {
+        let _ = write!(
+            header,
+            " {0} hit | {0} TTFT p50 | {0} TTFT p99 |",
+            phase.phase
+        );
+        rule.push_str("--:|--:|--:|");
+    }
+    let _ = writeln!(out, "{header}\n{rule}");
+    for r in reports {
+        let mut line = format!("| {} |", r.policy);
+        for phase in &r.phases {
+            let _ = write!(
+                line,
+                " {} | {} | {} |",
+                pct(phase.hit_rate),
+                millis(phase.ttft_ms.p50),
+                millis(phase.ttft_ms.p99)
+            );
+        }
+        let _ = writeln!(out, "{line}");
+    }
+    out
+}
+
+/// Decision-reason counts, one line per policy.
+pub fn reasons(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    for r in reports {
+        let mut reasons: Vec<(&String, &u64)> = r.reasons.iter().collect();
+        reasons.sort_by_key(|(_, count)| std::cmp::Reverse(**count));
+        let text: Vec<String> = reasons
+            .iter()
+            .map(|(reason, count)| format!("{reason} {count}"))
+            .collect();
+        let _ = writeln!(out, "- {}: {}", r.policy, text.join(", "));
+    }
+    out
+}

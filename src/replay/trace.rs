@@ -1,0 +1,353 @@
+//! The workload: Mooncake JSONL traces and the synthetic burst scenario, and the deterministic text each
+//! prefix-block id becomes.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::config::TokenizerConfig;
+
+/// Tokens in one Mooncake hash block.
+pub const TRACE_BLOCK_TOKENS: usize = 512;
+
+/// One request of the workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    /// Arrival time in trace milliseconds (divided by the speed-up when replayed).
+    pub timestamp_ms: u64,
+    pub input_length: u32,
+    pub output_length: u32,
+    /// Prefix-block ids, one per 512-token block of the prompt; the last block may be partial.
+    pub hash_ids: Vec<u64>,
+    /// Workload phase (0 for a trace; steady, burst, recovery for the burst scenario).
+    pub phase: usize,
+}
+
+#[derive(Deserialize)]
+struct Line {
+    timestamp: u64,
+    input_length: u32,
+    output_length: u32,
+    hash_ids: Vec<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} line {line}: {message}")]
+    Parse {
+        path: String,
+        line: usize,
+        message: String,
+    },
+    #[error("{0} holds no requests")]
+    Empty(String),
+}
+
+/// Reads a Mooncake JSONL trace: the first `limit` requests (all when `None`), in timestamp order.
+pub fn load_mooncake(path: &Path, limit: Option<usize>) -> Result<Vec<Item>, TraceError> {
+    let name = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Read {
+        path: name.clone(),
+        source,
+    })?;
+    parse_mooncake(&text, &name, limit)
+}
+
+/// [`load_mooncake`] on text.
+pub fn parse_mooncake(
+    text: &str,
+    name: &str,
+    limit: Option<usize>,
+) -> Result<Vec<Item>, TraceError> {
+    let mut items = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        if limit.is_some_and(|limit| items.len() >= limit) {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        let line: Line = serde_json::from_str(line).map_err(|error| TraceError::Parse {
+            path: name.to_owned(),
+            line: index + 1,
+            message: error.to_string(),
+        })?;
+        items.push(Item {
+            timestamp_ms: line.timestamp,
+            input_length: line.input_length,
+            output_length: line.output_length.max(1),
+            hash_ids: line.hash_ids,
+            phase: 0,
+        });
+    }
+    if items.is_empty() {
+        return Err(TraceError::Empty(name.to_owned()));
+    }
+    items.sort_by_key(|item| item.timestamp_ms);
+    Ok(items)
+}
+
+/// One phase of the burst scenario.
+#[derive(Clone, Copy, Debug)]
+pub struct Phase {
+    pub name: &'static str,
+    /// Requests per second of trace time.
+    pub rate: f64,
+    /// Length in trace milliseconds.
+    pub length_ms: u64,
+}
+
+/// The burst scenario's phases, in trace time: steady near the default fleet's capacity, a burst well
+/// above it, then steady again for long enough to see whether the prefix placement recovers.
+pub const BURST_PHASES: [Phase; 3] = [
+    Phase {
+        name: "steady",
+        rate: 8.0,
+        length_ms: 40_000,
+    },
+    Phase {
+        name: "burst",
+        rate: 24.0,
+        length_ms: 10_000,
+    },
+    Phase {
+        name: "recovery",
+        rate: 8.0,
+        length_ms: 50_000,
+    },
+];
+/// Conversation groups of the burst scenario; each shares a long prefix.
+pub const BURST_GROUPS: u64 = 32;
+/// Shared prefix of each group, in trace blocks (8 × 512 = 4,096 tokens).
+const BURST_PREFIX_BLOCKS: u64 = 8;
+/// Each request's own suffix after the shared prefix, in tokens.
+const BURST_SUFFIX_TOKENS: u32 = 256;
+const BURST_OUTPUT_TOKENS: u32 = 64;
+
+/// The synthetic burst scenario: many conversations sharing long prefixes (groups with a skewed
+/// popularity), steady load near the fleet's capacity, a burst well above it, then steady again.
+/// `scale` multiplies every phase's length (rates are unchanged).
+pub fn burst(seed: u64, scale: f64) -> Vec<Item> {
+    let scale = if scale.is_finite() && scale > 0.0 {
+        scale
+    } else {
+        1.0
+    };
+    let mut rng = XorShift::new(seed ^ 0xB0B5_7E57);
+    let mut items = Vec::new();
+    let mut start_ms = 0.0_f64;
+    let mut unique = 1_000_000_u64;
+    for (phase, spec) in BURST_PHASES.iter().enumerate() {
+        let end_ms = start_ms + spec.length_ms as f64 * scale;
+        let mut at = start_ms;
+        loop {
+            // Poisson arrivals.
+            at += -(1.0 - rng.unit()).ln() / spec.rate * 1000.0;
+            if at >= end_ms {
+                break;
+            }
+            // Zipf-like popularity: group g is chosen with weight 1 / (g + 1).
+            let group = rng.weighted_group(BURST_GROUPS);
+            let mut hash_ids: Vec<u64> = (0..BURST_PREFIX_BLOCKS)
+                .map(|block| group * BURST_PREFIX_BLOCKS + block)
+                .collect();
+            unique += 1;
+            hash_ids.push(unique);
+            items.push(Item {
+                timestamp_ms: at as u64,
+                input_length: (BURST_PREFIX_BLOCKS as u32) * TRACE_BLOCK_TOKENS as u32
+                    + BURST_SUFFIX_TOKENS,
+                output_length: BURST_OUTPUT_TOKENS,
+                hash_ids,
+                phase,
+            });
+        }
+        start_ms = end_ms;
+    }
+    items
+}
+
+/// Phase boundaries of [`burst`] in trace milliseconds: `(name, start, end)`.
+pub fn burst_phase_bounds(scale: f64) -> Vec<(&'static str, f64, f64)> {
+    let scale = if scale.is_finite() && scale > 0.0 {
+        scale
+    } else {
+        1.0
+    };
+    let mut start = 0.0;
+    BURST_PHASES
+        .iter()
+        .map(|phase| {
+            let end = start + phase.length_ms as f64 * scale;
+            let bounds = (phase.name, start, end);
+            start = end;
+            bounds
+        })
+        .collect()
+}
+
+/// Builds prompts from block ids so that equal id prefixes give equal token prefixes.
+#[derive(Clone, Debug)]
+pub struct PromptBuilder {
+    /// `Some(n)`: the `bytes` tokenizer, `n` bytes per token, blocks built byte-exact.
+    bytes_per_token: Option<usize>,
+    seed: u64,
+}
+
+/// Words that are one token each with a leading space under o200k_base and cl100k_base.
+const WORDS: [&str; 64] = [
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "cache", "block",
+    "model", "token", "worker", "queue", "route", "prefix", "system", "data", "state", "value",
+    "water", "light", "house",
+];
+
+impl PromptBuilder {
+    pub fn new(tokenizer: &TokenizerConfig, seed: u64) -> PromptBuilder {
+        PromptBuilder {
+            bytes_per_token: matches!(tokenizer, TokenizerConfig::Bytes).then_some(4),
+            seed,
+        }
+    }
+
+    /// The prompt of `item`: its blocks' text joined, trimmed to `input_length` tokens (exactly under
+    /// the `bytes` tokenizer, about under word-level tokenizers).
+    pub fn prompt(&self, item: &Item) -> String {
+        let want = item.input_length as usize;
+        let mut out = String::with_capacity(want * self.bytes_per_token.unwrap_or(5));
+        let mut tokens = 0;
+        for &id in &item.hash_ids {
+            if tokens >= want {
+                break;
+            }
+            let take = (want - tokens).min(TRACE_BLOCK_TOKENS);
+            self.block(id, take, &mut out);
+            tokens += take;
+        }
+        out
+    }
+
+    /// Appends the first `tokens` tokens of block `id`'s text.
+    fn block(&self, id: u64, tokens: usize, out: &mut String) {
+        let mut rng = XorShift::new(self.seed.wrapping_mul(31).wrapping_add(id).wrapping_add(1));
+        match self.bytes_per_token {
+            Some(per_token) => {
+                // Byte-exact: the block is TRACE_BLOCK_TOKENS × per_token ASCII bytes, so block
+                // boundaries fall on token boundaries and a shared id prefix is a shared token prefix.
+                let want = tokens * per_token;
+                let start = out.len();
+                let tag = format!("<{id:x}>");
+                out.push_str(&tag);
+                while out.len() - start < want {
+                    let word = WORDS[(rng.next() % WORDS.len() as u64) as usize];
+                    out.push(' ');
+                    out.push_str(word);
+                }
+                out.truncate(start + want);
+            }
+            None => {
+                for index in 0..tokens {
+                    let word = if index == 0 {
+                        // A distinct first word per id keeps blocks of different ids apart.
+                        WORDS[(id % WORDS.len() as u64) as usize]
+                    } else {
+                        WORDS[(rng.next() % WORDS.len() as u64) as usize]
+                    };
+                    out.push(' ');
+                    out.push_str(word);
+                }
+            }
+        }
+    }
+}
+
+/// A small deterministic generator (xorshift64*).
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> XorShift {
+        XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1_u64 << 53) as f64
+    }
+
+    fn weighted_group(&mut self, groups: u64) -> u64 {
+        let total: f64 = (1..=groups).map(|g| 1.0 / g as f64).sum();
+        let mut left = self.unit() * total;
+        for group in 0..groups {
+            left -= 1.0 / (group + 1) as f64;
+            if left <= 0.0 {
+                return group;
+            }
+        }
+        groups - 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(ids: &[u64], input: u32) -> Item {
+        Item {
+            timestamp_ms: 0,
+            input_length: input,
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+            phase: 0,
+        }
+    }
+
+    #[test]
+    fn bytes_prompts_are_exact_and_share_prefixes() {
+        let builder = PromptBuilder::new(&TokenizerConfig::Bytes, 7);
+        let a = builder.prompt(&item(&[1, 2, 3], 1300));
+        let b = builder.prompt(&item(&[1, 2, 9], 1100));
+        assert_eq!(a.len(), 1300 * 4);
+        assert_eq!(b.len(), 1100 * 4);
+        assert_eq!(a[..1024 * 4], b[..1024 * 4]);
+        assert_ne!(a[1024 * 4..1100 * 4], b[1024 * 4..1100 * 4]);
+        assert_ne!(a[..4], builder.prompt(&item(&[5], 10))[..4]);
+    }
+
+    #[test]
+    fn mooncake_lines_parse() {
+        let text = "{\"timestamp\": 5, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [0, 1]}\n\
+                    {\"timestamp\": 1, \"input_length\": 10, \"output_length\": 0, \"hash_ids\": [2]}\n";
+        let items = parse_mooncake(text, "t", None).expect("parses");
+        assert_eq!(items.len(), 2);
+        assert_eq!(items[0].timestamp_ms, 1);
+        assert_eq!(items[0].output_length, 1);
+        assert_eq!(parse_mooncake(text, "t", Some(1)).expect("parses").len(), 1);
+    }
+
+    #[test]
+    fn burst_has_three_phases_and_a_burst() {
+        let items = burst(1, 0.2);
+        let count = |phase| items.iter().filter(|item| item.phase == phase).count();
+        assert!(count(0) > 0 && count(2) > 0);
+        let bounds = burst_phase_bounds(0.2);
+        let rate = |phase: usize| {
+            let (_, start, end) = bounds[phase];
+            count(phase) as f64 / ((end - start) / 1000.0)
+        };
+        assert!(rate(1) > 2.0 * rate(0), "{} vs {}", rate(1), rate(0));
+    }
+}

@@ -1,0 +1,177 @@
+//! `cachepick replay` end to end through the real binary: a tiny Mooncake trace over ext_proc, and a
+//! tiny burst scenario through the real Envoy, so the tool cannot rot.
+
+// Tests measure real time; the clock ban is for the code that decides.
+#![allow(clippy::disallowed_methods)]
+
+#[path = "support/envoy.rs"]
+mod envoy;
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::Command;
+
+/// 30 requests over 3 s: five conversations whose turns extend each other's 512-token blocks.
+fn tiny_trace() -> String {
+    let mut text = String::new();
+    for index in 0..30_u64 {
+        let conversation = index % 5;
+        let turn = index / 5;
+        let blocks = 2 + turn;
+        let ids: Vec<String> = (0..blocks)
+            .map(|block| (conversation * 100 + block).to_string())
+            .collect();
+        let input = blocks * 512 - 100;
+        let _ = writeln!(
+            text,
+            "{{\"timestamp\": {}, \"input_length\": {input}, \"output_length\": 8, \"hash_ids\": [{}]}}",
+            index * 100,
+            ids.join(", ")
+        );
+    }
+    text
+}
+
+fn replay(args: &[&str]) -> (String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        .arg("replay")
+        .args(args)
+        .output()
+        .expect("cachepick runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        output.status.success(),
+        "cachepick replay {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    (stdout, stderr)
+}
+
+fn svg(path: &Path) {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+    assert!(
+        text.starts_with("<svg"),
+        "{}: {}",
+        path.display(),
+        &text[..40.min(text.len())]
+    );
+    assert!(text.trim_end().ends_with("</svg>"), "{}", path.display());
+    assert!(
+        text.contains("<polyline"),
+        "{} draws no line",
+        path.display()
+    );
+}
+
+fn report(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("report.json")).expect("report.json written");
+    serde_json::from_str(&text).expect("report.json is JSON")
+}
+
+#[test]
+fn a_tiny_trace_replays_over_ext_proc_for_two_policies() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("tiny.jsonl");
+    std::fs::write(&trace, tiny_trace()).expect("write trace");
+    let out = dir.path().join("out");
+    let (stdout, _) = replay(&[
+        "--trace",
+        trace.to_str().expect("utf-8 path"),
+        "--policies",
+        "gate,gate_floor",
+        "--speedup",
+        "2",
+        "--via",
+        "direct",
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert!(stdout.contains("| gate |"), "{stdout}");
+    assert!(stdout.contains("| gate_floor |"), "{stdout}");
+    assert!(stdout.contains("decision reasons"), "{stdout}");
+
+    let report = report(&out);
+    assert_eq!(report["requests"], 30);
+    assert_eq!(report["via"], "direct");
+    let policies = report["policies"].as_array().expect("policies");
+    assert_eq!(policies.len(), 2);
+    for policy in policies {
+        let name = policy["policy"].as_str().expect("name");
+        assert_eq!(policy["requests"], 30, "{name}");
+        assert_eq!(policy["ok"], 30, "{name}: {policy}");
+        // Later turns extend earlier ones: the workers report cache hits.
+        let hit = policy["hit_rate"].as_f64().expect("hit rate");
+        assert!(hit > 0.2 && hit < 1.0, "{name}: hit rate {hit}");
+        for key in ["p50", "p90", "p99"] {
+            assert!(
+                policy["ttft_ms"][key].as_f64().is_some(),
+                "{name}: ttft {key}"
+            );
+        }
+        assert!(policy["e2e_ms"]["p99"].as_f64().is_some(), "{name}");
+        let share = policy["worker_share"].as_f64().expect("worker share");
+        assert!((1.0..=4.0).contains(&share), "{name}: share {share}");
+        let served: u64 = policy["worker_requests"]
+            .as_object()
+            .expect("per worker")
+            .values()
+            .filter_map(serde_json::Value::as_u64)
+            .sum();
+        assert_eq!(served, 30, "{name}");
+        let reasons: u64 = policy["reasons"]
+            .as_object()
+            .expect("reasons")
+            .values()
+            .filter_map(serde_json::Value::as_u64)
+            .sum();
+        assert_eq!(reasons, 30, "{name}");
+    }
+    svg(&out.join("ttft_cdf.svg"));
+    assert!(out.join("table.md").is_file());
+}
+
+#[test]
+fn a_tiny_burst_replays_through_envoy() {
+    let envoy = envoy::binary();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let (stdout, _) = replay(&[
+        "--scenario",
+        "burst",
+        "--duration-scale",
+        "0.05",
+        "--speedup",
+        "4",
+        "--policies",
+        "gate,gate_floor",
+        "--via",
+        "envoy",
+        "--envoy",
+        envoy.to_str().expect("utf-8 path"),
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert!(stdout.contains("| gate_floor |"), "{stdout}");
+    assert!(stdout.contains("burst hit"), "{stdout}");
+    let report = report(&out);
+    assert_eq!(report["via"], "envoy");
+    for policy in report["policies"].as_array().expect("policies") {
+        let requests = policy["requests"].as_u64().expect("requests");
+        assert!(requests > 5, "{policy}");
+        assert_eq!(policy["ok"].as_u64(), Some(requests), "{policy}");
+        assert!(
+            policy["hit_rate"].as_f64().is_some_and(|hit| hit > 0.0),
+            "{policy}"
+        );
+        // The decision reasons arrive through Envoy, as the worker saw them.
+        assert!(
+            policy["reasons"]
+                .as_object()
+                .is_some_and(|reasons| !reasons.contains_key("none")),
+            "{policy}"
+        );
+    }
+    svg(&out.join("ttft_cdf.svg"));
+    svg(&out.join("burst_timeline.svg"));
+}
