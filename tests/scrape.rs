@@ -171,6 +171,16 @@ async fn one_round_beside_a_healthy_worker(
     faulty: SocketAddr,
     extra: &str,
 ) -> (Pool, FakeEngine) {
+    one_round_beside_a_healthy_worker_timed(engine, faulty, extra, QUICK).await
+}
+
+/// [`one_round_beside_a_healthy_worker`] with the load section's timings given.
+async fn one_round_beside_a_healthy_worker_timed(
+    engine: &str,
+    faulty: SocketAddr,
+    extra: &str,
+    timing: &str,
+) -> (Pool, FakeEngine) {
     let healthy_body = if engine == "vllm" {
         vllm_metrics(&[(0, 1, 1, 0.1)])
     } else {
@@ -179,7 +189,7 @@ async fn one_round_beside_a_healthy_worker(
     let healthy = FakeEngine::start(Mode::Body(TEXT, healthy_body)).await;
     let mut pool = Pool::new(&config(
         engine,
-        QUICK,
+        timing,
         &[(faulty, extra), (healthy.addr, "")],
     ));
     pool.scraper.round().await;
@@ -269,15 +279,19 @@ async fn a_worker_missing_a_data_parallel_rank_has_no_fresh_reading() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_over_the_cap_is_abandoned_as_an_http_error() {
+    // The fake engine streams 50 MiB on the test's own runtime; on a loaded machine that can delay the
+    // healthy worker's answer past QUICK's 150 ms, which is not what this test is about.
+    const ROOMY: &str = "scrape_interval: 2s, scrape_timeout: 1500ms, freshness: 5s";
     for declared in [true, false] {
         let engine = FakeEngine::start(Mode::Huge {
             size: 50 << 20,
             declared,
         })
         .await;
-        let (pool, _healthy) = one_round_beside_a_healthy_worker("vllm", engine.addr, "").await;
+        let (pool, _healthy) =
+            one_round_beside_a_healthy_worker_timed("vllm", engine.addr, "", ROOMY).await;
         assert_eq!(
             pool.scrapes(engine.addr, ScrapeOutcome::HttpError),
             1,
