@@ -8,7 +8,6 @@
 use std::fmt::Write as _;
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,8 +20,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::{Semaphore, watch};
 
 use crate::config::{self, Config, SimConfig, TokenizerConfig};
-use crate::envoy_config::{BodyMode, EnvoyOptions};
 use crate::extproc::client::{Client as PickerClient, Verdict};
+use crate::replay::envoy::Envoy;
 use crate::sim::fleet::Fleet;
 use crate::worker::Engine;
 
@@ -133,7 +132,11 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
         None
     } else {
         match find_envoy(options.envoy.as_deref()) {
-            Some(path) => Some(Envoy::start(&path, &config).await?),
+            Some(path) => Some(
+                Envoy::start(&path, &config)
+                    .await
+                    .map_err(|message| DemoError::Envoy { path, message })?,
+            ),
             None => {
                 println!(
                     "envoy: not found (set CACHEPICK_ENVOY, or run `scripts/provision-envoy`); driving the \
@@ -496,136 +499,4 @@ pub fn find_envoy(explicit: Option<&Path>) -> Option<PathBuf> {
             .map(|dir| dir.join("envoy"))
             .find(|candidate| candidate.is_file())
     })
-}
-
-/// A running Envoy in front of the fleet, killed on drop.
-struct Envoy {
-    child: Child,
-    listen: SocketAddr,
-    admin: SocketAddr,
-    _dir: tempfile_dir::Dir,
-}
-
-impl Envoy {
-    async fn start(path: &Path, config: &Config) -> Result<Envoy, DemoError> {
-        let fail = |message: String| DemoError::Envoy {
-            path: path.to_owned(),
-            message,
-        };
-        let listen = free_port()?;
-        let admin = free_port()?;
-        let yaml = crate::envoy_config::render(
-            config,
-            &EnvoyOptions {
-                mode: BodyMode::Buffered,
-                listen,
-                admin,
-                ..EnvoyOptions::for_config(config)
-            },
-        );
-        let dir = tempfile_dir::Dir::new().map_err(|error| fail(error.to_string()))?;
-        let file = dir.path().join("envoy.yaml");
-        std::fs::write(&file, yaml).map_err(|error| fail(error.to_string()))?;
-        let log = dir.path().join("envoy.log");
-        let child = Command::new(path)
-            .arg("-c")
-            .arg(&file)
-            .args(["--concurrency", "2", "-l", "warning", "--log-path"])
-            .arg(&log)
-            .arg("--base-id")
-            .arg(std::process::id().to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|error| fail(format!("cannot start: {error}")))?;
-        let envoy = Envoy {
-            child,
-            listen,
-            admin,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if envoy.ready().await {
-                return Ok(envoy);
-            }
-            if Instant::now() > deadline {
-                let tail = std::fs::read_to_string(&log).unwrap_or_default();
-                let tail: String = tail.lines().rev().take(10).collect::<Vec<_>>().join("\n");
-                return Err(fail(format!("not ready after 20 s; log tail:\n{tail}")));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn ready(&self) -> bool {
-        let live = admin_get(self.admin, "/ready")
-            .await
-            .is_some_and(|body| body.trim() == "LIVE");
-        live && tokio::net::TcpStream::connect(self.listen).await.is_ok()
-    }
-
-    /// `vhost.llm.vcluster.<reason>.upstream_rq_total` lines with a non-zero count.
-    async fn vcluster_totals(&self) -> Option<Vec<String>> {
-        let stats = admin_get(self.admin, "/stats?filter=vcluster").await?;
-        Some(
-            stats
-                .lines()
-                .filter(|line| line.contains("upstream_rq_total") && !line.ends_with(": 0"))
-                .map(str::to_owned)
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
-    let http: HttpClient<HttpConnector, Full<Bytes>> =
-        HttpClient::builder(TokioExecutor::new()).build_http();
-    let uri: http::Uri = format!("http://{admin}{path}").parse().ok()?;
-    let exchange = async {
-        let response = http.get(uri).await.ok()?;
-        response.into_body().collect().await.ok()
-    };
-    let body = tokio::time::timeout(Duration::from_secs(2), exchange)
-        .await
-        .ok()??
-        .to_bytes();
-    Some(String::from_utf8_lossy(&body).into_owned())
-}
-
-/// A temporary directory removed on drop, without a dependency for it.
-mod tempfile_dir {
-    use std::path::{Path, PathBuf};
-
-    pub struct Dir(PathBuf);
-
-    impl Dir {
-        pub fn new() -> std::io::Result<Dir> {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |since| since.subsec_nanos());
-            let path =
-                std::env::temp_dir().join(format!("cachepick-demo-{}-{nanos}", std::process::id()));
-            std::fs::create_dir_all(&path)?;
-            Ok(Dir(path))
-        }
-
-        pub fn path(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }

@@ -1,4 +1,4 @@
-//! A real Envoy in front of one replay run, with the configuration `cachepick envoy-config` generates
+//! A real Envoy in front of one replay run (and of the demo), with the configuration `cachepick envoy-config` generates
 //! (buffered mode), killed on drop.
 
 use std::net::SocketAddr;
@@ -81,6 +81,20 @@ impl Envoy {
             .await
             .is_some_and(|body| body.trim() == "LIVE");
         live && tokio::net::TcpStream::connect(self.listen).await.is_ok()
+    }
+}
+
+impl Envoy {
+    /// `vhost.llm.vcluster.<reason>.upstream_rq_total` lines with a non-zero count.
+    pub async fn vcluster_totals(&self) -> Option<Vec<String>> {
+        let stats = admin_get(self.admin, "/stats?filter=vcluster").await?;
+        Some(
+            stats
+                .lines()
+                .filter(|line| line.contains("upstream_rq_total") && !line.ends_with(": 0"))
+                .map(str::to_owned)
+                .collect(),
+        )
     }
 }
 

@@ -8,7 +8,7 @@
 //! fleet ([`POLICIES`]); each policy runs on a freshly started fleet with the same seed.
 
 pub mod drive;
-mod envoy;
+pub(crate) mod envoy;
 pub mod report;
 pub mod svg;
 pub mod trace;
