@@ -25,14 +25,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cachepick::app::{self, AppError};
-use cachepick::config::{self, Config, Overrides, SimConfig, TokenizerConfig};
-use cachepick::extproc::client::{self, Client, Verdict};
+use cachepick::config::{self, Config, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
 use cachepick::picker::Picker;
 use cachepick::service::{Answer, Service};
-use cachepick::sim::fleet::Fleet;
-use cachepick::worker::Engine;
+use cachepick_rig::client::{self, Client, Verdict};
+use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::fleet::Fleet;
+use cachepick_sim::{Engine, SimConfig};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -119,7 +120,7 @@ impl Bench {
         let fleet = runtime
             .block_on(Fleet::start(&sim))
             .expect("the fleet starts");
-        let yaml = fleet.cachepick_config().expect("a generated config");
+        let yaml = fleet.cachepick_config();
         let overrides = Overrides {
             listen: Some(free_port()),
             metrics_listen: Some(free_port()),

@@ -157,7 +157,7 @@ fn main() {
         ),
     )
     .expect("write config");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    let mut child = Command::new(cachepick_rig::cachepick_binary())
         .args(["sim", "--config"])
         .arg(&config)
         .stdout(Stdio::piped())

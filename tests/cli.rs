@@ -14,7 +14,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 fn cachepick(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    Command::new(cachepick_rig::cachepick_binary())
         .args(args)
         .output()
         .expect("the cachepick binary runs")
@@ -169,7 +169,7 @@ pools:
     workers: [{endpoint: 127.0.0.1:1}]
 ",
     );
-    let child = Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    let child = Command::new(cachepick_rig::cachepick_binary())
         .args([
             "serve",
             "--config",

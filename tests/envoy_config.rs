@@ -429,7 +429,7 @@ fn envoy_validation_rejects_what_envoy_rejects() {
 // The CLI
 
 fn cachepick(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    Command::new(cachepick_rig::cachepick_binary())
         .args(args)
         .output()
         .expect("the cachepick binary runs")

@@ -38,13 +38,14 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use cachepick::app::AppError;
-use cachepick::config::{self, Config, Overrides, SimConfig, TokenizerConfig};
+use cachepick::config::{self, Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
 use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
 use cachepick::policy::Reason;
 use cachepick::service::PASSTHROUGH;
-use cachepick::sim::fleet::Fleet;
-use cachepick::worker::Engine;
+use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::fleet::Fleet;
+use cachepick_sim::{Engine, SimConfig};
 use sim_client::{Client, Reply, Usage};
 
 /// How long any one exchange may take before the test fails instead of hanging.
@@ -134,7 +135,7 @@ impl Stack {
             .expect("the fleet starts");
 
         // (b) cachepick with the fleet's generated configuration, on free ports, with a fast scrape.
-        let generated = fleet.cachepick_config().expect("a generated config");
+        let generated = fleet.cachepick_config();
         let overrides = Overrides {
             listen: Some(loopback(envoy::free_port())),
             metrics_listen: Some(loopback(envoy::free_port())),
@@ -184,7 +185,7 @@ impl Stack {
             })
         };
         if let Err(error) =
-            cachepick::extproc::client::wait_ready(config.listen, Duration::from_secs(15)).await
+            cachepick_rig::client::wait_ready(config.listen, Duration::from_secs(15)).await
         {
             picker.abort();
             panic!("cachepick on {} is not ready: {error}", config.listen);
@@ -1301,7 +1302,7 @@ async fn duplex_refusals_never_reach_a_worker() {
 /// Runs `cachepick demo` with `args` (shortened phases) and returns its stdout; fails on a non-zero exit
 /// or after two minutes.
 fn run_demo(args: &[&str]) -> String {
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    let mut child = std::process::Command::new(cachepick_rig::cachepick_binary())
         .arg("demo")
         .args(["--duration-scale", "0.25", "--workers", "3"])
         .args(args)

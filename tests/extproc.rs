@@ -28,8 +28,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation;
 use http::{Method, StatusCode};
 use serde_json::json;
 
-use cachepick::extproc::client::Verdict;
 use cachepick::extproc::{DECISION_HEADER, DESTINATION, MAX_STREAMED_CHUNK, PREFIX_TOKENS_HEADER};
+use cachepick_rig::client::Verdict;
 use picker::{
     CHAT, COMPLETIONS, DEADLINE, Harness, MODEL, Refused, Route, body, bounded, chat, common,
     find_header, headers, http, is_body_response, is_headers_response, metadata_destination,
@@ -40,7 +40,7 @@ use sim_client::metric;
 const POOL: &str = MODEL;
 
 /// Asks through cachepick's own client and expects a route.
-async fn decide(client: &cachepick::extproc::client::Client, path: &str, body: &[u8]) -> Route {
+async fn decide(client: &cachepick_rig::client::Client, path: &str, body: &[u8]) -> Route {
     let verdict = bounded("a decision", DEADLINE, client.decide(path, body))
         .await
         .expect("the ext_proc stream works");
@@ -1220,7 +1220,8 @@ async fn requests_without_a_prompt_pass_through_and_are_not_decisions() {
 async fn a_prompt_the_tokenizer_fails_on_is_routed_as_a_miss() {
     // The bytes tokenizer cannot fail; o200k's regex backtracking gives up on a megabyte of spaces.
     let tiktoken =
-        Harness::start_with_tokenizer(2, "", cachepick::config::TokenizerConfig::default()).await;
+        Harness::start_with_tokenizer(2, "", cachepick_sim::config::TokenizerConfig::default())
+            .await;
     let prompt = format!("hello{}world", " ".repeat(1_000_000));
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
     let answer = buffered(&tiktoken, COMPLETIONS, body.as_bytes(), None).await;

@@ -33,7 +33,7 @@ fn tiny_trace() -> String {
 }
 
 fn replay(args: &[&str]) -> (String, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    let output = Command::new(cachepick_rig::cachepick_binary())
         .arg("replay")
         .args(args)
         .output()

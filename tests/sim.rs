@@ -23,13 +23,27 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use cachepick::config::{SimConfig, TokenizerConfig};
-use cachepick::load::{from_loads_json, from_metrics};
-use cachepick::sim::expo;
-use cachepick::sim::fleet::Fleet;
-use cachepick::sim::server::Worker;
-use cachepick::worker::Engine;
+use cachepick::load::from_loads_json;
+use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::expo;
+use cachepick_sim::fleet::Fleet;
+use cachepick_sim::server::Worker;
+use cachepick_sim::{Engine, SimConfig};
 use sim_client::{Client, Reply, Streamed, Usage, content_of, metric};
+
+/// cachepick's reader of an engine's exposition, for the engine a simulated worker imitates. The two
+/// `Engine` types are separate on purpose: the simulator does not depend on the product.
+fn from_metrics(
+    engine: Engine,
+    text: &str,
+    dp_size: u32,
+) -> Result<cachepick::load::Report, cachepick::load::ExtractError> {
+    let engine = match engine {
+        Engine::Vllm => cachepick::worker::Engine::Vllm,
+        Engine::Sglang => cachepick::worker::Engine::Sglang,
+    };
+    cachepick::load::from_metrics(engine, text, dp_size)
+}
 
 const MODEL: &str = SimConfig::DEFAULT_MODEL;
 
@@ -1129,12 +1143,9 @@ async fn snapshot_reads_a_simulated_fleet_of_either_engine() {
         let pending = load_worker_one(&client, &fleet, requests).await;
         assert_eq!(held(worker(&fleet, 1)), expected);
 
-        let config = cachepick::config::parse(
-            &fleet.cachepick_config().expect("a config"),
-            "sim",
-            &Default::default(),
-        )
-        .expect("the emitted config is valid");
+        let config =
+            cachepick::config::parse(&fleet.cachepick_config(), "sim", &Default::default())
+                .expect("the emitted config is valid");
         let pools = cachepick::app::snapshot(&config, 1)
             .await
             .expect("snapshot");
@@ -1157,11 +1168,10 @@ async fn snapshot_reads_a_simulated_fleet_of_either_engine() {
 
         if engine == Engine::Vllm {
             let mut file = tempfile::NamedTempFile::new().unwrap();
-            file.write_all(fleet.cachepick_config().unwrap().as_bytes())
-                .unwrap();
+            file.write_all(fleet.cachepick_config().as_bytes()).unwrap();
             let path = file.path().to_owned();
             let output = tokio::task::spawn_blocking(move || {
-                Command::new(env!("CARGO_BIN_EXE_cachepick"))
+                Command::new(cachepick_rig::cachepick_binary())
                     .args(["snapshot", "--config", path.to_str().unwrap(), "--json"])
                     .output()
                     .unwrap()
@@ -1209,7 +1219,7 @@ async fn cachepick_sim_serves_a_fleet_and_emits_a_valid_config() {
     let dir = tempfile::tempdir().unwrap();
     let emitted = dir.path().join("cachepick.yaml");
     let mut child = Running(
-        Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        Command::new(cachepick_rig::cachepick_binary())
             .args(["sim", "--workers", "2", "--engine", "sglang"])
             .args(["--time-scale", "0.01", "--emit-config"])
             .arg(&emitted)
@@ -1297,7 +1307,7 @@ async fn cachepick_sim_serves_a_fleet_and_emits_a_valid_config() {
         assert!(text.contains(&addr.to_string()), "{addr} not in {text}");
     }
     let check = tokio::task::spawn_blocking(move || {
-        Command::new(env!("CARGO_BIN_EXE_cachepick"))
+        Command::new(cachepick_rig::cachepick_binary())
             .args(["check", "--config"])
             .arg(&emitted)
             .output()
@@ -1318,7 +1328,7 @@ fn cachepick_sim_lists_every_problem_of_a_bad_file() {
     let mut file = tempfile::NamedTempFile::new().unwrap();
     file.write_all(b"engine: vllm\nworkers: 0\nhost: 10.0.0.1\njitter: 2\nbogus: 1\n")
         .unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_cachepick"))
+    let output = Command::new(cachepick_rig::cachepick_binary())
         .args(["sim", "--config"])
         .arg(file.path())
         .output()
@@ -1369,4 +1379,120 @@ async fn a_seed_and_a_request_order_determine_the_answers() {
     let other: Vec<String> = run(8).await.into_iter().map(|(text, ..)| text).collect();
     let texts: Vec<String> = first.into_iter().map(|(text, ..)| text).collect();
     assert_ne!(texts, other, "the seed chooses the output text");
+}
+
+// cachepick's readers recover exactly what the simulator's expositions say, rank by rank: the two sides
+// are written independently (different crates), so these agree only if both follow the engines.
+
+use cachepick_sim::stats::{RankCounters, RankStats};
+
+/// `n` ranks with distinct, non-trivial numbers in every field.
+fn ranks(n: u32) -> Vec<RankStats> {
+    (0..n)
+        .map(|rank| {
+            let r = u64::from(rank);
+            let mut stats = RankStats {
+                rank,
+                running: 3 + r,
+                waiting: 7 * r + 1,
+                waiting_uncached_tokens: 1000 + r,
+                kv_used_blocks: 300 + 17 * r,
+                kv_pinned_blocks: 100,
+                kv_total_blocks: 8192,
+                block_size: 16,
+                max_running: 64,
+                counters: RankCounters {
+                    prompt_tokens: 5000 + r,
+                    generation_tokens: 900,
+                    prefix_queried_tokens: 4000,
+                    prefix_hit_tokens: 1000 * (r + 1),
+                    finished_length: 40 + r,
+                    aborted: r,
+                    rejected: 0,
+                    evicted_blocks: 0,
+                },
+                ..RankStats::default()
+            };
+            for seconds in [0.0005, 0.03, 0.03, 0.7, 3.0, 5000.0] {
+                stats.ttft.observe(seconds * (r as f64 + 1.0));
+                stats.e2e.observe(seconds * 2.0);
+            }
+            stats
+        })
+        .collect()
+}
+
+const EXPO_MODEL: &str = "org/model \"q\"";
+
+#[test]
+fn cachepicks_reader_recovers_every_rank_from_the_metrics() {
+    for engine in [Engine::Vllm, Engine::Sglang] {
+        for n in [1, 3] {
+            let stats = ranks(n);
+            let text = expo::render_metrics(engine, EXPO_MODEL, &stats);
+            let report = from_metrics(engine, &text, n).unwrap();
+            assert_eq!(report.malformed, 0, "{engine:?}/{n}");
+            assert_eq!(report.ranks.len(), n as usize);
+            for (read, want) in report.ranks.iter().zip(&stats) {
+                let read = read.unwrap();
+                assert_eq!(read.waiting, want.waiting, "{engine:?}/{n}");
+                assert_eq!(read.running, want.running);
+                assert_eq!(read.kv_usage, Some(want.kv_usage()));
+                assert_eq!(read.max_total_tokens, Some(want.kv_total_blocks * 16));
+                assert_eq!(read.used_tokens, Some(want.kv_pinned_blocks * 16));
+                let max_running = (engine == Engine::Sglang).then_some(want.max_running);
+                assert_eq!(read.max_running, max_running);
+            }
+        }
+    }
+}
+
+#[test]
+fn cache_config_info_alone_gives_the_capacity() {
+    let stats = ranks(3);
+    for engine in [Engine::Vllm, Engine::Sglang] {
+        let text = expo::render_metrics(engine, EXPO_MODEL, &stats);
+        let without_gauge: String = text
+            .lines()
+            .filter(|line| !line.contains("max_total_num_tokens"))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        let report = from_metrics(engine, &without_gauge, 3).unwrap();
+        for read in &report.ranks {
+            assert_eq!(read.unwrap().max_total_tokens, Some(8192 * 16));
+        }
+    }
+}
+
+#[test]
+fn cachepicks_reader_recovers_every_rank_from_loads_json() {
+    for n in [1, 3] {
+        let stats = ranks(n);
+        let body = expo::render_loads(&stats);
+        let report = from_loads_json(&body, n).unwrap();
+        assert_eq!(report.malformed, 0);
+        for (read, want) in report.ranks.iter().zip(&stats) {
+            let read = read.unwrap();
+            assert_eq!((read.waiting, read.running), (want.waiting, want.running));
+            assert_eq!(
+                read.waiting_uncached_tokens,
+                Some(want.waiting_uncached_tokens)
+            );
+            assert_eq!(read.used_tokens, Some(want.kv_pinned_blocks * 16));
+            assert_eq!(read.max_total_tokens, Some(8192 * 16));
+            assert_eq!(read.max_running, Some(64));
+            assert_eq!(read.kv_usage, Some(want.kv_usage()));
+        }
+        let json: Value = serde_json::from_slice(&body).unwrap();
+        let last = &json["loads"][n as usize - 1];
+        assert_eq!(last["dp_rank"], n - 1);
+        let want = &stats[n as usize - 1];
+        let rate = want.counters.prefix_hit_tokens as f64 / 4000.0;
+        assert_eq!(last["cache_hit_rate"].as_f64(), Some(rate));
+        assert_eq!(
+            last["num_total_tokens"],
+            want.kv_pinned_blocks * 16 + want.waiting_uncached_tokens
+        );
+    }
+    assert_eq!(expo::render_loads(&[]), br#"{"loads":[]}"#);
 }

@@ -19,7 +19,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::{Config, Mode, ModelMatch, PolicyConfig, PoolConfig, TokenizerConfig, duration, size};
+use cachepick_decode::{duration, size};
+
+use super::{Config, Mode, ModelMatch, PolicyConfig, PoolConfig, TokenizerConfig};
 use crate::worker::{Engine, Role};
 
 impl Config {

@@ -6,6 +6,8 @@ use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use cachepick_tokenizer::{TiktokenEncoding, TokenizerConfig};
+
 use crate::worker::{Engine, Role};
 
 /// The whole validated configuration.
@@ -377,50 +379,6 @@ impl PoolConfig {
     pub const DEFAULT_SEGMENT_CACHE_ENTRIES: usize = 16_384;
     /// About 1M tokens at 64 tokens per block: a mid-size GPU's KV cache.
     pub const DEFAULT_CACHE_BLOCKS: usize = 16_384;
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TokenizerConfig {
-    /// A bundled tiktoken encoding; needs no files.
-    Tiktoken { encoding: TiktokenEncoding },
-    /// A local `tokenizer.json`.
-    HuggingFace { path: PathBuf },
-    /// Four bytes per pseudo-token: no tokenizer at all, for when tokenizing costs too much.
-    Bytes,
-}
-
-impl Default for TokenizerConfig {
-    fn default() -> Self {
-        TokenizerConfig::Tiktoken {
-            encoding: TiktokenEncoding::O200kBase,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TiktokenEncoding {
-    O200kBase,
-    Cl100kBase,
-    P50kBase,
-    R50kBase,
-}
-
-impl TiktokenEncoding {
-    pub const ALL: [TiktokenEncoding; 4] = [
-        TiktokenEncoding::O200kBase,
-        TiktokenEncoding::Cl100kBase,
-        TiktokenEncoding::P50kBase,
-        TiktokenEncoding::R50kBase,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TiktokenEncoding::O200kBase => "o200k_base",
-            TiktokenEncoding::Cl100kBase => "cl100k_base",
-            TiktokenEncoding::P50kBase => "p50k_base",
-            TiktokenEncoding::R50kBase => "r50k_base",
-        }
-    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -14,14 +14,18 @@ use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::error::{Origin, Phase, Problems, Reported, Res};
-use super::yaml::{Entry, Kind, Node, Place};
 use super::{
     BalanceKnobs, CacheAwareKnobs, Config, DepthRatio, LoadConfig, LoadSource, Mode, ModeKind,
-    ModelMatch, Overrides, PolicyConfig, PoolConfig, QueueGate, RelThreshold, TiktokenEncoding,
-    TokenizerConfig, WorkerConfig, duration, size,
+    ModelMatch, Overrides, PolicyConfig, PoolConfig, QueueGate, RelThreshold, TokenizerConfig,
+    WorkerConfig,
 };
 use crate::worker::{Engine, Role};
+use cachepick_decode::duration;
+use cachepick_decode::{
+    Decode, Field, Map, Node, Origin, Phase, Place, Problems, Reported, Res, Val, at_least_one,
+    at_least_one_u32, at_least_one_usize, blame, overridden, value_or, with_default,
+};
+use cachepick_tokenizer::decode_tokenizer;
 
 const ROOT_KEYS: &[&str] = &[
     "listen",
@@ -73,91 +77,12 @@ const WORKER_KEYS: &[&str] = &[
     "max_total_tokens",
 ];
 
-pub(super) const ADDRESS: &str = "ip:port such as 10.0.0.11:8000 (an IP address, not a host name)";
-pub(super) const DURATION: &str = "a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h)";
-pub(super) const INTEGER: &str = "a non-negative integer";
-const SIZE: &str = "a size such as 4MiB, 512KiB or 200000 (a whole number of bytes or of KiB, MiB, GiB, KB, MB, GB)";
 const HTTP_URL: &str = "a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics";
 
 /// Decodes and checks the whole configuration; `Ok` only means every value could be built; the
 /// configuration is valid only if, in addition, no problem was recorded (e.g. an unknown key).
 pub(super) fn validate(root: &Node, overrides: &Overrides, problems: &mut Problems) -> Res<Config> {
     Validator { problems }.config(root, overrides)
-}
-
-/// A value and where it came from.
-#[derive(Clone)]
-pub(super) struct Val<T> {
-    pub(super) value: T,
-    pub(super) at: Origin,
-}
-
-impl<T> Val<T> {
-    /// How a message names this value: by its flag if it came from one, else by its key.
-    fn name<'a>(&'a self, key: &'a str) -> &'a str {
-        match &self.at {
-            Origin::Flag(flag) => flag,
-            _ => key,
-        }
-    }
-}
-
-/// An optional value: absent, given, or given but rejected.
-pub(super) type Field<T> = Res<Option<Val<T>>>;
-
-/// A flag, when given, replaces the file's value.
-pub(super) fn overridden<T>(file: Field<T>, flag: Option<T>, name: &'static str) -> Field<T> {
-    match flag {
-        Some(value) => Ok(Some(Val {
-            value,
-            at: Origin::Flag(name),
-        })),
-        None => file,
-    }
-}
-
-pub(super) fn with_default<T>(field: Field<T>, default: T) -> Res<Val<T>> {
-    field.map(|given| {
-        given.unwrap_or(Val {
-            value: default,
-            at: Origin::Default,
-        })
-    })
-}
-
-/// The origin to blame when two values disagree: the first one unless it is a default.
-fn blame<A, B>(first: &Val<A>, second: &Val<B>) -> Origin {
-    match first.at {
-        Origin::Default => second.at.clone(),
-        _ => first.at.clone(),
-    }
-}
-
-/// A mapping being decoded.
-pub(super) struct Map<'n> {
-    pub(super) at: Place,
-    pub(super) entries: &'n [Entry],
-}
-
-impl<'n> Map<'n> {
-    /// The value of `key` and its place; a null value counts as absent.
-    pub(super) fn get(&self, key: &str) -> Option<(&'n Node, Place)> {
-        let entry = self
-            .entries
-            .iter()
-            .find(|entry| entry.key == key && !entry.value.is_null())?;
-        Some((&entry.value, self.at.key(key, entry.line)))
-    }
-
-    /// Where `key` is, or would be: its own line if written, else the mapping's.
-    pub(super) fn place_of(&self, key: &str) -> Place {
-        let line = self
-            .entries
-            .iter()
-            .find(|entry| entry.key == key)
-            .map_or(self.at.line, |entry| entry.line);
-        self.at.key(key, line)
-    }
 }
 
 /// A pool whose pieces are decoded; it is built after the checks across pools.
@@ -240,20 +165,18 @@ impl WorkerDraft {
     }
 }
 
-pub(super) struct Validator<'p> {
-    pub(super) problems: &'p mut Problems,
+/// The decoder of cachepick's own file: the shared walker plus this schema's methods.
+struct Validator<'p> {
+    problems: &'p mut Problems,
+}
+
+impl Decode for Validator<'_> {
+    fn problems(&mut self) -> &mut Problems {
+        self.problems
+    }
 }
 
 impl Validator<'_> {
-    pub(super) fn report(
-        &mut self,
-        phase: Phase,
-        at: Origin,
-        message: impl Into<String>,
-    ) -> Reported {
-        self.problems.report(phase, at, message)
-    }
-
     fn config(&mut self, root: &Node, overrides: &Overrides) -> Res<Config> {
         let root = self.mapping(root, &Place::root(root.line), ROOT_KEYS)?;
         let listen = self.opt(&root, "listen", Self::address);
@@ -677,7 +600,7 @@ impl Validator<'_> {
             at_least_one_u32,
         );
         let tokenizer = match map.get("tokenizer") {
-            Some((node, at)) => self.tokenizer(node, &at),
+            Some((node, at)) => decode_tokenizer(self, node, &at),
             None => Ok(TokenizerConfig::default()),
         };
         // Kept as written: whether the file exists and parses is judged where it is loaded.
@@ -715,43 +638,6 @@ impl Validator<'_> {
             workers,
             policy,
         })
-    }
-
-    pub(super) fn tokenizer(&mut self, node: &Node, at: &Place) -> Res<TokenizerConfig> {
-        let map = self.any_mapping(node, at)?;
-        if map.get("kind").is_none() {
-            // Without a kind, a misspelt key is the likelier mistake: name it against every kind's keys.
-            self.known_keys(&map, &["kind", "encoding", "path"]);
-        }
-        let kind = self.required(&map, "kind", Self::string)?;
-        match kind.value.as_str() {
-            "tiktoken" => {
-                self.known_keys(&map, &["kind", "encoding"]);
-                let encoding = self.opt(&map, "encoding", |v, node, at| {
-                    v.keyword(node, at, &TiktokenEncoding::ALL, TiktokenEncoding::as_str)
-                })?;
-                Ok(TokenizerConfig::Tiktoken {
-                    encoding: encoding
-                        .map_or(TiktokenEncoding::O200kBase, |encoding| encoding.value),
-                })
-            }
-            "huggingface" => {
-                self.known_keys(&map, &["kind", "path"]);
-                let path = self.required(&map, "path", Self::string)?;
-                Ok(TokenizerConfig::HuggingFace {
-                    path: path.value.into(),
-                })
-            }
-            "bytes" => {
-                self.known_keys(&map, &["kind"]);
-                Ok(TokenizerConfig::Bytes)
-            }
-            other => {
-                let message =
-                    format!("expected one of: tiktoken, huggingface, bytes; got `{other}`");
-                Err(self.report(Phase::Value, kind.at, message))
-            }
-        }
     }
 
     /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
@@ -931,210 +817,6 @@ impl Validator<'_> {
         }
     }
 
-    // Walking the tree.
-
-    /// A mapping with exactly the keys known at this point of the schema.
-    pub(super) fn mapping<'n>(
-        &mut self,
-        node: &'n Node,
-        at: &Place,
-        keys: &[&str],
-    ) -> Res<Map<'n>> {
-        let map = self.any_mapping(node, at)?;
-        self.known_keys(&map, keys);
-        Ok(map)
-    }
-
-    /// A mapping whose keys are checked later; null reads as an empty mapping (an empty file).
-    pub(super) fn any_mapping<'n>(&mut self, node: &'n Node, at: &Place) -> Res<Map<'n>> {
-        match &node.kind {
-            Kind::Map(entries) => Ok(Map {
-                at: at.clone(),
-                entries,
-            }),
-            _ if node.is_null() => Ok(Map {
-                at: at.clone(),
-                entries: &[],
-            }),
-            _ => Err(self.type_error(node, at, "a mapping")),
-        }
-    }
-
-    pub(super) fn known_keys(&mut self, map: &Map, keys: &[&str]) {
-        for entry in map
-            .entries
-            .iter()
-            .filter(|entry| !keys.contains(&entry.key.as_str()))
-        {
-            let message = format!("unknown key; expected one of: {}", keys.join(", "));
-            self.report(
-                Phase::Value,
-                map.at.key(&entry.key, entry.line).origin(),
-                message,
-            );
-        }
-    }
-
-    /// A section of the root; absent is empty, so its keys take their defaults (and flags still apply).
-    fn section<'n>(&mut self, root: &Map<'n>, key: &str, keys: &[&str]) -> Res<Map<'n>> {
-        match root.get(key) {
-            Some((node, at)) => self.mapping(node, &at, keys),
-            None => Ok(Map {
-                at: root.place_of(key),
-                entries: &[],
-            }),
-        }
-    }
-
-    fn list<'n>(&mut self, node: &'n Node, at: &Place, expected: &str) -> Res<&'n [Node]> {
-        match &node.kind {
-            Kind::Seq(items) => Ok(items),
-            _ => Err(self.type_error(node, at, expected)),
-        }
-    }
-
-    pub(super) fn opt<T>(
-        &mut self,
-        map: &Map,
-        key: &str,
-        decode: impl FnOnce(&mut Self, &Node, &Place) -> Res<T>,
-    ) -> Field<T> {
-        let Some((node, at)) = map.get(key) else {
-            return Ok(None);
-        };
-        let value = decode(self, node, &at)?;
-        Ok(Some(Val {
-            value,
-            at: at.origin(),
-        }))
-    }
-
-    pub(super) fn required<T>(
-        &mut self,
-        map: &Map,
-        key: &str,
-        decode: impl FnOnce(&mut Self, &Node, &Place) -> Res<T>,
-    ) -> Res<Val<T>> {
-        self.opt(map, key, decode)?.ok_or_else(|| {
-            self.report(
-                Phase::Value,
-                map.place_of(key).origin(),
-                "missing required key",
-            )
-        })
-    }
-
-    /// Checks a value on its own, turning it into its validated type.
-    pub(super) fn check<T, U>(
-        &mut self,
-        given: Res<Val<T>>,
-        check: impl FnOnce(T) -> Result<U, String>,
-    ) -> Res<Val<U>> {
-        let Val { value, at } = given?;
-        match check(value) {
-            Ok(value) => Ok(Val { value, at }),
-            Err(message) => Err(self.report(Phase::Value, at, message)),
-        }
-    }
-
-    pub(super) fn check_opt<T, U>(
-        &mut self,
-        given: Field<T>,
-        check: impl FnOnce(T) -> Result<U, String>,
-    ) -> Field<U> {
-        given?.map(|given| self.check(Ok(given), check)).transpose()
-    }
-
-    pub(super) fn type_error(&mut self, node: &Node, at: &Place, expected: &str) -> Reported {
-        let got = match &node.kind {
-            Kind::Map(_) => "a mapping".to_owned(),
-            Kind::Seq(_) => "a list".to_owned(),
-            Kind::Scalar { text, plain: true } => format!("`{text}`"),
-            Kind::Scalar { text, plain: false } => format!("the quoted string {text:?}"),
-        };
-        self.report(
-            Phase::Value,
-            at.origin(),
-            format!("expected {expected}, got {got}"),
-        )
-    }
-
-    // Scalars, read as the schema expects.
-
-    /// Any scalar, as text: where a string is expected, `3` is "3".
-    pub(super) fn text<'n>(&mut self, node: &'n Node, at: &Place, expected: &str) -> Res<&'n str> {
-        match &node.kind {
-            Kind::Scalar { text, .. } => Ok(text),
-            _ => Err(self.type_error(node, at, expected)),
-        }
-    }
-
-    pub(super) fn string(&mut self, node: &Node, at: &Place) -> Res<String> {
-        match self.text(node, at, "a string")? {
-            "" => Err(self.report(Phase::Value, at.origin(), "must not be empty")),
-            text => Ok(text.to_owned()),
-        }
-    }
-
-    /// Numbers are plain scalars; a quoted one is a string.
-    pub(super) fn integer(&mut self, node: &Node, at: &Place) -> Res<u64> {
-        match &node.kind {
-            Kind::Scalar { text, plain: true } => text.parse().map_err(|_| {
-                if text.bytes().all(|b| b.is_ascii_digit()) {
-                    self.report(
-                        Phase::Value,
-                        at.origin(),
-                        format!("must be at most {}", u64::MAX),
-                    )
-                } else {
-                    self.type_error(node, at, INTEGER)
-                }
-            }),
-            _ => Err(self.type_error(node, at, INTEGER)),
-        }
-    }
-
-    /// `true` or `false`, plain; a quoted one is a string.
-    pub(super) fn boolean(&mut self, node: &Node, at: &Place) -> Res<bool> {
-        match &node.kind {
-            Kind::Scalar { text, plain: true } if text == "true" => Ok(true),
-            Kind::Scalar { text, plain: true } if text == "false" => Ok(false),
-            _ => Err(self.type_error(node, at, "true or false")),
-        }
-    }
-
-    pub(super) fn number(&mut self, node: &Node, at: &Place) -> Res<f64> {
-        match &node.kind {
-            Kind::Scalar { text, plain: true } => text
-                .parse()
-                .map_err(|_| self.type_error(node, at, "a number")),
-            _ => Err(self.type_error(node, at, "a number")),
-        }
-    }
-
-    pub(super) fn duration(&mut self, node: &Node, at: &Place) -> Res<Duration> {
-        let text = self.text(node, at, DURATION)?;
-        duration::parse(text).ok_or_else(|| self.type_error(node, at, DURATION))
-    }
-
-    /// An IP literal, not a host name: Envoy's `override_host` needs an address.
-    pub(super) fn address(&mut self, node: &Node, at: &Place) -> Res<SocketAddr> {
-        let text = self.text(node, at, ADDRESS)?;
-        text.parse().map_err(|_| self.type_error(node, at, ADDRESS))
-    }
-
-    /// A byte size, bare or with a unit (see `size`).
-    fn size(&mut self, node: &Node, at: &Place) -> Res<usize> {
-        let text = self.text(node, at, SIZE)?;
-        size::parse(text).map_err(|invalid| match invalid {
-            size::Invalid::Malformed => self.type_error(node, at, SIZE),
-            size::Invalid::TooLarge => {
-                let message = format!("must be at most {} bytes", usize::MAX);
-                self.report(Phase::Value, at.origin(), message)
-            }
-        })
-    }
-
     /// A URL the scraper can request as is: plain `http://` (it speaks no TLS) with a host, parsed the
     /// way the HTTP client will parse it. `serves` names what the engine exposes there.
     fn http_url(&mut self, node: &Node, at: &Place, serves: &str) -> Res<String> {
@@ -1164,25 +846,6 @@ impl Validator<'_> {
         } else {
             ModelMatch::Exact(name)
         })
-    }
-
-    pub(super) fn keyword<T: Copy>(
-        &mut self,
-        node: &Node,
-        at: &Place,
-        options: &[T],
-        name: fn(T) -> &'static str,
-    ) -> Res<T> {
-        let text = self.text(node, at, "a string")?;
-        options
-            .iter()
-            .copied()
-            .find(|option| name(*option) == text)
-            .ok_or_else(|| {
-                let names: Vec<_> = options.iter().map(|option| name(*option)).collect();
-                let message = format!("expected one of: {}; got `{text}`", names.join(", "));
-                self.report(Phase::Value, at.origin(), message)
-            })
     }
 }
 
@@ -1326,10 +989,6 @@ fn inherit<T: Clone>(
     }
 }
 
-fn value_or<T>(field: Field<T>, default: T) -> Res<T> {
-    field.map(|given| given.map_or(default, |given| given.value))
-}
-
 /// How a misplaced key's message names the mode in force: by its key and line, as the default, or as
 /// the top level's when a pool inherits it.
 fn mode_by(mode: &Val<ModeKind>, inherited: bool) -> String {
@@ -1342,16 +1001,4 @@ fn mode_by(mode: &Val<ModeKind>, inherited: bool) -> String {
         Origin::Flag(flag) => format!("{flag} {name}"),
         Origin::Default => format!("policy.mode {name} (the default)"),
     }
-}
-
-pub(super) fn at_least_one(n: u64) -> Result<NonZeroU64, String> {
-    NonZeroU64::new(n).ok_or_else(|| "must be at least 1".to_owned())
-}
-
-pub(super) fn at_least_one_usize(n: u64) -> Result<NonZeroUsize, String> {
-    NonZeroUsize::try_from(at_least_one(n)?).map_err(|_| format!("must be at most {}", usize::MAX))
-}
-
-pub(super) fn at_least_one_u32(n: u64) -> Result<NonZeroU32, String> {
-    NonZeroU32::try_from(at_least_one(n)?).map_err(|_| format!("must be at most {}", u32::MAX))
 }

@@ -8,7 +8,6 @@
 //! so a gateway never routes through a picker that has not seen the fleet's load yet.
 
 mod admin;
-pub mod client;
 mod process;
 
 /// The generated `cachepick.v1` admin API (messages, server, client), for tests and Rust tools.

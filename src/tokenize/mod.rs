@@ -1,4 +1,5 @@
-//! Prompt → tokens: each pool's tokenizer, chat rendering, and the segment cache.
+//! Prompt → tokens: each pool's tokenizer and chat template (`cachepick-tokenizer`, which the simulator
+//! shares) behind the segment cache.
 //!
 //! The prefix index matches requests by the tokens of their prompts, so this module turns a prompt into
 //! the token sequence the engine would prefill, as closely as can be done offline, and fast enough to sit
@@ -13,44 +14,8 @@
 //! the engine matters second (block counts and capacities are in engine tokens), and where the two pull
 //! apart below, consistency wins.
 //!
-//! # Backends
-//! - **tiktoken**: a bundled encoding, loaded once per process per encoding (about 130 ms for
-//!   `o200k_base`) and shared by every pool that names it. Text is encoded with the encoding's special
-//!   tokens recognised anywhere (`encode` with every special token allowed, i.e.
-//!   `encode_with_special_tokens` without rebuilding the set per call): engines tokenize the rendered
-//!   prompt with special-token matching on, so `<|endoftext|>` in a template or a prompt is one token.
-//! - **huggingface**: a local `tokenizer.json`, with any truncation or padding it carries switched off.
-//!   Chat segments are encoded with `add_special_tokens=false`, because the chat template renders the
-//!   special tokens itself (a BOS would otherwise appear twice), which is what vLLM does for chat
-//!   completions. Text prompts use `add_special_tokens=true`, as vLLM does for completions, so a
-//!   Llama-style post-processor prepends its BOS. Added tokens in the text are matched in both.
-//! - **bytes**: each 4-byte chunk of the UTF-8 text packed into a little-endian `u32`, the last chunk
-//!   zero-padded. No vocabulary; deterministic; about one pseudo-token per real token for English.
-//!
-//! # Chat rendering
-//! With a chat template (`chat_template` in the pool's config: a Jinja file, or a Hugging Face
-//! `tokenizer_config.json` whose `chat_template` is a string or a list of `{name, template}`), it is
-//! rendered the way transformers renders it for vLLM and SGLang: minijinja with `trim_blocks` and
-//! `lstrip_blocks`, Python string methods, and `raise_exception`; the context holds
-//! - `messages`: `[{role, content}]`, each content its text parts joined with `"\n"` (vLLM's rendering
-//!   of text-only content lists into the "string" content format),
-//! - `tools`: the request's `tools` parsed as JSON, or none (the `tool_use` template of a named list is
-//!   chosen when there are tools),
-//! - `add_generation_prompt`: true,
-//! - `bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token` where
-//!   the tokenizer config defines them (a Jinja file takes them from a `tokenizer_config.json` beside it).
-//!
-//! Not reproduced: `strftime_now` (date-stamping templates fall back to their built-in date, which also
-//! keeps tokens stable across midnight), `{% generation %}` and loop controls (such templates fail to
-//! load), and the exact JSON of tools: minijinja's `tojson` sorts object keys and escapes `<>&'`, where
-//! the engine keeps the request's key order and escapes nothing.
-//!
-//! Without a template the chat is rendered in a fixed format (content parts joined with `"\n"`):
-//! ```text
-//! <|tools|>\n{tools JSON as the request sent it}\n     only when the request has tools
-//! <|{role}|>\n{content}\n                             one per message, in order
-//! <|assistant|>\n                                     the generation prompt
-//! ```
+//! The backends (tiktoken, Hugging Face, bytes) and the chat rendering are documented in
+//! `cachepick-tokenizer`; this module adds the segments and their cache.
 //!
 //! # Segments and the segment cache
 //! A chat is tokenized in segments, each looked up in a bounded per-pool LRU keyed by a hash of
@@ -101,85 +66,23 @@
     clippy::panic
 )]
 
-mod backend;
 mod cache;
-mod template;
 #[cfg(test)]
 mod tests;
 
-use std::borrow::Cow;
-use std::error::Error;
-use std::io;
 use std::num::NonZeroUsize;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use backend::Backend;
 pub use cache::CacheStats;
 use cache::SegmentCache;
-use template::{ChatTemplate, joined_parts, split_skeleton};
+pub use cachepick_tokenizer::{ChatTurn, Mode, TokenizeError, Tokenizer};
 
 use crate::config::{PoolConfig, TokenizerConfig};
 
-/// One chat message as the request carries it: its role and its text parts, in order.
-#[derive(Clone, Copy, Debug)]
-pub struct ChatTurn<'a> {
-    pub role: &'a str,
-    pub parts: &'a [Cow<'a, str>],
-}
-
-/// Why a pool's tokenizer could not be built (at start-up: the first five), or a prompt not tokenized.
-#[derive(Debug, thiserror::Error)]
-pub enum TokenizeError {
-    #[error("cannot load the bundled tiktoken encoding {encoding}: {source}")]
-    Encoding {
-        encoding: &'static str,
-        source: Box<dyn Error + Send + Sync>,
-    },
-    #[error("cannot read {}: {source}", path.display())]
-    Read { path: PathBuf, source: io::Error },
-    #[error("{} is not a usable tokenizer.json: {source}", path.display())]
-    Tokenizer {
-        path: PathBuf,
-        source: Box<dyn Error + Send + Sync>,
-    },
-    /// A `tokenizer_config.json` that is not JSON, or holds no usable `chat_template`.
-    #[error("chat template config {}: {reason}", path.display())]
-    TemplateConfig { path: PathBuf, reason: String },
-    /// A template that does not compile.
-    #[error("chat template {}: {source}", path.display())]
-    Template {
-        path: PathBuf,
-        source: minijinja::Error,
-    },
-    /// The template failed on this chat: mostly the request's fault (`raise_exception` on an unknown
-    /// role, say), but also a template that calls what minijinja lacks.
-    #[error("chat template {} failed to render this chat: {source}", path.display())]
-    Render {
-        path: PathBuf,
-        source: minijinja::Error,
-    },
-    /// The request's fault.
-    #[error("the request's tools are not valid JSON: {0}")]
-    Tools(#[source] serde_json::Error),
-    #[error("tokenizing failed: {0}")]
-    Encode(#[source] Box<dyn Error + Send + Sync>),
-}
-
-/// How a text is encoded. Part of the cache key, because it changes the tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-enum Mode {
-    /// A segment of a rendered chat: the template has rendered the special tokens it wants.
-    Segment = 0,
-    /// A whole text prompt: the tokenizer adds its own special tokens, as engines do for completions.
-    Prompt = 1,
-}
-
 /// A pool's tokenizer, chat template and segment cache; built once, shared by all its requests.
 pub struct PoolTokenizer {
-    backend: Backend,
-    template: Option<ChatTemplate>,
+    tokenizer: Tokenizer,
     cache: SegmentCache,
 }
 
@@ -199,13 +102,14 @@ impl PoolTokenizer {
         chat_template: Option<&Path>,
         segment_cache_entries: NonZeroUsize,
     ) -> Result<PoolTokenizer, TokenizeError> {
-        let (backend, identity) = Backend::load(tokenizer)?;
-        let template = chat_template.map(ChatTemplate::load).transpose()?;
-        Ok(PoolTokenizer {
-            backend,
-            template,
-            cache: SegmentCache::new(segment_cache_entries.get(), identity),
-        })
+        let tokenizer = Tokenizer::load(tokenizer, chat_template)?;
+        let cache = SegmentCache::new(segment_cache_entries.get(), tokenizer.identity());
+        Ok(PoolTokenizer { tokenizer, cache })
+    }
+
+    /// The tokenizer and template under the cache.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
     }
 
     /// The tokens of a text prompt (`/v1/completions`, `/generate`), cached whole as one segment.
@@ -223,7 +127,7 @@ impl PoolTokenizer {
         tools: Option<&str>,
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut tokens = Vec::new();
-        self.for_each_segment(turns, tools, |segment| {
+        self.tokenizer.for_each_segment(turns, tools, |segment| {
             self.push_segment(&mut tokens, Mode::Segment, segment)
         })?;
         Ok(tokens)
@@ -235,59 +139,18 @@ impl PoolTokenizer {
         turns: &[ChatTurn<'_>],
         tools: Option<&str>,
     ) -> Result<String, TokenizeError> {
-        let mut text = String::new();
-        self.for_each_segment(turns, tools, |segment| {
-            segment.iter().for_each(|piece| text.push_str(piece));
-            Ok(())
-        })?;
-        Ok(text)
+        self.tokenizer.render_chat(turns, tools)
     }
 
     /// The tokens of a whole text in one pass, bypassing the segment cache, as an engine tokenizes its
-    /// prompt: `add_special` for a raw completion prompt, not for a rendered chat (whose template wrote
-    /// its own special tokens). The fleet simulator tokenizes this way.
+    /// prompt (see [`Tokenizer::encode_whole`]).
     pub fn encode_whole(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
-        let mode = if add_special {
-            Mode::Prompt
-        } else {
-            Mode::Segment
-        };
-        self.backend.encode(text, mode)
+        self.tokenizer.encode_whole(text, add_special)
     }
 
     /// Segment cache hits and misses since the tokenizer was built.
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.stats()
-    }
-
-    /// Calls `each` with every segment of the rendered chat in order, as pieces to be joined.
-    fn for_each_segment(
-        &self,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-        mut each: impl FnMut(&[&str]) -> Result<(), TokenizeError>,
-    ) -> Result<(), TokenizeError> {
-        let Some(template) = &self.template else {
-            if let Some(tools) = tools {
-                each(&["<|tools|>\n", tools, "\n"])?;
-            }
-            for turn in turns {
-                let mut segment = vec!["<|", turn.role, "|>\n"];
-                segment.extend(joined_parts(turn));
-                segment.push("\n");
-                each(&segment)?;
-            }
-            return each(&["<|assistant|>\n"]);
-        };
-        let tools = template::tools_value(tools)?;
-        let skeleton = template.render_skeleton(turns, &tools)?;
-        match split_skeleton(&skeleton, turns) {
-            Some(segments) => segments.iter().try_for_each(|segment| each(segment)),
-            None => {
-                let whole = template.render_whole(turns, &tools)?;
-                each(&[&whole])
-            }
-        }
     }
 
     /// Appends the tokens of the segment whose text is `pieces` joined, from the cache when it holds them.
@@ -309,7 +172,7 @@ impl PoolTokenizer {
                         joined.as_str()
                     }
                 };
-                let fresh: Arc<[u32]> = self.backend.encode(text, mode)?.into();
+                let fresh: Arc<[u32]> = self.tokenizer.encode(text, mode)?.into();
                 self.cache.insert(key, Arc::clone(&fresh));
                 fresh
             }

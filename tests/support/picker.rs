@@ -36,13 +36,14 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
 use cachepick::app::AppError;
-use cachepick::config::{self, Overrides, SimConfig, TokenizerConfig};
+use cachepick::config::{self, Overrides};
 use cachepick::extproc::{
     DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
     READINESS, REJECT_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
-use cachepick::sim::fleet::Fleet;
-use cachepick::worker::Engine;
+use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::fleet::Fleet;
+use cachepick_sim::{Engine, SimConfig};
 
 /// How long any one exchange may take before the test fails instead of hanging.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -105,7 +106,7 @@ impl Harness {
         let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
             .await
             .expect("the fleet starts");
-        let generated = fleet.cachepick_config().expect("a generated config");
+        let generated = fleet.cachepick_config();
         assert!(
             generated.contains("scrape_interval: 200ms"),
             "the generated config changed its scrape interval:\n{generated}"
@@ -181,11 +182,11 @@ impl Harness {
     }
 
     /// cachepick's own client, connected to this picker.
-    pub async fn client(&self) -> cachepick::extproc::client::Client {
+    pub async fn client(&self) -> cachepick_rig::client::Client {
         bounded(
             "the ext_proc client connects",
             DEADLINE,
-            cachepick::extproc::client::Client::connect(self.listen),
+            cachepick_rig::client::Client::connect(self.listen),
         )
         .await
         .expect("the ext_proc client connects")

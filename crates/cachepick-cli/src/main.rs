@@ -132,7 +132,7 @@ struct DemoArgs {
     workers: u32,
     /// Engine kind the workers imitate: vllm or sglang.
     #[arg(long, value_parser = parse_engine, default_value = "vllm")]
-    engine: cachepick::worker::Engine,
+    engine: cachepick_sim::Engine,
     /// The Envoy binary (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, then PATH).
     #[arg(long, value_name = "PATH")]
     envoy: Option<PathBuf>,
@@ -158,7 +158,7 @@ struct SimArgs {
     config: Option<PathBuf>,
     /// Engine kind the workers imitate: vllm or sglang (overrides `engine`).
     #[arg(long, value_parser = parse_engine)]
-    engine: Option<cachepick::worker::Engine>,
+    engine: Option<cachepick_sim::Engine>,
     /// Number of workers (overrides `workers`).
     #[arg(long, value_name = "N")]
     workers: Option<u64>,
@@ -185,17 +185,17 @@ struct SimArgs {
     control: SocketAddr,
 }
 
-fn parse_engine(text: &str) -> Result<cachepick::worker::Engine, String> {
+fn parse_engine(text: &str) -> Result<cachepick_sim::Engine, String> {
     match text {
-        "vllm" => Ok(cachepick::worker::Engine::Vllm),
-        "sglang" => Ok(cachepick::worker::Engine::Sglang),
+        "vllm" => Ok(cachepick_sim::Engine::Vllm),
+        "sglang" => Ok(cachepick_sim::Engine::Sglang),
         other => Err(format!("expected vllm or sglang, got `{other}`")),
     }
 }
 
 impl SimArgs {
-    fn load(&self) -> Result<config::SimConfig, config::ConfigError> {
-        let overrides = config::SimOverrides {
+    fn load(&self) -> Result<cachepick_sim::SimConfig, config::ConfigError> {
+        let overrides = cachepick_sim::SimOverrides {
             engine: self.engine,
             workers: self.workers,
             host: self.host,
@@ -205,8 +205,8 @@ impl SimArgs {
             dp_size: self.dp_size,
         };
         match &self.config {
-            Some(path) => config::load_sim(path, &overrides),
-            None => config::parse_sim("", "the command line", &overrides),
+            Some(path) => cachepick_sim::decode::load(path, &overrides),
+            None => cachepick_sim::decode::parse("", "the command line", &overrides),
         }
     }
 }
@@ -320,9 +320,16 @@ fn sim(args: &SimArgs) -> ExitCode {
     };
     let run = || -> anyhow::Result<()> {
         let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-        runtime.block_on(cachepick::sim::fleet::run(
+        // The simulator writes cachepick's configuration as text; cachepick's own parser checks it.
+        let validate = |text: &str| {
+            config::parse(text, "the generated configuration", &Overrides::default())
+                .map(drop)
+                .map_err(|error| error.to_string())
+        };
+        runtime.block_on(cachepick_sim::fleet::run(
             config,
             args.emit_config.clone(),
+            validate,
             args.control,
             shutdown_signal(),
         ))?;
@@ -338,7 +345,7 @@ fn sim(args: &SimArgs) -> ExitCode {
 }
 
 fn demo(args: &DemoArgs) -> ExitCode {
-    let options = cachepick::demo::DemoOptions {
+    let options = cachepick_rig::demo::DemoOptions {
         workers: args.workers,
         engine: args.engine,
         envoy: args.envoy.clone(),
@@ -349,7 +356,7 @@ fn demo(args: &DemoArgs) -> ExitCode {
     };
     let run = || -> anyhow::Result<()> {
         let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-        runtime.block_on(cachepick::demo::run(options))?;
+        runtime.block_on(cachepick_rig::demo::run(options))?;
         Ok(())
     };
     match run() {
@@ -363,10 +370,10 @@ fn demo(args: &DemoArgs) -> ExitCode {
 
 fn replay(args: &ReplayArgs) -> ExitCode {
     let scenario = match &args.trace {
-        Some(path) => cachepick::replay::Scenario::Trace(path.clone()),
-        None => cachepick::replay::Scenario::Burst,
+        Some(path) => cachepick_rig::replay::Scenario::Trace(path.clone()),
+        None => cachepick_rig::replay::Scenario::Burst,
     };
-    let mut options = cachepick::replay::ReplayOptions::new(scenario);
+    let mut options = cachepick_rig::replay::ReplayOptions::new(scenario);
     options.sim_config = args.config.clone();
     options.policies = args
         .policies
@@ -377,9 +384,9 @@ fn replay(args: &ReplayArgs) -> ExitCode {
     options.speedup = args.speedup;
     options.limit = args.limit;
     options.via = if args.via == "envoy" {
-        cachepick::replay::Via::Envoy
+        cachepick_rig::replay::Via::Envoy
     } else {
-        cachepick::replay::Via::Direct
+        cachepick_rig::replay::Via::Direct
     };
     options.envoy = args.envoy.clone();
     if let Some(out) = &args.out {
@@ -389,7 +396,7 @@ fn replay(args: &ReplayArgs) -> ExitCode {
     options.duration_scale = args.duration_scale;
     let run = || -> anyhow::Result<()> {
         let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-        let replay = runtime.block_on(cachepick::replay::run(&options))?;
+        let replay = runtime.block_on(cachepick_rig::replay::run(&options))?;
         println!("\n{}", replay.table);
         for skipped in &replay.skipped {
             println!("skipped {}: {}", skipped.policy, skipped.error);

@@ -31,7 +31,7 @@ use std::num::NonZeroU32;
 
 use hashlink::{LinkedHashMap, LinkedHashSet};
 
-use super::stats::{RankCounters, RankStats};
+use crate::stats::{RankCounters, RankStats};
 
 /// Identifies a request on one rank; the server assigns them.
 pub type RequestId = u64;

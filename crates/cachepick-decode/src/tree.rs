@@ -8,17 +8,17 @@
 use yaml_rust2::parser::{Event, MarkedEventReceiver, Parser};
 use yaml_rust2::scanner::{Marker, TScalarStyle};
 
-use super::error::{Origin, Phase, Problems, Reported, Res};
+use crate::problem::{Origin, Phase, Problems, Reported, Res};
 
 #[derive(Debug, PartialEq)]
-pub(super) struct Node {
+pub struct Node {
     /// 1-based; for a block mapping or sequence, the line of its first entry.
     pub line: usize,
     pub kind: Kind,
 }
 
 #[derive(Debug, PartialEq)]
-pub(super) enum Kind {
+pub enum Kind {
     /// `plain` is false for quoted and block scalars, which are always strings.
     Scalar {
         text: String,
@@ -30,7 +30,7 @@ pub(super) enum Kind {
 }
 
 #[derive(Debug, PartialEq)]
-pub(super) struct Entry {
+pub struct Entry {
     pub key: String,
     /// The line of the key, which is where a message about the entry points.
     pub line: usize,
@@ -39,7 +39,7 @@ pub(super) struct Entry {
 
 impl Node {
     /// YAML's null (`~`, `null`, or nothing at all), which the decoder reads as "not given".
-    pub(super) fn is_null(&self) -> bool {
+    pub fn is_null(&self) -> bool {
         match &self.kind {
             Kind::Scalar { text, plain: true } => {
                 matches!(text.as_str(), "" | "~" | "null" | "Null" | "NULL")
@@ -51,21 +51,21 @@ impl Node {
 
 /// Where a node sits in the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Place {
+pub struct Place {
     /// Dotted keys and `[index]`es from the root, e.g. `pools[0].workers[1]`; empty for the root.
     pub path: String,
     pub line: usize,
 }
 
 impl Place {
-    pub(super) fn root(line: usize) -> Place {
+    pub fn root(line: usize) -> Place {
         Place {
             path: String::new(),
             line,
         }
     }
 
-    pub(super) fn key(&self, key: &str, line: usize) -> Place {
+    pub fn key(&self, key: &str, line: usize) -> Place {
         let path = if self.path.is_empty() {
             key.to_owned()
         } else {
@@ -74,14 +74,14 @@ impl Place {
         Place { path, line }
     }
 
-    pub(super) fn index(&self, index: usize, line: usize) -> Place {
+    pub fn index(&self, index: usize, line: usize) -> Place {
         Place {
             path: format!("{}[{index}]", self.path),
             line,
         }
     }
 
-    pub(super) fn origin(&self) -> Origin {
+    pub fn origin(&self) -> Origin {
         Origin::Yaml {
             path: self.path.clone(),
             line: self.line,
@@ -93,7 +93,7 @@ impl Place {
 /// first occurrence stays in the tree). The first thing that leaves no trustworthy tree — a syntax
 /// error, an alias, a non-scalar key, a second document, too deep a nesting — is recorded, ends the
 /// parse and makes this an `Err`. An empty document is a null root.
-pub(super) fn parse(source: &str, problems: &mut Problems) -> Res<Node> {
+pub fn parse(source: &str, problems: &mut Problems) -> Res<Node> {
     let mut builder = Builder {
         problems,
         stack: Vec::new(),

@@ -16,9 +16,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-use super::server::{StartError, Worker, WorkerSpec};
-use crate::config::{self, ConfigError, SimConfig, TokenizerConfig};
-use crate::tokenize::{PoolTokenizer, TokenizeError};
+use cachepick_tokenizer::{TokenizeError, Tokenizer};
+
+use crate::config::{SimConfig, TokenizerConfig};
+use crate::server::{StartError, Worker, WorkerSpec};
 
 /// Why the fleet could not start.
 #[derive(Debug, thiserror::Error)]
@@ -29,8 +30,6 @@ pub enum FleetError {
     Start { index: u32, source: StartError },
     #[error("port {base} + {index} is beyond 65535")]
     PortRange { base: u16, index: u32 },
-    #[error("the generated cachepick configuration does not validate (a bug): {0}")]
-    Emitted(#[from] ConfigError),
     #[error("cannot listen on {addr} for the fleet control: {source}")]
     Control {
         addr: SocketAddr,
@@ -47,11 +46,10 @@ pub struct Fleet {
 impl Fleet {
     /// Loads the tokenizer once and starts every worker.
     pub async fn start(config: &SimConfig) -> Result<Fleet, FleetError> {
-        // The segment cache is the picker's optimisation; workers tokenize whole prompts and never use it.
-        let tokenizer = Arc::new(PoolTokenizer::build(
+        // Workers tokenize whole prompts, as engines do; the picker's segment cache is not here.
+        let tokenizer = Arc::new(Tokenizer::load(
             &config.tokenizer,
             config.chat_template.as_deref(),
-            std::num::NonZeroUsize::MIN,
         )?);
         let mut workers = Vec::with_capacity(config.workers.get() as usize);
         for index in 0..config.workers.get() {
@@ -99,9 +97,11 @@ impl Fleet {
         &self.config
     }
 
-    /// A cachepick configuration with one pool holding every worker, validated before it is returned.
-    /// Relative tokenizer and template paths are made absolute, so the file works from any directory.
-    pub fn cachepick_config(&self) -> Result<String, FleetError> {
+    /// A cachepick configuration with one pool holding every worker. Relative tokenizer and template
+    /// paths are made absolute, so the file works from any directory. The simulator does not know
+    /// cachepick's schema beyond this text: whoever runs both validates it (`cachepick sim` does, before
+    /// writing it).
+    pub fn cachepick_config(&self) -> String {
         let config = &self.config;
         let mut out = String::new();
         let _ = writeln!(
@@ -147,12 +147,7 @@ impl Fleet {
                 let _ = writeln!(out, "        dp_size: {}", config.dp_size);
             }
         }
-        config::parse(
-            &out,
-            "the generated configuration",
-            &config::Overrides::default(),
-        )?;
-        Ok(out)
+        out
     }
 
     /// Serves the fleet control on `listener` until the future is dropped:
@@ -161,7 +156,7 @@ impl Fleet {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 // EMFILE and the like fail again at once: pause instead of spinning.
-                tokio::time::sleep(super::server::ACCEPT_ERROR_BACKOFF).await;
+                tokio::time::sleep(crate::server::ACCEPT_ERROR_BACKOFF).await;
                 continue;
             };
             let fleet = Arc::clone(&self);
@@ -224,11 +219,13 @@ impl Fleet {
     }
 }
 
-/// Runs `cachepick sim`: starts the fleet, writes the cachepick config if asked, prints where
-/// everything is, and serves until `shutdown` resolves.
+/// Runs `cachepick sim`: starts the fleet, writes the cachepick config if asked (once `validate`, the
+/// caller's check of cachepick's schema, accepts it), prints where everything is, and serves until
+/// `shutdown` resolves.
 pub async fn run(
     config: SimConfig,
     emit_config: Option<PathBuf>,
+    validate: impl FnOnce(&str) -> Result<(), String>,
     control: SocketAddr,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), RunError> {
@@ -246,7 +243,8 @@ pub async fn run(
             source,
         })?;
     if let Some(path) = &emit_config {
-        let text = fleet.cachepick_config()?;
+        let text = fleet.cachepick_config();
+        validate(&text).map_err(RunError::Emitted)?;
         std::fs::write(path, text).map_err(|source| RunError::Write {
             path: path.clone(),
             source,
@@ -285,6 +283,8 @@ pub async fn run(
 pub enum RunError {
     #[error(transparent)]
     Fleet(#[from] FleetError),
+    #[error("the generated cachepick configuration does not validate (a bug): {0}")]
+    Emitted(String),
     #[error("cannot write {}: {source}", path.display())]
     Write {
         path: PathBuf,

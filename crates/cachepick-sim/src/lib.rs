@@ -3,6 +3,8 @@
 //! routing quality can be measured.
 //!
 //! # Layout
+//! - [`config`], [`decode`]: the simulator's own file (`cachepick sim --config`) and `/admin/config`
+//!   changes, decoded with the shared walker (`cachepick-decode`).
 //! - [`model`]: one data-parallel rank's KV block cache (chained block hashes, LRU of unreferenced
 //!   blocks, pinned blocks of running requests) and its scheduler (at most `max_running` running, FIFO
 //!   queue). Pure and synchronous: no clock, no I/O.
@@ -14,12 +16,15 @@
 //! - [`server`]: one worker's HTTP server: request lifecycle, admin controls, crash and restart.
 //! - [`fleet`]: N workers on loopback, the cachepick config that fronts them, and the fleet control.
 //!
-//! The simulator shares no code with the picker's routing path (`request`, `prefix`, `policy`,
-//! `picker`, `load`): it parses bodies, hashes blocks and keeps its cache on its own, so it cannot agree
-//! with the picker by construction. It shares only the tokenizer and chat template, as a real engine
-//! shares the model's tokenizer with the router in front of it; and it tokenizes the whole rendered
-//! prompt at once, as engines do, not segment by segment as the picker does.
+//! This crate does not depend on cachepick (Cargo enforces it): it parses bodies, hashes blocks and
+//! keeps its cache with code of its own, so it cannot agree with the picker by construction. It shares
+//! only the model's tokenizer and chat template (`cachepick-tokenizer`), as a real engine shares the
+//! model's tokenizer with the router in front of it, and the YAML walker its configuration is decoded
+//! with (`cachepick-decode`); and it tokenizes the whole rendered prompt at once, as engines do, not
+//! segment by segment as the picker does.
 
+pub mod config;
+pub mod decode;
 pub mod expo;
 pub mod fleet;
 pub mod model;
@@ -27,3 +32,6 @@ pub mod server;
 pub mod stats;
 pub mod timing;
 pub mod wire;
+
+pub use config::{Engine, SimConfig, SimParams};
+pub use decode::SimOverrides;

@@ -1,4 +1,4 @@
-//! A real Envoy in front of one replay run (and of the demo), with the configuration `cachepick envoy-config` generates
+//! A real Envoy in front of a replay run or the demo, with the configuration `cachepick envoy-config` generates
 //! (buffered mode), killed on drop.
 
 use std::net::SocketAddr;
@@ -12,8 +12,8 @@ use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::config::Config;
-use crate::envoy_config::{BodyMode, EnvoyOptions};
+use cachepick::config::Config;
+use cachepick::envoy_config::{BodyMode, EnvoyOptions};
 
 pub struct Envoy {
     child: Child,
@@ -24,9 +24,9 @@ pub struct Envoy {
 
 impl Envoy {
     pub async fn start(path: &Path, config: &Config) -> Result<Envoy, String> {
-        let listen = super::free_port().map_err(|error| error.to_string())?;
-        let admin = super::free_port().map_err(|error| error.to_string())?;
-        let yaml = crate::envoy_config::render(
+        let listen = crate::free_port().map_err(|error| error.to_string())?;
+        let admin = crate::free_port().map_err(|error| error.to_string())?;
+        let yaml = cachepick::envoy_config::render(
             config,
             &EnvoyOptions {
                 mode: BodyMode::Buffered,
@@ -119,4 +119,23 @@ async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
         .ok()??
         .to_bytes();
     Some(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Envoy, if installed: an explicit path, `CACHEPICK_ENVOY`, the project's provisioned copy, or `PATH`.
+pub fn find_envoy(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(path) = explicit {
+        return Some(path.to_owned());
+    }
+    if let Some(path) = std::env::var_os("CACHEPICK_ENVOY") {
+        return Some(PathBuf::from(path));
+    }
+    let provisioned = PathBuf::from("target/envoy-1.40.0/bin/envoy");
+    if provisioned.is_file() {
+        return std::path::absolute(&provisioned).ok();
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("envoy"))
+            .find(|candidate| candidate.is_file())
+    })
 }

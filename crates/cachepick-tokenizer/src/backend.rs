@@ -10,13 +10,13 @@ use std::sync::OnceLock;
 use tiktoken_rs::CoreBPE;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{Mode, TokenizeError};
 use crate::config::{TiktokenEncoding, TokenizerConfig};
+use crate::{Mode, TokenizeError};
 
 /// Bytes packed into one pseudo-token by the `bytes` backend.
 const BYTES_PER_TOKEN: usize = 4;
 
-pub(super) enum Backend {
+pub(crate) enum Backend {
     Tiktoken {
         bpe: &'static CoreBPE,
         /// Every special token of the encoding, recognised wherever it appears in the text.
@@ -29,7 +29,7 @@ pub(super) enum Backend {
 impl Backend {
     /// Loads the backend and returns it with a hash of its identity: the encoding's name, or the bytes
     /// of the `tokenizer.json`.
-    pub(super) fn load(config: &TokenizerConfig) -> Result<(Backend, u64), TokenizeError> {
+    pub(crate) fn load(config: &TokenizerConfig) -> Result<(Backend, u64), TokenizeError> {
         match config {
             TokenizerConfig::Tiktoken { encoding } => {
                 let bpe = shared_encoding(*encoding)?;
@@ -49,7 +49,7 @@ impl Backend {
         }
     }
 
-    pub(super) fn encode(&self, text: &str, mode: Mode) -> Result<Vec<u32>, TokenizeError> {
+    pub(crate) fn encode(&self, text: &str, mode: Mode) -> Result<Vec<u32>, TokenizeError> {
         match self {
             Backend::Tiktoken { bpe, special } => bpe
                 .encode(text, special)
@@ -60,6 +60,37 @@ impl Backend {
                 .map(|encoding| encoding.get_ids().to_vec())
                 .map_err(TokenizeError::Encode),
             Backend::Bytes => Ok(pack_bytes(text)),
+        }
+    }
+
+    /// The text of `tokens`; the `bytes` backend drops its zero padding.
+    pub(crate) fn decode(&self, tokens: &[u32]) -> Result<String, TokenizeError> {
+        match self {
+            Backend::Tiktoken { bpe, .. } => bpe
+                .decode(tokens)
+                .map_err(|source| TokenizeError::Encode(source.into())),
+            Backend::HuggingFace(tokenizer) => tokenizer
+                .decode(tokens, false)
+                .map_err(TokenizeError::Encode),
+            Backend::Bytes => {
+                let bytes: Vec<u8> = tokens
+                    .iter()
+                    .flat_map(|token| token.to_le_bytes())
+                    .filter(|byte| *byte != 0)
+                    .collect();
+                String::from_utf8(bytes).map_err(|source| TokenizeError::Encode(source.into()))
+            }
+        }
+    }
+
+    /// Whether two backends share one loaded encoding (tiktoken encodings load once per process).
+    #[cfg(test)]
+    pub(crate) fn shares_tables_with(&self, other: &Backend) -> bool {
+        match (self, other) {
+            (Backend::Tiktoken { bpe: a, .. }, Backend::Tiktoken { bpe: b, .. }) => {
+                std::ptr::eq(*a, *b)
+            }
+            _ => false,
         }
     }
 }

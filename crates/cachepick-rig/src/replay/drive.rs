@@ -14,7 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 
 use super::trace::{Item, PromptBuilder};
-use crate::extproc::client::{Client as PickerClient, Verdict};
+use crate::client::{Client as PickerClient, Verdict};
 
 /// Where requests go: through Envoy, or to the picker over ext_proc and then to the chosen worker.
 #[derive(Clone)]

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::TokenizerConfig;
+use cachepick_sim::config::TokenizerConfig;
 
 /// Tokens in one Mooncake hash block.
 pub const TRACE_BLOCK_TOKENS: usize = 512;

@@ -33,14 +33,14 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
-use super::expo::{self, Identity};
-use super::model::{Admission, RankModel, Refusal, RequestId, Submit};
-use super::stats::{Histogram, RankStats};
-use super::timing;
-use super::wire::{self, Api, Outcome, Prompt, SimRequest};
-use crate::config::{self, SimParams};
-use crate::tokenize::{ChatTurn, PoolTokenizer};
-use crate::worker::Engine;
+use cachepick_tokenizer::{ChatTurn, Tokenizer};
+
+use crate::config::{Engine, SimParams};
+use crate::expo::{self, Identity};
+use crate::model::{Admission, RankModel, Refusal, RequestId, Submit};
+use crate::stats::{Histogram, RankStats};
+use crate::timing;
+use crate::wire::{self, Api, Outcome, Prompt, SimRequest};
 
 type Body = BoxBody<Bytes, Infallible>;
 
@@ -57,7 +57,7 @@ pub struct WorkerSpec {
     pub dp_size: u32,
     pub block_size: std::num::NonZeroU32,
     pub seed: u64,
-    pub tokenizer: Arc<PoolTokenizer>,
+    pub tokenizer: Arc<Tokenizer>,
     /// How `/server_info` names the tokenizer.
     pub tokenizer_name: String,
     pub params: SimParams,
@@ -659,7 +659,7 @@ fn refused(refusal: Refusal) -> Response<Body> {
 
 /// The prompt's tokens as the engine sees them: a chat rendered by the template and tokenized whole
 /// without added special tokens; a text prompt tokenized whole with them; token ids as given.
-fn tokens(tokenizer: &PoolTokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
+fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
     match prompt {
         Prompt::Tokens(tokens) => Ok(tokens.clone()),
         Prompt::Text(text) => tokenizer
@@ -1037,7 +1037,7 @@ async fn admin(
         (&Method::POST, "/admin/config") => {
             let source = String::from_utf8_lossy(body);
             let current = shared.params.load_full();
-            match config::parse_sim_params(&source, &current) {
+            match crate::decode::parse_params(&source, &current) {
                 Ok(params) => {
                     apply_params(shared, incarnation, params);
                     json(StatusCode::OK, state_json(shared, incarnation))

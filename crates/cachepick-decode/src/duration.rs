@@ -18,7 +18,7 @@ const NANOS_PER_SEC: u128 = 1_000_000_000;
 
 /// `None` for a negative number, a missing or unknown unit, anything finer than a nanosecond, or a
 /// duration beyond `Duration`'s range.
-pub(super) fn parse(text: &str) -> Option<Duration> {
+pub fn parse(text: &str) -> Option<Duration> {
     let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
     let (number, unit) = text.split_at_checked(split)?;
     let (_, unit_nanos) = UNITS.into_iter().find(|(name, _)| *name == unit)?;
@@ -40,7 +40,7 @@ pub(super) fn parse(text: &str) -> Option<Duration> {
 }
 
 /// In the largest unit that represents `duration` exactly; below a millisecond, as decimal milliseconds.
-pub(super) fn format(duration: Duration) -> String {
+pub fn format(duration: Duration) -> String {
     let nanos = duration.as_nanos();
     if let Some((name, size)) = UNITS
         .into_iter()

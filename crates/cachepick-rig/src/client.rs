@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tonic::transport::{Channel, Endpoint};
 
-use super::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
+use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
 
 /// The picker's answer, as Envoy would apply it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -206,7 +206,7 @@ pub async fn wait_ready(addr: SocketAddr, timeout: Duration) -> Result<(), Clien
             Ok(Ok(channel)) => {
                 let mut health = HealthClient::new(channel);
                 let check = health.check(HealthCheckRequest {
-                    service: super::READINESS.to_owned(),
+                    service: cachepick::extproc::READINESS.to_owned(),
                 });
                 match tokio::time::timeout(left(), check).await {
                     Err(_) => Err(ClientError::Timeout(timeout)),

@@ -8,24 +8,24 @@
 //! fleet ([`POLICIES`]); each policy runs on a freshly started fleet with the same seed.
 
 pub mod drive;
-pub(crate) mod envoy;
 pub mod report;
 pub mod svg;
 pub mod trace;
 
 use std::fmt::Write as _;
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::config::{self, Config, SimConfig, SimOverrides, TokenizerConfig};
-use crate::extproc::client::Client as PickerClient;
-use crate::sim::fleet::Fleet;
-use crate::worker::Engine;
+use cachepick::config::{self, Config};
+use cachepick_sim::fleet::Fleet;
+use cachepick_sim::{Engine, SimConfig, SimOverrides};
+
+use crate::client::Client as PickerClient;
+use crate::envoy;
+use crate::{free_port, nz};
 use drive::Route;
 use report::{PolicyReport, Skipped};
 use trace::{Item, PromptBuilder};
@@ -173,7 +173,7 @@ pub enum ReplayError {
     #[error(transparent)]
     Config(#[from] config::ConfigError),
     #[error(transparent)]
-    Fleet(#[from] crate::sim::fleet::FleetError),
+    Fleet(#[from] cachepick_sim::fleet::FleetError),
     #[error("unknown policy `{0}`; known: {1}")]
     UnknownPolicy(String, String),
     #[error("--speedup must be a positive number, got {0}")]
@@ -227,15 +227,11 @@ pub struct Replay {
     pub out_dir: PathBuf,
 }
 
-fn nz(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
-}
-
 /// The fleet replays run on when no `--config` is given: 4 vLLM workers of 8 running slots, the `bytes`
 /// tokenizer (exact token counts, cheap), and a KV cache sized so caching matters for the workload.
 pub fn default_fleet(scenario: &Scenario, speedup: f64) -> SimConfig {
     let mut sim = SimConfig::new(Engine::Vllm, nz(4));
-    sim.tokenizer = TokenizerConfig::Bytes;
+    sim.tokenizer = cachepick_sim::config::TokenizerConfig::Bytes;
     sim.params.max_model_len = nz(262_144);
     match scenario {
         Scenario::Trace(_) => {
@@ -255,10 +251,6 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64) -> SimConfig {
     }
     sim.params.time_scale = 1.0 / speedup;
     sim
-}
-
-pub(crate) fn free_port() -> std::io::Result<SocketAddr> {
-    StdListener::bind("127.0.0.1:0")?.local_addr()
 }
 
 /// Applies the `policy:` section `policy` to the generated cachepick configuration `generated`, on fresh
@@ -295,7 +287,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
         return Err(ReplayError::Speedup(speedup));
     }
     let sim = match &options.sim_config {
-        Some(path) => config::load_sim(path, &SimOverrides::default())?,
+        Some(path) => cachepick_sim::decode::load(path, &SimOverrides::default())?,
         None => {
             let mut sim = default_fleet(&options.scenario, speedup);
             sim.seed = options.seed;
@@ -327,7 +319,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     let envoy_path = match options.via {
         Via::Envoy => Some(
-            crate::demo::find_envoy(options.envoy.as_deref()).ok_or_else(|| {
+            crate::envoy::find_envoy(options.envoy.as_deref()).ok_or_else(|| {
                 ReplayError::Envoy(
                     "not found (pass --envoy, set CACHEPICK_ENVOY, or run scripts/provision-envoy)"
                         .to_owned(),
@@ -443,11 +435,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             engine: sim.engine.as_str().to_owned(),
             workers: sim.workers.get(),
             block_size: sim.block_size.get(),
-            tokenizer: match &sim.tokenizer {
-                TokenizerConfig::Bytes => "bytes".to_owned(),
-                TokenizerConfig::Tiktoken { encoding } => encoding.as_str().to_owned(),
-                TokenizerConfig::HuggingFace { path } => path.display().to_string(),
-            },
+            tokenizer: sim.tokenizer.label(),
             kv_blocks: sim.params.kv_blocks.get(),
             max_running: sim.params.max_running.get(),
             prefill_overhead_ms: sim.params.prefill_overhead.as_secs_f64() * 1e3,
@@ -480,7 +468,7 @@ async fn run_policy(
     bucket: Duration,
 ) -> Result<PolicyReport, ReplayError> {
     let fleet = Fleet::start(sim).await?;
-    let config = apply_policy(&fleet.cachepick_config()?, yaml)?;
+    let config = apply_policy(&fleet.cachepick_config(), yaml)?;
     let (stop, stopped) = watch::channel(false);
     let picker = {
         let config = config.clone();
@@ -489,11 +477,11 @@ async fn run_policy(
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
-            crate::app::run(&config, shutdown).await
+            cachepick::app::run(&config, shutdown).await
         })
     };
     let outcome = async {
-        crate::extproc::client::wait_ready(config.listen, Duration::from_secs(15))
+        crate::client::wait_ready(config.listen, Duration::from_secs(15))
             .await
             .map_err(|error| ReplayError::Picker(error.to_string()))?;
         let envoy = match envoy_path {

@@ -19,7 +19,7 @@ const BINARY_UNITS: [(&str, usize); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("
 
 /// Why a size was rejected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Invalid {
+pub enum Invalid {
     /// Not a whole number with one of the units.
     Malformed,
     /// Well-formed, but more bytes than `usize` holds.
@@ -27,7 +27,7 @@ pub(super) enum Invalid {
 }
 
 /// The size in bytes; zero is returned as is, for the caller's range check to name.
-pub(super) fn parse(text: &str) -> Result<usize, Invalid> {
+pub fn parse(text: &str) -> Result<usize, Invalid> {
     let split = text
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
@@ -48,7 +48,7 @@ pub(super) fn parse(text: &str) -> Result<usize, Invalid> {
 }
 
 /// `bytes` as a count of the largest binary unit that holds it exactly; `None` if none does (or for 0).
-pub(super) fn in_binary_unit(bytes: usize) -> Option<(usize, &'static str)> {
+pub fn in_binary_unit(bytes: usize) -> Option<(usize, &'static str)> {
     BINARY_UNITS
         .into_iter()
         .find(|(_, size)| bytes != 0 && bytes.is_multiple_of(*size))
@@ -56,7 +56,7 @@ pub(super) fn in_binary_unit(bytes: usize) -> Option<(usize, &'static str)> {
 }
 
 /// In the largest binary unit that represents `bytes` exactly (`4MiB`), else as bare bytes (`1000`).
-pub(super) fn format(bytes: usize) -> String {
+pub fn format(bytes: usize) -> String {
     match in_binary_unit(bytes) {
         Some((count, unit)) => format!("{count}{unit}"),
         None => bytes.to_string(),

@@ -63,7 +63,7 @@ impl fmt::Display for Origin {
 
 /// Problems are listed by phase, so that the root cause of a later check's failure comes first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) enum Phase {
+pub enum Phase {
     /// A value on its own: syntax, type, range, unknown and missing keys.
     Value,
     /// Values that must agree with each other.
@@ -74,34 +74,29 @@ pub(super) enum Phase {
 
 /// The problems found so far; loading succeeds only if there are none.
 #[derive(Debug, Default)]
-pub(super) struct Problems(Vec<(Phase, Problem)>);
+pub struct Problems(Vec<(Phase, Problem)>);
 
 /// Proof that a problem has been recorded, so a value that failed its check can be skipped by the
 /// checks depending on it without going unexplained.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Reported(());
+pub struct Reported(());
 
 /// A value, or the news that its problem is already recorded.
-pub(super) type Res<T> = Result<T, Reported>;
+pub type Res<T> = Result<T, Reported>;
 
 impl Problems {
-    pub(super) fn report(
-        &mut self,
-        phase: Phase,
-        at: Origin,
-        message: impl Into<String>,
-    ) -> Reported {
+    pub fn report(&mut self, phase: Phase, at: Origin, message: impl Into<String>) -> Reported {
         let message = message.into();
         self.0.push((phase, Problem { at, message }));
         Reported(())
     }
 
-    pub(super) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
     /// In phase order; within a phase, flags first, then in document order.
-    pub(super) fn into_sorted(mut self) -> Vec<Problem> {
+    pub fn into_sorted(mut self) -> Vec<Problem> {
         self.0.sort_by_key(|(phase, problem)| match problem.at {
             Origin::Yaml { line, .. } => (*phase, line),
             Origin::Flag(_) | Origin::Default => (*phase, 0),

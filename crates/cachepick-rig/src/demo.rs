@@ -6,8 +6,8 @@
 //! sends) and calls the chosen worker itself, so every request still goes through the real picker.
 
 use std::fmt::Write as _;
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::{Path, PathBuf};
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,11 +19,13 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::{Semaphore, watch};
 
-use crate::config::{self, Config, SimConfig, TokenizerConfig};
-use crate::extproc::client::{Client as PickerClient, Verdict};
-use crate::replay::envoy::Envoy;
-use crate::sim::fleet::Fleet;
-use crate::worker::Engine;
+use cachepick::config::{self, Config};
+use cachepick_sim::fleet::Fleet;
+use cachepick_sim::{Engine, SimConfig};
+
+use crate::client::{Client as PickerClient, Verdict};
+use crate::envoy::Envoy;
+use crate::{find_envoy, free_port, nz};
 
 /// What `cachepick demo` runs.
 #[derive(Clone, Debug)]
@@ -44,7 +46,7 @@ pub struct DemoOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
     #[error(transparent)]
-    Fleet(#[from] crate::sim::fleet::FleetError),
+    Fleet(#[from] cachepick_sim::fleet::FleetError),
     #[error("the generated configuration is invalid: {0}")]
     Config(#[from] config::ConfigError),
     #[error("cannot find a free loopback port: {0}")]
@@ -87,7 +89,7 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
         std::num::NonZeroU32::new(options.workers.max(1)).unwrap_or(std::num::NonZeroU32::MIN),
     );
     sim.seed = options.seed;
-    sim.tokenizer = TokenizerConfig::default();
+    sim.tokenizer = cachepick_sim::config::TokenizerConfig::default();
     sim.params.max_running = nz(6);
     sim.params.kv_blocks = nz(1_024);
     sim.params.prefill_overhead = Duration::from_millis(20);
@@ -103,12 +105,12 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     );
 
     let mut config = config::parse(
-        &fleet.cachepick_config()?,
+        &fleet.cachepick_config(),
         "the demo configuration",
         &config::Overrides::default(),
     )?;
-    config.listen = free_port()?;
-    config.metrics_listen = free_port()?;
+    config.listen = free_port().map_err(DemoError::Port)?;
+    config.metrics_listen = free_port().map_err(DemoError::Port)?;
     let (stop, stopped) = watch::channel(false);
     let picker = {
         let config = config.clone();
@@ -117,10 +119,10 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
-            crate::app::run(&config, shutdown).await
+            cachepick::app::run(&config, shutdown).await
         })
     };
-    crate::extproc::client::wait_ready(config.listen, Duration::from_secs(15))
+    crate::client::wait_ready(config.listen, Duration::from_secs(15))
         .await
         .map_err(|error| DemoError::Picker(error.to_string()))?;
     println!(
@@ -177,18 +179,9 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     Ok(())
 }
 
-fn nz(n: u32) -> std::num::NonZeroU32 {
-    std::num::NonZeroU32::new(n).unwrap_or(std::num::NonZeroU32::MIN)
-}
-
 fn endpoints(fleet: &Fleet) -> String {
     let endpoints: Vec<String> = fleet.endpoints().iter().map(ToString::to_string).collect();
     endpoints.join(", ")
-}
-
-fn free_port() -> Result<SocketAddr, DemoError> {
-    let listener = StdListener::bind("127.0.0.1:0").map_err(DemoError::Port)?;
-    listener.local_addr().map_err(DemoError::Port)
 }
 
 enum Route {
@@ -480,23 +473,4 @@ fn row(name: &str, rows: &[&Sample]) -> String {
         millis(percentile(&mut ttft, 0.5)),
         millis(percentile(&mut ttft, 0.99)),
     )
-}
-
-/// Envoy, if installed: an explicit path, `CACHEPICK_ENVOY`, the project's provisioned copy, or `PATH`.
-pub fn find_envoy(explicit: Option<&Path>) -> Option<PathBuf> {
-    if let Some(path) = explicit {
-        return Some(path.to_owned());
-    }
-    if let Some(path) = std::env::var_os("CACHEPICK_ENVOY") {
-        return Some(PathBuf::from(path));
-    }
-    let provisioned = PathBuf::from("target/envoy-1.40.0/bin/envoy");
-    if provisioned.is_file() {
-        return std::path::absolute(&provisioned).ok();
-    }
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join("envoy"))
-            .find(|candidate| candidate.is_file())
-    })
 }

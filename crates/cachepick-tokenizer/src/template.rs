@@ -10,7 +10,7 @@ use minijinja::value::{Serde, Value};
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Map, Value as Json};
 
-use super::{ChatTurn, TokenizeError};
+use crate::{ChatTurn, TokenizeError};
 
 /// The template rendered when the request has no tools, or the config names no tool-use template.
 const DEFAULT: &str = "default";

@@ -1,16 +1,21 @@
-//! Schema of the simulator's file (`cachepick sim --config`), decoded with the same walker as
-//! cachepick's own configuration: every problem listed with its YAML path and line, unknown keys refused.
+//! Schema of the simulator's file (`cachepick sim --config`) and of `/admin/config` changes, decoded with
+//! the walker cachepick's own configuration uses (`cachepick-decode`): every problem listed with its
+//! YAML path and line, unknown keys refused.
 
 use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::error::{Phase, Problems, Res};
-use super::validate::{Field, Map, Val, Validator, at_least_one_u32, overridden, with_default};
-use super::yaml::{Node, Place};
-use super::{SimConfig, SimParams, TokenizerConfig};
-use crate::worker::Engine;
+use std::path::Path;
+
+use cachepick_decode::{
+    ConfigError, Decode, Field, Map, Node, Phase, Place, Problems, Res, Val, at_least_one_u32,
+    overridden, with_default,
+};
+use cachepick_tokenizer::decode_tokenizer;
+
+use crate::config::{Engine, SimConfig, SimParams, TokenizerConfig};
 
 const SIM_KEYS: &[&str] = &[
     "engine",
@@ -25,7 +30,7 @@ const SIM_KEYS: &[&str] = &[
     "dp_size",
 ];
 /// The keys of `SimParams`, which `/admin/config` may also change at run time.
-pub(super) const PARAM_KEYS: &[&str] = &[
+const PARAM_KEYS: &[&str] = &[
     "kv_blocks",
     "max_running",
     "max_queue",
@@ -59,13 +64,43 @@ pub struct SimOverrides {
     pub dp_size: Option<u64>,
 }
 
-/// Decodes and checks a simulator file; `Ok` only means every value could be built (see `validate`).
-pub(super) fn validate(
-    root: &Node,
+/// Reads and validates a simulator file (`cachepick sim --config`), with `overrides` applied.
+pub fn load(path: &Path, overrides: &SimOverrides) -> Result<SimConfig, ConfigError> {
+    cachepick_decode::decode_file(path, |root, problems| {
+        Decoder { problems }.sim(root, overrides)
+    })
+}
+
+/// Validates simulator configuration `source`; an empty source is every default (flags still apply).
+pub fn parse(
+    source: &str,
+    origin_name: &str,
     overrides: &SimOverrides,
-    problems: &mut Problems,
-) -> Res<SimConfig> {
-    Validator { problems }.sim(root, overrides)
+) -> Result<SimConfig, ConfigError> {
+    cachepick_decode::decode(source, origin_name, |root, problems| {
+        Decoder { problems }.sim(root, overrides)
+    })
+}
+
+/// Validates a change of model parameters (a JSON or YAML mapping of `SimParams` keys); keys not given
+/// keep their value in `base`.
+pub fn parse_params(source: &str, base: &SimParams) -> Result<SimParams, ConfigError> {
+    cachepick_decode::decode(source, "the request body", |root, problems| {
+        let mut decoder = Decoder { problems };
+        let map = decoder.mapping(root, &Place::root(root.line), PARAM_KEYS)?;
+        decoder.params(&map, base, None)
+    })
+}
+
+/// The simulator schema's decoder: the shared walker plus the methods below.
+struct Decoder<'p> {
+    problems: &'p mut Problems,
+}
+
+impl Decode for Decoder<'_> {
+    fn problems(&mut self) -> &mut Problems {
+        self.problems
+    }
 }
 
 fn ratio(max: f64) -> impl FnOnce(f64) -> Result<f64, String> {
@@ -78,25 +113,14 @@ fn ratio(max: f64) -> impl FnOnce(f64) -> Result<f64, String> {
     }
 }
 
-/// Decodes a change of model parameters: only the parameter keys, each defaulting to `base`.
-pub(super) fn validate_params(
-    root: &Node,
-    base: &SimParams,
-    problems: &mut Problems,
-) -> Res<SimParams> {
-    let mut validator = Validator { problems };
-    let map = validator.mapping(root, &Place::root(root.line), PARAM_KEYS)?;
-    validator.params(&map, base, None)
-}
-
-impl Validator<'_> {
+impl Decoder<'_> {
     fn sim(&mut self, root: &Node, overrides: &SimOverrides) -> Res<SimConfig> {
         let keys: Vec<&str> = SIM_KEYS.iter().chain(PARAM_KEYS).copied().collect();
         let map = self.mapping(root, &Place::root(root.line), &keys)?;
         let defaults = SimParams::default();
 
         let engine = self.opt(&map, "engine", |v, node, at| {
-            v.keyword(node, at, &[Engine::Vllm, Engine::Sglang], Engine::as_str)
+            v.keyword(node, at, &Engine::ALL, Engine::as_str)
         });
         let engine = match overridden(engine, overrides.engine, "--engine") {
             Ok(Some(engine)) => Ok(engine.value),
@@ -153,7 +177,7 @@ impl Validator<'_> {
         );
         let block_size = self.positive_u32(&map, "block_size", SimConfig::DEFAULT_BLOCK_SIZE);
         let tokenizer = match map.get("tokenizer") {
-            Some((node, at)) => self.tokenizer(node, &at),
+            Some((node, at)) => decode_tokenizer(self, node, &at),
             None => Ok(TokenizerConfig::default()),
         };
         let chat_template = self
@@ -258,5 +282,88 @@ impl Validator<'_> {
     fn any_duration(&mut self, map: &Map, key: &str, default: Duration) -> Res<Duration> {
         let given: Field<Duration> = self.opt(map, key, Self::duration);
         with_default(given, default).map(|Val { value, .. }| value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+
+    fn sim_problems(source: &str, overrides: &SimOverrides) -> Vec<String> {
+        match parse(source, "sim.yaml", overrides) {
+            Ok(config) => panic!("accepted:\n{source}\nas {config:?}"),
+            Err(ConfigError::Invalid { problems, .. }) => {
+                problems.iter().map(ToString::to_string).collect()
+            }
+            Err(error) => panic!("unexpected {error}"),
+        }
+    }
+
+    #[test]
+    fn an_empty_simulator_file_is_every_default_once_the_engine_is_named() {
+        let flags = SimOverrides {
+            engine: Some(Engine::Sglang),
+            workers: Some(3),
+            ..SimOverrides::default()
+        };
+        let config = parse("", "cli", &flags).unwrap();
+        let mut expected = SimConfig::new(Engine::Sglang, NonZeroU32::new(3).unwrap());
+        assert_eq!(config, expected);
+        expected.params.prefill_per_token = Duration::from_micros(50);
+        expected.params.max_queue = Some(10);
+        let file = "engine: vllm\nprefill_per_token: 0.05ms\nmax_queue: 10\n";
+        let config = parse(file, "sim.yaml", &flags).unwrap();
+        assert_eq!(config.engine, Engine::Sglang, "the flag beats the file");
+        assert_eq!(config.params, expected.params);
+    }
+
+    #[test]
+    fn every_simulator_problem_is_listed_with_its_line() {
+        let file = "workers: 0\nhost: 10.0.0.1\njitter: 2\ntime_scale: 0\nkv_blocks: x\nbogus: 1\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        for expected in [
+            "workers (line 1): must be at least 1",
+            "host (line 2): must be a loopback address",
+            "jitter (line 3): must be between 0 and 0.5",
+            "time_scale (line 4): must be greater than 0",
+            "kv_blocks (line 5): expected a non-negative integer",
+            "bogus (line 6): unknown key",
+        ] {
+            assert!(
+                problems.iter().any(|problem| problem.contains(expected)),
+                "{expected:?} not in {problems:#?}"
+            );
+        }
+        assert_eq!(problems.len(), 7, "{problems:#?}");
+    }
+
+    #[test]
+    fn a_parameter_change_keeps_what_it_does_not_name() {
+        let base = SimParams {
+            max_queue: Some(4),
+            ..SimParams::default()
+        };
+        let changed = parse_params(
+            "{\"max_running\": 8, \"inter_token_latency\": \"5ms\"}",
+            &base,
+        )
+        .unwrap();
+        assert_eq!(changed.max_running.get(), 8);
+        assert_eq!(changed.inter_token_latency, Duration::from_millis(5));
+        assert_eq!(changed.max_queue, Some(4));
+        assert_eq!(changed.kv_blocks, base.kv_blocks);
+        let message = parse_params("{\"engine\": \"vllm\", \"max_running\": 0}", &base)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("engine (line 1): unknown key"),
+            "{message}"
+        );
+        assert!(
+            message.contains("max_running (line 1): must be at least 1"),
+            "{message}"
+        );
     }
 }

@@ -20,8 +20,8 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use serde_json::json;
 
-use super::stats::{Histogram, RankStats};
-use crate::worker::Engine;
+use crate::config::Engine;
+use crate::stats::{Histogram, RankStats};
 
 /// The version the simulated vLLM reports; the suffix marks it as the simulator.
 pub const VLLM_VERSION: &str = "0.11.0+cachepick.sim";
@@ -582,8 +582,7 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
-    use crate::load::{from_loads_json, from_metrics};
-    use crate::sim::stats::{LATENCY_BUCKETS, RankCounters};
+    use crate::stats::{LATENCY_BUCKETS, RankCounters};
 
     /// `n` ranks with distinct, non-trivial numbers in every field.
     fn ranks(n: u32) -> Vec<RankStats> {
@@ -622,79 +621,6 @@ mod tests {
     }
 
     const MODEL: &str = "org/model \"q\"";
-
-    #[test]
-    fn cachepicks_reader_recovers_every_rank_from_the_metrics() {
-        for engine in [Engine::Vllm, Engine::Sglang] {
-            for n in [1, 3] {
-                let stats = ranks(n);
-                let text = render_metrics(engine, MODEL, &stats);
-                let report = from_metrics(engine, &text, n).unwrap();
-                assert_eq!(report.malformed, 0, "{engine:?}/{n}");
-                assert_eq!(report.ranks.len(), n as usize);
-                for (read, want) in report.ranks.iter().zip(&stats) {
-                    let read = read.unwrap();
-                    assert_eq!(read.waiting, want.waiting, "{engine:?}/{n}");
-                    assert_eq!(read.running, want.running);
-                    assert_eq!(read.kv_usage, Some(want.kv_usage()));
-                    assert_eq!(read.max_total_tokens, Some(want.kv_total_blocks * 16));
-                    assert_eq!(read.used_tokens, Some(want.kv_pinned_blocks * 16));
-                    let max_running = (engine == Engine::Sglang).then_some(want.max_running);
-                    assert_eq!(read.max_running, max_running);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn cache_config_info_alone_gives_the_capacity() {
-        let stats = ranks(3);
-        for engine in [Engine::Vllm, Engine::Sglang] {
-            let text = render_metrics(engine, MODEL, &stats);
-            let without_gauge: String = text
-                .lines()
-                .filter(|line| !line.contains("max_total_num_tokens"))
-                .map(|line| format!("{line}\n"))
-                .collect();
-            let report = from_metrics(engine, &without_gauge, 3).unwrap();
-            for read in &report.ranks {
-                assert_eq!(read.unwrap().max_total_tokens, Some(8192 * 16));
-            }
-        }
-    }
-
-    #[test]
-    fn cachepicks_reader_recovers_every_rank_from_loads_json() {
-        for n in [1, 3] {
-            let stats = ranks(n);
-            let body = render_loads(&stats);
-            let report = from_loads_json(&body, n).unwrap();
-            assert_eq!(report.malformed, 0);
-            for (read, want) in report.ranks.iter().zip(&stats) {
-                let read = read.unwrap();
-                assert_eq!((read.waiting, read.running), (want.waiting, want.running));
-                assert_eq!(
-                    read.waiting_uncached_tokens,
-                    Some(want.waiting_uncached_tokens)
-                );
-                assert_eq!(read.used_tokens, Some(want.kv_pinned_blocks * 16));
-                assert_eq!(read.max_total_tokens, Some(8192 * 16));
-                assert_eq!(read.max_running, Some(64));
-                assert_eq!(read.kv_usage, Some(want.kv_usage()));
-            }
-            let json: Value = serde_json::from_slice(&body).unwrap();
-            let last = &json["loads"][n as usize - 1];
-            assert_eq!(last["dp_rank"], n - 1);
-            let want = &stats[n as usize - 1];
-            let rate = want.counters.prefix_hit_tokens as f64 / 4000.0;
-            assert_eq!(last["cache_hit_rate"].as_f64(), Some(rate));
-            assert_eq!(
-                last["num_total_tokens"],
-                want.kv_pinned_blocks * 16 + want.waiting_uncached_tokens
-            );
-        }
-        assert_eq!(render_loads(&[]), br#"{"loads":[]}"#);
-    }
 
     /// One parsed sample line.
     struct Line {

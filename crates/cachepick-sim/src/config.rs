@@ -1,13 +1,30 @@
-//! Validated configuration of the fleet simulator (`cachepick sim`). Decoded by `sim_validate` with the
-//! same rules as cachepick's own file: every problem listed, unknown keys rejected.
+//! Validated configuration of the fleet simulator (`cachepick sim`). Decoded by [`crate::decode`] with
+//! the same rules as cachepick's own file: every problem listed, unknown keys rejected.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::TokenizerConfig;
-use crate::worker::Engine;
+pub use cachepick_tokenizer::{TiktokenEncoding, TokenizerConfig};
+
+/// The engine a simulated worker imitates: its metric names, endpoints and wire formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Engine {
+    Vllm,
+    Sglang,
+}
+
+impl Engine {
+    pub const ALL: [Engine; 2] = [Engine::Vllm, Engine::Sglang];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Vllm => "vllm",
+            Engine::Sglang => "sglang",
+        }
+    }
+}
 
 /// A simulated fleet: N identical workers of one engine kind on loopback.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,0 +1,66 @@
+//! cachepick's bench rig: the product and the simulator together, for people and for tests.
+//!
+//! # Layout
+//! - [`client`]: an ext_proc client that asks a picker for a decision the way Envoy does.
+//! - [`envoy`]: finding the Envoy binary and running it with the configuration cachepick generates.
+//! - [`replay`]: `cachepick replay` — a Mooncake trace or the burst scenario, once per routing policy on
+//!   a fresh simulated fleet; prefix-hit rate, TTFT, balance and reasons as a table, JSON and SVG.
+//! - [`demo`]: `cachepick demo` — fleet, picker and Envoy on one machine, a bursty workload, a report.
+//!
+//! This crate depends on both `cachepick` and `cachepick-sim`; neither depends on it, so nothing in
+//! the product can reach the rig (Cargo refuses the cycle).
+
+pub mod client;
+pub mod demo;
+pub mod envoy;
+pub mod replay;
+
+use std::net::{SocketAddr, TcpListener};
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+
+pub use envoy::find_envoy;
+
+/// A loopback port free right now (bound, read, released), for a service the rig starts next.
+pub fn free_port() -> std::io::Result<SocketAddr> {
+    TcpListener::bind("127.0.0.1:0")?.local_addr()
+}
+
+/// `n`, or 1 for 0: the rig's fixed sizes are never zero.
+pub fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
+}
+
+/// The `cachepick` binary built beside the running test or bench (`CACHEPICK_BIN` overrides it).
+///
+/// The binary belongs to the `cachepick-cli` package, so Cargo gives other packages' tests no
+/// `CARGO_BIN_EXE_cachepick`; it is found the way Cargo lays out a target directory instead: a test
+/// runs from `target/<profile>/deps/`, the binary is `target/<profile>/cachepick`. `cargo test` at the
+/// workspace root builds it first, because `cachepick-cli` has integration tests of its own.
+///
+/// # Panics
+/// When there is no such binary, with what to run: a test that needs the binary fails loudly.
+#[allow(clippy::panic)]
+pub fn cachepick_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("CACHEPICK_BIN") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    let profile_dir = exe
+        .parent()
+        .filter(|dir| dir.ends_with("deps"))
+        .and_then(|deps| deps.parent())
+        .or_else(|| exe.parent());
+    let candidate =
+        profile_dir.map(|dir| dir.join(format!("cachepick{}", std::env::consts::EXE_SUFFIX)));
+    match candidate {
+        Some(path) if path.is_file() => path,
+        other => panic!(
+            "the cachepick binary is not built ({}): run the tests from the workspace root with              `make test` (or `cargo build -p cachepick-cli` first), or set CACHEPICK_BIN",
+            other.map_or_else(
+                || "no target directory".to_owned(),
+                |path| path.display().to_string()
+            )
+        ),
+    }
+}
