@@ -248,48 +248,50 @@ impl ConfigArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Command::Sim(args) = &cli.command {
-        return sim(args);
-    }
-    if let Command::Demo(args) = &cli.command {
-        return demo(args);
-    }
-    if let Command::Replay(args) = &cli.command {
-        return replay(args);
-    }
-    let args = match &cli.command {
-        Command::Sim(_) | Command::Demo(_) | Command::Replay(_) => return ExitCode::FAILURE,
-        Command::Serve(args)
-        | Command::Check(args)
-        | Command::Snapshot { config: args, .. }
-        | Command::Explain { config: args, .. }
-        | Command::EnvoyConfig { config: args, .. } => args,
-    };
-    let config = match args.load() {
-        Ok(config) => config,
-        Err(error) => {
-            eprintln!("{error}");
-            return ExitCode::from(EXIT_BAD_CONFIG);
-        }
-    };
-    let result = match cli.command {
-        Command::Check(_) => {
+    match Cli::parse().command {
+        Command::Sim(args) => match args.load() {
+            Ok(config) => run("cachepick sim", sim(config, &args)),
+            Err(error) => bad_config(&error),
+        },
+        Command::Demo(args) => run("cachepick demo", demo(&args)),
+        Command::Replay(args) => run("cachepick replay", replay(&args)),
+        Command::Check(args) => with_config(&args, |config| {
             print!("{}", config.to_yaml());
-            Ok(())
-        }
-        Command::Serve(_) => serve(&config),
-        Command::Snapshot { rounds, json, .. } => snapshot(&config, rounds, json),
+            ExitCode::SUCCESS
+        }),
+        Command::Serve(args) => with_config(&args, |config| {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .init();
+            run("cachepick", async {
+                cachepick::app::run(&config, shutdown_signal()).await?;
+                Ok(())
+            })
+        }),
+        Command::Snapshot {
+            config,
+            rounds,
+            json,
+        } => with_config(&config, |config| {
+            run("cachepick", snapshot(config, rounds, json))
+        }),
         Command::Explain {
-            path, body, json, ..
-        } => explain(&config, &path, &body, json),
-        Command::Sim(_) | Command::Demo(_) | Command::Replay(_) => Ok(()),
+            config,
+            path,
+            body,
+            json,
+        } => with_config(&config, |config| {
+            run("cachepick", explain(config, path, body, json))
+        }),
         Command::EnvoyConfig {
             config: args,
             mode,
             envoy_listen,
             envoy_admin,
-        } => {
+        } => with_config(&args, |config| {
             let options = cachepick::envoy_config::EnvoyOptions {
                 listen: envoy_listen,
                 admin: envoy_admin,
@@ -298,53 +300,59 @@ fn main() -> ExitCode {
                 ..cachepick::envoy_config::EnvoyOptions::for_config(&config)
             };
             print!("{}", cachepick::envoy_config::render(&config, &options));
-            Ok(())
-        }
-    };
+            ExitCode::SUCCESS
+        }),
+    }
+}
+
+/// Loads the configuration `args` names and runs `command` with it; a configuration that cannot be
+/// used exits 2 with every problem listed.
+fn with_config(args: &ConfigArgs, command: impl FnOnce(Config) -> ExitCode) -> ExitCode {
+    match args.load() {
+        Ok(config) => command(config),
+        Err(error) => bad_config(&error),
+    }
+}
+
+fn bad_config(error: &config::ConfigError) -> ExitCode {
+    eprintln!("{error}");
+    ExitCode::from(EXIT_BAD_CONFIG)
+}
+
+/// Runs `command` to completion on a multi-threaded runtime; an error is printed after `name` and
+/// exits 1.
+fn run(name: &str, command: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+    let result = tokio::runtime::Runtime::new()
+        .context("cannot start the async runtime")
+        .and_then(|runtime| runtime.block_on(command));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("cachepick: {error:#}");
+            eprintln!("{name}: {error:#}");
             ExitCode::FAILURE
         }
     }
 }
 
-fn sim(args: &SimArgs) -> ExitCode {
-    let config = match args.load() {
-        Ok(config) => config,
-        Err(error) => {
-            eprintln!("{error}");
-            return ExitCode::from(EXIT_BAD_CONFIG);
-        }
+async fn sim(config: cachepick_sim::SimConfig, args: &SimArgs) -> anyhow::Result<()> {
+    // The simulator writes cachepick's configuration as text; cachepick's own parser checks it.
+    let validate = |text: &str| {
+        config::parse(text, "the generated configuration", &Overrides::default())
+            .map(drop)
+            .map_err(|error| error.to_string())
     };
-    let run = || -> anyhow::Result<()> {
-        let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-        // The simulator writes cachepick's configuration as text; cachepick's own parser checks it.
-        let validate = |text: &str| {
-            config::parse(text, "the generated configuration", &Overrides::default())
-                .map(drop)
-                .map_err(|error| error.to_string())
-        };
-        runtime.block_on(cachepick_sim::fleet::run(
-            config,
-            args.emit_config.clone(),
-            validate,
-            args.control,
-            shutdown_signal(),
-        ))?;
-        Ok(())
-    };
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("cachepick sim: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    cachepick_sim::fleet::run(
+        config,
+        args.emit_config.clone(),
+        validate,
+        args.control,
+        shutdown_signal(),
+    )
+    .await?;
+    Ok(())
 }
 
-fn demo(args: &DemoArgs) -> ExitCode {
+async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let options = cachepick_rig::demo::DemoOptions {
         workers: args.workers,
         engine: args.engine,
@@ -354,21 +362,11 @@ fn demo(args: &DemoArgs) -> ExitCode {
         seed: args.seed,
         duration_scale: args.duration_scale,
     };
-    let run = || -> anyhow::Result<()> {
-        let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-        runtime.block_on(cachepick_rig::demo::run(options))?;
-        Ok(())
-    };
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("cachepick demo: {error:#}");
-            ExitCode::FAILURE
-        }
-    }
+    cachepick_rig::demo::run(options).await?;
+    Ok(())
 }
 
-fn replay(args: &ReplayArgs) -> ExitCode {
+async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     let scenario = match &args.trace {
         Some(path) => cachepick_rig::replay::Scenario::Trace(path.clone()),
         None => cachepick_rig::replay::Scenario::Burst,
@@ -394,40 +392,17 @@ fn replay(args: &ReplayArgs) -> ExitCode {
     }
     options.seed = args.seed;
     options.duration_scale = args.duration_scale;
-    let run = || -> anyhow::Result<()> {
-        let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-        let replay = runtime.block_on(cachepick_rig::replay::run(&options))?;
-        println!("\n{}", replay.table);
-        for skipped in &replay.skipped {
-            println!("skipped {}: {}", skipped.policy, skipped.error);
-        }
-        println!("report: {}", replay.out_dir.join("report.json").display());
-        Ok(())
-    };
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("cachepick replay: {error:#}");
-            ExitCode::FAILURE
-        }
+    let replay = cachepick_rig::replay::run(&options).await?;
+    println!("\n{}", replay.table);
+    for skipped in &replay.skipped {
+        println!("skipped {}: {}", skipped.policy, skipped.error);
     }
-}
-
-fn serve(config: &Config) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-    runtime.block_on(cachepick::app::run(config, shutdown_signal()))?;
+    println!("report: {}", replay.out_dir.join("report.json").display());
     Ok(())
 }
 
-fn snapshot(config: &Config, rounds: u32, json: bool) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-    let pools = runtime.block_on(cachepick::app::snapshot(config, rounds.max(1)))?;
+async fn snapshot(config: Config, rounds: u32, json: bool) -> anyhow::Result<()> {
+    let pools = cachepick::app::snapshot(&config, rounds.max(1)).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&pools)?);
     } else {
@@ -436,10 +411,9 @@ fn snapshot(config: &Config, rounds: u32, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn explain(config: &Config, path: &str, body: &std::path::Path, json: bool) -> anyhow::Result<()> {
-    let body = std::fs::read(body).with_context(|| format!("cannot read {}", body.display()))?;
-    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
-    match runtime.block_on(cachepick::app::explain(config, path, &body))? {
+async fn explain(config: Config, path: String, body: PathBuf, json: bool) -> anyhow::Result<()> {
+    let body = std::fs::read(&body).with_context(|| format!("cannot read {}", body.display()))?;
+    match cachepick::app::explain(&config, &path, &body).await? {
         Ok(explanation) if json => println!("{}", serde_json::to_string_pretty(&explanation)?),
         Ok(explanation) => print!("{}", cachepick::app::render_explanation(&explanation)),
         Err(error) => anyhow::bail!(
