@@ -280,7 +280,7 @@ fn baseline(runtime: &Runtime, config: &Config) -> (watch::Sender<bool>, Arc<Ser
     let mut loads = Vec::new();
     for pool in &config.pools {
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(&metrics));
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
         let mut rounds = load.rounds();
         let mut stopped = stopped.clone();
         runtime.spawn(scraper.run(async move {

@@ -49,7 +49,7 @@ fn pools(config: &Config, metrics: &Arc<Metrics>) -> Vec<(Arc<PoolLoad>, Scraper
         .iter()
         .map(|pool| {
             let load = PoolLoad::new(pool, &config.load);
-            let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(metrics));
+            let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
             (load, scraper)
         })
         .collect()

@@ -16,7 +16,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::load::PoolLoad;
+use crate::load::{PoolLoad, ScrapeObserver, ScrapeOutcome};
 use crate::policy::{Reason, RejectReason};
 use crate::prefix::IndexStats;
 
@@ -372,6 +372,18 @@ impl Metrics {
         // Encoding into a Vec fails only for malformed families, which `new` cannot build.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buffer);
         String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+/// The scrapers count into `cachepick_scrapes_total` and report their pools' freshness here.
+impl ScrapeObserver for Metrics {
+    fn scrape_counter(&self, pool: &str, worker: &str, outcome: ScrapeOutcome) -> IntCounter {
+        self.scrapes
+            .with_label_values(&[pool, worker, outcome.as_str()])
+    }
+
+    fn watch_pool(&self, pool: Arc<PoolLoad>) {
+        Metrics::watch_pool(self, pool);
     }
 }
 
