@@ -11,13 +11,15 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::Config;
+use crate::extproc;
 use crate::load::{PoolLoad, PoolView, Scraper};
 use crate::metrics::Metrics;
+use crate::metrics_server::{self, DebugSource};
 pub use crate::picker::Explanation;
 use crate::picker::{Picker, PickerError, RequestError};
 use crate::policy::Outcome;
+use crate::protocol::error_json;
 use crate::service::Service;
-use crate::{admin, extproc};
 
 #[derive(Debug, Error)]
 pub enum AppError {
@@ -82,8 +84,8 @@ pub async fn run(
     }
     let debug = config
         .debug_endpoints
-        .then(|| Arc::clone(&service) as Arc<dyn admin::DebugSource>);
-    tasks.spawn(admin::serve(
+        .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
+    tasks.spawn(metrics_server::serve(
         metrics_listener,
         Arc::clone(&metrics),
         debug,
@@ -104,6 +106,27 @@ pub async fn run(
     tasks.join_all().await;
     tracing::info!("cachepick stopped");
     Ok(served?)
+}
+
+/// The debug endpoints' view of the request service: the HTTP server on `metrics_listen` asks through
+/// [`DebugSource`], so the request path itself depends on no server.
+struct Debug(Arc<Service>);
+
+impl DebugSource for Debug {
+    fn snapshot_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(&self.0.snapshot()).unwrap_or_default()
+    }
+
+    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
+        match self.0.explain(path, body) {
+            Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
+            Err(error) => Err((error.status(), error_json(error.kind(), &error.to_string()))),
+        }
+    }
+
+    fn max_body_bytes(&self) -> usize {
+        self.0.max_body_bytes()
+    }
 }
 
 /// Scrapes every pool `rounds` times, `scrape_interval` apart, and returns what cachepick then sees.

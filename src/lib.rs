@@ -12,8 +12,9 @@
 //! - [`prefix`]: chained block hashes of a prompt and the owner index of which worker holds them.
 //! - [`picker`]: the request path — body → pool → tokens → block hashes → owners → decision → commit.
 //! - [`service`]: one call per request — prepare, decide, commit, count, log — answering in domain terms.
+//! - [`protocol`]: the names cachepick speaks on the wire — headers, metadata keys, health services.
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
-//! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
+//! - [`metrics_server`]: the HTTP server on `metrics_listen`: `/metrics` and the `/debug/*` endpoints.
 //! - [`envoy_config`]: `cachepick envoy-config` — the Envoy bootstrap generated from the configuration.
 //! - [`replay`]: `cachepick replay` — a Mooncake trace or a burst scenario replayed once per routing
 //!   policy against a simulated fleet; prefix-hit rate, TTFT, balance and reasons as a table, JSON, SVG.
@@ -27,7 +28,6 @@
 // `clippy.toml` bans clock reads; the modules that decide (`policy`) deny them, the I/O edges may read it.
 #![allow(clippy::disallowed_methods)]
 
-pub mod admin;
 pub mod app;
 pub mod config;
 pub mod demo;
@@ -35,9 +35,11 @@ pub mod envoy_config;
 pub mod extproc;
 pub mod load;
 pub mod metrics;
+pub mod metrics_server;
 pub mod picker;
 pub mod policy;
 pub mod prefix;
+pub mod protocol;
 pub mod replay;
 pub mod request;
 pub mod service;

@@ -15,11 +15,8 @@ use crate::load::PoolView;
 use crate::metrics::Metrics;
 use crate::picker::{Explanation, Picker, Prepared, RequestError};
 use crate::policy::{Decision, Gate, Outcome, Reason};
+use crate::protocol::PASSTHROUGH;
 use crate::request::{self, Api};
-
-/// The `x-cachepick-decision` of a request without a prompt (a GET, or a POST to a non-generation API
-/// such as `/v1/embeddings`): routed by load alone, not a decision of the ladder.
-pub const PASSTHROUGH: &str = "passthrough";
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -323,29 +320,4 @@ impl Service {
     pub fn max_body_bytes(&self) -> usize {
         self.picker.max_body_bytes()
     }
-}
-
-impl crate::admin::DebugSource for Service {
-    fn snapshot_json(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(&self.snapshot()).unwrap_or_default()
-    }
-
-    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
-        match self.explain(path, body) {
-            Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
-            Err(error) => Err((error.status(), error_json(error.kind(), &error.to_string()))),
-        }
-    }
-
-    fn max_body_bytes(&self) -> usize {
-        self.picker.max_body_bytes()
-    }
-}
-
-/// The JSON error body cachepick answers with: `{"error": {"message", "type"}}`, OpenAI's shape.
-pub fn error_json(kind: &str, message: &str) -> Vec<u8> {
-    serde_json::to_vec(&serde_json::json!({
-        "error": { "message": message, "type": kind }
-    }))
-    .unwrap_or_default()
 }

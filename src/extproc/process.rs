@@ -35,23 +35,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::StreamEnd;
-use crate::service::{Answer, Refusal, Service, error_json};
+use crate::protocol::{
+    DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PREFIX_TOKENS_HEADER, REJECT_HEADER,
+    SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE, error_json,
+};
+use crate::service::{Answer, Refusal, Service};
 
-/// The Endpoint Picker Protocol's destination header and metadata key.
-pub const DESTINATION: &str = "x-gateway-destination-endpoint";
-/// Dynamic metadata namespace Envoy's `override_host` and ORIGINAL_DST read the destination from.
-pub const LB_NAMESPACE: &str = "envoy.lb";
-/// Metadata namespace and key of the proxy's subset hint.
-pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
-pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
-pub const DECISION_HEADER: &str = "x-cachepick-decision";
-/// The selected worker alone (no fallbacks): what an ORIGINAL_DST cluster, which reads one address,
-/// connects to.
-pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
-pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
-pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
-/// Headers cachepick owns: a client's copies never reach a worker.
-const OWNED_PREFIX: &str = "x-cachepick-";
 /// Envoy recommends at most 64 KiB per streamed chunk; this leaves room for the message's framing.
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
 
