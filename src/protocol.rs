@@ -1,6 +1,6 @@
 //! The names cachepick speaks on the wire, in one place: the Endpoint Picker Protocol's header and
 //! metadata keys, cachepick's own `x-cachepick-*` headers, the gRPC health service names, and the
-//! `passthrough` decision label.
+//! `passthrough` decision label, and the reasons (status and label) cachepick refuses a request with.
 //!
 //! `extproc` writes them, the Envoy bootstrap generator (`envoy_config`) configures Envoy to read them,
 //! and the tests read them back; none of those owns them, so none defines them. No protobuf here: these
@@ -44,9 +44,134 @@ pub fn error_json(kind: &str, message: &str) -> Vec<u8> {
     .unwrap_or_default()
 }
 
+/// Why cachepick answers a request itself instead of routing it: one variant per reason, each with the
+/// HTTP status the client gets and the stable label that appears in [`REJECT_HEADER`], as the JSON
+/// error's `type`, in the ImmediateResponse's details (`cachepick_<label>`) and in
+/// `cachepick_rejections_total{reason}`. The labels are part of the public interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalReason {
+    // The body (`request::BodyError`).
+    /// The body is larger than `max_body_bytes` (read whole, or streamed past it in duplex mode).
+    TooLarge,
+    NotUtf8,
+    InvalidJson,
+    TooDeep,
+    WrongType,
+    MissingField,
+    EmptyPrompt,
+    /// The request names no model and no pool is the default (`*`).
+    MissingModel,
+    /// No pool serves the model the request names.
+    UnknownModel,
+    // The request path.
+    /// A generation API requested without a body.
+    MissingBody,
+    /// The chat template cannot render the request, or its tools are not JSON: the request's doing.
+    Untokenizable,
+    /// The tokenizer failed on the prompt: ours.
+    TokenizerFailed,
+    /// No routable worker in the pool (within the proxy's subset hint, if any).
+    NoWorkers,
+    // The wire (`extproc`).
+    /// The rest of the request did not arrive within the per-message deadline.
+    BodyTimeout,
+    /// The ext_proc filter sends the body in a mode cachepick cannot decide on.
+    UnsupportedBodyMode,
+    /// cachepick failed to decide.
+    Internal,
+}
+
+impl RefusalReason {
+    pub const ALL: [RefusalReason; 16] = [
+        RefusalReason::TooLarge,
+        RefusalReason::NotUtf8,
+        RefusalReason::InvalidJson,
+        RefusalReason::TooDeep,
+        RefusalReason::WrongType,
+        RefusalReason::MissingField,
+        RefusalReason::EmptyPrompt,
+        RefusalReason::MissingModel,
+        RefusalReason::UnknownModel,
+        RefusalReason::MissingBody,
+        RefusalReason::Untokenizable,
+        RefusalReason::TokenizerFailed,
+        RefusalReason::NoWorkers,
+        RefusalReason::BodyTimeout,
+        RefusalReason::UnsupportedBodyMode,
+        RefusalReason::Internal,
+    ];
+
+    /// The HTTP status the client gets.
+    pub fn status(self) -> u16 {
+        match self {
+            RefusalReason::NotUtf8
+            | RefusalReason::InvalidJson
+            | RefusalReason::TooDeep
+            | RefusalReason::WrongType
+            | RefusalReason::MissingField
+            | RefusalReason::EmptyPrompt
+            | RefusalReason::MissingModel
+            | RefusalReason::MissingBody
+            | RefusalReason::Untokenizable => 400,
+            RefusalReason::UnknownModel => 404,
+            RefusalReason::BodyTimeout => 408,
+            RefusalReason::TooLarge => 413,
+            RefusalReason::TokenizerFailed
+            | RefusalReason::UnsupportedBodyMode
+            | RefusalReason::Internal => 500,
+            RefusalReason::NoWorkers => 503,
+        }
+    }
+
+    /// The stable snake_case label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalReason::TooLarge => "too_large",
+            RefusalReason::NotUtf8 => "not_utf8",
+            RefusalReason::InvalidJson => "invalid_json",
+            RefusalReason::TooDeep => "too_deep",
+            RefusalReason::WrongType => "wrong_type",
+            RefusalReason::MissingField => "missing_field",
+            RefusalReason::EmptyPrompt => "empty_prompt",
+            RefusalReason::MissingModel => "missing_model",
+            RefusalReason::UnknownModel => "unknown_model",
+            RefusalReason::MissingBody => "missing_body",
+            RefusalReason::Untokenizable => "untokenizable",
+            RefusalReason::TokenizerFailed => "tokenizer_failed",
+            RefusalReason::NoWorkers => "no_workers",
+            RefusalReason::BodyTimeout => "body_timeout",
+            RefusalReason::UnsupportedBodyMode => "unsupported_body_mode",
+            RefusalReason::Internal => "internal",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refusal_labels_are_distinct_snake_case_and_serialize_as_themselves() {
+        let labels: std::collections::BTreeSet<&str> = RefusalReason::ALL
+            .iter()
+            .map(|reason| reason.as_str())
+            .collect();
+        assert_eq!(labels.len(), RefusalReason::ALL.len());
+        for reason in RefusalReason::ALL {
+            let label = reason.as_str();
+            assert!(
+                label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{label}"
+            );
+            assert_eq!(
+                serde_json::to_value(reason).ok(),
+                Some(serde_json::Value::from(label))
+            );
+        }
+    }
 
     #[test]
     fn cachepicks_headers_carry_the_prefix_envoy_strips() {

@@ -106,7 +106,7 @@ fn the_simulator_shares_no_code_with_the_routing_path() {
         "crate::request",
         "crate::prefix",
         "crate::policy",
-        "crate::picker",
+        "crate::route",
         "crate::load",
         "super::super::",
     ];

@@ -30,7 +30,7 @@ pub use crate::protocol::{
     DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
     READINESS, REJECT_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
-use crate::service::Service;
+use crate::route::Service;
 
 #[derive(Debug, Error)]
 pub enum ServeError {
