@@ -28,8 +28,7 @@ use cachepick::app::{self, AppError};
 use cachepick::config::{self, Config, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
-use cachepick::picker::Picker;
-use cachepick::service::{Answer, Service};
+use cachepick::route::{Answer, Picker, Service};
 use cachepick_rig::client::{self, Client, Verdict};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
@@ -281,7 +280,7 @@ fn baseline(runtime: &Runtime, config: &Config) -> (watch::Sender<bool>, Arc<Ser
     let mut loads = Vec::new();
     for pool in &config.pools {
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(&metrics));
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
         let mut rounds = load.rounds();
         let mut stopped = stopped.clone();
         runtime.spawn(scraper.run(async move {

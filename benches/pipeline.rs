@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use cachepick::config::{self, Overrides};
 use cachepick::load::PoolLoad;
-use cachepick::picker::Picker;
 use cachepick::policy::Outcome;
+use cachepick::route::Picker;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -55,8 +55,9 @@ fn chat(turns: usize, words: usize) -> Vec<u8> {
 
 fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) {
     let prepared = picker.prepare("/v1/chat/completions", body).unwrap();
-    if let Outcome::Route(decision) = picker.decide(&prepared, None, Instant::now(), rng) {
-        picker.commit(&prepared, &decision);
+    let pinned = picker.pin(&prepared).unwrap();
+    if let Outcome::Route(decision) = pinned.decide(None, Instant::now(), rng) {
+        pinned.commit(&decision);
     }
 }
 

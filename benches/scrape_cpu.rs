@@ -142,7 +142,7 @@ fn main() {
         let metrics = Arc::new(Metrics::new().unwrap());
         let pool = &config.pools[0];
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(&metrics));
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(scraper.run(async {
             let _ = stopped.await;

@@ -11,13 +11,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::Config;
+use crate::extproc;
 use crate::load::{PoolLoad, PoolView, Scraper};
 use crate::metrics::Metrics;
-pub use crate::picker::Explanation;
-use crate::picker::{Picker, PickerError, RequestError};
-use crate::policy::Outcome;
-use crate::service::Service;
-use crate::{admin, extproc};
+use crate::metrics_server::{self, DebugSource};
+use crate::protocol::error_json;
+/// Re-exported where `cachepick explain` has always found them; they live in `route`.
+pub use crate::route::{Explanation, render_explanation};
+use crate::route::{Picker, PickerError, RequestError, Service};
 
 #[derive(Debug, Error)]
 pub enum AppError {
@@ -49,7 +50,7 @@ fn pools(config: &Config, metrics: &Arc<Metrics>) -> Vec<(Arc<PoolLoad>, Scraper
         .iter()
         .map(|pool| {
             let load = PoolLoad::new(pool, &config.load);
-            let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(metrics));
+            let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
             (load, scraper)
         })
         .collect()
@@ -82,8 +83,8 @@ pub async fn run(
     }
     let debug = config
         .debug_endpoints
-        .then(|| Arc::clone(&service) as Arc<dyn admin::DebugSource>);
-    tasks.spawn(admin::serve(
+        .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
+    tasks.spawn(metrics_server::serve(
         metrics_listener,
         Arc::clone(&metrics),
         debug,
@@ -104,6 +105,33 @@ pub async fn run(
     tasks.join_all().await;
     tracing::info!("cachepick stopped");
     Ok(served?)
+}
+
+/// The debug endpoints' view of the request service: the HTTP server on `metrics_listen` asks through
+/// [`DebugSource`], so the request path itself depends on no server.
+struct Debug(Arc<Service>);
+
+impl DebugSource for Debug {
+    fn snapshot_json(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(&self.0.snapshot()).unwrap_or_default()
+    }
+
+    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
+        match self.0.explain(path, body) {
+            Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
+            Err(error) => {
+                let reason = error.reason();
+                Err((
+                    reason.status(),
+                    error_json(reason.as_str(), &error.to_string()),
+                ))
+            }
+        }
+    }
+
+    fn max_body_bytes(&self) -> usize {
+        self.0.max_body_bytes()
+    }
 }
 
 /// Scrapes every pool `rounds` times, `scrape_interval` apart, and returns what cachepick then sees.
@@ -140,79 +168,4 @@ pub async fn explain(
     let loads = scraped(config, 1).await?;
     let picker = Picker::new(config, &loads)?;
     Ok(picker.explain(path, body, &mut rand::rng()))
-}
-
-/// `cachepick explain`'s text form.
-pub fn render_explanation(explanation: &Explanation) -> String {
-    use std::fmt::Write as _;
-    let prepared = &explanation.prepared;
-    let endpoint = |id: crate::worker::WorkerId| {
-        explanation
-            .endpoints
-            .get(id.index())
-            .cloned()
-            .unwrap_or_else(|| id.to_string())
-    };
-    let mut out = String::new();
-    let _ = writeln!(out, "pool:    {}", prepared.pool_label);
-    let _ = writeln!(
-        out,
-        "prompt:  {} tokens, {} full blocks of {}",
-        prepared.prompt_tokens,
-        prepared.block_hashes.len(),
-        explanation.block_size
-    );
-    let shown: Vec<String> = prepared
-        .block_hashes
-        .iter()
-        .take(4)
-        .map(|hash| format!("{hash:016x}"))
-        .collect();
-    let _ = writeln!(
-        out,
-        "blocks:  {}{}",
-        shown.join(" "),
-        if prepared.block_hashes.len() > 4 {
-            " …"
-        } else {
-            ""
-        }
-    );
-    if prepared.owners.is_empty() {
-        let _ = writeln!(
-            out,
-            "owners:  none (this one-shot picker has routed nothing yet)"
-        );
-    }
-    for owner in &prepared.owners {
-        let _ = writeln!(
-            out,
-            "owner:   {} holds {} tokens",
-            endpoint(owner.worker),
-            owner.matched_tokens
-        );
-    }
-    match &explanation.outcome {
-        Outcome::Route(decision) => {
-            let fallbacks: Vec<String> =
-                decision.fallbacks.iter().map(|id| endpoint(*id)).collect();
-            let _ = writeln!(
-                out,
-                "decision: {} -> {} (fallbacks: {})",
-                decision.reason.as_str(),
-                endpoint(decision.selected),
-                if fallbacks.is_empty() {
-                    "none".to_owned()
-                } else {
-                    fallbacks.join(", ")
-                }
-            );
-        }
-        Outcome::Reject(reject) => {
-            let _ = writeln!(out, "decision: reject {}", reject.reason.as_str());
-        }
-    }
-    let trace = serde_json::to_string_pretty(explanation.outcome.trace()).unwrap_or_default();
-    let _ = writeln!(out, "trace:   {trace}");
-    out
 }

@@ -11,9 +11,9 @@
 //!   [`PASSTHROUGH`], matched on [`DECISION_HEADER`], so Envoy's `/stats`
 //!   count requests and latencies per decision;
 //! - a filter chain `header_mutation` (drops every client-sent `x-cachepick-*` header and
-//!   [`DESTINATION_HEADER`]) → `ext_proc` (cachepick) → `router`;
+//!   [`DESTINATION`]) → `ext_proc` (cachepick) → `router`;
 //! - the `workers` cluster: every prefill-capable worker, with the `override_host` load-balancing policy
-//!   that follows [`DESTINATION_HEADER`] (or the `envoy.lb` metadata) and falls back to least-request —
+//!   that follows [`DESTINATION`] (or the `envoy.lb` metadata) and falls back to least-request —
 //!   or, in [`BodyMode::OriginalDst`], an `ORIGINAL_DST` cluster, the form GIE gateways use;
 //! - the `cachepick` cluster (gRPC, so HTTP/2) at the picker's address.
 //!
@@ -26,23 +26,13 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::policy::Reason;
-use crate::service::PASSTHROUGH;
+use crate::protocol::{
+    DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, OWNED_PREFIX, PASSTHROUGH,
+    SELECTED_HEADER,
+};
 
-/// The header cachepick sets to the selected worker (then its fallbacks), `ip:port[,ip:port…]`: the
-/// Endpoint Picker Protocol's name, which `override_host` and `ORIGINAL_DST` read.
-pub const DESTINATION_HEADER: &str = crate::extproc::DESTINATION;
-/// The selected worker alone, which the ORIGINAL_DST cluster reads (it connects to one address).
-pub const SELECTED_HEADER: &str = crate::extproc::SELECTED_HEADER;
-/// The header cachepick sets to the decision's [`Reason`]; the virtual clusters match on it.
-pub const DECISION_HEADER: &str = crate::extproc::DECISION_HEADER;
-/// The dynamic-metadata namespace of the Endpoint Picker Protocol (`envoy.lb/x-gateway-destination-endpoint`).
-pub const LB_METADATA_NAMESPACE: &str = crate::extproc::LB_NAMESPACE;
 /// Envoy's name for the ext_proc filter, also the key of its per-route config.
 pub const EXT_PROC_FILTER: &str = "envoy.filters.http.ext_proc";
-/// Every request header with this prefix is cachepick's to set: Envoy drops a client's copies before
-/// cachepick runs, so with the picker down none reaches a worker. [`DECISION_HEADER`] and
-/// [`SELECTED_HEADER`] are among them.
-pub const OWNED_HEADER_PREFIX: &str = "x-cachepick-";
 /// The HTTP connection manager's `request_headers_timeout`: a client has this long to send its request
 /// headers (from their first byte).
 pub const REQUEST_HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
@@ -515,7 +505,7 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
         10,
         &[
             &format!(
-                "1. Drop the routing headers a client sent: {DESTINATION_HEADER} and every {OWNED_HEADER_PREFIX}* header"
+                "1. Drop the routing headers a client sent: {DESTINATION} and every {OWNED_PREFIX}* header"
             ),
             "(the prefix is cachepick's). cachepick overwrites its own when it answers, but with the picker down",
             "a client could otherwise pick its worker (or, with ORIGINAL_DST, any address at all), forge the",
@@ -530,10 +520,10 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
     );
     out.line(14, "mutations:");
     out.line(16, "request_mutations:");
-    out.line(16, &format!("- remove: {DESTINATION_HEADER}"));
+    out.line(16, &format!("- remove: {DESTINATION}"));
     out.line(
         16,
-        &format!("- remove_on_match: {{key_matcher: {{prefix: \"{OWNED_HEADER_PREFIX}\"}}}}"),
+        &format!("- remove_on_match: {{key_matcher: {{prefix: \"{OWNED_PREFIX}\"}}}}"),
     );
     out.comment(
         10,
@@ -641,12 +631,12 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     out.comment(
         indent,
         &[&format!(
-            "Envoy drops dynamic metadata in namespaces not listed here; cachepick writes {LB_METADATA_NAMESPACE}/{DESTINATION_HEADER}."
+            "Envoy drops dynamic metadata in namespaces not listed here; cachepick writes {LB_NAMESPACE}/{DESTINATION}."
         )],
     );
     out.line(indent, "metadata_options:");
     out.line(indent + 2, "receiving_namespaces:");
-    out.line(indent + 4, &format!("untyped: [{LB_METADATA_NAMESPACE}]"));
+    out.line(indent + 4, &format!("untyped: [{LB_NAMESPACE}]"));
 }
 
 /// Generous limits: Envoy's defaults (1024 connections, pending and active requests, 3 concurrent
@@ -702,7 +692,7 @@ fn workers_cluster(out: &mut Yaml, config: &Config) {
         4,
         &[
             &format!(
-                "Steering: the first address of {DESTINATION_HEADER} (else of the {LB_METADATA_NAMESPACE} metadata cachepick"
+                "Steering: the first address of {DESTINATION} (else of the {LB_NAMESPACE} metadata cachepick"
             ),
             "also writes) that is a member of this cluster; later ones serve retries. Addresses outside the cluster",
             "are skipped, so no header can send a request outside the fleet. No usable address (picker down) means",
@@ -719,12 +709,10 @@ fn workers_cluster(out: &mut Yaml, config: &Config) {
         "\"@type\": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
     );
     out.line(12, "override_host_sources:");
-    out.line(12, &format!("- header: {DESTINATION_HEADER}"));
+    out.line(12, &format!("- header: {DESTINATION}"));
     out.line(
         12,
-        &format!(
-            "- metadata: {{key: {LB_METADATA_NAMESPACE}, path: [{{key: {DESTINATION_HEADER}}}]}}"
-        ),
+        &format!("- metadata: {{key: {LB_NAMESPACE}, path: [{{key: {DESTINATION}}}]}}"),
     );
     out.line(12, "fallback_policy:");
     out.line(14, "policies:");
@@ -778,7 +766,7 @@ fn original_dst_cluster(out: &mut Yaml, config: &Config) {
                 "it. ORIGINAL_DST reads one address, so it reads {SELECTED_HEADER} (the selected worker alone), not"
             ),
             &format!(
-                "the list in {DESTINATION_HEADER} (selected worker, then fallbacks); Envoy cannot retry elsewhere."
+                "the list in {DESTINATION} (selected worker, then fallbacks); Envoy cannot retry elsewhere."
             ),
         ],
     );
@@ -816,7 +804,7 @@ fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
         &[
             &format!(
                 "Active health check of cachepick's gRPC health service {}, SERVING once every pool has had a",
-                crate::extproc::EXT_PROC_SERVICE
+                EXT_PROC_SERVICE
             ),
             "scrape round. With panic routing off, Envoy does not try an unhealthy picker at all: requests fail",
             "open at once instead of each waiting for a refused connection or message_timeout. In duplex mode this",
@@ -834,10 +822,7 @@ fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(6, "healthy_threshold: 1");
     out.line(
         6,
-        &format!(
-            "grpc_health_check: {{service_name: {}}}",
-            crate::extproc::EXT_PROC_SERVICE
-        ),
+        &format!("grpc_health_check: {{service_name: {}}}", EXT_PROC_SERVICE),
     );
     out.line(4, "common_lb_config:");
     out.line(6, "healthy_panic_threshold: {value: 0}");
@@ -948,12 +933,12 @@ mod tests {
         for header in [
             DECISION_HEADER,
             SELECTED_HEADER,
-            crate::extproc::PREFIX_TOKENS_HEADER,
-            crate::extproc::REJECT_HEADER,
+            crate::protocol::PREFIX_TOKENS_HEADER,
+            crate::protocol::REJECT_HEADER,
         ] {
-            assert!(header.starts_with(OWNED_HEADER_PREFIX), "{header}");
+            assert!(header.starts_with(OWNED_PREFIX), "{header}");
         }
-        assert!(!DESTINATION_HEADER.starts_with(OWNED_HEADER_PREFIX));
+        assert!(!DESTINATION.starts_with(OWNED_PREFIX));
     }
 
     #[test]

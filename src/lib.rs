@@ -10,10 +10,11 @@
 //!   segment cache that lets a growing conversation re-tokenize only its new turn.
 //! - [`policy`]: the pure routing decision (queue gate, saturation pin, off-owner sampling).
 //! - [`prefix`]: chained block hashes of a prompt and the owner index of which worker holds them.
-//! - [`picker`]: the request path — body → pool → tokens → block hashes → owners → decision → commit.
-//! - [`service`]: one call per request — prepare, decide, commit, count, log — answering in domain terms.
+//! - [`route`]: the request path — body → pool → tokens → block hashes → owners → decision → commit on
+//!   one load snapshot — and the service that answers each request (route or refuse) in domain terms.
+//! - [`protocol`]: the names cachepick speaks on the wire — headers, metadata keys, health services.
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
-//! - [`admin`]: the HTTP endpoint on `metrics_listen` (`/metrics`).
+//! - [`metrics_server`]: the HTTP server on `metrics_listen`: `/metrics` and the `/debug/*` endpoints.
 //! - [`envoy_config`]: `cachepick envoy-config` — the Envoy bootstrap generated from the configuration.
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
 //!
@@ -22,17 +23,17 @@
 //!
 //! `ARCHITECTURE.md` at the repository root holds the code map and the invariants.
 
-pub mod admin;
 pub mod app;
 pub mod config;
 pub mod envoy_config;
 pub mod extproc;
 pub mod load;
 pub mod metrics;
-pub mod picker;
+pub mod metrics_server;
 pub mod policy;
 pub mod prefix;
+pub mod protocol;
 pub mod request;
-pub mod service;
+pub mod route;
 pub mod tokenize;
 pub mod worker;

@@ -16,9 +16,10 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::load::PoolLoad;
-use crate::policy::{Reason, RejectReason};
+use crate::load::{PoolLoad, ScrapeObserver, ScrapeOutcome};
+use crate::policy::Reason;
 use crate::prefix::IndexStats;
+use crate::protocol::RefusalReason;
 
 /// How an ext_proc stream ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,7 +290,7 @@ impl Metrics {
             self.decisions.with_label_values(&[pool, reason.as_str()]);
         }
         self.rejections
-            .with_label_values(&[pool, RejectReason::NoWorkers.as_str()]);
+            .with_label_values(&[pool, RefusalReason::NoWorkers.as_str()]);
         self.passthrough.with_label_values(&[pool]);
         self.match_ratio.with_label_values(&[pool]);
         self.diverted_blocks.with_label_values(&[pool]);
@@ -329,12 +330,13 @@ impl Metrics {
         }
     }
 
-    /// One refused request: `cachepick_rejections_total{pool,reason}` += 1. `reason` is a stable
-    /// snake_case label (`no_workers`, a body error kind such as `invalid_json`, `unknown_model`,
-    /// `too_large`...); `pool`
+    /// One refused request: `cachepick_rejections_total{pool,reason}` += 1, labelled
+    /// [`RefusalReason::as_str`] (`no_workers`, `invalid_json`, `unknown_model`, `too_large`...); `pool`
     /// is `"none"` when no pool was selected.
-    pub fn record_rejection(&self, pool: &str, reason: &str) {
-        self.rejections.with_label_values(&[pool, reason]).inc();
+    pub fn record_rejection(&self, pool: &str, reason: RefusalReason) {
+        self.rejections
+            .with_label_values(&[pool, reason.as_str()])
+            .inc();
     }
 
     /// `cachepick_decision_seconds{pool}`: body received → answer sent. Negative durations count as 0;
@@ -372,6 +374,18 @@ impl Metrics {
         // Encoding into a Vec fails only for malformed families, which `new` cannot build.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buffer);
         String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+/// The scrapers count into `cachepick_scrapes_total` and report their pools' freshness here.
+impl ScrapeObserver for Metrics {
+    fn scrape_counter(&self, pool: &str, worker: &str, outcome: ScrapeOutcome) -> IntCounter {
+        self.scrapes
+            .with_label_values(&[pool, worker, outcome.as_str()])
+    }
+
+    fn watch_pool(&self, pool: Arc<PoolLoad>) {
+        Metrics::watch_pool(self, pool);
     }
 }
 
@@ -620,13 +634,13 @@ mod tests {
     #[test]
     fn rejections_count_by_pool_and_reason() {
         let metrics = Metrics::new().unwrap();
-        metrics.record_rejection("none", "malformed_body");
-        metrics.record_rejection("none", "malformed_body");
-        metrics.record_rejection("p", "no_workers");
+        metrics.record_rejection("none", RefusalReason::InvalidJson);
+        metrics.record_rejection("none", RefusalReason::InvalidJson);
+        metrics.record_rejection("p", RefusalReason::NoWorkers);
         let text = metrics.render();
         assert_line(
             &text,
-            "cachepick_rejections_total{pool=\"none\",reason=\"malformed_body\"} 2",
+            "cachepick_rejections_total{pool=\"none\",reason=\"invalid_json\"} 2",
         );
         assert_line(
             &text,

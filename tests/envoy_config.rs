@@ -32,12 +32,11 @@ use serde_yaml::Value;
 use tokio::net::TcpListener;
 
 use cachepick::config::{self, Config, Overrides};
-use cachepick::envoy_config::{
-    self, BodyMode, DECISION_HEADER, DESTINATION_HEADER, EXT_PROC_FILTER, EnvoyOptions,
-    OWNED_HEADER_PREFIX, SELECTED_HEADER,
-};
+use cachepick::envoy_config::{self, BodyMode, EXT_PROC_FILTER, EnvoyOptions};
 use cachepick::policy::Reason;
-use cachepick::service::PASSTHROUGH;
+use cachepick::protocol::{
+    DECISION_HEADER, DESTINATION, OWNED_PREFIX, PASSTHROUGH, SELECTED_HEADER,
+};
 
 const EXAMPLE: &str = "examples/cachepick.yaml";
 
@@ -277,13 +276,13 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
                 ["request_mutations"],
         );
         assert_eq!(mutations.len(), 2, "{mutations:?}");
-        assert_eq!(str_of(&mutations[0]["remove"]), DESTINATION_HEADER);
+        assert_eq!(str_of(&mutations[0]["remove"]), DESTINATION);
         assert_eq!(
             str_of(&mutations[1]["remove_on_match"]["key_matcher"]["prefix"]),
-            OWNED_HEADER_PREFIX
+            OWNED_PREFIX
         );
         for owned in [DECISION_HEADER, SELECTED_HEADER] {
-            assert!(owned.starts_with(OWNED_HEADER_PREFIX), "{owned}");
+            assert!(owned.starts_with(OWNED_PREFIX), "{owned}");
         }
         let ext_proc = &http_filter(&bootstrap, EXT_PROC_FILTER)["typed_config"];
         assert_eq!(
@@ -329,11 +328,11 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
                     "envoy.load_balancing_policies.override_host"
                 );
                 let sources = &policy["typed_config"]["override_host_sources"];
-                assert_eq!(str_of(&sources[0]["header"]), DESTINATION_HEADER);
+                assert_eq!(str_of(&sources[0]["header"]), DESTINATION);
                 assert_eq!(str_of(&sources[1]["metadata"]["key"]), "envoy.lb");
                 assert_eq!(
                     str_of(&sources[1]["metadata"]["path"][0]["key"]),
-                    DESTINATION_HEADER
+                    DESTINATION
                 );
                 let fallback = &policy["typed_config"]["fallback_policy"]["policies"][0];
                 assert_eq!(
@@ -821,13 +820,13 @@ async fn echo_worker() -> SocketAddr {
                         .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
                         .unwrap_or_else(|| "-".to_owned())
                 };
-                let destination = seen(DESTINATION_HEADER);
+                let destination = seen(DESTINATION);
                 let decision = seen(DECISION_HEADER);
                 let owned: Vec<&str> = request
                     .headers()
                     .keys()
                     .map(|name| name.as_str())
-                    .filter(|name| name.starts_with(OWNED_HEADER_PREFIX))
+                    .filter(|name| name.starts_with(OWNED_PREFIX))
                     .collect();
                 let owned = if owned.is_empty() {
                     "-".to_owned()
@@ -988,7 +987,7 @@ async fn picker_outage_degrades_to_load_balancing(mode: BodyMode) {
         let answer = post(
             &envoy,
             &[
-                (DESTINATION_HEADER, "10.1.2.3:80"),
+                (DESTINATION, "10.1.2.3:80"),
                 (DECISION_HEADER, "cache_hit"),
                 (SELECTED_HEADER, "10.1.2.3:80"),
                 ("x-cachepick-prefix-tokens", "4096"),
@@ -1010,12 +1009,7 @@ async fn picker_outage_degrades_to_load_balancing(mode: BodyMode) {
     let steer_to = live[0].to_string();
     let mut steered = BTreeMap::<String, usize>::new();
     for _ in 0..20 {
-        let answer = post(
-            &envoy,
-            &[(DESTINATION_HEADER, steer_to.as_str())],
-            CHAT.to_vec(),
-        )
-        .await;
+        let answer = post(&envoy, &[(DESTINATION, steer_to.as_str())], CHAT.to_vec()).await;
         assert_eq!(answer.status, StatusCode::OK);
         assert_eq!(answer.header("x-seen-destination"), "-");
         *steered
@@ -1032,7 +1026,7 @@ async fn picker_outage_degrades_to_load_balancing(mode: BodyMode) {
     );
     let answer = post(
         &envoy,
-        &[(DESTINATION_HEADER, dead.to_string().as_str())],
+        &[(DESTINATION, dead.to_string().as_str())],
         CHAT.to_vec(),
     )
     .await;
@@ -1279,7 +1273,7 @@ async fn original_dst_mode_fails_closed_without_the_picker_and_ignores_client_de
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     let answer = post(
         &envoy,
-        &[(DESTINATION_HEADER, live[0].to_string().as_str())],
+        &[(DESTINATION, live[0].to_string().as_str())],
         CHAT.to_vec(),
     )
     .await;
@@ -1312,8 +1306,8 @@ async fn original_dst_reads_the_selected_endpoint_not_the_fallback_list() {
     };
     let generated = envoy_config::render(config, &options);
     let guards = [
-        format!("- remove: {DESTINATION_HEADER}\n"),
-        format!("- remove_on_match: {{key_matcher: {{prefix: \"{OWNED_HEADER_PREFIX}\"}}}}\n"),
+        format!("- remove: {DESTINATION}\n"),
+        format!("- remove_on_match: {{key_matcher: {{prefix: \"{OWNED_PREFIX}\"}}}}\n"),
     ];
     let mut unguarded = generated.clone();
     for guard in &guards {
@@ -1328,7 +1322,7 @@ async fn original_dst_reads_the_selected_endpoint_not_the_fallback_list() {
         &envoy,
         &[
             (SELECTED_HEADER, one.as_str()),
-            (DESTINATION_HEADER, list.as_str()),
+            (DESTINATION, list.as_str()),
         ],
         CHAT.to_vec(),
     )

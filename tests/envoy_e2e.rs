@@ -40,9 +40,10 @@ use tokio::task::JoinHandle;
 use cachepick::app::AppError;
 use cachepick::config::{self, Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
-use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
 use cachepick::policy::Reason;
-use cachepick::service::PASSTHROUGH;
+use cachepick::protocol::{
+    DECISION_HEADER, DESTINATION, PASSTHROUGH, PREFIX_TOKENS_HEADER, REJECT_HEADER,
+};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
@@ -1068,7 +1069,7 @@ fn echoed_cachepick_headers(reply: &Reply) -> Vec<String> {
         .headers
         .keys()
         .filter_map(|name| name.as_str().strip_prefix("x-sim-echo-"))
-        .filter(|name| name.starts_with(cachepick::envoy_config::OWNED_HEADER_PREFIX))
+        .filter(|name| name.starts_with(cachepick::protocol::OWNED_PREFIX))
         .map(str::to_owned)
         .collect()
 }

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use cachepick::config::{self, Overrides};
 use cachepick::load::PoolLoad;
-use cachepick::picker::Picker;
 use cachepick::policy::{Outcome, Reason};
+use cachepick::route::Picker;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
@@ -45,9 +45,10 @@ fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) -> (u32, Reason, u64)
     let prepared = picker
         .prepare("/v1/chat/completions", body)
         .expect("prepared");
-    match picker.decide(&prepared, None, Instant::now(), rng) {
+    let pinned = picker.pin(&prepared).expect("the prepared pool exists");
+    match pinned.decide(None, Instant::now(), rng) {
         Outcome::Route(decision) => {
-            picker.commit(&prepared, &decision);
+            pinned.commit(&decision);
             (
                 decision.selected.0,
                 decision.reason,
@@ -120,6 +121,11 @@ fn bad_bodies_and_unknown_models_are_refused_with_their_status() {
     ];
     for (body, status, kind) in cases {
         let error = picker.prepare("/v1/chat/completions", body).unwrap_err();
-        assert_eq!((error.status(), error.kind()), (status, kind), "{error}");
+        let reason = error.reason();
+        assert_eq!(
+            (reason.status(), reason.as_str()),
+            (status, kind),
+            "{error}"
+        );
     }
 }

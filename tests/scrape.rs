@@ -42,7 +42,7 @@ impl Pool {
         let metrics = Arc::new(Metrics::new().unwrap());
         let pool = &config.pools[0];
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), Arc::clone(&metrics));
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
         Pool {
             load,
             scraper,

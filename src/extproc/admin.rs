@@ -13,9 +13,8 @@ use tonic::{Code, Request, Response, Status};
 
 use self::pb::admin_server::{Admin, AdminServer};
 use crate::load::{PoolView, WorkerView};
-use crate::picker::{Explanation, RequestError};
 use crate::policy::Outcome;
-use crate::service::Service;
+use crate::route::{Explanation, RequestError, Service};
 use crate::worker::WorkerId;
 
 /// The generated `cachepick.v1` package: messages, `admin_server` and `admin_client`.
@@ -139,10 +138,11 @@ fn code_for(http_status: u16) -> Code {
 /// A body the picker refuses: the status mapped from its HTTP status, its message, and its stable label
 /// in the `x-cachepick-reject-reason` metadata.
 fn refused(error: &RequestError) -> Status {
-    let mut status = Status::new(code_for(error.status()), error.to_string());
+    let reason = error.reason();
+    let mut status = Status::new(code_for(reason.status()), error.to_string());
     status.metadata_mut().insert(
         super::REJECT_HEADER,
-        MetadataValue::from_static(error.kind()),
+        MetadataValue::from_static(reason.as_str()),
     );
     status
 }
@@ -232,11 +232,11 @@ mod tests {
 
     use super::*;
     use crate::load::ScrapeOutcome;
-    use crate::picker::Prepared;
     use crate::policy::{
-        Admission, Decision, Gate, OwnerMatch, OwnerVerdict, Reason, Reject, RejectReason, Rung,
-        Trace,
+        Admission, Decision, Gate, OwnerVerdict, Reason, Reject, RejectReason, Rung, Trace,
     };
+    use crate::prefix::OwnerMatch;
+    use crate::route::Prepared;
 
     fn prepared() -> Prepared {
         Prepared {

@@ -17,21 +17,19 @@ use std::future::Future;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-pub use process::{
-    DECISION_HEADER, DESTINATION, LB_NAMESPACE, MAX_STREAMED_CHUNK, PREFIX_TOKENS_HEADER,
-    REJECT_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
-};
+pub use process::MAX_STREAMED_CHUNK;
 
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
 
-use crate::service::Service;
-
-/// gRPC health service names, as the Gateway API Inference Extension expects them.
-pub const LIVENESS: &str = "liveness";
-pub const READINESS: &str = "readiness";
-pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+/// The wire names, defined in [`crate::protocol`]; re-exported here for the callers that speak
+/// ext_proc (tests, the demo, replay).
+pub use crate::protocol::{
+    DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
+    READINESS, REJECT_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
+};
+use crate::route::Service;
 
 #[derive(Debug, Error)]
 pub enum ServeError {

@@ -35,23 +35,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::StreamEnd;
-use crate::service::{Answer, Refusal, Service, error_json};
+use crate::protocol::{
+    DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PREFIX_TOKENS_HEADER, REJECT_HEADER,
+    RefusalReason, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE, error_json,
+};
+use crate::route::{Answer, Refusal, Routed, Service};
 
-/// The Endpoint Picker Protocol's destination header and metadata key.
-pub const DESTINATION: &str = "x-gateway-destination-endpoint";
-/// Dynamic metadata namespace Envoy's `override_host` and ORIGINAL_DST read the destination from.
-pub const LB_NAMESPACE: &str = "envoy.lb";
-/// Metadata namespace and key of the proxy's subset hint.
-pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
-pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
-pub const DECISION_HEADER: &str = "x-cachepick-decision";
-/// The selected worker alone (no fallbacks): what an ORIGINAL_DST cluster, which reads one address,
-/// connects to.
-pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
-pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
-pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
-/// Headers cachepick owns: a client's copies never reach a worker.
-const OWNED_PREFIX: &str = "x-cachepick-";
 /// Envoy recommends at most 64 KiB per streamed chunk; this leaves room for the message's framing.
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
 
@@ -141,16 +130,14 @@ async fn drive(
                 return StreamEnd::Error;
             }
             Err(_) => {
-                let answer = refuse(
-                    service,
-                    408,
-                    "body_timeout",
+                let refusal = service.refuse(
+                    RefusalReason::BodyTimeout,
                     format!(
                         "the request was not received within {} s",
                         MESSAGE_DEADLINE.as_secs()
                     ),
                 );
-                let sent = send_all(out, vec![immediate(&answer)]).await;
+                let sent = send_all(out, vec![immediate(&refusal)]).await;
                 return if sent {
                     StreamEnd::Answered
                 } else {
@@ -193,7 +180,7 @@ async fn drive(
                 }
                 continue;
             }
-            Step::Refuse(answer) => (vec![immediate(&answer)], answer),
+            Step::Refuse(refusal) => (vec![immediate(&refusal)], Answer::Refuse(refusal)),
             Step::Decide(ending) => decide(service, decisions, &mut exchange, ending).await,
         };
         // The decision's latency ends when its first message is on its way; a duplex body echo after
@@ -223,7 +210,7 @@ enum Step {
     /// The request is complete: decide, answer, and end the stream.
     Decide(Ending),
     /// Answer with this refusal, no decision needed, and end the stream.
-    Refuse(Answer),
+    Refuse(Refusal),
 }
 
 /// What completed the request.
@@ -246,17 +233,6 @@ async fn send_all(out: &Sender, responses: Vec<ProcessingResponse>) -> bool {
     true
 }
 
-/// A refusal made here, before any decision, counted like the service counts its own.
-fn refuse(service: &Service, status: u16, reason: &'static str, message: String) -> Answer {
-    service.metrics().record_rejection("none", reason);
-    Answer::Refuse(Refusal {
-        status,
-        reason,
-        message,
-        pool: None,
-    })
-}
-
 fn on_headers(
     service: &Service,
     exchange: &mut Exchange,
@@ -270,9 +246,8 @@ fn on_headers(
     {
         let key = header.key.to_ascii_lowercase();
         if key == ":path" {
-            let path = String::from_utf8_lossy(&header.raw_value);
-            // The API is chosen by path; the query string does not change it.
-            exchange.path = path.split('?').next().unwrap_or_default().to_owned();
+            // As sent, query string included: the service reads the API off it.
+            exchange.path = String::from_utf8_lossy(&header.raw_value).into_owned();
         } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION)
             && !exchange.spoofed.contains(&key)
         {
@@ -298,10 +273,8 @@ fn on_headers(
         }
         // STREAMED, BUFFERED_PARTIAL or NONE: the body never arrives whole before Envoy picks the host,
         // so no decision could take effect. Fail loudly rather than route blind.
-        Some(mode) => Step::Refuse(refuse(
-            service,
-            500,
-            "unsupported_body_mode",
+        Some(mode) => Step::Refuse(service.refuse(
+            RefusalReason::UnsupportedBodyMode,
             format!(
                 "cachepick needs the ext_proc filter's request_body_mode to be BUFFERED or \
                  FULL_DUPLEX_STREAMED, got {}",
@@ -315,10 +288,8 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     let duplex = exchange.headers_pending;
     let limit = service.max_body_bytes();
     if exchange.body.len().saturating_add(body.body.len()) > limit {
-        return Step::Refuse(refuse(
-            service,
-            413,
-            "too_large",
+        return Step::Refuse(service.refuse(
+            RefusalReason::TooLarge,
             format!("the request body exceeds max_body_bytes ({limit} bytes)"),
         ));
     }
@@ -378,8 +349,7 @@ async fn decide(
             Err(error) => {
                 tracing::error!(%error, "the decision task failed");
                 Answer::Refuse(Refusal {
-                    status: 500,
-                    reason: "internal",
+                    reason: RefusalReason::Internal,
                     message: "cachepick failed to decide".to_owned(),
                     pool: None,
                 })
@@ -388,11 +358,11 @@ async fn decide(
     };
     let duplex = exchange.headers_pending;
     let responses = match (&answer, ending, duplex) {
-        (Answer::Refuse(_), ..) => vec![immediate(&answer)],
-        (Answer::Route(_), Ending::Headers, _) => vec![answer_in_headers(exchange, &answer)],
-        (Answer::Route(_), _, true) => {
+        (Answer::Refuse(refusal), ..) => vec![immediate(refusal)],
+        (Answer::Route(routed), Ending::Headers, _) => vec![routed_in_headers(exchange, routed)],
+        (Answer::Route(routed), _, true) => {
             // Duplex order: the delayed headers response, the body, then the trailers if they ended it.
-            let mut responses = vec![answer_in_headers(exchange, &answer)];
+            let mut responses = vec![routed_in_headers(exchange, routed)];
             if exchange.chunks > 0 {
                 responses.extend(streamed_body(&exchange.body, ending == Ending::Body));
             }
@@ -403,11 +373,11 @@ async fn decide(
             }
             responses
         }
-        (Answer::Route(_), _, false) => vec![with_metadata(
-            &answer,
+        (Answer::Route(routed), _, false) => vec![with_metadata(
+            routed,
             response(processing_response::Response::RequestBody(BodyResponse {
                 response: Some(CommonResponse {
-                    header_mutation: Some(mutation(exchange, &answer)),
+                    header_mutation: Some(mutation(exchange, routed)),
                     ..CommonResponse::default()
                 }),
             })),
@@ -416,12 +386,9 @@ async fn decide(
     (responses, answer)
 }
 
-/// The answer as a headers response (header-only requests and duplex), or an immediate response.
-fn answer_in_headers(exchange: &Exchange, answer: &Answer) -> ProcessingResponse {
-    match answer {
-        Answer::Refuse(_) => immediate(answer),
-        Answer::Route(_) => with_metadata(answer, headers_response(mutation(exchange, answer))),
-    }
+/// A routed answer as a headers response (header-only requests and duplex).
+fn routed_in_headers(exchange: &Exchange, routed: &Routed) -> ProcessingResponse {
+    with_metadata(routed, headers_response(mutation(exchange, routed)))
 }
 
 fn headers_response(mutation: HeaderMutation) -> ProcessingResponse {
@@ -468,10 +435,7 @@ fn streamed_body(body: &[u8], ends: bool) -> Vec<ProcessingResponse> {
 
 /// The destination and decision headers, overwriting whatever the client sent, and the removal of the
 /// client's other `x-cachepick-*` headers.
-fn mutation(exchange: &Exchange, answer: &Answer) -> HeaderMutation {
-    let Answer::Route(routed) = answer else {
-        return HeaderMutation::default();
-    };
+fn mutation(exchange: &Exchange, routed: &Routed) -> HeaderMutation {
     let selected = routed
         .endpoints
         .first()
@@ -513,32 +477,29 @@ fn header(key: &str, raw_value: Vec<u8>) -> HeaderValueOption {
 }
 
 /// Adds `envoy.lb/x-gateway-destination-endpoint`, the same value as the header, to a routed answer.
-fn with_metadata(answer: &Answer, mut response: ProcessingResponse) -> ProcessingResponse {
-    if let Answer::Route(routed) = answer {
-        let destination = Value {
-            kind: Some(value::Kind::StringValue(routed.destination())),
-        };
-        let namespace = Struct {
-            fields: HashMap::from([(DESTINATION.to_owned(), destination)]),
-        };
-        response.dynamic_metadata = Some(Struct {
-            fields: HashMap::from([(
-                LB_NAMESPACE.to_owned(),
-                Value {
-                    kind: Some(value::Kind::StructValue(namespace)),
-                },
-            )]),
-        });
-    }
+fn with_metadata(routed: &Routed, mut response: ProcessingResponse) -> ProcessingResponse {
+    let destination = Value {
+        kind: Some(value::Kind::StringValue(routed.destination())),
+    };
+    let namespace = Struct {
+        fields: HashMap::from([(DESTINATION.to_owned(), destination)]),
+    };
+    response.dynamic_metadata = Some(Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_owned(),
+            Value {
+                kind: Some(value::Kind::StructValue(namespace)),
+            },
+        )]),
+    });
     response
 }
 
-/// A refusal as Envoy's local reply: JSON body, content type, and the reason header.
-fn immediate(answer: &Answer) -> ProcessingResponse {
-    let (status, reason, message) = match answer {
-        Answer::Refuse(refusal) => (refusal.status, refusal.reason, refusal.message.as_str()),
-        Answer::Route(_) => (500, "internal", "a routed request answered locally"),
-    };
+/// A refusal as Envoy's local reply — status, JSON body, content type and the reason header: the one
+/// place a [`Refusal`] becomes an `ImmediateResponse`.
+fn immediate(refusal: &Refusal) -> ProcessingResponse {
+    let status = refusal.status();
+    let reason = refusal.reason.as_str();
     response(processing_response::Response::ImmediateResponse(
         ImmediateResponse {
             status: Some(HttpStatus {
@@ -551,7 +512,7 @@ fn immediate(answer: &Answer) -> ProcessingResponse {
                 ],
                 remove_headers: Vec::new(),
             }),
-            body: error_json(reason, message),
+            body: error_json(reason, &refusal.message),
             details: format!("cachepick_{reason}"),
             ..ImmediateResponse::default()
         },

@@ -17,7 +17,7 @@ pub use dispatch::DispatchTable;
 pub use engine::{ExtractError, RankLoad, Report, from_loads_json, from_metrics};
 pub use inspect::{PoolView, WorkerView, render_table};
 pub use prom::{Labels, Sample, Samples, samples};
-pub use scrape::{PoolLoad, ScrapeError, Scraper};
+pub use scrape::{PoolLoad, ScrapeError, ScrapeObserver, Scraper};
 pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome,
     ScrapeStatus, WorkerState,

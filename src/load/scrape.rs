@@ -31,7 +31,6 @@ use super::engine::{self, ExtractError, RankLoad, Report};
 use super::snapshot::DispatchCounts;
 use super::snapshot::{Capacity, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome, WorkerState};
 use crate::config::{LoadConfig, LoadSource, ModelMatch, PoolConfig};
-use crate::metrics::Metrics;
 use crate::worker::{Engine, WorkerId};
 
 /// A warning that the gate is blind is repeated at most this often per pool.
@@ -72,6 +71,16 @@ impl ScrapeError {
             ScrapeError::NotUtf8 | ScrapeError::Extract(_) => ScrapeOutcome::ParseError,
         }
     }
+}
+
+/// What a scraper reports to: the process's metrics, implemented there (`metrics` may import `load`,
+/// not the other way round). Asked only while the scraper is built.
+pub trait ScrapeObserver: Send + Sync {
+    /// The counter of `worker`'s scrapes in `pool` that end in `outcome`; asked once per worker and
+    /// outcome, incremented by the scraper on every scrape.
+    fn scrape_counter(&self, pool: &str, worker: &str, outcome: ScrapeOutcome) -> IntCounter;
+    /// `pool`'s snapshots are to be reported from now on (the freshness gauges).
+    fn watch_pool(&self, pool: Arc<PoolLoad>);
 }
 
 /// What the request path shares with a pool's scraper: the current snapshot and the dispatch counts.
@@ -180,7 +189,7 @@ impl Scraper {
         pool_config: &PoolConfig,
         config: &LoadConfig,
         pool: Arc<PoolLoad>,
-        metrics: Arc<Metrics>,
+        observer: &dyn ScrapeObserver,
     ) -> Self {
         let label = pool.label().to_owned();
         let roster = pool.snapshot();
@@ -207,13 +216,7 @@ impl Scraper {
                     in_flight: false,
                     counters: ScrapeOutcome::ALL
                         .iter()
-                        .map(|outcome| {
-                            metrics.scrapes.with_label_values(&[
-                                label.as_str(),
-                                endpoint.as_str(),
-                                outcome.as_str(),
-                            ])
-                        })
+                        .map(|outcome| observer.scrape_counter(&label, &endpoint, *outcome))
                         .collect(),
                 }
             })
@@ -225,7 +228,7 @@ impl Scraper {
             .pool_idle_timeout(config.scrape_interval.saturating_mul(4))
             .pool_max_idle_per_host(1)
             .build(connector);
-        metrics.watch_pool(Arc::clone(&pool));
+        observer.watch_pool(Arc::clone(&pool));
         Scraper {
             pool,
             workers,

@@ -3,7 +3,8 @@
 
 use super::rank::{self, Member};
 use super::trace::OwnerVerdict;
-use super::{LoadView, OwnerMatch, RequestFacts};
+use super::{LoadView, RequestFacts};
+use crate::prefix::OwnerMatch;
 
 /// The fleet, and what the owner index said about workers outside it.
 pub(super) struct Fleet<'a> {

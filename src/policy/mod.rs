@@ -69,6 +69,8 @@ pub use trace::{
 
 use crate::config::{Mode, PolicyConfig};
 use crate::load::{DispatchCounts, PoolSnapshot};
+/// The owner index's answer, which the policy reads; defined beside the index that produces it.
+pub use crate::prefix::OwnerMatch;
 use crate::worker::WorkerId;
 
 /// Picks the worker for one request under the pool's policy. Pure: same arguments (and random draws),
@@ -129,13 +131,6 @@ pub struct RequestFacts<'a> {
     /// The request's number in its pool's sequence of decisions, for `round_robin` (the policy keeps no
     /// state: the caller counts). Other modes ignore it.
     pub sequence: u64,
-}
-
-/// One worker's match in the owner index: how many leading prompt tokens it holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct OwnerMatch {
-    pub worker: WorkerId,
-    pub matched_tokens: u64,
 }
 
 /// The load side of a decision: one snapshot, the dispatches since its readings, and the instant that

@@ -44,7 +44,6 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
-use crate::policy::OwnerMatch;
 use crate::worker::WorkerId;
 
 /// The most blocks one worker can hold: slots are `u32` and slot 0 is the list's sentinel, and one
@@ -60,6 +59,13 @@ pub struct OwnerIndex {
     shared: DashMap<u64, SharedOwners, KeyedHash>,
     /// One LRU per worker, indexed by [`WorkerId`].
     lrus: Box<[Mutex<Lru>]>,
+}
+
+/// One worker's match in the owner index: how many leading prompt tokens it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct OwnerMatch {
+    pub worker: WorkerId,
+    pub matched_tokens: u64,
 }
 
 /// What the index holds, for metrics and `cachepick explain`.

@@ -20,4 +20,4 @@ mod index;
 mod tests;
 
 pub use hash::{block_hashes, block_hashes_into, prefix_seed};
-pub use index::{IndexStats, OwnerIndex};
+pub use index::{IndexStats, OwnerIndex, OwnerMatch};

@@ -15,8 +15,7 @@ use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use super::{IndexStats, OwnerIndex, block_hashes, prefix_seed};
-use crate::policy::OwnerMatch;
+use super::{IndexStats, OwnerIndex, OwnerMatch, block_hashes, prefix_seed};
 use crate::worker::WorkerId;
 
 const BLOCK: NonZeroU32 = NonZeroU32::new(2).unwrap();

@@ -1,4 +1,6 @@
-//! Why a request body cannot be routed, with the HTTP status and the stable label each reason answers with.
+//! Why a request body cannot be routed; each error names its [`RefusalReason`] (status and label).
+
+use crate::protocol::RefusalReason;
 
 /// A body cachepick refuses, or a model no pool serves. Messages name the member at fault by its path in
 /// the body (`messages[2].content`) and, for a wrong type, what was expected and what was found.
@@ -36,33 +38,18 @@ impl BodyError {
     /// An unknown model is echoed in the message, but no more of it than a real model name needs.
     pub const MODEL_ECHO_CHARS: usize = 256;
 
-    /// The HTTP status to answer with.
-    pub fn status(&self) -> u16 {
+    /// Why the request is refused: the status and stable label it answers with.
+    pub fn reason(&self) -> RefusalReason {
         match self {
-            BodyError::TooLarge { .. } => 413,
-            BodyError::UnknownModel { .. } => 404,
-            BodyError::NotUtf8 { .. }
-            | BodyError::InvalidJson(_)
-            | BodyError::TooDeep { .. }
-            | BodyError::WrongType { .. }
-            | BodyError::MissingField(_)
-            | BodyError::EmptyPrompt { .. }
-            | BodyError::MissingModel => 400,
-        }
-    }
-
-    /// A stable snake_case label: the metrics label and the `type` of the JSON error answer.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            BodyError::TooLarge { .. } => "too_large",
-            BodyError::NotUtf8 { .. } => "not_utf8",
-            BodyError::InvalidJson(_) => "invalid_json",
-            BodyError::TooDeep { .. } => "too_deep",
-            BodyError::WrongType { .. } => "wrong_type",
-            BodyError::MissingField(_) => "missing_field",
-            BodyError::EmptyPrompt { .. } => "empty_prompt",
-            BodyError::MissingModel => "missing_model",
-            BodyError::UnknownModel { .. } => "unknown_model",
+            BodyError::TooLarge { .. } => RefusalReason::TooLarge,
+            BodyError::NotUtf8 { .. } => RefusalReason::NotUtf8,
+            BodyError::InvalidJson(_) => RefusalReason::InvalidJson,
+            BodyError::TooDeep { .. } => RefusalReason::TooDeep,
+            BodyError::WrongType { .. } => RefusalReason::WrongType,
+            BodyError::MissingField(_) => RefusalReason::MissingField,
+            BodyError::EmptyPrompt { .. } => RefusalReason::EmptyPrompt,
+            BodyError::MissingModel => RefusalReason::MissingModel,
+            BodyError::UnknownModel { .. } => RefusalReason::UnknownModel,
         }
     }
 

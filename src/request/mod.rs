@@ -82,8 +82,27 @@ impl Api {
 
     /// The API a request path names, by suffix and without its query string; `None` for any other path.
     pub fn of_path(path: &str) -> Option<Api> {
+        ApiPath::new(path).api
+    }
+}
+
+/// A request path without its query string, and the API it names: what routing reads of the path,
+/// computed once per request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ApiPath<'a> {
+    /// The path up to its `?`.
+    pub path: &'a str,
+    pub api: Option<Api>,
+}
+
+impl<'a> ApiPath<'a> {
+    /// The API comes from the path's suffix; the query string does not change it.
+    pub fn new(path: &'a str) -> Self {
         let path = path.split_once('?').map_or(path, |(path, _)| path);
-        Api::ALL.into_iter().find(|api| path.ends_with(api.path()))
+        ApiPath {
+            path,
+            api: Api::ALL.into_iter().find(|api| path.ends_with(api.path())),
+        }
     }
 }
 
@@ -135,12 +154,30 @@ pub fn model_of(body: &[u8]) -> Option<String> {
         .and_then(|only| only.model)
 }
 
-/// Reads the request at `path` from `body`, refusing a body over `max_body_bytes` unread.
+/// Reads the request at `path` from `body`, refusing a body over `max_body_bytes` unread: [`read`], then
+/// [`ReadBody::into_request`].
 pub fn parse<'a>(
     path: &str,
     body: &'a [u8],
     max_body_bytes: usize,
 ) -> Result<ParsedRequest<'a>, BodyError> {
+    read(Api::of_path(path), body, max_body_bytes)?.into_request()
+}
+
+/// A body read in its one pass, before the API decides which members make the prompt.
+pub struct ReadBody<'a> {
+    /// The API the path names; `None` picks it by the body's shape.
+    api: Option<Api>,
+    draft: body::Draft<'a>,
+}
+
+/// The first half of [`parse`]: size, UTF-8 and the one pass of serde_json, for the API of the request's
+/// path (`None` for a path that names none: every prompt member is read).
+pub fn read(
+    api: Option<Api>,
+    body: &[u8],
+    max_body_bytes: usize,
+) -> Result<ReadBody<'_>, BodyError> {
     if body.len() > max_body_bytes {
         return Err(BodyError::TooLarge {
             size: body.len(),
@@ -150,53 +187,69 @@ pub fn parse<'a>(
     let text = std::str::from_utf8(body).map_err(|error| BodyError::NotUtf8 {
         offset: error.valid_up_to(),
     })?;
-    let api = Api::of_path(path);
     let draft = body::read(text, api)?;
-    let api = match api {
-        Some(api) => api,
-        None => shape(&draft).ok_or_else(|| {
-            BodyError::MissingField(
-                "the body holds no prompt: expected `messages`, `prompt`, `text` or `input_ids`"
-                    .to_owned(),
-            )
-        })?,
-    };
-    let required =
-        |what: &str| BodyError::MissingField(format!("{what} is required for {}", api.path()));
-    let prompt = match api {
-        Api::ChatCompletions => {
-            let messages = draft.messages.ok_or_else(|| required("`messages`"))?;
-            let has_text = messages
-                .iter()
-                .any(|message| message.content.iter().any(|part| !part.is_empty()));
-            if !has_text {
-                return Err(BodyError::EmptyPrompt { field: "messages" });
+    Ok(ReadBody { api, draft })
+}
+
+impl<'a> ReadBody<'a> {
+    /// The body's `model`, whether or not it holds a usable prompt: enough to pick the pool of a request
+    /// routed by load alone.
+    pub fn model(&self) -> Option<Cow<'a, str>> {
+        self.draft.model.clone()
+    }
+
+    /// The second half of [`parse`]: the API (by shape, for a path that names none) and its prompt,
+    /// which must not be empty.
+    pub fn into_request(self) -> Result<ParsedRequest<'a>, BodyError> {
+        let ReadBody { api, draft } = self;
+        let api = match api {
+            Some(api) => api,
+            None => shape(&draft).ok_or_else(|| {
+                BodyError::MissingField(
+                    "the body holds no prompt: expected `messages`, `prompt`, `text` or `input_ids`"
+                        .to_owned(),
+                )
+            })?,
+        };
+        let required =
+            |what: &str| BodyError::MissingField(format!("{what} is required for {}", api.path()));
+        let prompt = match api {
+            Api::ChatCompletions => {
+                let messages = draft.messages.ok_or_else(|| required("`messages`"))?;
+                let has_text = messages
+                    .iter()
+                    .any(|message| message.content.iter().any(|part| !part.is_empty()));
+                if !has_text {
+                    return Err(BodyError::EmptyPrompt { field: "messages" });
+                }
+                Prompt::Chat {
+                    messages,
+                    tools: draft.tools,
+                }
             }
-            Prompt::Chat {
-                messages,
-                tools: draft.tools,
+            Api::Completions => {
+                non_empty(draft.prompt.ok_or_else(|| required("`prompt`"))?, "prompt")?
             }
-        }
-        Api::Completions => non_empty(draft.prompt.ok_or_else(|| required("`prompt`"))?, "prompt")?,
-        Api::Generate => match (draft.input_ids, draft.text) {
-            (Some(ids), _) => non_empty(ids, "input_ids")?,
-            (None, Some(text)) => non_empty(text, "text")?,
-            (None, None) => return Err(required("`text` or `input_ids`")),
-        },
-    };
-    let max_tokens = match api {
-        Api::ChatCompletions => draft.max_completion_tokens.or(draft.max_tokens),
-        Api::Completions => draft.max_tokens,
-        Api::Generate => draft.max_new_tokens,
-    };
-    Ok(ParsedRequest {
-        api,
-        model: draft.model,
-        prompt,
-        cache_salt: draft.cache_salt,
-        stream: draft.stream.unwrap_or(false),
-        max_tokens,
-    })
+            Api::Generate => match (draft.input_ids, draft.text) {
+                (Some(ids), _) => non_empty(ids, "input_ids")?,
+                (None, Some(text)) => non_empty(text, "text")?,
+                (None, None) => return Err(required("`text` or `input_ids`")),
+            },
+        };
+        let max_tokens = match api {
+            Api::ChatCompletions => draft.max_completion_tokens.or(draft.max_tokens),
+            Api::Completions => draft.max_tokens,
+            Api::Generate => draft.max_new_tokens,
+        };
+        Ok(ParsedRequest {
+            api,
+            model: draft.model,
+            prompt,
+            cache_salt: draft.cache_salt,
+            stream: draft.stream.unwrap_or(false),
+            max_tokens,
+        })
+    }
 }
 
 /// The API a body's members suggest, for a path that names none.
@@ -226,15 +279,19 @@ fn non_empty<'a>(prompt: Prompt<'a>, field: &'static str) -> Result<Prompt<'a>, 
 }
 
 /// The pool serving `model` and its index: the pool naming it exactly, else the default pool (`*`).
-pub fn select_pool<'c>(
-    pools: &'c [PoolConfig],
+pub fn select_pool<'c, P>(
+    pools: P,
     model: Option<&str>,
-) -> Result<(usize, &'c PoolConfig), BodyError> {
+) -> Result<(usize, &'c PoolConfig), BodyError>
+where
+    P: IntoIterator<Item = &'c PoolConfig>,
+    P::IntoIter: Clone,
+{
     let named = |pool: &&PoolConfig| match (&pool.model, model) {
         (ModelMatch::Exact(name), Some(model)) => name == model,
         _ => false,
     };
-    let mut pools = pools.iter().enumerate();
+    let mut pools = pools.into_iter().enumerate();
     let found = pools
         .clone()
         .find(|(_, pool)| named(pool))

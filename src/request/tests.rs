@@ -68,7 +68,7 @@ fn text(text: &str) -> Shape {
 
 fn parsed<'a>(path: &str, body: &'a str) -> ParsedRequest<'a> {
     parse(path, body.as_bytes(), LIMIT)
-        .unwrap_or_else(|error| panic!("{path} {body}: {error} ({})", error.kind()))
+        .unwrap_or_else(|error| panic!("{path} {body}: {error} ({})", error.reason().as_str()))
 }
 
 fn refused(path: &str, body: &[u8], limit: usize) -> BodyError {
@@ -404,7 +404,7 @@ fn each_refused_body_has_its_status_kind_and_message() {
     for (name, path, body, kind, status, message) in cases {
         let error = refused(path, &body, LIMIT);
         assert_eq!(
-            (error.kind(), error.status()),
+            (error.reason().as_str(), error.reason().status()),
             (kind, status),
             "{name}: {error}"
         );
@@ -423,14 +423,17 @@ fn a_body_over_the_limit_is_refused_unread() {
     let body = br#"{"prompt":"p"}"#;
     assert!(parse(COMPLETIONS, body, body.len()).is_ok());
     let error = refused(COMPLETIONS, body, body.len() - 1);
-    assert_eq!((error.kind(), error.status()), ("too_large", 413));
+    assert_eq!(
+        (error.reason().as_str(), error.reason().status()),
+        ("too_large", 413)
+    );
     assert_eq!(
         error.to_string(),
         "the request body has 14 bytes, more than max_body_bytes (13)"
     );
     // Not even UTF-8, but the size is all that is looked at.
     let error = refused(CHAT, &[0xff; 100], 99);
-    assert_eq!(error.kind(), "too_large");
+    assert_eq!(error.reason().as_str(), "too_large");
 }
 
 /// `depth` nested arrays (`[[…]]`) or objects (`{"a":{"a":…}}`) around `1`.
@@ -502,7 +505,7 @@ fn nesting_100000_deep_is_too_deep_wherever_it_is_and_overflows_no_small_stack()
             {
                 let error = refused(path, body.as_bytes(), 16 << 20);
                 assert_eq!(
-                    error.kind(),
+                    error.reason().as_str(),
                     "too_deep",
                     "{place}, objects: {objects}: {error}"
                 );
@@ -520,7 +523,7 @@ fn nesting_100000_deep_is_too_deep_wherever_it_is_and_overflows_no_small_stack()
             (format!(r#"{{"prompt":{deep}}}"#), "`prompt[0][0]`"),
         ] {
             let error = refused("/", body.as_bytes(), 16 << 20);
-            assert_eq!(error.kind(), "wrong_type", "{error}");
+            assert_eq!(error.reason().as_str(), "wrong_type", "{error}");
             assert!(error.to_string().starts_with(field), "{error}");
         }
     });
@@ -588,7 +591,7 @@ fn a_pool_is_chosen_by_exact_model_then_the_default() {
                 assert!(std::ptr::eq(pool, &pools[index]));
                 index
             })
-            .map_err(|error| (error.kind(), error.status()));
+            .map_err(|error| (error.reason().as_str(), error.reason().status()));
         assert_eq!(found, expected, "{model:?}");
     }
     let error = select_pool(&without, Some("c")).unwrap_err();
@@ -639,13 +642,13 @@ fn check(path: &str, body: &[u8], limit: usize) -> Result<(), TestCaseError> {
             prop_assert!(serde_json::from_slice::<serde_json::Value>(body).is_ok());
         }
         Err(error) => {
-            prop_assert_eq!(error.kind() == "too_large", body.len() > limit);
-            let status = match error.kind() {
+            prop_assert_eq!(error.reason().as_str() == "too_large", body.len() > limit);
+            let status = match error.reason().as_str() {
                 "too_large" => 413,
                 "unknown_model" => 404,
                 _ => 400,
             };
-            prop_assert_eq!(error.status(), status);
+            prop_assert_eq!(error.reason().status(), status);
         }
     }
     Ok(())

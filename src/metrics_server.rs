@@ -25,8 +25,9 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use crate::metrics::Metrics;
+use crate::protocol::error_json;
 
-/// What the debug endpoints read; implemented by the request service.
+/// What the debug endpoints read; `app` adapts the request service to it.
 pub trait DebugSource: Send + Sync + 'static {
     /// `GET /debug/snapshot`: JSON of every pool's current load snapshot as cachepick sees it.
     fn snapshot_json(&self) -> Vec<u8>;
@@ -219,12 +220,7 @@ fn not_allowed(allow: &'static str) -> Response<Full<Bytes>> {
 
 /// A JSON error in cachepick's (OpenAI's) shape: `{"error": {"message", "type"}}`.
 fn error(status: StatusCode, kind: &str, message: &str) -> Response<Full<Bytes>> {
-    let body = serde_json::json!({ "error": { "message": message, "type": kind } });
-    respond(
-        status,
-        JSON,
-        serde_json::to_vec(&body).unwrap_or_default().into(),
-    )
+    respond(status, JSON, error_json(kind, message).into())
 }
 
 fn respond(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Full<Bytes>> {

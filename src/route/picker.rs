@@ -1,15 +1,19 @@
-//! The request path, from body to decision: shared by the ext_proc server and `cachepick explain`.
+//! The picker: body → pool → tokens → block hashes → owners, then the policy and the commit, all on one
+//! snapshot of the pool's load.
 //!
 //! [`Picker::prepare`] parses the body, chooses the pool, tokenizes the prompt, hashes its full blocks
-//! and asks the pool's owner index who holds them. [`Picker::decide`] runs the policy on the pool's
-//! current snapshot. [`Picker::commit`] then records the decision synchronously — the selected worker
-//! now holds the prompt's blocks, and one more request is in flight there — so that a burst of identical
-//! prompts sees the first one's placement instead of all landing on the same idle worker.
+//! and asks the pool's owner index who holds them. [`Picker::pin`] then takes the pool's current load
+//! snapshot once, and every later step of the request reads that one: [`Pinned::workers_in`] maps the
+//! proxy's subset hint, [`Pinned::decide`] runs the policy, [`Pinned::commit`] records the decision
+//! synchronously — the selected worker now holds the prompt's blocks, and one more request is in flight
+//! there — so that a burst of identical prompts sees the first one's placement instead of all landing
+//! on the same idle worker — and [`Pinned::endpoints`] names the chosen workers.
 //!
 //! Each pool runs its own policy (`PoolConfig::policy`). The policy keeps no state, so a `round_robin`
 //! pool's turn comes from here: a per-pool counter, advanced once per decision.
 
 use std::borrow::Cow;
+use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,13 +23,13 @@ use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 
+use super::explain::Explanation;
 use crate::config::{Config, Mode, PoolConfig};
-use crate::load::PoolLoad;
-use crate::policy::{
-    self, Decision, LoadView, Outcome, OwnerMatch, Reject, RejectReason, RequestFacts, Trace,
-};
-use crate::prefix::{OwnerIndex, block_hashes, prefix_seed};
-use crate::request::{self, BodyError, Prompt};
+use crate::load::{PoolLoad, PoolSnapshot};
+use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
+use crate::prefix::{IndexStats, OwnerIndex, OwnerMatch, block_hashes, prefix_seed};
+use crate::protocol::RefusalReason;
+use crate::request::{self, ApiPath, BodyError, Prompt, ReadBody};
 use crate::tokenize::{ChatTurn, PoolTokenizer, TokenizeError};
 use crate::worker::WorkerId;
 
@@ -39,26 +43,27 @@ pub enum RequestError {
 }
 
 impl RequestError {
-    /// The HTTP status the client gets.
-    pub fn status(&self) -> u16 {
+    /// Why the request is refused: the status and stable label it answers with.
+    pub fn reason(&self) -> RefusalReason {
         match self {
-            RequestError::Body(error) => error.status(),
+            RequestError::Body(error) => error.reason(),
             // A template that cannot render this chat, or tools that are not JSON, are the request's
             // doing; a tokenizer failing on text is ours.
-            RequestError::Tokenize(TokenizeError::Render { .. } | TokenizeError::Tools(_)) => 400,
-            RequestError::Tokenize(_) => 500,
+            RequestError::Tokenize(TokenizeError::Render { .. } | TokenizeError::Tools(_)) => {
+                RefusalReason::Untokenizable
+            }
+            RequestError::Tokenize(_) => RefusalReason::TokenizerFailed,
         }
     }
 
-    /// A stable label for metrics and the JSON error `type`.
+    /// The HTTP status the client gets: `reason().status()`.
+    pub fn status(&self) -> u16 {
+        self.reason().status()
+    }
+
+    /// The stable label: `reason().as_str()`.
     pub fn kind(&self) -> &'static str {
-        match self {
-            RequestError::Body(error) => error.kind(),
-            RequestError::Tokenize(TokenizeError::Render { .. } | TokenizeError::Tools(_)) => {
-                "untokenizable"
-            }
-            RequestError::Tokenize(_) => "tokenizer_failed",
-        }
+        self.reason().as_str()
     }
 }
 
@@ -75,6 +80,7 @@ pub enum PickerError {
 
 /// One pool's runtime: its configuration, load, tokenizer and owner index.
 struct PoolRoute {
+    config: PoolConfig,
     load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
     index: OwnerIndex,
@@ -96,21 +102,9 @@ pub struct Prepared {
     pub owners: Vec<OwnerMatch>,
 }
 
-/// What `cachepick explain` and the debug endpoints report about one request body.
-#[derive(Debug, Serialize)]
-pub struct Explanation {
-    pub prepared: Prepared,
-    pub block_size: u32,
-    /// The decision the picker would make now (nothing is committed).
-    pub outcome: Outcome,
-    /// Endpoints by worker id, so the outcome's ids can be read.
-    pub endpoints: Vec<String>,
-}
-
 /// The request path for every pool of a configuration.
 pub struct Picker {
-    /// The pools' configurations, index-aligned with `pools`.
-    configs: Vec<PoolConfig>,
+    /// In configuration order: `Prepared::pool` indexes it.
     pools: Vec<PoolRoute>,
     max_body_bytes: usize,
 }
@@ -136,6 +130,7 @@ impl Picker {
                     .map(|worker| capacity_blocks(pool, worker.capacity.max_total_tokens))
                     .collect();
                 Ok(PoolRoute {
+                    config: pool.clone(),
                     load: Arc::clone(load),
                     tokenizer,
                     index: OwnerIndex::new(&capacities),
@@ -144,7 +139,6 @@ impl Picker {
             })
             .collect::<Result<_, PickerError>>()?;
         Ok(Picker {
-            configs: config.pools.clone(),
             pools,
             max_body_bytes: config.max_body_bytes.get(),
         })
@@ -152,11 +146,16 @@ impl Picker {
 
     /// Body → pool, tokens, block hashes and owners.
     pub fn prepare(&self, path: &str, body: &[u8]) -> Result<Prepared, RequestError> {
-        let parsed = request::parse(path, body, self.max_body_bytes)?;
-        let (pool_index, config) = request::select_pool(&self.configs, parsed.model.as_deref())?;
-        let Some(pool) = self.pools.get(pool_index) else {
-            return Err(RequestError::Body(BodyError::MissingModel));
-        };
+        let read = request::read(ApiPath::new(path).api, body, self.max_body_bytes)?;
+        self.prepare_read(read)
+    }
+
+    /// [`Picker::prepare`] of a body already read.
+    pub(super) fn prepare_read(&self, read: ReadBody<'_>) -> Result<Prepared, RequestError> {
+        let parsed = read.into_request()?;
+        let model = parsed.model.as_deref();
+        let (pool_index, pool) = self.select_pool(model)?;
+        let config = &pool.config;
         let tokens: Cow<'_, [u32]> = match &parsed.prompt {
             Prompt::Chat { messages, tools } => {
                 let turns: Vec<ChatTurn<'_>> = messages
@@ -176,8 +175,10 @@ impl Picker {
             }
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
-        let model = parsed.model.as_deref().unwrap_or(pool.load.label());
-        let seed = prefix_seed(model, parsed.cache_salt.as_deref());
+        let seed = prefix_seed(
+            model.unwrap_or(pool.load.label()),
+            parsed.cache_salt.as_deref(),
+        );
         let hashes = block_hashes(seed, &tokens, config.block_size);
         let owners = pool.index.matches(&hashes, config.block_size);
         Ok(Prepared {
@@ -190,16 +191,21 @@ impl Picker {
         })
     }
 
+    /// The pool serving `model`, and its index.
+    fn select_pool(&self, model: Option<&str>) -> Result<(usize, &PoolRoute), BodyError> {
+        let configs = self.pools.iter().map(|pool| &pool.config);
+        let (index, _) = request::select_pool(configs, model)?;
+        let pool = self.pools.get(index).ok_or(BodyError::MissingModel)?;
+        Ok((index, pool))
+    }
+
     /// A request without a prompt (a GET, or a POST to a non-generation API): the pool `model` names,
     /// else the default pool (`*`), else the first; no tokens and so no owners.
     pub fn prepare_passthrough(&self, model: Option<&str>) -> Result<Prepared, RequestError> {
-        let pool_index = match request::select_pool(&self.configs, model) {
-            Ok((index, _)) => index,
+        let (pool_index, pool) = match self.select_pool(model) {
+            Ok(found) => found,
             Err(error @ BodyError::UnknownModel { .. }) => return Err(error.into()),
-            Err(_) => 0,
-        };
-        let Some(pool) = self.pools.get(pool_index) else {
-            return Err(RequestError::Body(BodyError::MissingModel));
+            Err(_) => (0, self.pools.first().ok_or(BodyError::MissingModel)?),
         };
         Ok(Prepared {
             pool: pool_index,
@@ -211,33 +217,15 @@ impl Picker {
         })
     }
 
-    /// The workers of `pool` whose endpoints are in `subset` (the proxy's hint), in id order.
-    pub fn workers_in(&self, pool: usize, subset: &[std::net::SocketAddr]) -> Vec<WorkerId> {
-        self.pools.get(pool).map_or_else(Vec::new, |pool| {
-            pool.load
-                .snapshot()
-                .workers()
-                .iter()
-                .filter(|worker| subset.contains(&worker.endpoint))
-                .map(|worker| worker.id)
-                .collect()
+    /// The pool `prepared` names with its current load snapshot, taken once: every later step of the
+    /// request reads this one. `None` for a `Prepared` of another picker, whose pool does not exist here.
+    pub fn pin<'p>(&'p self, prepared: &'p Prepared) -> Option<Pinned<'p>> {
+        let pool = self.pools.get(prepared.pool)?;
+        Some(Pinned {
+            pool,
+            prepared,
+            snapshot: pool.load.snapshot(),
         })
-    }
-
-    /// The endpoint of worker `id` of `pool`.
-    pub fn endpoint(&self, pool: usize, id: WorkerId) -> Option<std::net::SocketAddr> {
-        let pool = self.pools.get(pool)?;
-        pool.load
-            .snapshot()
-            .worker(id)
-            .map(|worker| worker.endpoint)
-    }
-
-    /// The pool's prefix block size in tokens (0 for an unknown pool).
-    pub fn block_size(&self, pool: usize) -> u32 {
-        self.configs
-            .get(pool)
-            .map_or(0, |pool| pool.block_size.get())
     }
 
     pub fn max_body_bytes(&self) -> usize {
@@ -245,7 +233,7 @@ impl Picker {
     }
 
     /// Every pool's owner-index statistics, by pool label.
-    pub fn index_stats(&self) -> Vec<(String, crate::prefix::IndexStats)> {
+    pub fn index_stats(&self) -> Vec<(String, IndexStats)> {
         self.pools
             .iter()
             .map(|pool| (pool.load.label().to_owned(), pool.index.stats()))
@@ -261,8 +249,11 @@ impl Picker {
     ) -> Result<Explanation, RequestError> {
         let prepared = self.prepare(path, body)?;
         // Looks at the next turn without taking it: explaining routes nothing.
-        let outcome = self.decide_in_turn(&prepared, None, Instant::now(), false, rng);
-        let config = self.configs.get(prepared.pool);
+        let outcome = match self.pin(&prepared) {
+            Some(pinned) => pinned.decide_in_turn(None, Instant::now(), false, rng),
+            None => no_workers(),
+        };
+        let config = self.pools.get(prepared.pool).map(|pool| &pool.config);
         Ok(Explanation {
             block_size: config.map_or(0, |pool| pool.block_size.get()),
             endpoints: config
@@ -278,85 +269,125 @@ impl Picker {
         })
     }
 
-    /// Runs the pool's policy for a prepared request on its pool's current snapshot. Under `round_robin`
-    /// this takes the pool's next turn.
+    /// The pools' shared load states, in configuration order.
+    pub fn loads(&self) -> impl Iterator<Item = &Arc<PoolLoad>> {
+        self.pools.iter().map(|pool| &pool.load)
+    }
+}
+
+/// A prepared request on its pool's load snapshot, taken once by [`Picker::pin`]: the subset mapping,
+/// the decision, the commit and the endpoints all read this snapshot, so they cannot disagree.
+pub struct Pinned<'p> {
+    pool: &'p PoolRoute,
+    prepared: &'p Prepared,
+    snapshot: Arc<PoolSnapshot>,
+}
+
+impl<'p> Pinned<'p> {
+    /// The request.
+    pub fn prepared(&self) -> &'p Prepared {
+        self.prepared
+    }
+
+    /// The snapshot every step of this request reads.
+    pub fn snapshot(&self) -> &PoolSnapshot {
+        &self.snapshot
+    }
+
+    /// The pool's prefix block size in tokens.
+    pub fn block_size(&self) -> u32 {
+        self.pool.config.block_size.get()
+    }
+
+    /// The pool's workers whose endpoints are in `subset` (the proxy's hint), in id order.
+    pub fn workers_in(&self, subset: &[SocketAddr]) -> Vec<WorkerId> {
+        self.snapshot
+            .workers()
+            .iter()
+            .filter(|worker| subset.contains(&worker.endpoint))
+            .map(|worker| worker.id)
+            .collect()
+    }
+
+    /// Runs the pool's policy for the request. Under `round_robin` this takes the pool's next turn.
     pub fn decide<R: Rng + ?Sized>(
         &self,
-        prepared: &Prepared,
         allowed: Option<&[WorkerId]>,
         now: Instant,
         rng: &mut R,
     ) -> Outcome {
-        self.decide_in_turn(prepared, allowed, now, true, rng)
+        self.decide_in_turn(allowed, now, true, rng)
     }
 
     /// `decide`; `take_turn` false peeks at the round-robin turn instead of advancing it.
     fn decide_in_turn<R: Rng + ?Sized>(
         &self,
-        prepared: &Prepared,
         allowed: Option<&[WorkerId]>,
         now: Instant,
         take_turn: bool,
         rng: &mut R,
     ) -> Outcome {
-        let (Some(pool), Some(config)) = (
-            self.pools.get(prepared.pool),
-            self.configs.get(prepared.pool),
-        ) else {
-            // `prepare` only names pools that exist; a foreign `Prepared` has no workers here.
-            return Outcome::Reject(Reject {
-                reason: RejectReason::NoWorkers,
-                trace: Trace::default(),
-            });
-        };
-        let snapshot = pool.load.snapshot();
+        let pool = self.pool;
         let view = LoadView {
-            snapshot: &snapshot,
+            snapshot: &self.snapshot,
             dispatches: pool.load.dispatches(),
             now,
         };
         // Only round robin reads the sequence; other pools leave the counter alone.
-        let sequence = match config.policy.mode {
+        let sequence = match pool.config.policy.mode {
             Mode::RoundRobin if take_turn => pool.sequence.fetch_add(1, Ordering::Relaxed),
             Mode::RoundRobin => pool.sequence.load(Ordering::Relaxed),
             _ => 0,
         };
         let facts = RequestFacts {
-            prompt_tokens: prepared.prompt_tokens,
+            prompt_tokens: self.prepared.prompt_tokens,
             allowed,
             sequence,
         };
-        policy::decide(&facts, &prepared.owners, &view, &config.policy, rng)
+        policy::decide(
+            &facts,
+            &self.prepared.owners,
+            &view,
+            &pool.config.policy,
+            rng,
+        )
     }
 
     /// Records a routed request: its blocks now live on the selected worker, and one more request is in
     /// flight there.
-    pub fn commit(&self, prepared: &Prepared, decision: &Decision) {
-        let (Some(pool), Some(config)) = (
-            self.pools.get(prepared.pool),
-            self.configs.get(prepared.pool),
-        ) else {
-            return;
-        };
-        let snapshot = pool.load.snapshot();
-        // A worker the current roster no longer routes to gets nothing recorded, so a decision made just
-        // before its removal cannot bring its blocks back.
-        let Some(worker) = snapshot
+    pub fn commit(&self, decision: &Decision) {
+        // A worker the roster no longer routes to gets nothing recorded, so a decision cannot bring a
+        // removed worker's blocks back.
+        let Some(worker) = self
+            .snapshot
             .worker(decision.selected)
             .filter(|worker| worker.routable)
         else {
             return;
         };
-        let capacity = capacity_blocks(config, worker.capacity.max_total_tokens);
+        let pool = self.pool;
+        let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
         pool.index.set_capacity(decision.selected, capacity);
-        pool.index.insert(decision.selected, &prepared.block_hashes);
+        pool.index
+            .insert(decision.selected, &self.prepared.block_hashes);
         pool.load.dispatches().record(decision.selected);
     }
 
-    /// The pools' shared load states, in configuration order.
-    pub fn loads(&self) -> impl Iterator<Item = &Arc<PoolLoad>> {
-        self.pools.iter().map(|pool| &pool.load)
+    /// The selected worker's endpoint, then its fallbacks'.
+    pub fn endpoints(&self, decision: &Decision) -> Vec<SocketAddr> {
+        std::iter::once(decision.selected)
+            .chain(decision.fallbacks.iter().copied())
+            .filter_map(|id| self.snapshot.worker(id).map(|worker| worker.endpoint))
+            .collect()
     }
+}
+
+/// The outcome for a request whose pool has no workers here.
+fn no_workers() -> Outcome {
+    Outcome::Reject(Reject {
+        reason: RejectReason::NoWorkers,
+        trace: Trace::default(),
+    })
 }
 
 /// A prompt the tokenizer itself fails on (a regex backtracking limit on a megabyte of whitespace, say)
@@ -368,11 +399,8 @@ fn untokenized_as_empty(
     match tokens {
         Err(TokenizeError::Encode(error)) => {
             // One line in 64: a client can send such prompts on purpose.
-            static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            if FAILURES
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                .is_multiple_of(64)
-            {
+            static FAILURES: AtomicU64 = AtomicU64::new(0);
+            if FAILURES.fetch_add(1, Ordering::Relaxed).is_multiple_of(64) {
                 tracing::warn!(%error, "the tokenizer failed on a prompt; routed without prefix information (logged 1 in 64)");
             }
             Ok(Vec::new())
@@ -437,10 +465,11 @@ pools:
     /// Routes and commits; (worker, reason).
     fn route(picker: &Picker, model: &str, rng: &mut SmallRng) -> (u32, Reason) {
         let prepared = picker.prepare("/v1/completions", &body(model)).unwrap();
-        let Outcome::Route(decision) = picker.decide(&prepared, None, Instant::now(), rng) else {
+        let pinned = picker.pin(&prepared).unwrap();
+        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), rng) else {
             panic!("rejected")
         };
-        picker.commit(&prepared, &decision);
+        pinned.commit(&decision);
         (decision.selected.0, decision.reason)
     }
 

@@ -2,7 +2,8 @@
 //! commits, counts and logs, and answers in domain terms that `extproc` translates into Envoy's.
 //!
 //! It never sees a protobuf type: `extproc` hands it the request's path, its body (or none, for a
-//! header-only request) and the proxy's subset hint as addresses, and gets back an [`Answer`].
+//! header-only request) and the proxy's subset hint as addresses, and gets back an [`Answer`]: a
+//! [`Routed`] request or a [`Refusal`], whose [`RefusalReason`] carries the status and label.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,15 +12,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::explain::Explanation;
+use super::picker::{Picker, Pinned, Prepared, RequestError};
 use crate::load::PoolView;
 use crate::metrics::Metrics;
-use crate::picker::{Explanation, Picker, Prepared, RequestError};
-use crate::policy::{Decision, Gate, Outcome, Reason};
-use crate::request::{self, Api};
-
-/// The `x-cachepick-decision` of a request without a prompt (a GET, or a POST to a non-generation API
-/// such as `/v1/embeddings`): routed by load alone, not a decision of the ladder.
-pub const PASSTHROUGH: &str = "passthrough";
+use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
+use crate::protocol::{PASSTHROUGH, RefusalReason};
+use crate::request::{self, ApiPath};
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -56,18 +55,24 @@ impl Routed {
     }
 }
 
-/// Why a request is answered by cachepick itself instead of a worker.
+/// A request answered by cachepick itself instead of a worker.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Refusal {
-    /// HTTP status for the client: 400 bad body, 404 unknown model, 413 too large, 503 no worker.
-    pub status: u16,
-    /// Stable label, also the JSON error `type` and the `x-cachepick-reject-reason` header.
-    pub reason: &'static str,
+    /// The status and the stable label (also the JSON error `type` and `x-cachepick-reject-reason`).
+    pub reason: RefusalReason,
     pub message: String,
     /// The pool, when one was selected.
     pub pool: Option<String>,
 }
 
+impl Refusal {
+    /// The HTTP status for the client.
+    pub fn status(&self) -> u16 {
+        self.reason.status()
+    }
+}
+
+/// What cachepick answers a request with: route it, or refuse it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Answer {
     Route(Routed),
@@ -79,6 +84,15 @@ impl Answer {
         match self {
             Answer::Route(routed) => Some(&routed.pool),
             Answer::Refuse(refusal) => refusal.pool.as_deref(),
+        }
+    }
+}
+
+impl From<RejectReason> for RefusalReason {
+    /// The policy's reasons for routing nowhere, as the wire answers them.
+    fn from(reason: RejectReason) -> Self {
+        match reason {
+            RejectReason::NoWorkers => RefusalReason::NoWorkers,
         }
     }
 }
@@ -118,6 +132,17 @@ impl Service {
         &self.metrics
     }
 
+    /// A refusal made before any pool was selected, counted like every other: the wire's own refusals
+    /// (a stalled or oversized body, an unsupported body mode) come through here too.
+    pub fn refuse(&self, reason: RefusalReason, message: String) -> Refusal {
+        self.metrics.record_rejection("none", reason);
+        Refusal {
+            reason,
+            message,
+            pool: None,
+        }
+    }
+
     /// Routes one request: `body` is `None` for a request without one; `subset` is the proxy's hint, the
     /// only endpoints it may pick.
     ///
@@ -125,25 +150,12 @@ impl Service {
     /// prompt. Anything else — a GET, a POST to another API — is routed by load alone to the pool its
     /// `model` names (else the default pool): a passthrough, neither a decision nor a prefix to learn.
     pub fn route(&self, path: &str, body: Option<&[u8]>, subset: Option<&[SocketAddr]>) -> Answer {
-        let generation = Api::of_path(path).is_some();
+        let path = ApiPath::new(path);
         let prepared = match body {
-            Some(body) => match self.picker.prepare(path, body) {
-                Ok(prepared) => Ok((prepared, false)),
-                Err(_) if !generation => self
-                    .picker
-                    .prepare_passthrough(request::model_of(body).as_deref())
-                    .map(|prepared| (prepared, true)),
-                Err(error) => Err(error),
-            },
-            None if generation => {
-                let message = format!("a request to {path} needs a JSON body with a prompt");
-                self.metrics.record_rejection("none", "missing_body");
-                return Answer::Refuse(Refusal {
-                    status: 400,
-                    reason: "missing_body",
-                    message,
-                    pool: None,
-                });
+            Some(body) => self.prepare(path, body),
+            None if path.api.is_some() => {
+                let message = format!("a request to {} needs a JSON body with a prompt", path.path);
+                return Answer::Refuse(self.refuse(RefusalReason::MissingBody, message));
             }
             None => self
                 .picker
@@ -154,43 +166,78 @@ impl Service {
             Ok(prepared) => prepared,
             Err(error) => return self.refuse_request(&error),
         };
-        let allowed = subset.map(|subset| self.picker.workers_in(prepared.pool, subset));
-        let outcome = self.picker.decide(
-            &prepared,
-            allowed.as_deref(),
-            Instant::now(),
-            &mut rand::rng(),
-        );
-        match outcome {
-            Outcome::Route(decision) if passthrough => self.passed_through(&prepared, &decision),
-            Outcome::Route(decision) => self.routed(&prepared, decision),
-            Outcome::Reject(reject) => {
-                let reason = reject.reason.as_str();
-                self.metrics.record_rejection(&prepared.pool_label, reason);
-                let message = match subset {
-                    Some(subset) => format!(
-                        "no routable worker of pool {} among the {} endpoint(s) the proxy allowed",
-                        prepared.pool_label,
-                        subset.len()
-                    ),
-                    None => format!("no routable worker in pool {}", prepared.pool_label),
-                };
-                tracing::debug!(pool = %prepared.pool_label, reason, "request rejected");
-                Answer::Refuse(Refusal {
-                    status: 503,
-                    reason,
-                    message,
-                    pool: Some(prepared.pool_label),
-                })
-            }
+        let Some(pinned) = self.picker.pin(&prepared) else {
+            // `prepare` only names pools that exist.
+            return self.no_workers(&prepared, subset);
+        };
+        let allowed = subset.map(|subset| pinned.workers_in(subset));
+        match pinned.decide(allowed.as_deref(), Instant::now(), &mut rand::rng()) {
+            Outcome::Route(decision) if passthrough => self.passed_through(&pinned, &decision),
+            Outcome::Route(decision) => self.routed(&pinned, decision),
+            Outcome::Reject(reject) => self.rejected(&prepared, reject.reason.into(), subset),
         }
+    }
+
+    /// The body → a prepared request, and whether it is a passthrough. The body is read once: a body
+    /// that reads but holds no usable prompt on a non-generation path is routed by the `model` it named.
+    fn prepare(&self, path: ApiPath<'_>, body: &[u8]) -> Result<(Prepared, bool), RequestError> {
+        let generation = path.api.is_some();
+        let read = match request::read(path.api, body, self.picker.max_body_bytes()) {
+            Ok(read) => read,
+            Err(error) if generation => return Err(error.into()),
+            // A body the reader refuses on another API (not JSON, say): a lenient look for its model.
+            Err(_) => {
+                return self
+                    .picker
+                    .prepare_passthrough(request::model_of(body).as_deref())
+                    .map(|prepared| (prepared, true));
+            }
+        };
+        let model = read.model();
+        match self.picker.prepare_read(read) {
+            Ok(prepared) => Ok((prepared, false)),
+            Err(_) if !generation => self
+                .picker
+                .prepare_passthrough(model.as_deref())
+                .map(|prepared| (prepared, true)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// The policy found no worker: 503, counted under the pool.
+    fn rejected(
+        &self,
+        prepared: &Prepared,
+        reason: RefusalReason,
+        subset: Option<&[SocketAddr]>,
+    ) -> Answer {
+        self.metrics.record_rejection(&prepared.pool_label, reason);
+        let message = match subset {
+            Some(subset) => format!(
+                "no routable worker of pool {} among the {} endpoint(s) the proxy allowed",
+                prepared.pool_label,
+                subset.len()
+            ),
+            None => format!("no routable worker in pool {}", prepared.pool_label),
+        };
+        tracing::debug!(pool = %prepared.pool_label, reason = reason.as_str(), "request rejected");
+        Answer::Refuse(Refusal {
+            reason,
+            message,
+            pool: Some(prepared.pool_label.clone()),
+        })
+    }
+
+    fn no_workers(&self, prepared: &Prepared, subset: Option<&[SocketAddr]>) -> Answer {
+        self.rejected(prepared, RefusalReason::NoWorkers, subset)
     }
 
     /// A request without a prompt: routed to the least-loaded sample, nothing committed (it leaves no
     /// prefix behind), counted apart from decisions so it does not dilute the hit-rate metrics.
-    fn passed_through(&self, prepared: &Prepared, decision: &Decision) -> Answer {
+    fn passed_through(&self, pinned: &Pinned<'_>, decision: &Decision) -> Answer {
+        let prepared = pinned.prepared();
         self.metrics.record_passthrough(&prepared.pool_label);
-        let endpoints = self.endpoints(prepared, decision);
+        let endpoints = pinned.endpoints(decision);
         tracing::debug!(pool = %prepared.pool_label, selected = ?endpoints.first(), "passthrough");
         Answer::Route(Routed {
             pool: prepared.pool_label.clone(),
@@ -202,13 +249,6 @@ impl Service {
         })
     }
 
-    fn endpoints(&self, prepared: &Prepared, decision: &Decision) -> Vec<SocketAddr> {
-        std::iter::once(decision.selected)
-            .chain(decision.fallbacks.iter().copied())
-            .filter_map(|id| self.picker.endpoint(prepared.pool, id))
-            .collect()
-    }
-
     /// Body received → answer sent, measured by the wire.
     pub fn observe_latency(&self, answer: &Answer, seconds: f64) {
         self.metrics
@@ -216,21 +256,16 @@ impl Service {
     }
 
     fn refuse_request(&self, error: &RequestError) -> Answer {
-        let reason = error.kind();
-        self.metrics.record_rejection("none", reason);
-        tracing::debug!(reason, %error, "request refused");
-        Answer::Refuse(Refusal {
-            status: error.status(),
-            reason,
-            message: error.to_string(),
-            pool: None,
-        })
+        let reason = error.reason();
+        tracing::debug!(reason = reason.as_str(), %error, "request refused");
+        Answer::Refuse(self.refuse(reason, error.to_string()))
     }
 
-    fn routed(&self, prepared: &Prepared, decision: Decision) -> Answer {
-        self.picker.commit(prepared, &decision);
-        let endpoints = self.endpoints(prepared, &decision);
-        let block_size = self.picker.block_size(prepared.pool).max(1);
+    fn routed(&self, pinned: &Pinned<'_>, decision: Decision) -> Answer {
+        let prepared = pinned.prepared();
+        pinned.commit(&decision);
+        let endpoints = pinned.endpoints(&decision);
+        let block_size = pinned.block_size().max(1);
         let diverted_blocks = decision
             .diverted_tokens()
             .map(|tokens| tokens / u64::from(block_size));
@@ -323,29 +358,4 @@ impl Service {
     pub fn max_body_bytes(&self) -> usize {
         self.picker.max_body_bytes()
     }
-}
-
-impl crate::admin::DebugSource for Service {
-    fn snapshot_json(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(&self.snapshot()).unwrap_or_default()
-    }
-
-    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
-        match self.explain(path, body) {
-            Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
-            Err(error) => Err((error.status(), error_json(error.kind(), &error.to_string()))),
-        }
-    }
-
-    fn max_body_bytes(&self) -> usize {
-        self.picker.max_body_bytes()
-    }
-}
-
-/// The JSON error body cachepick answers with: `{"error": {"message", "type"}}`, OpenAI's shape.
-pub fn error_json(kind: &str, message: &str) -> Vec<u8> {
-    serde_json::to_vec(&serde_json::json!({
-        "error": { "message": message, "type": kind }
-    }))
-    .unwrap_or_default()
 }

@@ -1,0 +1,188 @@
+//! The names cachepick speaks on the wire, in one place: the Endpoint Picker Protocol's header and
+//! metadata keys, cachepick's own `x-cachepick-*` headers, the gRPC health service names, and the
+//! `passthrough` decision label, and the reasons (status and label) cachepick refuses a request with.
+//!
+//! `extproc` writes them, the Envoy bootstrap generator (`envoy_config`) configures Envoy to read them,
+//! and the tests read them back; none of those owns them, so none defines them. No protobuf here: these
+//! are plain strings.
+
+/// The Endpoint Picker Protocol's destination header and metadata key: the selected worker, then its
+/// fallbacks, `ip:port[,ip:port…]`; `override_host` and `ORIGINAL_DST` read it.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// Dynamic metadata namespace Envoy's `override_host` and ORIGINAL_DST read the destination from.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Metadata namespace and key of the proxy's subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+
+/// Every request header with this prefix is cachepick's to set: a client's copies never reach a worker.
+pub const OWNED_PREFIX: &str = "x-cachepick-";
+/// The decision's reason (or [`PASSTHROUGH`]); Envoy's virtual clusters match on it.
+pub const DECISION_HEADER: &str = "x-cachepick-decision";
+/// The selected worker alone (no fallbacks): what an ORIGINAL_DST cluster, which reads one address,
+/// connects to.
+pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
+/// Leading prompt tokens the selected worker is credited with holding.
+pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
+/// The stable label of a refusal, on cachepick's own (immediate) answers.
+pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
+
+/// The [`DECISION_HEADER`] of a request without a prompt (a GET, or a POST to a non-generation API
+/// such as `/v1/embeddings`): routed by load alone, not a decision of the ladder.
+pub const PASSTHROUGH: &str = "passthrough";
+
+/// gRPC health service names, as the Gateway API Inference Extension expects them.
+pub const LIVENESS: &str = "liveness";
+pub const READINESS: &str = "readiness";
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The JSON error body cachepick answers with: `{"error": {"message", "type"}}`, OpenAI's shape.
+pub fn error_json(kind: &str, message: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "error": { "message": message, "type": kind }
+    }))
+    .unwrap_or_default()
+}
+
+/// Why cachepick answers a request itself instead of routing it: one variant per reason, each with the
+/// HTTP status the client gets and the stable label that appears in [`REJECT_HEADER`], as the JSON
+/// error's `type`, in the ImmediateResponse's details (`cachepick_<label>`) and in
+/// `cachepick_rejections_total{reason}`. The labels are part of the public interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalReason {
+    // The body (`request::BodyError`).
+    /// The body is larger than `max_body_bytes` (read whole, or streamed past it in duplex mode).
+    TooLarge,
+    NotUtf8,
+    InvalidJson,
+    TooDeep,
+    WrongType,
+    MissingField,
+    EmptyPrompt,
+    /// The request names no model and no pool is the default (`*`).
+    MissingModel,
+    /// No pool serves the model the request names.
+    UnknownModel,
+    // The request path.
+    /// A generation API requested without a body.
+    MissingBody,
+    /// The chat template cannot render the request, or its tools are not JSON: the request's doing.
+    Untokenizable,
+    /// The tokenizer failed on the prompt: ours.
+    TokenizerFailed,
+    /// No routable worker in the pool (within the proxy's subset hint, if any).
+    NoWorkers,
+    // The wire (`extproc`).
+    /// The rest of the request did not arrive within the per-message deadline.
+    BodyTimeout,
+    /// The ext_proc filter sends the body in a mode cachepick cannot decide on.
+    UnsupportedBodyMode,
+    /// cachepick failed to decide.
+    Internal,
+}
+
+impl RefusalReason {
+    pub const ALL: [RefusalReason; 16] = [
+        RefusalReason::TooLarge,
+        RefusalReason::NotUtf8,
+        RefusalReason::InvalidJson,
+        RefusalReason::TooDeep,
+        RefusalReason::WrongType,
+        RefusalReason::MissingField,
+        RefusalReason::EmptyPrompt,
+        RefusalReason::MissingModel,
+        RefusalReason::UnknownModel,
+        RefusalReason::MissingBody,
+        RefusalReason::Untokenizable,
+        RefusalReason::TokenizerFailed,
+        RefusalReason::NoWorkers,
+        RefusalReason::BodyTimeout,
+        RefusalReason::UnsupportedBodyMode,
+        RefusalReason::Internal,
+    ];
+
+    /// The HTTP status the client gets.
+    pub fn status(self) -> u16 {
+        match self {
+            RefusalReason::NotUtf8
+            | RefusalReason::InvalidJson
+            | RefusalReason::TooDeep
+            | RefusalReason::WrongType
+            | RefusalReason::MissingField
+            | RefusalReason::EmptyPrompt
+            | RefusalReason::MissingModel
+            | RefusalReason::MissingBody
+            | RefusalReason::Untokenizable => 400,
+            RefusalReason::UnknownModel => 404,
+            RefusalReason::BodyTimeout => 408,
+            RefusalReason::TooLarge => 413,
+            RefusalReason::TokenizerFailed
+            | RefusalReason::UnsupportedBodyMode
+            | RefusalReason::Internal => 500,
+            RefusalReason::NoWorkers => 503,
+        }
+    }
+
+    /// The stable snake_case label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalReason::TooLarge => "too_large",
+            RefusalReason::NotUtf8 => "not_utf8",
+            RefusalReason::InvalidJson => "invalid_json",
+            RefusalReason::TooDeep => "too_deep",
+            RefusalReason::WrongType => "wrong_type",
+            RefusalReason::MissingField => "missing_field",
+            RefusalReason::EmptyPrompt => "empty_prompt",
+            RefusalReason::MissingModel => "missing_model",
+            RefusalReason::UnknownModel => "unknown_model",
+            RefusalReason::MissingBody => "missing_body",
+            RefusalReason::Untokenizable => "untokenizable",
+            RefusalReason::TokenizerFailed => "tokenizer_failed",
+            RefusalReason::NoWorkers => "no_workers",
+            RefusalReason::BodyTimeout => "body_timeout",
+            RefusalReason::UnsupportedBodyMode => "unsupported_body_mode",
+            RefusalReason::Internal => "internal",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusal_labels_are_distinct_snake_case_and_serialize_as_themselves() {
+        let labels: std::collections::BTreeSet<&str> = RefusalReason::ALL
+            .iter()
+            .map(|reason| reason.as_str())
+            .collect();
+        assert_eq!(labels.len(), RefusalReason::ALL.len());
+        for reason in RefusalReason::ALL {
+            let label = reason.as_str();
+            assert!(
+                label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{label}"
+            );
+            assert_eq!(
+                serde_json::to_value(reason).ok(),
+                Some(serde_json::Value::from(label))
+            );
+        }
+    }
+
+    #[test]
+    fn cachepicks_headers_carry_the_prefix_envoy_strips() {
+        for header in [
+            DECISION_HEADER,
+            SELECTED_HEADER,
+            PREFIX_TOKENS_HEADER,
+            REJECT_HEADER,
+        ] {
+            assert!(header.starts_with(OWNED_PREFIX), "{header}");
+        }
+        assert!(!DESTINATION.starts_with(OWNED_PREFIX));
+    }
+}

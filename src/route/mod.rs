@@ -1,0 +1,28 @@
+//! The request path: body → pool → tokens → block hashes → owners → decision → commit, and the answer.
+//!
+//! - [`picker`](Picker): per pool its configuration, load, tokenizer and owner index; `prepare` (body →
+//!   owners) and, on one load snapshot taken per request ([`Pinned`]), the subset mapping, the decision,
+//!   the commit and the endpoints.
+//! - [`Service`]: one call per request between the wire and the picker — prepare, decide, commit, count,
+//!   log — answering [`Answer::Route`] or [`Answer::Refuse`] in domain terms; every refusal carries a
+//!   [`RefusalReason`].
+//! - [`Explanation`]: what `cachepick explain` and the debug endpoints report, and its text form.
+//!
+//! Nothing here sees a protobuf type or a server: `extproc` translates answers to Envoy's, and `app`
+//! adapts the service to the debug endpoints.
+// The hot path: every problem is a typed error or a refusal, never a panic.
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod explain;
+mod picker;
+mod service;
+
+pub use crate::protocol::RefusalReason;
+pub use explain::{Explanation, render_explanation};
+pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
+pub use service::{Answer, Refusal, Routed, Service};
