@@ -96,7 +96,19 @@ fn crate_modules(text: &str) -> Vec<String> {
         let rest = &code[at + "crate::".len()..];
         if let Some(group) = rest.strip_prefix('{') {
             let group = &group[..group.find(';').unwrap_or(group.len())];
-            for part in group.split(',') {
+            // Only the group's own items name modules: `f::{G, H}` is module `f`, not `H`.
+            let mut depth = 0_i32;
+            let mut parts = vec![String::new()];
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => parts.push(String::new()),
+                    _ if depth == 0 => parts.last_mut().expect("one part").push(c),
+                    _ => {}
+                }
+            }
+            for part in &parts {
                 let name: String = part
                     .trim_start_matches(|c: char| c.is_whitespace() || c == '{')
                     .chars()
@@ -145,4 +157,60 @@ fn the_simulator_crate_depends_on_no_product_crate() {
             );
         }
     }
+}
+
+/// The product's modules in layers, lowest first. A module imports only modules of lower layers: no
+/// upward arrow (the owner index reaching up to the policy for its own answer type, the scraper
+/// reaching up to the metrics), and so no cycle.
+const LAYERS: [&[&str]; 8] = [
+    &["worker", "protocol"],
+    &["config"],
+    &["request", "tokenize", "prefix", "load"],
+    &["policy"],
+    &["metrics"],
+    &["route"],
+    &["extproc", "metrics_server", "envoy_config"],
+    &["app"],
+];
+
+fn layer_of(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|layer| layer.contains(&module))
+}
+
+#[test]
+fn product_modules_import_only_lower_layers() {
+    let mut offenders = Vec::new();
+    for (path, text) in sources() {
+        let Some(top) = path
+            .components()
+            .next()
+            .and_then(|first| first.as_os_str().to_str())
+            .map(|name| name.trim_end_matches(".rs").to_owned())
+        else {
+            continue;
+        };
+        if top == "lib" {
+            continue;
+        }
+        let Some(own) = layer_of(&top) else {
+            offenders.push(format!(
+                "{} is in no layer: add it to LAYERS",
+                path.display()
+            ));
+            continue;
+        };
+        for module in crate_modules(&text) {
+            if module == top {
+                continue;
+            }
+            match layer_of(&module) {
+                Some(layer) if layer < own => {}
+                _ => offenders.push(format!("{} imports crate::{module}", path.display())),
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "upward or unknown imports: {offenders:#?}"
+    );
 }
