@@ -131,3 +131,41 @@ fn the_simulator_shares_no_code_with_the_routing_path() {
         "the simulator reaches into the routing path: {offenders:?}"
     );
 }
+
+/// Dependencies point down: the modules below never import the ones above them (test code excepted).
+#[test]
+fn lower_modules_do_not_import_upper_ones() {
+    let rules: [(&str, &[&str]); 4] = [
+        ("protocol.rs", &["crate::"]),
+        (
+            "prefix",
+            &["crate::policy", "crate::route", "crate::metrics"],
+        ),
+        ("load", &["crate::metrics", "crate::route", "crate::app"]),
+        (
+            "route",
+            &["crate::metrics_server", "crate::extproc", "crate::app"],
+        ),
+    ];
+    let offenders: Vec<String> = sources()
+        .into_iter()
+        .flat_map(|(path, text)| {
+            let code = text
+                .split("#[cfg(test)]")
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            rules
+                .iter()
+                .filter(|(module, _)| path.starts_with(module))
+                .flat_map(|(_, forbidden)| forbidden.iter())
+                .filter(|needle| code.contains(**needle))
+                .map(|needle| format!("{} uses {needle}", path.display()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "an import points up the layers: {offenders:?}"
+    );
+}
