@@ -45,13 +45,14 @@ fuzz_target!(|input: (u8, u16, &[u8])| {
             assert!(!empty, "{request:?}");
         }
         Err(error) => {
-            assert_eq!(error.kind() == "too_large", body.len() > limit, "{error}");
-            let status = match error.kind() {
+            let reason = error.reason();
+            assert_eq!(reason.as_str() == "too_large", body.len() > limit, "{error}");
+            let status = match reason.as_str() {
                 "too_large" => 413,
                 "unknown_model" => 404,
                 _ => 400,
             };
-            assert_eq!(error.status(), status, "{error}");
+            assert_eq!(reason.status(), status, "{error}");
             assert!(!error.to_string().is_empty());
         }
     }

@@ -142,8 +142,10 @@ pub struct Message<'a> {
     pub content: Vec<Cow<'a, str>>,
 }
 
-/// The `model` of a JSON body that is not a generation request (`/v1/embeddings`, say), if it has one:
-/// enough to pick the pool for a request routed by load alone. Anything unreadable is `None`.
+/// The `model` of a JSON body that is not a generation request, looked for leniently: for a body that
+/// [`read`] refuses (a `/v1/embeddings` body that is not UTF-8 or nests too deep, say), so a request
+/// routed by load alone still reaches its model's pool. A body that reads gives its model through
+/// [`ReadBody::model`] instead. Anything unreadable here is `None`.
 pub fn model_of(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct ModelOnly {

@@ -1,0 +1,275 @@
+//! `cachepick envoy-config`: the Envoy bootstrap that puts cachepick in front of a fleet, generated from
+//! the same validated [`Config`] cachepick runs with, so the two never drift.
+//!
+//! [`render`] writes a complete, static Envoy v3 bootstrap (checked against the real Envoy 1.40 by
+//! `tests/envoy_config.rs`, which also keeps the shipped `envoy/*.yaml` equal to this output):
+//!
+//! - a listener whose connection manager has receive-side deadlines ([`REQUEST_HEADERS_TIMEOUT`],
+//!   [`REQUEST_TIMEOUT`]), and a route whose body buffer limit is `max_body_bytes` and which puts no
+//!   deadline on the response (generations run for minutes);
+//! - a virtual host `llm` with one virtual cluster per decision [`Reason`] plus [`PASSTHROUGH`], matched
+//!   on [`DECISION_HEADER`], so Envoy's `/stats` count requests and latencies per decision;
+//! - a filter chain `header_mutation` (drops every client-sent `x-cachepick-*` header and
+//!   [`DESTINATION`]) → `ext_proc` (cachepick) → `router`;
+//! - the `workers` cluster: every prefill-capable worker, with the `override_host` load-balancing policy
+//!   that follows [`DESTINATION`] (or the `envoy.lb` metadata) and falls back to least-request — or, in
+//!   [`BodyMode::OriginalDst`], an `ORIGINAL_DST` cluster, the form GIE gateways use;
+//! - the `cachepick` cluster (gRPC, so HTTP/2) at the picker's address.
+//!
+//! The output is deterministic: the same configuration and options give the same bytes.
+//!
+//! This file is the model (modes, options, the fixed names and deadlines); `yaml.rs` is the writer,
+//! `listener.rs` and `clusters.rs` the sections it writes.
+//!
+//! [`Reason`]: crate::policy::Reason
+//! [`PASSTHROUGH`]: crate::protocol::PASSTHROUGH
+//! [`DECISION_HEADER`]: crate::protocol::DECISION_HEADER
+//! [`DESTINATION`]: crate::protocol::DESTINATION
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::config::Config;
+
+mod clusters;
+mod listener;
+mod yaml;
+
+use clusters::{original_dst_cluster, picker_cluster, workers_cluster};
+use listener::{admin, header, listener};
+use yaml::Yaml;
+
+/// Envoy's name for the ext_proc filter, also the key of its per-route config.
+pub const EXT_PROC_FILTER: &str = "envoy.filters.http.ext_proc";
+/// The HTTP connection manager's `request_headers_timeout`: a client has this long to send its request
+/// headers (from their first byte).
+pub const REQUEST_HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
+/// The HTTP connection manager's `request_timeout`: a client has this long to send its whole request,
+/// body included. Envoy disarms it once the request has gone upstream or the response has begun, so it
+/// never cuts a generation (`tests/envoy_config.rs` checks both sides against a live Envoy).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How Envoy hands the request body to cachepick, and how it steers to the chosen worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BodyMode {
+    /// Envoy buffers the whole body (up to `max_body_bytes`) and sends it in one message;
+    /// `override_host` steers, least-request is the fallback.
+    Buffered,
+    /// `FULL_DUPLEX_STREAMED`: the body streams to cachepick, which buffers it and streams it back, so
+    /// Envoy holds no copy; `override_host` steers. The Endpoint Picker Protocol's required mode.
+    Duplex,
+    /// Buffered body, but an `ORIGINAL_DST` cluster that connects to whatever address the header names
+    /// (the GIE gateway form). Envoy does not know the fleet, so there is no fallback: without a picker
+    /// answer the request gets 503.
+    OriginalDst,
+}
+
+impl BodyMode {
+    pub const ALL: [BodyMode; 3] = [BodyMode::Buffered, BodyMode::Duplex, BodyMode::OriginalDst];
+
+    /// The `--mode` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BodyMode::Buffered => "buffered",
+            BodyMode::Duplex => "duplex",
+            BodyMode::OriginalDst => "original-dst",
+        }
+    }
+
+    /// The file under `envoy/` that ships this mode's configuration for `examples/cachepick.yaml`.
+    pub fn shipped_file(self) -> &'static str {
+        match self {
+            BodyMode::Buffered => "envoy.yaml",
+            BodyMode::Duplex => "envoy-duplex.yaml",
+            BodyMode::OriginalDst => "envoy-original-dst.yaml",
+        }
+    }
+}
+
+impl fmt::Display for BodyMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for BodyMode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        BodyMode::ALL
+            .into_iter()
+            .find(|mode| mode.as_str() == text)
+            .ok_or_else(|| format!("expected buffered, duplex or original-dst, got `{text}`"))
+    }
+}
+
+/// What the generated bootstrap needs beyond the cachepick configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvoyOptions {
+    pub mode: BodyMode,
+    /// Envoy's HTTP listener, where clients send LLM requests.
+    pub listen: SocketAddr,
+    /// Envoy's admin interface (`/stats`, `/ready`); it can reconfigure and stop Envoy, so keep it local.
+    pub admin: SocketAddr,
+    /// Where Envoy reaches cachepick's ext_proc server; [`picker_address`] of `config.listen` by default.
+    pub picker: SocketAddr,
+    /// Per-message ext_proc deadline (not used by [`BodyMode::Duplex`], where Envoy applies none).
+    pub message_timeout: Duration,
+    /// How the configuration file was named on the command line, echoed in the header comment so the
+    /// file says how to regenerate it; `None` writes a placeholder.
+    pub source: Option<String>,
+}
+
+impl EnvoyOptions {
+    /// Loopback, as everything cachepick binds by default: exposing the gateway is a deliberate choice
+    /// (`--envoy-listen 0.0.0.0:10000`).
+    pub const DEFAULT_LISTEN: SocketAddr =
+        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10000));
+    pub const DEFAULT_ADMIN: SocketAddr =
+        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9901));
+    /// Envoy's own default is 200 ms, which tokenizing a prompt of a few MiB can exceed.
+    pub const DEFAULT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
+
+    /// The defaults for `config`: buffered mode, loopback listener and admin, the picker at
+    /// [`picker_address`] of `config.listen`. Change a field with struct-update syntax.
+    pub fn for_config(config: &Config) -> Self {
+        EnvoyOptions {
+            mode: BodyMode::Buffered,
+            listen: Self::DEFAULT_LISTEN,
+            admin: Self::DEFAULT_ADMIN,
+            picker: picker_address(config.listen),
+            message_timeout: Self::DEFAULT_MESSAGE_TIMEOUT,
+            source: None,
+        }
+    }
+}
+
+/// The address Envoy dials for a cachepick listening on `listen`: an unspecified address (`0.0.0.0`,
+/// `::`) means "every interface", and loopback is the one Envoy can certainly reach.
+pub fn picker_address(listen: SocketAddr) -> SocketAddr {
+    match listen.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => {
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listen.port())
+        }
+        IpAddr::V6(ip) if ip.is_unspecified() => {
+            SocketAddr::new(Ipv6Addr::LOCALHOST.into(), listen.port())
+        }
+        _ => listen,
+    }
+}
+
+/// The complete Envoy bootstrap YAML for `config`.
+pub fn render(config: &Config, options: &EnvoyOptions) -> String {
+    let mut out = Yaml::default();
+    header(&mut out, config, options);
+    admin(&mut out, options);
+    out.line(0, "");
+    out.line(0, "static_resources:");
+    listener(&mut out, config, options);
+    out.line(2, "clusters:");
+    match options.mode {
+        BodyMode::Buffered | BodyMode::Duplex => workers_cluster(&mut out, config),
+        BodyMode::OriginalDst => original_dst_cluster(&mut out, config),
+    }
+    picker_cluster(&mut out, options);
+    out.text
+}
+
+/// Name of the cluster the route sends requests to.
+fn upstream_cluster(mode: BodyMode) -> &'static str {
+    match mode {
+        BodyMode::Buffered | BodyMode::Duplex => "workers",
+        BodyMode::OriginalDst => "workers_original_dst",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::yaml::duration;
+    use super::*;
+    use crate::config::{self, Overrides};
+
+    fn config(yaml: &str) -> Config {
+        config::parse(yaml, "test.yaml", &Overrides::default()).expect("valid config")
+    }
+
+    const TWO: &str = "listen: 0.0.0.0:9002\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:8001\"}\n      - {endpoint: \"127.0.0.1:8002\", role: decode}\n      - {endpoint: \"[::1]:8003\"}\n";
+
+    #[test]
+    fn modes_round_trip_through_their_names() {
+        for mode in BodyMode::ALL {
+            assert_eq!(mode.as_str().parse::<BodyMode>(), Ok(mode));
+        }
+        assert!("streamed".parse::<BodyMode>().is_err());
+    }
+
+    #[test]
+    fn the_picker_is_dialled_on_loopback_when_cachepick_listens_everywhere() {
+        let options = EnvoyOptions::for_config(&config(TWO));
+        assert_eq!(options.picker, "127.0.0.1:9002".parse().expect("addr"));
+        assert_eq!(
+            picker_address("[::]:7".parse().expect("addr")),
+            "[::1]:7".parse().expect("addr")
+        );
+        let specific: SocketAddr = "10.1.1.1:9002".parse().expect("addr");
+        assert_eq!(picker_address(specific), specific);
+    }
+
+    #[test]
+    fn only_prefill_capable_workers_are_upstream_hosts() {
+        let yaml = render(&config(TWO), &EnvoyOptions::for_config(&config(TWO)));
+        assert!(yaml.contains("socket_address: {address: \"127.0.0.1\", port_value: 8001}"));
+        assert!(yaml.contains("socket_address: {address: \"::1\", port_value: 8003}"));
+        assert!(!yaml.contains("port_value: 8002}"));
+        let comments: Vec<&str> = yaml
+            .lines()
+            .filter_map(|line| line.trim_start().strip_prefix('#'))
+            .collect();
+        let comments = comments
+            .join(" ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(comments.contains(
+            "decode-only (cachepick never sends a request there, so the fallback must not): 127.0.0.1:8002."
+        ));
+    }
+
+    #[test]
+    fn the_output_is_deterministic_and_sized_from_the_config() {
+        let config = config(TWO);
+        let options = EnvoyOptions {
+            mode: BodyMode::Duplex,
+            ..EnvoyOptions::for_config(&config)
+        };
+        let yaml = render(&config, &options);
+        assert_eq!(yaml, render(&config, &options));
+        assert!(yaml.contains(&format!(
+            "request_body_buffer_limit: {}",
+            Config::DEFAULT_MAX_BODY_BYTES
+        )));
+        // The listener keeps Envoy's default per-connection buffer (only the comment names the field).
+        assert!(!yaml.lines().any(|line| {
+            line.trim_start()
+                .starts_with("per_connection_buffer_limit_bytes:")
+        }));
+        assert!(yaml.contains("request_headers_timeout: 10s\n"));
+        assert!(yaml.contains("request_timeout: 60s\n"));
+        assert!(yaml.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
+        assert!(
+            !yaml
+                .lines()
+                .any(|line| line.trim_start().starts_with("message_timeout:"))
+        );
+        assert!(yaml.contains("num_retries: 2"));
+    }
+
+    #[test]
+    fn durations_use_envoys_json_form() {
+        assert_eq!(duration(Duration::from_secs(2)), "2s");
+        assert_eq!(duration(Duration::from_millis(250)), "0.250s");
+        assert_eq!(duration(Duration::from_millis(1500)), "1.500s");
+    }
+}

@@ -1,0 +1,87 @@
+//! The YAML writer: indented lines and wrapped comment blocks, and the value forms Envoy reads.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Comment lines are wrapped to this many columns, indentation included.
+const COMMENT_WIDTH: usize = 108;
+
+/// The bootstrap being written, line by line.
+#[derive(Default)]
+pub(super) struct Yaml {
+    pub(super) text: String,
+}
+
+impl Yaml {
+    pub(super) fn line(&mut self, indent: usize, text: &str) {
+        for _ in 0..indent {
+            self.text.push(' ');
+        }
+        self.text.push_str(text);
+        self.text.push('\n');
+    }
+
+    /// A comment block. Consecutive entries form one paragraph, re-wrapped to [`COMMENT_WIDTH`]; an empty
+    /// entry separates paragraphs; an entry starting with a space is kept verbatim on its own line.
+    pub(super) fn comment(&mut self, indent: usize, entries: &[&str]) {
+        let width = COMMENT_WIDTH.saturating_sub(indent + 2).max(40);
+        let mut paragraph: Vec<&str> = Vec::new();
+        for entry in entries {
+            if entry.is_empty() || entry.starts_with(' ') {
+                self.paragraph(indent, width, &paragraph);
+                paragraph.clear();
+                if entry.is_empty() {
+                    self.line(indent, "#");
+                } else {
+                    self.line(indent, &format!("#{entry}"));
+                }
+            } else {
+                paragraph.extend(entry.split_whitespace());
+            }
+        }
+        self.paragraph(indent, width, &paragraph);
+    }
+
+    fn paragraph(&mut self, indent: usize, width: usize, words: &[&str]) {
+        let mut current = String::new();
+        for word in words {
+            if !current.is_empty() && current.len() + 1 + word.len() > width {
+                self.line(indent, &format!("# {current}"));
+                current.clear();
+            }
+            if !current.is_empty() {
+                current.push(' ');
+            }
+            current.push_str(word);
+        }
+        if !current.is_empty() {
+            self.line(indent, &format!("# {current}"));
+        }
+    }
+
+    pub(super) fn socket_address(&mut self, indent: usize, addr: SocketAddr) {
+        self.line(
+            indent,
+            &format!(
+                "socket_address: {{address: \"{}\", port_value: {}}}",
+                addr.ip(),
+                addr.port()
+            ),
+        );
+    }
+}
+
+/// Printable on one comment line: no control characters.
+pub(super) fn one_line(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
+}
+
+/// An Envoy `Duration` in its JSON form: whole seconds, or seconds with milliseconds.
+pub(super) fn duration(value: Duration) -> String {
+    match value.subsec_millis() {
+        0 => format!("{}s", value.as_secs()),
+        millis => format!("{}.{millis:03}s", value.as_secs()),
+    }
+}
