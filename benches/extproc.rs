@@ -19,19 +19,18 @@
 #![allow(clippy::disallowed_methods)] // a benchmark picks its instants
 
 use std::hint::black_box;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cachepick::app::{self, AppError};
-use cachepick::config::{self, Config, Overrides};
+use cachepick::config::{Config, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
 use cachepick::route::{Answer, Picker, Service};
-use cachepick_rig::client::{self, Client, Verdict};
+use cachepick_rig::client::{Client, Verdict};
+use cachepick_rig::stage::{Stage, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
-use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
@@ -41,8 +40,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     external_processor_client::ExternalProcessorClient, processing_request, processing_response,
 };
 use tokio::runtime::Runtime;
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
@@ -54,13 +52,6 @@ const BLOCK_SIZE: u32 = 64;
 /// client forgot and h2 answers each with a reset of its own; after 1,024 of those h2 closes the
 /// connection (`too_many_internal_resets`). A fresh client every this many decisions stays clear of it.
 const DECISIONS_PER_CONNECTION: u64 = 500;
-
-/// A loopback port nothing listens on right now.
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("an ephemeral loopback port")
-}
 
 /// The pipeline bench's chat: `turns` user/assistant pairs after a system prompt, `words` words each.
 fn chat(turns: usize, words: usize) -> Vec<u8> {
@@ -95,15 +86,14 @@ fn small_chat() -> Vec<u8> {
 /// The fleet, the picker serving it over gRPC, and an in-process service over the same fleet.
 struct Bench {
     runtime: Runtime,
-    _fleet: Fleet,
+    /// The fleet and the picker serving it over gRPC.
+    stage: Stage,
     listen: SocketAddr,
     /// envoy-types' generated client on its own HTTP/2 connection, for Envoy's message order.
     raw: ExternalProcessorClient<Channel>,
     /// The baseline: a second picker with its own scraper, called directly.
     service: Arc<Service>,
-    shutdown: oneshot::Sender<()>,
     stop_scraper: watch::Sender<bool>,
-    served: JoinHandle<Result<(), AppError>>,
 }
 
 impl Bench {
@@ -116,31 +106,14 @@ impl Bench {
         let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(WORKERS).unwrap());
         sim.tokenizer = TokenizerConfig::default(); // tiktoken o200k_base
         sim.block_size = NonZeroU32::new(BLOCK_SIZE).unwrap();
-        let fleet = runtime
-            .block_on(Fleet::start(&sim))
-            .expect("the fleet starts");
-        let yaml = fleet.cachepick_config();
-        let overrides = Overrides {
-            listen: Some(free_port()),
-            metrics_listen: Some(free_port()),
-            ..Overrides::default()
-        };
-        let config = config::parse(&yaml, "extproc bench", &overrides).unwrap();
+        let stage = runtime
+            .block_on(Stage::start(&sim, |generated| {
+                on_free_ports(generated, "extproc bench", Overrides::default())
+            }))
+            .expect("the fleet and the picker start");
+        let config = stage.config().clone();
         let listen = config.listen;
-        let (shutdown, stopped) = oneshot::channel::<()>();
-        let served = {
-            let config = config.clone();
-            runtime.spawn(async move {
-                app::run(&config, async move {
-                    let _ = stopped.await;
-                })
-                .await
-            })
-        };
         let raw = runtime.block_on(async {
-            client::wait_ready(listen, Duration::from_secs(20))
-                .await
-                .expect("the picker becomes ready");
             let channel = Endpoint::from_shared(format!("http://{listen}"))
                 .unwrap()
                 .connect()
@@ -151,13 +124,11 @@ impl Bench {
         let (stop_scraper, service) = baseline(&runtime, &config);
         Bench {
             runtime,
-            _fleet: fleet,
+            stage,
             listen,
             raw,
             service,
-            shutdown,
             stop_scraper,
-            served,
         }
     }
 
@@ -179,10 +150,8 @@ impl Bench {
 
     fn stop(self) {
         let _ = self.stop_scraper.send(true);
-        let _ = self.shutdown.send(());
         self.runtime
-            .block_on(self.served)
-            .expect("app::run did not panic")
+            .block_on(self.stage.stop())
             .expect("app::run ended cleanly");
     }
 }

@@ -34,16 +34,14 @@ use hyper_util::client::legacy::Client as Legacy;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
-use cachepick::app::AppError;
 use cachepick::config::{self, Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
 use cachepick::policy::Reason;
 use cachepick::protocol::{
     DECISION_HEADER, DESTINATION, PASSTHROUGH, PREFIX_TOKENS_HEADER, REJECT_HEADER,
 };
+use cachepick_rig::stage::{Picker, READY_WITHIN};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
@@ -117,8 +115,8 @@ struct Stack {
     http: Legacy<HttpConnector, Full<Bytes>>,
     /// The simulator client, for the workers' admin routes and cachepick's metrics listener.
     sim: Client,
-    shutdown: Option<oneshot::Sender<()>>,
-    picker: Option<JoinHandle<Result<(), AppError>>>,
+    /// Stopped through its shutdown when the stack is dropped, or by `stop_picker`.
+    picker: Option<Picker>,
 }
 
 impl Stack {
@@ -175,20 +173,8 @@ impl Stack {
         )
         .unwrap_or_else(|error| panic!("{error}\n{effective}"));
         assert_eq!(config.load.freshness, FRESHNESS, "{effective}");
-        let (shutdown, stopped) = oneshot::channel::<()>();
-        let picker = {
-            let config = config.clone();
-            tokio::spawn(async move {
-                cachepick::app::run(&config, async move {
-                    let _ = stopped.await;
-                })
-                .await
-            })
-        };
-        if let Err(error) =
-            cachepick_rig::client::wait_ready(config.listen, Duration::from_secs(15)).await
-        {
-            picker.abort();
+        let mut picker = Picker::spawn(config.clone());
+        if let Err(error) = picker.ready(READY_WITHIN).await {
             panic!("cachepick on {} is not ready: {error}", config.listen);
         }
 
@@ -214,7 +200,6 @@ impl Stack {
             gateway,
             http,
             sim: Client::new(),
-            shutdown: Some(shutdown),
             picker: Some(picker),
         }
     }
@@ -391,25 +376,10 @@ impl Stack {
 
     /// Stops cachepick through its shutdown future; `app::run` must return `Ok` in time.
     async fn stop_picker(&mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        let task = self.picker.take().expect("the picker runs");
-        let result = bounded("cachepick stops", DEADLINE, task)
+        let picker = self.picker.take().expect("the picker runs");
+        bounded("cachepick stops", DEADLINE, picker.stop())
             .await
-            .expect("the picker task does not panic");
-        result.expect("cachepick stops cleanly");
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        if let Some(task) = self.picker.take() {
-            task.abort();
-        }
+            .expect("cachepick stops cleanly");
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
@@ -27,20 +27,19 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as Legacy;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Status, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-use cachepick::app::AppError;
 use cachepick::config::{self, Overrides};
 use cachepick::extproc::{
     DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
     READINESS, REJECT_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
+use cachepick_rig::stage::Picker;
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
@@ -62,8 +61,7 @@ pub async fn bounded<T>(what: &str, limit: Duration, future: impl Future<Output 
 
 /// A loopback port nothing listens on right now.
 pub fn free_port() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("the bound address")
+    cachepick_rig::free_port().expect("an ephemeral loopback port")
 }
 
 /// A simulated vLLM fleet with the byte tokenizer, 16-token blocks and a fast clock, and a cachepick
@@ -75,8 +73,7 @@ pub struct Harness {
     pub metrics_listen: SocketAddr,
     pub max_body_bytes: usize,
     channel: Channel,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<Result<(), AppError>>>,
+    picker: Option<Picker>,
     /// How long `start` took until readiness.
     pub ready_after: Duration,
 }
@@ -121,22 +118,15 @@ impl Harness {
             .unwrap_or_else(|error| panic!("{error}\n{yaml}"));
         let (listen, metrics_listen) = (config.listen, config.metrics_listen);
         let max_body_bytes = config.max_body_bytes.get();
-        let (shutdown, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            cachepick::app::run(&config, async move {
-                let _ = stopped.await;
-            })
-            .await
-        });
-        let channel = connect(listen, &task).await;
+        let picker = Picker::spawn(config);
+        let channel = connect(listen, &picker).await;
         let mut harness = Harness {
             fleet,
             listen,
             metrics_listen,
             max_body_bytes,
             channel,
-            shutdown: Some(shutdown),
-            task: Some(task),
+            picker: Some(picker),
             ready_after: Duration::ZERO,
         };
         // Liveness holds as soon as the server answers; readiness follows the first scrape round, and
@@ -256,35 +246,19 @@ impl Harness {
 
     /// Stops cachepick through its shutdown future and checks that `app::run` returns `Ok` in time.
     pub async fn stop(mut self) {
-        let shutdown = self.shutdown.take();
-        let task = self.task.take().expect("running");
-        if let Some(shutdown) = shutdown {
-            let _ = shutdown.send(());
-        }
-        let ended = bounded("app::run returns after shutdown", DEADLINE, task).await;
-        ended
-            .expect("app::run did not panic")
+        let picker = self.picker.take().expect("running");
+        bounded("app::run returns after shutdown", DEADLINE, picker.stop())
+            .await
             .expect("app::run ended cleanly");
     }
 }
 
-impl Drop for Harness {
-    fn drop(&mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-    }
-}
-
 /// Connects to the picker as soon as it listens (it binds inside `app::run`).
-async fn connect(addr: SocketAddr, task: &JoinHandle<Result<(), AppError>>) -> Channel {
+async fn connect(addr: SocketAddr, picker: &Picker) -> Channel {
     let deadline = Instant::now() + DEADLINE;
     loop {
         assert!(
-            !task.is_finished(),
+            !picker.has_ended(),
             "app::run ended before it served (see the test output)"
         );
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))

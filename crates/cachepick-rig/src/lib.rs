@@ -5,7 +5,10 @@
 //! - [`envoy`]: finding the Envoy binary and running it with the configuration cachepick generates.
 //! - [`replay`]: `cachepick replay` — a Mooncake trace or the burst scenario, once per routing policy on
 //!   a fresh simulated fleet; prefix-hit rate, TTFT, balance and reasons as a table, JSON and SVG.
-//! - [`demo`]: `cachepick demo` — fleet, picker and Envoy on one machine, a bursty workload, a report.
+//! - [`demo`]: `cachepick demo` — one replay of the burst workload with the fleet's policy, through
+//!   Envoy when installed, and a short report.
+//! - [`stage`]: the fleet, cachepick through `app::run` with a named shutdown, and optionally Envoy:
+//!   what replay, the demo, the integration tests and the benches stand on.
 //!
 //! This crate depends on both `cachepick` and `cachepick-sim`; neither depends on it, so nothing in
 //! the product can reach the rig (Cargo refuses the cycle).
@@ -14,6 +17,7 @@ pub mod client;
 pub mod demo;
 pub mod envoy;
 pub mod replay;
+pub mod stage;
 
 use std::net::{SocketAddr, TcpListener};
 use std::num::NonZeroU32;

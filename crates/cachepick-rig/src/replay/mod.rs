@@ -17,15 +17,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tokio::sync::watch;
 
 use cachepick::config::{self, Config};
-use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig, SimOverrides};
 
 use crate::client::Client as PickerClient;
-use crate::envoy;
-use crate::{free_port, nz};
+use crate::nz;
+use crate::stage::{Stage, StageError, on_free_ports};
 use drive::Route;
 use report::{PolicyReport, Skipped};
 use trace::{Item, PromptBuilder};
@@ -173,13 +171,11 @@ pub enum ReplayError {
     #[error(transparent)]
     Config(#[from] config::ConfigError),
     #[error(transparent)]
-    Fleet(#[from] cachepick_sim::fleet::FleetError),
+    Stage(#[from] StageError),
     #[error("unknown policy `{0}`; known: {1}")]
     UnknownPolicy(String, String),
     #[error("--speedup must be a positive number, got {0}")]
     Speedup(f64),
-    #[error("cannot find a free loopback port: {0}")]
-    Port(std::io::Error),
     #[error("the picker did not become ready: {0}")]
     Picker(String),
     #[error("Envoy: {0}")]
@@ -255,28 +251,23 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64) -> SimConfig {
 
 /// Applies the `policy:` section `policy` to the generated cachepick configuration `generated`, on fresh
 /// loopback ports, and validates the result.
-pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, ReplayError> {
-    let mut root: serde_yaml::Value = serde_yaml::from_str(generated).map_err(|error| {
-        ReplayError::Picker(format!("the generated configuration is not YAML: {error}"))
-    })?;
-    let section: serde_yaml::Value = serde_yaml::from_str(policy)
-        .map_err(|error| ReplayError::Picker(format!("the policy section is not YAML: {error}")))?;
+pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, StageError> {
+    let invalid = |what: &str, error: serde_yaml::Error| {
+        StageError::NotReady(format!("{what} is not YAML: {error}"))
+    };
+    let mut root: serde_yaml::Value = serde_yaml::from_str(generated)
+        .map_err(|error| invalid("the generated configuration", error))?;
+    let section: serde_yaml::Value =
+        serde_yaml::from_str(policy).map_err(|error| invalid("the policy section", error))?;
     if let serde_yaml::Value::Mapping(map) = &mut root {
         map.insert("policy".into(), section);
     }
-    let text = serde_yaml::to_string(&root).map_err(|error| {
-        ReplayError::Picker(format!("cannot render the configuration: {error}"))
-    })?;
-    let overrides = config::Overrides {
-        listen: Some(free_port().map_err(ReplayError::Port)?),
-        metrics_listen: Some(free_port().map_err(ReplayError::Port)?),
-        ..config::Overrides::default()
-    };
-    Ok(config::parse(
+    let text = serde_yaml::to_string(&root).map_err(|error| invalid("the configuration", error))?;
+    on_free_ports(
         &text,
         "the replay configuration",
-        &overrides,
-    )?)
+        config::Overrides::default(),
+    )
 }
 
 /// Runs the replay: every policy in turn on a fresh fleet, then writes the report and the charts.
@@ -467,61 +458,34 @@ async fn run_policy(
     phases: &[&str],
     bucket: Duration,
 ) -> Result<PolicyReport, ReplayError> {
-    let fleet = Fleet::start(sim).await?;
-    let config = apply_policy(&fleet.cachepick_config(), yaml)?;
-    let (stop, stopped) = watch::channel(false);
-    let picker = {
-        let config = config.clone();
-        let mut stopped = stopped.clone();
-        tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            };
-            cachepick::app::run(&config, shutdown).await
-        })
-    };
-    let outcome = async {
-        crate::client::wait_ready(config.listen, Duration::from_secs(15))
-            .await
-            .map_err(|error| ReplayError::Picker(error.to_string()))?;
-        let envoy = match envoy_path {
-            Some(path) => Some(
-                envoy::Envoy::start(path, &config)
-                    .await
-                    .map_err(ReplayError::Envoy)?,
-            ),
-            None => None,
-        };
-        let route = match &envoy {
-            Some(envoy) => Route::Envoy(envoy.listen),
-            None => Route::Direct(
-                PickerClient::connect(config.listen)
-                    .await
-                    .map_err(|error| ReplayError::Picker(error.to_string()))?,
-            ),
-        };
-        let started = Instant::now();
-        let samples = drive::drive(
-            &route,
-            items,
-            prompts,
-            &sim.model,
-            speedup,
-            options.max_in_flight,
-        )
-        .await;
-        let wall = started.elapsed();
-        drop(envoy);
-        let workers = drive::per_worker(&samples, &fleet.endpoints());
-        Ok(PolicyReport::new(
-            name, yaml, &samples, workers, phases, bucket, wall,
-        ))
+    let mut stage = Stage::start(sim, |generated| apply_policy(generated, yaml)).await?;
+    if let Some(path) = envoy_path {
+        stage = stage.with_envoy(path).await?;
     }
+    let route = match &stage.envoy {
+        Some(envoy) => Route::Envoy(envoy.listen),
+        None => Route::Direct(
+            PickerClient::connect(stage.picker.listen())
+                .await
+                .map_err(|error| ReplayError::Picker(error.to_string()))?,
+        ),
+    };
+    let started = Instant::now();
+    let samples = drive::drive(
+        &route,
+        items,
+        prompts,
+        &sim.model,
+        speedup,
+        options.max_in_flight,
+    )
     .await;
-    let _ = stop.send(true);
-    let _ = picker.await;
-    drop(fleet);
-    outcome
+    let wall = started.elapsed();
+    let workers = drive::per_worker(&samples, &stage.fleet.endpoints());
+    stage.stop().await?;
+    Ok(PolicyReport::new(
+        name, yaml, &samples, workers, phases, bucket, wall,
+    ))
 }
 
 fn write(path: &Path, contents: &str) -> Result<(), ReplayError> {
