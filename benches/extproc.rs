@@ -16,7 +16,12 @@
 //! - `in_process`: `Service::route` (what the gRPC handler calls: prepare, decide, commit, metrics) on
 //!   a second picker over the same fleet, in the same run, so the difference is the gRPC/HTTP/2 layer.
 
-#![allow(clippy::disallowed_methods)] // a benchmark picks its instants
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::hint::black_box;
 use std::net::SocketAddr;

@@ -3,7 +3,12 @@
 //! Run: `cargo bench --bench pipeline`. Cold means a fresh picker (empty segment cache); warm means the
 //! same conversation was routed before, so its segments are cached and its blocks are in the index.
 
-#![allow(clippy::disallowed_methods)] // a benchmark picks its instants
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::hint::black_box;
 use std::sync::Arc;

@@ -2,6 +2,13 @@
 //!
 //! Run: `cargo bench --bench policy`. Figures go to BENCHMARKS.md with the machine they came from.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::hint::black_box;
 use std::net::SocketAddr;
 use std::num::{NonZeroU64, NonZeroUsize};
@@ -56,7 +63,6 @@ fn fleet(n: usize, now: Instant, saturated: bool) -> (PoolSnapshot, Vec<OwnerMat
     )
 }
 
-#[allow(clippy::disallowed_methods)] // the benchmark, not the policy, picks the instant
 fn bench_decide(c: &mut Criterion) {
     let config = PolicyConfig {
         mode: Mode::CacheAware(CacheAwareKnobs {

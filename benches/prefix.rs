@@ -12,6 +12,12 @@
 //!
 //! Run: `cargo bench --bench prefix`. Figures go to BENCHMARKS.md with the machine they came from.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 // Measuring memory needs a global allocator, which is unsafe to implement; this file is the workspace's
 // one exception to its `unsafe_code` denial.
 #![allow(unsafe_code)]

@@ -1,8 +1,12 @@
 //! The `cachepick.v1.Admin` gRPC API end to end: a real picker (`app::run`) on loopback ports, its two
 //! workers at addresses where nothing listens, queried with the generated tonic client.
 
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};

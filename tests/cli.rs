@@ -1,5 +1,12 @@
 //! The `cachepick` binary as an operator runs it: real processes, real files, real sockets.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 mod support;
 
 use std::io::{BufRead, BufReader, Write};

@@ -6,9 +6,12 @@
 //!
 //! None of these tests skips: without Envoy they fail, saying why.
 
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 #[path = "support/envoy.rs"]
 mod envoy;

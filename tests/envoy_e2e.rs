@@ -12,9 +12,12 @@
 //! Every stack binds ephemeral loopback ports and every wait is bounded, so a broken piece fails the
 //! test instead of hanging it. Envoy is never skipped: `envoy::binary()` provisions it or panics.
 
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 #[path = "support/envoy.rs"]
 mod envoy;

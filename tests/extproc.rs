@@ -10,9 +10,12 @@
 //! above tonic's default 4 MiB decode limit; the metrics and debug endpoints; and a client that goes
 //! away mid-stream.
 
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 #[path = "support/picker.rs"]
 mod picker;

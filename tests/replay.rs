@@ -1,8 +1,12 @@
 //! `cachepick replay` end to end through the real binary: a tiny Mooncake trace over ext_proc, and a
 //! tiny burst scenario through the real Envoy, so the tool cannot rot.
 
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 #[path = "support/envoy.rs"]
 mod envoy;

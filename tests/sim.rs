@@ -7,9 +7,12 @@
 //! first token is measured. State is frozen with `/admin/pause` rather than raced: a paused worker
 //! admits and queues requests but computes nothing, so what it reports stays put.
 
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 #[path = "support/sim_client.rs"]
 mod sim_client;

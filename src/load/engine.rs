@@ -8,13 +8,6 @@
 //! publishes one aggregate series therefore never has a complete reading, which is the honest answer —
 //! configure `dp_size: 1` for such an engine. A rank at or beyond `dp_size` is an error rather than
 //! something to skip: dropping it would make a worker with a too-small `dp_size` look idler than it is.
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use serde::Deserialize;
 use thiserror::Error;
 

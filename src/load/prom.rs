@@ -24,13 +24,6 @@
 //! skipped, and reading resumes at the next line. A line whose name is not wanted is never parsed, so
 //! its errors go uncounted; a line that does not start with a name at all is counted, since no filter
 //! could have meant it.
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use std::borrow::Cow;
 
 /// The blanks that may separate tokens within a line.

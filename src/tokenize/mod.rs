@@ -59,13 +59,6 @@
 //! difference occurs it is confined to the boundary: every token before the two segments that meet there
 //! is the same, and so is every token after them. Either way it is the same for every request that shares
 //! the segments, which is what prefix matching needs.
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 mod cache;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,12 @@
 //! A stand-in inference engine for scraping tests: a real HTTP/1.1 server on loopback whose `/metrics`
 //! (or any path) answers however the test sets it, switchable at run time.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 #![allow(dead_code)] // each test binary uses a different part
 
 use std::convert::Infallible;

@@ -6,10 +6,14 @@
 //!
 //! Use it with `#[path = "support/envoy.rs"] mod envoy;` so only the test binaries that need Envoy build it.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 #![allow(dead_code)]
 // each test binary uses a different part
-// Tests measure real time; the clock ban is for the code that decides.
-#![allow(clippy::disallowed_methods)]
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};

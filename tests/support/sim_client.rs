@@ -2,8 +2,13 @@
 //! (`eventsource-stream`) with the arrival time of every event, a reader of Prometheus text that shares
 //! no code with cachepick's, and helpers over the simulator's admin routes.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 #![allow(dead_code)] // not every test uses every helper
-#![allow(clippy::disallowed_methods)] // client-side latency is measured with the real clock
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -3,6 +3,13 @@
 //! `tests/cli.rs` and beside the features; this package's tests also make `cargo test` build the binary
 //! those tests run.)
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
 use std::io::Write;
 use std::process::Command;
 

@@ -45,13 +45,6 @@
 //! <|assistant|>\n                                     the generation prompt
 //! ```
 //!
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 mod backend;
 mod config;
 mod template;

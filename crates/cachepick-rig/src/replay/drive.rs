@@ -213,10 +213,9 @@ async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: 
         .filter_map(|event| serde_json::from_str::<serde_json::Value>(event.trim()).ok())
         .find_map(|event| event.get("usage").cloned().filter(|usage| !usage.is_null()));
     if let Some(usage) = usage {
-        sample.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-        sample.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
+        let count = |pointer: &str| usage.pointer(pointer).and_then(serde_json::Value::as_u64);
+        sample.prompt_tokens = count("/prompt_tokens").unwrap_or(0);
+        sample.cached_tokens = count("/prompt_tokens_details/cached_tokens").unwrap_or(0);
         if sample.status == 200 {
             sample.end = End::Ok;
         }

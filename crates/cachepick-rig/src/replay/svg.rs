@@ -252,7 +252,7 @@ pub fn ttft_cdf(reports: &[PolicyReport], caption: &str) -> String {
             }
             Series {
                 name: &r.policy,
-                color: COLORS[index % COLORS.len()],
+                color: color(index),
                 points,
             }
         })
@@ -288,7 +288,7 @@ pub fn timeline(reports: &[&PolicyReport], burst: (f64, f64), caption: &str) -> 
         .enumerate()
         .map(|(index, r)| Series {
             name: &r.policy,
-            color: COLORS[index % COLORS.len()],
+            color: color(index),
             points: r
                 .timeline
                 .iter()
@@ -301,7 +301,7 @@ pub fn timeline(reports: &[&PolicyReport], burst: (f64, f64), caption: &str) -> 
         .enumerate()
         .map(|(index, r)| Series {
             name: &r.policy,
-            color: COLORS[index % COLORS.len()],
+            color: color(index),
             points: r
                 .timeline
                 .iter()
@@ -340,4 +340,12 @@ pub fn timeline(reports: &[&PolicyReport], burst: (f64, f64), caption: &str) -> 
         ],
         caption,
     )
+}
+
+/// The `index`th series colour, cycling.
+fn color(index: usize) -> &'static str {
+    COLORS
+        .get(index % COLORS.len())
+        .copied()
+        .unwrap_or("#000000")
 }

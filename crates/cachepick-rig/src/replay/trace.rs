@@ -246,7 +246,7 @@ impl PromptBuilder {
                 let tag = format!("<{id:x}>");
                 out.push_str(&tag);
                 while out.len() - start < want {
-                    let word = WORDS[(rng.next() % WORDS.len() as u64) as usize];
+                    let word = word(rng.next());
                     out.push(' ');
                     out.push_str(word);
                 }
@@ -256,9 +256,9 @@ impl PromptBuilder {
                 for index in 0..tokens {
                     let word = if index == 0 {
                         // A distinct first word per id keeps blocks of different ids apart.
-                        WORDS[(id % WORDS.len() as u64) as usize]
+                        word(id)
                     } else {
-                        WORDS[(rng.next() % WORDS.len() as u64) as usize]
+                        word(rng.next())
                     };
                     out.push(' ');
                     out.push_str(word);
@@ -299,6 +299,14 @@ impl XorShift {
         }
         groups - 1
     }
+}
+
+/// The word `n` picks, cycling through [`WORDS`].
+fn word(n: u64) -> &'static str {
+    WORDS
+        .get((n % WORDS.len() as u64) as usize)
+        .copied()
+        .unwrap_or("the")
 }
 
 #[cfg(test)]
