@@ -14,6 +14,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 
 use super::trace::{Item, PromptBuilder};
+use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
+
 use crate::client::{Client as PickerClient, Verdict};
 
 /// Where requests go: through Envoy, or to the picker over ext_proc and then to the chosen worker.
@@ -143,9 +145,9 @@ async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: 
                 (
                     first,
                     vec![
-                        ("x-gateway-destination-endpoint", destination.join(",")),
-                        ("x-cachepick-decision", reason),
-                        ("x-cachepick-prefix-tokens", prefix_tokens.to_string()),
+                        (DESTINATION, destination.join(",")),
+                        (DECISION_HEADER, reason),
+                        (PREFIX_TOKENS_HEADER, prefix_tokens.to_string()),
                     ],
                 )
             }
@@ -181,12 +183,14 @@ async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: 
             .and_then(|value| value.to_str().ok())
             .map(str::to_owned)
     };
-    if let Some(reject) = header("x-cachepick-reject-reason") {
+    if let Some(reject) = header(REJECT_HEADER) {
         sample.reason = reject;
         sample.end = End::Rejected;
         return sample;
     }
-    sample.reason = header("x-sim-echo-x-cachepick-decision").unwrap_or_else(|| "none".to_owned());
+    // The simulated worker echoes the routing headers it received: the decision that steered it.
+    let echoed = format!("x-sim-echo-{DECISION_HEADER}");
+    sample.reason = header(&echoed).unwrap_or_else(|| "none".to_owned());
     sample.worker = header("x-served-by");
     let mut body = response.into_body();
     let mut tail = Vec::new();

@@ -47,17 +47,6 @@ pub enum Via {
     Direct,
 }
 
-impl std::str::FromStr for Via {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Via, String> {
-        match text {
-            "envoy" => Ok(Via::Envoy),
-            "direct" => Ok(Via::Direct),
-            other => Err(format!("expected envoy or direct, got `{other}`")),
-        }
-    }
-}
-
 /// What `cachepick replay` runs.
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {
