@@ -1,5 +1,3 @@
-#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
-
 use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
