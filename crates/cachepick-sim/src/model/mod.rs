@@ -321,19 +321,6 @@ impl RankModel {
         self.counters.rejected += 1;
     }
 
-    pub fn rank(&self) -> u32 {
-        self.rank
-    }
-
-    pub fn block_size(&self) -> NonZeroU32 {
-        self.block_size
-    }
-
-    /// Whether `id` is running or waiting on this rank.
-    pub fn is_live(&self, id: RequestId) -> bool {
-        self.running.contains_key(&id) || self.queue.contains_key(&id)
-    }
-
     fn refuse(&mut self, refusal: Refusal) -> Refusal {
         self.counters.rejected += 1;
         refusal
