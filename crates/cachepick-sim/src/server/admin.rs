@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Method, Response, StatusCode};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
-use super::{Body, Incarnation, Shared, error, json, kill, lock, restart, text};
+use super::{Body, Incarnation, Shared, error, full, json, kill, lock, restart, text};
 use crate::config::SimParams;
 use crate::expo;
 use crate::stats::RankStats;
@@ -111,14 +111,11 @@ pub(super) async fn metrics(
         }
     };
     match scrape {
-        Scrape::Metrics => {
-            let mut response = text(StatusCode::OK, exposition);
-            response.headers_mut().insert(
-                CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-            );
-            response
-        }
+        Scrape::Metrics => full(
+            StatusCode::OK,
+            exposition,
+            "text/plain; version=0.0.4; charset=utf-8",
+        ),
         Scrape::Loads => json(StatusCode::OK, loads),
     }
 }
@@ -142,6 +139,12 @@ where
     T::deserialize(deserializer).map(Some)
 }
 
+/// What `/admin/metrics` accepts, as a refusal says it.
+const METRICS_CONTROL: &str = concat!(
+    r#"{"mode": "live|frozen|hang|fail|garbage", "#,
+    r#""fake": {"waiting", "running", "kv_usage"} | null}"#
+);
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CrashControl {
@@ -162,30 +165,22 @@ pub(super) async fn admin(
         body
     };
     match (method, path) {
-        (&Method::GET, "/admin/state") => json(StatusCode::OK, state_json(shared, incarnation)),
+        (&Method::GET, "/admin/state") => state(shared, incarnation),
         (&Method::POST, "/admin/config") => {
             let source = String::from_utf8_lossy(body);
             let current = shared.params.load_full();
             match crate::decode::parse_params(&source, &current) {
                 Ok(params) => {
                     apply_params(shared, incarnation, params);
-                    json(StatusCode::OK, state_json(shared, incarnation))
+                    state(shared, incarnation)
                 }
                 Err(problem) => error(StatusCode::BAD_REQUEST, &problem.to_string()),
             }
         }
         (&Method::POST, "/admin/metrics") => {
-            let control: MetricsControl = match serde_json::from_slice(body) {
+            let control: MetricsControl = match decode_control(body, METRICS_CONTROL) {
                 Ok(control) => control,
-                Err(problem) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        &format!(
-                            "expected {{\"mode\": \"live|frozen|hang|fail|garbage\", \"fake\": \
-                             {{\"waiting\", \"running\", \"kv_usage\"}} | null}}: {problem}"
-                        ),
-                    );
-                }
+                Err(message) => return error(StatusCode::BAD_REQUEST, &message),
             };
             if control.mode == Some(MetricsMode::Frozen) {
                 *lock(&shared.frozen) = Some(render(shared, incarnation));
@@ -198,26 +193,22 @@ pub(super) async fn admin(
                 controls.fake = fake;
             }
             drop(controls);
-            json(StatusCode::OK, state_json(shared, incarnation))
+            state(shared, incarnation)
         }
         (&Method::POST, "/admin/pause") => {
             shared.paused.send_replace(true);
-            json(StatusCode::OK, state_json(shared, incarnation))
+            state(shared, incarnation)
         }
         (&Method::POST, "/admin/resume") => {
             shared.paused.send_replace(false);
-            json(StatusCode::OK, state_json(shared, incarnation))
+            state(shared, incarnation)
         }
         (&Method::POST, "/admin/crash") => {
-            let control: CrashControl = match serde_json::from_slice(body) {
-                Ok(control) => control,
-                Err(problem) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        &format!("expected {{\"restart_after_ms\": N}} or nothing: {problem}"),
-                    );
-                }
-            };
+            let control: CrashControl =
+                match decode_control(body, r#"{"restart_after_ms": N} or nothing"#) {
+                    Ok(control) => control,
+                    Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+                };
             // Answer first, then die: the caller learns the crash was accepted.
             let shared = Arc::clone(shared);
             tokio::spawn(async move {
@@ -235,6 +226,16 @@ pub(super) async fn admin(
             &format!("no admin route {method} {path}"),
         ),
     }
+}
+
+/// A control's JSON body, or the message that says what it was `expected` to be.
+fn decode_control<T: DeserializeOwned>(body: &[u8], expected: &str) -> Result<T, String> {
+    serde_json::from_slice(body).map_err(|problem| format!("expected {expected}: {problem}"))
+}
+
+/// `200` with the worker's state, the answer to every control that succeeds.
+fn state(shared: &Shared, incarnation: &Incarnation) -> Response<Body> {
+    json(StatusCode::OK, state_json(shared, incarnation))
 }
 
 /// Installs new parameters; limits apply to the models at once (and may admit waiting requests),

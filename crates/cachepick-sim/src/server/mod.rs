@@ -340,20 +340,12 @@ async fn accept_loop(
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
-            _ = &mut stop => {
-                drop(listener);
-                connections.shutdown().await;
-                return;
-            }
+            _ = &mut stop => break,
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else {
                     // EMFILE and the like fail again at once: pause instead of spinning.
                     tokio::select! {
-                        _ = &mut stop => {
-                            drop(listener);
-                            connections.shutdown().await;
-                            return;
-                        }
+                        _ = &mut stop => break,
                         () = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => continue,
                     }
                 };
@@ -386,6 +378,8 @@ async fn accept_loop(
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
+    drop(listener);
+    connections.shutdown().await;
 }
 
 /// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`), renamed
@@ -483,23 +477,22 @@ fn identity(shared: &Shared) -> Identity<'_> {
 
 // Responses.
 
-fn json(status: StatusCode, body: Vec<u8>) -> Response<Body> {
-    let mut response = Response::new(BodyExt::boxed(Full::new(Bytes::from(body))));
+/// A whole body of `content_type`.
+fn full(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) -> Response<Body> {
+    let mut response = Response::new(BodyExt::boxed(Full::new(body.into())));
     *response.status_mut() = status;
     response
         .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
 
+fn json(status: StatusCode, body: Vec<u8>) -> Response<Body> {
+    full(status, body, "application/json")
+}
+
 fn text(status: StatusCode, body: String) -> Response<Body> {
-    let mut response = Response::new(BodyExt::boxed(Full::new(Bytes::from(body))));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    response
+    full(status, body, "text/plain; charset=utf-8")
 }
 
 fn error(status: StatusCode, message: &str) -> Response<Body> {

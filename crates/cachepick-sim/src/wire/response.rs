@@ -55,6 +55,12 @@ impl<'a, C> Envelope<'a, C> {
             usage: None,
         }
     }
+
+    /// The envelope with the request's token counts, as a whole response and the usage chunk carry.
+    fn with_usage(mut self, outcome: &Outcome<'_>) -> Self {
+        self.usage = Some(Usage::of(outcome));
+        self
+    }
 }
 
 #[derive(Serialize)]
@@ -159,6 +165,11 @@ fn event<T: Serialize>(out: &mut Vec<u8>, value: &T) {
     out.extend_from_slice(b"\n\n");
 }
 
+/// One SSE event carrying an OpenAI chunk with one choice.
+fn chunk<C: Serialize>(out: &mut Vec<u8>, outcome: &Outcome<'_>, object: &'static str, choice: C) {
+    event(out, &Envelope::new(outcome, object, vec![choice]));
+}
+
 const DONE: &[u8] = b"data: [DONE]\n\n";
 
 /// The non-streaming response to a finished request.
@@ -175,9 +186,7 @@ pub fn response_body(api: Api, outcome: &Outcome) -> Vec<u8> {
                 finish_reason: outcome.finish_reason,
                 stop_reason: None,
             };
-            let mut envelope = Envelope::new(outcome, "chat.completion", vec![choice]);
-            envelope.usage = Some(Usage::of(outcome));
-            json(&envelope)
+            json(&Envelope::new(outcome, "chat.completion", vec![choice]).with_usage(outcome))
         }
         Api::Completion => {
             let choice = TextChoice {
@@ -187,9 +196,7 @@ pub fn response_body(api: Api, outcome: &Outcome) -> Vec<u8> {
                 finish_reason: Some(outcome.finish_reason),
                 stop_reason: None,
             };
-            let mut envelope = Envelope::new(outcome, "text_completion", vec![choice]);
-            envelope.usage = Some(Usage::of(outcome));
-            json(&envelope)
+            json(&Envelope::new(outcome, "text_completion", vec![choice]).with_usage(outcome))
         }
         Api::Generate => json(&Generated::of(outcome, true)),
     }
@@ -212,10 +219,7 @@ pub fn stream_chunk(api: Api, outcome: &Outcome, delta: &str, first: bool) -> By
                 finish_reason: None,
                 stop_reason: None,
             };
-            event(
-                &mut out,
-                &Envelope::new(outcome, "chat.completion.chunk", vec![choice]),
-            );
+            chunk(&mut out, outcome, "chat.completion.chunk", choice);
         }
         Api::Completion => {
             let choice = TextChoice {
@@ -225,10 +229,7 @@ pub fn stream_chunk(api: Api, outcome: &Outcome, delta: &str, first: bool) -> By
                 finish_reason: None,
                 stop_reason: None,
             };
-            event(
-                &mut out,
-                &Envelope::new(outcome, "text_completion", vec![choice]),
-            );
+            chunk(&mut out, outcome, "text_completion", choice);
         }
         Api::Generate => event(&mut out, &Generated::of(outcome, false)),
     }
@@ -251,10 +252,7 @@ pub fn stream_end(api: Api, outcome: &Outcome, include_usage: bool) -> Bytes {
                 finish_reason: Some(outcome.finish_reason),
                 stop_reason: Some(None),
             };
-            event(
-                &mut out,
-                &Envelope::new(outcome, "chat.completion.chunk", vec![choice]),
-            );
+            chunk(&mut out, outcome, "chat.completion.chunk", choice);
             if include_usage {
                 usage_chunk(&mut out, outcome, "chat.completion.chunk");
             }
@@ -267,10 +265,7 @@ pub fn stream_end(api: Api, outcome: &Outcome, include_usage: bool) -> Bytes {
                 finish_reason: Some(outcome.finish_reason),
                 stop_reason: None,
             };
-            event(
-                &mut out,
-                &Envelope::new(outcome, "text_completion", vec![choice]),
-            );
+            chunk(&mut out, outcome, "text_completion", choice);
             if include_usage {
                 usage_chunk(&mut out, outcome, "text_completion");
             }
@@ -282,9 +277,10 @@ pub fn stream_end(api: Api, outcome: &Outcome, include_usage: bool) -> Bytes {
 }
 
 fn usage_chunk(out: &mut Vec<u8>, outcome: &Outcome<'_>, object: &'static str) {
-    let mut envelope = Envelope::<NoChoice>::new(outcome, object, Vec::new());
-    envelope.usage = Some(Usage::of(outcome));
-    event(out, &envelope);
+    event(
+        out,
+        &Envelope::<NoChoice>::new(outcome, object, Vec::new()).with_usage(outcome),
+    );
 }
 
 #[derive(Serialize)]
