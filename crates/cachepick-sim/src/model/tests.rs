@@ -25,6 +25,13 @@ fn admitted(result: Result<Submit, Refusal>) -> Admission {
     }
 }
 
+/// Runs request `id` with no output from admission to completion: its prompt's full blocks end up
+/// cached and unpinned.
+fn serve(model: &mut RankModel, id: RequestId, prompt: &[u32]) {
+    admitted(model.submit(id, prompt, 0));
+    model.finish(id, true, 0);
+}
+
 fn hashes(prompt: &[u32]) -> Vec<u64> {
     block_hashes(prompt, nz(4)).collect()
 }
@@ -98,8 +105,7 @@ fn repeated_prompt_hits_all_but_the_last_token() {
 
     // Exactly three full blocks: the last one is always computed.
     let exact = tokens(100, 12);
-    admitted(model.submit(3, &exact, 0));
-    model.finish(3, true, 0);
+    serve(&mut model, 3, &exact);
     assert_eq!(model.cached_tokens(&exact), 8);
     let again = admitted(model.submit(4, &exact, 0));
     assert_eq!((again.cached_tokens, again.uncached_tokens), (8, 4));
@@ -207,10 +213,8 @@ fn eviction_is_lru_and_tail_first() {
     let mut model = rank(6, 4, None);
     let a = tokens(0, 12);
     let b = tokens(100, 12);
-    admitted(model.submit(1, &a, 0));
-    model.finish(1, true, 0);
-    admitted(model.submit(2, &b, 0));
-    model.finish(2, true, 0);
+    serve(&mut model, 1, &a);
+    serve(&mut model, 2, &b);
     assert_eq!(model.stats().kv_used_blocks, 6);
     // A probe one token longer may hit all three blocks of a prompt.
     let probe = |p: &[u32]| {
@@ -242,13 +246,10 @@ fn hit_refreshes_recency() {
     let mut model = rank(6, 4, None);
     let a = tokens(0, 12);
     let b = tokens(100, 12);
-    admitted(model.submit(1, &a, 0));
-    model.finish(1, true, 0);
-    admitted(model.submit(2, &b, 0));
-    model.finish(2, true, 0);
+    serve(&mut model, 1, &a);
+    serve(&mut model, 2, &b);
     // Reusing A makes B the least recently used.
-    admitted(model.submit(3, &a, 0));
-    model.finish(3, true, 0);
+    serve(&mut model, 3, &a);
     admitted(model.submit(4, &tokens(200, 4), 0));
     let hb = hashes(&b);
     assert!(!model.refs.contains_key(&hb[2]));
@@ -345,8 +346,7 @@ fn stats_report_the_state() {
 #[test]
 fn set_limits_shrinks_and_grows() {
     let mut model = rank(8, 1, None);
-    admitted(model.submit(1, &tokens(0, 8), 0));
-    model.finish(1, true, 0);
+    serve(&mut model, 1, &tokens(0, 8));
     admitted(model.submit(2, &tokens(100, 12), 4));
     assert_eq!(model.stats().kv_used_blocks, 6);
     assert_eq!(
