@@ -3,7 +3,7 @@
 //!
 //! A request's life: parse → (injected failure) → tokenize the whole prompt → pick the least-loaded rank
 //! → submit to its model (admitted, queued, or refused) → wait for admission → prefill → decode → finish.
-//! Everything after submission holds a [`Ticket`](generate::Ticket), whose drop tells the model the
+//! Everything after submission holds a `Ticket` (in `generate`), whose drop tells the model the
 //! request ended, so a client that goes away mid-queue or mid-stream frees its slot exactly as an engine
 //! aborts a request. A streamed response is generated inside its body, on the connection's task:
 //! crashing the worker aborts the connection tasks and with them every stream, the way a dying process
