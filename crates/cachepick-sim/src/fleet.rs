@@ -93,10 +93,6 @@ impl Fleet {
         self.workers.iter().map(Worker::addr).collect()
     }
 
-    pub fn config(&self) -> &SimConfig {
-        &self.config
-    }
-
     /// A cachepick configuration with one pool holding every worker. Relative tokenizer and template
     /// paths are made absolute, so the file works from any directory. The simulator does not know
     /// cachepick's schema beyond this text: whoever runs both validates it (`cachepick sim` does, before

@@ -91,13 +91,6 @@ fn scale(base: Duration, factor: f64) -> Duration {
 
 #[cfg(test)]
 mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::indexing_slicing,
-        clippy::panic
-    )]
-
     use std::num::NonZeroU32;
 
     use rand::SeedableRng;

@@ -1,0 +1,312 @@
+//! The admin controls (`/admin/state`, `/admin/config`, `/admin/metrics`, `/admin/pause`,
+//! `/admin/resume`, `/admin/crash`) and what the metrics controls change: how `/metrics` and
+//! `/v1/loads` answer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, Response, StatusCode};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use super::{Body, Incarnation, Shared, error, full, json, kill, lock, restart, text};
+use crate::config::SimParams;
+use crate::expo;
+use crate::stats::RankStats;
+
+/// How `/metrics` (and `/v1/loads`) answer; set through `/admin/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MetricsMode {
+    /// The model's state now.
+    #[default]
+    Live,
+    /// The text captured when this mode was set, repeated: a stuck exporter.
+    Frozen,
+    /// Accepts the request and never answers.
+    Hang,
+    /// 500.
+    Fail,
+    /// 200 with bytes that are not an exposition.
+    Garbage,
+}
+
+/// Values reported instead of the model's, on every rank; `None` keeps the model's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FakeMetrics {
+    pub waiting: Option<u64>,
+    pub running: Option<u64>,
+    pub kv_usage: Option<f64>,
+}
+
+/// Run-time controls.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Controls {
+    metrics: MetricsMode,
+    fake: Option<FakeMetrics>,
+}
+
+// Metrics.
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Scrape {
+    Metrics,
+    Loads,
+}
+
+/// The ranks' stats with the fake values applied.
+fn reported(shared: &Shared, incarnation: &Incarnation) -> Vec<RankStats> {
+    let fake = lock(&shared.controls).fake;
+    let mut stats = incarnation.stats();
+    if let Some(fake) = fake {
+        for rank in &mut stats {
+            if let Some(waiting) = fake.waiting {
+                rank.waiting = waiting;
+            }
+            if let Some(running) = fake.running {
+                rank.running = running;
+            }
+            if let Some(usage) = fake.kv_usage {
+                let used = (usage.clamp(0.0, 1.0) * rank.kv_total_blocks as f64).round();
+                rank.kv_pinned_blocks = used as u64;
+                rank.kv_used_blocks = rank.kv_used_blocks.max(used as u64);
+            }
+        }
+    }
+    stats
+}
+
+fn render(shared: &Shared, incarnation: &Incarnation) -> (String, Vec<u8>) {
+    let stats = reported(shared, incarnation);
+    (
+        expo::render_metrics(shared.spec.engine, &shared.spec.model, &stats),
+        expo::render_loads(&stats),
+    )
+}
+
+pub(super) async fn metrics(
+    shared: &Shared,
+    incarnation: &Incarnation,
+    scrape: Scrape,
+) -> Response<Body> {
+    let mode = lock(&shared.controls).metrics;
+    let (exposition, loads) = match mode {
+        MetricsMode::Live => render(shared, incarnation),
+        MetricsMode::Frozen => lock(&shared.frozen)
+            .clone()
+            .unwrap_or_else(|| render(shared, incarnation)),
+        MetricsMode::Hang => {
+            std::future::pending::<()>().await;
+            (String::new(), Vec::new())
+        }
+        MetricsMode::Fail => {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "metrics failure (admin)");
+        }
+        MetricsMode::Garbage => {
+            return text(
+                StatusCode::OK,
+                "<html>\u{0}\u{1} not an exposition {{{{ \"loads\": ]]\n".to_owned(),
+            );
+        }
+    };
+    match scrape {
+        Scrape::Metrics => full(
+            StatusCode::OK,
+            exposition,
+            "text/plain; version=0.0.4; charset=utf-8",
+        ),
+        Scrape::Loads => json(StatusCode::OK, loads),
+    }
+}
+
+// Admin.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsControl {
+    mode: Option<MetricsMode>,
+    /// `null` clears the fake values; absent keeps them.
+    #[serde(default, deserialize_with = "present")]
+    fake: Option<Option<FakeMetrics>>,
+}
+
+fn present<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(deserializer).map(Some)
+}
+
+/// What `/admin/metrics` accepts, as a refusal says it.
+const METRICS_CONTROL: &str = concat!(
+    r#"{"mode": "live|frozen|hang|fail|garbage", "#,
+    r#""fake": {"waiting", "running", "kv_usage"} | null}"#
+);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CrashControl {
+    /// Restart by itself after this long; absent stays down until the fleet control restarts it.
+    restart_after_ms: Option<u64>,
+}
+
+pub(super) async fn admin(
+    shared: &Arc<Shared>,
+    incarnation: &Incarnation,
+    method: &Method,
+    path: &str,
+    body: &[u8],
+) -> Response<Body> {
+    let body = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        body
+    };
+    match (method, path) {
+        (&Method::GET, "/admin/state") => state(shared, incarnation),
+        (&Method::POST, "/admin/config") => {
+            let source = String::from_utf8_lossy(body);
+            let current = shared.params.load_full();
+            match crate::decode::parse_params(&source, &current) {
+                Ok(params) => {
+                    apply_params(shared, incarnation, params);
+                    state(shared, incarnation)
+                }
+                Err(problem) => error(StatusCode::BAD_REQUEST, &problem.to_string()),
+            }
+        }
+        (&Method::POST, "/admin/metrics") => {
+            let control: MetricsControl = match decode_control(body, METRICS_CONTROL) {
+                Ok(control) => control,
+                Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+            };
+            if control.mode == Some(MetricsMode::Frozen) {
+                *lock(&shared.frozen) = Some(render(shared, incarnation));
+            }
+            let mut controls = lock(&shared.controls);
+            if let Some(mode) = control.mode {
+                controls.metrics = mode;
+            }
+            if let Some(fake) = control.fake {
+                controls.fake = fake;
+            }
+            drop(controls);
+            state(shared, incarnation)
+        }
+        (&Method::POST, "/admin/pause") => {
+            shared.paused.send_replace(true);
+            state(shared, incarnation)
+        }
+        (&Method::POST, "/admin/resume") => {
+            shared.paused.send_replace(false);
+            state(shared, incarnation)
+        }
+        (&Method::POST, "/admin/crash") => {
+            let control: CrashControl =
+                match decode_control(body, r#"{"restart_after_ms": N} or nothing"#) {
+                    Ok(control) => control,
+                    Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+                };
+            // Answer first, then die: the caller learns the crash was accepted.
+            let shared = Arc::clone(shared);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                kill(&shared).await;
+                if let Some(after) = control.restart_after_ms {
+                    tokio::time::sleep(Duration::from_millis(after)).await;
+                    let _ = restart(&shared).await;
+                }
+            });
+            json(StatusCode::ACCEPTED, b"{\"crashing\": true}".to_vec())
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no admin route {method} {path}"),
+        ),
+    }
+}
+
+/// A control's JSON body, or the message that says what it was `expected` to be.
+fn decode_control<T: DeserializeOwned>(body: &[u8], expected: &str) -> Result<T, String> {
+    serde_json::from_slice(body).map_err(|problem| format!("expected {expected}: {problem}"))
+}
+
+/// `200` with the worker's state, the answer to every control that succeeds.
+fn state(shared: &Shared, incarnation: &Incarnation) -> Response<Body> {
+    json(StatusCode::OK, state_json(shared, incarnation))
+}
+
+/// Installs new parameters; limits apply to the models at once (and may admit waiting requests),
+/// timings from each request's next step.
+fn apply_params(shared: &Shared, incarnation: &Incarnation, params: SimParams) {
+    for rank in &incarnation.ranks {
+        let mut rank = lock(rank);
+        let admitted =
+            rank.model
+                .set_limits(params.kv_blocks, params.max_running, params.max_queue);
+        rank.wake(admitted);
+    }
+    shared.params.store(Arc::new(params));
+}
+
+fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
+    let params = shared.params.load_full();
+    let controls = *lock(&shared.controls);
+    let ranks: Vec<serde_json::Value> = incarnation
+        .stats()
+        .iter()
+        .map(|rank| {
+            serde_json::json!({
+                "rank": rank.rank,
+                "running": rank.running,
+                "waiting": rank.waiting,
+                "waiting_uncached_tokens": rank.waiting_uncached_tokens,
+                "kv_used_blocks": rank.kv_used_blocks,
+                "kv_pinned_blocks": rank.kv_pinned_blocks,
+                "kv_total_blocks": rank.kv_total_blocks,
+                "block_size": rank.block_size,
+                "max_running": rank.max_running,
+                "prompt_tokens": rank.counters.prompt_tokens,
+                "generation_tokens": rank.counters.generation_tokens,
+                "prefix_queried_tokens": rank.counters.prefix_queried_tokens,
+                "prefix_hit_tokens": rank.counters.prefix_hit_tokens,
+                "finished": rank.counters.finished_length,
+                "aborted": rank.counters.aborted,
+                "rejected": rank.counters.rejected,
+                "evicted_blocks": rank.counters.evicted_blocks,
+            })
+        })
+        .collect();
+    let value = serde_json::json!({
+        "id": shared.id,
+        "index": shared.spec.index,
+        "engine": shared.spec.engine.as_str(),
+        "model": shared.spec.model,
+        "paused": *shared.paused.borrow(),
+        "metrics_mode": controls.metrics,
+        "fake_metrics": controls.fake,
+        "params": params_json(&params),
+        "ranks": ranks,
+    });
+    serde_json::to_vec_pretty(&value).unwrap_or_default()
+}
+
+fn params_json(params: &SimParams) -> serde_json::Value {
+    let ms = |duration: Duration| duration.as_secs_f64() * 1000.0;
+    serde_json::json!({
+        "kv_blocks": params.kv_blocks,
+        "max_running": params.max_running,
+        "max_queue": params.max_queue,
+        "max_model_len": params.max_model_len,
+        "default_max_tokens": params.default_max_tokens,
+        "prefill_overhead_ms": ms(params.prefill_overhead),
+        "prefill_per_token_ms": ms(params.prefill_per_token),
+        "inter_token_latency_ms": ms(params.inter_token_latency),
+        "load_slowdown": params.load_slowdown,
+        "jitter": params.jitter,
+        "time_scale": params.time_scale,
+        "failure_rate": params.failure_rate,
+    })
+}

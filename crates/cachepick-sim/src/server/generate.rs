@@ -1,0 +1,440 @@
+//! Generating an answer: parse, tokenize, submit to the least-loaded rank, wait for admission under a
+//! [`Ticket`], then prefill and decode at the pace [`timing`] sets, answered whole (JSON) or as
+//! it is produced (SSE).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use cachepick_tokenizer::{ChatTurn, Tokenizer};
+
+use super::{Body, Incarnation, Rank, Shared, error, json, lock};
+use crate::model::{Admission, Refusal, RequestId, Submit};
+use crate::timing;
+use crate::wire::{self, Api, Outcome, Prompt, SimRequest};
+
+/// A request known to a rank's model; its drop tells the model the request ended.
+struct Ticket {
+    incarnation: Arc<Incarnation>,
+    rank: usize,
+    id: RequestId,
+    completed: bool,
+    generated: u32,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(mut rank) = self.incarnation.rank(self.rank) {
+            rank.waiters.remove(&self.id);
+            let admitted = rank.model.finish(self.id, self.completed, self.generated);
+            rank.wake(admitted);
+        }
+    }
+}
+
+pub(super) async fn generate(
+    shared: Arc<Shared>,
+    incarnation: Arc<Incarnation>,
+    api: Api,
+    body: Bytes,
+) -> Response<Body> {
+    let request = match wire::parse(api, &body) {
+        Ok(request) => request,
+        Err(problem) => {
+            let status = StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::BAD_REQUEST);
+            return error(status, &problem.to_string());
+        }
+    };
+    if let Some(model) = request.model.as_deref()
+        && model != shared.spec.model
+        && api != Api::Generate
+    {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{model}` does not exist."),
+        );
+    }
+    let params = shared.params.load_full();
+    if params.failure_rate > 0.0 && lock(&shared.rng).random::<f64>() < params.failure_rate {
+        if let Some(mut rank) = incarnation.rank(0) {
+            rank.model.count_rejected();
+        }
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "injected failure (failure_rate)",
+        );
+    }
+    let prompt = match tokens(&shared.spec.tokenizer, &request.prompt) {
+        Ok(prompt) => prompt,
+        Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+    };
+    let output = request
+        .max_tokens
+        .unwrap_or(params.default_max_tokens.get());
+    let total = u64::try_from(prompt.len())
+        .unwrap_or(u64::MAX)
+        .saturating_add(u64::from(output));
+    if total > u64::from(params.max_model_len.get()) {
+        let message = format!(
+            "This model's maximum context length is {} tokens. However, you requested {total} tokens \
+             ({} in the messages, {output} in the completion). Please reduce the length of the \
+             messages or completion.",
+            params.max_model_len,
+            prompt.len()
+        );
+        return error(StatusCode::BAD_REQUEST, &message);
+    }
+
+    let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
+    let received = Instant::now();
+    let (ticket, admission, rank_index) = {
+        let Some((rank_index, mut rank)) = incarnation.least_loaded() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "no engine rank");
+        };
+        let admission = match rank.model.submit(id, &prompt, output) {
+            Ok(Submit::Admitted(admission)) => Ok(admission),
+            Ok(Submit::Queued { .. }) => {
+                let (sender, receiver) = oneshot::channel();
+                rank.waiters.insert(id, sender);
+                Err(receiver)
+            }
+            Err(refusal) => return refused(refusal),
+        };
+        let ticket = Ticket {
+            incarnation: Arc::clone(&incarnation),
+            rank: rank_index,
+            id,
+            completed: false,
+            generated: 0,
+        };
+        (ticket, admission, rank_index)
+    };
+    let admission = match admission {
+        Ok(admission) => admission,
+        Err(receiver) => match receiver.await {
+            Ok(admission) => admission,
+            Err(_) => return error(StatusCode::SERVICE_UNAVAILABLE, "the engine restarted"),
+        },
+    };
+
+    let run = Run {
+        shared: Arc::clone(&shared),
+        request_seed: shared.spec.seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        api,
+        id: format!("{}-{id}", api_prefix(api)),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs()),
+        prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+        output,
+        admission,
+        received,
+        ticket,
+        rng: SmallRng::seed_from_u64(shared.spec.seed ^ id.rotate_left(17)),
+    };
+    let headers = ResponseHeaders {
+        served_by: shared.id.clone(),
+        rank: (shared.spec.dp_size > 1).then_some(rank_index),
+        cached: admission.cached_tokens,
+    };
+    if request.stream {
+        stream_response(run, request, headers)
+    } else {
+        complete_response(run, headers).await
+    }
+}
+
+fn api_prefix(api: Api) -> &'static str {
+    match api {
+        Api::Chat => "chatcmpl",
+        Api::Completion => "cmpl",
+        Api::Generate => "gen",
+    }
+}
+
+fn refused(refusal: Refusal) -> Response<Body> {
+    match refusal {
+        Refusal::QueueFull { .. } => error(StatusCode::SERVICE_UNAVAILABLE, &refusal.to_string()),
+        Refusal::TooLong { .. } => error(StatusCode::BAD_REQUEST, &refusal.to_string()),
+        Refusal::DuplicateId { .. } => {
+            error(StatusCode::INTERNAL_SERVER_ERROR, &refusal.to_string())
+        }
+    }
+}
+
+/// The prompt's tokens as the engine sees them: a chat rendered by the template and tokenized whole
+/// without added special tokens; a text prompt tokenized whole with them; token ids as given.
+fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
+    match prompt {
+        Prompt::Tokens(tokens) => Ok(tokens.clone()),
+        Prompt::Text(text) => tokenizer
+            .encode_whole(text, true)
+            .map_err(|error| error.to_string()),
+        Prompt::Chat { messages, tools } => {
+            let parts: Vec<[std::borrow::Cow<'_, str>; 1]> = messages
+                .iter()
+                .map(|message| [std::borrow::Cow::Borrowed(message.content.as_str())])
+                .collect();
+            let turns: Vec<ChatTurn<'_>> = messages
+                .iter()
+                .zip(&parts)
+                .map(|(message, parts)| ChatTurn {
+                    role: &message.role,
+                    parts,
+                })
+                .collect();
+            let text = tokenizer
+                .render_chat(&turns, tools.as_deref())
+                .map_err(|error| error.to_string())?;
+            tokenizer
+                .encode_whole(&text, false)
+                .map_err(|error| error.to_string())
+        }
+    }
+}
+
+struct ResponseHeaders {
+    served_by: String,
+    rank: Option<usize>,
+    cached: u32,
+}
+
+impl ResponseHeaders {
+    fn apply(&self, response: &mut Response<Body>) {
+        let headers = response.headers_mut();
+        if let Ok(value) = HeaderValue::from_str(&self.served_by) {
+            headers.insert("x-served-by", value);
+        }
+        headers.insert("x-cached-tokens", HeaderValue::from(self.cached));
+        if let Some(rank) = self.rank {
+            headers.insert("x-served-by-rank", HeaderValue::from(rank));
+        }
+    }
+}
+
+/// An admitted request being generated.
+struct Run {
+    shared: Arc<Shared>,
+    request_seed: u64,
+    api: Api,
+    id: String,
+    created: u64,
+    prompt_tokens: u32,
+    output: u32,
+    admission: Admission,
+    received: Instant,
+    ticket: Ticket,
+    rng: SmallRng,
+}
+
+impl Run {
+    fn running(&self) -> u64 {
+        self.ticket
+            .incarnation
+            .rank(self.ticket.rank)
+            .map_or(1, |rank| rank.model.running())
+    }
+
+    /// Sleeps until `until` without counting time spent paused: a pause during the sleep pushes the
+    /// end back by its length, as a stopped engine makes no progress. Returns the end it slept to.
+    async fn sleep_unpaused(&self, mut until: Instant) -> Instant {
+        let mut paused = self.shared.paused.subscribe();
+        loop {
+            if *paused.borrow_and_update() {
+                let since = Instant::now();
+                if paused.wait_for(|paused| !paused).await.is_err() {
+                    return until;
+                }
+                until += since.elapsed();
+                continue;
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => return until,
+                changed = paused.changed() => {
+                    if changed.is_err() {
+                        tokio::time::sleep_until(until).await;
+                        return until;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn prefill(&mut self) {
+        let params = self.shared.params.load_full();
+        let running = self.running();
+        let duration = timing::prefill(
+            &params,
+            self.admission.uncached_tokens,
+            running,
+            &mut self.rng,
+        );
+        self.sleep_unpaused(Instant::now() + duration).await;
+        self.observe(|rank, seconds| rank.ttft.observe(seconds));
+    }
+
+    /// Sleeps until the next token is due and returns how many tokens are due by then (at least one);
+    /// `deadline` advances by each token's gap, so timer granularity never slows the stream down.
+    async fn next_tokens(&mut self, deadline: &mut Instant, remaining: u32) -> u32 {
+        let params = self.shared.params.load_full();
+        let running = self.running();
+        let gap = timing::token_gap(&params, running, &mut self.rng);
+        *deadline = self.sleep_unpaused(*deadline + gap).await;
+        let now = Instant::now();
+        let mut due = 1;
+        while due < remaining {
+            let gap = timing::token_gap(&params, running, &mut self.rng);
+            if *deadline + gap > now {
+                break;
+            }
+            *deadline += gap;
+            due += 1;
+        }
+        due
+    }
+
+    fn text(&self, from: u32, count: u32) -> String {
+        (from..from.saturating_add(count))
+            .map(|index| wire::output_token(self.request_seed, index))
+            .collect()
+    }
+
+    fn observe(&self, record: impl FnOnce(&mut Rank, f64)) {
+        if let Some(mut rank) = self.ticket.incarnation.rank(self.ticket.rank) {
+            record(&mut rank, self.received.elapsed().as_secs_f64());
+        }
+    }
+
+    fn finish(&mut self) {
+        self.ticket.completed = true;
+        self.ticket.generated = self.output;
+        self.observe(|rank, seconds| rank.e2e.observe(seconds));
+    }
+
+    fn outcome<'a>(&'a self, text: &'a str, completion_tokens: u32) -> Outcome<'a> {
+        Outcome {
+            id: &self.id,
+            model: &self.shared.spec.model,
+            created: self.created,
+            text,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            cached_tokens: self.admission.cached_tokens,
+            finish_reason: "length",
+        }
+    }
+}
+
+async fn complete_response(mut run: Run, headers: ResponseHeaders) -> Response<Body> {
+    run.prefill().await;
+    let mut deadline = Instant::now();
+    let mut produced = if run.output > 0 { 1 } else { 0 };
+    run.ticket.generated = produced;
+    while produced < run.output {
+        produced += run.next_tokens(&mut deadline, run.output - produced).await;
+        run.ticket.generated = produced;
+    }
+    run.finish();
+    let text = run.text(0, run.output);
+    let body = wire::response_body(run.api, &run.outcome(&text, run.output));
+    let mut response = json(StatusCode::OK, body);
+    headers.apply(&mut response);
+    response
+}
+
+/// Where a stream is.
+enum Phase {
+    Prefill,
+    Decode { produced: u32, deadline: Instant },
+    End,
+    Done,
+}
+
+fn stream_response(run: Run, request: SimRequest, headers: ResponseHeaders) -> Response<Body> {
+    let include_usage = request.include_usage;
+    let events =
+        futures_util::stream::unfold((run, Phase::Prefill), move |(mut run, phase)| async move {
+            match phase {
+                Phase::Prefill => {
+                    run.prefill().await;
+                    if run.output == 0 {
+                        return Some((Bytes::new(), (run, Phase::End)));
+                    }
+                    // A client that leaves mid-stream still cost the tokens it was sent.
+                    run.ticket.generated = 1;
+                    let text = run.text(0, 1);
+                    let chunk = wire::stream_chunk(run.api, &run.outcome(&text, 1), &text, true);
+                    let next = Phase::Decode {
+                        produced: 1,
+                        deadline: Instant::now(),
+                    };
+                    Some((chunk, (run, next)))
+                }
+                Phase::Decode {
+                    produced,
+                    mut deadline,
+                } if produced < run.output => {
+                    let due = run.next_tokens(&mut deadline, run.output - produced).await;
+                    let text = run.text(produced, due);
+                    let total = produced + due;
+                    run.ticket.generated = total;
+                    let cumulative;
+                    // SGLang's /generate sends the text so far in every event, OpenAI APIs the delta.
+                    let outcome_text = if run.api == Api::Generate {
+                        cumulative = run.text(0, total);
+                        cumulative.as_str()
+                    } else {
+                        text.as_str()
+                    };
+                    let chunk = wire::stream_chunk(
+                        run.api,
+                        &run.outcome(outcome_text, total),
+                        &text,
+                        false,
+                    );
+                    Some((
+                        chunk,
+                        (
+                            run,
+                            Phase::Decode {
+                                produced: total,
+                                deadline,
+                            },
+                        ),
+                    ))
+                }
+                Phase::Decode { .. } | Phase::End => {
+                    run.finish();
+                    let text = run.text(0, run.output);
+                    let end =
+                        wire::stream_end(run.api, &run.outcome(&text, run.output), include_usage);
+                    Some((end, (run, Phase::Done)))
+                }
+                Phase::Done => None,
+            }
+        })
+        .filter(|chunk| std::future::ready(!chunk.is_empty()))
+        .map(|chunk| Ok::<_, Infallible>(Frame::data(chunk)));
+    let mut response = Response::new(BodyExt::boxed(StreamBody::new(events)));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    response
+        .headers_mut()
+        .insert("cache-control", HeaderValue::from_static("no-cache"));
+    headers.apply(&mut response);
+    response
+}

@@ -1,0 +1,500 @@
+//! One simulated worker: an HTTP/1.1 server on loopback that serves the engine's API, metrics,
+//! discovery and admin endpoints over per-rank [`RankModel`]s.
+//!
+//! A request's life: parse → (injected failure) → tokenize the whole prompt → pick the least-loaded rank
+//! → submit to its model (admitted, queued, or refused) → wait for admission → prefill → decode → finish.
+//! Everything after submission holds a `Ticket` (in `generate`), whose drop tells the model the
+//! request ended, so a client that goes away mid-queue or mid-stream frees its slot exactly as an engine
+//! aborts a request. A streamed response is generated inside its body, on the connection's task:
+//! crashing the worker aborts the connection tasks and with them every stream, the way a dying process
+//! drops its sockets.
+//!
+//! Here: the worker's life (start, kill, restart), the accept loop and the routing. A request's
+//! generation is in `generate`, the admin controls and the metrics modes they set in `admin`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use cachepick_tokenizer::Tokenizer;
+
+use crate::config::{Engine, SimParams};
+use crate::expo::{self, Identity};
+use crate::model::{Admission, RankModel, RequestId};
+use crate::stats::{Histogram, RankStats};
+use crate::wire::{self, Api};
+
+mod admin;
+mod generate;
+
+pub use admin::{FakeMetrics, MetricsMode};
+
+use admin::{Controls, Scrape, admin, metrics};
+use generate::generate;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// Request bodies larger than this are refused with 413 before they are parsed.
+const MAX_REQUEST_BYTES: usize = 64 << 20;
+
+/// What a worker is and serves; fixed for its life.
+#[derive(Clone)]
+pub struct WorkerSpec {
+    pub index: u32,
+    pub addr: SocketAddr,
+    pub engine: Engine,
+    pub model: String,
+    pub dp_size: u32,
+    pub block_size: std::num::NonZeroU32,
+    pub seed: u64,
+    pub tokenizer: Arc<Tokenizer>,
+    /// How `/server_info` names the tokenizer.
+    pub tokenizer_name: String,
+    pub params: SimParams,
+}
+
+/// One rank: its model, the requests waiting for admission, and its latency histograms.
+struct Rank {
+    model: RankModel,
+    waiters: HashMap<RequestId, oneshot::Sender<Admission>>,
+    ttft: Histogram,
+    e2e: Histogram,
+}
+
+impl Rank {
+    /// Wakes the requests the model admitted.
+    fn wake(&mut self, admitted: Vec<Admission>) {
+        for admission in admitted {
+            if let Some(waiter) = self.waiters.remove(&admission.id) {
+                // A waiter that is gone has already told the model (its ticket's drop), so nothing leaks.
+                let _ = waiter.send(admission);
+            }
+        }
+    }
+
+    fn stats(&self) -> RankStats {
+        let mut stats = self.model.stats();
+        stats.ttft = self.ttft.clone();
+        stats.e2e = self.e2e.clone();
+        stats
+    }
+}
+
+/// The state one run of the worker owns; a restart starts a new one, empty, as a restarted engine is.
+struct Incarnation {
+    ranks: Vec<Mutex<Rank>>,
+}
+
+impl Incarnation {
+    fn new(spec: &WorkerSpec, params: &SimParams) -> Incarnation {
+        let ranks = (0..spec.dp_size)
+            .map(|rank| {
+                Mutex::new(Rank {
+                    model: RankModel::new(
+                        rank,
+                        spec.block_size,
+                        params.kv_blocks,
+                        params.max_running,
+                        params.max_queue,
+                    ),
+                    waiters: HashMap::new(),
+                    ttft: Histogram::default(),
+                    e2e: Histogram::default(),
+                })
+            })
+            .collect();
+        Incarnation { ranks }
+    }
+
+    fn rank(&self, index: usize) -> Option<MutexGuard<'_, Rank>> {
+        self.ranks.get(index).map(lock)
+    }
+
+    /// The rank an engine's internal balancer would choose — fewest waiting, then fewest running —
+    /// locked, with its index. Every rank is locked (in index order, the only multi-rank lock order)
+    /// until the choice is made, so two simultaneous arrivals cannot both see the same rank idle.
+    fn least_loaded(&self) -> Option<(usize, MutexGuard<'_, Rank>)> {
+        let guards: Vec<MutexGuard<'_, Rank>> = self.ranks.iter().map(lock).collect();
+        let chosen = guards
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, rank)| (rank.model.waiting(), rank.model.running()))
+            .map(|(index, _)| index)?;
+        guards
+            .into_iter()
+            .enumerate()
+            .find(|(index, _)| *index == chosen)
+    }
+
+    fn stats(&self) -> Vec<RankStats> {
+        self.ranks.iter().map(|rank| lock(rank).stats()).collect()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic under the lock cannot leave a rank half-updated in a way that matters more than losing
+    // the whole simulated worker would, so the state is used as it is.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The running or crashed server.
+enum Life {
+    Up {
+        incarnation: Arc<Incarnation>,
+        server: JoinHandle<()>,
+        /// Tells the accept loop to cut every connection and return.
+        stop: oneshot::Sender<()>,
+    },
+    Down,
+}
+
+struct Shared {
+    spec: WorkerSpec,
+    /// The endpoint as cachepick names it; sent as `x-served-by`.
+    id: String,
+    params: ArcSwap<SimParams>,
+    controls: Mutex<Controls>,
+    /// The exposition and loads captured by `MetricsMode::Frozen`.
+    frozen: Mutex<Option<(String, Vec<u8>)>>,
+    paused: watch::Sender<bool>,
+    life: Mutex<Life>,
+    next_request: AtomicU64,
+    /// Seeds the shared draws (injected failures); each request has its own generator.
+    rng: Mutex<SmallRng>,
+}
+
+/// A simulated worker. Dropping it stops its server.
+pub struct Worker {
+    shared: Arc<Shared>,
+}
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+impl Worker {
+    /// Binds `spec.addr` (port 0 takes a free one) and starts serving.
+    pub async fn start(mut spec: WorkerSpec) -> Result<Worker, StartError> {
+        let listener = TcpListener::bind(spec.addr)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: spec.addr,
+                source,
+            })?;
+        spec.addr = listener.local_addr().map_err(|source| StartError::Bind {
+            addr: spec.addr,
+            source,
+        })?;
+        let shared = Arc::new(Shared {
+            id: spec.addr.to_string(),
+            params: ArcSwap::from_pointee(spec.params.clone()),
+            controls: Mutex::new(Controls::default()),
+            frozen: Mutex::new(None),
+            paused: watch::Sender::new(false),
+            life: Mutex::new(Life::Down),
+            next_request: AtomicU64::new(0),
+            rng: Mutex::new(SmallRng::seed_from_u64(spec.seed)),
+            spec,
+        });
+        launch(&shared, listener);
+        Ok(Worker { shared })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.shared.spec.addr
+    }
+
+    pub fn index(&self) -> u32 {
+        self.shared.spec.index
+    }
+
+    pub fn is_up(&self) -> bool {
+        matches!(*lock(&self.shared.life), Life::Up { .. })
+    }
+
+    /// Stops serving: when this returns the port is closed, open connections and streams are cut and
+    /// the state is lost.
+    pub async fn kill(&self) {
+        kill(&self.shared).await;
+    }
+
+    /// Starts again on the same port with an empty cache and queue, as a restarted engine.
+    pub async fn restart(&self) -> Result<(), StartError> {
+        restart(&self.shared).await
+    }
+
+    /// Every rank's state and counters now.
+    pub fn stats(&self) -> Vec<RankStats> {
+        current(&self.shared).map_or_else(Vec::new, |incarnation| incarnation.stats())
+    }
+
+    pub fn params(&self) -> SimParams {
+        SimParams::clone(&self.shared.params.load())
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // No await in a drop: the port closes once the runtime drops the aborted task.
+        if let Life::Up { server, .. } =
+            std::mem::replace(&mut *lock(&self.shared.life), Life::Down)
+        {
+            server.abort();
+        }
+    }
+}
+
+fn current(shared: &Shared) -> Option<Arc<Incarnation>> {
+    match &*lock(&shared.life) {
+        Life::Up { incarnation, .. } => Some(Arc::clone(incarnation)),
+        Life::Down => None,
+    }
+}
+
+fn launch(shared: &Arc<Shared>, listener: TcpListener) {
+    let incarnation = Arc::new(Incarnation::new(&shared.spec, &shared.params.load()));
+    let (stop, stopped) = oneshot::channel();
+    let server = tokio::spawn(accept_loop(
+        listener,
+        Arc::clone(shared),
+        Arc::clone(&incarnation),
+        stopped,
+    ));
+    let previous = std::mem::replace(
+        &mut *lock(&shared.life),
+        Life::Up {
+            incarnation,
+            server,
+            stop,
+        },
+    );
+    if let Life::Up { server, .. } = previous {
+        server.abort();
+    }
+}
+
+async fn kill(shared: &Shared) {
+    let previous = std::mem::replace(&mut *lock(&shared.life), Life::Down);
+    if let Life::Up { server, stop, .. } = previous {
+        // The loop returns after every connection task is gone and drops the listener on the way
+        // out: once it is joined, the port is closed and no stream survives.
+        let _ = stop.send(());
+        let _ = server.await;
+    }
+}
+
+async fn restart(shared: &Arc<Shared>) -> Result<(), StartError> {
+    kill(shared).await;
+    let addr = shared.spec.addr;
+    // The aborted accept loop releases the port when its task is dropped, which happens on the
+    // runtime shortly after `abort`; retry briefly rather than fail on that race.
+    let mut attempts = 0;
+    let listener = loop {
+        match TcpListener::bind(addr).await {
+            Ok(listener) => break listener,
+            Err(source) if attempts >= 50 => return Err(StartError::Bind { addr, source }),
+            Err(_) => {
+                attempts += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    launch(shared, listener);
+    Ok(())
+}
+
+/// The pause after a failed accept (the fleet's control listener uses it too).
+pub(crate) const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    incarnation: Arc<Incarnation>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    // Connections live in this task's set: a crash aborts them all, and so does aborting the task.
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else {
+                    // EMFILE and the like fail again at once: pause instead of spinning.
+                    tokio::select! {
+                        _ = &mut stop => break,
+                        () = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => continue,
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let shared = Arc::clone(&shared);
+                let incarnation = Arc::clone(&incarnation);
+                connections.spawn(async move {
+                    let service = service_fn(move |request| {
+                        let shared = Arc::clone(&shared);
+                        let incarnation = Arc::clone(&incarnation);
+                        async move {
+                            let served_by = HeaderValue::from_str(&shared.id).ok();
+                            let echoed = routing_headers(request.headers());
+                            let mut response = route(shared, incarnation, request).await;
+                            // Errors too: a test sees which worker refused a request.
+                            if let Some(served_by) = served_by {
+                                response.headers_mut().insert("x-served-by", served_by);
+                            }
+                            for (name, value) in echoed {
+                                response.headers_mut().append(name, value);
+                            }
+                            Ok::<_, Infallible>(response)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
+}
+
+/// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`), renamed
+/// `x-sim-echo-<name>`: what a gateway in front told this worker, visible to the client and to tests.
+fn routing_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, HeaderValue)> {
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            let name = name.as_str();
+            name.starts_with("x-gateway-") || name.starts_with("x-cachepick-")
+        })
+        .filter_map(|(name, value)| {
+            let echoed = format!("x-sim-echo-{}", name.as_str());
+            Some((
+                http::HeaderName::from_bytes(echoed.as_bytes()).ok()?,
+                value.clone(),
+            ))
+        })
+        .collect()
+}
+
+async fn route(
+    shared: Arc<Shared>,
+    incarnation: Arc<Incarnation>,
+    request: Request<Incoming>,
+) -> Response<Body> {
+    let path = request.uri().path().to_owned();
+    let engine = shared.spec.engine;
+    match (request.method(), path.as_str()) {
+        (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/generate") => {
+            let api = Api::from_path(&path).unwrap_or(Api::Chat);
+            match read_body(request).await {
+                Ok(body) => generate(shared, incarnation, api, body).await,
+                Err(response) => response,
+            }
+        }
+        (&Method::GET, "/metrics") => metrics(&shared, &incarnation, Scrape::Metrics).await,
+        (&Method::GET, "/v1/loads") if engine == Engine::Sglang => {
+            metrics(&shared, &incarnation, Scrape::Loads).await
+        }
+        (&Method::GET, "/health" | "/health_generate" | "/ping") => {
+            text(StatusCode::OK, String::new())
+        }
+        (&Method::GET, "/v1/models") => json(StatusCode::OK, expo::models_json(&identity(&shared))),
+        (&Method::GET, "/version") if engine == Engine::Vllm => {
+            json(StatusCode::OK, expo::version_json(&identity(&shared)))
+        }
+        (&Method::GET, "/server_info" | "/get_server_info") if engine == Engine::Sglang => {
+            json(StatusCode::OK, expo::server_info_json(&identity(&shared)))
+        }
+        (&Method::GET, "/model_info" | "/get_model_info") if engine == Engine::Sglang => {
+            json(StatusCode::OK, expo::model_info_json(&identity(&shared)))
+        }
+        (_, route) if route.starts_with("/admin/") => {
+            let method = request.method().clone();
+            match read_body(request).await {
+                Ok(body) => admin(&shared, &incarnation, &method, route, &body).await,
+                Err(response) => response,
+            }
+        }
+        _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
+    }
+}
+
+async fn read_body(request: Request<Incoming>) -> Result<Bytes, Response<Body>> {
+    match Limited::new(request.into_body(), MAX_REQUEST_BYTES)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(cause) if cause.is::<http_body_util::LengthLimitError>() => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("request body exceeds {MAX_REQUEST_BYTES} bytes"),
+        )),
+        Err(cause) => Err(error(
+            StatusCode::BAD_REQUEST,
+            &format!("cannot read the request body: {cause}"),
+        )),
+    }
+}
+
+fn identity(shared: &Shared) -> Identity<'_> {
+    let params = shared.params.load();
+    Identity {
+        engine: shared.spec.engine,
+        model: &shared.spec.model,
+        dp_size: shared.spec.dp_size,
+        block_size: shared.spec.block_size.get(),
+        max_running: u64::from(params.max_running.get()),
+        kv_blocks: u64::from(params.kv_blocks.get()),
+        max_model_len: params.max_model_len.get(),
+        tokenizer: &shared.spec.tokenizer_name,
+    }
+}
+
+// Responses.
+
+/// A whole body of `content_type`.
+fn full(status: StatusCode, body: impl Into<Bytes>, content_type: &'static str) -> Response<Body> {
+    let mut response = Response::new(BodyExt::boxed(Full::new(body.into())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+fn json(status: StatusCode, body: Vec<u8>) -> Response<Body> {
+    full(status, body, "application/json")
+}
+
+fn text(status: StatusCode, body: String) -> Response<Body> {
+    full(status, body, "text/plain; charset=utf-8")
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Body> {
+    json(status, wire::error_body(status.as_u16(), message))
+}
