@@ -134,6 +134,29 @@ trait Expect {
     }
 }
 
+/// `expect!(Visitor; |v| at, expected)`: the [`Expect`] of a visitor that holds its `faults`, with `at`
+/// read from the visitor `v`; `expected` is a string, or `|v| expected` where the visitor decides it.
+macro_rules! expect {
+    ($visitor:ident; |$v:tt| $at:expr, |$w:tt| $expected:expr) => {
+        impl Expect for $visitor<'_> {
+            fn at(&self) -> At {
+                let $v: &Self = self;
+                $at
+            }
+            fn expected(&self) -> &'static str {
+                let $w: &Self = self;
+                $expected
+            }
+            fn faults(&self) -> &Faults {
+                self.faults
+            }
+        }
+    };
+    ($visitor:ident; |$v:tt| $at:expr, $expected:expr) => {
+        expect!($visitor; |$v| $at, |_| $expected);
+    };
+}
+
 /// `expecting` from [`Expect`], and a `WrongType` for each JSON type listed: the ones the visitor does
 /// not accept. `$de` is the visitor's lifetime.
 macro_rules! visitor_common {
@@ -376,17 +399,7 @@ struct BodyVisitor<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for BodyVisitor<'_> {
-    fn at(&self) -> At {
-        At::Body
-    }
-    fn expected(&self) -> &'static str {
-        "a JSON object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(BodyVisitor; |_| At::Body, "a JSON object");
 
 impl<'a> Visitor<'a> for BodyVisitor<'_> {
     type Value = Draft<'a>;
@@ -453,17 +466,7 @@ impl<'f> Text<'f> {
     }
 }
 
-impl Expect for Text<'_> {
-    fn at(&self) -> At {
-        self.at
-    }
-    fn expected(&self) -> &'static str {
-        "a string"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Text; |v| v.at, "a string");
 
 impl<'a> Visitor<'a> for Text<'_> {
     type Value = Option<Cow<'a, str>>;
@@ -495,17 +498,7 @@ impl<'f> Flag<'f> {
     }
 }
 
-impl Expect for Flag<'_> {
-    fn at(&self) -> At {
-        At::Member(self.name)
-    }
-    fn expected(&self) -> &'static str {
-        "true or false"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Flag; |v| At::Member(v.name), "true or false");
 
 impl<'a> Visitor<'a> for Flag<'_> {
     type Value = Option<bool>;
@@ -533,17 +526,7 @@ impl<'f> Count<'f> {
     }
 }
 
-impl Expect for Count<'_> {
-    fn at(&self) -> At {
-        self.at
-    }
-    fn expected(&self) -> &'static str {
-        "a non-negative integer"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Count; |v| v.at, "a non-negative integer");
 
 impl<'a> Visitor<'a> for Count<'_> {
     type Value = Option<u64>;
@@ -572,17 +555,7 @@ struct SamplingParams<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for SamplingParams<'_> {
-    fn at(&self) -> At {
-        At::Member("sampling_params")
-    }
-    fn expected(&self) -> &'static str {
-        "an object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(SamplingParams; |_| At::Member("sampling_params"), "an object");
 
 impl<'a> Visitor<'a> for SamplingParams<'_> {
     type Value = Option<u64>;
@@ -616,17 +589,7 @@ struct Messages<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for Messages<'_> {
-    fn at(&self) -> At {
-        At::Member("messages")
-    }
-    fn expected(&self) -> &'static str {
-        "a list of messages"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Messages; |_| At::Member("messages"), "a list of messages");
 
 impl<'a> Visitor<'a> for Messages<'_> {
     type Value = Option<Vec<Message<'a>>>;
@@ -656,17 +619,7 @@ struct MessageVisitor<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for MessageVisitor<'_> {
-    fn at(&self) -> At {
-        At::Item("messages", self.index)
-    }
-    fn expected(&self) -> &'static str {
-        "an object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(MessageVisitor; |v| At::Item("messages", v.index), "an object");
 
 impl<'a> Visitor<'a> for MessageVisitor<'_> {
     type Value = Message<'a>;
@@ -707,17 +660,7 @@ struct Content<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for Content<'_> {
-    fn at(&self) -> At {
-        At::MessageMember(self.index, "content")
-    }
-    fn expected(&self) -> &'static str {
-        "a string or a list of content parts"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Content; |v| At::MessageMember(v.index, "content"), "a string or a list of content parts");
 
 impl<'a> Visitor<'a> for Content<'_> {
     type Value = Vec<Cow<'a, str>>;
@@ -761,17 +704,7 @@ struct Part<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for Part<'_> {
-    fn at(&self) -> At {
-        At::Part(self.index, self.part)
-    }
-    fn expected(&self) -> &'static str {
-        "a content part object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Part; |v| At::Part(v.index, v.part), "a content part object");
 
 impl<'a> Visitor<'a> for Part<'_> {
     type Value = Cow<'a, str>;
@@ -828,6 +761,26 @@ impl Accepts {
     fn tokens(self) -> bool {
         self != Accepts::Text
     }
+
+    /// What the member must be.
+    fn member(self) -> &'static str {
+        match self {
+            Accepts::TextOrTokens => {
+                "a string, a list of strings, a list of token ids or a list of token-id lists"
+            }
+            Accepts::Text => "a string or a list of strings",
+            Accepts::Tokens => "a list of token ids or a list of token-id lists",
+        }
+    }
+
+    /// What the first item of the member's list must be.
+    fn first_item(self) -> &'static str {
+        match self {
+            Accepts::TextOrTokens => "a string, a token id or a list of token ids",
+            Accepts::Text => "a string",
+            Accepts::Tokens => "a token id or a list of token ids",
+        }
+    }
 }
 
 /// A prompt member: a string, or a list whose first item decides — a string (a batch of texts), a token
@@ -849,23 +802,7 @@ impl<'f> PromptVisitor<'f> {
     }
 }
 
-impl Expect for PromptVisitor<'_> {
-    fn at(&self) -> At {
-        At::Member(self.name)
-    }
-    fn expected(&self) -> &'static str {
-        match self.accepts {
-            Accepts::TextOrTokens => {
-                "a string, a list of strings, a list of token ids or a list of token-id lists"
-            }
-            Accepts::Text => "a string or a list of strings",
-            Accepts::Tokens => "a list of token ids or a list of token-id lists",
-        }
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(PromptVisitor; |v| At::Member(v.name), |v| v.accepts.member());
 
 impl<'a> Visitor<'a> for PromptVisitor<'_> {
     type Value = Option<Prompt<'a>>;
@@ -945,21 +882,7 @@ impl FirstItem<'_> {
     }
 }
 
-impl Expect for FirstItem<'_> {
-    fn at(&self) -> At {
-        At::Item(self.name, 0)
-    }
-    fn expected(&self) -> &'static str {
-        match self.accepts {
-            Accepts::TextOrTokens => "a string, a token id or a list of token ids",
-            Accepts::Text => "a string",
-            Accepts::Tokens => "a token id or a list of token ids",
-        }
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(FirstItem; |v| At::Item(v.name, 0), |v| v.accepts.first_item());
 
 impl<'a> Visitor<'a> for FirstItem<'_> {
     type Value = First<'a>;
@@ -1023,17 +946,7 @@ struct Token<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for Token<'_> {
-    fn at(&self) -> At {
-        self.at
-    }
-    fn expected(&self) -> &'static str {
-        "a token id (an integer from 0 to 4294967295)"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Token; |v| v.at, "a token id (an integer from 0 to 4294967295)");
 
 impl<'a> Visitor<'a> for Token<'_> {
     type Value = u32;
