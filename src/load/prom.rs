@@ -367,13 +367,6 @@ fn is_name_byte(b: u8, class: u8) -> bool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::indexing_slicing,
-        clippy::panic
-    )]
-
     use std::cell::Cell;
 
     use proptest::prelude::*;
