@@ -271,23 +271,28 @@ impl Validator<'_> {
             .map(|count| count.value)
     }
 
-    fn pools(&mut self, root: &Map, policy: &Resolved) -> Res<Vec<PoolConfig>> {
-        let Some((node, at)) = root.get("pools") else {
-            let at = root.place_of("pools").origin();
-            return Err(self.report(
-                Phase::Structure,
-                at,
-                "missing: at least one pool is required",
-            ));
+    /// The items of the list under `key` (`pools`, `workers`) and its place; the list must be given
+    /// and hold at least one `item`.
+    fn required_list<'n>(
+        &mut self,
+        map: &Map<'n>,
+        key: &str,
+        item: &str,
+    ) -> Res<(&'n [Node], Place)> {
+        let Some((node, at)) = map.get(key) else {
+            let message = format!("missing: at least one {item} is required");
+            return Err(self.report(Phase::Structure, map.place_of(key).origin(), message));
         };
-        let items = self.list(node, &at, "a list of pools")?;
+        let items = self.list(node, &at, &format!("a list of {key}"))?;
         if items.is_empty() {
-            return Err(self.report(
-                Phase::Structure,
-                at.origin(),
-                "at least one pool is required",
-            ));
+            let message = format!("at least one {item} is required");
+            return Err(self.report(Phase::Structure, at.origin(), message));
         }
+        Ok((items, at))
+    }
+
+    fn pools(&mut self, root: &Map, policy: &Resolved) -> Res<Vec<PoolConfig>> {
+        let (items, at) = self.required_list(root, "pools", "pool")?;
         let pools: Vec<_> = items
             .iter()
             .enumerate()
@@ -346,22 +351,7 @@ impl Validator<'_> {
 
     /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
     fn workers(&mut self, pool: &Map, engine: Option<Engine>) -> Res<Vec<Res<WorkerDraft>>> {
-        let Some((node, at)) = pool.get("workers") else {
-            let at = pool.place_of("workers").origin();
-            return Err(self.report(
-                Phase::Structure,
-                at,
-                "missing: at least one worker is required",
-            ));
-        };
-        let items = self.list(node, &at, "a list of workers")?;
-        if items.is_empty() {
-            return Err(self.report(
-                Phase::Structure,
-                at.origin(),
-                "at least one worker is required",
-            ));
-        }
+        let (items, at) = self.required_list(pool, "workers", "worker")?;
         let workers: Vec<_> = items
             .iter()
             .enumerate()

@@ -163,53 +163,23 @@ impl Validator<'_> {
         let own = |knob: Knob| misplaced.iter().find(|(k, _)| *k == knob).map(|(_, r)| *r);
         let limit_here = !matches!(keys.limit, Ok(None));
         let floor_here = !matches!(keys.floor, Ok(None));
+        // `inherit` for one key, read from this scope and from the parent.
+        macro_rules! inherit {
+            ($key:ident, $misplaced:expr) => {
+                inherit(keys.$key, $misplaced, parent.map(|p| &p.keys.$key))
+            };
+        }
         let effective = PolicyKeys {
             mode: mode.clone().map(Some),
-            limit: inherit(
-                keys.limit,
-                own(Knob::WorkerQueueLimit),
-                parent.map(|p| &p.keys.limit),
-            ),
-            floor: inherit(
-                keys.floor,
-                own(Knob::SaturationQueueFloor),
-                parent.map(|p| &p.keys.floor),
-            ),
-            min_load_choices: inherit(
-                keys.min_load_choices,
-                own(Knob::MinLoadChoices),
-                parent.map(|p| &p.keys.min_load_choices),
-            ),
-            min_match_tokens: inherit(
-                keys.min_match_tokens,
-                own(Knob::MinMatchTokens),
-                parent.map(|p| &p.keys.min_match_tokens),
-            ),
-            pin_depth_ratio: inherit(
-                keys.pin_depth_ratio,
-                own(Knob::PinDepthRatio),
-                parent.map(|p| &p.keys.pin_depth_ratio),
-            ),
-            abs_threshold: inherit(
-                keys.abs_threshold,
-                own(Knob::BalanceAbsThreshold),
-                parent.map(|p| &p.keys.abs_threshold),
-            ),
-            rel_threshold: inherit(
-                keys.rel_threshold,
-                own(Knob::BalanceRelThreshold),
-                parent.map(|p| &p.keys.rel_threshold),
-            ),
-            cache_threshold: inherit(
-                keys.cache_threshold,
-                own(Knob::CacheThreshold),
-                parent.map(|p| &p.keys.cache_threshold),
-            ),
-            max_fallbacks: inherit(
-                keys.max_fallbacks,
-                None,
-                parent.map(|p| &p.keys.max_fallbacks),
-            ),
+            limit: inherit!(limit, own(Knob::WorkerQueueLimit)),
+            floor: inherit!(floor, own(Knob::SaturationQueueFloor)),
+            min_load_choices: inherit!(min_load_choices, own(Knob::MinLoadChoices)),
+            min_match_tokens: inherit!(min_match_tokens, own(Knob::MinMatchTokens)),
+            pin_depth_ratio: inherit!(pin_depth_ratio, own(Knob::PinDepthRatio)),
+            abs_threshold: inherit!(abs_threshold, own(Knob::BalanceAbsThreshold)),
+            rel_threshold: inherit!(rel_threshold, own(Knob::BalanceRelThreshold)),
+            cache_threshold: inherit!(cache_threshold, own(Knob::CacheThreshold)),
+            max_fallbacks: inherit!(max_fallbacks, None),
         };
         // Checked where one of the two is given; a pool that sets neither takes its parent's verdict,
         // so a bad pair at the top level is reported once, not once per pool.
