@@ -271,14 +271,15 @@ impl Validator<'_> {
             .map(|count| count.value)
     }
 
-    /// The items of the list under `key` (`pools`, `workers`) and its place; the list must be given
-    /// and hold at least one `item`.
-    fn required_list<'n>(
+    /// The list under `key` (`pools`, `workers`), each item read by `read`, and the list's place; the
+    /// list must be given and hold at least one `item`.
+    fn required_list<T>(
         &mut self,
-        map: &Map<'n>,
+        map: &Map,
         key: &str,
         item: &str,
-    ) -> Res<(&'n [Node], Place)> {
+        mut read: impl FnMut(&mut Self, &Node, &Place) -> T,
+    ) -> Res<(Vec<T>, Place)> {
         let Some((node, at)) = map.get(key) else {
             let message = format!("missing: at least one {item} is required");
             return Err(self.report(Phase::Structure, map.place_of(key).origin(), message));
@@ -288,16 +289,18 @@ impl Validator<'_> {
             let message = format!("at least one {item} is required");
             return Err(self.report(Phase::Structure, at.origin(), message));
         }
-        Ok((items, at))
+        let decoded = items
+            .iter()
+            .enumerate()
+            .map(|(i, node)| read(self, node, &at.index(i, node.line)))
+            .collect();
+        Ok((decoded, at))
     }
 
     fn pools(&mut self, root: &Map, policy: &Resolved) -> Res<Vec<PoolConfig>> {
-        let (items, at) = self.required_list(root, "pools", "pool")?;
-        let pools: Vec<_> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| self.pool(item, &at.index(i, item.line), policy))
-            .collect();
+        let (pools, _) = self.required_list(root, "pools", "pool", |v, node, at| {
+            v.pool(node, at, policy)
+        })?;
         self.check_models(&pools);
         self.check_endpoints(&pools);
         pools.into_iter().map(|pool| pool?.build()).collect()
@@ -351,12 +354,9 @@ impl Validator<'_> {
 
     /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
     fn workers(&mut self, pool: &Map, engine: Option<Engine>) -> Res<Vec<Res<WorkerDraft>>> {
-        let (items, at) = self.required_list(pool, "workers", "worker")?;
-        let workers: Vec<_> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| self.worker(item, &at.index(i, item.line), engine))
-            .collect();
+        let (workers, at) = self.required_list(pool, "workers", "worker", |v, node, at| {
+            v.worker(node, at, engine)
+        })?;
         // Judged only when every worker's role is known: a rejected one may have been the prefill worker.
         let roles: Res<Vec<Role>> = workers
             .iter()

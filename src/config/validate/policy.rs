@@ -51,26 +51,14 @@ impl Validator<'_> {
     /// One scope's policy keys (the top-level `policy` with the flags, or a pool's), each checked on its
     /// own, and where each mode-specific key was given, whether or not its value passed.
     fn policy_keys(&mut self, map: &Map, overrides: Option<&Overrides>) -> (PolicyKeys, Given) {
-        let flag = |pick: fn(&Overrides) -> Option<u64>| overrides.and_then(pick);
         let mode = self.opt(map, "mode", |v, node, at| {
             v.keyword(node, at, &ModeKind::ALL, ModeKind::as_str)
         });
-        let limit = self.opt(map, "worker_queue_limit", Self::integer);
-        let limit = overridden(
-            limit,
-            flag(|o| o.worker_queue_limit),
-            "--worker-queue-limit",
-        );
+        let limit = self.flagged(map, Knob::WorkerQueueLimit, overrides);
         let limit = self.check_opt(limit, at_least_one);
-        let floor = self.opt(map, "saturation_queue_floor", Self::integer);
-        let floor = overridden(
-            floor,
-            flag(|o| o.saturation_queue_floor),
-            "--saturation-queue-floor",
-        );
+        let floor = self.flagged(map, Knob::SaturationQueueFloor, overrides);
         let floor = self.check_opt(floor, at_least_one);
-        let choices = self.opt(map, "min_load_choices", Self::integer);
-        let choices = overridden(choices, flag(|o| o.min_load_choices), "--min-load-choices");
+        let choices = self.flagged(map, Knob::MinLoadChoices, overrides);
         let choices = self.check_opt(choices, at_least_one_usize);
         let min_match_tokens = self.opt(map, "min_match_tokens", Self::integer);
         let pin_depth_ratio = self.opt(map, "pin_depth_ratio", Self::number);
@@ -95,9 +83,8 @@ impl Validator<'_> {
         });
         let mut given = Vec::new();
         for knob in Knob::ALL {
-            if let Some(name) = knob
-                .flag()
-                .filter(|_| overrides.is_some_and(|o| knob.flagged(o)))
+            if let Some((name, value)) = knob.flag()
+                && overrides.and_then(value).is_some()
             {
                 given.push((knob, Origin::Flag(name)));
             }
@@ -118,6 +105,15 @@ impl Validator<'_> {
             max_fallbacks: fallbacks,
         };
         (keys, given)
+    }
+
+    /// An integer key that the top level's flag replaces when given (`overrides` are the top level's).
+    fn flagged(&mut self, map: &Map, knob: Knob, overrides: Option<&Overrides>) -> Field<u64> {
+        let given = self.opt(map, knob.key(), Self::integer);
+        match knob.flag() {
+            Some((name, value)) => overridden(given, overrides.and_then(value), name),
+            None => given,
+        }
     }
 
     /// A scope's policy: its mode (its own, else the parent's, else the default), the mode-specific keys
@@ -352,25 +348,21 @@ impl Knob {
         }
     }
 
-    /// The flag that sets it at the top level.
-    fn flag(self) -> Option<&'static str> {
+    /// The flag that sets it at the top level, and where the flags hold its value.
+    fn flag(self) -> Option<(&'static str, FlagValue)> {
         match self {
-            Knob::WorkerQueueLimit => Some("--worker-queue-limit"),
-            Knob::SaturationQueueFloor => Some("--saturation-queue-floor"),
-            Knob::MinLoadChoices => Some("--min-load-choices"),
+            Knob::WorkerQueueLimit => Some(("--worker-queue-limit", |o| o.worker_queue_limit)),
+            Knob::SaturationQueueFloor => {
+                Some(("--saturation-queue-floor", |o| o.saturation_queue_floor))
+            }
+            Knob::MinLoadChoices => Some(("--min-load-choices", |o| o.min_load_choices)),
             _ => None,
         }
     }
-
-    fn flagged(self, overrides: &Overrides) -> bool {
-        match self {
-            Knob::WorkerQueueLimit => overrides.worker_queue_limit.is_some(),
-            Knob::SaturationQueueFloor => overrides.saturation_queue_floor.is_some(),
-            Knob::MinLoadChoices => overrides.min_load_choices.is_some(),
-            _ => false,
-        }
-    }
 }
+
+/// Reads a knob's flag from the flags given.
+type FlagValue = fn(&Overrides) -> Option<u64>;
 
 /// Where each mode-specific key of a scope was given: its line, or its flag (both when a flag replaced
 /// a key of the file).
