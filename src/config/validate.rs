@@ -7,6 +7,9 @@
 //!
 //! A flag replaces the file's value, and the range checks apply to the value in force; the file's value
 //! is still type-checked, because the file must stay valid for runs without the flag.
+//!
+//! This module walks the schema: the root, `load`, the pools and their workers, and the checks across
+//! pools. The `policy:` sections, and how a pool's inherits the top level's, are [`policy`]'s.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -15,17 +18,19 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{
-    BalanceKnobs, CacheAwareKnobs, Config, DepthRatio, LoadConfig, LoadSource, Mode, ModeKind,
-    ModelMatch, Overrides, PolicyConfig, PoolConfig, QueueGate, RelThreshold, TokenizerConfig,
-    WorkerConfig,
+    Config, LoadConfig, LoadSource, ModelMatch, Overrides, PolicyConfig, PoolConfig,
+    TokenizerConfig, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 use cachepick_decode::duration;
 use cachepick_decode::{
-    Decode, Field, Map, Node, Origin, Phase, Place, Problems, Reported, Res, Val, at_least_one,
-    at_least_one_u32, at_least_one_usize, blame, overridden, value_or, with_default,
+    Decode, Field, Map, Node, Origin, Phase, Place, Problems, Res, Val, at_least_one,
+    at_least_one_u32, at_least_one_usize, blame, overridden, with_default,
 };
 use cachepick_tokenizer::decode_tokenizer;
+use policy::Resolved;
+
+mod policy;
 
 const ROOT_KEYS: &[&str] = &[
     "listen",
@@ -35,18 +40,6 @@ const ROOT_KEYS: &[&str] = &[
     "policy",
     "load",
     "pools",
-];
-const POLICY_KEYS: &[&str] = &[
-    "mode",
-    "worker_queue_limit",
-    "saturation_queue_floor",
-    "min_load_choices",
-    "min_match_tokens",
-    "pin_depth_ratio",
-    "balance_abs_threshold",
-    "balance_rel_threshold",
-    "cache_threshold",
-    "max_fallbacks",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -191,13 +184,7 @@ impl Validator<'_> {
         let max_body_bytes =
             self.positive_size(&root, "max_body_bytes", Config::DEFAULT_MAX_BODY_BYTES);
         let debug_endpoints = self.opt(&root, "debug_endpoints", Self::boolean);
-        let policy = match self.section(&root, "policy", POLICY_KEYS) {
-            Ok(map) => {
-                let (keys, given) = self.policy_keys(&map, Some(overrides));
-                self.resolve_policy(keys, &given, None)
-            }
-            Err(reported) => Resolved::failed(reported),
-        };
+        let policy = self.policy(&root, Some(overrides), None);
         let load = self
             .section(&root, "load", LOAD_KEYS)
             .and_then(|map| self.load(&map));
@@ -211,283 +198,6 @@ impl Validator<'_> {
             max_body_bytes: max_body_bytes?.value,
             debug_endpoints: debug_endpoints?.is_none_or(|given| given.value),
         })
-    }
-
-    /// One scope's policy keys (the top-level `policy` with the flags, or a pool's), each checked on its
-    /// own, and where each mode-specific key was given, whether or not its value passed.
-    fn policy_keys(&mut self, map: &Map, overrides: Option<&Overrides>) -> (PolicyKeys, Given) {
-        let flag = |pick: fn(&Overrides) -> Option<u64>| overrides.and_then(pick);
-        let mode = self.opt(map, "mode", |v, node, at| {
-            v.keyword(node, at, &ModeKind::ALL, ModeKind::as_str)
-        });
-        let limit = self.opt(map, "worker_queue_limit", Self::integer);
-        let limit = overridden(
-            limit,
-            flag(|o| o.worker_queue_limit),
-            "--worker-queue-limit",
-        );
-        let limit = self.check_opt(limit, at_least_one);
-        let floor = self.opt(map, "saturation_queue_floor", Self::integer);
-        let floor = overridden(
-            floor,
-            flag(|o| o.saturation_queue_floor),
-            "--saturation-queue-floor",
-        );
-        let floor = self.check_opt(floor, at_least_one);
-        let choices = self.opt(map, "min_load_choices", Self::integer);
-        let choices = overridden(choices, flag(|o| o.min_load_choices), "--min-load-choices");
-        let choices = self.check_opt(choices, at_least_one_usize);
-        let min_match_tokens = self.opt(map, "min_match_tokens", Self::integer);
-        let pin_depth_ratio = self.opt(map, "pin_depth_ratio", Self::number);
-        let pin_depth_ratio = self.check_opt(pin_depth_ratio, share);
-        let abs_threshold = self.opt(map, "balance_abs_threshold", Self::integer);
-        let rel_threshold = self.opt(map, "balance_rel_threshold", Self::number);
-        let rel_threshold = self.check_opt(rel_threshold, |factor| {
-            RelThreshold::new(factor).ok_or_else(|| {
-                format!(
-                    "must be greater than 1, got {factor}: the rule compares max > factor × min"
-                )
-            })
-        });
-        let cache_threshold = self.opt(map, "cache_threshold", Self::number);
-        let cache_threshold = self.check_opt(cache_threshold, share);
-        let fallbacks = self.opt(map, "max_fallbacks", Self::integer);
-        let fallbacks = self.check_opt(fallbacks, |n| {
-            usize::try_from(n)
-                .ok()
-                .filter(|n| *n <= PolicyConfig::MAX_FALLBACKS_LIMIT)
-                .ok_or_else(|| format!("must be at most {}", PolicyConfig::MAX_FALLBACKS_LIMIT))
-        });
-        let mut given = Vec::new();
-        for knob in Knob::ALL {
-            if let Some(name) = knob
-                .flag()
-                .filter(|_| overrides.is_some_and(|o| knob.flagged(o)))
-            {
-                given.push((knob, Origin::Flag(name)));
-            }
-            if let Some((_, at)) = map.get(knob.key()) {
-                given.push((knob, at.origin()));
-            }
-        }
-        let keys = PolicyKeys {
-            mode,
-            limit,
-            floor,
-            min_load_choices: choices,
-            min_match_tokens,
-            pin_depth_ratio,
-            abs_threshold,
-            rel_threshold,
-            cache_threshold,
-            max_fallbacks: fallbacks,
-        };
-        (keys, given)
-    }
-
-    /// A scope's policy: its mode (its own, else the parent's, else the default), the mode-specific keys
-    /// given here checked against that mode, then every key not given here taken from the parent, and
-    /// the policy built from what is in force.
-    fn resolve_policy(
-        &mut self,
-        keys: PolicyKeys,
-        given: &Given,
-        parent: Option<&Resolved>,
-    ) -> Resolved {
-        let inherits_mode = matches!(keys.mode, Ok(None)) && parent.is_some();
-        let mode: Res<Val<ModeKind>> = match (keys.mode.clone(), parent) {
-            (Ok(Some(mode)), _) => Ok(mode),
-            // A resolved parent's mode is always set; the default stands in should it not be.
-            (Ok(None), Some(parent)) => parent.keys.mode.clone().map(|mode| {
-                mode.unwrap_or(Val {
-                    value: ModeKind::default(),
-                    at: Origin::Default,
-                })
-            }),
-            (Ok(None), None) => Ok(Val {
-                value: ModeKind::default(),
-                at: Origin::Default,
-            }),
-            (Err(reported), _) => Err(reported),
-        };
-
-        // A key the mode does not read is a mistake wherever it was given (file or flag): the operator
-        // believes it does something.
-        let mut misplaced: Vec<(Knob, Reported)> = Vec::new();
-        if let Ok(mode) = &mode {
-            for (knob, at) in given.iter().filter(|(knob, _)| knob.mode() != mode.value) {
-                let message = format!(
-                    "ignored by {}: remove it (it only applies to {})",
-                    mode_by(mode, inherits_mode),
-                    knob.mode().as_str()
-                );
-                let reported = self.report(Phase::Cross, at.clone(), message);
-                misplaced.push((*knob, reported));
-            }
-        }
-        let own = |knob: Knob| misplaced.iter().find(|(k, _)| *k == knob).map(|(_, r)| *r);
-        let limit_here = !matches!(keys.limit, Ok(None));
-        let floor_here = !matches!(keys.floor, Ok(None));
-        let effective = PolicyKeys {
-            mode: mode.clone().map(Some),
-            limit: inherit(
-                keys.limit,
-                own(Knob::WorkerQueueLimit),
-                parent.map(|p| &p.keys.limit),
-            ),
-            floor: inherit(
-                keys.floor,
-                own(Knob::SaturationQueueFloor),
-                parent.map(|p| &p.keys.floor),
-            ),
-            min_load_choices: inherit(
-                keys.min_load_choices,
-                own(Knob::MinLoadChoices),
-                parent.map(|p| &p.keys.min_load_choices),
-            ),
-            min_match_tokens: inherit(
-                keys.min_match_tokens,
-                own(Knob::MinMatchTokens),
-                parent.map(|p| &p.keys.min_match_tokens),
-            ),
-            pin_depth_ratio: inherit(
-                keys.pin_depth_ratio,
-                own(Knob::PinDepthRatio),
-                parent.map(|p| &p.keys.pin_depth_ratio),
-            ),
-            abs_threshold: inherit(
-                keys.abs_threshold,
-                own(Knob::BalanceAbsThreshold),
-                parent.map(|p| &p.keys.abs_threshold),
-            ),
-            rel_threshold: inherit(
-                keys.rel_threshold,
-                own(Knob::BalanceRelThreshold),
-                parent.map(|p| &p.keys.rel_threshold),
-            ),
-            cache_threshold: inherit(
-                keys.cache_threshold,
-                own(Knob::CacheThreshold),
-                parent.map(|p| &p.keys.cache_threshold),
-            ),
-            max_fallbacks: inherit(
-                keys.max_fallbacks,
-                None,
-                parent.map(|p| &p.keys.max_fallbacks),
-            ),
-        };
-        // Checked where one of the two is given; a pool that sets neither takes its parent's verdict,
-        // so a bad pair at the top level is reported once, not once per pool.
-        let gate = match parent {
-            Some(parent) if !limit_here && !floor_here => parent.gate,
-            _ => self.gate(
-                effective.limit.clone(),
-                effective.floor.clone(),
-                limit_here,
-                floor_here,
-            ),
-        };
-        let policy = self.build_policy(&effective, gate);
-        Resolved {
-            keys: effective,
-            gate,
-            policy,
-        }
-    }
-
-    /// The policy in force, from keys that each passed their checks (defaults for the absent ones).
-    fn build_policy(
-        &mut self,
-        keys: &PolicyKeys,
-        gate: Res<Option<QueueGate>>,
-    ) -> Res<PolicyConfig> {
-        let mode = keys
-            .mode
-            .clone()?
-            .map_or(ModeKind::default(), |mode| mode.value);
-        let max_fallbacks = with_default(
-            keys.max_fallbacks.clone(),
-            PolicyConfig::DEFAULT_MAX_FALLBACKS,
-        )?
-        .value;
-        let mode = match mode {
-            ModeKind::CacheAware => {
-                let defaults = CacheAwareKnobs::default();
-                Mode::CacheAware(CacheAwareKnobs {
-                    gate: gate?,
-                    min_load_choices: value_or(
-                        keys.min_load_choices.clone(),
-                        defaults.min_load_choices,
-                    )?,
-                    min_match_tokens: value_or(
-                        keys.min_match_tokens.clone(),
-                        defaults.min_match_tokens,
-                    )?,
-                    pin_depth_ratio: value_or(
-                        keys.pin_depth_ratio.clone(),
-                        defaults.pin_depth_ratio,
-                    )?,
-                })
-            }
-            ModeKind::RoundRobin => Mode::RoundRobin,
-            ModeKind::LeastLoad => Mode::LeastLoad,
-            ModeKind::BalanceThreshold => {
-                let defaults = BalanceKnobs::default();
-                Mode::BalanceThreshold(BalanceKnobs {
-                    abs_threshold: value_or(keys.abs_threshold.clone(), defaults.abs_threshold)?,
-                    rel_threshold: value_or(keys.rel_threshold.clone(), defaults.rel_threshold)?,
-                    cache_threshold: value_or(
-                        keys.cache_threshold.clone(),
-                        defaults.cache_threshold,
-                    )?,
-                })
-            }
-        };
-        Ok(PolicyConfig {
-            mode,
-            max_fallbacks,
-        })
-    }
-
-    /// The queue gate, once the limit and the floor each passed their own checks. `limit_here` and
-    /// `floor_here` say which of the two the scope gave itself (the other is inherited): a disagreement
-    /// is reported at the one given here.
-    fn gate(
-        &mut self,
-        limit: Field<NonZeroU64>,
-        floor: Field<NonZeroU64>,
-        limit_here: bool,
-        floor_here: bool,
-    ) -> Res<Option<QueueGate>> {
-        match (limit?, floor?) {
-            (limit, None) => Ok(limit.and_then(|limit| QueueGate::new(limit.value, None))),
-            (None, Some(floor)) => {
-                let message = "requires a queue limit, policy.worker_queue_limit or --worker-queue-limit \
-                               (there is no diversion to cancel without it)";
-                Err(self.report(Phase::Cross, floor.at, message))
-            }
-            (Some(limit), Some(floor)) => match QueueGate::new(limit.value, Some(floor.value)) {
-                Some(gate) => Ok(Some(gate)),
-                None => {
-                    let floor_blamed = floor_here || !limit_here;
-                    let named = |val: &Val<NonZeroU64>, key: &str, here: bool| {
-                        if here {
-                            format!("{} ({})", val.name(key), val.value)
-                        } else {
-                            format!("{key} ({}, inherited from {})", val.value, val.at)
-                        }
-                    };
-                    let message = format!(
-                        "{} must be at most {}: a floor above the limit would declare the fleet saturated \
-                         while the gate still admits some workers",
-                        named(&floor, "saturation_queue_floor", floor_here),
-                        named(&limit, "worker_queue_limit", limit_here),
-                    );
-                    let at = if floor_blamed { floor.at } else { limit.at };
-                    Err(self.report(Phase::Cross, at, message))
-                }
-            },
-        }
     }
 
     fn load(&mut self, map: &Map) -> Res<LoadConfig> {
@@ -561,28 +271,36 @@ impl Validator<'_> {
             .map(|count| count.value)
     }
 
-    fn pools(&mut self, root: &Map, policy: &Resolved) -> Res<Vec<PoolConfig>> {
-        let Some((node, at)) = root.get("pools") else {
-            let at = root.place_of("pools").origin();
-            return Err(self.report(
-                Phase::Structure,
-                at,
-                "missing: at least one pool is required",
-            ));
+    /// The list under `key` (`pools`, `workers`), each item read by `read`, and the list's place; the
+    /// list must be given and hold at least one `item`.
+    fn required_list<T>(
+        &mut self,
+        map: &Map,
+        key: &str,
+        item: &str,
+        mut read: impl FnMut(&mut Self, &Node, &Place) -> T,
+    ) -> Res<(Vec<T>, Place)> {
+        let Some((node, at)) = map.get(key) else {
+            let message = format!("missing: at least one {item} is required");
+            return Err(self.report(Phase::Structure, map.place_of(key).origin(), message));
         };
-        let items = self.list(node, &at, "a list of pools")?;
+        let items = self.list(node, &at, &format!("a list of {key}"))?;
         if items.is_empty() {
-            return Err(self.report(
-                Phase::Structure,
-                at.origin(),
-                "at least one pool is required",
-            ));
+            let message = format!("at least one {item} is required");
+            return Err(self.report(Phase::Structure, at.origin(), message));
         }
-        let pools: Vec<_> = items
+        let decoded = items
             .iter()
             .enumerate()
-            .map(|(i, item)| self.pool(item, &at.index(i, item.line), policy))
+            .map(|(i, node)| read(self, node, &at.index(i, node.line)))
             .collect();
+        Ok((decoded, at))
+    }
+
+    fn pools(&mut self, root: &Map, policy: &Resolved) -> Res<Vec<PoolConfig>> {
+        let (pools, _) = self.required_list(root, "pools", "pool", |v, node, at| {
+            v.pool(node, at, policy)
+        })?;
         self.check_models(&pools);
         self.check_endpoints(&pools);
         pools.into_iter().map(|pool| pool?.build()).collect()
@@ -618,13 +336,7 @@ impl Validator<'_> {
             PoolConfig::DEFAULT_CACHE_BLOCKS,
         );
         // The pool's own keys over the top-level ones; flags apply to the top level only.
-        let policy = match self.section(&map, "policy", POLICY_KEYS) {
-            Ok(section) => {
-                let (keys, given) = self.policy_keys(&section, None);
-                self.resolve_policy(keys, &given, Some(parent)).policy
-            }
-            Err(reported) => Err(reported),
-        };
+        let policy = self.policy(&map, None, Some(parent)).policy;
         let engine = engine.map(|engine| engine.value);
         let workers = self.workers(&map, engine.ok());
         Ok(PoolDraft {
@@ -642,27 +354,9 @@ impl Validator<'_> {
 
     /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
     fn workers(&mut self, pool: &Map, engine: Option<Engine>) -> Res<Vec<Res<WorkerDraft>>> {
-        let Some((node, at)) = pool.get("workers") else {
-            let at = pool.place_of("workers").origin();
-            return Err(self.report(
-                Phase::Structure,
-                at,
-                "missing: at least one worker is required",
-            ));
-        };
-        let items = self.list(node, &at, "a list of workers")?;
-        if items.is_empty() {
-            return Err(self.report(
-                Phase::Structure,
-                at.origin(),
-                "at least one worker is required",
-            ));
-        }
-        let workers: Vec<_> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| self.worker(item, &at.index(i, item.line), engine))
-            .collect();
+        let (workers, at) = self.required_list(pool, "workers", "worker", |v, node, at| {
+            v.worker(node, at, engine)
+        })?;
         // Judged only when every worker's role is known: a rejected one may have been the prefill worker.
         let roles: Res<Vec<Role>> = workers
             .iter()
@@ -846,159 +540,5 @@ impl Validator<'_> {
         } else {
             ModelMatch::Exact(name)
         })
-    }
-}
-
-fn share(value: f64) -> Result<DepthRatio, String> {
-    DepthRatio::new(value).ok_or_else(|| format!("must be between 0 and 1, got {value}"))
-}
-
-/// The keys that belong to one mode; given under another, they are errors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Knob {
-    WorkerQueueLimit,
-    SaturationQueueFloor,
-    MinLoadChoices,
-    MinMatchTokens,
-    PinDepthRatio,
-    BalanceAbsThreshold,
-    BalanceRelThreshold,
-    CacheThreshold,
-}
-
-impl Knob {
-    const ALL: [Knob; 8] = [
-        Knob::WorkerQueueLimit,
-        Knob::SaturationQueueFloor,
-        Knob::MinLoadChoices,
-        Knob::MinMatchTokens,
-        Knob::PinDepthRatio,
-        Knob::BalanceAbsThreshold,
-        Knob::BalanceRelThreshold,
-        Knob::CacheThreshold,
-    ];
-
-    fn key(self) -> &'static str {
-        match self {
-            Knob::WorkerQueueLimit => "worker_queue_limit",
-            Knob::SaturationQueueFloor => "saturation_queue_floor",
-            Knob::MinLoadChoices => "min_load_choices",
-            Knob::MinMatchTokens => "min_match_tokens",
-            Knob::PinDepthRatio => "pin_depth_ratio",
-            Knob::BalanceAbsThreshold => "balance_abs_threshold",
-            Knob::BalanceRelThreshold => "balance_rel_threshold",
-            Knob::CacheThreshold => "cache_threshold",
-        }
-    }
-
-    /// The mode that reads it.
-    fn mode(self) -> ModeKind {
-        match self {
-            Knob::WorkerQueueLimit
-            | Knob::SaturationQueueFloor
-            | Knob::MinLoadChoices
-            | Knob::MinMatchTokens
-            | Knob::PinDepthRatio => ModeKind::CacheAware,
-            Knob::BalanceAbsThreshold | Knob::BalanceRelThreshold | Knob::CacheThreshold => {
-                ModeKind::BalanceThreshold
-            }
-        }
-    }
-
-    /// The flag that sets it at the top level.
-    fn flag(self) -> Option<&'static str> {
-        match self {
-            Knob::WorkerQueueLimit => Some("--worker-queue-limit"),
-            Knob::SaturationQueueFloor => Some("--saturation-queue-floor"),
-            Knob::MinLoadChoices => Some("--min-load-choices"),
-            _ => None,
-        }
-    }
-
-    fn flagged(self, overrides: &Overrides) -> bool {
-        match self {
-            Knob::WorkerQueueLimit => overrides.worker_queue_limit.is_some(),
-            Knob::SaturationQueueFloor => overrides.saturation_queue_floor.is_some(),
-            Knob::MinLoadChoices => overrides.min_load_choices.is_some(),
-            _ => false,
-        }
-    }
-}
-
-/// Where each mode-specific key of a scope was given: its line, or its flag (both when a flag replaced
-/// a key of the file).
-type Given = Vec<(Knob, Origin)>;
-
-/// The policy keys of one scope, each checked on its own; `Ok(None)` is absent.
-#[derive(Clone)]
-struct PolicyKeys {
-    mode: Field<ModeKind>,
-    limit: Field<NonZeroU64>,
-    floor: Field<NonZeroU64>,
-    min_load_choices: Field<NonZeroUsize>,
-    min_match_tokens: Field<u64>,
-    pin_depth_ratio: Field<DepthRatio>,
-    abs_threshold: Field<u64>,
-    rel_threshold: Field<RelThreshold>,
-    cache_threshold: Field<DepthRatio>,
-    max_fallbacks: Field<usize>,
-}
-
-/// A scope's policy once resolved: the keys in force (a pool inherits them), the gate's verdict, and
-/// the policy built from them.
-struct Resolved {
-    keys: PolicyKeys,
-    gate: Res<Option<QueueGate>>,
-    policy: Res<PolicyConfig>,
-}
-
-impl Resolved {
-    /// A section that is not even a mapping: everything in it is already reported.
-    fn failed(reported: Reported) -> Resolved {
-        Resolved {
-            keys: PolicyKeys {
-                mode: Err(reported),
-                limit: Err(reported),
-                floor: Err(reported),
-                min_load_choices: Err(reported),
-                min_match_tokens: Err(reported),
-                pin_depth_ratio: Err(reported),
-                abs_threshold: Err(reported),
-                rel_threshold: Err(reported),
-                cache_threshold: Err(reported),
-                max_fallbacks: Err(reported),
-            },
-            gate: Err(reported),
-            policy: Err(reported),
-        }
-    }
-}
-
-/// A key in force: the scope's own (rejected if `misplaced`), else the parent's.
-fn inherit<T: Clone>(
-    own: Field<T>,
-    misplaced: Option<Reported>,
-    parent: Option<&Field<T>>,
-) -> Field<T> {
-    if let Some(reported) = misplaced {
-        return Err(reported);
-    }
-    match (own, parent) {
-        (Ok(None), Some(parent)) => parent.clone(),
-        (own, _) => own,
-    }
-}
-
-/// How a misplaced key's message names the mode in force: by its key and line, as the default, or as
-/// the top level's when a pool inherits it.
-fn mode_by(mode: &Val<ModeKind>, inherited: bool) -> String {
-    let name = mode.value.as_str();
-    match &mode.at {
-        Origin::Yaml { path, line } if inherited => {
-            format!("{path} {name} (line {line}), which this pool inherits")
-        }
-        Origin::Yaml { path, line } => format!("{path} {name} (line {line})"),
-        Origin::Flag(flag) => format!("{flag} {name}"),
-        Origin::Default => format!("policy.mode {name} (the default)"),
     }
 }

@@ -308,8 +308,6 @@ pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
-
     use super::*;
 
     #[test]

@@ -1,12 +1,6 @@
 //! The ladder as tables of plain data. Unless a test says otherwise the gate has limit 4 and floor 2,
 //! `min_match_tokens` is 1024 and blocks are 64 tokens.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic,
-    clippy::disallowed_methods
-)]
+#![allow(clippy::disallowed_methods)]
 
 use std::net::SocketAddr;
 use std::num::{NonZeroU64, NonZeroUsize};

@@ -86,8 +86,6 @@ pub fn block_hashes_into(seed: u64, tokens: &[u32], block_size: NonZeroU32, out:
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
-
     use super::*;
 
     fn size(n: u32) -> NonZeroU32 {

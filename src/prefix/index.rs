@@ -687,7 +687,6 @@ impl Hasher for KeyedHasher {
 #[cfg(test)]
 mod tests {
     //! Unit tests, and the inspection helpers the model-based tests in `prefix::tests` use too.
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
     use super::*;
 

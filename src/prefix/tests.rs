@@ -1,11 +1,4 @@
 //! The owner index against a naive model, and under concurrent use.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use std::cmp::Reverse;
 use std::collections::{HashSet, VecDeque};
 use std::num::NonZeroU32;

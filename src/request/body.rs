@@ -12,6 +12,9 @@
 //! 100,000-deep `tools` and hand it on to the template renderer. So skipped members go through [`Skip`],
 //! which counts levels, and raw members are scanned once; both enforce [`MAX_DEPTH`], counted from the
 //! body's root. The bound sits below serde_json's own, so it is always this one that fires.
+//!
+//! This module holds the pass, the machinery every visitor shares and the body's own and scalar members;
+//! the chat API's `messages` are [`chat`]'s, the prompt members of the other APIs [`prompt`]'s.
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -19,9 +22,10 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::{Api, BodyError, Message, Prompt};
+use chat::Messages;
+use prompt::{Accepts, PromptVisitor};
 
 /// Arrays and objects nest at most this deep, counted from the body's root, in every member alike:
 /// read, skipped or kept raw. JSON schemas in `tools` nest about a dozen levels; nothing legitimate comes
@@ -134,6 +138,29 @@ trait Expect {
     }
 }
 
+/// `expect!(Visitor; |v| at, expected)`: the [`Expect`] of a visitor that holds its `faults`, with `at`
+/// read from the visitor `v`; `expected` is a string, or `|v| expected` where the visitor decides it.
+macro_rules! expect {
+    ($visitor:ident; |$v:tt| $at:expr, |$w:tt| $expected:expr) => {
+        impl Expect for $visitor<'_> {
+            fn at(&self) -> At {
+                let $v: &Self = self;
+                $at
+            }
+            fn expected(&self) -> &'static str {
+                let $w: &Self = self;
+                $expected
+            }
+            fn faults(&self) -> &Faults {
+                self.faults
+            }
+        }
+    };
+    ($visitor:ident; |$v:tt| $at:expr, $expected:expr) => {
+        expect!($visitor; |$v| $at, |_| $expected);
+    };
+}
+
 /// `expecting` from [`Expect`], and a `WrongType` for each JSON type listed: the ones the visitor does
 /// not accept. `$de` is the visitor's lifetime.
 macro_rules! visitor_common {
@@ -180,6 +207,10 @@ macro_rules! visitor_common {
         }
     };
 }
+
+// Declared after the macros, which are in scope only below their definition.
+mod chat;
+mod prompt;
 
 /// Reads a value with a visitor through `deserialize_any`, so the visitor sees whatever type is there.
 struct Any<V>(V);
@@ -288,19 +319,6 @@ impl<'a> Visitor<'a> for Skip<'_> {
     }
 }
 
-/// Skips the rest of a list whose first item decided the value.
-fn skip_rest<'a, A: SeqAccess<'a>>(
-    seq: &mut A,
-    enclosing: usize,
-    faults: &Faults,
-) -> Result<(), A::Error> {
-    while seq
-        .next_element_seed(Any(Skip { enclosing, faults }))?
-        .is_some()
-    {}
-    Ok(())
-}
-
 /// A member kept as its raw JSON text, whose own nesting is bounded like everything else's.
 fn raw<'a, A: MapAccess<'a>>(
     map: &mut A,
@@ -376,17 +394,7 @@ struct BodyVisitor<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for BodyVisitor<'_> {
-    fn at(&self) -> At {
-        At::Body
-    }
-    fn expected(&self) -> &'static str {
-        "a JSON object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(BodyVisitor; |_| At::Body, "a JSON object");
 
 impl<'a> Visitor<'a> for BodyVisitor<'_> {
     type Value = Draft<'a>;
@@ -453,17 +461,7 @@ impl<'f> Text<'f> {
     }
 }
 
-impl Expect for Text<'_> {
-    fn at(&self) -> At {
-        self.at
-    }
-    fn expected(&self) -> &'static str {
-        "a string"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Text; |v| v.at, "a string");
 
 impl<'a> Visitor<'a> for Text<'_> {
     type Value = Option<Cow<'a, str>>;
@@ -495,17 +493,7 @@ impl<'f> Flag<'f> {
     }
 }
 
-impl Expect for Flag<'_> {
-    fn at(&self) -> At {
-        At::Member(self.name)
-    }
-    fn expected(&self) -> &'static str {
-        "true or false"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Flag; |v| At::Member(v.name), "true or false");
 
 impl<'a> Visitor<'a> for Flag<'_> {
     type Value = Option<bool>;
@@ -533,17 +521,7 @@ impl<'f> Count<'f> {
     }
 }
 
-impl Expect for Count<'_> {
-    fn at(&self) -> At {
-        self.at
-    }
-    fn expected(&self) -> &'static str {
-        "a non-negative integer"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(Count; |v| v.at, "a non-negative integer");
 
 impl<'a> Visitor<'a> for Count<'_> {
     type Value = Option<u64>;
@@ -572,17 +550,7 @@ struct SamplingParams<'f> {
     faults: &'f Faults,
 }
 
-impl Expect for SamplingParams<'_> {
-    fn at(&self) -> At {
-        At::Member("sampling_params")
-    }
-    fn expected(&self) -> &'static str {
-        "an object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
+expect!(SamplingParams; |_| At::Member("sampling_params"), "an object");
 
 impl<'a> Visitor<'a> for SamplingParams<'_> {
     type Value = Option<u64>;
@@ -608,447 +576,5 @@ impl<'a> Visitor<'a> for SamplingParams<'_> {
             }
         }
         Ok(max_new_tokens)
-    }
-}
-
-/// `messages`: a list of message objects; `null` is absent.
-struct Messages<'f> {
-    faults: &'f Faults,
-}
-
-impl Expect for Messages<'_> {
-    fn at(&self) -> At {
-        At::Member("messages")
-    }
-    fn expected(&self) -> &'static str {
-        "a list of messages"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for Messages<'_> {
-    type Value = Option<Vec<Message<'a>>>;
-
-    visitor_common!('a; bool, number, string, object);
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut messages = Vec::new();
-        let faults = self.faults;
-        while let Some(message) = seq.next_element_seed(Any(MessageVisitor {
-            index: messages.len(),
-            faults,
-        }))? {
-            messages.push(message);
-        }
-        Ok(Some(messages))
-    }
-}
-
-/// One message: `role`, `content` and, for an assistant's tool calls, `tool_calls`.
-struct MessageVisitor<'f> {
-    index: usize,
-    faults: &'f Faults,
-}
-
-impl Expect for MessageVisitor<'_> {
-    fn at(&self) -> At {
-        At::Item("messages", self.index)
-    }
-    fn expected(&self) -> &'static str {
-        "an object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for MessageVisitor<'_> {
-    type Value = Message<'a>;
-
-    visitor_common!('a; bool, number, string, null, list);
-
-    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Message<'a>, A::Error> {
-        let (index, faults) = (self.index, self.faults);
-        let mut role = None;
-        let mut content = Vec::new();
-        let mut tool_calls = None;
-        while let Some(key) = map.next_key_seed(Key)? {
-            match &*key {
-                "role" => {
-                    let at = At::MessageMember(index, "role");
-                    role = map.next_value_seed(Any(Text::new(at, faults)))?;
-                }
-                "content" => content = map.next_value_seed(Any(Content { index, faults }))?,
-                "tool_calls" => {
-                    let at = At::MessageMember(index, "tool_calls");
-                    tool_calls = raw_list(&mut map, 3, at, "a list of tool calls", faults)?;
-                }
-                _ => map.next_value_seed(Any(Skip {
-                    enclosing: 3,
-                    faults,
-                }))?,
-            }
-        }
-        let role = role.ok_or_else(|| faults.fail(missing(At::MessageMember(index, "role"))))?;
-        content.extend(tool_calls.map(|calls| Cow::Borrowed(calls.get())));
-        Ok(Message { role, content })
-    }
-}
-
-/// A message's `content`: a string (one part), a list of content parts, or `null` (no parts).
-struct Content<'f> {
-    index: usize,
-    faults: &'f Faults,
-}
-
-impl Expect for Content<'_> {
-    fn at(&self) -> At {
-        At::MessageMember(self.index, "content")
-    }
-    fn expected(&self) -> &'static str {
-        "a string or a list of content parts"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for Content<'_> {
-    type Value = Vec<Cow<'a, str>>;
-
-    visitor_common!('a; bool, number, object);
-
-    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<Self::Value, E> {
-        Ok(vec![Cow::Borrowed(text)])
-    }
-
-    fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
-        Ok(vec![Cow::Owned(text.to_owned())])
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(Vec::new())
-    }
-
-    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut parts = Vec::new();
-        let (index, faults) = (self.index, self.faults);
-        while let Some(part) = seq.next_element_seed(Any(Part {
-            index,
-            part: parts.len(),
-            faults,
-        }))? {
-            parts.push(part);
-        }
-        Ok(parts)
-    }
-}
-
-/// One content part: a text part's `text`, or for any other type (`image_url`, `input_audio`, …) the
-/// placeholder `<{type}:{digest}>`. The digest is a chained xxh3-64 over each member other than `type`
-/// and `text`, key then raw JSON text, in the order written; so the same image gives the same placeholder
-/// and a different one diverges there, as engines key cached images by a hash of their content. A part
-/// without `type` is a text part if it has `text`.
-struct Part<'f> {
-    index: usize,
-    part: usize,
-    faults: &'f Faults,
-}
-
-impl Expect for Part<'_> {
-    fn at(&self) -> At {
-        At::Part(self.index, self.part)
-    }
-    fn expected(&self) -> &'static str {
-        "a content part object"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for Part<'_> {
-    type Value = Cow<'a, str>;
-
-    visitor_common!('a; bool, number, string, null, list);
-
-    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Cow<'a, str>, A::Error> {
-        let (index, part, faults) = (self.index, self.part, self.faults);
-        let mut kind = None;
-        let mut text = None;
-        let mut digest = 0;
-        while let Some(key) = map.next_key_seed(Key)? {
-            match &*key {
-                "type" => {
-                    let at = At::PartMember(index, part, "type");
-                    kind = map.next_value_seed(Any(Text::new(at, faults)))?;
-                }
-                "text" => {
-                    let at = At::PartMember(index, part, "text");
-                    text = map.next_value_seed(Any(Text::new(at, faults)))?;
-                }
-                _ => {
-                    let value = raw(&mut map, 5, faults)?;
-                    digest = xxh3_64_with_seed(key.as_bytes(), digest);
-                    digest = xxh3_64_with_seed(value.get().as_bytes(), digest);
-                }
-            }
-        }
-        match (kind.as_deref(), text) {
-            (Some("text") | None, Some(text)) => Ok(text),
-            (Some("text"), None) => Err(faults.fail(missing(At::PartMember(index, part, "text")))),
-            (Some(kind), _) => Ok(Cow::Owned(format!("<{kind}:{digest:016x}>"))),
-            (None, None) => Err(faults.fail(missing(At::PartMember(index, part, "type")))),
-        }
-    }
-}
-
-/// Which prompt shapes a member accepts.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Accepts {
-    /// `/v1/completions`' `prompt`.
-    TextOrTokens,
-    /// SGLang's `text`.
-    Text,
-    /// SGLang's `input_ids`.
-    Tokens,
-}
-
-impl Accepts {
-    fn text(self) -> bool {
-        self != Accepts::Tokens
-    }
-
-    fn tokens(self) -> bool {
-        self != Accepts::Text
-    }
-}
-
-/// A prompt member: a string, or a list whose first item decides — a string (a batch of texts), a token
-/// id (a token list), or a token list (a batch of token lists). A batch is routed by its first prompt;
-/// the rest is skipped unread. `null` is absent; an empty list is an empty prompt.
-struct PromptVisitor<'f> {
-    name: &'static str,
-    accepts: Accepts,
-    faults: &'f Faults,
-}
-
-impl<'f> PromptVisitor<'f> {
-    fn new(name: &'static str, accepts: Accepts, faults: &'f Faults) -> Self {
-        PromptVisitor {
-            name,
-            accepts,
-            faults,
-        }
-    }
-}
-
-impl Expect for PromptVisitor<'_> {
-    fn at(&self) -> At {
-        At::Member(self.name)
-    }
-    fn expected(&self) -> &'static str {
-        match self.accepts {
-            Accepts::TextOrTokens => {
-                "a string, a list of strings, a list of token ids or a list of token-id lists"
-            }
-            Accepts::Text => "a string or a list of strings",
-            Accepts::Tokens => "a list of token ids or a list of token-id lists",
-        }
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for PromptVisitor<'_> {
-    type Value = Option<Prompt<'a>>;
-
-    visitor_common!('a; bool, number, object);
-
-    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<Self::Value, E> {
-        if !self.accepts.text() {
-            return Err(self.wrong("a string"));
-        }
-        Ok(Some(Prompt::Text(Cow::Borrowed(text))))
-    }
-
-    fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
-        if !self.accepts.text() {
-            return Err(self.wrong("a string"));
-        }
-        Ok(Some(Prompt::Text(Cow::Owned(text.to_owned()))))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let (name, faults) = (self.name, self.faults);
-        let first = FirstItem {
-            name,
-            accepts: self.accepts,
-            faults,
-        };
-        let prompt = match seq.next_element_seed(Any(first))? {
-            None if self.accepts.tokens() => Prompt::Tokens(Vec::new()),
-            None => Prompt::Text(Cow::Borrowed("")),
-            Some(First::Text(text)) => {
-                skip_rest(&mut seq, 2, faults)?;
-                Prompt::Text(text)
-            }
-            Some(First::Tokens(tokens)) => {
-                skip_rest(&mut seq, 2, faults)?;
-                Prompt::Tokens(tokens)
-            }
-            Some(First::Token(token)) => {
-                let mut tokens = vec![token];
-                while let Some(token) = seq.next_element_seed(Any(Token {
-                    at: At::Item(name, tokens.len()),
-                    faults,
-                }))? {
-                    tokens.push(token);
-                }
-                Prompt::Tokens(tokens)
-            }
-        };
-        Ok(Some(prompt))
-    }
-}
-
-/// The first item of a prompt list, which decides what the list is.
-enum First<'a> {
-    Text(Cow<'a, str>),
-    Token(u32),
-    Tokens(Vec<u32>),
-}
-
-struct FirstItem<'f> {
-    name: &'static str,
-    accepts: Accepts,
-    faults: &'f Faults,
-}
-
-impl FirstItem<'_> {
-    fn token(&self) -> Token<'_> {
-        Token {
-            at: self.at(),
-            faults: self.faults,
-        }
-    }
-}
-
-impl Expect for FirstItem<'_> {
-    fn at(&self) -> At {
-        At::Item(self.name, 0)
-    }
-    fn expected(&self) -> &'static str {
-        match self.accepts {
-            Accepts::TextOrTokens => "a string, a token id or a list of token ids",
-            Accepts::Text => "a string",
-            Accepts::Tokens => "a token id or a list of token ids",
-        }
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for FirstItem<'_> {
-    type Value = First<'a>;
-
-    visitor_common!('a; bool, null, object);
-
-    fn visit_borrowed_str<E: de::Error>(self, text: &'a str) -> Result<First<'a>, E> {
-        if !self.accepts.text() {
-            return Err(self.wrong("a string"));
-        }
-        Ok(First::Text(Cow::Borrowed(text)))
-    }
-
-    fn visit_str<E: de::Error>(self, text: &str) -> Result<First<'a>, E> {
-        if !self.accepts.text() {
-            return Err(self.wrong("a string"));
-        }
-        Ok(First::Text(Cow::Owned(text.to_owned())))
-    }
-
-    fn visit_u64<E: de::Error>(self, id: u64) -> Result<First<'a>, E> {
-        if !self.accepts.tokens() {
-            return Err(self.wrong("a number"));
-        }
-        self.token().visit_u64(id).map(First::Token)
-    }
-
-    fn visit_i64<E: de::Error>(self, id: i64) -> Result<First<'a>, E> {
-        if !self.accepts.tokens() {
-            return Err(self.wrong("a number"));
-        }
-        self.token().visit_i64(id).map(First::Token)
-    }
-
-    fn visit_f64<E: de::Error>(self, id: f64) -> Result<First<'a>, E> {
-        if !self.accepts.tokens() {
-            return Err(self.wrong("a number"));
-        }
-        self.token().visit_f64(id).map(First::Token)
-    }
-
-    fn visit_seq<A: SeqAccess<'a>>(self, mut seq: A) -> Result<First<'a>, A::Error> {
-        if !self.accepts.tokens() {
-            return Err(self.wrong("a list"));
-        }
-        let (name, faults) = (self.name, self.faults);
-        let mut tokens = Vec::new();
-        while let Some(token) = seq.next_element_seed(Any(Token {
-            at: At::ItemOf(name, 0, tokens.len()),
-            faults,
-        }))? {
-            tokens.push(token);
-        }
-        Ok(First::Tokens(tokens))
-    }
-}
-
-/// A token id: an integer that fits `u32`, as every engine's vocabulary does.
-struct Token<'f> {
-    at: At,
-    faults: &'f Faults,
-}
-
-impl Expect for Token<'_> {
-    fn at(&self) -> At {
-        self.at
-    }
-    fn expected(&self) -> &'static str {
-        "a token id (an integer from 0 to 4294967295)"
-    }
-    fn faults(&self) -> &Faults {
-        self.faults
-    }
-}
-
-impl<'a> Visitor<'a> for Token<'_> {
-    type Value = u32;
-
-    visitor_common!('a; bool, string, null, list, object);
-
-    fn visit_u64<E: de::Error>(self, id: u64) -> Result<u32, E> {
-        u32::try_from(id).map_err(|_| self.wrong("a number above 4294967295"))
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<u32, E> {
-        Err(self.wrong("a negative number"))
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<u32, E> {
-        Err(self.wrong("a number that is not an integer below 2^64"))
     }
 }

@@ -1,12 +1,6 @@
 //! The body parser as tables of bodies: each API and prompt shape, each error with its status, kind and
 //! message, borrowing, the depth bound on a small stack, pool selection; and properties over arbitrary
 //! and mutated bodies.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 
 use proptest::prelude::*;
 

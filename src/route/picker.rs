@@ -419,7 +419,6 @@ fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use rand::SeedableRng;
     use rand::rngs::SmallRng;

@@ -1,11 +1,5 @@
 //! Backends against known ids, templates against transformers' rendering (via the fixtures that
 //! `tests/fixtures/tokenizer/make_fixtures.py` generated), and the segment cache.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 
 use std::borrow::Cow;
 use std::fs;
