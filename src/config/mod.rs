@@ -11,14 +11,6 @@
 //! depends on already failed, so each mistake is reported once, at its source. [`Config::to_yaml`] renders
 //! the effective configuration back in the file's format.
 
-// Configuration errors are reported, never panicked on.
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 mod emit;
 #[cfg(test)]
 mod tests;

@@ -8,13 +8,6 @@
 //! with `engine`, SGLang with `dp_rank` (only when there are several ranks, as SGLang adds it only under
 //! data parallelism). Everything here is a pure function of its arguments, so a scrape of an unchanged
 //! rank is byte-for-byte the same.
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use std::fmt::Write as _;
 
 use serde::Serialize;

@@ -22,13 +22,6 @@
 //!   `sampling_params.max_new_tokens`, `stream`, `model`.
 //!
 //! Every output-length member must be at least 1, as vLLM requires of `max_tokens`.
-#![deny(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use thiserror::Error;
 
 mod request;
