@@ -17,7 +17,7 @@ use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource};
 use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
-pub use crate::route::{Explanation, render_explanation};
+pub use crate::route::Explanation;
 use crate::route::{Picker, PickerError, RequestError, Service};
 
 #[derive(Debug, Error)]

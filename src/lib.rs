@@ -16,6 +16,7 @@
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
 //! - [`metrics_server`]: the HTTP server on `metrics_listen`: `/metrics` and the `/debug/*` endpoints.
 //! - [`envoy_config`]: `cachepick envoy-config` — the Envoy bootstrap generated from the configuration.
+//! - [`render`]: the text forms `cachepick snapshot` and `cachepick explain` print.
 //! - [`app`]: process wiring — binds listeners and runs the services until shutdown.
 //!
 //! The fleet simulator, the bench rig (replay, demo, the harness tests share) and the `cachepick`
@@ -33,6 +34,7 @@ pub mod metrics_server;
 pub mod policy;
 pub mod prefix;
 pub mod protocol;
+pub mod render;
 pub mod request;
 pub mod route;
 pub mod tokenize;

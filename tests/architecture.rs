@@ -177,7 +177,7 @@ const LAYERS: [&[&str]; 8] = [
     &["metrics"],
     &["route"],
     &["extproc", "metrics_server", "envoy_config"],
-    &["app"],
+    &["app", "render"],
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

@@ -1387,43 +1387,7 @@ async fn a_seed_and_a_request_order_determine_the_answers() {
 // cachepick's readers recover exactly what the simulator's expositions say, rank by rank: the two sides
 // are written independently (different crates), so these agree only if both follow the engines.
 
-use cachepick_sim::stats::{RankCounters, RankStats};
-
-/// `n` ranks with distinct, non-trivial numbers in every field.
-fn ranks(n: u32) -> Vec<RankStats> {
-    (0..n)
-        .map(|rank| {
-            let r = u64::from(rank);
-            let mut stats = RankStats {
-                rank,
-                running: 3 + r,
-                waiting: 7 * r + 1,
-                waiting_uncached_tokens: 1000 + r,
-                kv_used_blocks: 300 + 17 * r,
-                kv_pinned_blocks: 100,
-                kv_total_blocks: 8192,
-                block_size: 16,
-                max_running: 64,
-                counters: RankCounters {
-                    prompt_tokens: 5000 + r,
-                    generation_tokens: 900,
-                    prefix_queried_tokens: 4000,
-                    prefix_hit_tokens: 1000 * (r + 1),
-                    finished_length: 40 + r,
-                    aborted: r,
-                    rejected: 0,
-                    evicted_blocks: 0,
-                },
-                ..RankStats::default()
-            };
-            for seconds in [0.0005, 0.03, 0.03, 0.7, 3.0, 5000.0] {
-                stats.ttft.observe(seconds * (r as f64 + 1.0));
-                stats.e2e.observe(seconds * 2.0);
-            }
-            stats
-        })
-        .collect()
-}
+use cachepick_sim::stats::sample_ranks as ranks;
 
 const EXPO_MODEL: &str = "org/model \"q\"";
 

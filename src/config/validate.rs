@@ -27,7 +27,7 @@ use cachepick_decode::{
     Decode, Field, Map, Node, Origin, Phase, Place, Problems, Res, Val, at_least_one,
     at_least_one_u32, at_least_one_usize, blame, overridden, with_default,
 };
-use cachepick_tokenizer::decode_tokenizer;
+use cachepick_tokenizer::{decode_chat_template, decode_tokenizer};
 use policy::Resolved;
 
 mod policy;
@@ -317,14 +317,8 @@ impl Validator<'_> {
             with_default(block_size, PoolConfig::DEFAULT_BLOCK_SIZE.into()),
             at_least_one_u32,
         );
-        let tokenizer = match map.get("tokenizer") {
-            Some((node, at)) => decode_tokenizer(self, node, &at),
-            None => Ok(TokenizerConfig::default()),
-        };
-        // Kept as written: whether the file exists and parses is judged where it is loaded.
-        let chat_template = self
-            .opt(&map, "chat_template", Self::string)
-            .map(|path| path.map(|path| PathBuf::from(path.value)));
+        let tokenizer = decode_tokenizer(self, &map);
+        let chat_template = decode_chat_template(self, &map);
         let segment_cache_entries = self.positive_count(
             &map,
             "segment_cache_entries",

@@ -1,6 +1,5 @@
 //! "What does cachepick see?": a worker-by-worker view of a snapshot, as a table or JSON.
 
-use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -107,80 +106,4 @@ fn worker_view(snapshot: &PoolSnapshot, worker: &WorkerState, now: Instant) -> W
 
 fn seconds(duration: Duration) -> String {
     format!("{:.1}s", duration.as_secs_f64())
-}
-
-fn cell(value: Option<u64>) -> String {
-    value.map_or_else(|| "-".to_owned(), |value| value.to_string())
-}
-
-/// Plain-text table of every pool.
-pub fn render_table(pools: &[PoolView]) -> String {
-    let mut out = String::new();
-    for pool in pools {
-        let _ = writeln!(
-            out,
-            "pool {} (snapshot v{}, freshness {:.1}s)",
-            pool.pool, pool.version, pool.freshness_seconds
-        );
-        out.push_str(&row([
-            "WORKER",
-            "ROLE",
-            "WAITING",
-            "RUNNING",
-            "UNCACHED",
-            "USED/MAX TOKENS",
-            "KV",
-            "MAXRUN",
-            "AGE",
-            "FRESH",
-        ]));
-        for worker in &pool.workers {
-            let tokens = match (worker.used_tokens, worker.max_total_tokens) {
-                (None, None) => "-".to_owned(),
-                (used, max) => format!("{}/{}", cell(used), cell(max)),
-            };
-            let kv = worker
-                .kv_usage
-                .map_or_else(|| "-".to_owned(), |usage| format!("{:.0}%", usage * 100.0));
-            let age = worker
-                .age_seconds
-                .map_or_else(|| "-".to_owned(), |age| format!("{age:.1}s"));
-            let fresh = match &worker.why_not_fresh {
-                None => "yes".to_owned(),
-                Some(why) => format!("no: {why}"),
-            };
-            out.push_str(&row([
-                &worker.endpoint,
-                worker.role,
-                &cell(worker.waiting),
-                &cell(worker.running),
-                &cell(worker.waiting_uncached_tokens),
-                &tokens,
-                &kv,
-                &cell(worker.max_running),
-                &age,
-                &fresh,
-            ]));
-        }
-    }
-    out
-}
-
-fn row(cells: [&str; 10]) -> String {
-    let [
-        worker,
-        role,
-        waiting,
-        running,
-        uncached,
-        tokens,
-        kv,
-        max_running,
-        age,
-        fresh,
-    ] = cells;
-    format!(
-        "  {worker:<22} {role:<7} {waiting:>7} {running:>7} {uncached:>9} {tokens:>21} {kv:>6} \
-         {max_running:>6} {age:>6}  {fresh}\n"
-    )
 }

@@ -15,7 +15,7 @@ mod snapshot;
 
 pub use dispatch::DispatchTable;
 pub use engine::{ExtractError, RankLoad, Report, from_loads_json, from_metrics};
-pub use inspect::{PoolView, WorkerView, render_table};
+pub use inspect::{PoolView, WorkerView};
 pub use prom::{Labels, Sample, Samples, samples};
 pub use scrape::{PoolLoad, ScrapeError, ScrapeObserver, Scraper};
 pub use snapshot::{

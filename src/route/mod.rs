@@ -6,7 +6,8 @@
 //! - [`Service`]: one call per request between the wire and the picker — prepare, decide, commit, count,
 //!   log — answering [`Answer::Route`] or [`Answer::Refuse`] in domain terms; every refusal carries a
 //!   [`RefusalReason`].
-//! - [`Explanation`]: what `cachepick explain` and the debug endpoints report, and its text form.
+//! - [`Explanation`]: what `cachepick explain` and the debug endpoints report (its text form is in
+//!   `crate::render`).
 //!
 //! Nothing here sees a protobuf type or a server: `extproc` translates answers to Envoy's, and `app`
 //! adapts the service to the debug endpoints.
@@ -15,6 +16,6 @@ mod picker;
 mod service;
 
 pub use crate::protocol::RefusalReason;
-pub use explain::{Explanation, render_explanation};
+pub use explain::Explanation;
 pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
 pub use service::{Answer, Refusal, Routed, Service};

@@ -406,7 +406,7 @@ async fn snapshot(config: Config, rounds: u32, json: bool) -> anyhow::Result<()>
     if json {
         println!("{}", serde_json::to_string_pretty(&pools)?);
     } else {
-        print!("{}", cachepick::load::render_table(&pools));
+        print!("{}", cachepick::render::snapshot(&pools));
     }
     Ok(())
 }
@@ -415,7 +415,7 @@ async fn explain(config: Config, path: String, body: PathBuf, json: bool) -> any
     let body = std::fs::read(&body).with_context(|| format!("cannot read {}", body.display()))?;
     match cachepick::app::explain(&config, &path, &body).await? {
         Ok(explanation) if json => println!("{}", serde_json::to_string_pretty(&explanation)?),
-        Ok(explanation) => print!("{}", cachepick::app::render_explanation(&explanation)),
+        Ok(explanation) => print!("{}", cachepick::render::explanation(&explanation)),
         Err(error) => anyhow::bail!(
             "the request would be refused: {} {}: {error}",
             error.status(),

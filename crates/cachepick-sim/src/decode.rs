@@ -4,7 +4,6 @@
 
 use std::net::IpAddr;
 use std::num::NonZeroU32;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use std::path::Path;
@@ -13,9 +12,9 @@ use cachepick_decode::{
     ConfigError, Decode, Field, Map, Node, Phase, Place, Problems, Res, Val, at_least_one_u32,
     overridden, with_default,
 };
-use cachepick_tokenizer::decode_tokenizer;
+use cachepick_tokenizer::{decode_chat_template, decode_tokenizer};
 
-use crate::config::{Engine, SimConfig, SimParams, TokenizerConfig};
+use crate::config::{Engine, SimConfig, SimParams};
 
 const SIM_KEYS: &[&str] = &[
     "engine",
@@ -176,13 +175,8 @@ impl Decoder<'_> {
             SimConfig::DEFAULT_SEED,
         );
         let block_size = self.positive_u32(&map, "block_size", SimConfig::DEFAULT_BLOCK_SIZE);
-        let tokenizer = match map.get("tokenizer") {
-            Some((node, at)) => decode_tokenizer(self, node, &at),
-            None => Ok(TokenizerConfig::default()),
-        };
-        let chat_template = self
-            .opt(&map, "chat_template", Self::string)
-            .map(|path| path.map(|path| PathBuf::from(path.value)));
+        let tokenizer = decode_tokenizer(self, &map);
+        let chat_template = decode_chat_template(self, &map);
         let dp_size = self.opt(&map, "dp_size", Self::integer);
         let dp_size = with_default(overridden(dp_size, overrides.dp_size, "--dp-size"), 1);
         let dp_size = self.check(dp_size, |n| {

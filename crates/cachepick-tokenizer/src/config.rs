@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use cachepick_decode::{Decode, Node, Phase, Place, Res};
+use cachepick_decode::{Decode, Map, Node, Phase, Place, Res};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TokenizerConfig {
@@ -60,9 +60,23 @@ impl TiktokenEncoding {
     }
 }
 
-/// Decodes a `tokenizer:` mapping: `{kind: tiktoken, encoding}`, `{kind: huggingface, path}` or
-/// `{kind: bytes}`, each kind accepting only its own keys.
-pub fn decode_tokenizer<D: Decode>(d: &mut D, node: &Node, at: &Place) -> Res<TokenizerConfig> {
+/// The `tokenizer:` key of `map` (the default tokenizer when it is absent): `{kind: tiktoken,
+/// encoding}`, `{kind: huggingface, path}` or `{kind: bytes}`, each kind accepting only its own keys.
+pub fn decode_tokenizer<D: Decode>(d: &mut D, map: &Map) -> Res<TokenizerConfig> {
+    match map.get("tokenizer") {
+        Some((node, at)) => tokenizer(d, node, &at),
+        None => Ok(TokenizerConfig::default()),
+    }
+}
+
+/// The `chat_template:` key of `map`, a path kept as written: whether the file exists and parses is
+/// judged where it is loaded.
+pub fn decode_chat_template<D: Decode>(d: &mut D, map: &Map) -> Res<Option<PathBuf>> {
+    d.opt(map, "chat_template", D::string)
+        .map(|path| path.map(|path| PathBuf::from(path.value)))
+}
+
+fn tokenizer<D: Decode>(d: &mut D, node: &Node, at: &Place) -> Res<TokenizerConfig> {
     let map = d.any_mapping(node, at)?;
     if map.get("kind").is_none() {
         // Without a kind, a misspelt key is the likelier mistake: name it against every kind's keys.

@@ -55,7 +55,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use backend::Backend;
-pub use config::{TiktokenEncoding, TokenizerConfig, decode_tokenizer};
+pub use config::{TiktokenEncoding, TokenizerConfig, decode_chat_template, decode_tokenizer};
 use template::{ChatTemplate, joined_parts, split_skeleton};
 
 /// One chat message as the request carries it: its role and its text parts, in order.

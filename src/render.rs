@@ -1,0 +1,161 @@
+//! The text forms of what the operator commands print: `cachepick snapshot`'s table of every pool's
+//! workers and `cachepick explain`'s account of one decision. Both views (`load::PoolView`,
+//! `route::Explanation`) are also served as JSON; their text is written here, in one place, beside
+//! nothing that decides.
+
+use std::fmt::Write as _;
+
+use crate::load::PoolView;
+use crate::policy::Outcome;
+use crate::route::Explanation;
+use crate::worker::WorkerId;
+
+/// `cachepick snapshot`: a plain-text table of every pool.
+pub fn snapshot(pools: &[PoolView]) -> String {
+    let mut out = String::new();
+    for pool in pools {
+        let _ = writeln!(
+            out,
+            "pool {} (snapshot v{}, freshness {:.1}s)",
+            pool.pool, pool.version, pool.freshness_seconds
+        );
+        out.push_str(&row([
+            "WORKER",
+            "ROLE",
+            "WAITING",
+            "RUNNING",
+            "UNCACHED",
+            "USED/MAX TOKENS",
+            "KV",
+            "MAXRUN",
+            "AGE",
+            "FRESH",
+        ]));
+        for worker in &pool.workers {
+            let tokens = match (worker.used_tokens, worker.max_total_tokens) {
+                (None, None) => "-".to_owned(),
+                (used, max) => format!("{}/{}", cell(used), cell(max)),
+            };
+            let kv = worker
+                .kv_usage
+                .map_or_else(|| "-".to_owned(), |usage| format!("{:.0}%", usage * 100.0));
+            let age = worker
+                .age_seconds
+                .map_or_else(|| "-".to_owned(), |age| format!("{age:.1}s"));
+            let fresh = match &worker.why_not_fresh {
+                None => "yes".to_owned(),
+                Some(why) => format!("no: {why}"),
+            };
+            out.push_str(&row([
+                &worker.endpoint,
+                worker.role,
+                &cell(worker.waiting),
+                &cell(worker.running),
+                &cell(worker.waiting_uncached_tokens),
+                &tokens,
+                &kv,
+                &cell(worker.max_running),
+                &age,
+                &fresh,
+            ]));
+        }
+    }
+    out
+}
+
+fn row(cells: [&str; 10]) -> String {
+    let [
+        worker,
+        role,
+        waiting,
+        running,
+        uncached,
+        tokens,
+        kv,
+        max_running,
+        age,
+        fresh,
+    ] = cells;
+    format!(
+        "  {worker:<22} {role:<7} {waiting:>7} {running:>7} {uncached:>9} {tokens:>21} {kv:>6} \
+         {max_running:>6} {age:>6}  {fresh}\n"
+    )
+}
+
+fn cell(value: Option<u64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |value| value.to_string())
+}
+
+/// `cachepick explain`: the pool, the prompt's blocks, the owners and the decision with its trace.
+pub fn explanation(explanation: &Explanation) -> String {
+    let prepared = &explanation.prepared;
+    let endpoint = |id: WorkerId| {
+        explanation
+            .endpoints
+            .get(id.index())
+            .cloned()
+            .unwrap_or_else(|| id.to_string())
+    };
+    let mut out = String::new();
+    let _ = writeln!(out, "pool:    {}", prepared.pool_label);
+    let _ = writeln!(
+        out,
+        "prompt:  {} tokens, {} full blocks of {}",
+        prepared.prompt_tokens,
+        prepared.block_hashes.len(),
+        explanation.block_size
+    );
+    let shown: Vec<String> = prepared
+        .block_hashes
+        .iter()
+        .take(4)
+        .map(|hash| format!("{hash:016x}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "blocks:  {}{}",
+        shown.join(" "),
+        if prepared.block_hashes.len() > 4 {
+            " …"
+        } else {
+            ""
+        }
+    );
+    if prepared.owners.is_empty() {
+        let _ = writeln!(
+            out,
+            "owners:  none (this one-shot picker has routed nothing yet)"
+        );
+    }
+    for owner in &prepared.owners {
+        let _ = writeln!(
+            out,
+            "owner:   {} holds {} tokens",
+            endpoint(owner.worker),
+            owner.matched_tokens
+        );
+    }
+    match &explanation.outcome {
+        Outcome::Route(decision) => {
+            let fallbacks: Vec<String> =
+                decision.fallbacks.iter().map(|id| endpoint(*id)).collect();
+            let _ = writeln!(
+                out,
+                "decision: {} -> {} (fallbacks: {})",
+                decision.reason.as_str(),
+                endpoint(decision.selected),
+                if fallbacks.is_empty() {
+                    "none".to_owned()
+                } else {
+                    fallbacks.join(", ")
+                }
+            );
+        }
+        Outcome::Reject(reject) => {
+            let _ = writeln!(out, "decision: reject {}", reject.reason.as_str());
+        }
+    }
+    let trace = serde_json::to_string_pretty(explanation.outcome.trace()).unwrap_or_default();
+    let _ = writeln!(out, "trace:   {trace}");
+    out
+}
