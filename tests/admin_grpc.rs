@@ -8,7 +8,7 @@
     clippy::panic
 )]
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use cachepick::config::{self, Overrides};
@@ -16,15 +16,13 @@ use cachepick::extproc::admin_api::admin_client::AdminClient;
 use cachepick::extproc::admin_api::{
     Decision, ExplainRequest, ExplainResponse, SnapshotRequest, SnapshotResponse, explain_response,
 };
-use tokio::sync::oneshot;
 use tonic::Code;
 use tonic::transport::Channel;
 
 /// A loopback port that was free a moment ago: bound to port 0, then released. Nothing listens there
 /// afterwards, so a worker at such an address refuses connections at once.
 fn free_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("bound address")
+    cachepick_rig::free_port().expect("bind an ephemeral port")
 }
 
 struct Picker {
@@ -32,8 +30,8 @@ struct Picker {
     /// The connection, for other services on `listen`.
     channel: Channel,
     workers: [SocketAddr; 2],
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), cachepick::app::AppError>>,
+    /// `app::run`, stopped through its shutdown.
+    running: cachepick_rig::stage::Picker,
 }
 
 /// Starts a picker with one pool (`m`, byte tokenizer, 16-token blocks) and two dead workers, and
@@ -57,13 +55,7 @@ async fn start() -> Picker {
         workers[0], workers[1]
     );
     let config = config::parse(&yaml, "admin_grpc.yaml", &Overrides::default()).expect("valid");
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        cachepick::app::run(&config, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let running = cachepick_rig::stage::Picker::spawn(config);
     let deadline = Instant::now() + Duration::from_secs(10);
     let endpoint = Channel::from_shared(format!("http://{listen}")).expect("a valid URI");
     let channel = loop {
@@ -71,7 +63,7 @@ async fn start() -> Picker {
             Ok(channel) => break channel,
             Err(error) => {
                 assert!(
-                    Instant::now() < deadline && !task.is_finished(),
+                    Instant::now() < deadline && !running.has_ended(),
                     "the picker never accepted connections on {listen}: {error}"
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -82,21 +74,16 @@ async fn start() -> Picker {
         client: AdminClient::new(channel.clone()),
         channel,
         workers,
-        stop: Some(stop),
-        task,
+        running,
     }
 }
 
 impl Picker {
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        let ended = tokio::time::timeout(Duration::from_secs(10), self.task)
+    async fn stop(self) {
+        let ended = tokio::time::timeout(Duration::from_secs(10), self.running.stop())
             .await
-            .expect("the picker stops on shutdown")
-            .expect("the picker task did not panic");
-        ended.expect("the picker ran cleanly");
+            .expect("the picker stops on shutdown");
+        ended.expect("the picker ran cleanly (its task did not panic)");
     }
 
     async fn explain(&mut self, body: &[u8]) -> Result<ExplainResponse, tonic::Status> {
@@ -117,6 +104,12 @@ impl Picker {
             .await
             .map(tonic::Response::into_inner)
     }
+}
+
+/// Asserts a refused call's gRPC code, and that its message names `needle`.
+fn assert_refused(status: &tonic::Status, code: Code, needle: &str) {
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(status.message().contains(needle), "{}", status.message());
 }
 
 fn chat_body(model: &str) -> Vec<u8> {
@@ -178,8 +171,7 @@ async fn snapshot_lists_every_worker_with_why_it_is_not_fresh() {
         .snapshot(Some("other"))
         .await
         .expect_err("unknown pool");
-    assert_eq!(missing.code(), Code::NotFound);
-    assert!(missing.message().contains("other"), "{}", missing.message());
+    assert_refused(&missing, Code::NotFound, "other");
     picker.stop().await;
 }
 
@@ -246,12 +238,7 @@ async fn explain_refuses_bad_bodies_with_grpc_codes() {
         .explain(br#"{"messages": 3}"#)
         .await
         .expect_err("messages is not an array");
-    assert_eq!(wrong_type.code(), Code::InvalidArgument);
-    assert!(
-        wrong_type.message().contains("messages"),
-        "{}",
-        wrong_type.message()
-    );
+    assert_refused(&wrong_type, Code::InvalidArgument, "messages");
     assert_eq!(
         wrong_type
             .metadata()
@@ -261,23 +248,13 @@ async fn explain_refuses_bad_bodies_with_grpc_codes() {
     );
 
     let not_json = picker.explain(b"{not json").await.expect_err("not JSON");
-    assert_eq!(not_json.code(), Code::InvalidArgument);
-    assert!(
-        not_json.message().contains("JSON"),
-        "{}",
-        not_json.message()
-    );
+    assert_refused(&not_json, Code::InvalidArgument, "JSON");
 
     let unknown = picker
         .explain(&chat_body("gpt-unknown"))
         .await
         .expect_err("no pool serves it");
-    assert_eq!(unknown.code(), Code::NotFound);
-    assert!(
-        unknown.message().contains("gpt-unknown"),
-        "{}",
-        unknown.message()
-    );
+    assert_refused(&unknown, Code::NotFound, "gpt-unknown");
     picker.stop().await;
 }
 

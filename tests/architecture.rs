@@ -46,20 +46,39 @@ fn sources() -> Vec<(PathBuf, String)> {
         .collect()
 }
 
+/// Every `needle` found in a source file under `src/` that `in_scope` takes (by its path there), as
+/// `describe` names it.
+fn offenders(
+    in_scope: impl Fn(&Path) -> bool,
+    needles: &[impl AsRef<str>],
+    describe: impl Fn(&Path, &str) -> String,
+) -> Vec<String> {
+    sources()
+        .into_iter()
+        .filter(|(path, _)| in_scope(path))
+        .flat_map(|(path, text)| {
+            needles
+                .iter()
+                .map(AsRef::as_ref)
+                .filter(|needle| text.contains(needle))
+                .map(|needle| describe(&path, needle))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 #[test]
 fn only_the_extproc_module_sees_protobuf_and_grpc_types() {
     let wire_crates = ["envoy_types", "prost", "tonic", "tonic_health"];
-    let offenders: Vec<String> = sources()
-        .into_iter()
-        .filter(|(path, _)| !path.starts_with("extproc"))
-        .flat_map(|(path, text)| {
-            wire_crates
-                .iter()
-                .filter(|krate| text.contains(&format!("{krate}::")))
-                .map(|krate| format!("{} uses {krate}", path.display()))
-                .collect::<Vec<_>>()
-        })
+    let paths: Vec<String> = wire_crates
+        .iter()
+        .map(|krate| format!("{krate}::"))
         .collect();
+    let offenders = offenders(
+        |path| !path.starts_with("extproc"),
+        &paths,
+        |path, found| format!("{} uses {}", path.display(), found.trim_end_matches("::")),
+    );
     assert!(
         offenders.is_empty(),
         "protobuf types outside extproc/: {offenders:?}"
@@ -77,17 +96,11 @@ fn the_policy_never_awaits_nor_touches_io_or_metrics() {
         "prometheus",
         "tracing::",
     ];
-    let offenders: Vec<String> = sources()
-        .into_iter()
-        .filter(|(path, _)| path.starts_with("policy"))
-        .flat_map(|(path, text)| {
-            forbidden
-                .iter()
-                .filter(|needle| text.contains(*needle))
-                .map(|needle| format!("{} contains `{needle}`", path.display()))
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let offenders = offenders(
+        |path| path.starts_with("policy"),
+        &forbidden,
+        |path, needle| format!("{} contains `{needle}`", path.display()),
+    );
     assert!(
         offenders.is_empty(),
         "the policy must stay pure: {offenders:?}"

@@ -27,6 +27,12 @@ fn cachepick(args: &[&str]) -> Output {
         .expect("the cachepick binary runs")
 }
 
+/// `cachepick check --config <config> <flags…>`.
+fn check(config: &Path, flags: &[&str]) -> Output {
+    let config = config.to_str().expect("a UTF-8 path");
+    cachepick(&[&["check", "--config", config], flags].concat())
+}
+
 fn example() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/cachepick.yaml")
 }
@@ -47,7 +53,7 @@ fn stderr(output: &Output) -> String {
 
 #[test]
 fn check_accepts_the_example_and_prints_the_effective_config() {
-    let output = cachepick(&["check", "--config", example().to_str().unwrap()]);
+    let output = check(&example(), &[]);
     assert!(output.status.success(), "stderr: {}", stderr(&output));
     let effective: serde_yaml::Value = serde_yaml::from_str(&stdout(&output)).expect("YAML output");
     assert_eq!(effective["policy"]["worker_queue_limit"], 4);
@@ -64,28 +70,28 @@ fn check_accepts_the_example_and_prints_the_effective_config() {
 
 #[test]
 fn the_effective_config_is_itself_a_valid_config() {
-    let first = cachepick(&["check", "--config", example().to_str().unwrap()]);
+    let first = check(&example(), &[]);
     let file = write_config(&stdout(&first));
-    let second = cachepick(&["check", "--config", file.path().to_str().unwrap()]);
+    let second = check(file.path(), &[]);
     assert!(second.status.success(), "stderr: {}", stderr(&second));
     assert_eq!(stdout(&first), stdout(&second));
 }
 
 #[test]
 fn flags_override_the_file() {
-    let output = cachepick(&[
-        "check",
-        "--config",
-        example().to_str().unwrap(),
-        "--worker-queue-limit",
-        "8",
-        "--saturation-queue-floor",
-        "3",
-        "--min-load-choices",
-        "4",
-        "--listen",
-        "127.0.0.1:7000",
-    ]);
+    let output = check(
+        &example(),
+        &[
+            "--worker-queue-limit",
+            "8",
+            "--saturation-queue-floor",
+            "3",
+            "--min-load-choices",
+            "4",
+            "--listen",
+            "127.0.0.1:7000",
+        ],
+    );
     assert!(output.status.success(), "stderr: {}", stderr(&output));
     let effective: serde_yaml::Value = serde_yaml::from_str(&stdout(&output)).unwrap();
     assert_eq!(effective["policy"]["worker_queue_limit"], 8);
@@ -112,7 +118,7 @@ pools:
       - endpoint: 10.0.0.1:80
 ",
     );
-    let output = cachepick(&["check", "--config", file.path().to_str().unwrap()]);
+    let output = check(file.path(), &[]);
     assert_eq!(output.status.code(), Some(2));
     let message = stderr(&output);
     for expected in [
@@ -136,13 +142,7 @@ pools:
 
 #[test]
 fn a_flag_that_breaks_an_invariant_is_named_in_the_message() {
-    let output = cachepick(&[
-        "check",
-        "--config",
-        example().to_str().unwrap(),
-        "--saturation-queue-floor",
-        "9",
-    ]);
+    let output = check(&example(), &["--saturation-queue-floor", "9"]);
     assert_eq!(output.status.code(), Some(2));
     let message = stderr(&output);
     assert!(message.contains("--saturation-queue-floor"), "{message}");
@@ -151,7 +151,7 @@ fn a_flag_that_breaks_an_invariant_is_named_in_the_message() {
 
 #[test]
 fn a_missing_config_file_is_a_config_error() {
-    let output = cachepick(&["check", "--config", "/nonexistent/cachepick.yaml"]);
+    let output = check(Path::new("/nonexistent/cachepick.yaml"), &[]);
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("/nonexistent/cachepick.yaml"));
 }

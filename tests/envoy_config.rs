@@ -392,17 +392,25 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
     }
 }
 
+/// Envoy's complaint about `yaml` with `from` replaced by `to` (which must change it); panics with
+/// `what` if Envoy accepts the edit.
+fn refused_edit(yaml: &str, from: &str, to: &str, what: &str) -> String {
+    let edited = yaml.replace(from, to);
+    assert_ne!(edited, yaml, "{from:?} is not in the configuration");
+    envoy::validate_yaml(&edited).expect_err(what)
+}
+
 #[test]
 fn envoy_validation_rejects_what_envoy_rejects() {
     // The validation above means something only if Envoy does refuse bad configurations.
     let config = parse_config(LOOPBACK_FLEET);
     let good = envoy_config::render(&config, &EnvoyOptions::for_config(&config));
-    let unknown_field = good.replace(
+    let error = refused_edit(
+        &good,
         "failure_mode_allow: true",
         "failure_mode_allow: true\n              no_such_field: 1",
+        "an unknown field is refused",
     );
-    assert_ne!(unknown_field, good);
-    let error = envoy::validate_yaml(&unknown_field).expect_err("an unknown field is refused");
     assert!(error.contains("no_such_field"), "{error}");
     // FULL_DUPLEX_STREAMED needs request trailers: the reason duplex mode sends them.
     let duplex = envoy_config::render(
@@ -412,18 +420,20 @@ fn envoy_validation_rejects_what_envoy_rejects() {
             ..EnvoyOptions::for_config(&config)
         },
     );
-    let no_trailers = duplex.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP");
-    assert_ne!(no_trailers, duplex);
-    envoy::validate_yaml(&no_trailers)
-        .expect_err("FULL_DUPLEX_STREAMED without trailers is refused");
+    refused_edit(
+        &duplex,
+        "request_trailer_mode: SEND",
+        "request_trailer_mode: SKIP",
+        "FULL_DUPLEX_STREAMED without trailers is refused",
+    );
     // A heap-based overload action needs Envoy's heap budget, which the generator cannot know: the
     // reason it ships none (the generated comment says so).
-    let heap = good.replace(
+    let error = refused_edit(
+        &good,
         "  resource_monitors:\n",
         "  resource_monitors:\n  - name: envoy.resource_monitors.fixed_heap\n    typed_config:\n      \"@type\": type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig\n",
+        "fixed_heap without a size is refused",
     );
-    assert_ne!(heap, good);
-    let error = envoy::validate_yaml(&heap).expect_err("fixed_heap without a size is refused");
     assert!(error.contains("max heap size"), "{error}");
 }
 
@@ -811,47 +821,62 @@ fn the_inferencepool_sketch_points_at_a_valid_cachepick() {
 /// how many body bytes reached it (`x-seen-cachepick`: the names of every `x-cachepick-*` header it
 /// received, comma-separated, or `-`).
 async fn echo_worker() -> SocketAddr {
+    serve_loopback(|addr, request| async move {
+        let seen = |name: &str| {
+            request
+                .headers()
+                .get(name)
+                .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+                .unwrap_or_else(|| "-".to_owned())
+        };
+        let destination = seen(DESTINATION);
+        let decision = seen(DECISION_HEADER);
+        let owned: Vec<&str> = request
+            .headers()
+            .keys()
+            .map(|name| name.as_str())
+            .filter(|name| name.starts_with(OWNED_PREFIX))
+            .collect();
+        let owned = if owned.is_empty() {
+            "-".to_owned()
+        } else {
+            owned.join(",")
+        };
+        let bytes = request
+            .into_body()
+            .collect()
+            .await
+            .map(|body| body.to_bytes().len())
+            .unwrap_or(0);
+        Response::builder()
+            .header("x-served-by", addr.to_string())
+            .header("x-seen-destination", destination)
+            .header("x-seen-decision", decision)
+            .header("x-seen-cachepick", owned)
+            .header("x-body-bytes", bytes.to_string())
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    })
+    .await
+}
+
+/// A stand-in HTTP/1.1 server on a fresh loopback port: every request gets `answer(its address, the
+/// request)`. Returns the address; the server runs until the test's runtime ends.
+async fn serve_loopback<F, Fut, B>(answer: F) -> SocketAddr
+where
+    F: Fn(SocketAddr, Request<Incoming>) -> Fut + Copy + Send + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let service = service_fn(move |request: Request<Incoming>| async move {
-                let seen = |name: &str| {
-                    request
-                        .headers()
-                        .get(name)
-                        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
-                        .unwrap_or_else(|| "-".to_owned())
-                };
-                let destination = seen(DESTINATION);
-                let decision = seen(DECISION_HEADER);
-                let owned: Vec<&str> = request
-                    .headers()
-                    .keys()
-                    .map(|name| name.as_str())
-                    .filter(|name| name.starts_with(OWNED_PREFIX))
-                    .collect();
-                let owned = if owned.is_empty() {
-                    "-".to_owned()
-                } else {
-                    owned.join(",")
-                };
-                let bytes = request
-                    .into_body()
-                    .collect()
-                    .await
-                    .map(|body| body.to_bytes().len())
-                    .unwrap_or(0);
-                Ok::<_, Infallible>(
-                    Response::builder()
-                        .header("x-served-by", addr.to_string())
-                        .header("x-seen-destination", destination)
-                        .header("x-seen-decision", decision)
-                        .header("x-seen-cachepick", owned)
-                        .header("x-body-bytes", bytes.to_string())
-                        .body(Full::new(Bytes::from_static(b"{}")))
-                        .unwrap(),
-                )
+            let service = service_fn(move |request: Request<Incoming>| {
+                let answered = answer(addr, request);
+                async move { Ok::<_, Infallible>(answered.await) }
             });
             tokio::spawn(async move {
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -1104,37 +1129,24 @@ async fn failing_open_passes_bodies_above_max_body_bytes_through() {
 
 /// A worker stand-in that answers every request with an SSE stream of `events` events, `gap` apart.
 async fn streaming_worker(events: usize, gap: Duration) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let service = service_fn(move |request: Request<Incoming>| async move {
-                let _ = request.into_body().collect().await;
-                let frames = futures_util::stream::unfold(0, move |sent| async move {
-                    if sent == events {
-                        return None;
-                    }
-                    if sent > 0 {
-                        tokio::time::sleep(gap).await;
-                    }
-                    let event = Bytes::from(format!("data: {sent}\n\n"));
-                    Some((Ok::<_, Infallible>(Frame::data(event)), sent + 1))
-                });
-                Ok::<_, Infallible>(
-                    Response::builder()
-                        .header("content-type", "text/event-stream")
-                        .body(StreamBody::new(frames))
-                        .unwrap(),
-                )
-            });
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    addr
+    serve_loopback(move |_, request| async move {
+        let _ = request.into_body().collect().await;
+        let frames = futures_util::stream::unfold(0, move |sent| async move {
+            if sent == events {
+                return None;
+            }
+            if sent > 0 {
+                tokio::time::sleep(gap).await;
+            }
+            let event = Bytes::from(format!("data: {sent}\n\n"));
+            Some((Ok::<_, Infallible>(Frame::data(event)), sent + 1))
+        });
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(StreamBody::new(frames))
+            .unwrap()
+    })
+    .await
 }
 
 /// Writes `head` to Envoy's listener, then `drip` one chunk every 300 ms (ignoring write errors: Envoy

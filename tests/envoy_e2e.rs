@@ -26,16 +26,12 @@ mod sim_client;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client as Legacy;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http::{Method, StatusCode};
+use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use cachepick::config::{self, Config, Overrides};
@@ -44,17 +40,13 @@ use cachepick::policy::Reason;
 use cachepick::protocol::{
     DECISION_HEADER, DESTINATION, PASSTHROUGH, PREFIX_TOKENS_HEADER, REJECT_HEADER,
 };
+use cachepick_rig::nz;
 use cachepick_rig::stage::{Picker, READY_WITHIN};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
-use sim_client::{Client, Reply, Usage};
+use sim_client::{CHAT, COMPLETIONS, Client, DEADLINE, MODEL, Reply, Usage, bounded, metric_sum};
 
-/// How long any one exchange may take before the test fails instead of hanging.
-const DEADLINE: Duration = Duration::from_secs(10);
-const MODEL: &str = SimConfig::DEFAULT_MODEL;
-const CHAT: &str = "/v1/chat/completions";
-const COMPLETIONS: &str = "/v1/completions";
 /// The queue gate of every stack: an owner with 2 or more waiting is passed over, and the fleet is
 /// saturated when no fresh reading is below 1.
 const QUEUE_LIMIT: u64 = 2;
@@ -68,18 +60,6 @@ const FRESHNESS: Duration = Duration::from_millis(500);
 const ECHO_DESTINATION: &str = "x-sim-echo-x-gateway-destination-endpoint";
 const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
 const ECHO_PREFIX_TOKENS: &str = "x-sim-echo-x-cachepick-prefix-tokens";
-
-fn nz(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap()
-}
-
-/// Awaits `future` for at most `limit`, panicking with `what` on expiry.
-async fn bounded<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(limit, future).await {
-        Ok(value) => value,
-        Err(_) => panic!("{what}: nothing within {limit:?}"),
-    }
-}
 
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
@@ -115,8 +95,8 @@ struct Stack {
     yaml: String,
     /// Envoy's HTTP listener: where clients send LLM requests.
     gateway: SocketAddr,
-    http: Legacy<HttpConnector, Full<Bytes>>,
-    /// The simulator client, for the workers' admin routes and cachepick's metrics listener.
+    /// The simulator client, for Envoy's listener, the workers' admin routes and cachepick's metrics
+    /// listener.
     sim: Client,
     /// Stopped through its shutdown when the stack is dropped, or by `stop_picker`.
     picker: Option<Picker>,
@@ -192,16 +172,12 @@ impl Stack {
         let yaml = envoy_config::render(&config, &options);
         let envoy = envoy::Envoy::start(&yaml).await;
 
-        let http = Legacy::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(HttpConnector::new());
         Stack {
             fleet,
             config,
             envoy,
             yaml,
             gateway,
-            http,
             sim: Client::new(),
             picker: Some(picker),
         }
@@ -223,34 +199,14 @@ impl Stack {
         headers: &[(&str, &str)],
         body: Vec<u8>,
     ) -> Result<Reply, String> {
-        let mut request = Request::builder()
-            .method(method)
-            .uri(format!("http://{}{path}", self.gateway));
+        let mut headers = headers.to_vec();
         if !body.is_empty() {
-            request = request.header(CONTENT_TYPE, "application/json");
+            headers.insert(0, (CONTENT_TYPE.as_str(), "application/json"));
         }
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        let request = request
-            .body(Full::new(Bytes::from(body)))
-            .expect("a valid request");
         let response = self
-            .http
-            .request(request)
-            .await
-            .map_err(|error| format!("{error:?}"))?;
-        let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|error| format!("{error:?}"))?
-            .to_bytes();
-        Ok(Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        })
+            .sim
+            .send_raw(method, self.gateway, path, &headers, body);
+        sim_client::read_whole(response.await).await
     }
 
     /// One request through Envoy within `DEADLINE`; panics on a transport error.
@@ -285,6 +241,17 @@ impl Stack {
             serde_json::to_vec(&body).unwrap(),
         )
         .await
+    }
+
+    /// A non-streaming completion `body` (see [`completion`]) through Envoy.
+    async fn complete(&self, body: Vec<u8>) -> Reply {
+        self.send(Method::POST, COMPLETIONS, &[], body).await
+    }
+
+    /// Envoy's count of requests upstream in the virtual cluster of decision `reason` (0 until it has one).
+    async fn vcluster_requests(&self, reason: &str) -> u64 {
+        let name = format!("vhost.llm.vcluster.{reason}.upstream_rq_total");
+        self.envoy.stat(&name).await.unwrap_or(0)
     }
 
     /// cachepick's `/metrics`.
@@ -401,6 +368,11 @@ fn text(tag: &str, bytes: usize) -> String {
     out
 }
 
+/// A non-streaming completion body: `prompt`, two tokens out.
+fn completion(prompt: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap()
+}
+
 /// Every value of header `name`.
 fn all(reply: &Reply, name: &str) -> Vec<String> {
     reply
@@ -423,6 +395,50 @@ fn one(reply: &Reply, name: &str) -> String {
     }
 }
 
+/// Asserts the reply's status, showing its headers and body otherwise.
+fn assert_status(reply: &Reply, status: StatusCode) {
+    assert_eq!(
+        reply.status,
+        status,
+        "headers {:?}; body {}",
+        reply.headers,
+        reply.text()
+    );
+}
+
+/// Asserts the reply's status and that no worker answered (none named itself in `x-served-by`).
+fn assert_not_served(reply: &Reply, status: StatusCode) {
+    assert_status(reply, status);
+    assert!(
+        all(reply, "x-served-by").is_empty(),
+        "a worker answered: {:?}",
+        reply.headers
+    );
+}
+
+/// Asserts that a routed completion of `prompt_bytes` bytes was a miss and reached its worker whole.
+fn assert_served_whole(stack: &Stack, reply: &Reply, prompt_bytes: usize) {
+    let landed = routed(stack, reply);
+    assert_eq!(landed.decision, "cache_miss", "{landed:?}");
+    // The byte tokenizer packs 4 bytes per token: the worker counted every byte of the prompt.
+    assert_eq!(reply.usage().prompt_tokens, (prompt_bytes / 4) as u64);
+}
+
+/// Whether a bootstrap sets a listener's per-connection buffer (the generated one keeps Envoy's default).
+fn sets_a_connection_buffer(yaml: &str) -> bool {
+    yaml.lines().any(|line| {
+        line.trim_start()
+            .starts_with("per_connection_buffer_limit_bytes:")
+    })
+}
+
+/// Room for a prompt of millions of bytes, and a prefill that does not take minutes.
+fn room_for_huge_prompts(sim: &mut SimConfig) {
+    sim.params.max_model_len = nz(2_000_000);
+    sim.params.kv_blocks = nz(100_000);
+    sim.params.time_scale = 0.001;
+}
+
 /// What the worker that served a routed request reports about it.
 #[derive(Debug)]
 struct Routed {
@@ -437,13 +453,7 @@ struct Routed {
 /// worker, which is the first entry of the destination header cachepick set (one header, one list of
 /// distinct fleet members), and a known decision reason.
 fn routed(stack: &Stack, reply: &Reply) -> Routed {
-    assert_eq!(
-        reply.status,
-        StatusCode::OK,
-        "headers {:?}; body {}",
-        reply.headers,
-        reply.text()
-    );
+    assert_status(reply, StatusCode::OK);
     let fleet = stack.endpoint_strings();
     let served_by = one(reply, "x-served-by");
     assert!(
@@ -485,19 +495,23 @@ fn routed(stack: &Stack, reply: &Reply) -> Routed {
     }
 }
 
-/// `name{labels…}` summed over the samples of a Prometheus text whose labels include `labels`; 0 when
-/// there is none.
-fn prom_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    sim_client::prom_samples(text)
-        .into_iter()
-        .filter(|sample| {
-            sample.name == name
-                && labels
-                    .iter()
-                    .all(|(label, value)| sample.label(label) == Some(value))
-        })
-        .map(|sample| sample.value)
-        .sum()
+/// Runs the scenario `$scenario(mode)` as two tests, `$scenario::buffered` and `$scenario::duplex`.
+macro_rules! in_both_body_modes {
+    ($scenario:ident) => {
+        mod $scenario {
+            use super::BodyMode;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn buffered() {
+                super::$scenario(BodyMode::Buffered).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn duplex() {
+                super::$scenario(BodyMode::Duplex).await;
+            }
+        }
+    };
 }
 
 // === 1. requests land where the picker says ===
@@ -534,15 +548,7 @@ async fn requests_land_where_the_picker_says(mode: BodyMode) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buffered_requests_land_where_the_picker_says() {
-    requests_land_where_the_picker_says(BodyMode::Buffered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplex_requests_land_where_the_picker_says() {
-    requests_land_where_the_picker_says(BodyMode::Duplex).await;
-}
+in_both_body_modes!(requests_land_where_the_picker_says);
 
 // === 2. a client cannot steer ===
 
@@ -618,15 +624,7 @@ async fn spoofed_routing_headers_cannot_steer(mode: BodyMode) {
     assert!(!third.destination.contains(&"10.1.2.3:80".to_owned()));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buffered_spoofed_routing_headers_cannot_steer() {
-    spoofed_routing_headers_cannot_steer(BodyMode::Buffered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplex_spoofed_routing_headers_cannot_steer() {
-    spoofed_routing_headers_cannot_steer(BodyMode::Duplex).await;
-}
+in_both_body_modes!(spoofed_routing_headers_cannot_steer);
 
 // === 3. a scripted scenario, counted exactly by Envoy and cachepick ===
 
@@ -707,8 +705,8 @@ async fn scripted_decisions_are_counted_exactly_by_envoy_and_cachepick() {
     let envoy_counts = loop {
         let mut counts = BTreeMap::new();
         for reason in Reason::ALL {
-            let name = format!("vhost.llm.vcluster.{}.upstream_rq_total", reason.as_str());
-            counts.insert(reason.as_str(), stack.envoy.stat(&name).await.unwrap_or(0));
+            let reason = reason.as_str();
+            counts.insert(reason, stack.vcluster_requests(reason).await);
         }
         let want: BTreeMap<&str, u64> = Reason::ALL
             .iter()
@@ -728,20 +726,13 @@ async fn scripted_decisions_are_counted_exactly_by_envoy_and_cachepick() {
         );
     }
     // Nothing went through Envoy without a decision.
-    assert_eq!(
-        stack
-            .envoy
-            .stat("vhost.llm.vcluster.other.upstream_rq_total")
-            .await
-            .unwrap_or(0),
-        0
-    );
+    assert_eq!(stack.vcluster_requests("other").await, 0);
 
     // cachepick counted the same decisions.
     let metrics = stack.picker_metrics().await;
     for reason in Reason::ALL {
         let reason = reason.as_str();
-        let counted = prom_sum(
+        let counted = metric_sum(
             &metrics,
             "cachepick_decisions_total",
             &[("pool", MODEL), ("reason", reason)],
@@ -806,14 +797,16 @@ async fn sse_streams_pass_through_intact_and_unbuffered() {
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let request = Request::post(format!("http://{}{CHAT}", stack.gateway))
-        .header(CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(serde_json::to_vec(&body).unwrap())))
-        .unwrap();
     let sent = Instant::now();
-    let response = bounded("the stream's head", DEADLINE, stack.http.request(request))
-        .await
-        .expect("the stream opens");
+    let response = bounded(
+        "the stream's head",
+        DEADLINE,
+        stack
+            .sim
+            .send(Method::POST, stack.gateway, CHAT, Some(&body)),
+    )
+    .await
+    .expect("the stream opens");
     assert_eq!(response.status(), StatusCode::OK);
     let headers = response.headers().clone();
     assert!(
@@ -907,26 +900,17 @@ async fn sse_streams_pass_through_intact_and_unbuffered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_five_megabyte_prompt_reaches_the_worker_whole_in_duplex_mode() {
     const PROMPT_BYTES: usize = 5_000_000;
+    // Room for 1.25M tokens.
     let stack = Stack::start(Setup {
         max_body_bytes: Some(8 << 20),
-        tune: |sim| {
-            // Room for 1.25M tokens, and a prefill that does not take minutes.
-            sim.params.max_model_len = nz(2_000_000);
-            sim.params.kv_blocks = nz(100_000);
-            sim.params.time_scale = 0.001;
-        },
+        tune: room_for_huge_prompts,
         ..Setup::new(BodyMode::Duplex)
     })
     .await;
-    let prompt = text("big", PROMPT_BYTES);
-    let body =
-        serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap();
+    let body = completion(&text("big", PROMPT_BYTES));
     assert!(body.len() > PROMPT_BYTES && body.len() < 8 << 20);
-    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
-    let landed = routed(&stack, &reply);
-    assert_eq!(landed.decision, "cache_miss", "{landed:?}");
-    // The byte tokenizer packs 4 bytes per token: the worker counted every byte of the prompt.
-    assert_eq!(reply.usage().prompt_tokens, (PROMPT_BYTES / 4) as u64);
+    let reply = stack.complete(body).await;
+    assert_served_whole(&stack, &reply, PROMPT_BYTES);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -945,30 +929,11 @@ async fn a_body_over_the_limit_gets_413_quickly_in_buffered_mode() {
         "{}",
         stack.yaml
     );
-    assert!(
-        !stack.yaml.lines().any(|line| line
-            .trim_start()
-            .starts_with("per_connection_buffer_limit_bytes:")),
-        "{}",
-        stack.yaml
-    );
-    let prompt = text("too-big", 2 << 20);
-    let body =
-        serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap();
+    assert!(!sets_a_connection_buffer(&stack.yaml), "{}", stack.yaml);
+    let body = completion(&text("too-big", 2 << 20));
     let started = Instant::now();
-    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
-    assert_eq!(
-        reply.status,
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "headers {:?}; body {}",
-        reply.headers,
-        reply.text()
-    );
-    assert!(
-        all(&reply, "x-served-by").is_empty(),
-        "a worker saw it: {:?}",
-        reply.headers
-    );
+    let reply = stack.complete(body).await;
+    assert_not_served(&reply, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(started.elapsed() < DEADLINE);
     // A body under the limit still goes through.
     let small = routed(&stack, &stack.chat(&text("small", 4096), &[]).await);
@@ -982,46 +947,25 @@ async fn a_body_over_the_limit_gets_413_quickly_in_buffered_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buffered_mode_takes_bodies_between_one_mebibyte_and_the_limit() {
     const PROMPT_BYTES: usize = 3 << 20;
+    // Room for the prompt's 786k tokens.
     let stack = Stack::start(Setup {
         max_body_bytes: Some(8 << 20),
-        tune: |sim| {
-            // Room for the prompt's 786k tokens, and a prefill that does not take minutes.
-            sim.params.max_model_len = nz(2_000_000);
-            sim.params.kv_blocks = nz(100_000);
-            sim.params.time_scale = 0.001;
-        },
+        tune: room_for_huge_prompts,
         ..Setup::new(BodyMode::Buffered)
     })
     .await;
     assert!(
-        !stack.yaml.lines().any(|line| line
-            .trim_start()
-            .starts_with("per_connection_buffer_limit_bytes:")),
+        !sets_a_connection_buffer(&stack.yaml),
         "the listener keeps Envoy's default buffer"
     );
-    let prompt = text("three-mib", PROMPT_BYTES);
-    let body =
-        serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})).unwrap();
+    let body = completion(&text("three-mib", PROMPT_BYTES));
     assert!(body.len() > 1 << 20 && body.len() < 8 << 20);
-    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
-    let landed = routed(&stack, &reply);
-    assert_eq!(landed.decision, "cache_miss", "{landed:?}");
-    // The byte tokenizer packs 4 bytes per token: the worker counted every byte of the prompt.
-    assert_eq!(reply.usage().prompt_tokens, (PROMPT_BYTES / 4) as u64);
+    let reply = stack.complete(body).await;
+    assert_served_whole(&stack, &reply, PROMPT_BYTES);
 
-    let over = text("nine-mib", 9 << 20);
-    let body =
-        serde_json::to_vec(&json!({"model": MODEL, "prompt": over, "max_tokens": 2})).unwrap();
-    let reply = stack.send(Method::POST, COMPLETIONS, &[], body).await;
-    assert_eq!(
-        reply.status,
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "headers {:?}; body {}",
-        reply.headers,
-        reply.text()
-    );
+    let reply = stack.complete(completion(&text("nine-mib", 9 << 20))).await;
     // Envoy's own 413: neither a worker nor cachepick (whose refusals carry a reason header) saw it.
-    assert!(all(&reply, "x-served-by").is_empty(), "{:?}", reply.headers);
+    assert_not_served(&reply, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(all(&reply, REJECT_HEADER).is_empty(), "{:?}", reply.headers);
 }
 
@@ -1118,26 +1062,14 @@ async fn requests_are_served_without_the_picker(mode: BodyMode) {
         .await
         .unwrap_or(0);
     assert!(allowed >= 5, "failure_mode_allowed = {allowed}");
-    let other = stack
-        .envoy
-        .stat("vhost.llm.vcluster.other.upstream_rq_total")
-        .await
-        .unwrap_or(0);
+    let other = stack.vcluster_requests("other").await;
     assert!(
         other >= 1,
         "requests without a decision count under `other`: {other}"
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buffered_requests_are_served_without_the_picker() {
-    requests_are_served_without_the_picker(BodyMode::Buffered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplex_requests_are_served_without_the_picker() {
-    requests_are_served_without_the_picker(BodyMode::Duplex).await;
-}
+in_both_body_modes!(requests_are_served_without_the_picker);
 
 // === 7. a request without a body ===
 
@@ -1163,42 +1095,15 @@ async fn a_header_only_get_is_routed(mode: BodyMode) {
     );
     let models = reply.json();
     assert_eq!(models["data"][0]["id"], MODEL, "{models}");
-    assert_eq!(
-        stack
-            .envoy
-            .stat(&format!(
-                "vhost.llm.vcluster.{PASSTHROUGH}.upstream_rq_total"
-            ))
-            .await,
-        Some(1)
-    );
+    assert_eq!(stack.vcluster_requests(PASSTHROUGH).await, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buffered_a_header_only_get_is_routed() {
-    a_header_only_get_is_routed(BodyMode::Buffered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplex_a_header_only_get_is_routed() {
-    a_header_only_get_is_routed(BodyMode::Duplex).await;
-}
+in_both_body_modes!(a_header_only_get_is_routed);
 
 // === 8. refusals are cachepick's and never reach a worker ===
 
 fn assert_refused(reply: &Reply, status: StatusCode, reason: &str) {
-    assert_eq!(
-        reply.status,
-        status,
-        "headers {:?}; body {}",
-        reply.headers,
-        reply.text()
-    );
-    assert!(
-        all(reply, "x-served-by").is_empty(),
-        "a worker answered: {:?}",
-        reply.headers
-    );
+    assert_not_served(reply, status);
     assert_eq!(one(reply, CONTENT_TYPE.as_str()), "application/json");
     assert_eq!(one(reply, REJECT_HEADER), reason);
     let body = reply.json();
@@ -1243,7 +1148,7 @@ async fn refusals_never_reach_a_worker(mode: BodyMode) {
     }
     let metrics = stack.picker_metrics().await;
     assert_eq!(
-        prom_sum(
+        metric_sum(
             &metrics,
             "cachepick_rejections_total",
             &[("reason", "invalid_json")]
@@ -1251,25 +1156,17 @@ async fn refusals_never_reach_a_worker(mode: BodyMode) {
         1.0
     );
     assert_eq!(
-        prom_sum(
+        metric_sum(
             &metrics,
             "cachepick_rejections_total",
             &[("reason", "unknown_model")]
         ),
         1.0
     );
-    assert_eq!(prom_sum(&metrics, "cachepick_decisions_total", &[]), 0.0);
+    assert_eq!(metric_sum(&metrics, "cachepick_decisions_total", &[]), 0.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn buffered_refusals_never_reach_a_worker() {
-    refusals_never_reach_a_worker(BodyMode::Buffered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplex_refusals_never_reach_a_worker() {
-    refusals_never_reach_a_worker(BodyMode::Duplex).await;
-}
+in_both_body_modes!(refusals_never_reach_a_worker);
 
 // === the one-command demo ===
 

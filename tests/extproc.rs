@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation;
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 use http::{Method, StatusCode};
 use serde_json::json;
 
@@ -35,10 +35,11 @@ use cachepick::extproc::{DECISION_HEADER, DESTINATION, MAX_STREAMED_CHUNK, PREFI
 use cachepick_rig::client::Verdict;
 use picker::{
     CHAT, COMPLETIONS, DEADLINE, Harness, MODEL, Refused, Route, body, bounded, chat, common,
-    find_header, headers, http, is_body_response, is_headers_response, metadata_destination,
-    post_headers, refusal_of, route_of, set_headers, subset_list, subset_string,
+    duplex_headers, find_header, headers, http, is_body_response, is_headers_response,
+    metadata_destination, post_headers, refusal_of, route_of, set_headers, streamed_chunk,
+    subset_list, subset_string,
 };
-use sim_client::metric;
+use sim_client::{metric, metric_sum};
 
 const POOL: &str = MODEL;
 
@@ -76,7 +77,7 @@ async fn buffered(
     path: &str,
     payload: &[u8],
     metadata: Option<envoy_types::pb::envoy::config::core::v3::Metadata>,
-) -> envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse {
+) -> ProcessingResponse {
     let responses = harness
         .exchange(vec![
             headers("POST", path, &[], false, BodySendMode::Buffered, metadata),
@@ -95,8 +96,12 @@ async fn buffered(
 
 /// The refusal a BUFFERED body gets; checks the JSON error shape and the headers.
 async fn refused(harness: &Harness, path: &str, payload: &[u8]) -> Refused {
-    let answer = buffered(harness, path, payload, None).await;
-    let refused = refusal_of(&answer);
+    checked_refusal(&buffered(harness, path, payload, None).await)
+}
+
+/// The refusal `answer` carries, after [`check_refusal`].
+fn checked_refusal(answer: &ProcessingResponse) -> Refused {
+    let refused = refusal_of(answer);
     check_refusal(&refused);
     refused
 }
@@ -115,6 +120,15 @@ fn check_refusal(refused: &Refused) {
         "the JSON type is the reject reason: {refused:?}"
     );
     assert_ne!(refused.status, 500, "bad input is never a 500: {refused:?}");
+}
+
+/// `cachepick_extproc_streams_closed_total{outcome}` in a `/metrics` text.
+fn closed(text: &str, outcome: &str) -> f64 {
+    metric(
+        text,
+        "cachepick_extproc_streams_closed_total",
+        &[("outcome", outcome)],
+    )
 }
 
 // === 1. BUFFERED through cachepick's client: a miss, then a hit that the worker serves from cache ===
@@ -183,12 +197,7 @@ async fn a_repeated_prompt_is_a_hit_on_the_worker_that_then_serves_it_from_cache
 /// Sends `payload` to the route's first endpoint with the headers Envoy would forward, expects a 200
 /// served by that worker, and returns the reply.
 async fn serve(harness: &Harness, route: &Route, payload: &[u8]) -> picker::Reply {
-    let destination = route
-        .endpoints
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let destination = route.destination();
     let prefix = route.prefix_tokens.to_string();
     let target = route.endpoints[0];
     assert!(harness.endpoints().contains(&target));
@@ -240,8 +249,7 @@ async fn a_buffered_answer_overwrites_spoofed_headers_with_raw_values_and_metada
             None,
         ))
         .await;
-    let first = stream.next().await.expect("no error").expect("a response");
-    assert!(is_headers_response(&first), "{first:?}");
+    let first = stream.next_headers_response().await;
     let mutation = common(&first)
         .and_then(|common| common.header_mutation.clone())
         .expect("the headers response strips the client's copies");
@@ -256,7 +264,7 @@ async fn a_buffered_answer_overwrites_spoofed_headers_with_raw_values_and_metada
     assert!(first.dynamic_metadata.is_none(), "{first:?}");
 
     stream.send(body(&chat(2, 300), true)).await;
-    let answer = stream.next().await.expect("no error").expect("an answer");
+    let answer = stream.next_response("an answer").await;
     assert!(is_body_response(&answer), "{answer:?}");
     let common = common(&answer).expect("a common response");
     assert_eq!(common.status, 0, "CONTINUE");
@@ -297,8 +305,7 @@ async fn a_buffered_answer_overwrites_spoofed_headers_with_raw_values_and_metada
     );
 
     // The answer is the last message: the server ends the stream cleanly.
-    let end = stream.next().await;
-    assert!(matches!(end, Ok(None)), "expected a clean end, got {end:?}");
+    stream.expect_clean_end().await;
     harness.stop().await;
 }
 
@@ -311,14 +318,7 @@ async fn full_duplex_answers_in_the_delayed_headers_response_and_echoes_the_body
     assert!(payload.len() > 150_000);
     let mut stream = harness.open().await;
     stream
-        .send(headers(
-            "POST",
-            CHAT,
-            &[(DESTINATION, "10.9.9.9:1")],
-            false,
-            BodySendMode::FullDuplexStreamed,
-            None,
-        ))
+        .send(duplex_headers(CHAT, &[(DESTINATION, "10.9.9.9:1")]))
         .await;
     let third = payload.len() / 3;
     stream.send(body(&payload[..third], false)).await;
@@ -337,22 +337,9 @@ async fn full_duplex_answers_in_the_delayed_headers_response_and_echoes_the_body
         "the headers response comes first: {head:?}"
     );
     let route = route_of(head);
-    assert!(
-        harness.endpoints().contains(&route.endpoints[0]),
-        "{route:?}"
-    );
+    harness.assert_routed_to_a_worker(&route);
     assert_eq!(route.reason, "cache_miss");
-    assert_eq!(
-        metadata_destination(head),
-        Some(
-            route
-                .endpoints
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        )
-    );
+    assert_eq!(metadata_destination(head), Some(route.destination()));
     let mutation = common(head).unwrap().header_mutation.as_ref().unwrap();
     assert!(
         mutation.remove_headers.is_empty(),
@@ -363,14 +350,7 @@ async fn full_duplex_answers_in_the_delayed_headers_response_and_echoes_the_body
     let mut ends = Vec::new();
     for response in chunks {
         assert!(is_body_response(response), "{response:?}");
-        let common = common(response).expect("a common response");
-        let Some(body_mutation::Mutation::StreamedResponse(streamed)) = common
-            .body_mutation
-            .as_ref()
-            .and_then(|mutation| mutation.mutation.as_ref())
-        else {
-            panic!("not a streamed_response: {common:?}");
-        };
+        let streamed = streamed_chunk(response);
         assert!(!streamed.body.is_empty(), "an empty chunk mid-body");
         assert!(
             streamed.body.len() <= MAX_STREAMED_CHUNK && streamed.body.len() <= 62_000,
@@ -400,46 +380,26 @@ async fn full_duplex_refusals_are_immediate_responses() {
     // Malformed JSON, decided at the end of the body.
     let exchanged = harness
         .exchange(vec![
-            headers(
-                "POST",
-                CHAT,
-                &[],
-                false,
-                BodySendMode::FullDuplexStreamed,
-                None,
-            ),
+            duplex_headers(CHAT, &[]),
             body(b"{\"model\": ", false),
             body(b"oops", true),
         ])
         .await
         .clean();
     assert_eq!(exchanged.len(), 1, "{exchanged:?}");
-    let refused = refusal_of(&exchanged[0]);
-    check_refusal(&refused);
+    let refused = checked_refusal(&exchanged[0]);
     assert_eq!(refused.status, 400, "{refused:?}");
 
     // Too large: refused at the chunk that crosses the limit, before the end of the body.
     let mut stream = harness.open().await;
-    stream
-        .send(headers(
-            "POST",
-            CHAT,
-            &[],
-            false,
-            BodySendMode::FullDuplexStreamed,
-            None,
-        ))
-        .await;
+    stream.send(duplex_headers(CHAT, &[])).await;
     let spaces = vec![b' '; 40 << 10];
     stream.send(body(&spaces, false)).await;
     stream.send(body(&spaces, false)).await;
-    let answer = stream.next().await.expect("no error").expect("an answer");
-    let refused = refusal_of(&answer);
-    check_refusal(&refused);
+    let refused = checked_refusal(&stream.next_response("an answer").await);
     assert_eq!(refused.status, 413, "{refused:?}");
     assert_eq!(refused.reason, "too_large");
-    let end = stream.next().await;
-    assert!(matches!(end, Ok(None)), "{end:?}");
+    stream.expect_clean_end().await;
     harness.stop().await;
 }
 
@@ -456,10 +416,9 @@ async fn a_buffered_body_sent_before_trailers_is_decided() {
     let payload = chat(20, 2000);
     let mut stream = harness.open().await;
     stream.send(post_headers(CHAT)).await;
-    let first = stream.next().await.expect("no error").expect("a response");
-    assert!(is_headers_response(&first), "{first:?}");
+    stream.next_headers_response().await;
     stream.send(body(&payload, false)).await;
-    let answer = stream.next().await.expect("no error").expect("an answer");
+    let answer = stream.next_response("an answer").await;
     assert!(is_body_response(&answer), "{answer:?}");
     let has_destination = common(&answer)
         .and_then(|common| common.header_mutation.as_ref())
@@ -475,10 +434,7 @@ async fn a_buffered_body_sent_before_trailers_is_decided() {
          response carries no destination, so Envoy routes the request undecided: {answer:?}"
     );
     let route = route_of(&answer);
-    assert!(
-        harness.endpoints().contains(&route.endpoints[0]),
-        "{route:?}"
-    );
+    harness.assert_routed_to_a_worker(&route);
     assert!(metadata_destination(&answer).is_some(), "{answer:?}");
     harness.stop().await;
 }
@@ -493,16 +449,7 @@ async fn full_duplex_with_trailers_decides_when_the_trailers_arrive() {
     let harness = Harness::start(2, "").await;
     let payload = chat(21, 100_000);
     let mut stream = harness.open().await;
-    stream
-        .send(headers(
-            "POST",
-            CHAT,
-            &[],
-            false,
-            BodySendMode::FullDuplexStreamed,
-            None,
-        ))
-        .await;
+    stream.send(duplex_headers(CHAT, &[])).await;
     let half = payload.len() / 2;
     stream.send(body(&payload[..half], false)).await;
     stream.send(body(&payload[half..], false)).await;
@@ -531,19 +478,10 @@ async fn full_duplex_with_trailers_decides_when_the_trailers_arrive() {
         "headers-body-trailers ordering, decided at the trailers (stream end: {end:?})"
     );
     let route = route_of(&responses[0]);
-    assert!(
-        harness.endpoints().contains(&route.endpoints[0]),
-        "{route:?}"
-    );
+    harness.assert_routed_to_a_worker(&route);
     let mut echoed = Vec::new();
     for response in &responses[1..=expected_bodies] {
-        let Some(body_mutation::Mutation::StreamedResponse(streamed)) = common(response)
-            .and_then(|common| common.body_mutation.as_ref())
-            .and_then(|mutation| mutation.mutation.as_ref())
-        else {
-            panic!("not a streamed_response: {response:?}");
-        };
-        echoed.extend_from_slice(&streamed.body);
+        echoed.extend_from_slice(&streamed_chunk(response).body);
     }
     assert!(
         echoed == payload,
@@ -577,25 +515,10 @@ async fn concurrent_streams_are_all_answered() {
     }
     assert_eq!(routed, STREAMS);
     eprintln!("{STREAMS} concurrent decisions in {:?}", started.elapsed());
-    let text = harness
-        .wait_metrics("every stream closed", |text| {
-            metric(text, "cachepick_extproc_streams_active", &[]) == 0.0
-        })
-        .await;
-    let decisions: f64 = sim_client::prom_samples(&text)
-        .iter()
-        .filter(|sample| sample.name == "cachepick_decisions_total")
-        .map(|sample| sample.value)
-        .sum();
+    let text = harness.wait_streams_closed("every stream closed").await;
+    let decisions = metric_sum(&text, "cachepick_decisions_total", &[]);
     assert_eq!(decisions, STREAMS as f64);
-    assert_eq!(
-        metric(
-            &text,
-            "cachepick_extproc_streams_closed_total",
-            &[("outcome", "answered")]
-        ),
-        STREAMS as f64
-    );
+    assert_eq!(closed(&text, "answered"), STREAMS as f64);
     harness.stop().await;
 }
 
@@ -619,21 +542,11 @@ async fn a_header_only_request_is_routed_in_the_headers_response() {
         assert_eq!(responses.len(), 1, "{mode:?}: {responses:?}");
         assert!(is_headers_response(&responses[0]), "{responses:?}");
         let route = route_of(&responses[0]);
-        assert!(
-            harness.endpoints().contains(&route.endpoints[0]),
-            "{route:?}"
-        );
+        harness.assert_routed_to_a_worker(&route);
         assert_eq!(route.prefix_tokens, 0);
         assert_eq!(
             metadata_destination(&responses[0]),
-            Some(
-                route
-                    .endpoints
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(",")
-            )
+            Some(route.destination())
         );
         // The worker answers the GET it is sent to.
         let reply = http(
@@ -695,9 +608,7 @@ async fn bad_requests_are_refused_with_json_immediate_responses() {
         b"{\"model\": \"sim-model\", \"messages\": 3}",
         b"{\"model\": 7, \"prompt\": \"x\"}",
     ] {
-        let answer = buffered(&harness, CHAT, bad, None).await;
-        let refused = refusal_of(&answer);
-        check_refusal(&refused);
+        let refused = checked_refusal(&buffered(&harness, CHAT, bad, None).await);
         assert_eq!(
             refused.status,
             400,
@@ -787,8 +698,7 @@ async fn the_subset_hint_restricts_the_choice() {
         subset_string(""),
     ] {
         let answer = buffered(&harness, CHAT, &chat(400, 500), Some(metadata.clone())).await;
-        let refused = refusal_of(&answer);
-        check_refusal(&refused);
+        let refused = checked_refusal(&answer);
         assert_eq!(
             (refused.status, refused.reason.as_str()),
             (503, "no_workers"),
@@ -870,40 +780,28 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
     .await;
     assert_eq!(refusal_of(&unknown).status, 503);
 
-    let text = harness
-        .wait_metrics("every stream closed", |text| {
-            metric(text, "cachepick_extproc_streams_active", &[]) == 0.0
-        })
-        .await;
+    let text = harness.wait_streams_closed("every stream closed").await;
     let value = |name: &str, labels: &[(&str, &str)]| metric(&text, name, labels);
-    assert_eq!(
-        value(
-            "cachepick_decisions_total",
-            &[("pool", POOL), ("reason", "cache_hit")]
-        ),
-        1.0
-    );
-    assert_eq!(
-        value(
-            "cachepick_decisions_total",
-            &[("pool", POOL), ("reason", "cache_miss")]
-        ),
-        1.0
-    );
-    assert_eq!(
-        value(
-            "cachepick_rejections_total",
-            &[("pool", "none"), ("reason", "invalid_json")]
-        ),
-        1.0
-    );
-    assert_eq!(
-        value(
-            "cachepick_rejections_total",
-            &[("pool", "none"), ("reason", "unknown_model")]
-        ),
-        1.0
-    );
+    for reason in ["cache_hit", "cache_miss"] {
+        assert_eq!(
+            value(
+                "cachepick_decisions_total",
+                &[("pool", POOL), ("reason", reason)]
+            ),
+            1.0,
+            "{reason}"
+        );
+    }
+    for reason in ["invalid_json", "unknown_model"] {
+        assert_eq!(
+            value(
+                "cachepick_rejections_total",
+                &[("pool", "none"), ("reason", reason)]
+            ),
+            1.0,
+            "{reason}"
+        );
+    }
     let too_large: f64 = sim_client::prom_samples(&text)
         .iter()
         .filter(|sample| {
@@ -925,20 +823,8 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
         3.0
     );
     assert_eq!(value("cachepick_extproc_streams_opened_total", &[]), 6.0);
-    assert_eq!(
-        value(
-            "cachepick_extproc_streams_closed_total",
-            &[("outcome", "answered")]
-        ),
-        6.0
-    );
-    assert_eq!(
-        value(
-            "cachepick_extproc_streams_closed_total",
-            &[("outcome", "error")]
-        ),
-        0.0
-    );
+    assert_eq!(closed(&text, "answered"), 6.0);
+    assert_eq!(closed(&text, "error"), 0.0);
     assert!(
         value("cachepick_index_entries", &[("pool", POOL)]) > 0.0,
         "{text}"
@@ -949,14 +835,7 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
     );
 
     // The snapshot lists every worker, fresh.
-    let snapshot = http(
-        Method::GET,
-        harness.metrics_listen,
-        "/debug/snapshot",
-        &[],
-        Vec::new(),
-    )
-    .await;
+    let snapshot = harness.get_debug("/debug/snapshot").await;
     assert_eq!(snapshot.status, StatusCode::OK, "{}", snapshot.text());
     let pools = snapshot.json();
     assert_eq!(pools[0]["pool"], POOL, "{pools}");
@@ -1034,62 +913,31 @@ async fn a_stream_dropped_mid_request_counts_as_reset_and_the_picker_keeps_servi
     // Reset: the client drops the whole call after its headers were answered.
     let mut stream = harness.open().await;
     stream.send(post_headers(CHAT)).await;
-    let first = stream
-        .next()
-        .await
-        .expect("no error")
-        .expect("a headers response");
-    assert!(is_headers_response(&first));
+    stream.next_headers_response().await;
     drop(stream);
     let text = harness
-        .wait_metrics("the dropped stream closes", |text| {
-            metric(text, "cachepick_extproc_streams_active", &[]) == 0.0
-        })
+        .wait_streams_closed("the dropped stream closes")
         .await;
     assert_eq!(
-        metric(
-            &text,
-            "cachepick_extproc_streams_closed_total",
-            &[("outcome", "reset")]
-        ),
+        closed(&text, "reset"),
         1.0,
         "a client reset is counted as reset"
     );
-    assert_eq!(
-        metric(
-            &text,
-            "cachepick_extproc_streams_closed_total",
-            &[("outcome", "error")]
-        ),
-        0.0
-    );
+    assert_eq!(closed(&text, "error"), 0.0);
 
     // Half-close: the client's side ends without a body; the server ends its side cleanly.
     let mut stream = harness.open().await;
     stream.send(post_headers(CHAT)).await;
-    let first = stream
-        .next()
-        .await
-        .expect("no error")
-        .expect("a headers response");
-    assert!(is_headers_response(&first));
+    stream.next_headers_response().await;
     stream.close_send();
-    let end = stream.next().await;
-    assert!(matches!(end, Ok(None)), "{end:?}");
+    stream.expect_clean_end().await;
     let text = harness
         .wait_metrics("the half-closed stream closes", |text| {
             metric(text, "cachepick_extproc_streams_active", &[]) == 0.0
                 && metric(text, "cachepick_extproc_streams_opened_total", &[]) == 2.0
         })
         .await;
-    assert_eq!(
-        metric(
-            &text,
-            "cachepick_extproc_streams_closed_total",
-            &[("outcome", "reset")]
-        ),
-        2.0
-    );
+    assert_eq!(closed(&text, "reset"), 2.0);
     assert_eq!(
         metric(&text, "cachepick_decision_seconds_count", &[("pool", POOL)]),
         0.0,
@@ -1099,7 +947,7 @@ async fn a_stream_dropped_mid_request_counts_as_reset_and_the_picker_keeps_servi
     // Still serving.
     let client = harness.client().await;
     let route = decide(&client, CHAT, &chat(13, 500)).await;
-    assert!(harness.endpoints().contains(&route.endpoints[0]));
+    harness.assert_routed_to_a_worker(&route);
     assert_eq!(
         harness.health(cachepick::extproc::READINESS).await,
         tonic_health::pb::health_check_response::ServingStatus::Serving
@@ -1161,7 +1009,7 @@ async fn requests_without_a_prompt_pass_through_and_are_not_decisions() {
     .await;
     let route = route_of(&embeddings);
     assert_eq!(route.reason, "passthrough");
-    assert!(harness.endpoints().contains(&route.endpoints[0]));
+    harness.assert_routed_to_a_worker(&route);
     // A model no pool serves is still a 404, even for another API.
     let unknown = refused(
         &harness,
@@ -1185,8 +1033,7 @@ async fn requests_without_a_prompt_pass_through_and_are_not_decisions() {
         )])
         .await
         .clean();
-    let missing = refusal_of(&empty[0]);
-    check_refusal(&missing);
+    let missing = checked_refusal(&empty[0]);
     assert_eq!(
         (missing.status, missing.reason.as_str()),
         (400, "missing_body")
@@ -1238,14 +1085,7 @@ async fn a_prompt_the_tokenizer_fails_on_is_routed_as_a_miss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_endpoints_can_be_turned_off() {
     let harness = Harness::start(2, "debug_endpoints: false").await;
-    let snapshot = http(
-        Method::GET,
-        harness.metrics_listen,
-        "/debug/snapshot",
-        &[],
-        Vec::new(),
-    )
-    .await;
+    let snapshot = harness.get_debug("/debug/snapshot").await;
     assert_eq!(snapshot.status, StatusCode::NOT_FOUND);
     assert!(harness.metrics().await.contains("cachepick_build_info"));
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", harness.listen))

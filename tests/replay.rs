@@ -73,6 +73,16 @@ fn report(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&text).expect("report.json is JSON")
 }
 
+/// The sum of a JSON object of counts (`{"a": 3, "b": 4}`: 7); panics, saying `what`, on a non-object.
+fn sum_of_counts(counts: &serde_json::Value, what: &str) -> u64 {
+    counts
+        .as_object()
+        .expect(what)
+        .values()
+        .filter_map(serde_json::Value::as_u64)
+        .sum()
+}
+
 #[test]
 fn a_tiny_trace_replays_over_ext_proc_for_two_policies() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -116,19 +126,9 @@ fn a_tiny_trace_replays_over_ext_proc_for_two_policies() {
         assert!(policy["e2e_ms"]["p99"].as_f64().is_some(), "{name}");
         let share = policy["worker_share"].as_f64().expect("worker share");
         assert!((1.0..=4.0).contains(&share), "{name}: share {share}");
-        let served: u64 = policy["worker_requests"]
-            .as_object()
-            .expect("per worker")
-            .values()
-            .filter_map(serde_json::Value::as_u64)
-            .sum();
+        let served = sum_of_counts(&policy["worker_requests"], "per worker");
         assert_eq!(served, 30, "{name}");
-        let reasons: u64 = policy["reasons"]
-            .as_object()
-            .expect("reasons")
-            .values()
-            .filter_map(serde_json::Value::as_u64)
-            .sum();
+        let reasons = sum_of_counts(&policy["reasons"], "reasons");
         assert_eq!(reasons, 30, "{name}");
     }
     svg(&out.join("ttft_cdf.svg"));

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cachepick::config::{self, Config, Overrides};
-use cachepick::load::{DispatchCounts, PoolLoad, PoolSnapshot, ScrapeOutcome, Scraper};
+use cachepick::load::{DispatchCounts, EngineLoad, PoolLoad, PoolSnapshot, ScrapeOutcome, Scraper};
 use cachepick::metrics::Metrics;
 use cachepick::worker::WorkerId;
 use support::engine::{FakeEngine, Mode, refused_addr, sglang_metrics, vllm_metrics};
@@ -68,6 +68,21 @@ impl Pool {
     }
 }
 
+/// A pool of one `engine` worker (with `extra` YAML keys) that answers `answer`, after one scrape round.
+async fn scraped_once(engine: &str, extra: &str, answer: Mode) -> (FakeEngine, Pool) {
+    let fake = FakeEngine::start(answer).await;
+    let mut pool = Pool::new(&config(engine, QUICK, &[(fake.addr, extra)]));
+    pool.scraper.round().await;
+    (fake, pool)
+}
+
+/// The first worker's load, which must be fresh.
+fn first_load(snapshot: &PoolSnapshot) -> &EngineLoad {
+    snapshot
+        .fresh_load(WorkerId(0), Instant::now())
+        .expect("fresh")
+}
+
 fn is_fresh(snapshot: &PoolSnapshot, worker: u32) -> bool {
     snapshot
         .fresh_load(WorkerId(worker), Instant::now())
@@ -87,14 +102,11 @@ fn last_error(snapshot: &PoolSnapshot, worker: u32) -> String {
 
 #[tokio::test]
 async fn a_vllm_worker_reports_its_queue_running_batch_and_kv_capacity() {
-    let engine = FakeEngine::start(Mode::Body(TEXT, vllm_metrics(&[(0, 3, 7, 0.25)]))).await;
-    let mut pool = Pool::new(&config("vllm", QUICK, &[(engine.addr, "")]));
-    pool.scraper.round().await;
+    let answer = Mode::Body(TEXT, vllm_metrics(&[(0, 3, 7, 0.25)]));
+    let (engine, pool) = scraped_once("vllm", "", answer).await;
 
     let snapshot = pool.snapshot();
-    let load = snapshot
-        .fresh_load(WorkerId(0), Instant::now())
-        .expect("fresh");
+    let load = first_load(&snapshot);
     assert_eq!((load.waiting, load.running), (3, 7));
     let capacity = snapshot.workers()[0].capacity;
     assert_eq!(
@@ -109,14 +121,11 @@ async fn a_vllm_worker_reports_its_queue_running_batch_and_kv_capacity() {
 
 #[tokio::test]
 async fn data_parallel_ranks_are_summed_and_tensor_parallel_copies_ignored() {
-    let engine = FakeEngine::start(Mode::Body(TEXT, sglang_metrics(&[(0, 2, 5), (1, 4, 6)]))).await;
-    let mut pool = Pool::new(&config("sglang", QUICK, &[(engine.addr, ", dp_size: 2")]));
-    pool.scraper.round().await;
+    let answer = Mode::Body(TEXT, sglang_metrics(&[(0, 2, 5), (1, 4, 6)]));
+    let (_engine, pool) = scraped_once("sglang", ", dp_size: 2", answer).await;
 
     let snapshot = pool.snapshot();
-    let load = snapshot
-        .fresh_load(WorkerId(0), Instant::now())
-        .expect("fresh");
+    let load = first_load(&snapshot);
     assert_eq!((load.waiting, load.running), (6, 11));
     assert_eq!(load.used_tokens, Some(2000));
     let capacity = snapshot.workers()[0].capacity;
@@ -134,18 +143,12 @@ async fn sglang_loads_json_carries_the_uncached_token_queue() {
         {"dp_rank": 1, "num_running_reqs": 2, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0,
          "num_used_tokens": 100, "max_total_num_tokens": 60000, "max_running_requests": 64}
     ]}"#;
-    let engine = FakeEngine::start(Mode::Body("application/json", body.to_owned())).await;
-    let mut pool = Pool::new(&config(
-        "sglang",
-        QUICK,
-        &[(engine.addr, ", dp_size: 2, load_source: loads")],
-    ));
-    pool.scraper.round().await;
+    let answer = Mode::Body("application/json", body.to_owned());
+    let extra = ", dp_size: 2, load_source: loads";
+    let (_engine, pool) = scraped_once("sglang", extra, answer).await;
 
     let snapshot = pool.snapshot();
-    let load = snapshot
-        .fresh_load(WorkerId(0), Instant::now())
-        .expect("fresh");
+    let load = first_load(&snapshot);
     assert_eq!(
         (load.waiting, load.running, load.waiting_uncached_tokens),
         (1, 5, Some(900))
@@ -158,10 +161,9 @@ async fn sglang_loads_json_carries_the_uncached_token_queue() {
 
 #[tokio::test]
 async fn configured_capacity_overrides_what_the_engine_reports() {
-    let engine = FakeEngine::start(Mode::Body(TEXT, sglang_metrics(&[(0, 0, 1)]))).await;
+    let answer = Mode::Body(TEXT, sglang_metrics(&[(0, 0, 1)]));
     let extra = ", max_running_requests: 9, max_total_tokens: 777";
-    let mut pool = Pool::new(&config("sglang", QUICK, &[(engine.addr, extra)]));
-    pool.scraper.round().await;
+    let (_engine, pool) = scraped_once("sglang", extra, answer).await;
     let capacity = pool.snapshot().workers()[0].capacity;
     assert_eq!(
         (capacity.max_running, capacity.max_total_tokens),

@@ -32,7 +32,7 @@ use cachepick_sim::expo;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::server::Worker;
 use cachepick_sim::{Engine, SimConfig};
-use sim_client::{Client, Reply, Streamed, Usage, content_of, metric};
+use sim_client::{Client, Opened, Reply, Streamed, TimedEvent, Usage, content_of, metric};
 
 /// cachepick's reader of an engine's exposition, for the engine a simulated worker imitates. The two
 /// `Engine` types are separate on purpose: the simulator does not depend on the product.
@@ -119,6 +119,32 @@ fn spawn_completion(
 
 fn words(text: &str) -> usize {
     text.split_whitespace().count()
+}
+
+/// The tokens each event adds (the simulator's byte tokenizer decodes a token as one word).
+fn tokens_per_event(events: &[TimedEvent]) -> impl Iterator<Item = usize> + '_ {
+    events
+        .iter()
+        .filter_map(|event| event.json())
+        .map(|value| words(&content_of(&value)))
+}
+
+/// A one-worker vLLM fleet on the real clock: a 1 ms prefill, then a token every `gap`.
+async fn real_time_fleet(gap: Duration) -> Fleet {
+    fleet(Engine::Vllm, 1, |config| {
+        config.params.time_scale = 1.0;
+        config.params.prefill_overhead = Duration::from_millis(1);
+        config.params.prefill_per_token = Duration::ZERO;
+        config.params.inter_token_latency = gap;
+    })
+    .await
+}
+
+/// Opens a streaming completion of a 50-token prompt and `max_tokens` tokens out.
+async fn open_long_stream(client: &Client, addr: SocketAddr, max_tokens: u32) -> Opened {
+    client
+        .open_stream(addr, "/v1/completions", &streaming(&ids(0, 50), max_tokens))
+        .await
 }
 
 // === 1. prefix cache and time to first token ===
@@ -935,22 +961,10 @@ async fn admin_crash_goes_down_and_comes_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_worker_cuts_its_streams() {
     // 2000 tokens at 1 ms: a two-second stream.
-    let fleet = fleet(Engine::Vllm, 1, |config| {
-        config.params.time_scale = 1.0;
-        config.params.prefill_overhead = Duration::from_millis(1);
-        config.params.prefill_per_token = Duration::ZERO;
-        config.params.inter_token_latency = Duration::from_millis(1);
-    })
-    .await;
+    let fleet = real_time_fleet(Duration::from_millis(1)).await;
     let worker = worker(&fleet, 0);
     let client = Client::new();
-    let opened = client
-        .open_stream(
-            worker.addr(),
-            "/v1/completions",
-            &streaming(&ids(0, 50), 2000),
-        )
-        .await;
+    let opened = open_long_stream(&client, worker.addr(), 2000).await;
     let mut events = opened.events();
     events.next().await.expect("a first event");
     let start = Instant::now();
@@ -972,24 +986,12 @@ async fn killing_a_worker_cuts_its_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_stream_counts_the_tokens_it_produced() {
     // 2000 tokens at 2 ms; the client reads 20 events (at least 20 tokens) and goes away.
-    let fleet = fleet(Engine::Vllm, 1, |config| {
-        config.params.time_scale = 1.0;
-        config.params.prefill_overhead = Duration::from_millis(1);
-        config.params.prefill_per_token = Duration::ZERO;
-        config.params.inter_token_latency = Duration::from_millis(2);
-    })
-    .await;
+    let fleet = real_time_fleet(Duration::from_millis(2)).await;
     let addr = worker(&fleet, 0).addr();
     let client = Client::new();
-    let opened = client
-        .open_stream(addr, "/v1/completions", &streaming(&ids(0, 50), 2000))
-        .await;
+    let opened = open_long_stream(&client, addr, 2000).await;
     let events = opened.take(20).await;
-    let received: usize = events
-        .iter()
-        .filter_map(|event| event.json())
-        .map(|value| words(&content_of(&value)))
-        .sum();
+    let received: usize = tokens_per_event(&events).sum();
     assert!(
         received >= 20,
         "{received} tokens in {} events",
@@ -1014,18 +1016,10 @@ async fn an_abandoned_stream_counts_the_tokens_it_produced() {
 async fn pausing_freezes_a_streams_clock() {
     // 60 tokens at 10 ms: 600 ms of decode. Paused at 100 ms for 300 ms, the stream should resume at
     // the same pace and end near 900 ms, not make up for the pause with a burst.
-    let fleet = fleet(Engine::Vllm, 1, |config| {
-        config.params.time_scale = 1.0;
-        config.params.prefill_overhead = Duration::from_millis(1);
-        config.params.prefill_per_token = Duration::ZERO;
-        config.params.inter_token_latency = Duration::from_millis(10);
-    })
-    .await;
+    let fleet = real_time_fleet(Duration::from_millis(10)).await;
     let addr = worker(&fleet, 0).addr();
     let client = Client::new();
-    let opened = client
-        .open_stream(addr, "/v1/completions", &streaming(&ids(0, 50), 60))
-        .await;
+    let opened = open_long_stream(&client, addr, 60).await;
     let pauser = {
         let client = client.clone();
         tokio::spawn(async move {
@@ -1038,13 +1032,7 @@ async fn pausing_freezes_a_streams_clock() {
     let stream = opened.read().await;
     pauser.await.unwrap();
     assert!(stream.done());
-    let burst = stream
-        .events
-        .iter()
-        .filter_map(|event| event.json())
-        .map(|value| words(&content_of(&value)))
-        .max()
-        .unwrap_or(0);
+    let burst = tokens_per_event(&stream.events).max().unwrap_or(0);
     let took = stream.events.last().unwrap().at.duration_since(stream.sent);
     assert!(
         burst <= 5,

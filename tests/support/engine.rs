@@ -1,12 +1,6 @@
 //! A stand-in inference engine for scraping tests: a real HTTP/1.1 server on loopback whose `/metrics`
 //! (or any path) answers however the test sets it, switchable at run time.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 #![allow(dead_code)] // each test binary uses a different part
 
 use std::convert::Infallible;
@@ -151,24 +145,24 @@ pub fn refused_addr() -> SocketAddr {
 pub fn vllm_metrics(ranks: &[(u32, u64, u64, f64)]) -> String {
     let mut out = String::new();
     out.push_str("# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n");
-    out.push_str("# TYPE vllm:num_requests_waiting gauge\n");
-    for (rank, waiting, _, _) in ranks {
-        out.push_str(&format!(
-            "vllm:num_requests_waiting{{engine=\"{rank}\",model_name=\"m\"}} {waiting}.0\n"
-        ));
-    }
-    out.push_str("# TYPE vllm:num_requests_running gauge\n");
-    for (rank, _, running, _) in ranks {
-        out.push_str(&format!(
-            "vllm:num_requests_running{{engine=\"{rank}\",model_name=\"m\"}} {running}.0\n"
-        ));
-    }
-    out.push_str("# TYPE vllm:kv_cache_usage_perc gauge\n");
-    for (rank, _, _, usage) in ranks {
-        out.push_str(&format!(
-            "vllm:kv_cache_usage_perc{{engine=\"{rank}\",model_name=\"m\"}} {usage}\n"
-        ));
-    }
+    vllm_gauge(
+        &mut out,
+        "num_requests_waiting",
+        ranks,
+        |(_, waiting, _, _)| format!("{waiting}.0"),
+    );
+    vllm_gauge(
+        &mut out,
+        "num_requests_running",
+        ranks,
+        |(_, _, running, _)| format!("{running}.0"),
+    );
+    vllm_gauge(
+        &mut out,
+        "kv_cache_usage_perc",
+        ranks,
+        |(_, _, _, usage)| usage.to_string(),
+    );
     out.push_str("# TYPE vllm:cache_config_info gauge\n");
     for (rank, _, _, _) in ranks {
         out.push_str(&format!(
@@ -182,6 +176,23 @@ pub fn vllm_metrics(ranks: &[(u32, u64, u64, f64)]) -> String {
         ));
     }
     out
+}
+
+/// One vLLM gauge with its TYPE line: a sample per rank, `value` read off the rank's tuple.
+fn vllm_gauge(
+    out: &mut String,
+    name: &str,
+    ranks: &[(u32, u64, u64, f64)],
+    value: impl Fn(&(u32, u64, u64, f64)) -> String,
+) {
+    out.push_str(&format!("# TYPE vllm:{name} gauge\n"));
+    for rank in ranks {
+        out.push_str(&format!(
+            "vllm:{name}{{engine=\"{}\",model_name=\"m\"}} {}\n",
+            rank.0,
+            value(rank)
+        ));
+    }
 }
 
 /// An SGLang exposition: one `(dp rank, queued, running)` per rank, repeated for a second TP rank that

@@ -6,12 +6,6 @@
 //!
 //! Use it with `#[path = "support/envoy.rs"] mod envoy;` so only the test binaries that need Envoy build it.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 #![allow(dead_code)]
 // each test binary uses a different part
 

@@ -3,13 +3,10 @@
 //! message, readers of the responses, gRPC health, and plain HTTP to the workers and `metrics_listen`.
 //!
 //! Every await is bounded by [`DEADLINE`] so a broken picker fails the test instead of hanging it.
+//!
+//! It stands on `support/sim_client.rs` (plain HTTP, the deadline, the simulator's model and paths): a
+//! test that includes this file as `mod picker` includes that one beside it as `mod sim_client`.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 #![allow(dead_code)] // not every test uses every helper
 
 use std::collections::HashMap;
@@ -18,20 +15,16 @@ use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     CommonResponse, HeaderMutation, HttpBody, HttpHeaders, HttpTrailers, ImmediateResponse,
-    ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
-    external_processor_client::ExternalProcessorClient, processing_request, processing_response,
+    ProcessingRequest, ProcessingResponse, ProtocolConfiguration, StreamedBodyResponse,
+    body_mutation, external_processor_client::ExternalProcessorClient, processing_request,
+    processing_response,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value};
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client as Legacy;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http::{Method, StatusCode};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
@@ -39,35 +32,18 @@ use tonic::{Status, Streaming};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-use cachepick::config::{self, Overrides};
+use cachepick::config::Overrides;
 use cachepick::extproc::{
     DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
     READINESS, REJECT_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
-use cachepick_rig::stage::Picker;
+use cachepick_rig::stage::{Picker, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 
-/// How long any one exchange may take before the test fails instead of hanging.
-pub const DEADLINE: Duration = Duration::from_secs(10);
-
-pub const MODEL: &str = SimConfig::DEFAULT_MODEL;
-pub const CHAT: &str = "/v1/chat/completions";
-pub const COMPLETIONS: &str = "/v1/completions";
-
-/// Awaits `future` for at most `limit`, panicking with `what` on expiry.
-pub async fn bounded<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(limit, future).await {
-        Ok(value) => value,
-        Err(_) => panic!("{what}: nothing within {limit:?}"),
-    }
-}
-
-/// A loopback port nothing listens on right now.
-pub fn free_port() -> SocketAddr {
-    cachepick_rig::free_port().expect("an ephemeral loopback port")
-}
+pub use super::sim_client::{CHAT, COMPLETIONS, DEADLINE, MODEL, Reply, bounded};
+use super::sim_client::{metric, read_whole};
 
 /// A simulated vLLM fleet with the byte tokenizer, 16-token blocks and a fast clock, and a cachepick
 /// serving it through `app::run`.
@@ -114,12 +90,7 @@ impl Harness {
             "the generated config changed its scrape interval:\n{generated}"
         );
         let yaml = format!("{head}\n{generated}");
-        let overrides = Overrides {
-            listen: Some(free_port()),
-            metrics_listen: Some(free_port()),
-            ..Overrides::default()
-        };
-        let config = config::parse(&yaml, "extproc test", &overrides)
+        let config = on_free_ports(&yaml, "extproc test", Overrides::default())
             .unwrap_or_else(|error| panic!("{error}\n{yaml}"));
         let (listen, metrics_listen) = (config.listen, config.metrics_listen);
         let max_body_bytes = config.max_body_bytes.get();
@@ -249,6 +220,24 @@ impl Harness {
         }
     }
 
+    /// Polls `/metrics` until no ext_proc stream is active; panics after `DEADLINE`.
+    pub async fn wait_streams_closed(&self, what: &str) -> String {
+        self.wait_metrics(what, |text| {
+            metric(text, "cachepick_extproc_streams_active", &[]) == 0.0
+        })
+        .await
+    }
+
+    /// `GET path` on `metrics_listen` (`/debug/...`), whatever its status.
+    pub async fn get_debug(&self, path: &str) -> Reply {
+        http(Method::GET, self.metrics_listen, path, &[], Vec::new()).await
+    }
+
+    /// Asserts that `route` names one of the fleet's workers first.
+    pub fn assert_routed_to_a_worker(&self, route: &Route) {
+        assert!(self.endpoints().contains(&route.endpoints[0]), "{route:?}");
+    }
+
     /// Stops cachepick through its shutdown future and checks that `app::run` returns `Ok` in time.
     pub async fn stop(mut self) {
         let picker = self.picker.take().expect("running");
@@ -292,6 +281,24 @@ impl ExtProcStream {
         if let Some(sender) = &self.sender {
             let _ = bounded("a message is queued", DEADLINE, sender.send(request)).await;
         }
+    }
+
+    /// The next response, which must come: no error, and not the end of the stream.
+    pub async fn next_response(&mut self, what: &str) -> ProcessingResponse {
+        self.next().await.expect("no error").expect(what)
+    }
+
+    /// The next response, which must be the headers response.
+    pub async fn next_headers_response(&mut self) -> ProcessingResponse {
+        let response = self.next_response("a headers response").await;
+        assert!(is_headers_response(&response), "{response:?}");
+        response
+    }
+
+    /// Asserts that the server ends the stream cleanly now.
+    pub async fn expect_clean_end(&mut self) {
+        let end = self.next().await;
+        assert!(matches!(end, Ok(None)), "expected a clean end, got {end:?}");
     }
 
     /// Half-closes the client side (no more messages), as a proxy whose request ended would.
@@ -414,6 +421,18 @@ pub fn headers(
 /// A POST's request-headers message in BUFFERED mode.
 pub fn post_headers(path: &str) -> ProcessingRequest {
     headers("POST", path, &[], false, BodySendMode::Buffered, None)
+}
+
+/// A POST's request-headers message in FULL_DUPLEX_STREAMED mode, with `extra` headers.
+pub fn duplex_headers(path: &str, extra: &[(&str, &str)]) -> ProcessingRequest {
+    headers(
+        "POST",
+        path,
+        extra,
+        false,
+        BodySendMode::FullDuplexStreamed,
+        None,
+    )
 }
 
 /// A request-body message.
@@ -583,6 +602,17 @@ pub struct Route {
     pub prefix_tokens: u64,
 }
 
+impl Route {
+    /// The endpoints as Envoy reads them from the destination header: `ip:port` joined by commas.
+    pub fn destination(&self) -> String {
+        self.endpoints
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
 /// The routing answer a response carries; panics on anything else.
 pub fn route_of(response: &ProcessingResponse) -> Route {
     let mutation = common(response)
@@ -604,6 +634,17 @@ pub fn route_of(response: &ProcessingResponse) -> Route {
             .raw()
             .parse()
             .expect("a token count"),
+    }
+}
+
+/// The body chunk a FULL_DUPLEX_STREAMED body response echoes; panics on anything else.
+pub fn streamed_chunk(response: &ProcessingResponse) -> &StreamedBodyResponse {
+    match common(response)
+        .and_then(|common| common.body_mutation.as_ref())
+        .and_then(|mutation| mutation.mutation.as_ref())
+    {
+        Some(body_mutation::Mutation::StreamedResponse(streamed)) => streamed,
+        _ => panic!("not a streamed_response: {response:?}"),
     }
 }
 
@@ -639,29 +680,6 @@ pub fn refusal_of(response: &ProcessingResponse) -> Refused {
 
 // Plain HTTP/1.1 to the workers and `metrics_listen`.
 
-/// A whole HTTP response.
-#[derive(Debug)]
-pub struct Reply {
-    pub status: StatusCode,
-    pub headers: http::HeaderMap,
-    pub body: Bytes,
-}
-
-impl Reply {
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|error| panic!("not JSON ({error}): {}", self.text()))
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|value| value.to_str().ok())
-    }
-}
-
 /// One HTTP/1.1 exchange on a fresh connection, bounded by `DEADLINE`.
 pub async fn http(
     method: Method,
@@ -670,37 +688,13 @@ pub async fn http(
     headers: &[(&str, &str)],
     body: Vec<u8>,
 ) -> Reply {
-    let client: Legacy<HttpConnector, Full<Bytes>> = Legacy::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(0)
-        .build(HttpConnector::new());
-    let mut request = Request::builder()
-        .method(method.clone())
-        .uri(format!("http://{addr}{path}"));
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body)))
-        .expect("a valid request");
     let what = format!("{method} http://{addr}{path}");
-    bounded(&what, DEADLINE, async {
-        let response = client
-            .request(request)
-            .await
-            .unwrap_or_else(|error| panic!("{what}: {error:?}"));
-        let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .unwrap_or_else(|error| panic!("{what}: {error:?}"))
-            .to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
-    })
-    .await
+    let client = super::sim_client::Client::new();
+    let exchange =
+        async { read_whole(client.send_raw(method, addr, path, headers, body).await).await };
+    bounded(&what, DEADLINE, exchange)
+        .await
+        .unwrap_or_else(|error| panic!("{what}: {error}"))
 }
 
 // Request bodies.

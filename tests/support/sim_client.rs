@@ -2,12 +2,6 @@
 //! (`eventsource-stream`) with the arrival time of every event, a reader of Prometheus text that shares
 //! no code with cachepick's, and helpers over the simulator's admin routes.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
 #![allow(dead_code)] // not every test uses every helper
 
 use std::net::SocketAddr;
@@ -28,6 +22,18 @@ use serde_json::Value;
 /// How long any one exchange may take before the test fails instead of hanging.
 pub const DEADLINE: Duration = Duration::from_secs(10);
 
+pub const MODEL: &str = cachepick_sim::SimConfig::DEFAULT_MODEL;
+pub const CHAT: &str = "/v1/chat/completions";
+pub const COMPLETIONS: &str = "/v1/completions";
+
+/// Awaits `future` for at most `limit`, panicking with `what` on expiry.
+pub async fn bounded<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, future).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: nothing within {limit:?}"),
+    }
+}
+
 /// A whole response.
 #[derive(Debug)]
 pub struct Reply {
@@ -47,14 +53,12 @@ impl Reply {
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|value| value.to_str().ok())
+        header(&self.headers, name)
     }
 
     /// The simulator's `x-cached-tokens` header.
     pub fn cached_header(&self) -> u64 {
-        self.header("x-cached-tokens")
-            .and_then(|value| value.parse().ok())
-            .unwrap_or_else(|| panic!("no x-cached-tokens header: {:?}", self.headers))
+        cached_header(&self.headers)
     }
 
     /// `usage` of an OpenAI response.
@@ -123,13 +127,11 @@ pub struct Streamed {
 
 impl Streamed {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|value| value.to_str().ok())
+        header(&self.headers, name)
     }
 
     pub fn cached_header(&self) -> u64 {
-        self.header("x-cached-tokens")
-            .and_then(|value| value.parse().ok())
-            .unwrap_or_else(|| panic!("no x-cached-tokens header: {:?}", self.headers))
+        cached_header(&self.headers)
     }
 
     /// Whether the last event is `[DONE]`.
@@ -183,6 +185,18 @@ impl Streamed {
     }
 }
 
+/// Header `name` as text, if present and text.
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|value| value.to_str().ok())
+}
+
+/// The simulator's `x-cached-tokens` header; panics when it is missing.
+fn cached_header(headers: &HeaderMap) -> u64 {
+    header(headers, "x-cached-tokens")
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no x-cached-tokens header: {headers:?}"))
+}
+
 /// The text an event adds: the chat delta, the completion text, or SGLang's text so far.
 pub fn content_of(value: &Value) -> String {
     let choice = &value["choices"][0];
@@ -222,19 +236,35 @@ impl Client {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+        match body {
+            Some(body) => {
+                let bytes = serde_json::to_vec(body).expect("JSON body");
+                let json = [(CONTENT_TYPE.as_str(), "application/json")];
+                self.send_raw(method, addr, path, &json, bytes).await
+            }
+            None => self.send_raw(method, addr, path, &[], Vec::new()).await,
+        }
+    }
+
+    /// Sends one request with `headers` and a `body` of any bytes; the error is the transport's.
+    pub async fn send_raw(
+        &self,
+        method: Method,
+        addr: SocketAddr,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
         let mut request = Request::builder()
             .method(method)
             .uri(format!("http://{addr}{path}"));
-        let body = match body {
-            Some(body) => {
-                request = request.header(CONTENT_TYPE, "application/json");
-                Full::new(Bytes::from(serde_json::to_vec(body).expect("JSON body")))
-            }
-            None => Full::new(Bytes::new()),
-        };
-        self.inner
-            .request(request.body(body).expect("a valid request"))
-            .await
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(Full::new(Bytes::from(body)))
+            .expect("a valid request");
+        self.inner.request(request).await
     }
 
     /// One exchange read whole; the error is the transport's, as text.
@@ -245,21 +275,7 @@ impl Client {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Reply, String> {
-        let response = self
-            .send(method, addr, path, body)
-            .await
-            .map_err(|error| format!("{error:?}"))?;
-        let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|error| format!("{error:?}"))?
-            .to_bytes();
-        Ok(Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        })
+        read_whole(self.send(method, addr, path, body).await).await
     }
 
     async fn exchange(
@@ -306,6 +322,23 @@ impl Client {
     }
 }
 
+/// A response read to the end of its body; the error is the transport's, as text.
+pub async fn read_whole(
+    response: Result<Response<Incoming>, hyper_util::client::legacy::Error>,
+) -> Result<Reply, String> {
+    let (parts, body) = response.map_err(|error| format!("{error:?}"))?.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map_err(|error| format!("{error:?}"))?
+        .to_bytes();
+    Ok(Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
+
 /// A streamed response whose head arrived and whose body is not read yet.
 pub struct Opened {
     pub sent: Instant,
@@ -314,10 +347,7 @@ pub struct Opened {
 
 impl Opened {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
+        header(self.response.headers(), name)
     }
 
     /// The body as a stream of SSE events, read one at a time.
@@ -482,9 +512,9 @@ fn parse_sample(line: &str) -> Option<PromSample> {
     })
 }
 
-/// The value of the one sample named `name` whose labels include `labels`; panics unless exactly one.
-pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let found: Vec<PromSample> = prom_samples(text)
+/// The samples named `name` whose labels include `labels`.
+fn samples(text: &str, name: &str, labels: &[(&str, &str)]) -> Vec<PromSample> {
+    prom_samples(text)
         .into_iter()
         .filter(|sample| {
             sample.name == name
@@ -492,11 +522,24 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
                     .iter()
                     .all(|(label, value)| sample.label(label) == Some(value))
         })
-        .collect();
+        .collect()
+}
+
+/// The value of the one sample named `name` whose labels include `labels`; panics unless exactly one.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let found = samples(text, name, labels);
     match found.as_slice() {
         [one] => one.value,
         other => panic!("expected one {name}{labels:?}, found {other:?} in:\n{text}"),
     }
+}
+
+/// `name{labels…}` summed over the samples whose labels include `labels`; 0 when there is none.
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(text, name, labels)
+        .iter()
+        .map(|sample| sample.value)
+        .sum()
 }
 
 // The simulator's admin routes.
