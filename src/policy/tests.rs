@@ -116,7 +116,7 @@ impl Case {
         self.reading(|r| r.load.waiting_uncached_tokens = Some(tokens))
     }
 
-    /// The last added worker's reading is exactly as old as the freshness window.
+    /// The last added worker's reading is older than the freshness window.
     fn stale(self) -> Self {
         self.reading(|r| r.captured_at -= FRESHNESS)
     }
