@@ -33,21 +33,21 @@ use cachepick::config::{Config, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
 use cachepick::route::{Answer, Picker, Service};
-use cachepick_rig::client::{Client, Verdict};
+use cachepick_rig::client::{Client, Verdict, buffered_request};
 use cachepick_rig::stage::{Stage, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::{Engine, SimConfig};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
-    external_processor_client::ExternalProcessorClient, processing_request, processing_response,
+    ProcessingResponse, external_processor_client::ExternalProcessorClient, processing_response,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
+
+#[path = "support/bodies.rs"]
+mod bodies;
 
 const CHAT: &str = "/v1/chat/completions";
 const MODEL: &str = SimConfig::DEFAULT_MODEL;
@@ -57,27 +57,6 @@ const BLOCK_SIZE: u32 = 64;
 /// client forgot and h2 answers each with a reset of its own; after 1,024 of those h2 closes the
 /// connection (`too_many_internal_resets`). A fresh client every this many decisions stays clear of it.
 const DECISIONS_PER_CONNECTION: u64 = 500;
-
-/// The pipeline bench's chat: `turns` user/assistant pairs after a system prompt, `words` words each.
-fn chat(turns: usize, words: usize) -> Vec<u8> {
-    let vocabulary = [
-        "the", "cache", "router", "sends", "each", "request", "to", "a", "worker", "that",
-        "already", "holds", "its", "prefix", "so", "prefill", "is", "short", "and", "latency",
-        "drops", "when", "queues", "grow",
-    ];
-    let text = |seed: usize| {
-        (0..words)
-            .map(|i| vocabulary[(i * 7 + seed * 13) % vocabulary.len()])
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let mut messages = vec![serde_json::json!({"role": "system", "content": text(0)})];
-    for turn in 1..=turns {
-        messages.push(serde_json::json!({"role": "user", "content": text(2 * turn)}));
-        messages.push(serde_json::json!({"role": "assistant", "content": text(2 * turn + 1)}));
-    }
-    serde_json::to_vec(&serde_json::json!({"model": MODEL, "messages": messages})).unwrap()
-}
 
 /// One short user message.
 fn small_chat() -> Vec<u8> {
@@ -161,38 +140,13 @@ impl Bench {
     }
 }
 
-fn raw_header(key: &str, value: &str) -> HeaderValue {
-    HeaderValue {
-        key: key.to_owned(),
-        raw_value: value.as_bytes().to_vec(),
-        ..HeaderValue::default()
-    }
-}
-
 /// One BUFFERED exchange in Envoy's order, with the messages `Client::decide` sends; returns the answer
 /// to the body. The rest of the stream is read to its end by a spawned task.
 async fn envoy_sequence(
     client: &ExternalProcessorClient<Channel>,
     body: &[u8],
 ) -> ProcessingResponse {
-    let headers = ProcessingRequest {
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: BodySendMode::Buffered as i32,
-            ..ProtocolConfiguration::default()
-        }),
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    raw_header(":method", "POST"),
-                    raw_header(":path", CHAT),
-                    raw_header("content-type", "application/json"),
-                ],
-            }),
-            end_of_stream: false,
-            ..HttpHeaders::default()
-        })),
-        ..ProcessingRequest::default()
-    };
+    let [headers, body] = buffered_request(CHAT, body);
     let (sender, receiver) = mpsc::channel(2);
     sender.send(headers).await.expect("the headers are queued");
     let mut responses = client
@@ -211,14 +165,6 @@ async fn envoy_sequence(
         ),
         "expected a headers response, got {first:?}"
     );
-    let body = ProcessingRequest {
-        request: Some(processing_request::Request::RequestBody(HttpBody {
-            body: body.to_vec(),
-            end_of_stream: true,
-            ..HttpBody::default()
-        })),
-        ..ProcessingRequest::default()
-    };
     sender.send(body).await.expect("the body is queued");
     let answer = responses
         .message()
@@ -273,8 +219,8 @@ fn bench_extproc(c: &mut Criterion) {
     let bench = Bench::start();
     let cases = [
         ("small_chat", small_chat()),
-        ("chat_8k_10_turns", chat(10, 380)),
-        ("chat_254kb_40_turns", chat(40, 560)),
+        ("chat_8k_10_turns", bodies::chat(MODEL, 10, 380)),
+        ("chat_254kb_40_turns", bodies::chat(MODEL, 40, 560)),
     ];
     for (name, body) in &cases {
         // Warm the picker, then check the next decisions are what a warm one should be.

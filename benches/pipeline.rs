@@ -22,6 +22,9 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
+#[path = "support/bodies.rs"]
+mod bodies;
+
 fn picker() -> Picker {
     let mut yaml =
         String::from("pools:\n  - model: m\n    engine: vllm\n    block_size: 64\n    workers:\n");
@@ -37,29 +40,15 @@ fn picker() -> Picker {
     Picker::new(&config, &loads).unwrap()
 }
 
-/// A chat of `turns` user/assistant pairs after a long system prompt, `words` words per message.
-fn chat(turns: usize, words: usize) -> Vec<u8> {
-    let vocabulary = [
-        "the", "cache", "router", "sends", "each", "request", "to", "a", "worker", "that",
-        "already", "holds", "its", "prefix", "so", "prefill", "is", "short", "and", "latency",
-        "drops", "when", "queues", "grow",
-    ];
-    let text = |seed: usize| {
-        (0..words)
-            .map(|i| vocabulary[(i * 7 + seed * 13) % vocabulary.len()])
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let mut messages = vec![serde_json::json!({"role": "system", "content": text(0)})];
-    for turn in 1..=turns {
-        messages.push(serde_json::json!({"role": "user", "content": text(2 * turn)}));
-        messages.push(serde_json::json!({"role": "assistant", "content": text(2 * turn + 1)}));
-    }
-    serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
+const CHAT: &str = "/v1/chat/completions";
+
+/// The prompt's size in tokens, as a fresh picker counts it.
+fn prompt_tokens(body: &[u8]) -> u64 {
+    picker().prepare(CHAT, body).unwrap().prompt_tokens
 }
 
 fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) {
-    let prepared = picker.prepare("/v1/chat/completions", body).unwrap();
+    let prepared = picker.prepare(CHAT, body).unwrap();
     let pinned = picker.pin(&prepared).unwrap();
     if let Outcome::Route(decision) = pinned.decide(None, Instant::now(), rng) {
         pinned.commit(&decision);
@@ -69,39 +58,28 @@ fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) {
 fn bench_pipeline(c: &mut Criterion) {
     let mut rng = SmallRng::seed_from_u64(5);
     // (a) About 8k tokens over 10 turns.
-    let body = chat(10, 380);
-    let tokens = picker()
-        .prepare("/v1/chat/completions", &body)
-        .unwrap()
-        .prompt_tokens;
+    let body = bodies::chat("m", 10, 380);
+    let tokens = prompt_tokens(&body);
     let mut group = c.benchmark_group("prepare_8k_10_turns");
     group.throughput(Throughput::Bytes(body.len() as u64));
     group.bench_function("cold", |b| {
         b.iter_batched(
             picker,
-            |picker| black_box(picker.prepare("/v1/chat/completions", &body).unwrap()),
+            |picker| black_box(picker.prepare(CHAT, &body).unwrap()),
             BatchSize::PerIteration,
         )
     });
     let warm = picker();
     route(&warm, &body, &mut rng);
     group.bench_function("warm", |b| {
-        b.iter(|| {
-            black_box(
-                warm.prepare("/v1/chat/completions", black_box(&body))
-                    .unwrap(),
-            )
-        })
+        b.iter(|| black_box(warm.prepare(CHAT, black_box(&body)).unwrap()))
     });
     group.finish();
     println!("prepare_8k_10_turns: {} bytes, {tokens} tokens", body.len());
 
     // (d) A 220 KB body end to end: prepare, decide, commit.
-    let big = chat(40, 560);
-    let tokens = picker()
-        .prepare("/v1/chat/completions", &big)
-        .unwrap()
-        .prompt_tokens;
+    let big = bodies::chat("m", 40, 560);
+    let tokens = prompt_tokens(&big);
     let mut group = c.benchmark_group("route_220kb");
     group.throughput(Throughput::Bytes(big.len() as u64));
     group.bench_function("cold", |b| {

@@ -1,5 +1,7 @@
 //! The bootstrap's clusters: the workers (`override_host`, or `ORIGINAL_DST`) and the picker.
 
+use std::net::SocketAddr;
+
 use super::EnvoyOptions;
 use super::yaml::Yaml;
 use crate::config::Config;
@@ -15,6 +17,44 @@ fn circuit_breakers(out: &mut Yaml, comment: &[&str]) {
         6,
         "- {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: 1024}",
     );
+}
+
+/// The endpoints of the workers that take requests (role prefill or both), or of those that do not
+/// (decode-only), in configuration order.
+fn endpoints(config: &Config, takes_requests: bool) -> impl Iterator<Item = SocketAddr> + '_ {
+    config
+        .pools
+        .iter()
+        .flat_map(|pool| &pool.workers)
+        .filter(move |worker| worker.role.serves_prefill() == takes_requests)
+        .map(|worker| worker.endpoint)
+}
+
+/// A cluster's static `load_assignment`: one locality of `endpoints`.
+fn load_assignment(
+    out: &mut Yaml,
+    cluster_name: &str,
+    endpoints: impl IntoIterator<Item = SocketAddr>,
+) {
+    out.line(4, "load_assignment:");
+    out.line(6, &format!("cluster_name: {cluster_name}"));
+    out.line(6, "endpoints:");
+    out.line(6, "- lb_endpoints:");
+    for endpoint in endpoints {
+        out.line(8, "- endpoint:");
+        out.line(12, "address:");
+        out.socket_address(14, endpoint);
+    }
+}
+
+/// A `policies:` list of one load-balancing policy at `indent`; its fields, if any, follow at
+/// `indent + 6`.
+fn load_balancing_policy(out: &mut Yaml, indent: usize, name: &str, type_name: &str) {
+    out.line(indent, "policies:");
+    out.line(indent, "- typed_extension_config:");
+    out.line(indent + 4, &format!("name: {name}"));
+    out.line(indent + 4, "typed_config:");
+    out.type_url(indent + 6, type_name);
 }
 
 pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
@@ -43,17 +83,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
             "would be refused by Envoy itself.",
         ],
     );
-    out.line(4, "load_assignment:");
-    out.line(6, "cluster_name: workers");
-    out.line(6, "endpoints:");
-    out.line(6, "- lb_endpoints:");
-    for pool in &config.pools {
-        for worker in pool.workers.iter().filter(|w| w.role.serves_prefill()) {
-            out.line(8, "- endpoint:");
-            out.line(12, "address:");
-            out.socket_address(14, worker.endpoint);
-        }
-    }
+    load_assignment(out, "workers", endpoints(config, true));
     out.comment(
         4,
         &[
@@ -66,13 +96,11 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
         ],
     );
     out.line(4, "load_balancing_policy:");
-    out.line(6, "policies:");
-    out.line(6, "- typed_extension_config:");
-    out.line(10, "name: envoy.load_balancing_policies.override_host");
-    out.line(10, "typed_config:");
-    out.line(
-        12,
-        "\"@type\": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+    load_balancing_policy(
+        out,
+        6,
+        "envoy.load_balancing_policies.override_host",
+        "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
     );
     out.line(12, "override_host_sources:");
     out.line(12, &format!("- header: {DESTINATION}"));
@@ -81,24 +109,18 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
         &format!("- metadata: {{key: {LB_NAMESPACE}, path: [{{key: {DESTINATION}}}]}}"),
     );
     out.line(12, "fallback_policy:");
-    out.line(14, "policies:");
-    out.line(14, "- typed_extension_config:");
-    out.line(18, "name: envoy.load_balancing_policies.least_request");
-    out.line(18, "typed_config:");
-    out.line(
-        20,
-        "\"@type\": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+    load_balancing_policy(
+        out,
+        14,
+        "envoy.load_balancing_policies.least_request",
+        "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
     );
 }
 
 /// Names the decode-only workers, which are not upstream hosts, and says why.
 fn decode_only_comment(out: &mut Yaml, config: &Config) {
-    let decode_only: Vec<String> = config
-        .pools
-        .iter()
-        .flat_map(|pool| &pool.workers)
-        .filter(|worker| !worker.role.serves_prefill())
-        .map(|worker| worker.endpoint.to_string())
+    let decode_only: Vec<String> = endpoints(config, false)
+        .map(|endpoint| endpoint.to_string())
         .collect();
     if !decode_only.is_empty() {
         out.comment(
@@ -112,12 +134,8 @@ fn decode_only_comment(out: &mut Yaml, config: &Config) {
 }
 
 pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
-    let workers: Vec<String> = config
-        .pools
-        .iter()
-        .flat_map(|pool| &pool.workers)
-        .filter(|worker| worker.role.serves_prefill())
-        .map(|worker| worker.endpoint.to_string())
+    let workers: Vec<String> = endpoints(config, true)
+        .map(|endpoint| endpoint.to_string())
         .collect();
     out.line(2, "- name: workers_original_dst");
     out.comment(
@@ -198,18 +216,9 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     );
     out.line(4, "typed_extension_protocol_options:");
     out.line(6, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions:");
-    out.line(
-        8,
-        "\"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-    );
+    out.type_url(8, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions");
     out.line(8, "explicit_http_config:");
     out.line(10, "http2_protocol_options:");
     out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
-    out.line(4, "load_assignment:");
-    out.line(6, "cluster_name: cachepick");
-    out.line(6, "endpoints:");
-    out.line(6, "- lb_endpoints:");
-    out.line(8, "- endpoint:");
-    out.line(12, "address:");
-    out.socket_address(14, options.picker);
+    load_assignment(out, "cachepick", [options.picker]);
 }

@@ -92,14 +92,10 @@ pub(super) fn admin(out: &mut Yaml, options: &EnvoyOptions) {
     );
     out.line(0, "overload_manager:");
     out.line(2, "resource_monitors:");
-    out.line(
+    out.typed_entry(
         2,
-        "- name: envoy.resource_monitors.global_downstream_max_connections",
-    );
-    out.line(4, "typed_config:");
-    out.line(
-        6,
-        "\"@type\": type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+        "envoy.resource_monitors.global_downstream_max_connections",
+        "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
     );
     out.line(6, "max_active_downstream_connections: 50000");
 }
@@ -120,11 +116,10 @@ pub(super) fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) 
     );
     out.line(4, "filter_chains:");
     out.line(4, "- filters:");
-    out.line(6, "- name: envoy.filters.network.http_connection_manager");
-    out.line(8, "typed_config:");
-    out.line(
-        10,
-        "\"@type\": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+    out.typed_entry(
+        6,
+        "envoy.filters.network.http_connection_manager",
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
     );
     out.comment(
         10,
@@ -218,11 +213,10 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
         );
         out.line(20, &format!("num_retries: {retries}"));
         out.line(20, "retry_host_predicate:");
-        out.line(20, "- name: envoy.retry_host_predicates.previous_hosts");
-        out.line(22, "typed_config:");
-        out.line(
-            24,
-            "\"@type\": type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate",
+        out.typed_entry(
+            20,
+            "envoy.retry_host_predicates.previous_hosts",
+            "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate",
         );
         out.line(20, "host_selection_retry_max_attempts: 5");
     }
@@ -267,11 +261,10 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
             "per-decision stats, or pass a worker any header that looks like cachepick's.",
         ],
     );
-    out.line(10, "- name: envoy.filters.http.header_mutation");
-    out.line(12, "typed_config:");
-    out.line(
-        14,
-        "\"@type\": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+    out.typed_entry(
+        10,
+        "envoy.filters.http.header_mutation",
+        "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
     );
     out.line(14, "mutations:");
     out.line(16, "request_mutations:");
@@ -287,19 +280,18 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(10, &format!("- name: {EXT_PROC_FILTER}"));
     out.line(12, "typed_config:");
     ext_proc_config(out, 14, options.mode, options.message_timeout);
-    out.line(10, "- name: envoy.filters.http.router");
-    out.line(12, "typed_config:");
-    out.line(
-        14,
-        "\"@type\": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
+    out.typed_entry(
+        10,
+        "envoy.filters.http.router",
+        "envoy.extensions.filters.http.router.v3.Router",
     );
 }
 
 /// The ext_proc filter's `typed_config` body at `indent`, pointing at the `cachepick` cluster.
 fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeout: Duration) {
-    out.line(
+    out.type_url(
         indent,
-        "\"@type\": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
     );
     out.line(indent, "grpc_service:");
     out.line(indent + 2, "envoy_grpc: {cluster_name: cachepick}");
@@ -364,11 +356,8 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     );
     out.line(indent + 2, "request_header_mode: SEND");
     out.line(indent + 2, "response_header_mode: SKIP");
-    match mode {
-        BodyMode::Buffered | BodyMode::OriginalDst => {
-            out.line(indent + 2, "request_body_mode: BUFFERED");
-            out.line(indent + 2, "request_trailer_mode: SKIP");
-        }
+    let (body_mode, trailer_mode) = match mode {
+        BodyMode::Buffered | BodyMode::OriginalDst => ("BUFFERED", "SKIP"),
         BodyMode::Duplex => {
             out.comment(
                 indent + 2,
@@ -377,10 +366,11 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
                     "body with transfer-encoding: chunked (Envoy drops content-length, since the body may change).",
                 ],
             );
-            out.line(indent + 2, "request_body_mode: FULL_DUPLEX_STREAMED");
-            out.line(indent + 2, "request_trailer_mode: SEND");
+            ("FULL_DUPLEX_STREAMED", "SEND")
         }
-    }
+    };
+    out.line(indent + 2, &format!("request_body_mode: {body_mode}"));
+    out.line(indent + 2, &format!("request_trailer_mode: {trailer_mode}"));
     out.line(indent + 2, "response_body_mode: NONE");
     out.line(indent + 2, "response_trailer_mode: SKIP");
     out.comment(

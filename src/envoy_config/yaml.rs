@@ -59,6 +59,22 @@ impl Yaml {
         }
     }
 
+    /// `"@type": type.googleapis.com/<type_name>`: the type of a `typed_config`.
+    pub(super) fn type_url(&mut self, indent: usize, type_name: &str) {
+        self.line(
+            indent,
+            &format!("\"@type\": type.googleapis.com/{type_name}"),
+        );
+    }
+
+    /// A list entry `- name: <name>` whose `typed_config` is a `type_name`; its fields, if any, follow at
+    /// `indent + 4`.
+    pub(super) fn typed_entry(&mut self, indent: usize, name: &str, type_name: &str) {
+        self.line(indent, &format!("- name: {name}"));
+        self.line(indent + 2, "typed_config:");
+        self.type_url(indent + 4, type_name);
+    }
+
     pub(super) fn socket_address(&mut self, indent: usize, addr: SocketAddr) {
         self.line(
             indent,

@@ -22,6 +22,7 @@ pub use process::MAX_STREAMED_CHUNK;
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
 
 /// The wire names, defined in [`crate::protocol`]; re-exported here for the callers that speak
 /// ext_proc (tests, the demo, replay).
@@ -40,6 +41,13 @@ pub enum ServeError {
 /// Room for the headers and metadata Envoy sends beside a body of `max_body_bytes`.
 const MESSAGE_OVERHEAD: usize = 1 << 20;
 
+/// Readiness and the ext_proc service's health (what Envoy's health check asks) change together.
+async fn set_readiness(reporter: &HealthReporter, status: ServingStatus) {
+    for service in [READINESS, EXT_PROC_SERVICE] {
+        reporter.set_service_status(service, status).await;
+    }
+}
+
 /// Serves ext_proc and health on `listener` until `shutdown` resolves.
 ///
 /// With `debug` false the admin API and reflection are not served (`debug_endpoints: false`).
@@ -53,12 +61,7 @@ pub async fn serve(
     reporter
         .set_service_status(LIVENESS, ServingStatus::Serving)
         .await;
-    reporter
-        .set_service_status(READINESS, ServingStatus::NotServing)
-        .await;
-    reporter
-        .set_service_status(EXT_PROC_SERVICE, ServingStatus::NotServing)
-        .await;
+    set_readiness(&reporter, ServingStatus::NotServing).await;
     let rounds = service.rounds();
     let readiness = tokio::spawn(async move {
         // Ready once every pool has completed a scrape round; a pool whose scraper is gone never is.
@@ -67,12 +70,7 @@ pub async fn serve(
                 return;
             }
         }
-        reporter
-            .set_service_status(READINESS, ServingStatus::Serving)
-            .await;
-        reporter
-            .set_service_status(EXT_PROC_SERVICE, ServingStatus::Serving)
-            .await;
+        set_readiness(&reporter, ServingStatus::Serving).await;
         tracing::info!("ready: every pool has a scrape round");
     });
     // A BUFFERED body arrives in one message: the decode limit follows max_body_bytes (tonic's 4 MiB

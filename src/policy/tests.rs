@@ -38,11 +38,6 @@ fn config(limit: Option<u64>, floor: Option<u64>) -> PolicyConfig {
     }
 }
 
-/// The cache-aware knobs of a cache-aware `config`, to change.
-fn ca(config: &mut PolicyConfig) -> &mut CacheAwareKnobs {
-    config.cache_aware_mut().unwrap()
-}
-
 /// One scenario: a pool of workers, what the owner index says, and the knobs.
 #[derive(Debug)]
 struct Case {
@@ -102,12 +97,22 @@ impl Case {
         self
     }
 
+    /// Changes the last added worker's reading.
+    fn reading(self, change: impl FnOnce(&mut Reading)) -> Self {
+        self.with(|w| change(w.reading.as_mut().unwrap()))
+    }
+
     fn running(self, running: u64) -> Self {
-        self.with(|w| w.reading.as_mut().unwrap().load.running = running)
+        self.reading(|r| r.load.running = running)
     }
 
     fn uncached(self, tokens: u64) -> Self {
-        self.with(|w| w.reading.as_mut().unwrap().load.waiting_uncached_tokens = Some(tokens))
+        self.reading(|r| r.load.waiting_uncached_tokens = Some(tokens))
+    }
+
+    /// The last added worker's reading is older than the freshness window.
+    fn stale(self) -> Self {
+        self.reading(|r| r.captured_at -= FRESHNESS)
     }
 
     fn kv_full(self) -> Self {
@@ -125,6 +130,22 @@ impl Case {
             matched_tokens: blocks * BLOCK,
         });
         self
+    }
+
+    /// Adds a worker with `waiting` queued requests that holds `blocks` leading blocks of the prompt.
+    fn owner(self, waiting: u64, blocks: u64) -> Self {
+        self.worker(Some(waiting)).owns(blocks)
+    }
+
+    /// Changes the cache-aware knobs.
+    fn knobs(mut self, change: impl FnOnce(&mut CacheAwareKnobs)) -> Self {
+        change(self.config.cache_aware_mut().unwrap());
+        self
+    }
+
+    /// Samples `k` workers off-owner.
+    fn choices(self, k: usize) -> Self {
+        self.knobs(|knobs| knobs.min_load_choices = NonZeroUsize::new(k).unwrap())
     }
 
     fn dispatched(mut self, count: u64) -> Self {
@@ -162,39 +183,48 @@ impl Case {
 
     /// (selected worker index, reason)
     fn pick(&self) -> (u32, Reason) {
-        let decision = self.routed();
-        (decision.selected.0, decision.reason)
+        pick_of(&self.routed())
     }
+}
+
+/// (selected worker index, reason)
+fn pick_of(decision: &Decision) -> (u32, Reason) {
+    (decision.selected.0, decision.reason)
+}
+
+fn no_workers(outcome: &Outcome) -> bool {
+    matches!(
+        outcome,
+        Outcome::Reject(Reject {
+            reason: RejectReason::NoWorkers,
+            ..
+        })
+    )
 }
 
 // === the queue gate ===
 
 #[test]
 fn an_owner_at_the_limit_is_passed_over_for_an_idle_worker() {
-    let case = Case::gated().worker(Some(4)).owns(32).worker(Some(0));
+    let case = Case::gated().owner(4, 32).worker(Some(0));
     assert_eq!(case.pick(), (1, Reason::CacheWorkerQueued));
     assert_eq!(case.routed().diverted_tokens(), Some(32 * BLOCK));
 }
 
 #[test]
 fn an_owner_one_below_the_limit_keeps_the_request() {
-    let case = Case::gated().worker(Some(3)).owns(32).worker(Some(0));
+    let case = Case::gated().owner(3, 32).worker(Some(0));
     assert_eq!(case.pick(), (0, Reason::CacheHit));
 }
 
 #[test]
 fn without_a_limit_the_deepest_owner_wins_even_at_waiting_40() {
     let case = Case::new(config(None, None))
-        .worker(Some(40))
-        .owns(32)
-        .worker(Some(0))
-        .owns(20)
+        .owner(40, 32)
+        .owner(0, 20)
         .worker(Some(0));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (0, Reason::CacheHit)
-    );
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
     assert_eq!(decision.trace.owners[0].gate, Gate::Off);
 }
 
@@ -203,17 +233,12 @@ fn an_owner_without_a_fresh_reading_passes_the_gate() {
     let unread = Case::gated().worker(None).owns(32).worker(Some(0));
     assert_eq!(unread.pick(), (0, Reason::CacheHit));
 
-    let stale = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .with(|w| w.reading.as_mut().unwrap().captured_at -= FRESHNESS)
-        .worker(Some(0));
+    let stale = Case::gated().owner(9, 32).stale().worker(Some(0));
     assert_eq!(stale.pick(), (0, Reason::CacheHit));
 
     let missing_rank = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .with(|w| w.reading.as_mut().unwrap().complete = false)
+        .owner(9, 32)
+        .reading(|r| r.complete = false)
         .worker(Some(0));
     assert_eq!(missing_rank.pick(), (0, Reason::CacheHit));
     assert_eq!(missing_rank.routed().trace.owners[0].gate, Gate::Unread);
@@ -222,9 +247,8 @@ fn an_owner_without_a_fresh_reading_passes_the_gate() {
 #[test]
 fn a_reading_exactly_as_old_as_the_freshness_window_is_stale() {
     let case = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .with(|w| w.reading.as_mut().unwrap().captured_at -= FRESHNESS - Duration::from_millis(500))
+        .owner(9, 32)
+        .reading(|r| r.captured_at -= FRESHNESS - Duration::from_millis(500))
         .worker(Some(0));
     assert_eq!(case.pick(), (0, Reason::CacheHit));
 }
@@ -232,18 +256,12 @@ fn a_reading_exactly_as_old_as_the_freshness_window_is_stale() {
 #[test]
 fn the_deepest_admitted_owner_wins_and_shallower_owners_follow_as_fallbacks() {
     let case = Case::gated()
-        .worker(Some(1))
-        .owns(20)
-        .worker(Some(4))
-        .owns(40)
-        .worker(Some(3))
-        .owns(30)
+        .owner(1, 20)
+        .owner(4, 40)
+        .owner(3, 30)
         .worker(Some(0));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (2, Reason::CacheHit)
-    );
+    assert_eq!(pick_of(&decision), (2, Reason::CacheHit));
     assert_eq!(
         decision.fallbacks,
         vec![WorkerId(0), WorkerId(3)],
@@ -254,13 +272,7 @@ fn the_deepest_admitted_owner_wins_and_shallower_owners_follow_as_fallbacks() {
 
 #[test]
 fn equally_deep_owners_are_ordered_by_pressure_then_id() {
-    let case = Case::gated()
-        .worker(Some(2))
-        .owns(32)
-        .worker(Some(1))
-        .owns(32)
-        .worker(Some(1))
-        .owns(32);
+    let case = Case::gated().owner(2, 32).owner(1, 32).owner(1, 32);
     let decision = case.routed();
     assert_eq!(decision.selected, WorkerId(1));
     assert_eq!(decision.fallbacks, vec![WorkerId(2), WorkerId(0)]);
@@ -284,8 +296,7 @@ fn uncached_tokens_order_owners_when_every_compared_owner_reports_them() {
 
     // One owner lacks the measure: the set falls back to the queue both have.
     let one = Case::gated()
-        .worker(Some(1))
-        .owns(32)
+        .owner(1, 32)
         .worker(Some(3))
         .uncached(10)
         .owns(32);
@@ -299,8 +310,7 @@ fn owners_without_readings_are_compared_on_router_local_dispatches() {
         .worker(None)
         .owns(32)
         .dispatched(5)
-        .worker(Some(0))
-        .owns(32)
+        .owner(0, 32)
         .dispatched(1);
     let decision = case.routed();
     assert_eq!(decision.selected, WorkerId(1));
@@ -310,45 +320,32 @@ fn owners_without_readings_are_compared_on_router_local_dispatches() {
 #[test]
 fn a_worker_holding_fewer_than_min_match_tokens_is_not_an_owner() {
     // 15 blocks = 960 tokens < 1024.
-    let case = Case::gated()
-        .worker(Some(0))
-        .owns(15)
-        .worker(Some(0))
-        .dispatched(0);
+    let case = Case::gated().owner(0, 15).worker(Some(0)).dispatched(0);
     let decision = case.routed();
     assert_eq!(decision.reason, Reason::CacheMiss);
     assert!(decision.trace.owners.is_empty());
     assert_eq!(decision.trace.ignored_matches, 1);
 
     // 16 blocks = 1024 tokens counts.
-    let case = Case::gated().worker(Some(1)).owns(16).worker(Some(0));
+    let case = Case::gated().owner(1, 16).worker(Some(0));
     assert_eq!(case.pick(), (0, Reason::CacheHit));
 }
 
 #[test]
 fn dispatches_since_the_last_reading_add_to_load_but_never_to_the_queue() {
     // The owner's queue stays below the limit however much was dispatched to it.
-    let owner = Case::gated()
-        .worker(Some(3))
-        .owns(32)
-        .dispatched(100)
-        .worker(Some(0));
+    let owner = Case::gated().owner(3, 32).dispatched(100).worker(Some(0));
     assert_eq!(owner.pick(), (0, Reason::CacheHit));
 
     // Off-owner, the dispatch count steers away from the worker that just received a burst.
-    let mut config = config(Some(4), Some(2));
-    ca(&mut config).min_load_choices = NonZeroUsize::new(8).unwrap();
-    let off = Case::new(config)
-        .worker(Some(4))
-        .owns(32)
+    let off = Case::gated()
+        .choices(8)
+        .owner(4, 32)
         .worker(Some(0))
         .dispatched(3)
         .worker(Some(1));
     let decision = off.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (2, Reason::CacheWorkerQueued)
-    );
+    assert_eq!(pick_of(&decision), (2, Reason::CacheWorkerQueued));
     assert_eq!(decision.fallbacks, vec![WorkerId(1), WorkerId(0)]);
 }
 
@@ -356,17 +353,9 @@ fn dispatches_since_the_last_reading_add_to_load_but_never_to_the_queue() {
 
 #[test]
 fn queued_owners_pin_to_the_calmer_one_when_no_worker_is_below_the_floor() {
-    let case = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .worker(Some(5))
-        .owns(32)
-        .worker(Some(3));
+    let case = Case::gated().owner(9, 32).owner(5, 32).worker(Some(3));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::SaturationPin)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::SaturationPin));
     assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(2)]);
     assert_eq!(
         decision.trace.saturation,
@@ -377,17 +366,9 @@ fn queued_owners_pin_to_the_calmer_one_when_no_worker_is_below_the_floor() {
 
 #[test]
 fn an_idle_worker_below_the_floor_cancels_the_pin() {
-    let case = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .worker(Some(5))
-        .owns(32)
-        .worker(Some(0));
+    let case = Case::gated().owner(9, 32).owner(5, 32).worker(Some(0));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (2, Reason::CacheWorkerQueued)
-    );
+    assert_eq!(pick_of(&decision), (2, Reason::CacheWorkerQueued));
     assert_eq!(
         decision.trace.saturation,
         Saturation::Relieved {
@@ -401,9 +382,9 @@ fn an_idle_worker_below_the_floor_cancels_the_pin() {
 #[test]
 fn the_floor_boundary_is_strict() {
     // A worker at exactly the floor is not evidence of idleness.
-    let at_floor = Case::gated().worker(Some(6)).owns(32).worker(Some(2));
+    let at_floor = Case::gated().owner(6, 32).worker(Some(2));
     assert_eq!(at_floor.pick(), (0, Reason::SaturationPin));
-    let below = Case::gated().worker(Some(6)).owns(32).worker(Some(1));
+    let below = Case::gated().owner(6, 32).worker(Some(1));
     assert_eq!(below.pick(), (1, Reason::CacheWorkerQueued));
 }
 
@@ -411,16 +392,14 @@ fn the_floor_boundary_is_strict() {
 fn the_depth_ratio_keeps_the_pin_on_the_deep_owner() {
     // Depths of 100, 20 and 10 blocks; the shallower, the less pressured.
     let case = |ratio: f64| {
-        let mut config = config(Some(4), Some(2));
-        ca(&mut config).pin_depth_ratio = DepthRatio::new(ratio).unwrap();
-        ca(&mut config).min_match_tokens = BLOCK;
-        Case::new(config)
-            .worker(Some(9))
-            .owns(100)
-            .worker(Some(5))
-            .owns(20)
-            .worker(Some(4))
-            .owns(10)
+        Case::gated()
+            .knobs(|k| {
+                k.pin_depth_ratio = DepthRatio::new(ratio).unwrap();
+                k.min_match_tokens = BLOCK;
+            })
+            .owner(9, 100)
+            .owner(5, 20)
+            .owner(4, 10)
             .worker(Some(3))
     };
     assert_eq!(case(0.5).pick(), (0, Reason::SaturationPin));
@@ -431,38 +410,28 @@ fn the_depth_ratio_keeps_the_pin_on_the_deep_owner() {
 
 #[test]
 fn a_fleet_worker_without_a_fresh_reading_does_not_block_the_pin() {
-    let unread = Case::gated().worker(Some(9)).owns(32).worker(None);
+    let unread = Case::gated().owner(9, 32).worker(None);
     assert_eq!(unread.pick(), (0, Reason::SaturationPin));
 
-    let stale = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .worker(Some(0))
-        .with(|w| w.reading.as_mut().unwrap().captured_at -= FRESHNESS);
+    let stale = Case::gated().owner(9, 32).worker(Some(0)).stale();
     assert_eq!(stale.pick(), (0, Reason::SaturationPin));
 }
 
 #[test]
 fn workers_outside_the_fleet_do_not_block_the_pin() {
     let decode_only = Case::gated()
-        .worker(Some(9))
-        .owns(32)
+        .owner(9, 32)
         .worker(Some(0))
         .with(|w| w.role = Role::Decode);
     assert_eq!(decode_only.pick(), (0, Reason::SaturationPin));
 
     let removed = Case::gated()
-        .worker(Some(9))
-        .owns(32)
+        .owner(9, 32)
         .worker(Some(0))
         .with(|w| w.routable = false);
     assert_eq!(removed.pick(), (0, Reason::SaturationPin));
 
-    let mut outside_subset = Case::gated()
-        .worker(Some(9))
-        .owns(32)
-        .worker(Some(6))
-        .worker(Some(0));
+    let mut outside_subset = Case::gated().owner(9, 32).worker(Some(6)).worker(Some(0));
     outside_subset.allowed = Some(vec![WorkerId(0), WorkerId(1)]);
     assert_eq!(outside_subset.pick(), (0, Reason::SaturationPin));
 
@@ -473,17 +442,12 @@ fn workers_outside_the_fleet_do_not_block_the_pin() {
 #[test]
 fn the_pin_skips_an_owner_whose_kv_cache_is_full() {
     let case = Case::gated()
-        .worker(Some(5))
-        .owns(32)
+        .owner(5, 32)
         .kv_full()
-        .worker(Some(9))
-        .owns(32)
+        .owner(9, 32)
         .worker(Some(3));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::SaturationPin)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::SaturationPin));
     assert_eq!(
         decision.fallbacks,
         vec![WorkerId(2), WorkerId(0)],
@@ -499,11 +463,9 @@ fn the_pin_skips_an_owner_whose_kv_cache_is_full() {
 #[test]
 fn a_saturated_fleet_whose_owners_are_all_kv_full_still_routes_and_says_why() {
     let case = Case::gated()
-        .worker(Some(5))
-        .owns(32)
+        .owner(5, 32)
         .kv_full()
-        .worker(Some(9))
-        .owns(32)
+        .owner(9, 32)
         .kv_full()
         .worker(Some(3))
         .worker(Some(6));
@@ -527,8 +489,7 @@ fn a_saturated_fleet_whose_owners_are_all_kv_full_still_routes_and_says_why() {
 fn when_nobody_passes_hard_admission_the_least_pressured_worker_takes_the_request() {
     let fleet = |owner_waiting: u64| {
         Case::gated()
-            .worker(Some(owner_waiting))
-            .owns(32)
+            .owner(owner_waiting, 32)
             .kv_full()
             .worker(Some(1))
             .kv_full()
@@ -537,35 +498,25 @@ fn when_nobody_passes_hard_admission_the_least_pressured_worker_takes_the_reques
     };
     // The owner is queued and a worker is below the floor: a queue diversion, whatever capacity says.
     let queued = fleet(5).routed();
-    assert_eq!(
-        (queued.selected.0, queued.reason),
-        (1, Reason::CacheWorkerQueued)
-    );
+    assert_eq!(pick_of(&queued), (1, Reason::CacheWorkerQueued));
     assert_eq!(queued.trace.rung, Rung::LeastPressured);
     assert_eq!(queued.fallbacks, vec![WorkerId(2), WorkerId(0)]);
 
     // The owner's queue is short; only its KV cache kept the request away.
     let full = fleet(0).routed();
-    assert_eq!(
-        (full.selected.0, full.reason),
-        (0, Reason::CapacityFallback)
-    );
+    assert_eq!(pick_of(&full), (0, Reason::CapacityFallback));
     assert_eq!(full.trace.rung, Rung::LeastPressured);
 }
 
 #[test]
 fn a_full_running_batch_fails_hard_admission() {
     let case = Case::gated()
-        .worker(Some(0))
-        .owns(32)
+        .owner(0, 32)
         .running(8)
         .with(|w| w.capacity.max_running = Some(8))
         .worker(Some(0));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::CapacityFallback)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::CapacityFallback));
     assert_eq!(
         decision.trace.owners[0].admission,
         Admission::RunningFull {
@@ -579,13 +530,10 @@ fn a_full_running_batch_fails_hard_admission() {
 fn the_floor_replaces_the_all_queued_rung_when_every_worker_is_at_the_limit() {
     // Deep owner busier than the shallow one: the pin (pressure, ratio 0) and all_queued (deepest)
     // disagree; with a floor set the pin decides.
-    let mut config = config(Some(4), Some(2));
-    ca(&mut config).pin_depth_ratio = DepthRatio::ZERO;
-    let case = Case::new(config)
-        .worker(Some(9))
-        .owns(40)
-        .worker(Some(5))
-        .owns(20)
+    let case = Case::gated()
+        .knobs(|k| k.pin_depth_ratio = DepthRatio::ZERO)
+        .owner(9, 40)
+        .owner(5, 20)
         .worker(Some(4));
     assert_eq!(case.pick(), (1, Reason::SaturationPin));
 }
@@ -595,25 +543,20 @@ fn an_off_owner_pick_that_lands_on_a_queued_owner_is_not_a_diversion() {
     // No worker passes both the gate and admission: the idle one is KV-full. Among those with room the
     // queued owner is the least loaded, so the request stays with it.
     let case = Case::gated()
-        .worker(Some(5))
-        .owns(32)
+        .owner(5, 32)
         .worker(Some(0))
         .kv_full()
         .worker(Some(9));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (0, Reason::AllQueued)
-    );
+    assert_eq!(pick_of(&decision), (0, Reason::AllQueued));
     assert_eq!(decision.trace.rung, Rung::OffOwnerAdmission);
     assert_eq!(decision.diverted_tokens(), None);
 }
 
 #[test]
 fn load_counts_running_requests_as_well_as_waiting_ones() {
-    let mut config = config(Some(4), Some(2));
-    ca(&mut config).min_load_choices = NonZeroUsize::new(8).unwrap();
-    let case = Case::new(config)
+    let case = Case::gated()
+        .choices(8)
         .worker(Some(1))
         .running(9)
         .worker(Some(2))
@@ -662,30 +605,19 @@ fn extreme_readings_and_counts_never_overflow() {
 #[test]
 fn without_a_floor_a_fleet_queued_everywhere_readmits_the_deepest_owner() {
     let case = Case::new(config(Some(4), None))
-        .worker(Some(9))
-        .owns(40)
-        .worker(Some(5))
-        .owns(20)
+        .owner(9, 40)
+        .owner(5, 20)
         .worker(Some(4));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (0, Reason::AllQueued)
-    );
+    assert_eq!(pick_of(&decision), (0, Reason::AllQueued));
     assert_eq!(decision.fallbacks, vec![WorkerId(1), WorkerId(2)]);
 }
 
 #[test]
 fn without_a_floor_one_unread_worker_means_the_fleet_is_not_all_queued() {
-    let case = Case::new(config(Some(4), None))
-        .worker(Some(9))
-        .owns(40)
-        .worker(None);
+    let case = Case::new(config(Some(4), None)).owner(9, 40).worker(None);
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::CacheWorkerQueued)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::CacheWorkerQueued));
     assert_eq!(
         decision.trace.saturation,
         Saturation::Unread {
@@ -698,8 +630,7 @@ fn without_a_floor_one_unread_worker_means_the_fleet_is_not_all_queued() {
 #[test]
 fn without_a_floor_a_worker_below_the_limit_takes_the_diverted_request() {
     let case = Case::new(config(Some(4), None))
-        .worker(Some(9))
-        .owns(40)
+        .owner(9, 40)
         .worker(Some(3));
     assert_eq!(case.pick(), (1, Reason::CacheWorkerQueued));
 }
@@ -707,9 +638,7 @@ fn without_a_floor_a_worker_below_the_limit_takes_the_diverted_request() {
 // === off-owner sampling ===
 
 fn off_owner_case(k: usize, seed: u64) -> Case {
-    let mut config = config(Some(4), Some(2));
-    ca(&mut config).min_load_choices = NonZeroUsize::new(k).unwrap();
-    let mut case = Case::new(config);
+    let mut case = Case::gated().choices(k);
     for waiting in [3, 1, 0, 2, 3, 1] {
         case = case.worker(Some(waiting));
     }
@@ -721,10 +650,7 @@ fn off_owner_case(k: usize, seed: u64) -> Case {
 fn k_at_least_the_fleet_size_picks_the_exact_minimum() {
     for seed in 0..20 {
         let decision = off_owner_case(6, seed).routed();
-        assert_eq!(
-            (decision.selected.0, decision.reason),
-            (2, Reason::CacheMiss)
-        );
+        assert_eq!(pick_of(&decision), (2, Reason::CacheMiss));
         assert_eq!(decision.fallbacks, vec![WorkerId(1), WorkerId(5)]);
         assert_eq!(decision.trace.sampled.len(), 6);
     }
@@ -771,10 +697,7 @@ fn when_no_worker_passes_the_gate_the_sample_comes_from_those_passing_admission(
         .worker(Some(6));
     let decision = case.routed();
     assert_eq!(decision.trace.rung, Rung::OffOwnerAdmission);
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (2, Reason::CacheMiss)
-    );
+    assert_eq!(pick_of(&decision), (2, Reason::CacheMiss));
 }
 
 // === rejection ===
@@ -782,35 +705,17 @@ fn when_no_worker_passes_the_gate_the_sample_comes_from_those_passing_admission(
 #[test]
 fn an_empty_fleet_is_rejected_with_a_reason() {
     let nobody = Case::gated();
-    assert!(matches!(
-        nobody.decide(),
-        Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
-            ..
-        })
-    ));
+    assert!(no_workers(&nobody.decide()));
 
     let decode_only = Case::gated()
         .worker(Some(0))
         .with(|w| w.role = Role::Decode);
-    assert!(matches!(
-        decode_only.decide(),
-        Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
-            ..
-        })
-    ));
+    assert!(no_workers(&decode_only.decide()));
 
-    let mut outside = Case::gated().worker(Some(0)).owns(32);
+    let mut outside = Case::gated().owner(0, 32);
     outside.allowed = Some(vec![WorkerId(5)]);
     let outcome = outside.decide();
-    assert!(matches!(
-        outcome,
-        Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
-            ..
-        })
-    ));
+    assert!(no_workers(&outcome));
     assert_eq!(outcome.trace().fleet, 0);
 }
 
@@ -822,10 +727,7 @@ fn matches_for_unknown_workers_are_ignored() {
         matched_tokens: 4096,
     });
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (0, Reason::CacheMiss)
-    );
+    assert_eq!(pick_of(&decision), (0, Reason::CacheMiss));
     assert_eq!(decision.trace.ignored_matches, 1);
 }
 
@@ -866,8 +768,7 @@ impl Case {
 #[test]
 fn round_robin_cycles_through_the_fleet_in_order_whatever_the_load_and_owners() {
     let mut case = Case::new(mode(Mode::RoundRobin))
-        .worker(Some(40))
-        .owns(64)
+        .owner(40, 64)
         .worker(Some(0))
         .worker(None)
         .dispatched(9);
@@ -929,13 +830,9 @@ fn least_load_picks_the_fewest_waiting_running_and_dispatched() {
         .dispatched(4) // 4
         .worker(Some(1))
         .running(1) // 2
-        .worker(Some(9))
-        .owns(64); // 9, the only owner
+        .owner(9, 64); // 9, the only owner
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (2, Reason::LeastLoad)
-    );
+    assert_eq!(pick_of(&decision), (2, Reason::LeastLoad));
     assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(1)]);
     assert_eq!(decision.trace.rung, Rung::LeastLoad);
     assert_eq!(decision.matched_tokens, 0);
@@ -997,16 +894,9 @@ fn balanced() -> Case {
 #[test]
 fn a_balanced_fleet_goes_to_the_owner_above_the_cache_threshold() {
     // 10 blocks = 640 of 2048 tokens, 0.31.
-    let case = balanced()
-        .worker(Some(10))
-        .worker(Some(12))
-        .owns(10)
-        .worker(Some(11));
+    let case = balanced().worker(Some(10)).owner(12, 10).worker(Some(11));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::BalancedOwner)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::BalancedOwner));
     assert_eq!(decision.trace.rung, Rung::DeepestOwner);
     assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(2)]);
     assert_eq!(decision.matched_tokens, 10 * BLOCK);
@@ -1021,31 +911,17 @@ fn a_balanced_fleet_goes_to_the_owner_above_the_cache_threshold() {
 #[test]
 fn a_balanced_fleet_goes_to_the_least_loaded_worker_at_or_below_the_threshold() {
     // 9 blocks = 576 of 2048 tokens, 0.28.
-    let below = balanced()
-        .worker(Some(10))
-        .owns(9)
-        .worker(Some(12))
-        .worker(Some(11));
+    let below = balanced().owner(10, 9).worker(Some(12)).worker(Some(11));
     let decision = below.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (0, Reason::BalancedMiss)
-    );
-    let below = balanced()
-        .worker(Some(12))
-        .owns(9)
-        .worker(Some(10))
-        .worker(Some(11));
+    assert_eq!(pick_of(&decision), (0, Reason::BalancedMiss));
+    let below = balanced().owner(12, 9).worker(Some(10)).worker(Some(11));
     let decision = below.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::BalancedMiss)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::BalancedMiss));
     assert_eq!(decision.trace.rung, Rung::LeastLoad);
     assert_eq!(decision.fallbacks, vec![WorkerId(2), WorkerId(0)]);
 
     // Exactly the threshold is not above it: 30 blocks of 6400 tokens is 0.3.
-    let mut at = balanced().worker(Some(5)).owns(30).worker(Some(4));
+    let mut at = balanced().owner(5, 30).worker(Some(4));
     at.prompt_tokens = 6400;
     assert_eq!(at.pick(), (1, Reason::BalancedMiss));
     at.owners[0].matched_tokens += 1;
@@ -1060,28 +936,15 @@ fn a_balanced_fleet_goes_to_the_least_loaded_worker_at_or_below_the_threshold() 
 #[test]
 fn an_imbalanced_fleet_goes_to_the_shortest_queue_even_with_an_owner() {
     // max − min = 90 > 64 and 100 > 1.5 × 10.
-    let case = balanced()
-        .worker(Some(100))
-        .owns(32)
-        .worker(Some(10))
-        .worker(Some(50));
+    let case = balanced().owner(100, 32).worker(Some(10)).worker(Some(50));
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::Imbalanced)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::Imbalanced));
     assert_eq!(decision.fallbacks, vec![WorkerId(2), WorkerId(0)]);
     assert!(decision.trace.balance.unwrap().imbalanced);
     assert_eq!(decision.trace.balance.unwrap().match_ratio, 1.0);
 
     // Both conditions are needed, and both are strict.
-    let spread = |owner: u64, other: u64| {
-        balanced()
-            .worker(Some(owner))
-            .owns(32)
-            .worker(Some(other))
-            .pick()
-    };
+    let spread = |owner: u64, other: u64| balanced().owner(owner, 32).worker(Some(other)).pick();
     assert_eq!(spread(74, 10), (0, Reason::BalancedOwner), "74 − 10 = 64");
     assert_eq!(spread(75, 10), (1, Reason::Imbalanced), "75 − 10 = 65");
     assert_eq!(
@@ -1104,13 +967,7 @@ fn an_imbalanced_fleet_goes_to_the_shortest_queue_even_with_an_owner() {
 
 #[test]
 fn the_balance_thresholds_are_configurable() {
-    let case = |config: PolicyConfig| {
-        Case::new(config)
-            .worker(Some(10))
-            .owns(8)
-            .worker(Some(5))
-            .pick()
-    };
+    let case = |config: PolicyConfig| Case::new(config).owner(10, 8).worker(Some(5)).pick();
     // 10 vs 5: balanced by default; 8 blocks are 0.25 of the prompt.
     assert_eq!(case(balance(64, 1.5, 0.3)), (1, Reason::BalancedMiss));
     assert_eq!(case(balance(64, 1.5, 0.2)), (0, Reason::BalancedOwner));
@@ -1122,8 +979,7 @@ fn the_balance_thresholds_are_configurable() {
 fn load_for_the_balance_counts_dispatches_and_running_requests() {
     // Readings say 0 and 4 + 6 running; eighty requests were just sent to the first: 80 vs 10.
     let case = balanced()
-        .worker(Some(0))
-        .owns(32)
+        .owner(0, 32)
         .dispatched(80)
         .worker(Some(4))
         .running(6);
@@ -1137,19 +993,12 @@ fn load_for_the_balance_counts_dispatches_and_running_requests() {
 #[test]
 fn equally_deep_owners_are_ordered_by_load_and_other_owners_above_the_threshold_follow() {
     let case = balanced()
-        .worker(Some(8))
-        .owns(20)
-        .worker(Some(3))
-        .owns(20)
-        .worker(Some(1))
-        .owns(12)
-        .worker(Some(0))
-        .owns(4);
+        .owner(8, 20)
+        .owner(3, 20)
+        .owner(1, 12)
+        .owner(0, 4);
     let decision = case.routed();
-    assert_eq!(
-        (decision.selected.0, decision.reason),
-        (1, Reason::BalancedOwner)
-    );
+    assert_eq!(pick_of(&decision), (1, Reason::BalancedOwner));
     // Then the other 20-block owner, then the 12-block one (0.375); the 4-block one is below.
     assert_eq!(decision.fallbacks, vec![WorkerId(0), WorkerId(2)]);
     assert_eq!(decision.trace.owners.len(), 4);
@@ -1159,8 +1008,7 @@ fn equally_deep_owners_are_ordered_by_load_and_other_owners_above_the_threshold_
 fn balance_threshold_only_sees_owners_and_load_within_the_fleet() {
     // The owner is decode-only, and the idle worker is outside the subset.
     let mut case = balanced()
-        .worker(Some(5))
-        .owns(32)
+        .owner(5, 32)
         .with(|w| w.role = Role::Decode)
         .worker(Some(200))
         .worker(Some(0))
@@ -1168,7 +1016,7 @@ fn balance_threshold_only_sees_owners_and_load_within_the_fleet() {
     case.allowed = Some(vec![WorkerId(0), WorkerId(1), WorkerId(3)]);
     let decision = case.routed();
     assert_eq!(
-        (decision.selected.0, decision.reason),
+        pick_of(&decision),
         (3, Reason::BalancedMiss),
         "200 vs 190 is balanced; the owner and the idle worker are not in the fleet"
     );
@@ -1188,16 +1036,7 @@ fn every_mode_rejects_an_empty_fleet() {
             .worker(Some(0))
             .with(|w| w.role = Role::Decode);
         let outcome = case.decide();
-        assert!(
-            matches!(
-                outcome,
-                Outcome::Reject(Reject {
-                    reason: RejectReason::NoWorkers,
-                    ..
-                })
-            ),
-            "{outcome:?}"
-        );
+        assert!(no_workers(&outcome), "{outcome:?}");
     }
 }
 

@@ -51,19 +51,12 @@ impl Model {
     }
 
     fn matches(&self, hashes: &[u64]) -> Vec<OwnerMatch> {
-        let mut found: Vec<OwnerMatch> = self
-            .held
-            .iter()
-            .enumerate()
-            .map(|(worker, held)| OwnerMatch {
-                worker: WorkerId(worker as u32),
-                matched_tokens: hashes.iter().take_while(|h| held.contains(h)).count() as u64
-                    * u64::from(BLOCK.get()),
-            })
-            .filter(|owner| owner.matched_tokens > 0)
-            .collect();
-        found.sort_by_key(|owner| (Reverse(owner.matched_tokens), owner.worker));
-        found
+        ranked(self.held.iter().enumerate().map(|(worker, held)| {
+            (
+                worker,
+                hashes.iter().take_while(|h| held.contains(h)).count(),
+            )
+        }))
     }
 
     fn stats(&self) -> IndexStats {
@@ -74,6 +67,20 @@ impl Model {
             held,
         }
     }
+}
+
+/// The owners of a chain from `(worker, leading blocks it holds)`: those holding any, deepest first
+/// and by worker among equals.
+fn ranked(held: impl Iterator<Item = (usize, usize)>) -> Vec<OwnerMatch> {
+    let mut found: Vec<OwnerMatch> = held
+        .filter(|(_, blocks)| *blocks > 0)
+        .map(|(worker, blocks)| OwnerMatch {
+            worker: WorkerId(worker as u32),
+            matched_tokens: blocks as u64 * u64::from(BLOCK.get()),
+        })
+        .collect();
+    found.sort_by_key(|owner| (Reverse(owner.matched_tokens), owner.worker));
+    found
 }
 
 #[derive(Clone, Debug)]
@@ -208,16 +215,7 @@ fn long_chains_held_to_many_depths_match_exactly_like_a_linear_walk() {
             index.insert(WorkerId(worker as u32), &hashes[..*depth]);
         }
     }
-    let mut expected: Vec<OwnerMatch> = depths
-        .iter()
-        .enumerate()
-        .filter(|(_, depth)| **depth > 0)
-        .map(|(worker, depth)| OwnerMatch {
-            worker: WorkerId(worker as u32),
-            matched_tokens: *depth as u64 * u64::from(BLOCK.get()),
-        })
-        .collect();
-    expected.sort_unstable_by_key(|owner| (Reverse(owner.matched_tokens), owner.worker));
+    let expected = ranked(depths.into_iter().enumerate());
     assert_eq!(index.matches(&hashes, BLOCK), expected);
     // A shorter probe stops at its own end.
     let short = index.matches(&hashes[..100], BLOCK);

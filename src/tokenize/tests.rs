@@ -443,16 +443,32 @@ fn directory(files: &[(&str, &str)]) -> tempfile::TempDir {
     dir
 }
 
+/// A pool over `tokenizer` whose chat template is `template`, one of `files` written to a fresh directory.
+fn directory_pool(
+    tokenizer: TokenizerConfig,
+    files: &[(&str, &str)],
+    template: &str,
+) -> PoolTokenizer {
+    let dir = directory(files);
+    pool(tokenizer, Some(&dir.path().join(template)))
+}
+
+/// Renders a chat of one user message, "hi".
+fn render_hi(pool: &PoolTokenizer, tools: Option<&str>) -> String {
+    let chat = Chat::new(&[("user", "hi")]);
+    pool.render_chat(&chat.turns(), tools).unwrap()
+}
+
 #[test]
 fn a_template_that_drops_a_message_is_rendered_and_tokenized_whole() {
-    let dir = directory(&[(
-        "chat_template.jinja",
-        "{% for m in messages %}{% if m.role != 'system' %}[{{ m.role }}] {{ m.content }}\n\
-         {% endif %}{% endfor %}[assistant] ",
-    )]);
-    let pool = pool(
+    let pool = directory_pool(
         hugging_face(),
-        Some(&dir.path().join("chat_template.jinja")),
+        &[(
+            "chat_template.jinja",
+            "{% for m in messages %}{% if m.role != 'system' %}[{{ m.role }}] {{ m.content }}\n\
+             {% endif %}{% endfor %}[assistant] ",
+        )],
+        "chat_template.jinja",
     );
     let chat = fixture_chat();
     let rendered = pool.render_chat(&chat.turns(), None).unwrap();
@@ -469,36 +485,34 @@ fn a_template_that_drops_a_message_is_rendered_and_tokenized_whole() {
 
 #[test]
 fn templates_may_call_python_string_methods() {
-    let dir = directory(&[(
-        "chat_template.jinja",
-        "{% for m in messages %}{{ m.role.upper() }}: {{ m.content.strip() }}|{% endfor %}",
-    )]);
-    let pool = pool(
+    let pool = directory_pool(
         TokenizerConfig::Bytes,
-        Some(&dir.path().join("chat_template.jinja")),
+        &[(
+            "chat_template.jinja",
+            "{% for m in messages %}{{ m.role.upper() }}: {{ m.content.strip() }}|{% endfor %}",
+        )],
+        "chat_template.jinja",
     );
-    let chat = Chat::new(&[("user", "hi")]);
-    assert_eq!(pool.render_chat(&chat.turns(), None).unwrap(), "USER: hi|");
+    assert_eq!(render_hi(&pool, None), "USER: hi|");
 }
 
 #[test]
 fn a_jinja_template_takes_its_special_tokens_from_the_tokenizer_config_beside_it() {
-    let dir = directory(&[
-        (
-            "chat_template.jinja",
-            "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}",
-        ),
-        (
-            "tokenizer_config.json",
-            r#"{"bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>"}"#,
-        ),
-    ]);
-    let pool = pool(
+    let pool = directory_pool(
         TokenizerConfig::Bytes,
-        Some(&dir.path().join("chat_template.jinja")),
+        &[
+            (
+                "chat_template.jinja",
+                "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}",
+            ),
+            (
+                "tokenizer_config.json",
+                r#"{"bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>"}"#,
+            ),
+        ],
+        "chat_template.jinja",
     );
-    let chat = Chat::new(&[("user", "hi")]);
-    assert_eq!(pool.render_chat(&chat.turns(), None).unwrap(), "<s>hi</s>");
+    assert_eq!(render_hi(&pool, None), "<s>hi</s>");
 }
 
 #[test]
@@ -509,18 +523,13 @@ fn a_named_template_list_renders_tool_use_when_the_request_has_tools() {
             {"name": "tool_use", "template": "tools {{ tools[0].name }}: {{ messages[0].content }}"},
         ]
     });
-    let dir = directory(&[("tokenizer_config.json", &config.to_string())]);
-    let pool = pool(
+    let pool = directory_pool(
         TokenizerConfig::Bytes,
-        Some(&dir.path().join("tokenizer_config.json")),
+        &[("tokenizer_config.json", &config.to_string())],
+        "tokenizer_config.json",
     );
-    let chat = Chat::new(&[("user", "hi")]);
-    assert_eq!(pool.render_chat(&chat.turns(), None).unwrap(), "plain: hi");
-    assert_eq!(
-        pool.render_chat(&chat.turns(), Some(r#"[{"name": "f"}]"#))
-            .unwrap(),
-        "tools f: hi"
-    );
+    assert_eq!(render_hi(&pool, None), "plain: hi");
+    assert_eq!(render_hi(&pool, Some(r#"[{"name": "f"}]"#)), "tools f: hi");
 }
 
 #[test]

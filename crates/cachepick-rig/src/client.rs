@@ -90,35 +90,9 @@ impl Client {
     }
 
     async fn exchange(&self, path: &str, body: &[u8]) -> Result<Verdict, ClientError> {
-        let headers = ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: BodySendMode::Buffered as i32,
-                ..ProtocolConfiguration::default()
-            }),
-            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        raw(":method", "POST"),
-                        raw(":path", path),
-                        raw("content-type", "application/json"),
-                    ],
-                }),
-                end_of_stream: false,
-                ..HttpHeaders::default()
-            })),
-            ..ProcessingRequest::default()
-        };
-        let body = ProcessingRequest {
-            request: Some(processing_request::Request::RequestBody(HttpBody {
-                body: body.to_vec(),
-                end_of_stream: true,
-                ..HttpBody::default()
-            })),
-            ..ProcessingRequest::default()
-        };
         let mut client = self.inner.clone();
         let mut responses = client
-            .process(futures_util::stream::iter([headers, body]))
+            .process(futures_util::stream::iter(buffered_request(path, body)))
             .await?
             .into_inner();
         let mut decided = None;
@@ -131,6 +105,38 @@ impl Client {
         // before its trailers arrive is reset, and h2 closes a connection after 1,024 such resets.
         decided.ok_or(ClientError::NoDecision)
     }
+}
+
+/// The two messages Envoy sends in BUFFERED mode for a JSON POST of `body` to `path`: the request
+/// headers (with `protocol_config`), then the whole body. What [`Client::decide`] sends.
+pub fn buffered_request(path: &str, body: &[u8]) -> [ProcessingRequest; 2] {
+    let headers = ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::Buffered as i32,
+            ..ProtocolConfiguration::default()
+        }),
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    raw(":method", "POST"),
+                    raw(":path", path),
+                    raw("content-type", "application/json"),
+                ],
+            }),
+            end_of_stream: false,
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    };
+    let body = ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream: true,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    };
+    [headers, body]
 }
 
 fn raw(key: &str, value: &str) -> HeaderValue {

@@ -118,14 +118,9 @@ impl ChatTemplate {
         turns: &[ChatTurn<'_>],
         tools: &Value,
     ) -> Result<String, TokenizeError> {
-        let messages = turns
-            .iter()
-            .enumerate()
-            .map(|(index, turn)| {
-                message(turn.role, format!("{SENTINEL_OPEN}{index}{SENTINEL_CLOSE}"))
-            })
-            .collect();
-        self.render(messages, tools)
+        self.render(turns, tools, |index, _| {
+            format!("{SENTINEL_OPEN}{index}{SENTINEL_CLOSE}")
+        })
     }
 
     /// Renders the chat with its real contents: what the engine renders.
@@ -134,14 +129,21 @@ impl ChatTemplate {
         turns: &[ChatTurn<'_>],
         tools: &Value,
     ) -> Result<String, TokenizeError> {
-        let messages = turns
-            .iter()
-            .map(|turn| message(turn.role, turn.parts.join("\n")))
-            .collect();
-        self.render(messages, tools)
+        self.render(turns, tools, |_, turn| turn.parts.join("\n"))
     }
 
-    fn render(&self, messages: Vec<Value>, tools: &Value) -> Result<String, TokenizeError> {
+    /// Renders the chat with `content(index, turn)` as each message's content.
+    fn render(
+        &self,
+        turns: &[ChatTurn<'_>],
+        tools: &Value,
+        content: impl Fn(usize, &ChatTurn<'_>) -> String,
+    ) -> Result<String, TokenizeError> {
+        let messages: Vec<Value> = turns
+            .iter()
+            .enumerate()
+            .map(|(index, turn)| message(turn.role, content(index, turn)))
+            .collect();
         let failed = |source| TokenizeError::Render {
             path: self.path.clone(),
             source,

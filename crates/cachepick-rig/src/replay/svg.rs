@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use super::report::PolicyReport;
+use super::report::{Bucket, PolicyReport};
 
 const COLORS: [&str; 10] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -273,6 +273,26 @@ pub fn ttft_cdf(reports: &[PolicyReport], caption: &str) -> String {
     )
 }
 
+/// One series per policy: `value` at the start of each time bucket that has one.
+fn timeline_series<'a>(
+    reports: &[&'a PolicyReport],
+    value: impl Fn(&Bucket) -> Option<f64>,
+) -> Vec<Series<'a>> {
+    reports
+        .iter()
+        .enumerate()
+        .map(|(index, r)| Series {
+            name: &r.policy,
+            color: color(index),
+            points: r
+                .timeline
+                .iter()
+                .filter_map(|b| value(b).map(|v| (b.start_s, v)))
+                .collect(),
+        })
+        .collect()
+}
+
 /// Hit rate and TTFT p50 per time bucket for the given policies, the burst shaded.
 pub fn timeline(reports: &[&PolicyReport], burst: (f64, f64), caption: &str) -> String {
     let end = reports
@@ -283,32 +303,8 @@ pub fn timeline(reports: &[&PolicyReport], burst: (f64, f64), caption: &str) -> 
         .iter()
         .flat_map(|r| r.timeline.iter().filter_map(|b| b.ttft_p50_ms))
         .fold(0.0, f64::max);
-    let hit: Vec<Series<'_>> = reports
-        .iter()
-        .enumerate()
-        .map(|(index, r)| Series {
-            name: &r.policy,
-            color: color(index),
-            points: r
-                .timeline
-                .iter()
-                .filter_map(|b| b.hit_rate.map(|h| (b.start_s, h)))
-                .collect(),
-        })
-        .collect();
-    let ttft: Vec<Series<'_>> = reports
-        .iter()
-        .enumerate()
-        .map(|(index, r)| Series {
-            name: &r.policy,
-            color: color(index),
-            points: r
-                .timeline
-                .iter()
-                .filter_map(|b| b.ttft_p50_ms.map(|t| (b.start_s, t)))
-                .collect(),
-        })
-        .collect();
+    let hit = timeline_series(reports, |b| b.hit_rate);
+    let ttft = timeline_series(reports, |b| b.ttft_p50_ms);
     let width = reports
         .first()
         .and_then(|r| r.timeline.get(1).map(|b| b.start_s))
