@@ -34,7 +34,7 @@ use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
 use cachepick::route::{Answer, Picker, Service};
 use cachepick_rig::client::{Client, Verdict, buffered_request};
-use cachepick_rig::stage::{Stage, on_free_ports};
+use cachepick_rig::stage::{Shutdown, Stage, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::{Engine, SimConfig};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -42,7 +42,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, external_processor_client::ExternalProcessorClient, processing_response,
 };
 use tokio::runtime::Runtime;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
@@ -77,7 +77,7 @@ struct Bench {
     raw: ExternalProcessorClient<Channel>,
     /// The baseline: a second picker with its own scraper, called directly.
     service: Arc<Service>,
-    stop_scraper: watch::Sender<bool>,
+    stop_scraper: Shutdown,
 }
 
 impl Bench {
@@ -133,7 +133,7 @@ impl Bench {
     }
 
     fn stop(self) {
-        let _ = self.stop_scraper.send(true);
+        self.stop_scraper.trigger();
         self.runtime
             .block_on(self.stage.stop())
             .expect("app::run ended cleanly");
@@ -194,18 +194,15 @@ fn destination(answer: &ProcessingResponse) -> Option<String> {
 
 /// `app::run`'s request path without the wire: a `Service` over a picker whose pool a scraper keeps
 /// fresh, ready once a scrape round has completed.
-fn baseline(runtime: &Runtime, config: &Config) -> (watch::Sender<bool>, Arc<Service>) {
+fn baseline(runtime: &Runtime, config: &Config) -> (Shutdown, Arc<Service>) {
     let metrics = Arc::new(Metrics::new().unwrap());
-    let (stop, stopped) = watch::channel(false);
+    let stop = Shutdown::default();
     let mut loads = Vec::new();
     for pool in &config.pools {
         let load = PoolLoad::new(pool, &config.load);
         let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
         let mut rounds = load.rounds();
-        let mut stopped = stopped.clone();
-        runtime.spawn(scraper.run(async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }));
+        runtime.spawn(scraper.run(stop.signal()));
         runtime
             .block_on(rounds.wait_for(|completed| *completed > 0))
             .expect("a scrape round completes");

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use cachepick::config::{self, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
+use cachepick_rig::stage::Shutdown;
 use engine::{FakeEngine, Mode};
 
 fn env(name: &str, default: u64) -> u64 {
@@ -149,10 +150,8 @@ fn main() {
         let pool = &config.pools[0];
         let load = PoolLoad::new(pool, &config.load);
         let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(scraper.run(async {
-            let _ = stopped.await;
-        }));
+        let stop = Shutdown::default();
+        let task = tokio::spawn(scraper.run(stop.signal()));
         // Warm-up: connections opened, first round parsed.
         tokio::time::sleep(Duration::from_secs(2)).await;
         let cpu_before = cpu_seconds();
@@ -168,7 +167,7 @@ fn main() {
             .iter()
             .filter(|w| snapshot.fresh_load(w.id, Instant::now()).is_some())
             .count();
-        let _ = stop.send(());
+        stop.trigger();
         let _ = task.await;
         println!(
             "scrape_cpu: {workers} workers x {:.0} KB every 1s: {:.2}% of one core ({cpu:.2} s CPU over {elapsed:.1} s, \

@@ -125,13 +125,10 @@ async fn stream_once(addr: SocketAddr, body: &str) -> Option<(Duration, Duration
     Some((first?, total, events, tokens))
 }
 
+/// Sorts `values` and reads the rig's percentile of them (NaN when empty, so a table still prints).
 fn percentile(values: &mut [f64], p: f64) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(|a, b| a.total_cmp(b));
-    let index = ((values.len() - 1) as f64 * p).round() as usize;
-    values[index]
+    values.sort_by(f64::total_cmp);
+    cachepick_rig::replay::report::percentile(values, p).unwrap_or(f64::NAN)
 }
 
 fn main() {

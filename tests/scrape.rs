@@ -21,6 +21,7 @@ use cachepick::config::{self, Config, Overrides};
 use cachepick::load::{DispatchCounts, EngineLoad, PoolLoad, PoolSnapshot, ScrapeOutcome, Scraper};
 use cachepick::metrics::Metrics;
 use cachepick::worker::WorkerId;
+use cachepick_rig::stage::Shutdown;
 use support::engine::{FakeEngine, Mode, refused_addr, sglang_metrics, vllm_metrics};
 
 const TEXT: &str = "text/plain; version=0.0.4";
@@ -338,16 +339,14 @@ async fn a_rank_that_stops_reporting_ages_the_whole_reading_out() {
 // === the periodic scraper ===
 
 async fn run_for(scraper: Scraper, wall: Duration, mut during: impl FnMut()) {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(scraper.run(async {
-        let _ = stopped.await;
-    }));
+    let stop = Shutdown::default();
+    let task = tokio::spawn(scraper.run(stop.signal()));
     let deadline = Instant::now() + wall;
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
         during();
     }
-    let _ = stop.send(());
+    stop.trigger();
     tokio::time::timeout(Duration::from_secs(2), task)
         .await
         .expect("the scraper stops on shutdown")
@@ -403,10 +402,8 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
     let config = config("vllm", load, &[(engine.addr, "")]);
     let pool = Pool::new(&config);
     let state = Arc::clone(&pool.load);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(pool.scraper.run(async {
-        let _ = stopped.await;
-    }));
+    let stop = Shutdown::default();
+    let task = tokio::spawn(pool.scraper.run(stop.signal()));
 
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert!(is_fresh(&state.snapshot(), 0));
@@ -458,7 +455,7 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
         .get();
     assert!(errors >= 3, "http errors {errors}");
 
-    let _ = stop.send(());
+    stop.trigger();
     task.await.unwrap();
 }
 
@@ -531,10 +528,8 @@ async fn a_fresh_worker_that_starts_hanging_goes_stale_within_freshness_and_spar
         &[(flaky.addr, ""), (steady.addr, "")],
     ));
     let state = Arc::clone(&pool.load);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(pool.scraper.run(async {
-        let _ = stopped.await;
-    }));
+    let stop = Shutdown::default();
+    let task = tokio::spawn(pool.scraper.run(stop.signal()));
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert!(is_fresh(&state.snapshot(), 0) && is_fresh(&state.snapshot(), 1));
 
@@ -545,6 +540,6 @@ async fn a_fresh_worker_that_starts_hanging_goes_stale_within_freshness_and_spar
     assert!(!is_fresh(&snapshot, 0), "a hung worker's reading ages out");
     assert!(is_fresh(&snapshot, 1), "the other worker is unaffected");
     assert!(last_error(&snapshot, 0).contains("timed out"));
-    let _ = stop.send(());
+    stop.trigger();
     task.await.unwrap();
 }

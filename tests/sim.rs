@@ -19,7 +19,6 @@ mod sim_client;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -27,6 +26,7 @@ use http::StatusCode;
 use serde_json::{Value, json};
 
 use cachepick::load::from_loads_json;
+use cachepick_rig::nz;
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::expo;
 use cachepick_sim::fleet::Fleet;
@@ -49,10 +49,6 @@ fn from_metrics(
 }
 
 const MODEL: &str = SimConfig::DEFAULT_MODEL;
-
-fn nz(n: u32) -> NonZeroU32 {
-    NonZeroU32::new(n).unwrap()
-}
 
 /// A fleet with the exact byte tokenizer, no jitter, a fast clock, and `tune` applied to the params.
 async fn fleet(engine: Engine, workers: u32, tune: impl FnOnce(&mut SimConfig)) -> Fleet {

@@ -79,7 +79,8 @@ fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
-fn percentile(sorted: &[f64], share: f64) -> Option<f64> {
+/// The value at `share` (0 to 1) of `sorted`, nearest rank; `None` when empty.
+pub fn percentile(sorted: &[f64], share: f64) -> Option<f64> {
     if sorted.is_empty() {
         return None;
     }
