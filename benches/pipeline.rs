@@ -11,7 +11,6 @@
 )]
 
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::Instant;
 
 use cachepick::config::{self, Overrides};
@@ -32,11 +31,7 @@ fn picker() -> Picker {
         yaml.push_str(&format!("      - endpoint: 127.0.0.1:{port}\n"));
     }
     let config = config::parse(&yaml, "bench.yaml", &Overrides::default()).unwrap();
-    let loads: Vec<Arc<PoolLoad>> = config
-        .pools
-        .iter()
-        .map(|pool| PoolLoad::new(pool, &config.load))
-        .collect();
+    let loads = PoolLoad::for_pools(&config);
     Picker::new(&config, &loads).unwrap()
 }
 

@@ -8,7 +8,6 @@
     clippy::panic
 )]
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use cachepick::config::{self, Overrides};
@@ -25,11 +24,7 @@ fn picker(block_size: u32) -> Picker {
          \x20     - endpoint: 127.0.0.1:1\n      - endpoint: 127.0.0.1:2\n      - endpoint: 127.0.0.1:3\n"
     );
     let config = config::parse(&yaml, "test.yaml", &Overrides::default()).expect("valid config");
-    let loads: Vec<Arc<PoolLoad>> = config
-        .pools
-        .iter()
-        .map(|pool| PoolLoad::new(pool, &config.load))
-        .collect();
+    let loads = PoolLoad::for_pools(&config);
     Picker::new(&config, &loads).expect("picker")
 }
 

@@ -30,7 +30,7 @@ use super::dispatch::DispatchTable;
 use super::engine::{self, ExtractError, RankLoad, Report};
 use super::snapshot::DispatchCounts;
 use super::snapshot::{Capacity, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome, WorkerState};
-use crate::config::{LoadConfig, LoadSource, ModelMatch, PoolConfig};
+use crate::config::{Config, LoadConfig, LoadSource, ModelMatch, PoolConfig};
 use crate::worker::{Engine, WorkerId};
 
 /// A warning that the gate is blind is repeated at most this often per pool.
@@ -93,6 +93,16 @@ pub struct PoolLoad {
 }
 
 impl PoolLoad {
+    /// Every pool's load state of `config`, in configuration order, with no readings yet: what a picker
+    /// is built on (the scrapers that fill them are started separately, or not at all in tests).
+    pub fn for_pools(config: &Config) -> Vec<Arc<Self>> {
+        config
+            .pools
+            .iter()
+            .map(|pool| PoolLoad::new(pool, &config.load))
+            .collect()
+    }
+
     /// The pool's roster with no readings yet, and capacities from configuration where given.
     pub fn new(pool: &PoolConfig, load: &LoadConfig) -> Arc<Self> {
         let workers = pool

@@ -448,11 +448,7 @@ pools:
       - endpoint: 127.0.0.1:5
 ";
         let config = crate::config::parse(yaml, "t", &Overrides::default()).unwrap();
-        let loads: Vec<Arc<PoolLoad>> = config
-            .pools
-            .iter()
-            .map(|pool| PoolLoad::new(pool, &config.load))
-            .collect();
+        let loads = PoolLoad::for_pools(&config);
         Picker::new(&config, &loads).unwrap()
     }
 

@@ -10,7 +10,6 @@
     clippy::panic
 )]
 
-use std::io::Write;
 use std::process::Command;
 
 fn cachepick(args: &[&str]) -> std::process::Output {
@@ -45,43 +44,32 @@ fn help_lists_every_subcommand() {
 
 #[test]
 fn a_bad_configuration_and_a_bad_simulator_file_both_exit_2_listing_every_problem() {
-    let mut config = tempfile_in_target("bad.yaml");
-    config
-        .1
-        .write_all(b"policy:\n  worker_queue_limit: 0\n  bogus: 1\n")
-        .expect("write");
-    let output = cachepick(&["check", "--config", config.0.to_str().expect("utf-8 path")]);
-    assert_eq!(output.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("policy.worker_queue_limit (line 2): must be at least 1"),
-        "{stderr}"
+    let problems = [
+        "policy.worker_queue_limit (line 2): must be at least 1",
+        "policy.bogus (line 3): unknown key",
+    ];
+    refused_with(
+        "check",
+        "policy:\n  worker_queue_limit: 0\n  bogus: 1\n",
+        &problems,
     );
-    assert!(
-        stderr.contains("policy.bogus (line 3): unknown key"),
-        "{stderr}"
-    );
-
-    let mut sim = tempfile_in_target("bad-sim.yaml");
-    sim.1
-        .write_all(b"engine: vllm\nworkers: 0\njitter: 9\n")
-        .expect("write");
-    let output = cachepick(&["sim", "--config", sim.0.to_str().expect("utf-8 path")]);
-    assert_eq!(output.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("workers (line 2): must be at least 1"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("jitter (line 3): must be between 0 and 0.5"),
-        "{stderr}"
-    );
+    let problems = [
+        "workers (line 2): must be at least 1",
+        "jitter (line 3): must be between 0 and 0.5",
+    ];
+    refused_with("sim", "engine: vllm\nworkers: 0\njitter: 9\n", &problems);
 }
 
-/// A file under this test's temporary target directory.
-fn tempfile_in_target(name: &str) -> (std::path::PathBuf, std::fs::File) {
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let file = std::fs::File::create(&path).expect("create");
-    (path, file)
+/// Runs `cachepick <command> --config FILE` on a file holding `yaml`: it must exit 2 and list each of
+/// `problems` on stderr.
+fn refused_with(command: &str, yaml: &str, problems: &[&str]) {
+    let path =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bad-{command}.yaml"));
+    std::fs::write(&path, yaml).expect("write the file");
+    let output = cachepick(&[command, "--config", path.to_str().expect("a UTF-8 path")]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for problem in problems {
+        assert!(stderr.contains(problem), "{problem:?} not in:\n{stderr}");
+    }
 }

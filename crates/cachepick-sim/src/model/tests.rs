@@ -25,6 +25,11 @@ fn admitted(result: Result<Submit, Refusal>) -> Admission {
     }
 }
 
+/// Asserts that a submission waits, at `position` in the queue.
+fn queued(result: Result<Submit, Refusal>, position: usize) {
+    assert_eq!(result, Ok(Submit::Queued { position }));
+}
+
 /// Runs request `id` with no output from admission to completion: its prompt's full blocks end up
 /// cached and unpinned.
 fn serve(model: &mut RankModel, id: RequestId, prompt: &[u32]) {
@@ -140,14 +145,8 @@ fn queue_forms_beyond_max_running_and_drains_in_fifo_order() {
     let mut model = rank(64, 2, None);
     admitted(model.submit(1, &tokens(0, 4), 1));
     admitted(model.submit(2, &tokens(10, 4), 1));
-    assert_eq!(
-        model.submit(3, &tokens(20, 4), 1),
-        Ok(Submit::Queued { position: 0 })
-    );
-    assert_eq!(
-        model.submit(4, &tokens(30, 4), 1),
-        Ok(Submit::Queued { position: 1 })
-    );
+    queued(model.submit(3, &tokens(20, 4), 1), 0);
+    queued(model.submit(4, &tokens(30, 4), 1), 1);
     assert_eq!((model.running(), model.waiting()), (2, 2));
     let next = model.finish(2, true, 1);
     assert_eq!(next.iter().map(|a| a.id).collect::<Vec<_>>(), [3]);
@@ -162,10 +161,7 @@ fn queue_forms_beyond_max_running_and_drains_in_fifo_order() {
 fn full_queue_refuses() {
     let mut model = rank(64, 1, Some(1));
     admitted(model.submit(1, &tokens(0, 4), 1));
-    assert_eq!(
-        model.submit(2, &tokens(10, 4), 1),
-        Ok(Submit::Queued { position: 0 })
-    );
+    queued(model.submit(2, &tokens(10, 4), 1), 0);
     assert_eq!(
         model.submit(3, &tokens(20, 4), 1),
         Err(Refusal::QueueFull { limit: 1 })
@@ -265,15 +261,9 @@ fn pinned_blocks_survive_pressure_and_the_head_blocks_the_queue() {
     let stats = model.stats();
     assert_eq!((stats.kv_used_blocks, stats.kv_pinned_blocks), (4, 4));
     // Needs three blocks; two are free and nothing is evictable: waits at the head.
-    assert_eq!(
-        model.submit(2, &tokens(100, 8), 4),
-        Ok(Submit::Queued { position: 0 })
-    );
+    queued(model.submit(2, &tokens(100, 8), 4), 0);
     // Fits in one block but waits behind the head.
-    assert_eq!(
-        model.submit(3, &tokens(200, 1), 0),
-        Ok(Submit::Queued { position: 1 })
-    );
+    queued(model.submit(3, &tokens(200, 1), 0), 1);
     for hash in hashes(&r) {
         assert_eq!(model.refs.get(&hash), Some(&1));
     }
@@ -294,14 +284,8 @@ fn pinned_blocks_survive_pressure_and_the_head_blocks_the_queue() {
 fn aborting_a_waiting_request_lets_the_next_one_in() {
     let mut model = rank(6, 4, None);
     admitted(model.submit(1, &tokens(0, 12), 4));
-    assert_eq!(
-        model.submit(2, &tokens(100, 8), 4),
-        Ok(Submit::Queued { position: 0 })
-    );
-    assert_eq!(
-        model.submit(3, &tokens(200, 1), 0),
-        Ok(Submit::Queued { position: 1 })
-    );
+    queued(model.submit(2, &tokens(100, 8), 4), 0);
+    queued(model.submit(3, &tokens(200, 1), 0), 1);
     let next = model.finish(2, false, 0);
     assert_eq!(next.iter().map(|a| a.id).collect::<Vec<_>>(), [3]);
     let stats = model.stats();
@@ -323,10 +307,7 @@ fn stats_report_the_state() {
     // Waiting: shares 8 tokens with the cache, 14 long.
     let mut waiting = tokens(0, 8);
     waiting.extend(tokens(900, 6));
-    assert_eq!(
-        model.submit(3, &waiting, 0),
-        Ok(Submit::Queued { position: 0 })
-    );
+    queued(model.submit(3, &waiting, 0), 0);
     let stats = model.stats();
     assert_eq!(stats.rank, 3);
     assert_eq!((stats.running, stats.waiting), (1, 1));
@@ -349,10 +330,7 @@ fn set_limits_shrinks_and_grows() {
     serve(&mut model, 1, &tokens(0, 8));
     admitted(model.submit(2, &tokens(100, 12), 4));
     assert_eq!(model.stats().kv_used_blocks, 6);
-    assert_eq!(
-        model.submit(3, &tokens(200, 1), 0),
-        Ok(Submit::Queued { position: 0 })
-    );
+    queued(model.submit(3, &tokens(200, 1), 0), 0);
     // Growing max_running admits the head.
     let next = model.set_limits(nz(8), nz(2), None);
     assert_eq!(next.iter().map(|a| a.id).collect::<Vec<_>>(), [3]);
@@ -363,10 +341,7 @@ fn set_limits_shrinks_and_grows() {
     let stats = model.stats();
     assert_eq!((stats.kv_used_blocks, stats.kv_pinned_blocks), (5, 5));
     assert_eq!(stats.counters.evicted_blocks, 2);
-    assert_eq!(
-        model.submit(4, &tokens(300, 1), 0),
-        Ok(Submit::Queued { position: 0 })
-    );
+    queued(model.submit(4, &tokens(300, 1), 0), 0);
     check_invariants(&model);
     // Still over capacity after request 3 leaves: nothing is admitted.
     assert!(model.finish(3, true, 0).is_empty());
