@@ -9,7 +9,7 @@
 #![allow(dead_code)]
 // each test binary uses a different part
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -102,25 +102,12 @@ pub fn validate_yaml(yaml: &str) -> Result<(), String> {
     validate(&path)
 }
 
-/// A loopback port that was free a moment ago (bound to port 0, then released).
+/// A loopback port that was free a moment ago (see `cachepick_rig::free_port`, below the ephemeral
+/// range).
 pub fn free_port() -> u16 {
-    // Below Linux's ephemeral range (32768+): a port taken from the ephemeral range can be grabbed by
-    // any outgoing connection between this check and the moment Envoy binds it.
-    const LOW: u32 = 20_000;
-    const SPAN: u32 = 12_000;
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let start = std::process::id().wrapping_mul(7_919) % SPAN;
-    for _ in 0..SPAN {
-        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
-        let port = u16::try_from(LOW + offset).expect("below 32000");
-        if TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port)).is_ok() {
-            return port;
-        }
-    }
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("bind an ephemeral loopback port")
+    cachepick_rig::free_port()
+        .expect("a free loopback port")
+        .port()
 }
 
 /// A `--base-id` no other Envoy of this test run uses (hot restart is disabled as well, so shared memory

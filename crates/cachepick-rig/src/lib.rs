@@ -19,15 +19,34 @@ pub mod envoy;
 pub mod replay;
 pub mod stage;
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::num::NonZeroU32;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 pub use envoy::find_envoy;
 
-/// A loopback port free right now (bound, read, released), for a service the rig starts next.
+/// A loopback port that was free a moment ago, for a service the rig starts next.
+///
+/// Taken below Linux's ephemeral range (32768 and up): a port from that range, bound to 0 and released,
+/// can be grabbed by any outgoing connection (to a worker, to Envoy) before the service binds it, and a
+/// run that starts many services saw exactly that. Ports are tried from a per-process starting point,
+/// each at most once per process; only when the whole low range is taken does it fall back to port 0.
 pub fn free_port() -> std::io::Result<SocketAddr> {
-    TcpListener::bind("127.0.0.1:0")?.local_addr()
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7_919) % SPAN;
+    for _ in 0..SPAN {
+        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        let Ok(port) = u16::try_from(LOW + offset) else {
+            continue;
+        };
+        if let Ok(listener) = TcpListener::bind((Ipv4Addr::LOCALHOST, port)) {
+            return listener.local_addr();
+        }
+    }
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()
 }
 
 /// `n`, or 1 for 0: the rig's fixed sizes are never zero.
