@@ -31,6 +31,8 @@ pub enum StageError {
     Config(#[from] ConfigError),
     #[error("cannot find a free loopback port: {0}")]
     Port(std::io::Error),
+    #[error("cannot compose the picker's configuration: {0}")]
+    Compose(String),
     #[error("the picker did not become ready: {0}")]
     NotReady(String),
     #[error("the picker failed: {0}")]

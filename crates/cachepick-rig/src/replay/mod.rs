@@ -242,7 +242,7 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64) -> SimConfig {
 /// loopback ports, and validates the result.
 pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, StageError> {
     let invalid = |what: &str, error: serde_yaml::Error| {
-        StageError::NotReady(format!("{what} is not YAML: {error}"))
+        StageError::Compose(format!("{what} is not YAML: {error}"))
     };
     let mut root: serde_yaml::Value = serde_yaml::from_str(generated)
         .map_err(|error| invalid("the generated configuration", error))?;
