@@ -27,6 +27,7 @@
 pub mod app;
 pub mod config;
 pub mod envoy_config;
+pub mod events;
 pub mod extproc;
 pub mod load;
 pub mod metrics;
