@@ -21,7 +21,10 @@ use serde::Serialize;
 
 use cachepick_decode::{duration, size};
 
-use super::{Config, Mode, ModelMatch, PolicyConfig, PoolConfig, TokenizerConfig};
+use super::{
+    Config, IndexConfig, IndexMode, Mode, ModelMatch, PolicyConfig, PoolConfig, TokenizerConfig,
+    WorkerConfig,
+};
 use crate::worker::{Engine, Role};
 
 impl Config {
@@ -179,7 +182,27 @@ struct Pool<'c> {
     default_cache_blocks: usize,
     #[serde(skip_serializing_if = "Policy::is_empty")]
     policy: Policy,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    index: Option<Index<'c>>,
     workers: Vec<Worker<'c>>,
+}
+
+/// `index:`, written only when it differs from the default. The ports are not written: every worker's
+/// sockets are, where they differ from the default ones.
+#[derive(Serialize)]
+struct Index<'c> {
+    mode: IndexMode,
+    speculative_ttl: String,
+    stream_grace: String,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    topic: &'c str,
+}
+
+#[derive(Serialize)]
+struct KvEvents {
+    endpoint: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_endpoint: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -203,6 +226,8 @@ struct Worker<'c> {
     max_running_requests: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_total_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_events: Option<KvEvents>,
 }
 
 impl<'c> From<&'c Config> for File<'c> {
@@ -254,6 +279,12 @@ impl<'c> Pool<'c> {
             segment_cache_entries: pool.segment_cache_entries.get(),
             default_cache_blocks: pool.default_cache_blocks.get(),
             policy: Policy::over(&pool.policy, policy),
+            index: (pool.index != IndexConfig::default()).then(|| Index {
+                mode: pool.index.mode,
+                speculative_ttl: duration::format(pool.index.speculative_ttl),
+                stream_grace: duration::format(pool.index.stream_grace),
+                topic: &pool.index.topic,
+            }),
             workers: pool
                 .workers
                 .iter()
@@ -266,8 +297,20 @@ impl<'c> Pool<'c> {
                     dp_size: worker.dp_size.get(),
                     max_running_requests: worker.max_running_requests.map(NonZeroU64::get),
                     max_total_tokens: worker.max_total_tokens.map(NonZeroU64::get),
+                    kv_events: kv_events(worker),
                 })
                 .collect(),
         }
     }
+}
+
+/// A worker's KV event sockets, unless they are the default ones (the documented port on its IP, no
+/// replay), which the file need not spell out.
+fn kv_events(worker: &WorkerConfig) -> Option<KvEvents> {
+    let sockets = worker.kv_events;
+    let default = SocketAddr::new(worker.endpoint.ip(), IndexConfig::DEFAULT_LIVE_PORT);
+    (sockets.live != default || sockets.replay.is_some()).then(|| KvEvents {
+        endpoint: format!("tcp://{}", sockets.live),
+        replay_endpoint: sockets.replay.map(|replay| format!("tcp://{replay}")),
+    })
 }

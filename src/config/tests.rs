@@ -51,6 +51,11 @@ pools:
     chat_template: /models/qwen/tokenizer_config.json
     segment_cache_entries: 4096
     default_cache_blocks: 65536
+    index:
+      mode: events
+      speculative_ttl: 1500ms
+      replay_port: 5558
+      topic: kv@
     policy:                     # four ranks a worker: limit and floor scaled with dp_size
       worker_queue_limit: 16
       saturation_queue_floor: 8
@@ -65,6 +70,8 @@ pools:
         loads_url: http://loads.internal:8080/w22
         role: decode
         max_total_tokens: 1000000
+        kv_events:
+          endpoint: tcp://10.0.0.22:6000
 ";
 
 /// The smallest valid file: one pool, one worker.
@@ -142,8 +149,13 @@ fn the_full_example_is_accepted_with_its_values() {
                     dp_size: NonZeroU32::MIN,
                     max_running_requests: NonZeroU64::new(256),
                     max_total_tokens: NonZeroU64::new(500_000),
+                    kv_events: KvEventEndpoints {
+                        live: addr("10.0.0.11:5557"),
+                        replay: None,
+                    },
                 }],
                 policy: gated(4, 2),
+                index: IndexConfig::default(),
             },
             PoolConfig {
                 model: ModelMatch::Any,
@@ -165,6 +177,10 @@ fn the_full_example_is_accepted_with_its_values() {
                         dp_size: NonZeroU32::new(4).unwrap(),
                         max_running_requests: None,
                         max_total_tokens: None,
+                        kv_events: KvEventEndpoints {
+                            live: addr("10.0.0.21:5557"),
+                            replay: Some(addr("10.0.0.21:5558")),
+                        },
                     },
                     WorkerConfig {
                         endpoint: addr("[fd00::22]:30000"),
@@ -175,9 +191,20 @@ fn the_full_example_is_accepted_with_its_values() {
                         dp_size: NonZeroU32::MIN,
                         max_running_requests: None,
                         max_total_tokens: NonZeroU64::new(1_000_000),
+                        // The worker's own socket; the pool's replay port still applies, on its IP.
+                        kv_events: KvEventEndpoints {
+                            live: addr("10.0.0.22:6000"),
+                            replay: Some(addr("[fd00::22]:5558")),
+                        },
                     },
                 ],
                 policy: gated(16, 8),
+                index: IndexConfig {
+                    mode: IndexMode::Events,
+                    speculative_ttl: Duration::from_millis(1500),
+                    topic: "kv@".into(),
+                    stream_grace: IndexConfig::DEFAULT_STREAM_GRACE,
+                },
             },
         ],
     };
@@ -255,6 +282,10 @@ fn defaults_fill_a_minimal_file() {
             dp_size: NonZeroU32::MIN,
             max_running_requests: None,
             max_total_tokens: None,
+            kv_events: KvEventEndpoints {
+                live: addr("10.0.0.1:5557"),
+                replay: None,
+            },
         }]
     );
     assert_eq!(pool.workers[0].scrape_url(), "http://10.0.0.1:8000/metrics");
@@ -685,7 +716,7 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
             ("unknown pool key", pool_with("chat_templates: a.jinja"), &NO_FLAGS,
              "pools[0].chat_templates (line 4)",
              "unknown key; expected one of: model, engine, block_size, tokenizer, chat_template, \
-              segment_cache_entries, default_cache_blocks, policy, workers"),
+              segment_cache_entries, default_cache_blocks, policy, index, workers"),
             ("request body limit 0", format!("max_body_bytes: 0\n{POOL}"), &NO_FLAGS,
              "max_body_bytes (line 1)", "must be at least 1 byte"),
             ("request body limit in lower case", format!("max_body_bytes: 8mib\n{POOL}"), &NO_FLAGS,
@@ -1483,4 +1514,46 @@ fn a_misspelt_tokenizer_kind_is_named_as_an_unknown_key() {
         "{message}"
     );
     assert!(message.contains("pools[0].tokenizer.kind"), "{message}");
+}
+
+#[test]
+fn kv_event_sockets_are_checked_and_every_rank_needs_a_port() {
+    let pool = |index: &str, worker: &str| {
+        format!(
+            "pools:\n  - model: m\n    engine: sglang\n    index: {index}\n    workers:\n      - endpoint: 10.0.0.1:8000\n        dp_size: 4\n{worker}"
+        )
+    };
+    let messages = |source: String| -> Vec<String> {
+        problems(&source, &NO_FLAGS)
+            .into_iter()
+            .map(|problem| problem.to_string())
+            .collect()
+    };
+    let found = messages(pool("{mode: exact, port: 0, speculative_ttl: 5m}", ""));
+    assert_eq!(found.len(), 3, "{found:?}");
+    assert!(
+        found[0].contains("expected one of: approximate, events"),
+        "{found:?}"
+    );
+    assert!(
+        found.iter().any(|m| m.contains("a port from 1 to 65535")),
+        "{found:?}"
+    );
+    assert!(found.iter().any(|m| m.contains("at most 60s")), "{found:?}");
+    let found = messages(pool(
+        "{mode: events, port: 65534}",
+        "        kv_events: {endpoint: 'tcp://*:5557', replay_endpoint: tcp://10.0.0.1:5558, extra: 1}\n",
+    ));
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found.iter().any(|m| m.contains("unknown key")), "{found:?}");
+    assert!(
+        found.iter().any(|m| m.contains("a ZeroMQ TCP endpoint")),
+        "{found:?}"
+    );
+    let found = messages(pool("{mode: events, port: 65534}", ""));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].contains("rank 3 would publish on port 65537"),
+        "{found:?}"
+    );
 }

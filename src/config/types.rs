@@ -372,6 +372,8 @@ pub struct PoolConfig {
     /// The policy this pool runs with: its own `pools[].policy` keys, the others from the top-level
     /// `policy`.
     pub policy: PolicyConfig,
+    /// Where the owner index learns which worker holds which prefix.
+    pub index: IndexConfig,
 }
 
 impl PoolConfig {
@@ -399,6 +401,88 @@ pub struct WorkerConfig {
     pub max_running_requests: Option<NonZeroU64>,
     /// Overrides the engine-reported KV-cache capacity in tokens (summed over ranks).
     pub max_total_tokens: Option<NonZeroU64>,
+    /// Where the engine publishes its KV cache events (rank 0; rank `r` is at port + `r`). Resolved
+    /// from `kv_events` or the pool's `index.kv_events` ports on the endpoint's IP; read only in
+    /// `events` mode.
+    pub kv_events: KvEventEndpoints,
+}
+
+/// An engine's KV event sockets, for its data-parallel rank 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvEventEndpoints {
+    /// The ZeroMQ PUB socket the engine publishes batches on.
+    pub live: SocketAddr,
+    /// The ROUTER socket that replays recent batches; `None` when the engine runs without one.
+    pub replay: Option<SocketAddr>,
+}
+
+impl KvEventEndpoints {
+    /// The endpoints of data-parallel rank `rank`: each rank publishes on its own port, rank 0's plus
+    /// `rank` (validation guarantees every rank's port exists).
+    pub fn for_rank(self, rank: u32) -> KvEventEndpoints {
+        let shift = |mut addr: SocketAddr| {
+            let port = u32::from(addr.port()).saturating_add(rank);
+            addr.set_port(u16::try_from(port).unwrap_or(u16::MAX));
+            addr
+        };
+        KvEventEndpoints {
+            live: shift(self.live),
+            replay: self.replay.map(shift),
+        }
+    }
+}
+
+/// Where a pool's owner index comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexMode {
+    /// Learned from cachepick's own decisions: blind to evictions, restarts, retries and the other
+    /// replicas' decisions.
+    #[default]
+    Approximate,
+    /// The engines' KV cache events: what each worker really holds, the same on every replica.
+    Events,
+}
+
+impl IndexMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexMode::Approximate => "approximate",
+            IndexMode::Events => "events",
+        }
+    }
+}
+
+/// `pools[].index`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexConfig {
+    pub mode: IndexMode,
+    /// `events` mode: how long a decision's own placement counts before the engine's events confirm
+    /// it, so a burst of identical prompts follows the first one.
+    pub speculative_ttl: Duration,
+    /// `events` mode: the subscription's topic prefix (empty: every topic).
+    pub topic: String,
+    /// `events` mode: a worker whose stream has been down this long no longer counts as an owner.
+    pub stream_grace: Duration,
+}
+
+impl IndexConfig {
+    /// llm-d's speculative entries live 2 s: longer than an engine takes to prefill and publish.
+    pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(2);
+    pub const DEFAULT_STREAM_GRACE: Duration = Duration::from_secs(10);
+    /// vLLM's and SGLang's documented ports.
+    pub const DEFAULT_LIVE_PORT: u16 = 5557;
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            mode: IndexMode::default(),
+            speculative_ttl: Self::DEFAULT_SPECULATIVE_TTL,
+            topic: String::new(),
+            stream_grace: Self::DEFAULT_STREAM_GRACE,
+        }
+    }
 }
 
 impl WorkerConfig {

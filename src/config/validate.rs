@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{
-    Config, LoadConfig, LoadSource, ModelMatch, Overrides, PolicyConfig, PoolConfig,
-    TokenizerConfig, WorkerConfig,
+    Config, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides, PolicyConfig,
+    PoolConfig, TokenizerConfig, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 use cachepick_decode::duration;
@@ -28,8 +28,10 @@ use cachepick_decode::{
     at_least_one_u32, at_least_one_usize, blame, overridden, with_default,
 };
 use cachepick_tokenizer::{decode_chat_template, decode_tokenizer};
+use index::IndexDraft;
 use policy::Resolved;
 
+mod index;
 mod policy;
 
 const ROOT_KEYS: &[&str] = &[
@@ -57,6 +59,7 @@ const POOL_KEYS: &[&str] = &[
     "segment_cache_entries",
     "default_cache_blocks",
     "policy",
+    "index",
     "workers",
 ];
 const WORKER_KEYS: &[&str] = &[
@@ -68,6 +71,7 @@ const WORKER_KEYS: &[&str] = &[
     "dp_size",
     "max_running_requests",
     "max_total_tokens",
+    "kv_events",
 ];
 
 const HTTP_URL: &str = "a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics";
@@ -89,6 +93,7 @@ struct PoolDraft {
     default_cache_blocks: Res<NonZeroUsize>,
     workers: Res<Vec<Res<WorkerDraft>>>,
     policy: Res<PolicyConfig>,
+    index: Res<IndexDraft>,
 }
 
 struct WorkerDraft {
@@ -101,6 +106,7 @@ struct WorkerDraft {
     dp_size: Res<NonZeroU32>,
     max_running_requests: Res<Option<NonZeroU64>>,
     max_total_tokens: Res<Option<NonZeroU64>>,
+    kv_events: Res<KvEventEndpoints>,
 }
 
 impl PoolDraft {
@@ -127,6 +133,7 @@ impl PoolDraft {
                 .map(|worker| worker?.build())
                 .collect::<Res<_>>()?,
             policy: self.policy?,
+            index: self.index?.config,
         })
     }
 }
@@ -154,6 +161,7 @@ impl WorkerDraft {
             dp_size: self.dp_size?,
             max_running_requests: self.max_running_requests?,
             max_total_tokens: self.max_total_tokens?,
+            kv_events: self.kv_events?,
         })
     }
 }
@@ -332,7 +340,8 @@ impl Validator<'_> {
         // The pool's own keys over the top-level ones; flags apply to the top level only.
         let policy = self.policy(&map, None, Some(parent)).policy;
         let engine = engine.map(|engine| engine.value);
-        let workers = self.workers(&map, engine.ok());
+        let index = self.index(&map);
+        let workers = self.workers(&map, engine.ok(), &index);
         Ok(PoolDraft {
             model,
             engine,
@@ -343,13 +352,19 @@ impl Validator<'_> {
             default_cache_blocks,
             workers,
             policy,
+            index,
         })
     }
 
     /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
-    fn workers(&mut self, pool: &Map, engine: Option<Engine>) -> Res<Vec<Res<WorkerDraft>>> {
+    fn workers(
+        &mut self,
+        pool: &Map,
+        engine: Option<Engine>,
+        index: &Res<IndexDraft>,
+    ) -> Res<Vec<Res<WorkerDraft>>> {
         let (workers, at) = self.required_list(pool, "workers", "worker", |v, node, at| {
-            v.worker(node, at, engine)
+            v.worker(node, at, engine, index)
         })?;
         // Judged only when every worker's role is known: a rejected one may have been the prefill worker.
         let roles: Res<Vec<Role>> = workers
@@ -364,7 +379,13 @@ impl Validator<'_> {
         Ok(workers)
     }
 
-    fn worker(&mut self, node: &Node, at: &Place, engine: Option<Engine>) -> Res<WorkerDraft> {
+    fn worker(
+        &mut self,
+        node: &Node,
+        at: &Place,
+        engine: Option<Engine>,
+        index: &Res<IndexDraft>,
+    ) -> Res<WorkerDraft> {
         let map = self.mapping(node, at, WORKER_KEYS)?;
         let endpoint = self.required(&map, "endpoint", Self::address).and_then(|endpoint| {
             if endpoint.value.ip().is_unspecified() || endpoint.value.port() == 0 {
@@ -423,8 +444,17 @@ impl Validator<'_> {
         let max_running_requests = self.check_opt(max_running_requests, at_least_one);
         let max_total_tokens = self.opt(&map, "max_total_tokens", Self::integer);
         let max_total_tokens = self.check_opt(max_total_tokens, at_least_one);
+        let kv_events = self.worker_kv_events(&map);
+        let kv_events = match (&endpoint, &dp_size, index, kv_events) {
+            (Ok(endpoint), Ok(dp_size), Ok(index), Ok(own)) => {
+                self.resolve_kv_events(index, own, endpoint.value, dp_size.value.get())
+            }
+            (Err(reported), ..) | (_, Err(reported), ..) | (.., Err(reported), _) => Err(*reported),
+            (.., Err(reported)) => Err(reported),
+        };
         let value = |field: Field<NonZeroU64>| field.map(|given| given.map(|given| given.value));
         Ok(WorkerDraft {
+            kv_events,
             endpoint,
             metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
             load_source,

@@ -544,6 +544,7 @@ fn a_pool_config_builds_its_tokenizer() {
         default_cache_blocks: NonZeroUsize::new(16).unwrap(),
         workers: Vec::new(),
         policy: PolicyConfig::default(),
+        index: Default::default(),
     };
     let pool = PoolTokenizer::new(&config).unwrap();
     assert_eq!(
