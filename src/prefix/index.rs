@@ -43,6 +43,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
+use hashbrown::HashTable;
 
 use crate::worker::WorkerId;
 
@@ -197,7 +198,102 @@ impl OwnerIndex {
             self.release(worker.0, hash);
         }
         // Drops the slab too, rather than keeping it for a worker that may never return.
+        let engine = lru.engine.is_some();
         *lru = Lru::new(0);
+        if engine {
+            lru.engine = Some(EngineKeys::new());
+        }
+    }
+
+    /// An empty index whose workers also remember, per block, the engine's own hash for it (see
+    /// [`OwnerIndex::insert_tagged`]): the index of a pool that learns from the engines' KV events.
+    pub fn with_engine_keys(capacity_blocks: &[usize]) -> Self {
+        let index = OwnerIndex::new(capacity_blocks);
+        for lru in &index.lrus {
+            lock(lru).engine = Some(EngineKeys::new());
+        }
+        index
+    }
+
+    /// [`OwnerIndex::insert`], then tags the chain's last block with `engine`, the engine's hash of
+    /// the block that ends there, so that [`OwnerIndex::tagged`] and [`OwnerIndex::remove_tagged`]
+    /// find it by that hash. A block carries one tag; a later tag replaces it, and an engine hash
+    /// tags one block. Without engine keys ([`OwnerIndex::new`]) nothing is tagged.
+    pub fn insert_tagged(&self, worker: WorkerId, hashes: &[u64], engine: u64) {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return;
+        };
+        let mut lru = lock(lru);
+        if lru.capacity == 0 {
+            return;
+        }
+        for &hash in hashes.iter().rev() {
+            self.hold(worker.0, &mut lru, hash);
+            self.evict_beyond_capacity(worker.0, &mut lru);
+        }
+        // The last block is the least recent of the chain: a capacity below the chain's length has
+        // already evicted it.
+        let Some(slot) = hashes.last().and_then(|&tip| self.slot_of(worker.0, tip)) else {
+            return;
+        };
+        lru.tag(slot.get(), engine);
+    }
+
+    /// The block `worker` holds under the engine hash `engine`.
+    pub fn tagged(&self, worker: WorkerId, engine: u64) -> Option<u64> {
+        let lru = lock(self.lrus.get(worker.index())?);
+        let slot = lru.engine.as_ref()?.find(engine)?;
+        lru.node(slot).map(|node| node.hash)
+    }
+
+    /// Forgets the block `worker` holds under the engine hash `engine`, and returns it.
+    pub fn remove_tagged(&self, worker: WorkerId, engine: u64) -> Option<u64> {
+        let mut lru = lock(self.lrus.get(worker.index())?);
+        let slot = lru.engine.as_ref()?.find(engine)?;
+        let hash = lru.node(slot)?.hash;
+        lru.remove(slot);
+        self.release(worker.0, hash);
+        Some(hash)
+    }
+
+    /// Forgets that `worker` holds `hash`; whether it did.
+    pub fn remove(&self, worker: WorkerId, hash: u64) -> bool {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return false;
+        };
+        let mut lru = lock(lru);
+        let Some(slot) = self.slot_of(worker.0, hash) else {
+            return false;
+        };
+        lru.remove(slot.get());
+        self.release(worker.0, hash);
+        true
+    }
+
+    /// Forgets every block of `worker` (its engine restarted or dropped its cache), keeping its
+    /// capacity: unlike [`OwnerIndex::remove_worker`], it goes on learning.
+    pub fn clear_worker(&self, worker: WorkerId) {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return;
+        };
+        let mut lru = lock(lru);
+        while let Some(hash) = lru.pop_oldest() {
+            self.release(worker.0, hash);
+        }
+        let capacity = lru.capacity;
+        let engine = lru.engine.is_some();
+        *lru = Lru::new(capacity);
+        if engine {
+            lru.engine = Some(EngineKeys::new());
+        }
+    }
+
+    /// Engine hashes known per worker (tags), indexed by [`WorkerId`].
+    pub fn tags(&self) -> Vec<usize> {
+        self.lrus
+            .iter()
+            .map(|lru| lock(lru).engine.as_ref().map_or(0, |keys| keys.table.len()))
+            .collect()
     }
 
     /// Counts what the index holds. Exact when no insert runs concurrently, otherwise a close view.
@@ -242,6 +338,19 @@ impl OwnerIndex {
                     }
                 }
             },
+        }
+    }
+
+    /// Where `worker` keeps `hash` in its LRU, if it holds it.
+    fn slot_of(&self, worker: u32, hash: u64) -> Option<NonZeroU32> {
+        let owners = self.blocks.get(&hash)?;
+        match *owners {
+            Owners::One(holder) => (holder.worker == worker).then_some(holder.slot),
+            Owners::Shared => self
+                .shared
+                .get(&hash)
+                .and_then(|shared| shared.get(worker))
+                .map(|holder| holder.slot),
         }
     }
 
@@ -500,6 +609,73 @@ struct Lru {
     free: u32,
     len: usize,
     capacity: usize,
+    /// The engine's hash of each block, in an index built [`OwnerIndex::with_engine_keys`].
+    engine: Option<EngineKeys>,
+}
+
+/// A worker's engine hashes: which slot holds the block an engine hash names.
+///
+/// `of_slot` runs parallel to the LRU's slab (8 bytes a block) and the table holds one `u32` slot
+/// per tag, hashed by the engine hash read back through `of_slot`, so an engine key costs about 13
+/// bytes beyond the block's own 16 instead of a map entry of its own.
+struct EngineKeys {
+    of_slot: Vec<u64>,
+    table: HashTable<u32>,
+    hasher: KeyedHash,
+}
+
+impl EngineKeys {
+    fn new() -> Self {
+        EngineKeys {
+            of_slot: Vec::new(),
+            table: HashTable::new(),
+            hasher: KeyedHash::new(),
+        }
+    }
+
+    /// The tagged slot of `engine`.
+    fn find(&self, engine: u64) -> Option<u32> {
+        let of_slot = &self.of_slot;
+        self.table
+            .find(self.hasher.hash_one(engine), |&slot| {
+                of_slot.get(slot as usize) == Some(&engine)
+            })
+            .copied()
+    }
+
+    fn tag(&mut self, slot: u32, engine: u64) {
+        self.untag(slot);
+        if let Some(other) = self.find(engine) {
+            self.untag(other);
+        }
+        let at = slot as usize;
+        if self.of_slot.len() <= at {
+            self.of_slot.resize(at + 1, 0);
+        }
+        if let Some(entry) = self.of_slot.get_mut(at) {
+            *entry = engine;
+        }
+        let Self {
+            of_slot,
+            table,
+            hasher,
+        } = self;
+        table.insert_unique(hasher.hash_one(engine), slot, |&slot| {
+            hasher.hash_one(of_slot.get(slot as usize).copied().unwrap_or(0))
+        });
+    }
+
+    fn untag(&mut self, slot: u32) {
+        let Some(&engine) = self.of_slot.get(slot as usize) else {
+            return;
+        };
+        if let Ok(entry) = self
+            .table
+            .find_entry(self.hasher.hash_one(engine), |&tagged| tagged == slot)
+        {
+            entry.remove();
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -525,7 +701,43 @@ impl Lru {
             free: SENTINEL,
             len: 0,
             capacity: capacity.min(MAX_BLOCKS_PER_WORKER),
+            engine: None,
         }
+    }
+
+    /// Tags `slot` with the engine hash `engine`.
+    fn tag(&mut self, slot: u32, engine: u64) {
+        let reserved = self.nodes.capacity();
+        if let Some(keys) = &mut self.engine {
+            // Sized like the slab, so the tags cost 8 bytes a block rather than a doubling's waste.
+            if keys.of_slot.capacity() < reserved {
+                keys.of_slot
+                    .reserve_exact(reserved.saturating_sub(keys.of_slot.len()));
+            }
+            keys.tag(slot, engine);
+        }
+    }
+
+    /// Removes the block in `slot`, wherever it is in the order.
+    fn remove(&mut self, slot: u32) {
+        if slot == SENTINEL || self.node(slot).is_none() {
+            return;
+        }
+        self.unlink(slot);
+        self.release_slot(slot);
+    }
+
+    /// Puts an unlinked `slot` on the free list and drops its tag.
+    fn release_slot(&mut self, slot: u32) {
+        if let Some(keys) = &mut self.engine {
+            keys.untag(slot);
+        }
+        let free = self.free;
+        if let Some(node) = self.nodes.get_mut(slot as usize) {
+            node.next = free;
+        }
+        self.free = slot;
+        self.len = self.len.saturating_sub(1);
     }
 
     /// Adds `hash` as the most recent block and returns its slot.
@@ -564,12 +776,9 @@ impl Lru {
             return None;
         }
         self.unlink(slot);
-        let free = self.free;
-        let node = self.nodes.get_mut(slot as usize)?;
-        node.next = free;
-        self.free = slot;
-        self.len = self.len.saturating_sub(1);
-        Some(node.hash)
+        let hash = self.node(slot)?.hash;
+        self.release_slot(slot);
+        Some(hash)
     }
 
     /// Grows the slab geometrically, but never past what the capacity can use, so that a full

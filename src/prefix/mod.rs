@@ -8,11 +8,13 @@
 // Decisions are reproducible: no clock reads here (clippy.toml); `now` is an argument.
 #![deny(clippy::disallowed_methods)]
 
+mod events;
 mod hash;
 mod index;
 
 #[cfg(test)]
 mod tests;
 
+pub use events::{DepthSource, EventIndex, EventIndexStats, Slot, SourcedMatch, Stored};
 pub use hash::{block_hashes, block_hashes_into, prefix_seed};
 pub use index::{IndexStats, OwnerIndex, OwnerMatch};

@@ -1,0 +1,408 @@
+//! The owner index of a pool in `events` mode: what each engine says it holds, re-keyed by tokens.
+//!
+//! Engines name their blocks with hashes cachepick cannot reproduce (vLLM's default is SHA-256 over a
+//! pickle with a per-process seed), so a stored block is keyed by its *tokens* instead: the engine's
+//! token ids, cut into blocks of the pool's `block_size` and chained from the prompt's seed exactly as
+//! [`block_hashes`] chains a request's prompt. Equal prefixes therefore get equal keys whichever
+//! engine, replica or process computed them, and every picker replica that reads the same streams
+//! builds the same index with no protocol between replicas. The engine's hash is kept only to resolve
+//! a later `BlockRemoved` and a child's parent ([`OwnerIndex::insert_tagged`]).
+//!
+//! # Engine blocks and index blocks
+//! An engine block of `E` tokens and the pool's block of `B` tokens need not agree. A stored engine
+//! block continues its parent's chain: the parent's last full index block (its *tip*) plus the
+//! tokens after it (its *tail*, shorter than `B`). Appending the block's own tokens completes zero or
+//! more index blocks; the last completed one is tagged with the engine hash, the earlier ones (when
+//! `E > B`) and the new tail are kept on the side under the same hash. So `E = B` (vLLM's 16 with
+//! `block_size: 16`) costs one tagged block each, `E = kB` (SGLang's 64 with 16) k blocks, and `E < B`
+//! (SGLang's page size 1) one side entry per page and a tagged block every `B / E` pages. Any `E`
+//! works; `E` a multiple of `B` is the cheap case and the one to configure.
+//!
+//! # Owners
+//! Each data-parallel rank of a worker is its own cache with its own engine hashes, so each rank is
+//! its own slot in the index; a worker's match is its best rank's. Blocks count only when the engine
+//! holds them on the GPU (the caller filters tiers).
+//!
+//! # Speculation
+//! Events arrive after the engine has prefilled, a few hundred milliseconds after the decision. Until
+//! then a burst of identical prompts would all miss and scatter, so a decision also records its
+//! prompt for the chosen worker in a small speculative index that forgets it after
+//! `speculative_ttl`; a worker's match is the deeper of the two, and explain says which.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::num::NonZeroU32;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::hash::block_hashes_into;
+use super::index::{IndexStats, OwnerIndex, OwnerMatch};
+use crate::worker::WorkerId;
+
+/// Where a worker's match comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DepthSource {
+    /// The engine's own KV events.
+    Events,
+    /// A recent decision of this replica, not yet confirmed by the engine.
+    Speculative,
+}
+
+/// One worker's match with where it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SourcedMatch {
+    pub worker: WorkerId,
+    /// Leading tokens the engine's events say the worker holds.
+    pub events_tokens: u64,
+    /// Leading tokens a recent decision of this replica placed there.
+    pub speculative_tokens: u64,
+}
+
+impl SourcedMatch {
+    pub fn source(&self) -> DepthSource {
+        if self.events_tokens >= self.speculative_tokens {
+            DepthSource::Events
+        } else {
+            DepthSource::Speculative
+        }
+    }
+}
+
+/// What one `store` did, for the stream's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stored {
+    /// Engine blocks recorded.
+    pub blocks: u64,
+    /// Engine blocks whose parent this index does not know (stored before the subscription, or lost
+    /// with a dropped batch): skipped, since their tokens cannot be placed in a chain.
+    pub orphans: u64,
+    /// Engine blocks not recorded because the slot's side entries are at their bound.
+    pub over_bound: u64,
+}
+
+/// A stream's position in the index: data-parallel rank `rank` of worker `worker`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Slot(u32);
+
+/// The owner index of one pool in `events` mode. `Send + Sync`; share it with an `Arc`.
+pub struct EventIndex {
+    /// Truth from the events, one LRU per (worker, rank) slot, bounded by the worker's capacity.
+    truth: OwnerIndex,
+    /// Per slot: the side entries of engine blocks that end mid index block or span several.
+    sides: Box<[Mutex<Sides>]>,
+    /// The worker of each slot.
+    slot_worker: Box<[WorkerId]>,
+    /// The first slot of each worker.
+    first_slot: Box<[u32]>,
+    speculative: OwnerIndex,
+    expiry: Mutex<VecDeque<Guess>>,
+    speculative_ttl: Duration,
+    block_size: NonZeroU32,
+    workers: usize,
+}
+
+/// A decision's placement and when it stops counting.
+struct Guess {
+    until: Instant,
+    worker: WorkerId,
+    hashes: Box<[u64]>,
+}
+
+/// A slot's side entries: engine hash → what a child needs beyond the tagged tip.
+#[derive(Default)]
+struct Sides {
+    entries: HashMap<u64, Side, RandomState>,
+    bound: usize,
+}
+
+struct Side {
+    /// The last full index block at or before the engine block's end (or the seed).
+    tip: u64,
+    /// Tokens after `tip`, fewer than a block.
+    tail: Box<[u32]>,
+    /// Index blocks this engine block completed before its last one (only when `E > B`).
+    earlier: Box<[u64]>,
+}
+
+impl EventIndex {
+    /// An empty index for a pool whose worker `i` has `ranks[i]` data-parallel ranks and can hold
+    /// `capacity_blocks[i]` of the pool's blocks per rank.
+    pub fn new(
+        ranks: &[u32],
+        capacity_blocks: &[usize],
+        block_size: NonZeroU32,
+        speculative_ttl: Duration,
+    ) -> Self {
+        let mut slot_worker = Vec::new();
+        let mut first_slot = Vec::new();
+        let mut capacities = Vec::new();
+        for (worker, (&ranks, &capacity)) in ranks.iter().zip(capacity_blocks).enumerate() {
+            first_slot.push(slot_worker.len() as u32);
+            for _ in 0..ranks.max(1) {
+                slot_worker.push(WorkerId(worker as u32));
+                capacities.push(capacity);
+            }
+        }
+        // A guess covers a burst, not a cache: a few thousand blocks a worker.
+        let guesses: Vec<usize> = capacity_blocks.iter().map(|&c| c.min(1 << 14)).collect();
+        EventIndex {
+            truth: OwnerIndex::with_engine_keys(&capacities),
+            sides: capacities
+                .iter()
+                .map(|&bound| {
+                    Mutex::new(Sides {
+                        entries: HashMap::default(),
+                        bound,
+                    })
+                })
+                .collect(),
+            slot_worker: slot_worker.into(),
+            first_slot: first_slot.into(),
+            speculative: OwnerIndex::new(&guesses),
+            expiry: Mutex::new(VecDeque::new()),
+            speculative_ttl,
+            block_size,
+            workers: ranks.len(),
+        }
+    }
+
+    /// The slot of rank `rank` of `worker`, if both exist.
+    pub fn slot(&self, worker: WorkerId, rank: u32) -> Option<Slot> {
+        let first = *self.first_slot.get(worker.index())?;
+        let slot = first.checked_add(rank)?;
+        (self.slot_worker.get(slot as usize) == Some(&worker)).then_some(Slot(slot))
+    }
+
+    /// Records engine blocks `blocks` (engine hash, tokens) stored by `slot` after the engine block
+    /// `parent` (`None`: the prompt's first block, chained from `seed`).
+    pub fn store<'t>(
+        &self,
+        slot: Slot,
+        seed: u64,
+        parent: Option<u64>,
+        blocks: impl IntoIterator<Item = (u64, &'t [u32])>,
+    ) -> Stored {
+        let mut stored = Stored::default();
+        let worker = WorkerId(slot.0);
+        let Some(sides) = self.sides.get(slot.0 as usize) else {
+            return stored;
+        };
+        let mut sides = lock(sides);
+        let (mut tip, mut tail): (u64, Vec<u32>) = match parent {
+            None => (seed, Vec::new()),
+            Some(parent) => match sides.entries.get(&parent) {
+                Some(side) => (side.tip, side.tail.to_vec()),
+                None => match self.truth.tagged(worker, parent) {
+                    Some(tip) => (tip, Vec::new()),
+                    None => {
+                        stored.orphans = blocks.into_iter().count() as u64;
+                        return stored;
+                    }
+                },
+            },
+        };
+        let block = self.block_size.get() as usize;
+        let mut keys = Vec::new();
+        let mut tokens = Vec::new();
+        for (engine, own) in blocks {
+            // The tail and this block's tokens, cut into full index blocks from the tip.
+            tokens.clear();
+            tokens.extend_from_slice(&tail);
+            tokens.extend_from_slice(own);
+            block_hashes_into(tip, &tokens, self.block_size, &mut keys);
+            let complete = keys.len() * block;
+            tail.clear();
+            tail.extend_from_slice(tokens.get(complete..).unwrap_or_default());
+            if let Some(&last) = keys.last() {
+                self.truth.insert_tagged(worker, &keys, engine);
+                tip = last;
+            }
+            let earlier = keys.split_last().map_or(&[][..], |(_, earlier)| earlier);
+            if !tail.is_empty() || !earlier.is_empty() {
+                if sides.entries.len() >= sides.bound && !sides.entries.contains_key(&engine) {
+                    stored.over_bound += 1;
+                    continue;
+                }
+                sides.entries.insert(
+                    engine,
+                    Side {
+                        tip,
+                        tail: tail.clone().into(),
+                        earlier: earlier.into(),
+                    },
+                );
+            } else {
+                sides.entries.remove(&engine);
+            }
+            stored.blocks += 1;
+        }
+        stored
+    }
+
+    /// Forgets the engine blocks `engines` of `slot`; how many it knew.
+    pub fn remove(&self, slot: Slot, engines: &[u64]) -> u64 {
+        let worker = WorkerId(slot.0);
+        let Some(sides) = self.sides.get(slot.0 as usize) else {
+            return 0;
+        };
+        let mut sides = lock(sides);
+        let mut known = 0;
+        for &engine in engines {
+            let side = sides.entries.remove(&engine);
+            let tagged = self.truth.remove_tagged(worker, engine).is_some();
+            if let Some(side) = &side {
+                for &hash in side.earlier.iter() {
+                    self.truth.remove(worker, hash);
+                }
+            }
+            known += u64::from(tagged || side.is_some());
+        }
+        known
+    }
+
+    /// Forgets everything `slot` held: its engine restarted, dropped its cache, or its stream lost
+    /// batches that cannot be replayed.
+    pub fn clear(&self, slot: Slot) {
+        if let Some(sides) = self.sides.get(slot.0 as usize) {
+            let mut sides = lock(sides);
+            sides.entries = HashMap::default();
+            self.truth.clear_worker(WorkerId(slot.0));
+        }
+    }
+
+    /// Records that `worker` was just chosen for the prompt `hashes`, until `now + speculative_ttl`.
+    pub fn speculate(&self, worker: WorkerId, hashes: &[u64], now: Instant) {
+        if hashes.is_empty() || self.speculative_ttl.is_zero() {
+            return;
+        }
+        let mut expiry = lock(&self.expiry);
+        self.expire(&mut expiry, now);
+        self.speculative.insert(worker, hashes);
+        expiry.push_back(Guess {
+            until: now + self.speculative_ttl,
+            worker,
+            hashes: hashes.into(),
+        });
+    }
+
+    /// For each worker holding the prompt's first block, how many leading tokens it holds, by the
+    /// events or by a live guess, whichever is deeper. Deepest first, ties by worker id.
+    pub fn matches(&self, hashes: &[u64], now: Instant) -> Vec<OwnerMatch> {
+        let mut found: Vec<OwnerMatch> = self
+            .sourced(hashes, now)
+            .into_iter()
+            .map(|sourced| OwnerMatch {
+                worker: sourced.worker,
+                matched_tokens: sourced.events_tokens.max(sourced.speculative_tokens),
+            })
+            .collect();
+        found.sort_unstable_by_key(|owner| (std::cmp::Reverse(owner.matched_tokens), owner.worker));
+        found
+    }
+
+    /// [`EventIndex::matches`] with both depths, for explain. In worker order.
+    pub fn sourced(&self, hashes: &[u64], now: Instant) -> Vec<SourcedMatch> {
+        let mut by_worker: Vec<SourcedMatch> = Vec::new();
+        for owner in self.truth.matches(hashes, self.block_size) {
+            if let Some(&worker) = self.slot_worker.get(owner.worker.index())
+                && let Some(found) = sourced_entry(&mut by_worker, worker)
+            {
+                found.events_tokens = found.events_tokens.max(owner.matched_tokens);
+            }
+        }
+        {
+            let mut expiry = lock(&self.expiry);
+            self.expire(&mut expiry, now);
+        }
+        for owner in self.speculative.matches(hashes, self.block_size) {
+            if let Some(found) = sourced_entry(&mut by_worker, owner.worker) {
+                found.speculative_tokens = owner.matched_tokens;
+            }
+        }
+        by_worker
+    }
+
+    /// Drops the guesses that expired by `now`. A guess refreshed by a later decision for the same
+    /// worker is dropped with the first one's expiry: by then the engine's events have arrived.
+    fn expire(&self, expiry: &mut VecDeque<Guess>, now: Instant) {
+        while expiry.front().is_some_and(|guess| guess.until <= now) {
+            if let Some(guess) = expiry.pop_front() {
+                for &hash in guess.hashes.iter() {
+                    self.speculative.remove(guess.worker, hash);
+                }
+            }
+        }
+    }
+
+    /// What the index holds, per worker (summed over its ranks), from the events only.
+    pub fn stats(&self) -> EventIndexStats {
+        let truth = self.truth.stats();
+        let tags = self.truth.tags();
+        let mut held = vec![0; self.workers];
+        let mut engine_keys = vec![0; self.workers];
+        let mut side_entries = vec![0; self.workers];
+        for (slot, &worker) in self.slot_worker.iter().enumerate() {
+            let at = worker.index();
+            if let Some(total) = held.get_mut(at) {
+                *total += truth.held.get(slot).copied().unwrap_or(0);
+            }
+            if let Some(total) = engine_keys.get_mut(at) {
+                *total += tags.get(slot).copied().unwrap_or(0);
+            }
+            if let (Some(total), Some(sides)) = (side_entries.get_mut(at), self.sides.get(slot)) {
+                *total += lock(sides).entries.len();
+            }
+        }
+        EventIndexStats {
+            index: IndexStats {
+                blocks: truth.blocks,
+                entries: truth.entries,
+                held,
+            },
+            engine_keys,
+            side_entries,
+            speculative_entries: self.speculative.stats().entries,
+        }
+    }
+}
+
+/// What an [`EventIndex`] holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventIndexStats {
+    /// The blocks the events say each worker holds (on the GPU).
+    pub index: IndexStats,
+    /// Engine hashes remembered, per worker.
+    pub engine_keys: Vec<usize>,
+    /// Side entries (engine blocks ending mid index block, or spanning several), per worker.
+    pub side_entries: Vec<usize>,
+    /// (block, worker) guesses alive.
+    pub speculative_entries: usize,
+}
+
+/// The entry of `worker` in a list kept in worker order, added with no depth if missing.
+fn sourced_entry(by_worker: &mut Vec<SourcedMatch>, worker: WorkerId) -> Option<&mut SourcedMatch> {
+    let at = match by_worker.binary_search_by_key(&worker, |found| found.worker) {
+        Ok(at) => at,
+        Err(at) => {
+            by_worker.insert(
+                at,
+                SourcedMatch {
+                    worker,
+                    events_tokens: 0,
+                    speculative_tokens: 0,
+                },
+            );
+            at
+        }
+    };
+    by_worker.get_mut(at)
+}
+
+/// A poisoned lock only means a panic elsewhere mid-update, which the lints rule out here.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests;
