@@ -27,11 +27,12 @@ pub mod config;
 pub mod decode;
 pub mod expo;
 pub mod fleet;
+pub mod kv_events;
 pub mod model;
 pub mod server;
 pub mod stats;
 pub mod timing;
 pub mod wire;
 
-pub use config::{Engine, SimConfig, SimParams};
+pub use config::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams};
 pub use decode::SimOverrides;
