@@ -1,5 +1,9 @@
 //! A simulated fleet: N workers on loopback, the cachepick configuration that fronts them, and a small
 //! control endpoint to kill and restart workers (a crashed worker cannot answer its own admin routes).
+//!
+//! With `kv_events` on, worker `i`'s ranks publish on contiguous ports: free runs the workers probe
+//! for themselves, or, from `kv_events.base_port`, a block of `dp_size` live ports followed (with
+//! replay) by `dp_size` replay ports, worker after worker.
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -101,7 +105,9 @@ impl Fleet {
     }
 
     /// A cachepick configuration with one pool holding every worker. Relative tokenizer and template
-    /// paths are made absolute, so the file works from any directory. The simulator does not know
+    /// paths are made absolute, so the file works from any directory. With KV events on, every worker
+    /// entry names rank 0's sockets (`kv_events: {endpoint, replay_endpoint}`, the latter only with
+    /// replay); rank `r` is on the next ports. It sets no `index:` mode: that is the picker's choice. The simulator does not know
     /// cachepick's schema beyond this text: whoever runs both validates it (`cachepick sim` does, before
     /// writing it).
     pub fn cachepick_config(&self) -> String {

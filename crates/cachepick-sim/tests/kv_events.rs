@@ -109,8 +109,9 @@ async fn subscribe(live: SocketAddr) -> SubSocket {
     .await
     .unwrap();
     socket.subscribe("").await.unwrap();
-    // The PUB learns of the subscription asynchronously; until then it drops what it publishes.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The PUB learns of the subscription asynchronously and drops what it publishes until then (the
+    // slow joiner); there is no signal to wait for, so leave it ample time.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     socket
 }
 
