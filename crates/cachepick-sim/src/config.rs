@@ -47,6 +47,8 @@ pub struct SimConfig {
     pub dp_size: NonZeroU32,
     /// The model parameters that can also be changed at run time through `/admin/config`.
     pub params: SimParams,
+    /// KV cache events published over ZeroMQ as the engine does; `None` publishes nothing.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl SimConfig {
@@ -71,6 +73,89 @@ impl SimConfig {
             chat_template: None,
             dp_size: NonZeroU32::MIN,
             params: SimParams::default(),
+            kv_events: None,
+        }
+    }
+}
+
+/// The wire encoding of the KV cache events a simulated worker publishes: one engine release's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvEventsFormat {
+    /// vLLM up to 0.23: every event a positional array tagged by its first element; replies to a
+    /// replay request without the topic frame.
+    VllmArray,
+    /// vLLM from 0.24 on: every event a `type`-tagged map without its default-valued fields; replay
+    /// replies carry the topic frame (vLLM 0.26).
+    VllmMap,
+    /// SGLang: positional arrays, one `BlockStored` per page, hashes as signed 64-bit integers.
+    Sglang,
+}
+
+impl KvEventsFormat {
+    pub const ALL: [KvEventsFormat; 3] = [
+        KvEventsFormat::VllmArray,
+        KvEventsFormat::VllmMap,
+        KvEventsFormat::Sglang,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvEventsFormat::VllmArray => "vllm_array",
+            KvEventsFormat::VllmMap => "vllm_map",
+            KvEventsFormat::Sglang => "sglang",
+        }
+    }
+
+    /// The engine that publishes this format.
+    pub fn engine(self) -> Engine {
+        match self {
+            KvEventsFormat::VllmArray | KvEventsFormat::VllmMap => Engine::Vllm,
+            KvEventsFormat::Sglang => Engine::Sglang,
+        }
+    }
+
+    /// The format an engine's current release publishes.
+    pub fn default_for(engine: Engine) -> KvEventsFormat {
+        match engine {
+            Engine::Vllm => KvEventsFormat::VllmMap,
+            Engine::Sglang => KvEventsFormat::Sglang,
+        }
+    }
+}
+
+/// How a simulated worker publishes its KV cache events (`kv_events:` in the simulator's file).
+///
+/// Every rank of every worker has a ZeroMQ PUB socket (the live stream) and, with `replay`, a ROUTER
+/// socket that answers replay requests from a ring of recent batches. A worker's ranks have contiguous
+/// ports, as engines bind `port + rank`: rank `r` publishes on `live + r` and replays on `replay + r`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvEventsConfig {
+    pub format: KvEventsFormat,
+    /// Serve replay requests (a ROUTER socket per rank).
+    pub replay: bool,
+    /// Batches the replay ring keeps per rank (vLLM's `buffer_steps`).
+    pub ring_batches: NonZeroU32,
+    /// The first frame of every live message (and of vLLM-map replay replies); engines default to
+    /// the empty topic.
+    pub topic: String,
+    /// Worker `i`'s rank 0 publishes on `base_port + i * stride` and replays on that plus `dp_size`,
+    /// where `stride` is `dp_size`, doubled with replay; `None` takes free ports.
+    pub base_port: Option<u16>,
+}
+
+impl KvEventsConfig {
+    pub const DEFAULT_RING_BATCHES: u32 = 10_000;
+    /// The replay ring holds encoded batches; a million of them is already gigabytes.
+    pub const MAX_RING_BATCHES: u32 = 1_000_000;
+
+    /// Events in `format` with replay on, the default ring, the empty topic and free ports.
+    pub fn new(format: KvEventsFormat) -> KvEventsConfig {
+        KvEventsConfig {
+            format,
+            replay: true,
+            ring_batches: NonZeroU32::new(Self::DEFAULT_RING_BATCHES).unwrap_or(NonZeroU32::MIN),
+            topic: String::new(),
+            base_port: None,
         }
     }
 }

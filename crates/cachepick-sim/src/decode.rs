@@ -14,7 +14,7 @@ use cachepick_decode::{
 };
 use cachepick_tokenizer::{decode_chat_template, decode_tokenizer};
 
-use crate::config::{Engine, SimConfig, SimParams};
+use crate::config::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams};
 
 const SIM_KEYS: &[&str] = &[
     "engine",
@@ -27,7 +27,10 @@ const SIM_KEYS: &[&str] = &[
     "tokenizer",
     "chat_template",
     "dp_size",
+    "kv_events",
 ];
+/// The keys of `kv_events:`.
+const KV_EVENTS_KEYS: &[&str] = &["format", "replay", "ring_batches", "topic", "base_port"];
 /// The keys of `SimParams`, which `/admin/config` may also change at run time.
 const PARAM_KEYS: &[&str] = &[
     "kv_blocks",
@@ -61,6 +64,9 @@ pub struct SimOverrides {
     pub time_scale: Option<f64>,
     /// `--dp-size`
     pub dp_size: Option<u64>,
+    /// `--kv-events FORMAT`: publish KV cache events in this format; the file's other `kv_events`
+    /// settings (or their defaults) apply.
+    pub kv_events: Option<KvEventsFormat>,
 }
 
 /// Reads and validates a simulator file (`cachepick sim --config`), with `overrides` applied.
@@ -188,6 +194,7 @@ impl Decoder<'_> {
         });
 
         let params = self.params(&map, &defaults, overrides.time_scale);
+        let kv_events = self.kv_events(&map, overrides.kv_events, engine.ok());
 
         Ok(SimConfig {
             engine: engine?,
@@ -201,7 +208,71 @@ impl Decoder<'_> {
             chat_template: chat_template?,
             dp_size: dp_size?.value,
             params: params?,
+            kv_events: kv_events?,
         })
+    }
+
+    /// `kv_events:`, or the `--kv-events` flag: absent (or null) and without the flag, no events. The
+    /// format defaults to what the engine's current release publishes and must be that engine's.
+    fn kv_events(
+        &mut self,
+        root: &Map,
+        flag: Option<KvEventsFormat>,
+        engine: Option<Engine>,
+    ) -> Res<Option<KvEventsConfig>> {
+        if root.get("kv_events").is_none() && flag.is_none() {
+            return Ok(None);
+        }
+        let map = self.section(root, "kv_events", KV_EVENTS_KEYS)?;
+        let format = self.opt(&map, "format", |v, node, at| {
+            v.keyword(node, at, &KvEventsFormat::ALL, KvEventsFormat::as_str)
+        });
+        let fallback = KvEventsFormat::default_for(engine.unwrap_or(Engine::Vllm));
+        let format = self.check(
+            with_default(overridden(format, flag, "--kv-events"), fallback),
+            |format| match engine {
+                Some(engine) if format.engine() != engine => Err(format!(
+                    "`{}` is what {} publishes, but the workers are {} (engine)",
+                    format.as_str(),
+                    format.engine().as_str(),
+                    engine.as_str()
+                )),
+                _ => Ok(format),
+            },
+        );
+        let replay = with_default(self.opt(&map, "replay", Self::boolean), true);
+        let ring_batches = self.opt(&map, "ring_batches", Self::integer);
+        let ring_batches = with_default(
+            ring_batches,
+            u64::from(KvEventsConfig::DEFAULT_RING_BATCHES),
+        );
+        let ring_batches = self.check(ring_batches, |n| {
+            if n > u64::from(KvEventsConfig::MAX_RING_BATCHES) {
+                Err(format!(
+                    "must be at most {}",
+                    KvEventsConfig::MAX_RING_BATCHES
+                ))
+            } else {
+                at_least_one_u32(n)
+            }
+        });
+        let topic = self.opt(&map, "topic", |v, node, at| {
+            v.text(node, at, "a string").map(str::to_owned)
+        });
+        let base_port = self.opt(&map, "base_port", Self::integer);
+        let base_port = self.check_opt(base_port, |port| {
+            u16::try_from(port)
+                .ok()
+                .filter(|port| *port > 0)
+                .ok_or_else(|| "must be a port between 1 and 65535".to_owned())
+        });
+        Ok(Some(KvEventsConfig {
+            format: format?.value,
+            replay: replay?.value,
+            ring_batches: ring_batches?.value,
+            topic: topic?.map(|topic| topic.value).unwrap_or_default(),
+            base_port: base_port?.map(|port| port.value),
+        }))
     }
 
     /// The model parameters, each defaulting to `base`: the built-in defaults for a file, the values in
@@ -359,5 +430,87 @@ mod tests {
             message.contains("max_running (line 1): must be at least 1"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn kv_events_are_off_unless_configured_or_flagged() {
+        let vllm = SimOverrides {
+            engine: Some(Engine::Vllm),
+            ..SimOverrides::default()
+        };
+        assert_eq!(parse("", "cli", &vllm).unwrap().kv_events, None);
+        assert_eq!(
+            parse("kv_events: null\n", "sim.yaml", &vllm)
+                .unwrap()
+                .kv_events,
+            None
+        );
+        let defaults = parse("kv_events: {}\n", "sim.yaml", &vllm).unwrap();
+        assert_eq!(
+            defaults.kv_events,
+            Some(KvEventsConfig::new(KvEventsFormat::VllmMap))
+        );
+        let sglang = SimOverrides {
+            engine: Some(Engine::Sglang),
+            kv_events: Some(KvEventsFormat::Sglang),
+            ..SimOverrides::default()
+        };
+        let flagged = parse("", "cli", &sglang).unwrap();
+        assert_eq!(
+            flagged.kv_events,
+            Some(KvEventsConfig::new(KvEventsFormat::Sglang))
+        );
+    }
+
+    #[test]
+    fn kv_events_settings_are_decoded_and_checked() {
+        let file = "engine: vllm\nkv_events:\n  format: vllm_array\n  replay: false\n  \
+                    ring_batches: 7\n  topic: \"\"\n  base_port: 6000\n";
+        let events = parse(file, "sim.yaml", &SimOverrides::default())
+            .unwrap()
+            .kv_events
+            .unwrap();
+        assert_eq!(
+            events,
+            KvEventsConfig {
+                format: KvEventsFormat::VllmArray,
+                replay: false,
+                ring_batches: NonZeroU32::new(7).unwrap(),
+                topic: String::new(),
+                base_port: Some(6000),
+            }
+        );
+        let flag = SimOverrides {
+            kv_events: Some(KvEventsFormat::VllmMap),
+            ..SimOverrides::default()
+        };
+        let flagged = parse(file, "sim.yaml", &flag).unwrap().kv_events.unwrap();
+        assert_eq!(
+            flagged.format,
+            KvEventsFormat::VllmMap,
+            "the flag beats the file"
+        );
+        assert_eq!(
+            flagged.ring_batches.get(),
+            7,
+            "the file's other settings stay"
+        );
+
+        let file = "engine: sglang\nkv_events:\n  format: vllm_map\n  replay: 1\n  \
+                    ring_batches: 0\n  base_port: 70000\n  buffer_steps: 3\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        for expected in [
+            "kv_events.format (line 3): `vllm_map` is what vllm publishes, but the workers are sglang",
+            "kv_events.replay (line 4): expected true or false",
+            "kv_events.ring_batches (line 5): must be at least 1",
+            "kv_events.base_port (line 6): must be a port between 1 and 65535",
+            "kv_events.buffer_steps (line 7): unknown key",
+        ] {
+            assert!(
+                problems.iter().any(|problem| problem.contains(expected)),
+                "{expected:?} not in {problems:#?}"
+            );
+        }
+        assert_eq!(problems.len(), 5, "{problems:#?}");
     }
 }

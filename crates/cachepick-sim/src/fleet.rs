@@ -1,5 +1,9 @@
 //! A simulated fleet: N workers on loopback, the cachepick configuration that fronts them, and a small
 //! control endpoint to kill and restart workers (a crashed worker cannot answer its own admin routes).
+//!
+//! With `kv_events` on, worker `i`'s ranks publish on contiguous ports: free runs the workers probe
+//! for themselves, or, from `kv_events.base_port`, a block of `dp_size` live ports followed (with
+//! replay) by `dp_size` replay ports, worker after worker.
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -19,7 +23,7 @@ use tokio::net::TcpListener;
 use cachepick_tokenizer::{TokenizeError, Tokenizer};
 
 use crate::config::{SimConfig, TokenizerConfig};
-use crate::server::{StartError, Worker, WorkerSpec};
+use crate::server::{KvEventsSpec, StartError, Worker, WorkerSpec};
 
 /// Why the fleet could not start.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +34,8 @@ pub enum FleetError {
     Start { index: u32, source: StartError },
     #[error("port {base} + {index} is beyond 65535")]
     PortRange { base: u16, index: u32 },
+    #[error("KV event port {base} + {offset} (worker {index}) is beyond 65535")]
+    KvPortRange { base: u16, index: u32, offset: u32 },
     #[error("cannot listen on {addr} for the fleet control: {source}")]
     Control {
         addr: SocketAddr,
@@ -69,6 +75,7 @@ impl Fleet {
                 tokenizer: Arc::clone(&tokenizer),
                 tokenizer_name: tokenizer_name(&config.tokenizer),
                 params: config.params.clone(),
+                kv_events: kv_events_spec(config, index)?,
             };
             let worker = Worker::start(spec)
                 .await
@@ -89,12 +96,18 @@ impl Fleet {
         self.workers.get(index)
     }
 
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
     pub fn endpoints(&self) -> Vec<SocketAddr> {
         self.workers.iter().map(Worker::addr).collect()
     }
 
     /// A cachepick configuration with one pool holding every worker. Relative tokenizer and template
-    /// paths are made absolute, so the file works from any directory. The simulator does not know
+    /// paths are made absolute, so the file works from any directory. With KV events on, every worker
+    /// entry names rank 0's sockets (`kv_events: {endpoint, replay_endpoint}`, the latter only with
+    /// replay); rank `r` is on the next ports. It sets no `index:` mode: that is the picker's choice. The simulator does not know
     /// cachepick's schema beyond this text: whoever runs both validates it (`cachepick sim` does, before
     /// writing it).
     pub fn cachepick_config(&self) -> String {
@@ -141,6 +154,15 @@ impl Fleet {
             let _ = writeln!(out, "      - endpoint: {}", worker.addr());
             if config.dp_size.get() > 1 {
                 let _ = writeln!(out, "        dp_size: {}", config.dp_size);
+            }
+            // Rank 0's sockets; rank r is on the next ports, as the engines bind `port + rank`.
+            if let Some(events) = worker.kv_events()
+                && let Some(live) = events.live_endpoint()
+            {
+                let _ = writeln!(out, "        kv_events:\n          endpoint: {live}");
+                if let Some(replay) = events.replay_endpoint() {
+                    let _ = writeln!(out, "          replay_endpoint: {replay}");
+                }
             }
         }
         out
@@ -208,6 +230,8 @@ impl Fleet {
                     "index": worker.index(),
                     "endpoint": worker.addr().to_string(),
                     "up": worker.is_up(),
+                    "kv_events": worker.kv_events().and_then(|events| events.live_endpoint()),
+                    "kv_events_replay": worker.kv_events().and_then(|events| events.replay_endpoint()),
                 })
             })
             .collect();
@@ -260,7 +284,20 @@ pub async fn run(
         params.time_scale,
     );
     for worker in fleet.workers() {
-        println!("worker {} http://{}", worker.index(), worker.addr());
+        match worker.kv_events() {
+            Some(events) => println!(
+                "worker {} http://{} kv events ({}) {}{}",
+                worker.index(),
+                worker.addr(),
+                events.format.as_str(),
+                events.live_endpoint().unwrap_or_default(),
+                events
+                    .replay_endpoint()
+                    .map(|replay| format!(" replay {replay}"))
+                    .unwrap_or_default(),
+            ),
+            None => println!("worker {} http://{}", worker.index(), worker.addr()),
+        }
     }
     println!(
         "control http://{control} (GET /workers, POST /workers/N/kill, POST /workers/N/start)"
@@ -286,6 +323,48 @@ pub enum RunError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+/// Worker `index`'s KV event ports: with a base port, its block of `dp_size` live ports and then (with
+/// replay) `dp_size` replay ports, right after the previous worker's; without one, free ports.
+fn kv_events_spec(config: &SimConfig, index: u32) -> Result<Option<KvEventsSpec>, FleetError> {
+    let Some(events) = &config.kv_events else {
+        return Ok(None);
+    };
+    let dp = config.dp_size.get();
+    let (live_port, replay_port) = match events.base_port {
+        Some(base) => {
+            let stride = if events.replay {
+                dp.saturating_mul(2)
+            } else {
+                dp
+            };
+            let port = |offset: u32| {
+                u16::try_from(u32::from(base).saturating_add(offset)).map_err(|_| {
+                    FleetError::KvPortRange {
+                        base,
+                        index,
+                        offset,
+                    }
+                })
+            };
+            let first = index.saturating_mul(stride);
+            // The last port of the block must exist too.
+            port(first.saturating_add(stride).saturating_sub(1))?;
+            let replay = if events.replay {
+                Some(port(first.saturating_add(dp))?)
+            } else {
+                None
+            };
+            (Some(port(first)?), replay)
+        }
+        None => (None, None),
+    };
+    Ok(Some(KvEventsSpec {
+        config: events.clone(),
+        live_port,
+        replay_port,
+    }))
 }
 
 fn reply(status: StatusCode, body: Vec<u8>) -> Response<Full<Bytes>> {

@@ -7,12 +7,15 @@
 //!   changes, decoded with the shared walker (`cachepick-decode`).
 //! - [`model`]: one data-parallel rank's KV block cache (chained block hashes, LRU of unreferenced
 //!   blocks, pinned blocks of running requests) and its scheduler (at most `max_running` running, FIFO
-//!   queue). Pure and synchronous: no clock, no I/O.
+//!   queue), and the cache events an engine would publish for it. Pure and synchronous: no clock, no
+//!   I/O.
 //! - [`timing`]: how long prefill and each output token take, from the parameters, the load and a
 //!   seeded random source. Pure.
 //! - [`wire`]: the OpenAI and SGLang request bodies the workers accept and the JSON and SSE they answer.
 //! - [`expo`]: the engine's `/metrics` exposition (vLLM or SGLang names), SGLang's `/v1/loads`, and the
 //!   discovery documents (`/v1/models`, `/version`, `/server_info`, `/model_info`).
+//! - [`kv_events`]: the KV cache events the ranks publish over ZeroMQ (PUB live, ROUTER replay), in
+//!   the layout of vLLM ≤ 0.23, vLLM ≥ 0.24 or SGLang, from the events the model records.
 //! - [`server`]: one worker's HTTP server: request lifecycle, admin controls, crash and restart.
 //! - [`fleet`]: N workers on loopback, the cachepick config that fronts them, and the fleet control.
 //!
@@ -27,11 +30,12 @@ pub mod config;
 pub mod decode;
 pub mod expo;
 pub mod fleet;
+pub mod kv_events;
 pub mod model;
 pub mod server;
 pub mod stats;
 pub mod timing;
 pub mod wire;
 
-pub use config::{Engine, SimConfig, SimParams};
+pub use config::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams};
 pub use decode::SimOverrides;

@@ -14,6 +14,15 @@
 //! prefix-closed. The rest of a request's footprint (its partial last prompt block and its output
 //! blocks) is anonymous: pinned while it runs, freed when it ends, never reused.
 //!
+//! # Events
+//! With [`RankModel::record_events`] on, the model also keeps the KV cache events an engine would
+//! publish for what it did, in order, until the server takes them ([`RankModel::take_events`]) after
+//! each call and publishes them as one batch (one scheduler step). A [`CacheEvent::Stored`] names the
+//! full blocks an admission actually inserted (one event per run of consecutive new blocks, with the
+//! hash of the block before the run as its parent); a [`CacheEvent::Removed`] the blocks eviction
+//! dropped; [`CacheEvent::AllCleared`] a reset of the prefix cache. Blocks found in the cache produce
+//! nothing. The hashes are the model's own.
+//!
 //! # Scheduler
 //! A request is admitted when fewer than `max_running` run and its blocks fit in the free plus
 //! evictable space; otherwise it waits. Only the head of the queue is ever considered, so a head that
@@ -35,6 +44,23 @@ const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 /// Parent hash of every prompt's first block ("sim-root" in ASCII), so the first block's hash depends
 /// on a fixed seed just like every later block depends on its parent.
 const ROOT_PARENT: u64 = 0x7369_6d2d_726f_6f74;
+
+/// A change of the KV cache, as an engine reports it in its KV cache events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Consecutive full blocks entered the cache: `hashes[i]` covers
+    /// `tokens[i * block_size..(i + 1) * block_size]`; `parent` is the hash of the block before the
+    /// first one (`None` for a prompt's first block).
+    Stored {
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+    },
+    /// Blocks were evicted, in eviction order.
+    Removed { hashes: Vec<u64> },
+    /// The whole prefix cache was dropped.
+    AllCleared,
+}
 
 /// A request that starts running: how much of its prompt the cache already held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,6 +126,8 @@ fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
 #[derive(Debug)]
 struct Pending {
     hashes: Vec<u64>,
+    /// The tokens of the full blocks, kept only while the model records events.
+    tokens: Vec<u32>,
     prompt_len: u64,
     /// Prompt plus output blocks it holds while it runs.
     total_blocks: u64,
@@ -148,6 +176,8 @@ pub struct RankModel {
     /// Waiting requests in arrival order.
     queue: LinkedHashMap<RequestId, Pending>,
     counters: RankCounters,
+    /// The events not yet taken, when recording.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl RankModel {
@@ -170,7 +200,35 @@ impl RankModel {
             running: HashMap::new(),
             queue: LinkedHashMap::new(),
             counters: RankCounters::default(),
+            events: None,
         }
+    }
+
+    /// Starts (or stops) recording the KV cache events of every later call. Off by default: nothing
+    /// takes the events of a rank that does not publish them.
+    pub fn record_events(&mut self, on: bool) {
+        if on != self.events.is_some() {
+            self.events = on.then(Vec::new);
+        }
+    }
+
+    /// The events recorded since the last call, oldest first; empty when not recording.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Drops every cached block, as vLLM's `/reset_prefix_cache` and SGLang's `/flush_cache` do:
+    /// only when no request runs (their blocks are in use), so it returns whether it did.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.running.is_empty() {
+            return false;
+        }
+        self.refs.clear();
+        self.lru.clear();
+        if let Some(events) = &mut self.events {
+            events.push(CacheEvent::AllCleared);
+        }
+        true
     }
 
     /// A new request with these prompt tokens that will produce `output_tokens` tokens.
@@ -203,8 +261,18 @@ impl RankModel {
         if !may_start {
             self.check_queue_room()?;
         }
+        let hashes: Vec<u64> = block_hashes(prompt, self.block_size).collect();
+        let tokens = if self.events.is_some() {
+            let full = hashes
+                .len()
+                .saturating_mul(usize::try_from(self.block_size.get()).unwrap_or(usize::MAX));
+            prompt.get(..full).unwrap_or(prompt).to_vec()
+        } else {
+            Vec::new()
+        };
         let pending = Pending {
-            hashes: block_hashes(prompt, self.block_size).collect(),
+            hashes,
+            tokens,
             prompt_len,
             total_blocks,
         };
@@ -392,7 +460,7 @@ impl RankModel {
     fn admit(&mut self, id: RequestId, pending: Pending, plan: Plan) -> Admission {
         // Pin first, so eviction cannot take a block this request is about to use.
         let mut fresh = Vec::new();
-        for hash in &pending.hashes {
+        for (index, hash) in pending.hashes.iter().enumerate() {
             match self.refs.get_mut(hash) {
                 Some(count) => {
                     if *count == 0 {
@@ -400,18 +468,24 @@ impl RankModel {
                     }
                     *count = count.saturating_add(1);
                 }
-                None => fresh.push(*hash),
+                None => fresh.push((index, *hash)),
             }
         }
         let anonymous = pending.anonymous_blocks();
         let needed = len_u64(fresh.len()).saturating_add(anonymous);
         let capacity = u64::from(self.kv_blocks.get());
         while self.used_blocks().saturating_add(needed) > capacity && self.evict_one() {}
-        // A block past the first miss, or repeated within the prompt, may be cached already.
-        for hash in fresh {
+        // A block past the first miss may be cached already (it was not fresh then); a block
+        // repeated within the prompt is inserted once, by its first occurrence.
+        let mut inserted = Vec::new();
+        for (index, hash) in fresh {
             let count = self.refs.entry(hash).or_insert(0);
+            if *count == 0 {
+                inserted.push(index);
+            }
             *count = count.saturating_add(1);
         }
+        self.record_stored(&pending, &inserted);
         self.anonymous = self.anonymous.saturating_add(anonymous);
 
         let cached = self.tokens(plan.hit_blocks).min(pending.prompt_len);
@@ -432,6 +506,40 @@ impl RankModel {
             id,
             cached_tokens: saturate_u32(cached),
             uncached_tokens: saturate_u32(pending.prompt_len.saturating_sub(cached)),
+        }
+    }
+
+    /// One `Stored` event per run of consecutive inserted blocks (`inserted` holds their indices in
+    /// the prompt, ascending).
+    fn record_stored(&mut self, pending: &Pending, inserted: &[usize]) {
+        let Some(events) = &mut self.events else {
+            return;
+        };
+        let size = usize::try_from(self.block_size.get()).unwrap_or(usize::MAX);
+        let mut rest = inserted;
+        while let Some((&start, _)) = rest.split_first() {
+            let run = rest
+                .iter()
+                .enumerate()
+                .take_while(|(offset, index)| **index == start.saturating_add(*offset))
+                .count();
+            let end = start.saturating_add(run);
+            let hashes = pending.hashes.get(start..end).unwrap_or_default().to_vec();
+            let tokens = pending
+                .tokens
+                .get(start.saturating_mul(size)..end.saturating_mul(size))
+                .unwrap_or_default()
+                .to_vec();
+            let parent = start
+                .checked_sub(1)
+                .and_then(|before| pending.hashes.get(before))
+                .copied();
+            events.push(CacheEvent::Stored {
+                hashes,
+                parent,
+                tokens,
+            });
+            rest = rest.get(run..).unwrap_or_default();
         }
     }
 
@@ -481,6 +589,13 @@ impl RankModel {
             Some(hash) => {
                 self.refs.remove(&hash);
                 self.counters.evicted_blocks += 1;
+                if let Some(events) = &mut self.events {
+                    // Evictions of one call are one event, as an engine frees blocks in a sweep.
+                    match events.last_mut() {
+                        Some(CacheEvent::Removed { hashes }) => hashes.push(hash),
+                        _ => events.push(CacheEvent::Removed { hashes: vec![hash] }),
+                    }
+                }
                 true
             }
             None => false,

@@ -370,6 +370,154 @@ fn huge_prompt_is_cheap_enough() {
     assert_eq!(again.uncached_tokens, 16);
 }
 
+/// A recording rank with block size 4.
+fn recording(kv_blocks: u32) -> RankModel {
+    let mut model = rank(kv_blocks, 4, None);
+    model.record_events(true);
+    model
+}
+
+#[test]
+fn admission_stores_the_new_full_blocks_with_their_tokens() {
+    let mut model = recording(16);
+    let prompt = tokens(0, 10);
+    admitted(model.submit(1, &prompt, 0));
+    let blocks = hashes(&prompt);
+    assert_eq!(
+        model.take_events(),
+        [CacheEvent::Stored {
+            hashes: blocks.clone(),
+            parent: None,
+            tokens: tokens(0, 8),
+        }]
+    );
+    assert!(model.take_events().is_empty(), "taken once");
+    model.finish(1, true, 0);
+    assert!(
+        model.take_events().is_empty(),
+        "finishing caches nothing new"
+    );
+
+    // An extension stores only its new blocks, chained to the last cached one.
+    let longer = tokens(0, 17);
+    admitted(model.submit(2, &longer, 0));
+    let all = hashes(&longer);
+    assert_eq!(
+        model.take_events(),
+        [CacheEvent::Stored {
+            hashes: all[2..].to_vec(),
+            parent: Some(blocks[1]),
+            tokens: tokens(8, 8),
+        }]
+    );
+}
+
+#[test]
+fn a_pure_hit_publishes_nothing() {
+    let mut model = recording(16);
+    let prompt = tokens(0, 12);
+    serve(&mut model, 1, &prompt);
+    assert_eq!(model.take_events().len(), 1);
+    serve(&mut model, 2, &prompt);
+    serve(&mut model, 3, &tokens(0, 9));
+    assert!(model.take_events().is_empty());
+}
+
+#[test]
+fn eviction_publishes_the_removed_blocks_before_the_new_ones() {
+    let mut model = recording(4);
+    let first = tokens(0, 12);
+    serve(&mut model, 1, &first);
+    model.take_events();
+    // Three new blocks need room: the LRU gives up the first prompt's tail first.
+    let second = tokens(100, 12);
+    admitted(model.submit(2, &second, 0));
+    let old = hashes(&first);
+    assert_eq!(
+        model.take_events(),
+        [
+            CacheEvent::Removed {
+                hashes: vec![old[2], old[1]],
+            },
+            CacheEvent::Stored {
+                hashes: hashes(&second),
+                parent: None,
+                tokens: second.clone(),
+            },
+        ]
+    );
+    // Shrinking evicts too, once the request is done.
+    model.finish(2, true, 0);
+    model.set_limits(nz(1), nz(4), None);
+    match model.take_events().as_slice() {
+        [CacheEvent::Removed { hashes }] => assert_eq!(hashes.len(), 3),
+        other => panic!("expected one Removed, got {other:?}"),
+    }
+}
+
+#[test]
+fn resetting_the_prefix_cache_clears_everything_unless_requests_run() {
+    let mut model = recording(16);
+    admitted(model.submit(1, &tokens(0, 8), 4));
+    model.take_events();
+    assert!(!model.reset_prefix_cache());
+    assert!(model.take_events().is_empty());
+    model.finish(1, true, 4);
+    assert!(model.reset_prefix_cache());
+    assert_eq!(model.take_events(), [CacheEvent::AllCleared]);
+    assert_eq!(model.cached_tokens(&tokens(0, 8)), 0);
+}
+
+#[test]
+fn a_rank_that_does_not_record_keeps_no_events() {
+    let mut model = rank(4, 4, None);
+    serve(&mut model, 1, &tokens(0, 12));
+    serve(&mut model, 2, &tokens(100, 12));
+    assert!(model.take_events().is_empty());
+    assert!(model.events.is_none());
+}
+
+/// The hash of the block `tokens` whose parent is `parent`, as `block_hashes` chains it.
+fn chained(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut hash = fnv1a(FNV_OFFSET, &parent.unwrap_or(ROOT_PARENT).to_le_bytes());
+    for token in tokens {
+        hash = fnv1a(hash, &token.to_le_bytes());
+    }
+    hash
+}
+
+/// Applies `events` to a subscriber's view of the cache, checking each against it: a stored run's
+/// parent is cached (prefix-closed), its hashes are its tokens' chained hashes and new; a removed
+/// block was cached.
+fn follow(view: &mut BTreeSet<u64>, events: Vec<CacheEvent>, block_size: u32) {
+    for event in events {
+        match event {
+            CacheEvent::Stored {
+                hashes,
+                parent,
+                tokens,
+            } => {
+                assert_eq!(tokens.len(), hashes.len() * block_size as usize);
+                if let Some(parent) = parent {
+                    assert!(view.contains(&parent), "parent {parent:x} not cached");
+                }
+                let mut previous = parent;
+                for (hash, block) in hashes.iter().zip(tokens.chunks(block_size as usize)) {
+                    assert_eq!(*hash, chained(previous, block));
+                    assert!(view.insert(*hash), "{hash:x} stored twice");
+                    previous = Some(*hash);
+                }
+            }
+            CacheEvent::Removed { hashes } => {
+                for hash in hashes {
+                    assert!(view.remove(&hash), "{hash:x} removed but not cached");
+                }
+            }
+            CacheEvent::AllCleared => view.clear(),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Submit {
@@ -443,6 +591,8 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..80),
     ) {
         let mut model = RankModel::new(0, nz(block_size), nz(kv_blocks), nz(max_running), max_queue);
+        model.record_events(true);
+        let mut view = BTreeSet::new();
         let mut next_id: RequestId = 0;
         let mut live: BTreeSet<RequestId> = BTreeSet::new();
         let mut prompt_lens = std::collections::HashMap::new();
@@ -506,6 +656,9 @@ proptest! {
             }
 
             check_invariants(&model);
+            // A subscriber that applies every event sees exactly the cached blocks.
+            follow(&mut view, model.take_events(), block_size);
+            prop_assert_eq!(&view, &model.refs.keys().copied().collect::<BTreeSet<u64>>());
             let stats = model.stats();
             for admission in &admissions {
                 // FIFO: ids are submitted in increasing order, so admissions are too.

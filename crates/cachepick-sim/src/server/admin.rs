@@ -1,6 +1,17 @@
-//! The admin controls (`/admin/state`, `/admin/config`, `/admin/metrics`, `/admin/pause`,
-//! `/admin/resume`, `/admin/crash`) and what the metrics controls change: how `/metrics` and
-//! `/v1/loads` answer.
+//! The admin controls and what the metrics controls change: how `/metrics` and `/v1/loads` answer.
+//!
+//! | route | body | effect |
+//! |---|---|---|
+//! | `GET /admin/state` | | the worker's state (every control answers it too) |
+//! | `POST /admin/config` | `SimParams` keys (JSON or YAML) | new parameters, limits at once |
+//! | `POST /admin/metrics` | `{"mode": "live\|frozen\|hang\|fail\|garbage", "fake": {...} \| null}` | how `/metrics` answers |
+//! | `POST /admin/pause`, `/admin/resume` | | stop and resume every request's progress |
+//! | `POST /admin/crash` | `{"restart_after_ms": N}` or nothing | die (and come back empty after N ms): ports closed, cache, queue and KV event seq and ring lost |
+//! | `POST /admin/kv-events` | `{"drop_next": N, "unreplayable": bool, "rank": r}` | the next N KV event batches of every rank (or of rank `r`) are not sent on the live socket; they still take their seq and, unless `unreplayable`, enter the replay ring (409 when events are off) |
+//!
+//! `drop_next` is PUB/SUB loss as a subscriber sees it: a gap in seq that a replay request heals;
+//! with `unreplayable: true` the dropped batches are kept out of the ring too, so the replay starts
+//! after them. A new `drop_next` replaces the previous one; `{"drop_next": 0}` cancels it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -147,6 +158,19 @@ const METRICS_CONTROL: &str = concat!(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct KvEventsControl {
+    drop_next: u64,
+    #[serde(default)]
+    unreplayable: bool,
+    /// Only this rank; absent is every rank.
+    rank: Option<usize>,
+}
+
+/// What `/admin/kv-events` accepts, as a refusal says it.
+const KV_EVENTS_CONTROL: &str = r#"{"drop_next": N, "unreplayable": false, "rank": R (optional)}"#;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CrashControl {
     /// Restart by itself after this long; absent stays down until the fleet control restarts it.
     restart_after_ms: Option<u64>,
@@ -203,6 +227,35 @@ pub(super) async fn admin(
             shared.paused.send_replace(false);
             state(shared, incarnation)
         }
+        (&Method::POST, "/admin/kv-events") => {
+            let control: KvEventsControl = match decode_control(body, KV_EVENTS_CONTROL) {
+                Ok(control) => control,
+                Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+            };
+            if shared.kv_events.is_none() {
+                return error(
+                    StatusCode::CONFLICT,
+                    "KV events are off on this worker (set `kv_events:` in the simulator's file)",
+                );
+            }
+            if let Some(rank) = control.rank
+                && rank >= incarnation.ranks.len()
+            {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    &format!("no rank {rank}: the worker has {}", incarnation.ranks.len()),
+                );
+            }
+            for (index, rank) in incarnation.ranks.iter().enumerate() {
+                if control.rank.is_none_or(|only| only == index) {
+                    let mut rank = lock(rank);
+                    if let Some(stream) = &mut rank.events {
+                        stream.drop_next(control.drop_next, control.unreplayable);
+                    }
+                }
+            }
+            state(shared, incarnation)
+        }
         (&Method::POST, "/admin/crash") => {
             let control: CrashControl =
                 match decode_control(body, r#"{"restart_after_ms": N} or nothing"#) {
@@ -246,6 +299,7 @@ fn apply_params(shared: &Shared, incarnation: &Incarnation, params: SimParams) {
         let admitted =
             rank.model
                 .set_limits(params.kv_blocks, params.max_running, params.max_queue);
+        rank.publish_events();
         rank.wake(admitted);
     }
     shared.params.store(Arc::new(params));
@@ -254,11 +308,23 @@ fn apply_params(shared: &Shared, incarnation: &Incarnation, params: SimParams) {
 fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
     let params = shared.params.load_full();
     let controls = *lock(&shared.controls);
+    let streams: Vec<Option<serde_json::Value>> = incarnation
+        .ranks
+        .iter()
+        .map(|rank| {
+            lock(rank)
+                .events
+                .as_ref()
+                .and_then(|stream| serde_json::to_value(stream.state()).ok())
+        })
+        .collect();
     let ranks: Vec<serde_json::Value> = incarnation
         .stats()
         .iter()
-        .map(|rank| {
+        .zip(streams)
+        .map(|(rank, stream)| {
             serde_json::json!({
+                "kv_events": stream,
                 "rank": rank.rank,
                 "running": rank.running,
                 "waiting": rank.waiting,
@@ -288,6 +354,15 @@ fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
         "metrics_mode": controls.metrics,
         "fake_metrics": controls.fake,
         "params": params_json(&params),
+        "kv_events": shared.kv_events.as_ref().map(|events| serde_json::json!({
+            "format": events.format.as_str(),
+            "topic": events.topic,
+            "endpoints": events.ranks.iter().map(|rank| serde_json::json!({
+                "rank": rank.rank,
+                "live": format!("tcp://{}", rank.live),
+                "replay": rank.replay.map(|addr| format!("tcp://{addr}")),
+            })).collect::<Vec<_>>(),
+        })),
         "ranks": ranks,
     });
     serde_json::to_vec_pretty(&value).unwrap_or_default()

@@ -39,6 +39,7 @@ impl Drop for Ticket {
         if let Some(mut rank) = self.incarnation.rank(self.rank) {
             rank.waiters.remove(&self.id);
             let admitted = rank.model.finish(self.id, self.completed, self.generated);
+            rank.publish_events();
             rank.wake(admitted);
         }
     }
@@ -103,7 +104,9 @@ pub(super) async fn generate(
         let Some((rank_index, mut rank)) = incarnation.least_loaded() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "no engine rank");
         };
-        let admission = match rank.model.submit(id, &prompt, output) {
+        let submitted = rank.model.submit(id, &prompt, output);
+        rank.publish_events();
+        let admission = match submitted {
             Ok(Submit::Admitted(admission)) => Ok(admission),
             Ok(Submit::Queued { .. }) => {
                 let (sender, receiver) = oneshot::channel();

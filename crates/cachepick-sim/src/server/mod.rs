@@ -9,6 +9,10 @@
 //! crashing the worker aborts the connection tasks and with them every stream, the way a dying process
 //! drops its sockets.
 //!
+//! With KV cache events on, every rank also has a publisher task ([`crate::kv_events`]) that lives and
+//! dies with the incarnation: the model records each call's cache changes, the rank takes them under its
+//! lock right after the call and hands them to its publisher as one numbered batch, without waiting.
+//!
 //! Here: the worker's life (start, kill, restart), the accept loop and the routing. A request's
 //! generation is in `generate`, the admin controls and the metrics modes they set in `admin`.
 
@@ -36,8 +40,10 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use cachepick_tokenizer::Tokenizer;
 
-use crate::config::{Engine, SimParams};
+use crate::config::{Engine, KvEventsConfig, SimParams};
 use crate::expo::{self, Identity};
+use crate::kv_events::publisher::{self, PublisherSpec, RankListeners, RankStream};
+use crate::kv_events::{KvEventEndpoints, RankEventEndpoints};
 use crate::model::{Admission, RankModel, RequestId};
 use crate::stats::{Histogram, RankStats};
 use crate::wire::{self, Api};
@@ -69,6 +75,18 @@ pub struct WorkerSpec {
     /// How `/server_info` names the tokenizer.
     pub tokenizer_name: String,
     pub params: SimParams,
+    /// KV cache events; `None` publishes nothing.
+    pub kv_events: Option<KvEventsSpec>,
+}
+
+/// How a worker publishes KV cache events, and on which ports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvEventsSpec {
+    pub config: KvEventsConfig,
+    /// Rank 0's PUB port; rank `r` uses this plus `r`. `None` takes a free run of ports.
+    pub live_port: Option<u16>,
+    /// Rank 0's ROUTER port (with replay on); rank `r` uses this plus `r`. `None` takes a free run.
+    pub replay_port: Option<u16>,
 }
 
 /// One rank: its model, the requests waiting for admission, and its latency histograms.
@@ -77,9 +95,22 @@ struct Rank {
     waiters: HashMap<RequestId, oneshot::Sender<Admission>>,
     ttft: Histogram,
     e2e: Histogram,
+    /// The rank's KV event stream, when events are on.
+    events: Option<RankStream>,
 }
 
 impl Rank {
+    /// Publishes what the last model call changed in the cache as one batch (nothing when it changed
+    /// nothing). Called under the rank's lock right after every model call that can change the cache.
+    fn publish_events(&mut self) {
+        if let Some(stream) = &mut self.events {
+            let events = self.model.take_events();
+            if !events.is_empty() {
+                stream.push(events);
+            }
+        }
+    }
+
     /// Wakes the requests the model admitted.
     fn wake(&mut self, admitted: Vec<Admission>) {
         for admission in admitted {
@@ -104,20 +135,26 @@ struct Incarnation {
 }
 
 impl Incarnation {
-    fn new(spec: &WorkerSpec, params: &SimParams) -> Incarnation {
+    /// Fresh ranks; `streams[r]` is rank `r`'s event stream (none when events are off).
+    fn new(spec: &WorkerSpec, params: &SimParams, streams: Vec<RankStream>) -> Incarnation {
+        let mut streams = streams.into_iter();
         let ranks = (0..spec.dp_size)
             .map(|rank| {
+                let mut model = RankModel::new(
+                    rank,
+                    spec.block_size,
+                    params.kv_blocks,
+                    params.max_running,
+                    params.max_queue,
+                );
+                let events = streams.next();
+                model.record_events(events.is_some());
                 Mutex::new(Rank {
-                    model: RankModel::new(
-                        rank,
-                        spec.block_size,
-                        params.kv_blocks,
-                        params.max_running,
-                        params.max_queue,
-                    ),
+                    model,
                     waiters: HashMap::new(),
                     ttft: Histogram::default(),
                     e2e: Histogram::default(),
+                    events,
                 })
             })
             .collect();
@@ -162,6 +199,8 @@ enum Life {
         server: JoinHandle<()>,
         /// Tells the accept loop to cut every connection and return.
         stop: oneshot::Sender<()>,
+        /// The ranks' KV event publishers; aborting one closes its sockets and loses its ring.
+        publishers: Vec<JoinHandle<()>>,
     },
     Down,
 }
@@ -179,6 +218,9 @@ struct Shared {
     next_request: AtomicU64,
     /// Seeds the shared draws (injected failures); each request has its own generator.
     rng: Mutex<SmallRng>,
+    /// Where the ranks publish KV cache events, fixed for the worker's life.
+    kv_events: Option<KvEventEndpoints>,
+    kv_publisher: Option<Arc<PublisherSpec>>,
 }
 
 /// A simulated worker. Dropping it stops its server.
@@ -192,6 +234,11 @@ pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot bind the KV event ports ({what}): {source}")]
+    KvEvents {
+        what: String,
         source: std::io::Error,
     },
 }
@@ -209,6 +256,17 @@ impl Worker {
             addr: spec.addr,
             source,
         })?;
+        let (kv_events, kv_listeners) = match &spec.kv_events {
+            Some(events) => {
+                let (endpoints, listeners) = bind_kv_events(&spec, events)?;
+                (Some(endpoints), listeners)
+            }
+            None => (None, Vec::new()),
+        };
+        let kv_publisher = spec
+            .kv_events
+            .as_ref()
+            .map(|events| Arc::new(PublisherSpec::new(&events.config, spec.block_size.get())));
         let shared = Arc::new(Shared {
             id: spec.addr.to_string(),
             params: ArcSwap::from_pointee(spec.params.clone()),
@@ -218,9 +276,11 @@ impl Worker {
             life: Mutex::new(Life::Down),
             next_request: AtomicU64::new(0),
             rng: Mutex::new(SmallRng::seed_from_u64(spec.seed)),
+            kv_events,
+            kv_publisher,
             spec,
         });
-        launch(&shared, listener);
+        launch(&shared, listener, kv_listeners);
         Ok(Worker { shared })
     }
 
@@ -230,6 +290,11 @@ impl Worker {
 
     pub fn index(&self) -> u32 {
         self.shared.spec.index
+    }
+
+    /// Where and in which format the ranks publish KV cache events; `None` when events are off.
+    pub fn kv_events(&self) -> Option<&KvEventEndpoints> {
+        self.shared.kv_events.as_ref()
     }
 
     pub fn is_up(&self) -> bool {
@@ -260,10 +325,14 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         // No await in a drop: the port closes once the runtime drops the aborted task.
-        if let Life::Up { server, .. } =
-            std::mem::replace(&mut *lock(&self.shared.life), Life::Down)
+        if let Life::Up {
+            server, publishers, ..
+        } = std::mem::replace(&mut *lock(&self.shared.life), Life::Down)
         {
             server.abort();
+            for publisher in publishers {
+                publisher.abort();
+            }
         }
     }
 }
@@ -275,8 +344,100 @@ fn current(shared: &Shared) -> Option<Arc<Incarnation>> {
     }
 }
 
-fn launch(shared: &Arc<Shared>, listener: TcpListener) {
-    let incarnation = Arc::new(Incarnation::new(&shared.spec, &shared.params.load()));
+/// Binds a worker's KV event ports: per rank a PUB listener and, with replay, a ROUTER listener, each
+/// kind on consecutive ports from rank 0's.
+fn bind_kv_events(
+    spec: &WorkerSpec,
+    events: &KvEventsSpec,
+) -> Result<(KvEventEndpoints, Vec<RankListeners>), StartError> {
+    let host = spec.addr.ip();
+    let error = |what: &str| {
+        let what = what.to_owned();
+        move |source| StartError::KvEvents { what, source }
+    };
+    let live =
+        publisher::bind_ports(host, events.live_port, spec.dp_size).map_err(error("live"))?;
+    let replay = if events.config.replay {
+        publisher::bind_ports(host, events.replay_port, spec.dp_size)
+            .map_err(error("replay"))?
+            .into_iter()
+            .map(Some)
+            .collect()
+    } else {
+        std::iter::repeat_with(|| None)
+            .take(live.len())
+            .collect::<Vec<_>>()
+    };
+    let mut ranks = Vec::new();
+    let mut listeners = Vec::new();
+    for ((rank, live), replay) in (0u32..).zip(live).zip(replay) {
+        ranks.push(RankEventEndpoints {
+            rank,
+            live: live.local_addr().map_err(error("live"))?,
+            replay: replay
+                .as_ref()
+                .map(std::net::TcpListener::local_addr)
+                .transpose()
+                .map_err(error("replay"))?,
+        });
+        listeners.push(RankListeners { live, replay });
+    }
+    let endpoints = KvEventEndpoints {
+        format: events.config.format,
+        topic: events.config.topic.clone(),
+        ranks,
+    };
+    Ok((endpoints, listeners))
+}
+
+/// Binds the KV event ports of `endpoints` again, after a restart.
+async fn rebind_kv_events(endpoints: &KvEventEndpoints) -> Result<Vec<RankListeners>, StartError> {
+    let mut listeners = Vec::new();
+    for rank in &endpoints.ranks {
+        let live = publisher::rebind(rank.live)
+            .await
+            .map_err(|source| StartError::KvEvents {
+                what: format!("live {}", rank.live),
+                source,
+            })?;
+        let replay = match rank.replay {
+            Some(addr) => {
+                Some(
+                    publisher::rebind(addr)
+                        .await
+                        .map_err(|source| StartError::KvEvents {
+                            what: format!("replay {addr}"),
+                            source,
+                        })?,
+                )
+            }
+            None => None,
+        };
+        listeners.push(RankListeners { live, replay });
+    }
+    Ok(listeners)
+}
+
+fn launch(shared: &Arc<Shared>, listener: TcpListener, kv_listeners: Vec<RankListeners>) {
+    let mut streams = Vec::new();
+    let mut publishers = Vec::new();
+    if let Some(spec) = &shared.kv_publisher {
+        for (rank, listeners) in (0u32..).zip(kv_listeners) {
+            let (stream, batches) = RankStream::new();
+            streams.push(stream);
+            publishers.push(tokio::spawn(publisher::run(
+                Arc::clone(spec),
+                rank,
+                listeners,
+                batches,
+            )));
+        }
+    }
+    let incarnation = Arc::new(Incarnation::new(
+        &shared.spec,
+        &shared.params.load(),
+        streams,
+    ));
     let (stop, stopped) = oneshot::channel();
     let server = tokio::spawn(accept_loop(
         listener,
@@ -290,20 +451,38 @@ fn launch(shared: &Arc<Shared>, listener: TcpListener) {
             incarnation,
             server,
             stop,
+            publishers,
         },
     );
-    if let Life::Up { server, .. } = previous {
+    if let Life::Up {
+        server, publishers, ..
+    } = previous
+    {
         server.abort();
+        for publisher in publishers {
+            publisher.abort();
+        }
     }
 }
 
 async fn kill(shared: &Shared) {
     let previous = std::mem::replace(&mut *lock(&shared.life), Life::Down);
-    if let Life::Up { server, stop, .. } = previous {
+    if let Life::Up {
+        server,
+        stop,
+        publishers,
+        ..
+    } = previous
+    {
         // The loop returns after every connection task is gone and drops the listener on the way
         // out: once it is joined, the port is closed and no stream survives.
         let _ = stop.send(());
         let _ = server.await;
+        // A dead engine's event sockets close with it, and its ring is gone.
+        for publisher in publishers {
+            publisher.abort();
+            let _ = publisher.await;
+        }
     }
 }
 
@@ -323,7 +502,11 @@ async fn restart(shared: &Arc<Shared>) -> Result<(), StartError> {
             }
         }
     };
-    launch(shared, listener);
+    let kv_listeners = match &shared.kv_events {
+        Some(endpoints) => rebind_kv_events(endpoints).await?,
+        None => Vec::new(),
+    };
+    launch(shared, listener, kv_listeners);
     Ok(())
 }
 
@@ -433,6 +616,12 @@ async fn route(
         (&Method::GET, "/model_info" | "/get_model_info") if engine == Engine::Sglang => {
             json(StatusCode::OK, expo::model_info_json(&identity(&shared)))
         }
+        (&Method::POST, "/reset_prefix_cache") if engine == Engine::Vllm => {
+            reset_prefix_cache(&incarnation)
+        }
+        (&Method::GET | &Method::POST, "/flush_cache") if engine == Engine::Sglang => {
+            reset_prefix_cache(&incarnation)
+        }
         (_, route) if route.starts_with("/admin/") => {
             let method = request.method().clone();
             match read_body(request).await {
@@ -441,6 +630,27 @@ async fn route(
             }
         }
         _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
+    }
+}
+
+/// vLLM's `/reset_prefix_cache` and SGLang's `/flush_cache`: every rank drops its cached blocks (and
+/// publishes `AllBlocksCleared`), unless a request runs on it, which the engines refuse too.
+fn reset_prefix_cache(incarnation: &Incarnation) -> Response<Body> {
+    let mut busy = Vec::new();
+    for (index, rank) in incarnation.ranks.iter().enumerate() {
+        let mut rank = lock(rank);
+        if !rank.model.reset_prefix_cache() {
+            busy.push(index);
+        }
+        rank.publish_events();
+    }
+    if busy.is_empty() {
+        text(StatusCode::OK, String::new())
+    } else {
+        error(
+            StatusCode::BAD_REQUEST,
+            &format!("Cache not flushed: requests are running on rank(s) {busy:?}."),
+        )
     }
 }
 
