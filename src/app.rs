@@ -11,6 +11,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::Config;
+use crate::events::stream::StreamView;
 use crate::extproc;
 use crate::load::{PoolLoad, PoolView, Scraper};
 use crate::metrics::Metrics;
@@ -81,6 +82,7 @@ pub async fn run(
     for (_, scraper) in pools {
         tasks.spawn(scraper.run(stopped_future()));
     }
+    let feeds = service.start_event_feeds(stopped_future.clone());
     let debug = config
         .debug_endpoints
         .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
@@ -103,8 +105,20 @@ pub async fn run(
     })
     .await;
     tasks.join_all().await;
+    for feed in feeds {
+        let _ = feed.await;
+    }
     tracing::info!("cachepick stopped");
     Ok(served?)
+}
+
+/// A pool in `/debug/snapshot`: its load snapshot, and in `events` mode its KV event streams.
+#[derive(serde::Serialize)]
+struct DebugPool {
+    #[serde(flatten)]
+    view: PoolView,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    kv_events: Vec<StreamView>,
 }
 
 /// The debug endpoints' view of the request service: the HTTP server on `metrics_listen` asks through
@@ -113,7 +127,21 @@ struct Debug(Arc<Service>);
 
 impl DebugSource for Debug {
     fn snapshot_json(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(&self.0.snapshot()).unwrap_or_default()
+        let mut streams = self.0.kv_event_streams();
+        let pools: Vec<DebugPool> = self
+            .0
+            .snapshot()
+            .into_iter()
+            .map(|view| {
+                let kv_events = streams
+                    .iter_mut()
+                    .find(|(pool, _)| *pool == view.pool)
+                    .map(|(_, streams)| std::mem::take(streams))
+                    .unwrap_or_default();
+                DebugPool { view, kv_events }
+            })
+            .collect();
+        serde_json::to_vec_pretty(&pools).unwrap_or_default()
     }
 
     fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {

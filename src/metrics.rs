@@ -16,6 +16,11 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+mod kv_events;
+
+pub use kv_events::StreamSource;
+use kv_events::{KvEventCollector, KvEventGauges};
+
 use crate::load::{PoolLoad, ScrapeObserver, ScrapeOutcome};
 use crate::policy::Reason;
 use crate::prefix::IndexStats;
@@ -77,6 +82,7 @@ pub struct Metrics {
     streams_closed: IntCounterVec,
     load: Arc<LoadGauges>,
     index: Arc<IndexGauges>,
+    kv_events: Arc<KvEventGauges>,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -250,6 +256,7 @@ impl Metrics {
             streams_closed,
             load,
             index,
+            kv_events: Arc::new(KvEventGauges::new()?),
         };
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
@@ -265,6 +272,7 @@ impl Metrics {
         registry.register(Box::new(build_info))?;
         registry.register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
         registry.register(Box::new(IndexCollector(Arc::clone(&metrics.index))))?;
+        registry.register(Box::new(KvEventCollector(Arc::clone(&metrics.kv_events))))?;
         Ok(metrics)
     }
 
@@ -281,6 +289,11 @@ impl Metrics {
         if let Ok(mut sources) = self.index.sources.lock() {
             sources.push(source);
         }
+    }
+
+    /// Reports `cachepick_kv_events_*` for the streams `source` lists, from now on.
+    pub fn watch_kv_events(&self, source: StreamSource) {
+        self.kv_events.watch(source);
     }
 
     /// Pre-creates the per-pool series (every `Reason::ALL` label at 0 for decisions_total) so

@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 
 use crate::load::PoolView;
 use crate::policy::Outcome;
+use crate::prefix::DepthSource;
 use crate::route::Explanation;
 use crate::worker::WorkerId;
 
@@ -128,9 +129,21 @@ pub fn explanation(explanation: &Explanation) -> String {
         );
     }
     for owner in &prepared.owners {
+        let source = explanation
+            .depth_sources
+            .as_ref()
+            .and_then(|sources| sources.iter().find(|source| source.worker == owner.worker))
+            .map(|source| match source.source() {
+                DepthSource::Events => " (engine events)".to_owned(),
+                DepthSource::Speculative => format!(
+                    " (speculative: a decision of this replica; events say {})",
+                    source.events_tokens
+                ),
+            })
+            .unwrap_or_default();
         let _ = writeln!(
             out,
-            "owner:   {} holds {} tokens",
+            "owner:   {} holds {} tokens{source}",
             endpoint(owner.worker),
             owner.matched_tokens
         );

@@ -194,7 +194,7 @@ const LAYERS: [&[&str]; 8] = [
     &["worker", "protocol"],
     &["config"],
     &["request", "tokenize", "prefix", "load"],
-    &["policy"],
+    &["policy", "events"],
     &["metrics"],
     &["route"],
     &["extproc", "metrics_server", "envoy_config"],

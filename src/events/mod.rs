@@ -4,13 +4,24 @@
 //! - [`decode`]: one msgpack `EventBatch` payload → [`EventBatch`], in every encoding the engines
 //!   publish (positional arrays, `type`-tagged maps, vLLM's and SGLang's field layouts). Pure and
 //!   panic-free; it has a fuzz target.
+//! - [`apply`]: a batch → the pool's [`EventIndex`](crate::prefix::EventIndex), for one stream's slot.
+//! - [`subscriber`]: one engine rank's stream over ZeroMQ: sequence tracking, replay, resets,
+//!   reconnection.
+//! - [`stream`]: each stream's state and counters, read by metrics and the debug endpoints.
+//! - [`EventFeeds`]: every stream of every `events` pool, started by `app`.
 //!
 //! The types here are the engines' vocabulary with the engines' hashes; nothing in them is keyed by
 //! cachepick's own block hashes yet. The owner index re-keys blocks by their tokens (see `prefix`).
 // Bad input is data here: the engines' bytes cross a network.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 
+pub mod apply;
 pub mod decode;
+mod feeds;
+pub mod stream;
+pub mod subscriber;
+
+pub use feeds::{EventFeeds, PoolFeed};
 
 /// Where an engine holds a block. Only [`Medium::Gpu`] blocks skip prefill; the others are offload
 /// tiers, which a request still has to load back.

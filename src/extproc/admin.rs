@@ -281,6 +281,7 @@ mod tests {
             ..Trace::default()
         };
         let explanation = Explanation {
+            depth_sources: None,
             prepared: prepared(),
             block_size: 16,
             outcome: Outcome::Route(Decision {
@@ -341,6 +342,7 @@ mod tests {
             matched_tokens: 16,
         }];
         let explanation = Explanation {
+            depth_sources: None,
             prepared,
             block_size: 16,
             outcome: Outcome::Reject(Reject {

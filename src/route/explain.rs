@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use super::picker::Prepared;
 use crate::policy::Outcome;
+use crate::prefix::SourcedMatch;
 
 /// What `cachepick explain` and the debug endpoints report about one request body.
 #[derive(Debug, Serialize)]
@@ -15,4 +16,8 @@ pub struct Explanation {
     pub outcome: Outcome,
     /// Endpoints by worker id, so the outcome's ids can be read.
     pub endpoints: Vec<String>,
+    /// In an `events` pool, each owner's depth by the engine's events and by this replica's recent
+    /// decisions (the deeper one counts); absent in an `approximate` pool.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub depth_sources: Option<Vec<SourcedMatch>>,
 }

@@ -24,10 +24,12 @@ use serde::Serialize;
 use thiserror::Error;
 
 use super::explain::Explanation;
-use crate::config::{Config, Mode, PoolConfig};
+use crate::config::{Config, IndexMode, Mode, PoolConfig};
 use crate::load::{PoolLoad, PoolSnapshot};
 use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
-use crate::prefix::{IndexStats, OwnerIndex, OwnerMatch, block_hashes, prefix_seed};
+use crate::prefix::{
+    EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch, block_hashes, prefix_seed,
+};
 use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, BodyError, Prompt, ReadBody};
 use crate::tokenize::{ChatTurn, PoolTokenizer, TokenizeError};
@@ -83,9 +85,17 @@ struct PoolRoute {
     config: PoolConfig,
     load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
-    index: OwnerIndex,
+    index: PoolIndex,
     /// Decisions taken so far under `round_robin`: the next request's turn.
     sequence: AtomicU64,
+}
+
+/// Where a pool learns who holds which prefix (`PoolConfig::index`).
+enum PoolIndex {
+    /// From this picker's own decisions.
+    Approximate(OwnerIndex),
+    /// From the engines' KV events, fed by `events::EventFeeds`, plus this picker's recent decisions.
+    Events(Arc<EventIndex>),
 }
 
 /// Everything the policy needs about one request, computed once.
@@ -129,11 +139,24 @@ impl Picker {
                     .iter()
                     .map(|worker| capacity_blocks(pool, worker.capacity.max_total_tokens))
                     .collect();
+                let index = match pool.index.mode {
+                    IndexMode::Approximate => PoolIndex::Approximate(OwnerIndex::new(&capacities)),
+                    IndexMode::Events => {
+                        let ranks: Vec<u32> =
+                            pool.workers.iter().map(|worker| worker.dp_size.get()).collect();
+                        PoolIndex::Events(Arc::new(EventIndex::new(
+                            &ranks,
+                            &capacities,
+                            pool.block_size,
+                            pool.index.speculative_ttl,
+                        )))
+                    }
+                };
                 Ok(PoolRoute {
                     config: pool.clone(),
                     load: Arc::clone(load),
                     tokenizer,
-                    index: OwnerIndex::new(&capacities),
+                    index,
                     sequence: AtomicU64::new(0),
                 })
             })
@@ -165,22 +188,35 @@ impl Picker {
                         parts: &message.content,
                     })
                     .collect();
-                Cow::Owned(untokenized_as_empty(
-                    pool.tokenizer
-                        .tokens_for_chat(&turns, tools.map(|raw| raw.get())),
-                )?)
+                let tools = tools.map(|raw| raw.get());
+                Cow::Owned(untokenized_as_empty(match &pool.index {
+                    PoolIndex::Approximate(_) => pool.tokenizer.tokens_for_chat(&turns, tools),
+                    // The engine's own block tokens are matched here, so the prompt's tokens must be
+                    // the engine's: the rendered chat tokenized whole, as the engine does. Segments
+                    // can differ at their boundaries (see `tokenize`).
+                    PoolIndex::Events(_) => pool
+                        .tokenizer
+                        .render_chat(&turns, tools)
+                        .and_then(|text| pool.tokenizer.encode_whole(&text, false)),
+                })?)
             }
             Prompt::Text(text) => {
                 Cow::Owned(untokenized_as_empty(pool.tokenizer.tokens_for_text(text))?)
             }
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
-        let seed = prefix_seed(
-            model.unwrap_or(pool.load.label()),
-            parsed.cache_salt.as_deref(),
-        );
+        // The engines' events name no model, so in `events` mode every chain of the pool hangs off the
+        // pool's own model (see `events::apply`).
+        let seed_model = match &pool.index {
+            PoolIndex::Approximate(_) => model.unwrap_or(pool.load.label()),
+            PoolIndex::Events(_) => pool.load.label(),
+        };
+        let seed = prefix_seed(seed_model, parsed.cache_salt.as_deref());
         let hashes = block_hashes(seed, &tokens, config.block_size);
-        let owners = pool.index.matches(&hashes, config.block_size);
+        let owners = match &pool.index {
+            PoolIndex::Approximate(index) => index.matches(&hashes, config.block_size),
+            PoolIndex::Events(index) => index.matches(&hashes, Instant::now()),
+        };
         Ok(Prepared {
             pool: pool_index,
             pool_label: pool.load.label().to_owned(),
@@ -232,12 +268,37 @@ impl Picker {
         self.max_body_bytes
     }
 
-    /// Every pool's owner-index statistics, by pool label.
+    /// Every pool's owner-index statistics, by pool label. An `events` pool's are its engines'.
     pub fn index_stats(&self) -> Vec<(String, IndexStats)> {
         self.pools
             .iter()
-            .map(|pool| (pool.load.label().to_owned(), pool.index.stats()))
+            .map(|pool| {
+                let stats = match &pool.index {
+                    PoolIndex::Approximate(index) => index.stats(),
+                    PoolIndex::Events(index) => index.stats().index,
+                };
+                (pool.load.label().to_owned(), stats)
+            })
             .collect()
+    }
+
+    /// Each `events` pool's configuration and event-fed index.
+    pub fn event_indexes(&self) -> Vec<(&PoolConfig, Arc<EventIndex>)> {
+        self.pools
+            .iter()
+            .filter_map(|pool| match &pool.index {
+                PoolIndex::Events(index) => Some((&pool.config, Arc::clone(index))),
+                PoolIndex::Approximate(_) => None,
+            })
+            .collect()
+    }
+
+    /// For an `events` pool, where each owner's depth of `prepared` comes from; `None` otherwise.
+    pub fn depth_sources(&self, prepared: &Prepared) -> Option<Vec<SourcedMatch>> {
+        match &self.pools.get(prepared.pool)?.index {
+            PoolIndex::Events(index) => Some(index.sourced(&prepared.block_hashes, Instant::now())),
+            PoolIndex::Approximate(_) => None,
+        }
     }
 
     /// How `body` would be routed now, on the live owner index and load, without committing anything.
@@ -254,7 +315,9 @@ impl Picker {
             None => no_workers(),
         };
         let config = self.pools.get(prepared.pool).map(|pool| &pool.config);
+        let depth_sources = self.depth_sources(&prepared);
         Ok(Explanation {
+            depth_sources,
             block_size: config.map_or(0, |pool| pool.block_size.get()),
             endpoints: config
                 .map(|pool| {
@@ -366,10 +429,17 @@ impl<'p> Pinned<'p> {
             return;
         };
         let pool = self.pool;
-        let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
-        pool.index.set_capacity(decision.selected, capacity);
-        pool.index
-            .insert(decision.selected, &self.prepared.block_hashes);
+        match &pool.index {
+            PoolIndex::Approximate(index) => {
+                let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
+                index.set_capacity(decision.selected, capacity);
+                index.insert(decision.selected, &self.prepared.block_hashes);
+            }
+            // The engine's events will say what it really cached; until then, a guess.
+            PoolIndex::Events(index) => {
+                index.speculate(decision.selected, &self.prepared.block_hashes, Instant::now());
+            }
+        }
         pool.load.dispatches().record(decision.selected);
     }
 

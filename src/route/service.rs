@@ -14,6 +14,8 @@ use serde::Serialize;
 
 use super::explain::Explanation;
 use super::picker::{Picker, Pinned, Prepared, RequestError};
+use crate::events::EventFeeds;
+use crate::events::stream::StreamView;
 use crate::load::PoolView;
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
@@ -101,6 +103,8 @@ impl From<RejectReason> for RefusalReason {
 pub struct Service {
     picker: Picker,
     metrics: Arc<Metrics>,
+    /// The KV event streams of the `events` pools; started by [`Service::start_event_feeds`].
+    feeds: Arc<EventFeeds>,
     /// Counts info-level events for sampling.
     sampled: AtomicU64,
 }
@@ -110,9 +114,13 @@ impl Service {
         for load in picker.loads() {
             metrics.init_pool(load.label());
         }
+        let feeds = Arc::new(EventFeeds::new(picker.event_indexes()));
+        let streams = Arc::clone(&feeds);
+        metrics.watch_kv_events(Arc::new(move |now| streams.views(now)));
         let service = Arc::new(Service {
             picker,
             metrics,
+            feeds,
             sampled: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&service);
@@ -338,6 +346,19 @@ impl Service {
     /// How a body would be routed now, without routing it: the live owner index and load.
     pub fn explain(&self, path: &str, body: &[u8]) -> Result<Explanation, RequestError> {
         self.picker.explain(path, body, &mut rand::rng())
+    }
+
+    /// Subscribes to every KV event stream of the `events` pools, until `shutdown()` completes.
+    pub fn start_event_feeds<F>(&self, shutdown: impl Fn() -> F) -> Vec<tokio::task::JoinHandle<()>>
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.feeds.start(shutdown)
+    }
+
+    /// Every KV event stream's state and counters now, by pool.
+    pub fn kv_event_streams(&self) -> Vec<(String, Vec<StreamView>)> {
+        self.feeds.views(Instant::now())
     }
 
     /// Every pool's current snapshot as an operator reads it.

@@ -177,6 +177,10 @@ struct SimArgs {
     /// Data-parallel ranks per worker (overrides `dp_size`).
     #[arg(long, value_name = "N")]
     dp_size: Option<u64>,
+    /// Publish KV cache events in this engine format: vllm_array, vllm_map or sglang (turns
+    /// `kv_events` on; its other keys still apply).
+    #[arg(long, value_name = "FORMAT", value_parser = parse_kv_events)]
+    kv_events: Option<cachepick_sim::KvEventsFormat>,
     /// Write a cachepick configuration fronting the fleet to FILE.
     #[arg(long, value_name = "FILE")]
     emit_config: Option<PathBuf>,
@@ -193,6 +197,13 @@ fn parse_engine(text: &str) -> Result<cachepick_sim::Engine, String> {
     }
 }
 
+fn parse_kv_events(text: &str) -> Result<cachepick_sim::KvEventsFormat, String> {
+    cachepick_sim::KvEventsFormat::ALL
+        .into_iter()
+        .find(|format| format.as_str() == text)
+        .ok_or_else(|| format!("expected vllm_array, vllm_map or sglang, got `{text}`"))
+}
+
 impl SimArgs {
     fn load(&self) -> Result<cachepick_sim::SimConfig, config::ConfigError> {
         let overrides = cachepick_sim::SimOverrides {
@@ -203,6 +214,7 @@ impl SimArgs {
             seed: self.seed,
             time_scale: self.time_scale,
             dp_size: self.dp_size,
+            kv_events: self.kv_events,
         };
         match &self.config {
             Some(path) => cachepick_sim::decode::load(path, &overrides),

@@ -1,0 +1,361 @@
+//! One engine rank's KV event stream: subscribe, keep the sequence, heal gaps by replay, reset the
+//! rank's entries when the engine restarted or a gap cannot be healed, reconnect with backoff.
+//!
+//! # Sequence rules
+//! Every batch carries the publisher's sequence number, which counts batches from 0 per engine
+//! process. With `e` the next expected number and `s` the one received:
+//! - `s == e`: applied.
+//! - `s > e`: batches `e..s` were lost (PUB/SUB drops at connect and above the high-water mark). With
+//!   a replay socket they are asked for; if the replay does not start at `e` (its ring moved on) or
+//!   fails, the rank is reset — its entries may describe blocks the lost batches removed. Without a
+//!   replay socket the rank is reset at once.
+//! - `s < e`: a new engine process (its sequence restarted), so the rank is reset and, with a replay
+//!   socket, the new process's earlier batches are fetched. The exception is a batch the last replay
+//!   already applied arriving again on the live socket right after it: a duplicate, skipped.
+//!
+//! On the first connection (and after a reset for staleness) the replay socket, when there is one, is
+//! asked for everything from 0, so a picker that starts beside a warm engine learns what it already
+//! holds as far as the engine's ring reaches.
+//!
+//! While the stream is down the rank's entries still count: a reconnect usually finds the same
+//! engine. After `stream_grace` without it they are forgotten and the stream is `stale`, because
+//! whatever happened meanwhile (evictions, a restart) is invisible.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::apply::Applier;
+use super::decode::{DecodeError, decode_batch};
+use super::stream::{ResetReason, StreamState};
+use super::EventBatch;
+
+/// The sequence number that ends a replay.
+const REPLAY_END: i64 = -1;
+/// How long a connection attempt, or a whole replay, may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Batches one replay may return: vLLM's default ring holds 10,000.
+const MAX_REPLAYED: usize = 100_000;
+/// How long after a replay a live batch it already applied counts as a duplicate.
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
+const BACKOFF_START: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Why a frame or a replay could not be used.
+#[derive(Debug, Error)]
+pub enum StreamError {
+    #[error("cannot connect to {0}: {1}")]
+    Connect(SocketAddr, String),
+    #[error("the stream broke: {0}")]
+    Receive(String),
+    #[error("a message of {0} frames; expected [topic, seq, payload] or [seq, payload]")]
+    Frames(usize),
+    #[error("a sequence number of {0} bytes; expected 8")]
+    Sequence(usize),
+    #[error("undecodable batch: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("the replay did not finish within {0:?}")]
+    ReplayTimeout(Duration),
+    #[error("the replay returned more than {MAX_REPLAYED} batches")]
+    ReplayTooLong,
+}
+
+/// One rank's subscriber.
+pub struct Subscriber {
+    applier: Applier,
+    topic: String,
+    grace: Duration,
+    /// The next sequence number expected; `None` before the first batch and after a stale reset.
+    expected: Option<u64>,
+    /// Live batches from this number on, until the instant, were already applied by a replay.
+    duplicates: Option<(u64, Instant)>,
+}
+
+impl Subscriber {
+    pub fn new(applier: Applier, topic: String, grace: Duration) -> Self {
+        Subscriber {
+            applier,
+            topic,
+            grace,
+            expected: None,
+            duplicates: None,
+        }
+    }
+
+    /// Runs until `shutdown` completes.
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let live = self.applier.stream().live;
+        let mut backoff = BACKOFF_START;
+        let mut down_since = Instant::now();
+        loop {
+            let connected = tokio::select! {
+                connected = self.connect(live) => connected,
+                () = &mut shutdown => return,
+            };
+            match connected {
+                Ok(mut socket) => {
+                    backoff = BACKOFF_START;
+                    self.applier
+                        .stream()
+                        .set_state(StreamState::Live, Instant::now());
+                    tracing::debug!(%live, "kv events: subscribed");
+                    self.catch_up().await;
+                    let broken = tokio::select! {
+                        broken = self.receive(&mut socket) => broken,
+                        () = &mut shutdown => return,
+                    };
+                    tracing::warn!(%live, error = %broken, "kv events: stream down; reconnecting");
+                    down_since = Instant::now();
+                    self.applier
+                        .stream()
+                        .set_state(StreamState::Connecting, down_since);
+                }
+                Err(error) => tracing::debug!(%live, %error, "kv events: not connected"),
+            }
+            if down_since.elapsed() >= self.grace
+                && self.applier.stream().state() != StreamState::Stale
+            {
+                tracing::warn!(%live, grace = ?self.grace, "kv events: stream down past its grace; forgetting the worker's blocks");
+                self.applier.reset(ResetReason::Stale);
+                self.applier
+                    .stream()
+                    .set_state(StreamState::Stale, Instant::now());
+                self.expected = None;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                () = &mut shutdown => return,
+            }
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    async fn connect(&self, live: SocketAddr) -> Result<SubSocket, StreamError> {
+        let mut socket = SubSocket::new();
+        let endpoint = format!("tcp://{live}");
+        match tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(&endpoint)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => return Err(StreamError::Connect(live, error.to_string())),
+            Err(_) => return Err(StreamError::Connect(live, "timed out".to_owned())),
+        }
+        socket
+            .subscribe(&self.topic)
+            .await
+            .map_err(|error| StreamError::Connect(live, error.to_string()))?;
+        Ok(socket)
+    }
+
+    /// After a (re)connection: what the engine published while nobody listened, from its ring.
+    async fn catch_up(&mut self) {
+        if self.applier.stream().replay.is_none() {
+            return;
+        }
+        let from = self.expected.unwrap_or(0);
+        match self.replay(from).await {
+            Ok(batches) => {
+                // A ring that moved on past `from` lost batches this rank's entries depend on; on a
+                // first connection there are no entries yet to be wrong.
+                if self.expected.is_some() && batches.first().is_some_and(|(seq, _)| *seq != from)
+                {
+                    self.count_gap_reset();
+                }
+                self.apply_replayed(from, batches);
+            }
+            Err(error) => {
+                self.applier
+                    .stream()
+                    .replay_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%error, "kv events: catch-up replay failed");
+            }
+        }
+    }
+
+    /// Receives until the socket breaks.
+    async fn receive(&mut self, socket: &mut SubSocket) -> StreamError {
+        loop {
+            let message = match socket.recv().await {
+                Ok(message) => message,
+                Err(error) => return StreamError::Receive(error.to_string()),
+            };
+            match live_frames(&message) {
+                Ok((seq, payload)) => self.on_batch(seq, payload).await,
+                Err(error) => {
+                    self.applier
+                        .stream()
+                        .decode_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%error, "kv events: unusable message");
+                }
+            }
+        }
+    }
+
+    /// One live batch, by the sequence rules in the module docs.
+    async fn on_batch(&mut self, seq: u64, payload: &[u8]) {
+        let stream = self.applier.stream().clone();
+        match self.expected {
+            Some(expected) if seq > expected => {
+                stream.gaps.fetch_add(1, Ordering::Relaxed);
+                self.heal(expected, seq).await;
+            }
+            Some(expected) if seq < expected => {
+                let duplicate = self
+                    .duplicates
+                    .is_some_and(|(from, until)| seq >= from && Instant::now() < until);
+                if duplicate {
+                    stream.duplicates.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                tracing::info!(live = %stream.live, seq, expected, "kv events: the engine restarted");
+                self.applier.reset(ResetReason::Restart);
+                self.duplicates = None;
+                if seq > 0 && stream.replay.is_some() {
+                    self.expected = Some(0);
+                    self.heal(0, seq).await;
+                }
+            }
+            _ => {}
+        }
+        self.apply_payload(seq, payload);
+    }
+
+    /// Fills `from..until` from the replay socket, or resets the rank when that cannot be done.
+    async fn heal(&mut self, from: u64, until: u64) {
+        if self.applier.stream().replay.is_none() {
+            self.count_gap_reset();
+            return;
+        }
+        match self.replay(from).await {
+            Ok(batches) if batches.first().is_some_and(|(seq, _)| *seq == from) => {
+                let wanted: Vec<_> = batches.into_iter().filter(|(seq, _)| *seq < until).collect();
+                self.apply_replayed(from, wanted);
+            }
+            Ok(_) => self.count_gap_reset(),
+            Err(error) => {
+                self.applier
+                    .stream()
+                    .replay_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%error, "kv events: replay failed");
+                self.count_gap_reset();
+            }
+        }
+    }
+
+    fn count_gap_reset(&mut self) {
+        self.applier.reset(ResetReason::Gap);
+    }
+
+    fn apply_replayed(&mut self, from: u64, batches: Vec<(u64, Result<EventBatch, DecodeError>)>) {
+        let stream = self.applier.stream().clone();
+        stream.replays.fetch_add(1, Ordering::Relaxed);
+        for (seq, batch) in batches {
+            self.apply_decoded(seq, batch);
+        }
+        self.duplicates = Some((from, Instant::now() + DUPLICATE_WINDOW));
+    }
+
+    fn apply_payload(&mut self, seq: u64, payload: &[u8]) {
+        self.apply_decoded(seq, decode_batch(payload));
+    }
+
+    fn apply_decoded(&mut self, seq: u64, batch: Result<EventBatch, DecodeError>) {
+        let stream = self.applier.stream();
+        match batch {
+            Ok(batch) => self.applier.apply(&batch),
+            // Its blocks stay unknown; their children will be orphans, which is counted too.
+            Err(error) => {
+                stream.decode_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%error, seq, "kv events: undecodable batch");
+            }
+        }
+        stream.set_last_seq(seq);
+        self.expected = Some(seq.saturating_add(1));
+    }
+
+    /// Every batch the engine's ring holds from `from` on, decoded, in order.
+    async fn replay(
+        &self,
+        from: u64,
+    ) -> Result<Vec<(u64, Result<EventBatch, DecodeError>)>, StreamError> {
+        let Some(replay) = self.applier.stream().replay else {
+            return Ok(Vec::new());
+        };
+        let work = async {
+            let mut socket = DealerSocket::new();
+            socket
+                .connect(&format!("tcp://{replay}"))
+                .await
+                .map_err(|error| StreamError::Connect(replay, error.to_string()))?;
+            let request: Vec<bytes::Bytes> = vec![
+                bytes::Bytes::new(),
+                bytes::Bytes::copy_from_slice(&from.to_be_bytes()),
+            ];
+            let request = ZmqMessage::try_from(request)
+                .map_err(|_| StreamError::Frames(0))?;
+            socket
+                .send(request)
+                .await
+                .map_err(|error| StreamError::Receive(error.to_string()))?;
+            let mut batches = Vec::new();
+            loop {
+                let message = socket
+                    .recv()
+                    .await
+                    .map_err(|error| StreamError::Receive(error.to_string()))?;
+                let (seq, payload) = replay_frames(&message)?;
+                if seq == REPLAY_END {
+                    return Ok(batches);
+                }
+                if batches.len() >= MAX_REPLAYED {
+                    return Err(StreamError::ReplayTooLong);
+                }
+                // A negative number other than the end is nonsense; skip it.
+                if let Ok(seq) = u64::try_from(seq) {
+                    batches.push((seq, decode_batch(payload)));
+                }
+            }
+        };
+        match tokio::time::timeout(REPLAY_TIMEOUT, work).await {
+            Ok(result) => result,
+            Err(_) => Err(StreamError::ReplayTimeout(REPLAY_TIMEOUT)),
+        }
+    }
+}
+
+/// A live message's sequence number and payload: `[topic, seq, payload]`.
+pub fn live_frames(message: &ZmqMessage) -> Result<(u64, &[u8]), StreamError> {
+    let (seq, payload) = match (message.len(), message.get(0), message.get(1), message.get(2)) {
+        (3, Some(_topic), Some(seq), Some(payload)) => (seq, payload),
+        (2, Some(seq), Some(payload), None) => (seq, payload),
+        (frames, ..) => return Err(StreamError::Frames(frames)),
+    };
+    let seq = sequence(seq)?;
+    Ok((seq as u64, payload))
+}
+
+/// A replay reply's sequence number (-1 at the end) and payload: `[topic, seq, payload]` (vLLM ≥
+/// 0.26) or `[seq, payload]` (older vLLM, SGLang), after any empty delimiter frames.
+pub fn replay_frames(message: &ZmqMessage) -> Result<(i64, &[u8]), StreamError> {
+    let frames: Vec<&bytes::Bytes> = message.iter().skip_while(|frame| frame.is_empty()).collect();
+    let (seq, payload) = match frames.as_slice() {
+        [_topic, seq, payload] => (*seq, *payload),
+        [seq, payload] => (*seq, *payload),
+        other => return Err(StreamError::Frames(other.len())),
+    };
+    Ok((sequence(seq)?, payload))
+}
+
+fn sequence(frame: &[u8]) -> Result<i64, StreamError> {
+    let bytes: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| StreamError::Sequence(frame.len()))?;
+    Ok(i64::from_be_bytes(bytes))
+}
