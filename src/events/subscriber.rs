@@ -17,6 +17,12 @@
 //! asked for everything from 0, so a picker that starts beside a warm engine learns what it already
 //! holds as far as the engine's ring reaches.
 //!
+//! A reconnection may find a new engine process that has published nothing yet (a restarted engine
+//! publishes only once it caches something), so with a replay socket the last applied batch is asked
+//! for again and compared byte for byte: the same engine returns the same batch, a new one returns
+//! nothing, another batch, or a ring that starts later, and the rank is reset at once instead of at
+//! the new engine's first batch. Without a replay socket a restart shows only as a backwards sequence.
+//!
 //! While the stream is down the rank's entries still count: a reconnect usually finds the same
 //! engine. After `stream_grace` without it they are forgotten and the stream is `stale`, because
 //! whatever happened meanwhile (evictions, a restart) is invisible.
@@ -26,13 +32,14 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::apply::Applier;
 use super::decode::{DecodeError, decode_batch};
 use super::stream::{ResetReason, StreamState};
-use super::EventBatch;
 
 /// The sequence number that ends a replay.
 const REPLAY_END: i64 = -1;
@@ -43,8 +50,10 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_REPLAYED: usize = 100_000;
 /// How long after a replay a live batch it already applied counts as a duplicate.
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
-const BACKOFF_START: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Reconnection starts fast: a restarted engine is back within a second, and until the stream is
+/// back its restart cannot be seen.
+const BACKOFF_START: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// Why a frame or a replay could not be used.
 #[derive(Debug, Error)]
@@ -74,6 +83,8 @@ pub struct Subscriber {
     expected: Option<u64>,
     /// Live batches from this number on, until the instant, were already applied by a replay.
     duplicates: Option<(u64, Instant)>,
+    /// The last applied batch: its sequence number and a hash of its bytes.
+    last: Option<(u64, u64)>,
 }
 
 impl Subscriber {
@@ -84,6 +95,7 @@ impl Subscriber {
             grace,
             expected: None,
             duplicates: None,
+            last: None,
         }
     }
 
@@ -127,6 +139,7 @@ impl Subscriber {
                     .stream()
                     .set_state(StreamState::Stale, Instant::now());
                 self.expected = None;
+                self.last = None;
             }
             tokio::select! {
                 () = tokio::time::sleep(backoff) => {}
@@ -151,29 +164,59 @@ impl Subscriber {
         Ok(socket)
     }
 
-    /// After a (re)connection: what the engine published while nobody listened, from its ring.
+    /// After a (re)connection: whether the engine is the one whose batches were applied, and what
+    /// it published while nobody listened, from its ring (see the module docs).
     async fn catch_up(&mut self) {
         if self.applier.stream().replay.is_none() {
             return;
         }
-        let from = self.expected.unwrap_or(0);
-        match self.replay(from).await {
-            Ok(batches) => {
-                // A ring that moved on past `from` lost batches this rank's entries depend on; on a
-                // first connection there are no entries yet to be wrong.
-                if self.expected.is_some() && batches.first().is_some_and(|(seq, _)| *seq != from)
-                {
-                    self.count_gap_reset();
-                }
-                self.apply_replayed(from, batches);
-            }
+        let from = self.last.map_or(0, |(seq, _)| seq);
+        let batches = match self.replay(from).await {
+            Ok(batches) => batches,
             Err(error) => {
                 self.applier
                     .stream()
                     .replay_failures
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%error, "kv events: catch-up replay failed");
+                return;
             }
+        };
+        let Some((last_seq, fingerprint)) = self.last else {
+            // A first connection: nothing applied yet that could be wrong.
+            self.apply_replayed(from, batches);
+            return;
+        };
+        let same_engine = batches
+            .first()
+            .is_some_and(|(seq, payload)| *seq == last_seq && xxh3_64(payload) == fingerprint);
+        if same_engine {
+            let newer = batches.into_iter().skip(1).collect();
+            self.apply_replayed(last_seq.saturating_add(1), newer);
+            return;
+        }
+        let later_ring = batches.first().is_some_and(|(seq, _)| *seq > last_seq);
+        tracing::info!(live = %self.applier.stream().live, "kv events: not the engine whose batches were applied; forgetting its blocks");
+        self.applier.reset(if later_ring {
+            ResetReason::Gap
+        } else {
+            ResetReason::Restart
+        });
+        self.expected = None;
+        self.last = None;
+        // What the new process published so far, from its first batch.
+        if !later_ring && batches.first().is_some_and(|(seq, _)| *seq > 0) {
+            match self.replay(0).await {
+                Ok(batches) => self.apply_replayed(0, batches),
+                Err(_) => {
+                    self.applier
+                        .stream()
+                        .replay_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        } else if !later_ring {
+            self.apply_replayed(0, batches);
         }
     }
 
@@ -216,6 +259,7 @@ impl Subscriber {
                 tracing::info!(live = %stream.live, seq, expected, "kv events: the engine restarted");
                 self.applier.reset(ResetReason::Restart);
                 self.duplicates = None;
+                self.last = None;
                 if seq > 0 && stream.replay.is_some() {
                     self.expected = Some(0);
                     self.heal(0, seq).await;
@@ -234,7 +278,7 @@ impl Subscriber {
         }
         match self.replay(from).await {
             Ok(batches) if batches.first().is_some_and(|(seq, _)| *seq == from) => {
-                let wanted: Vec<_> = batches.into_iter().filter(|(seq, _)| *seq < until).collect();
+                let wanted = batches.into_iter().filter(|(seq, _)| *seq < until).collect();
                 self.apply_replayed(from, wanted);
             }
             Ok(_) => self.count_gap_reset(),
@@ -253,22 +297,19 @@ impl Subscriber {
         self.applier.reset(ResetReason::Gap);
     }
 
-    fn apply_replayed(&mut self, from: u64, batches: Vec<(u64, Result<EventBatch, DecodeError>)>) {
+    fn apply_replayed(&mut self, from: u64, batches: Vec<(u64, Bytes)>) {
         let stream = self.applier.stream().clone();
         stream.replays.fetch_add(1, Ordering::Relaxed);
-        for (seq, batch) in batches {
-            self.apply_decoded(seq, batch);
+        for (seq, payload) in batches {
+            self.apply_payload(seq, &payload);
         }
         self.duplicates = Some((from, Instant::now() + DUPLICATE_WINDOW));
     }
 
     fn apply_payload(&mut self, seq: u64, payload: &[u8]) {
-        self.apply_decoded(seq, decode_batch(payload));
-    }
-
-    fn apply_decoded(&mut self, seq: u64, batch: Result<EventBatch, DecodeError>) {
+        self.last = Some((seq, xxh3_64(payload)));
         let stream = self.applier.stream();
-        match batch {
+        match decode_batch(payload) {
             Ok(batch) => self.applier.apply(&batch),
             // Its blocks stay unknown; their children will be orphans, which is counted too.
             Err(error) => {
@@ -280,11 +321,8 @@ impl Subscriber {
         self.expected = Some(seq.saturating_add(1));
     }
 
-    /// Every batch the engine's ring holds from `from` on, decoded, in order.
-    async fn replay(
-        &self,
-        from: u64,
-    ) -> Result<Vec<(u64, Result<EventBatch, DecodeError>)>, StreamError> {
+    /// Every batch the engine's ring holds from `from` on, in order, undecoded.
+    async fn replay(&self, from: u64) -> Result<Vec<(u64, Bytes)>, StreamError> {
         let Some(replay) = self.applier.stream().replay else {
             return Ok(Vec::new());
         };
@@ -319,7 +357,7 @@ impl Subscriber {
                 }
                 // A negative number other than the end is nonsense; skip it.
                 if let Ok(seq) = u64::try_from(seq) {
-                    batches.push((seq, decode_batch(payload)));
+                    batches.push((seq, Bytes::copy_from_slice(payload)));
                 }
             }
         };

@@ -263,11 +263,15 @@ impl EventIndex {
 
     /// Forgets everything `slot` held: its engine restarted, dropped its cache, or its stream lost
     /// batches that cannot be replayed.
+    /// The worker's guesses go too: whatever this replica sent there is not in the new cache.
     pub fn clear(&self, slot: Slot) {
         if let Some(sides) = self.sides.get(slot.0 as usize) {
             let mut sides = lock(sides);
             sides.entries = HashMap::default();
             self.truth.clear_worker(WorkerId(slot.0));
+        }
+        if let Some(&worker) = self.slot_worker.get(slot.0 as usize) {
+            self.speculative.clear_worker(worker);
         }
     }
 

@@ -1,0 +1,254 @@
+//! `events` mode end to end over real sockets: the simulator publishes KV cache events as each engine
+//! does, a real picker (`app::run`) subscribes, and its decisions follow what the engines say they
+//! hold — including what another replica (here: a request sent to a worker directly) put there, a
+//! dropped batch healed by replay, an unhealable gap, and a restarted worker.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+#[path = "support/sim_client.rs"]
+mod sim_client;
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
+
+use http::Method;
+use serde_json::{Value, json};
+
+use cachepick::config::Overrides;
+use cachepick_rig::client::{Client as PickerClient, Verdict};
+use cachepick_rig::stage::{Stage, on_free_ports};
+use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
+use sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, Reply, bounded, read_whole};
+
+/// Two workers of `format`'s engine with the byte tokenizer, 16-token blocks and a fast clock, and a
+/// picker whose pool runs in `events` mode.
+async fn stage(format: KvEventsFormat) -> Stage {
+    let engine = match format {
+        KvEventsFormat::Sglang => Engine::Sglang,
+        _ => Engine::Vllm,
+    };
+    let mut sim = SimConfig::new(engine, NonZeroU32::new(2).unwrap());
+    sim.tokenizer = TokenizerConfig::Bytes;
+    sim.block_size = NonZeroU32::new(16).unwrap();
+    sim.params.jitter = 0.0;
+    sim.params.time_scale = 0.01;
+    sim.kv_events = Some(KvEventsConfig::new(format));
+    bounded(
+        "the stage to start",
+        Duration::from_secs(20),
+        Stage::start(&sim, |text| {
+            on_free_ports(&events_mode(text), "kv_events test", Overrides::default())
+        }),
+    )
+    .await
+    .expect("stage")
+}
+
+/// The fleet's generated configuration with its pool in `events` mode.
+fn events_mode(text: &str) -> String {
+    assert!(text.contains("\n    workers:\n"), "{text}");
+    text.replacen(
+        "\n    workers:\n",
+        "\n    index:\n      mode: events\n      stream_grace: 30s\n    workers:\n",
+        1,
+    )
+}
+
+/// A prompt of about `blocks` 16-token blocks under the byte tokenizer, unique to `tag`.
+fn prompt(tag: &str, blocks: usize) -> String {
+    let mut text = format!("{tag}: ");
+    while text.len() < blocks * 16 * 4 {
+        text.push_str("the quick brown fox jumps over the lazy dog. ");
+    }
+    text
+}
+
+fn body(prompt: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 1})).unwrap()
+}
+
+/// One HTTP exchange, whole.
+async fn request(method: Method, addr: SocketAddr, path: &str, body: Option<&Value>) -> Reply {
+    let response = bounded("an HTTP exchange", DEADLINE, async {
+        read_whole(Client::new().send(method, addr, path, body).await).await
+    })
+    .await;
+    response.unwrap_or_else(|error| panic!("{path}: {error}"))
+}
+
+/// Sends `prompt` straight to `worker`, as another picker replica would have routed it.
+async fn send_directly(worker: SocketAddr, prompt: &str) {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
+    let reply = request(Method::POST, worker, COMPLETIONS, Some(&body)).await;
+    assert!(reply.status.is_success(), "{}", reply.status);
+}
+
+/// Admin control `path` of the simulated worker with `body`.
+async fn admin(worker: SocketAddr, path: &str, body: Value) {
+    let reply = request(Method::POST, worker, path, Some(&body)).await;
+    assert!(reply.status.is_success(), "{path}: {} {}", reply.status, reply.text());
+}
+
+/// The picker's KV event stream of worker `worker`, rank 0, from `/debug/snapshot`.
+async fn stream(stage: &Stage, worker: u64) -> Value {
+    let snapshot = request(Method::GET, stage.picker.metrics_listen(), "/debug/snapshot", None)
+        .await
+        .json();
+    let streams = snapshot[0]["kv_events"].as_array().expect("kv_events streams").clone();
+    streams
+        .into_iter()
+        .find(|stream| stream["worker"] == worker && stream["rank"] == 0)
+        .expect("the worker's stream")
+}
+
+/// Polls `check` on the worker's stream until it holds, for at most `limit`.
+async fn wait_stream(stage: &Stage, worker: u64, limit: Duration, check: impl Fn(&Value) -> bool) -> Value {
+    let start = Instant::now();
+    loop {
+        let stream = stream(stage, worker).await;
+        if check(&stream) {
+            return stream;
+        }
+        assert!(start.elapsed() < limit, "stream never got there: {stream:#}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn reset_count(stream: &Value, reason: &str) -> u64 {
+    stream["resets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|pair| pair[0] == reason)
+        .map_or(0, |pair| pair[1].as_u64().unwrap())
+}
+
+async fn decide(picker: &PickerClient, prompt: &str) -> (SocketAddr, String, u64) {
+    match bounded("a decision", DEADLINE, picker.decide(COMPLETIONS, &body(prompt)))
+        .await
+        .unwrap()
+    {
+        Verdict::Route {
+            endpoints,
+            reason,
+            prefix_tokens,
+        } => (endpoints[0], reason, prefix_tokens),
+        refused => panic!("refused: {refused:?}"),
+    }
+}
+
+/// What the engine says a worker holds becomes where its prompts go, in each engine's encoding.
+async fn follows_the_engine(format: KvEventsFormat) {
+    let stage = stage(format).await;
+    let worker = stage.fleet.workers()[1].addr();
+    wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "live").await;
+    let text = prompt(format.as_str(), 12);
+    send_directly(worker, &text).await;
+    let stream = wait_stream(&stage, 1, DEADLINE, |s| s["blocks_stored"].as_u64() > Some(0)).await;
+    assert_eq!(stream["engine_block_size"], 16, "{stream:#}");
+    let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
+    let (chosen, reason, tokens) = decide(&picker, &text).await;
+    assert_eq!((chosen, reason.as_str()), (worker, "cache_hit"));
+    assert!(tokens >= 11 * 16, "{tokens} tokens");
+    let metrics = request(Method::GET, stage.picker.metrics_listen(), "/metrics", None)
+        .await
+        .text();
+    assert!(
+        metrics.lines().any(|line| line.starts_with(
+            "cachepick_kv_events_stream_state{pool=\"sim-model\",rank=\"0\",state=\"live\",worker=\"1\"} 1"
+        )),
+        "{metrics}"
+    );
+    stage.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_picker_follows_what_vllm_array_events_say() {
+    follows_the_engine(KvEventsFormat::VllmArray).await;
+}
+
+#[tokio::test]
+async fn the_picker_follows_what_vllm_map_events_say() {
+    follows_the_engine(KvEventsFormat::VllmMap).await;
+}
+
+#[tokio::test]
+async fn the_picker_follows_what_sglang_events_say() {
+    follows_the_engine(KvEventsFormat::Sglang).await;
+}
+
+#[tokio::test]
+async fn a_dropped_batch_is_healed_by_replay_and_an_unreplayable_one_resets_the_worker() {
+    let stage = stage(KvEventsFormat::VllmMap).await;
+    let worker = stage.fleet.workers()[0].addr();
+    wait_stream(&stage, 0, DEADLINE, |s| s["state"] == "live").await;
+    // The batch storing this prompt never reaches the live socket, but stays in the ring.
+    admin(worker, "/admin/kv-events", json!({"drop_next": 1})).await;
+    let healed = prompt("healed", 8);
+    send_directly(worker, &healed).await;
+    // The next batch reveals the gap; the replay brings the lost one back.
+    send_directly(worker, &prompt("revealing", 4)).await;
+    let stream = wait_stream(&stage, 0, DEADLINE, |s| s["gaps"] == 1 && s["replays"].as_u64() >= Some(1)).await;
+    assert_eq!(reset_count(&stream, "gap"), 0, "{stream:#}");
+    let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
+    let (chosen, reason, _) = decide(&picker, &healed).await;
+    assert_eq!((chosen, reason.as_str()), (worker, "cache_hit"));
+
+    // Now a loss the ring cannot return: the worker's blocks are forgotten.
+    admin(worker, "/admin/kv-events", json!({"drop_next": 1, "unreplayable": true})).await;
+    send_directly(worker, &prompt("lost", 4)).await;
+    send_directly(worker, &prompt("revealing again", 4)).await;
+    let stream = wait_stream(&stage, 0, DEADLINE, |s| reset_count(s, "gap") == 1).await;
+    assert_eq!(stream["gaps"], 2, "{stream:#}");
+    stage.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
+    let stage = stage(KvEventsFormat::VllmMap).await;
+    let worker = stage.fleet.workers()[1].addr();
+    wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "live").await;
+    let text = prompt("restart", 12);
+    send_directly(worker, &text).await;
+    wait_stream(&stage, 1, DEADLINE, |s| s["blocks_stored"].as_u64() > Some(0)).await;
+    let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
+    // This decision also leaves a guess for the worker, which the restart must clear too.
+    assert_eq!(decide(&picker, &text).await.0, worker);
+
+    let restart_after = Duration::from_millis(300);
+    let crashed = Instant::now();
+    admin(
+        worker,
+        "/admin/crash",
+        json!({"restart_after_ms": restart_after.as_millis() as u64}),
+    )
+    .await;
+    // Back (answering HTTP) ...
+    let back = loop {
+        let up = Client::new()
+            .send(Method::GET, worker, "/health", None)
+            .await
+            .is_ok_and(|response| response.status().is_success());
+        if up && crashed.elapsed() >= restart_after {
+            break Instant::now();
+        }
+        assert!(crashed.elapsed() < DEADLINE, "the worker never came back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // ... and one second later nothing credits it with what the old process held.
+    tokio::time::sleep(Duration::from_secs(1).saturating_sub(back.elapsed())).await;
+    let (chosen, reason, tokens) = decide(&picker, &text).await;
+    assert!(
+        !(chosen == worker && reason == "cache_hit"),
+        "{chosen} {reason} {tokens}: the restarted worker is still credited"
+    );
+    let stream = stream(&stage, 1).await;
+    assert_eq!(reset_count(&stream, "restart"), 1, "{stream:#}");
+    stage.stop().await.unwrap();
+}
