@@ -92,15 +92,28 @@ async fn send_directly(worker: SocketAddr, prompt: &str) {
 /// Admin control `path` of the simulated worker with `body`.
 async fn admin(worker: SocketAddr, path: &str, body: Value) {
     let reply = request(Method::POST, worker, path, Some(&body)).await;
-    assert!(reply.status.is_success(), "{path}: {} {}", reply.status, reply.text());
+    assert!(
+        reply.status.is_success(),
+        "{path}: {} {}",
+        reply.status,
+        reply.text()
+    );
 }
 
 /// The picker's KV event stream of worker `worker`, rank 0, from `/debug/snapshot`.
 async fn stream(stage: &Stage, worker: u64) -> Value {
-    let snapshot = request(Method::GET, stage.picker.metrics_listen(), "/debug/snapshot", None)
-        .await
-        .json();
-    let streams = snapshot[0]["kv_events"].as_array().expect("kv_events streams").clone();
+    let snapshot = request(
+        Method::GET,
+        stage.picker.metrics_listen(),
+        "/debug/snapshot",
+        None,
+    )
+    .await
+    .json();
+    let streams = snapshot[0]["kv_events"]
+        .as_array()
+        .expect("kv_events streams")
+        .clone();
     streams
         .into_iter()
         .find(|stream| stream["worker"] == worker && stream["rank"] == 0)
@@ -108,14 +121,22 @@ async fn stream(stage: &Stage, worker: u64) -> Value {
 }
 
 /// Polls `check` on the worker's stream until it holds, for at most `limit`.
-async fn wait_stream(stage: &Stage, worker: u64, limit: Duration, check: impl Fn(&Value) -> bool) -> Value {
+async fn wait_stream(
+    stage: &Stage,
+    worker: u64,
+    limit: Duration,
+    check: impl Fn(&Value) -> bool,
+) -> Value {
     let start = Instant::now();
     loop {
         let stream = stream(stage, worker).await;
         if check(&stream) {
             return stream;
         }
-        assert!(start.elapsed() < limit, "stream never got there: {stream:#}");
+        assert!(
+            start.elapsed() < limit,
+            "stream never got there: {stream:#}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -130,9 +151,13 @@ fn reset_count(stream: &Value, reason: &str) -> u64 {
 }
 
 async fn decide(picker: &PickerClient, prompt: &str) -> (SocketAddr, String, u64) {
-    match bounded("a decision", DEADLINE, picker.decide(COMPLETIONS, &body(prompt)))
-        .await
-        .unwrap()
+    match bounded(
+        "a decision",
+        DEADLINE,
+        picker.decide(COMPLETIONS, &body(prompt)),
+    )
+    .await
+    .unwrap()
     {
         Verdict::Route {
             endpoints,
@@ -148,14 +173,17 @@ async fn follows_the_engine(format: KvEventsFormat) {
     let stage = stage(format).await;
     let worker = stage.fleet.workers()[1].addr();
     wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "live").await;
-    let text = prompt(format.as_str(), 12);
+    let text = prompt(format.as_str(), 80);
     send_directly(worker, &text).await;
-    let stream = wait_stream(&stage, 1, DEADLINE, |s| s["blocks_stored"].as_u64() > Some(0)).await;
+    let stream = wait_stream(&stage, 1, DEADLINE, |s| {
+        s["blocks_stored"].as_u64() > Some(0)
+    })
+    .await;
     assert_eq!(stream["engine_block_size"], 16, "{stream:#}");
     let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
     let (chosen, reason, tokens) = decide(&picker, &text).await;
     assert_eq!((chosen, reason.as_str()), (worker, "cache_hit"));
-    assert!(tokens >= 11 * 16, "{tokens} tokens");
+    assert!(tokens >= 1024, "{tokens} tokens");
     let metrics = request(Method::GET, stage.picker.metrics_listen(), "/metrics", None)
         .await
         .text();
@@ -190,18 +218,26 @@ async fn a_dropped_batch_is_healed_by_replay_and_an_unreplayable_one_resets_the_
     wait_stream(&stage, 0, DEADLINE, |s| s["state"] == "live").await;
     // The batch storing this prompt never reaches the live socket, but stays in the ring.
     admin(worker, "/admin/kv-events", json!({"drop_next": 1})).await;
-    let healed = prompt("healed", 8);
+    let healed = prompt("healed", 80);
     send_directly(worker, &healed).await;
     // The next batch reveals the gap; the replay brings the lost one back.
     send_directly(worker, &prompt("revealing", 4)).await;
-    let stream = wait_stream(&stage, 0, DEADLINE, |s| s["gaps"] == 1 && s["replays"].as_u64() >= Some(1)).await;
+    let stream = wait_stream(&stage, 0, DEADLINE, |s| {
+        s["gaps"] == 1 && s["replays"].as_u64() >= Some(1)
+    })
+    .await;
     assert_eq!(reset_count(&stream, "gap"), 0, "{stream:#}");
     let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
     let (chosen, reason, _) = decide(&picker, &healed).await;
     assert_eq!((chosen, reason.as_str()), (worker, "cache_hit"));
 
     // Now a loss the ring cannot return: the worker's blocks are forgotten.
-    admin(worker, "/admin/kv-events", json!({"drop_next": 1, "unreplayable": true})).await;
+    admin(
+        worker,
+        "/admin/kv-events",
+        json!({"drop_next": 1, "unreplayable": true}),
+    )
+    .await;
     send_directly(worker, &prompt("lost", 4)).await;
     send_directly(worker, &prompt("revealing again", 4)).await;
     let stream = wait_stream(&stage, 0, DEADLINE, |s| reset_count(s, "gap") == 1).await;
@@ -214,9 +250,12 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
     let stage = stage(KvEventsFormat::VllmMap).await;
     let worker = stage.fleet.workers()[1].addr();
     wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "live").await;
-    let text = prompt("restart", 12);
+    let text = prompt("restart", 80);
     send_directly(worker, &text).await;
-    wait_stream(&stage, 1, DEADLINE, |s| s["blocks_stored"].as_u64() > Some(0)).await;
+    wait_stream(&stage, 1, DEADLINE, |s| {
+        s["blocks_stored"].as_u64() > Some(0)
+    })
+    .await;
     let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
     // This decision also leaves a guess for the worker, which the restart must clear too.
     assert_eq!(decide(&picker, &text).await.0, worker);

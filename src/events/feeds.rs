@@ -27,7 +27,9 @@ pub struct EventFeeds {
 
 impl EventFeeds {
     /// A subscriber for every rank of every worker of each `events` pool, feeding that pool's index.
-    pub fn new<'c>(pools_and_indexes: impl IntoIterator<Item = (&'c PoolConfig, Arc<EventIndex>)>) -> EventFeeds {
+    pub fn new<'c>(
+        pools_and_indexes: impl IntoIterator<Item = (&'c PoolConfig, Arc<EventIndex>)>,
+    ) -> EventFeeds {
         let mut pools = Vec::new();
         let mut subscribers = Vec::new();
         for (pool, index) in pools_and_indexes {
@@ -46,12 +48,8 @@ impl EventFeeds {
                         continue;
                     };
                     let sockets = worker.kv_events.for_rank(rank);
-                    let stream = Arc::new(Stream::new(
-                        worker_id,
-                        rank,
-                        sockets.live,
-                        sockets.replay,
-                    ));
+                    let stream =
+                        Arc::new(Stream::new(worker_id, rank, sockets.live, sockets.replay));
                     let applier =
                         Applier::new(Arc::clone(&index), slot, model.clone(), Arc::clone(&stream));
                     subscribers.push(Subscriber::new(

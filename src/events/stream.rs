@@ -25,7 +25,11 @@ pub enum StreamState {
 }
 
 impl StreamState {
-    pub const ALL: [StreamState; 3] = [StreamState::Connecting, StreamState::Live, StreamState::Stale];
+    pub const ALL: [StreamState; 3] = [
+        StreamState::Connecting,
+        StreamState::Live,
+        StreamState::Stale,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -186,7 +190,9 @@ impl Stream {
 
     pub(super) fn add_tier(&self, medium: Medium, blocks: i64) {
         if let Some(tier) = self.tiers.get(medium_index(medium)) {
-            let now = tier.fetch_add(blocks, Ordering::Relaxed).saturating_add(blocks);
+            let now = tier
+                .fetch_add(blocks, Ordering::Relaxed)
+                .saturating_add(blocks);
             if now < 0 {
                 // A removal of blocks stored before the subscription: there is no negative cache.
                 tier.store(0, Ordering::Relaxed);

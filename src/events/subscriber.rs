@@ -33,9 +33,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_channel::mpsc;
+use futures_util::StreamExt;
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::apply::Applier;
 use super::decode::{DecodeError, decode_batch};
@@ -111,7 +113,7 @@ impl Subscriber {
                 () = &mut shutdown => return,
             };
             match connected {
-                Ok(mut socket) => {
+                Ok((mut socket, mut events)) => {
                     backoff = BACKOFF_START;
                     self.applier
                         .stream()
@@ -119,7 +121,7 @@ impl Subscriber {
                     tracing::debug!(%live, "kv events: subscribed");
                     self.catch_up().await;
                     let broken = tokio::select! {
-                        broken = self.receive(&mut socket) => broken,
+                        broken = self.receive(&mut socket, &mut events) => broken,
                         () = &mut shutdown => return,
                     };
                     tracing::warn!(%live, error = %broken, "kv events: stream down; reconnecting");
@@ -149,8 +151,14 @@ impl Subscriber {
         }
     }
 
-    async fn connect(&self, live: SocketAddr) -> Result<SubSocket, StreamError> {
+    /// A subscribed socket and its monitor, whose `Disconnected` is how a dead engine shows: the
+    /// socket itself would silently reconnect to a restarted one.
+    async fn connect(
+        &self,
+        live: SocketAddr,
+    ) -> Result<(SubSocket, mpsc::Receiver<SocketEvent>), StreamError> {
         let mut socket = SubSocket::new();
+        let events = socket.monitor();
         let endpoint = format!("tcp://{live}");
         match tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(&endpoint)).await {
             Ok(Ok(())) => {}
@@ -161,7 +169,7 @@ impl Subscriber {
             .subscribe(&self.topic)
             .await
             .map_err(|error| StreamError::Connect(live, error.to_string()))?;
-        Ok(socket)
+        Ok((socket, events))
     }
 
     /// After a (re)connection: whether the engine is the one whose batches were applied, and what
@@ -183,8 +191,14 @@ impl Subscriber {
             }
         };
         let Some((last_seq, fingerprint)) = self.last else {
-            // A first connection: nothing applied yet that could be wrong.
+            // A first connection: nothing applied yet that could be wrong. The ring holds what the
+            // engine published so far, so the next live batch is the one after it (0 if none): a
+            // loss right after subscribing is then a gap like any other.
+            let first = batches.is_empty();
             self.apply_replayed(from, batches);
+            if first {
+                self.expected = Some(0);
+            }
             return;
         };
         let same_engine = batches
@@ -221,11 +235,23 @@ impl Subscriber {
     }
 
     /// Receives until the socket breaks.
-    async fn receive(&mut self, socket: &mut SubSocket) -> StreamError {
+    async fn receive(
+        &mut self,
+        socket: &mut SubSocket,
+        events: &mut mpsc::Receiver<SocketEvent>,
+    ) -> StreamError {
         loop {
-            let message = match socket.recv().await {
-                Ok(message) => message,
-                Err(error) => return StreamError::Receive(error.to_string()),
+            let message = tokio::select! {
+                received = socket.recv() => match received {
+                    Ok(message) => message,
+                    Err(error) => return StreamError::Receive(error.to_string()),
+                },
+                event = events.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) | None => {
+                        return StreamError::Receive("the publisher disconnected".to_owned());
+                    }
+                    Some(_) => continue,
+                },
             };
             match live_frames(&message) {
                 Ok((seq, payload)) => self.on_batch(seq, payload).await,
@@ -278,7 +304,10 @@ impl Subscriber {
         }
         match self.replay(from).await {
             Ok(batches) if batches.first().is_some_and(|(seq, _)| *seq == from) => {
-                let wanted = batches.into_iter().filter(|(seq, _)| *seq < until).collect();
+                let wanted = batches
+                    .into_iter()
+                    .filter(|(seq, _)| *seq < until)
+                    .collect();
                 self.apply_replayed(from, wanted);
             }
             Ok(_) => self.count_gap_reset(),
@@ -336,8 +365,7 @@ impl Subscriber {
                 bytes::Bytes::new(),
                 bytes::Bytes::copy_from_slice(&from.to_be_bytes()),
             ];
-            let request = ZmqMessage::try_from(request)
-                .map_err(|_| StreamError::Frames(0))?;
+            let request = ZmqMessage::try_from(request).map_err(|_| StreamError::Frames(0))?;
             socket
                 .send(request)
                 .await
@@ -370,7 +398,12 @@ impl Subscriber {
 
 /// A live message's sequence number and payload: `[topic, seq, payload]`.
 pub fn live_frames(message: &ZmqMessage) -> Result<(u64, &[u8]), StreamError> {
-    let (seq, payload) = match (message.len(), message.get(0), message.get(1), message.get(2)) {
+    let (seq, payload) = match (
+        message.len(),
+        message.get(0),
+        message.get(1),
+        message.get(2),
+    ) {
         (3, Some(_topic), Some(seq), Some(payload)) => (seq, payload),
         (2, Some(seq), Some(payload), None) => (seq, payload),
         (frames, ..) => return Err(StreamError::Frames(frames)),
@@ -382,7 +415,10 @@ pub fn live_frames(message: &ZmqMessage) -> Result<(u64, &[u8]), StreamError> {
 /// A replay reply's sequence number (-1 at the end) and payload: `[topic, seq, payload]` (vLLM ≥
 /// 0.26) or `[seq, payload]` (older vLLM, SGLang), after any empty delimiter frames.
 pub fn replay_frames(message: &ZmqMessage) -> Result<(i64, &[u8]), StreamError> {
-    let frames: Vec<&bytes::Bytes> = message.iter().skip_while(|frame| frame.is_empty()).collect();
+    let frames: Vec<&bytes::Bytes> = message
+        .iter()
+        .skip_while(|frame| frame.is_empty())
+        .collect();
     let (seq, payload) = match frames.as_slice() {
         [_topic, seq, payload] => (*seq, *payload),
         [seq, payload] => (*seq, *payload),

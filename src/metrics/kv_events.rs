@@ -59,11 +59,17 @@ impl Families {
                 &STREAM,
             )?,
             batches: IntCounterVec::new(
-                Opts::new("cachepick_kv_events_batches_total", "Event batches applied."),
+                Opts::new(
+                    "cachepick_kv_events_batches_total",
+                    "Event batches applied.",
+                ),
                 &STREAM,
             )?,
             events: IntCounterVec::new(
-                Opts::new("cachepick_kv_events_events_total", "Events received in applied batches."),
+                Opts::new(
+                    "cachepick_kv_events_events_total",
+                    "Events received in applied batches.",
+                ),
                 &STREAM,
             )?,
             blocks: IntCounterVec::new(
@@ -191,14 +197,26 @@ fn record(families: &Families, pool: &str, view: &StreamView) {
             .with_label_values(&with(state.as_str()))
             .set(i64::from(state == view.state));
     }
+    families.last_seq.with_label_values(&stream).set(
+        view.last_seq
+            .map_or(-1, |seq| i64::try_from(seq).unwrap_or(i64::MAX)),
+    );
     families
-        .last_seq
+        .batches
         .with_label_values(&stream)
-        .set(view.last_seq.map_or(-1, |seq| i64::try_from(seq).unwrap_or(i64::MAX)));
-    families.batches.with_label_values(&stream).inc_by(view.batches);
-    families.events.with_label_values(&stream).inc_by(view.events);
-    families.blocks.with_label_values(&with("stored")).inc_by(view.blocks_stored);
-    families.blocks.with_label_values(&with("removed")).inc_by(view.blocks_removed);
+        .inc_by(view.batches);
+    families
+        .events
+        .with_label_values(&stream)
+        .inc_by(view.events);
+    families
+        .blocks
+        .with_label_values(&with("stored"))
+        .inc_by(view.blocks_stored);
+    families
+        .blocks
+        .with_label_values(&with("removed"))
+        .inc_by(view.blocks_removed);
     for (reason, count) in [
         ("orphan", view.orphans),
         ("over_bound", view.over_bound),
@@ -207,10 +225,16 @@ fn record(families: &Families, pool: &str, view: &StreamView) {
         ("undecodable", view.decode_errors),
         ("duplicate", view.duplicates),
     ] {
-        families.skipped.with_label_values(&with(reason)).inc_by(count);
+        families
+            .skipped
+            .with_label_values(&with(reason))
+            .inc_by(count);
     }
     families.gaps.with_label_values(&stream).inc_by(view.gaps);
-    families.replays.with_label_values(&with("ok")).inc_by(view.replays);
+    families
+        .replays
+        .with_label_values(&with("ok"))
+        .inc_by(view.replays);
     families
         .replays
         .with_label_values(&with("failed"))

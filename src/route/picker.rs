@@ -142,8 +142,11 @@ impl Picker {
                 let index = match pool.index.mode {
                     IndexMode::Approximate => PoolIndex::Approximate(OwnerIndex::new(&capacities)),
                     IndexMode::Events => {
-                        let ranks: Vec<u32> =
-                            pool.workers.iter().map(|worker| worker.dp_size.get()).collect();
+                        let ranks: Vec<u32> = pool
+                            .workers
+                            .iter()
+                            .map(|worker| worker.dp_size.get())
+                            .collect();
                         PoolIndex::Events(Arc::new(EventIndex::new(
                             &ranks,
                             &capacities,
@@ -437,7 +440,11 @@ impl<'p> Pinned<'p> {
             }
             // The engine's events will say what it really cached; until then, a guess.
             PoolIndex::Events(index) => {
-                index.speculate(decision.selected, &self.prepared.block_hashes, Instant::now());
+                index.speculate(
+                    decision.selected,
+                    &self.prepared.block_hashes,
+                    Instant::now(),
+                );
             }
         }
         pool.load.dispatches().record(decision.selected);
