@@ -122,7 +122,11 @@ fn batch(stored: &[u64], tokens: &[u32], removed: Option<&[u64]>) -> Vec<u8> {
             (s("medium"), s("GPU")),
         ]));
     }
-    let batch = Value::Array(vec![Value::F64(1.7e9), Value::Array(events), Value::from(0)]);
+    let batch = Value::Array(vec![
+        Value::F64(1.7e9),
+        Value::Array(events),
+        Value::from(0),
+    ]);
     let mut bytes = Vec::new();
     rmpv::encode::write_value(&mut bytes, &batch).unwrap();
     bytes
@@ -257,7 +261,10 @@ fn bench_match(c: &mut Criterion) {
     let probe = block_hashes(seed, &tokens, NonZeroU32::new(BLOCK as u32).unwrap());
     let now = Instant::now();
     let block = NonZeroU32::new(BLOCK as u32).unwrap();
-    assert_eq!(index.matches(&probe, now)[0].matched_tokens, 480 * BLOCK as u64);
+    assert_eq!(
+        index.matches(&probe, now)[0].matched_tokens,
+        480 * BLOCK as u64
+    );
     let mut group = c.benchmark_group("kv_events_match");
     group.bench_function("events index, 512-block probe, 480 held", |b| {
         b.iter(|| index.matches(black_box(&probe), now))

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use cachepick::config::Overrides;
 use cachepick_rig::client::{Client as PickerClient, Verdict};
 use cachepick_rig::stage::{Stage, on_free_ports};
-use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::config::{TiktokenEncoding, TokenizerConfig};
 use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
 use sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, Reply, bounded, read_whole};
 
@@ -44,6 +44,34 @@ async fn stage(format: KvEventsFormat) -> Stage {
         Duration::from_secs(20),
         Stage::start(&sim, |text| {
             on_free_ports(&events_mode(text), "kv_events test", Overrides::default())
+        }),
+    )
+    .await
+    .expect("stage")
+}
+
+/// Two vLLM workers publishing map-form events, with `o200k_base` and the fixture's ChatML template, and a picker in `events` mode that counts any matched block.
+async fn chat_stage() -> Stage {
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
+    // ChatML's markers are not tiktoken specials, so segment-wise tokens differ from the whole
+    // text's where a content meets a marker (see `tokenize`): the whole-text path is what matches.
+    sim.tokenizer = TokenizerConfig::Tiktoken {
+        encoding: TiktokenEncoding::O200kBase,
+    };
+    sim.chat_template = Some(fixtures.join("tokenizer_config.json"));
+    sim.block_size = NonZeroU32::new(16).unwrap();
+    sim.params.jitter = 0.0;
+    sim.params.time_scale = 0.01;
+    sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::VllmMap));
+    bounded(
+        "the stage to start",
+        Duration::from_secs(20),
+        Stage::start(&sim, |text| {
+            let text =
+                events_mode(text).replacen("\npolicy:\n", "\npolicy:\n  min_match_tokens: 16\n", 1);
+            on_free_ports(&text, "kv_events test", Overrides::default())
         }),
     )
     .await
@@ -289,5 +317,78 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
     );
     let stream = stream(&stage, 1).await;
     assert_eq!(reset_count(&stream, "restart"), 1, "{stream:#}");
+    stage.stop().await.unwrap();
+}
+
+/// Chats whose segment-wise tokens can differ from the whole text's at a boundary (a content ending
+/// in punctuation before the template's marker, trailing newlines and spaces, non-ASCII) and plain
+/// ones. In `events` mode the picker must produce the engine's own ids for every one of them, or its
+/// blocks would never match the engine's.
+fn chats() -> Vec<Value> {
+    let contents = [
+        "How long should bread dough rise?",
+        "Summarise this.\n\n",
+        "ends with punctuation...",
+        "trailing spaces   ",
+        "emoji 🍞 and accents: crème brûlée, naïve café",
+        "code: `fn main() { println!(\"hi\"); }`\n",
+        "<|im_start|> looks like a marker but is text",
+        "numbers 1234567890 and 3.14159",
+    ];
+    contents
+        .iter()
+        .enumerate()
+        .map(|(at, content)| {
+            let mut messages = vec![json!({"role": "system", "content": format!("You are assistant number {at}. Be brief.")})];
+            for turn in 0..3 {
+                messages.push(json!({"role": "user", "content": format!("{content} (turn {turn}) {}", "context ".repeat(20))}));
+                messages.push(json!({"role": "assistant", "content": format!("{content} answered.")}));
+            }
+            messages.push(json!({"role": "user", "content": *content}));
+            json!({"model": MODEL, "messages": messages, "max_tokens": 1})
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_tokens_equal_the_engines_so_every_full_block_matches() {
+    let stage = chat_stage().await;
+    let worker = stage.fleet.workers()[1].addr();
+    wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "live").await;
+    let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
+    let chats = chats();
+    for (at, chat) in chats.iter().enumerate() {
+        let stored_before = stream(&stage, 1).await["blocks_stored"].as_u64().unwrap();
+        let reply = request(Method::POST, worker, "/v1/chat/completions", Some(chat)).await;
+        assert!(reply.status.is_success(), "{}", reply.text());
+        let prompt_tokens = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        let full_blocks = prompt_tokens / 16;
+        wait_stream(&stage, 1, DEADLINE, |s| {
+            s["blocks_stored"].as_u64().unwrap() > stored_before
+        })
+        .await;
+        let body = serde_json::to_vec(chat).unwrap();
+        let verdict = bounded(
+            "a decision",
+            DEADLINE,
+            picker.decide("/v1/chat/completions", &body),
+        )
+        .await
+        .unwrap();
+        let Verdict::Route {
+            endpoints,
+            prefix_tokens,
+            ..
+        } = verdict
+        else {
+            panic!("chat {at} refused: {verdict:?}");
+        };
+        assert_eq!(endpoints[0], worker, "chat {at}");
+        assert_eq!(
+            prefix_tokens,
+            full_blocks * 16,
+            "chat {at}: the picker matched {prefix_tokens} of the engine's {prompt_tokens} prompt tokens"
+        );
+    }
     stage.stop().await.unwrap();
 }
