@@ -69,6 +69,10 @@ enum Command {
         /// Envoy's admin interface.
         #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_ADMIN)]
         envoy_admin: SocketAddr,
+        /// A cachepick replica's ext_proc address; repeat for several replicas, which Envoy
+        /// round-robins per request (default: the configuration's `listen`, on loopback if unspecified).
+        #[arg(long = "picker", value_name = "IP:PORT")]
+        pickers: Vec<SocketAddr>,
     },
     /// One command to see cachepick work: a simulated fleet, the picker, and Envoy when installed,
     /// driven by a bursty shared-prefix workload; prints decision reasons, prefix-hit rate and TTFT.
@@ -291,13 +295,20 @@ fn main() -> ExitCode {
             mode,
             envoy_listen,
             envoy_admin,
+            pickers,
         } => with_config(&args, |config| {
+            let defaults = cachepick::envoy_config::EnvoyOptions::for_config(&config);
             let options = cachepick::envoy_config::EnvoyOptions {
                 listen: envoy_listen,
                 admin: envoy_admin,
                 mode,
+                pickers: if pickers.is_empty() {
+                    defaults.pickers.clone()
+                } else {
+                    pickers
+                },
                 source: Some(args.config.display().to_string()),
-                ..cachepick::envoy_config::EnvoyOptions::for_config(&config)
+                ..defaults
             };
             print!("{}", cachepick::envoy_config::render(&config, &options));
             ExitCode::SUCCESS
