@@ -523,6 +523,71 @@ fn the_cli_prints_what_render_returns() {
     );
 }
 
+/// Picker replicas behind one Envoy: the `cachepick` cluster lists every replica, round-robins them, and
+/// the real Envoy accepts it in every mode; `--picker` (repeated) on the command line gives the same.
+#[test]
+fn several_pickers_are_listed_round_robined_and_accepted_by_envoy() {
+    let config = parse_config(LOOPBACK_FLEET);
+    let pickers: Vec<SocketAddr> = ["127.0.0.1:19101", "127.0.0.1:19102", "[::1]:19103"]
+        .iter()
+        .map(|addr| addr.parse().unwrap())
+        .collect();
+    for mode in BodyMode::ALL {
+        let text = envoy_config::render(
+            &config,
+            &EnvoyOptions {
+                mode,
+                pickers: pickers.clone(),
+                ..EnvoyOptions::for_config(&config)
+            },
+        );
+        let bootstrap = yaml(&text);
+        let cluster = cluster(&bootstrap, "cachepick").expect("the cachepick cluster");
+        assert_eq!(endpoints(cluster), pickers, "mode {mode}");
+        assert_eq!(str_of(&cluster["lb_policy"]), "ROUND_ROBIN", "mode {mode}");
+        // Every replica is health-checked: an unhealthy one is skipped, not tried.
+        assert!(cluster["health_checks"][0]["grpc_health_check"].is_mapping());
+        assert!(
+            comment_text(&text).contains("3 replicas of the picker round-robined per request"),
+            "mode {mode}"
+        );
+        if let Err(error) = envoy::validate_yaml(&text) {
+            panic!("mode {mode}: {error}");
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("fleet.yaml");
+    std::fs::write(&file, LOOPBACK_FLEET).unwrap();
+    let file = file.to_str().unwrap();
+    let mut args = vec!["envoy-config", "--config", file];
+    let addresses: Vec<String> = pickers.iter().map(ToString::to_string).collect();
+    for address in &addresses {
+        args.extend(["--picker", address.as_str()]);
+    }
+    let output = cachepick(&args);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let expected = envoy_config::render(
+        &config,
+        &EnvoyOptions {
+            pickers: pickers.clone(),
+            source: Some(file.to_owned()),
+            ..EnvoyOptions::for_config(&config)
+        },
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout, expected);
+    // The header's regeneration command names the replicas.
+    assert!(
+        stdout.contains("--picker 127.0.0.1:19101 --picker 127.0.0.1:19102 --picker [::1]:19103"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn the_cli_exits_2_on_a_bad_config_or_mode() {
     let dir = tempfile::tempdir().unwrap();

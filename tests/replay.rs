@@ -1,5 +1,6 @@
-//! `cachepick replay` end to end through the real binary: a tiny Mooncake trace over ext_proc, and a
-//! tiny burst scenario through the real Envoy, so the tool cannot rot.
+//! `cachepick replay` end to end through the real binary: a tiny Mooncake trace over ext_proc, a tiny
+//! burst scenario through the real Envoy, and picker replicas behind one Envoy with a crashed worker, so
+//! the tool cannot rot.
 
 #![allow(
     clippy::unwrap_used,
@@ -178,4 +179,138 @@ fn a_tiny_burst_replays_through_envoy() {
     }
     svg(&out.join("ttft_cdf.svg"));
     svg(&out.join("burst_timeline.svg"));
+}
+
+/// Two picker replicas behind one real Envoy, both index modes, and a worker crash: Envoy round-robins
+/// the requests' ext_proc streams over the replicas (each replica's `/metrics` counts its decisions),
+/// the events arm is reported skipped with its reason until the simulator publishes KV events, and the
+/// fault arm's stale-credit windows are in the report.
+#[test]
+fn two_replicas_share_the_decisions_through_envoy_and_the_crash_is_reported() {
+    let envoy = envoy::binary();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("tiny.jsonl");
+    std::fs::write(&trace, tiny_trace()).expect("write trace");
+    let out = dir.path().join("out");
+    // No --via: more than one replica implies Envoy.
+    let (stdout, _) = replay(&[
+        "--trace",
+        trace.to_str().expect("utf-8 path"),
+        "--policies",
+        "gate",
+        "--speedup",
+        "2",
+        "--replicas",
+        "2",
+        "--index",
+        "approximate,events",
+        "--crash-worker",
+        "0",
+        "--crash-at",
+        "0.6",
+        "--restart-after",
+        "0.2",
+        "--envoy",
+        envoy.to_str().expect("utf-8 path"),
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert!(stdout.contains("| gate/approximate/x2 |"), "{stdout}");
+    assert!(stdout.contains("decisions per picker replica"), "{stdout}");
+    assert!(stdout.contains("stale credits"), "{stdout}");
+
+    let report = report(&out);
+    assert_eq!(report["via"], "envoy");
+    assert_eq!(report["replicas"], serde_json::json!([2]));
+    assert_eq!(
+        report["index_modes"],
+        serde_json::json!(["approximate", "events"])
+    );
+    assert_eq!(report["crash"]["worker"], 0);
+    let skipped = report["skipped"].as_array().expect("skipped");
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert_eq!(skipped[0]["policy"], "gate/events/x2");
+    assert!(
+        skipped[0]["error"]
+            .as_str()
+            .is_some_and(|error| error.contains("KV event publisher")),
+        "{skipped:?}"
+    );
+
+    let policies = report["policies"].as_array().expect("policies");
+    assert_eq!(policies.len(), 1);
+    let arm = &policies[0];
+    assert_eq!(arm["arm"], "gate/approximate/x2");
+    assert_eq!(arm["policy"], "gate");
+    assert_eq!(arm["index_mode"], "approximate");
+    assert_eq!(arm["replicas"], 2);
+    assert_eq!(arm["requests"], 30);
+    // The crash may cut a stream or two; everything else is served.
+    let ok = arm["ok"].as_u64().expect("ok");
+    assert!(ok >= 25, "{arm}");
+    // Both replicas decided, and between them every request that reached a picker.
+    let decisions: Vec<u64> = arm["replica_decisions"]
+        .as_array()
+        .expect("replica decisions")
+        .iter()
+        .map(|count| count.as_u64().expect("a replica's metrics were read"))
+        .collect();
+    assert_eq!(decisions.len(), 2, "{arm}");
+    assert!(decisions.iter().all(|&count| count > 0), "{decisions:?}");
+    assert!(decisions.iter().sum::<u64>() >= ok, "{decisions:?}");
+
+    let fault = &arm["fault"];
+    assert!(fault["error"].is_null(), "{fault}");
+    let crashed = fault["crash_at_s"].as_f64().expect("crash time");
+    let restarted = fault["restart_at_s"].as_f64().expect("restart time");
+    assert!(crashed >= 0.6 && restarted >= crashed + 0.2, "{fault}");
+    let windows: Vec<&str> = fault["windows"]
+        .as_array()
+        .expect("windows")
+        .iter()
+        .map(|window| window["window"].as_str().expect("window name"))
+        .collect();
+    assert_eq!(
+        windows,
+        ["before crash", "first 1 s after restart", "after"],
+        "{fault}"
+    );
+    for window in fault["windows"].as_array().expect("windows") {
+        let served = window["served"].as_u64().expect("served");
+        let credited = window["credited"].as_u64().expect("credited");
+        let stale = window["stale"].as_u64().expect("stale");
+        assert!(stale <= credited && credited <= served, "{window}");
+    }
+    svg(&out.join("ttft_cdf.svg"));
+    let chart = std::fs::read_to_string(out.join("ttft_cdf.svg")).expect("chart");
+    assert!(
+        chart.contains("gate/approximate/x2"),
+        "the arm names its line"
+    );
+    assert!(
+        chart.contains("picker replicas 2"),
+        "the caption names the replicas"
+    );
+}
+
+#[test]
+fn more_than_one_replica_without_envoy_is_refused_saying_why() {
+    let output = Command::new(cachepick_rig::cachepick_binary())
+        .args([
+            "replay",
+            "--scenario",
+            "burst",
+            "--replicas",
+            "2",
+            "--via",
+            "direct",
+        ])
+        .output()
+        .expect("cachepick runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--replicas 2 needs --via envoy"),
+        "{stderr}"
+    );
 }

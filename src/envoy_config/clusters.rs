@@ -172,8 +172,22 @@ pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
 
 pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(2, "- name: cachepick");
-    out.comment(4, &["cachepick's ext_proc server (its `listen`)."]);
+    if options.pickers.len() > 1 {
+        out.comment(
+            4,
+            &[
+                "Replicas of cachepick's ext_proc server, each with an owner index of its own. Envoy opens one",
+                "ext_proc stream per request and round-robins the streams over the replicas, so each request is",
+                "decided by one replica; an unhealthy replica is skipped (health check below).",
+            ],
+        );
+    } else {
+        out.comment(4, &["cachepick's ext_proc server (its `listen`)."]);
+    }
     out.line(4, "type: STATIC");
+    if options.pickers.len() > 1 {
+        out.line(4, "lb_policy: ROUND_ROBIN");
+    }
     out.line(4, "connect_timeout: 1s");
     circuit_breakers(
         out,
@@ -220,5 +234,5 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(8, "explicit_http_config:");
     out.line(10, "http2_protocol_options:");
     out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
-    load_assignment(out, "cachepick", [options.picker]);
+    load_assignment(out, "cachepick", options.pickers.iter().copied());
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::yaml::{Yaml, duration, one_line};
 use super::{
     BodyMode, EXT_PROC_FILTER, EnvoyOptions, REQUEST_HEADERS_TIMEOUT, REQUEST_TIMEOUT,
-    upstream_cluster,
+    picker_address, upstream_cluster,
 };
 use crate::config::Config;
 use crate::policy::Reason;
@@ -28,6 +28,11 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     if options.admin != EnvoyOptions::DEFAULT_ADMIN {
         command.push_str(&format!(" --envoy-admin {}", options.admin));
     }
+    if options.pickers != [picker_address(config.listen)] {
+        for picker in &options.pickers {
+            command.push_str(&format!(" --picker {picker}"));
+        }
+    }
     let summary = match options.mode {
         BodyMode::Buffered => {
             "Mode buffered: Envoy buffers each request body and sends it to cachepick in one message; \
@@ -45,12 +50,23 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
              Envoy does not know the fleet, so a picker outage means 503s: prefer buffered or duplex."
         }
     };
+    let pickers = match options.pickers.as_slice() {
+        [one] => format!("cachepick's ext_proc server (its `listen`) is at {one}"),
+        several => format!(
+            "cachepick's ext_proc servers, {} replicas of the picker round-robined per request, are at {}",
+            several.len(),
+            several
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     let addresses = format!(
-        "Clients send LLM requests to {}. cachepick's ext_proc server (its `listen`) is at {}. \
+        "Clients send LLM requests to {}. {pickers}. \
          Envoy's admin interface is at {}. From the cachepick configuration: max_body_bytes {}, \
          max_fallbacks (largest of any pool) {}.",
         options.listen,
-        options.picker,
         options.admin,
         config.max_body_bytes,
         config.most_fallbacks()

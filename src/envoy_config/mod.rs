@@ -14,7 +14,9 @@
 //! - the `workers` cluster: every prefill-capable worker, with the `override_host` load-balancing policy
 //!   that follows [`DESTINATION`] (or the `envoy.lb` metadata) and falls back to least-request — or, in
 //!   [`BodyMode::OriginalDst`], an `ORIGINAL_DST` cluster, the form GIE gateways use;
-//! - the `cachepick` cluster (gRPC, so HTTP/2) at the picker's address.
+//! - the `cachepick` cluster (gRPC, so HTTP/2) at the picker's address, or at several picker replicas'
+//!   addresses, round-robined per request (Envoy opens one ext_proc stream per request, so each request
+//!   is decided by one replica).
 //!
 //! The output is deterministic: the same configuration and options give the same bytes.
 //!
@@ -113,8 +115,10 @@ pub struct EnvoyOptions {
     pub listen: SocketAddr,
     /// Envoy's admin interface (`/stats`, `/ready`); it can reconfigure and stop Envoy, so keep it local.
     pub admin: SocketAddr,
-    /// Where Envoy reaches cachepick's ext_proc server; [`picker_address`] of `config.listen` by default.
-    pub picker: SocketAddr,
+    /// Where Envoy reaches cachepick's ext_proc server: one address, [`picker_address`] of
+    /// `config.listen`, by default; several are replicas of the picker, which Envoy round-robins per
+    /// request. Never empty in a useful bootstrap ([`render`] falls back to the default when it is).
+    pub pickers: Vec<SocketAddr>,
     /// Per-message ext_proc deadline (not used by [`BodyMode::Duplex`], where Envoy applies none).
     pub message_timeout: Duration,
     /// How the configuration file was named on the command line, echoed in the header comment so the
@@ -139,7 +143,7 @@ impl EnvoyOptions {
             mode: BodyMode::Buffered,
             listen: Self::DEFAULT_LISTEN,
             admin: Self::DEFAULT_ADMIN,
-            picker: picker_address(config.listen),
+            pickers: vec![picker_address(config.listen)],
             message_timeout: Self::DEFAULT_MESSAGE_TIMEOUT,
             source: None,
         }
@@ -162,6 +166,16 @@ pub fn picker_address(listen: SocketAddr) -> SocketAddr {
 
 /// The complete Envoy bootstrap YAML for `config`.
 pub fn render(config: &Config, options: &EnvoyOptions) -> String {
+    let defaulted;
+    let options = if options.pickers.is_empty() {
+        defaulted = EnvoyOptions {
+            pickers: vec![picker_address(config.listen)],
+            ..options.clone()
+        };
+        &defaulted
+    } else {
+        options
+    };
     let mut out = Yaml::default();
     header(&mut out, config, options);
     admin(&mut out, options);
@@ -208,7 +222,7 @@ mod tests {
     #[test]
     fn the_picker_is_dialled_on_loopback_when_cachepick_listens_everywhere() {
         let options = EnvoyOptions::for_config(&config(TWO));
-        assert_eq!(options.picker, "127.0.0.1:9002".parse().expect("addr"));
+        assert_eq!(options.pickers, ["127.0.0.1:9002".parse().expect("addr")]);
         assert_eq!(
             picker_address("[::]:7".parse().expect("addr")),
             "[::1]:7".parse().expect("addr")
@@ -264,6 +278,44 @@ mod tests {
                 .any(|line| line.trim_start().starts_with("message_timeout:"))
         );
         assert!(yaml.contains("num_retries: 2"));
+    }
+
+    #[test]
+    fn several_pickers_are_one_round_robin_cluster_and_none_is_the_default() {
+        let config = config(TWO);
+        let one = render(&config, &EnvoyOptions::for_config(&config));
+        assert!(!one.contains("lb_policy: ROUND_ROBIN"));
+        let none = EnvoyOptions {
+            pickers: Vec::new(),
+            ..EnvoyOptions::for_config(&config)
+        };
+        assert_eq!(render(&config, &none), one);
+        let pickers: Vec<SocketAddr> = ["127.0.0.1:9101", "127.0.0.1:9102", "[::1]:9103"]
+            .iter()
+            .map(|addr| addr.parse().expect("addr"))
+            .collect();
+        let yaml = render(
+            &config,
+            &EnvoyOptions {
+                pickers,
+                ..EnvoyOptions::for_config(&config)
+            },
+        );
+        let picker_cluster = yaml
+            .split("- name: cachepick\n")
+            .nth(1)
+            .expect("the picker cluster");
+        assert!(picker_cluster.contains("lb_policy: ROUND_ROBIN"));
+        for port in [9101, 9102, 9103] {
+            assert!(
+                picker_cluster.contains(&format!("port_value: {port}}}")),
+                "{port}"
+            );
+        }
+        assert!(!picker_cluster.contains("port_value: 9002}"));
+        assert!(
+            yaml.contains("--picker 127.0.0.1:9101 --picker 127.0.0.1:9102 --picker [::1]:9103")
+        );
     }
 
     #[test]

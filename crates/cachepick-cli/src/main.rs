@@ -69,6 +69,10 @@ enum Command {
         /// Envoy's admin interface.
         #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_ADMIN)]
         envoy_admin: SocketAddr,
+        /// A cachepick replica's ext_proc address; repeat for several replicas, which Envoy
+        /// round-robins per request (default: the configuration's `listen`, on loopback if unspecified).
+        #[arg(long = "picker", value_name = "IP:PORT")]
+        pickers: Vec<SocketAddr>,
     },
     /// One command to see cachepick work: a simulated fleet, the picker, and Envoy when installed,
     /// driven by a bursty shared-prefix workload; prints decision reasons, prefix-hit rate and TTFT.
@@ -107,9 +111,37 @@ struct ReplayArgs {
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
     /// envoy: through a real Envoy with the generated configuration; direct: over ext_proc, then to the
-    /// chosen worker.
-    #[arg(long, default_value = "direct", value_parser = ["envoy", "direct"])]
-    via: String,
+    /// chosen worker. Default: direct, or envoy when --replicas asks for more than one picker.
+    #[arg(long, value_parser = ["envoy", "direct"])]
+    via: Option<String>,
+    /// Picker replicas behind one Envoy, which round-robins them per request; each learns its own owner
+    /// index. Comma-separated counts run one arm each (1,3). More than one needs (and implies) --via envoy.
+    #[arg(long, value_name = "N", value_delimiter = ',', default_value = "1")]
+    replicas: Vec<usize>,
+    /// Owner-index modes, one arm each: approximate (learned from the picker's own decisions) and/or
+    /// events (from the engines' KV cache events), comma-separated.
+    #[arg(
+        long,
+        value_name = "MODE",
+        value_delimiter = ',',
+        default_value = "approximate"
+    )]
+    index: Vec<cachepick_rig::replay::IndexMode>,
+    /// Crash this worker (index from 0) mid-replay in every arm, and report the picker's stale credits
+    /// on it after it restarts with an empty cache.
+    #[arg(long, value_name = "I", requires = "crash_at")]
+    crash_worker: Option<usize>,
+    /// When the worker crashes, seconds of replay time from the first arrival.
+    #[arg(long, value_name = "SECS", requires = "crash_worker")]
+    crash_at: Option<f64>,
+    /// How long the crashed worker stays down before it restarts, seconds.
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 1.0,
+        requires = "crash_worker"
+    )]
+    restart_after: f64,
     /// The Envoy binary for `--via envoy` (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, PATH).
     #[arg(long, value_name = "PATH")]
     envoy: Option<PathBuf>,
@@ -303,13 +335,20 @@ fn main() -> ExitCode {
             mode,
             envoy_listen,
             envoy_admin,
+            pickers,
         } => with_config(&args, |config| {
+            let defaults = cachepick::envoy_config::EnvoyOptions::for_config(&config);
             let options = cachepick::envoy_config::EnvoyOptions {
                 listen: envoy_listen,
                 admin: envoy_admin,
                 mode,
+                pickers: if pickers.is_empty() {
+                    defaults.pickers.clone()
+                } else {
+                    pickers
+                },
                 source: Some(args.config.display().to_string()),
-                ..cachepick::envoy_config::EnvoyOptions::for_config(&config)
+                ..defaults
             };
             print!("{}", cachepick::envoy_config::render(&config, &options));
             ExitCode::SUCCESS
@@ -393,11 +432,27 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
         .collect();
     options.speedup = args.speedup;
     options.limit = args.limit;
-    options.via = if args.via == "envoy" {
-        cachepick_rig::replay::Via::Envoy
-    } else {
-        cachepick_rig::replay::Via::Direct
+    // More than one replica implies Envoy (the replicas sit behind it); an explicit `--via direct`
+    // with replicas is refused by the replay, saying why.
+    options.via = match args.via.as_deref() {
+        Some("envoy") => cachepick_rig::replay::Via::Envoy,
+        Some(_) => cachepick_rig::replay::Via::Direct,
+        None if args.replicas.iter().any(|&n| n > 1) => cachepick_rig::replay::Via::Envoy,
+        None => cachepick_rig::replay::Via::Direct,
     };
+    options.replicas = args.replicas.clone();
+    options.index_modes = args.index.clone();
+    if let (Some(worker), Some(at)) = (args.crash_worker, args.crash_at) {
+        let seconds = |value: f64, flag: &str| {
+            std::time::Duration::try_from_secs_f64(value)
+                .map_err(|_| anyhow::anyhow!("{flag} must be a non-negative number of seconds"))
+        };
+        options.crash = Some(cachepick_rig::replay::fault::Crash {
+            worker,
+            at: seconds(at, "--crash-at")?,
+            restart_after: seconds(args.restart_after, "--restart-after")?,
+        });
+    }
     options.envoy = args.envoy.clone();
     if let Some(out) = &args.out {
         options.out = out.clone();

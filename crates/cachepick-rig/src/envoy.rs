@@ -1,16 +1,11 @@
 //! A real Envoy in front of a replay run or the demo, with the configuration `cachepick envoy-config` generates
-//! (buffered mode), killed on drop.
+//! (buffered mode), killed on drop. Its ext_proc cluster holds one picker or several replicas, which it
+//! round-robins per request.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client as HttpClient;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 
 use cachepick::config::Config;
 use cachepick::envoy_config::{BodyMode, EnvoyOptions};
@@ -23,7 +18,13 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    pub async fn start(path: &Path, config: &Config) -> Result<Envoy, String> {
+    /// Starts the Envoy at `path` in front of `config`'s workers, its ext_proc cluster at `pickers`
+    /// (the picker replicas' ext_proc addresses; empty: the one `config.listen` names).
+    pub async fn start(
+        path: &Path,
+        config: &Config,
+        pickers: &[SocketAddr],
+    ) -> Result<Envoy, String> {
         let listen = crate::free_port().map_err(|error| error.to_string())?;
         let admin = crate::free_port().map_err(|error| error.to_string())?;
         let yaml = cachepick::envoy_config::render(
@@ -32,6 +33,7 @@ impl Envoy {
                 mode: BodyMode::Buffered,
                 listen,
                 admin,
+                pickers: pickers.to_vec(),
                 ..EnvoyOptions::for_config(config)
             },
         );
@@ -107,18 +109,9 @@ impl Drop for Envoy {
 }
 
 async fn admin_get(admin: SocketAddr, path: &str) -> Option<String> {
-    let http: HttpClient<HttpConnector, Full<Bytes>> =
-        HttpClient::builder(TokioExecutor::new()).build_http();
-    let uri: http::Uri = format!("http://{admin}{path}").parse().ok()?;
-    let exchange = async {
-        let response = http.get(uri).await.ok()?;
-        response.into_body().collect().await.ok()
-    };
-    let body = tokio::time::timeout(Duration::from_secs(2), exchange)
+    crate::http_exchange(http::Method::GET, admin, path, "", Duration::from_secs(2))
         .await
-        .ok()??
-        .to_bytes();
-    Some(String::from_utf8_lossy(&body).into_owned())
+        .map(|(_, body)| body)
 }
 
 /// Envoy, if installed: an explicit path, `CACHEPICK_ENVOY`, the project's provisioned copy, or `PATH`.

@@ -23,6 +23,13 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 
 pub use envoy::find_envoy;
 
@@ -47,6 +54,32 @@ pub fn free_port() -> std::io::Result<SocketAddr> {
         }
     }
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()
+}
+
+/// One plain HTTP exchange with a service the rig started (an admin or metrics endpoint): `method` to
+/// `http://addr{path}` with `body`, status and body text within `within`; `None` on any failure.
+pub async fn http_exchange(
+    method: http::Method,
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    within: Duration,
+) -> Option<(u16, String)> {
+    let http: HttpClient<HttpConnector, Full<Bytes>> =
+        HttpClient::builder(TokioExecutor::new()).build_http();
+    let request = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .ok()?;
+    let exchange = async {
+        let response = http.request(request).await.ok()?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.ok()?.to_bytes();
+        Some((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    tokio::time::timeout(within, exchange).await.ok()?
 }
 
 /// `n`, or 1 for 0: the rig's fixed sizes are never zero.

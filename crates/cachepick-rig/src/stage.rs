@@ -1,5 +1,7 @@
 //! The stage every rig run and many integration tests stand on: a simulated fleet, cachepick serving it
-//! in this process through `app::run` with a named [`Shutdown`], and optionally a real Envoy in front.
+//! in this process through `app::run` with a named [`Shutdown`] (optionally several replicas of it, as
+//! production runs them for availability, each with its own owner index), and optionally a real Envoy in
+//! front, round-robining the replicas.
 //!
 //! The demo, `cachepick replay` (one stage per policy), the ext_proc and end-to-end tests and the
 //! ext_proc bench all start it here, so "start a fleet, a picker and an Envoy, then stop them in order"
@@ -158,10 +160,13 @@ pub fn on_free_ports(text: &str, origin: &str, overrides: Overrides) -> Result<C
     Ok(config::parse(text, origin, &overrides)?)
 }
 
-/// Fleet, picker and, when asked for, Envoy; dropping it stops all three.
+/// Fleet, picker (and any further replicas of it) and, when asked for, Envoy; dropping it stops them all.
 pub struct Stage {
     pub fleet: Fleet,
     pub picker: Picker,
+    /// Replicas beyond [`picker`](Self::picker) ([`with_replicas`](Self::with_replicas)): the same
+    /// configuration on ports of their own, each learning its own owner index from its own decisions.
+    pub replicas: Vec<Picker>,
     pub envoy: Option<Envoy>,
 }
 
@@ -179,13 +184,39 @@ impl Stage {
         Ok(Stage {
             fleet,
             picker,
+            replicas: Vec::new(),
             envoy: None,
         })
     }
 
-    /// Puts the Envoy at `path` in front, with the bootstrap `cachepick envoy-config` generates (buffered).
+    /// Runs `count` pickers in all (at least the one there is): the others with the first one's
+    /// configuration on fresh `listen` and `metrics_listen` ports, each waited for until ready. Call it
+    /// before [`with_envoy`](Self::with_envoy), whose ext_proc cluster then lists every replica.
+    pub async fn with_replicas(mut self, count: usize) -> Result<Stage, StageError> {
+        while self.replicas.len() + 1 < count {
+            let mut config = self.picker.config().clone();
+            config.listen = crate::free_port().map_err(StageError::Port)?;
+            config.metrics_listen = crate::free_port().map_err(StageError::Port)?;
+            let mut replica = Picker::spawn(config);
+            replica.ready(READY_WITHIN).await?;
+            self.replicas.push(replica);
+        }
+        Ok(self)
+    }
+
+    /// Every picker replica, the first one first.
+    pub fn pickers(&self) -> impl Iterator<Item = &Picker> {
+        std::iter::once(&self.picker).chain(&self.replicas)
+    }
+
+    /// Puts the Envoy at `path` in front, with the bootstrap `cachepick envoy-config` generates (buffered),
+    /// its ext_proc cluster listing every picker replica.
     pub async fn with_envoy(mut self, path: &Path) -> Result<Stage, StageError> {
-        let envoy = Envoy::start(path, self.picker.config())
+        let pickers: Vec<SocketAddr> = self
+            .pickers()
+            .map(|picker| cachepick::envoy_config::picker_address(picker.listen()))
+            .collect();
+        let envoy = Envoy::start(path, self.picker.config(), &pickers)
             .await
             .map_err(|message| StageError::Envoy {
                 path: path.display().to_string(),
@@ -199,15 +230,23 @@ impl Stage {
         self.picker.config()
     }
 
-    /// Stops Envoy, then the picker (returning how `app::run` ended), then the fleet.
+    /// Stops Envoy, then the pickers (returning how the first `app::run` that failed ended), then the
+    /// fleet.
     pub async fn stop(self) -> Result<(), StageError> {
         let Stage {
             fleet,
             picker,
+            replicas,
             envoy,
         } = self;
         drop(envoy);
-        let stopped = picker.stop().await;
+        let mut stopped = picker.stop().await;
+        for replica in replicas {
+            let replica = replica.stop().await;
+            if stopped.is_ok() {
+                stopped = replica;
+            }
+        }
         drop(fleet);
         stopped
     }

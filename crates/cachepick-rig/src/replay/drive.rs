@@ -53,6 +53,9 @@ pub struct Sample {
     pub reason: String,
     /// The worker that served it (`x-served-by`).
     pub worker: Option<String>,
+    /// Leading prompt tokens the picker credited that worker with (its `x-cachepick-prefix-tokens`, as
+    /// the worker received it); `None` when the worker was not told.
+    pub prefix_tokens: Option<u64>,
     pub ttft: Option<Duration>,
     pub e2e: Option<Duration>,
     pub prompt_tokens: u64,
@@ -191,6 +194,8 @@ async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: 
     // The simulated worker echoes the routing headers it received: the decision that steered it.
     let echoed = format!("x-sim-echo-{DECISION_HEADER}");
     sample.reason = header(&echoed).unwrap_or_else(|| "none".to_owned());
+    sample.prefix_tokens = header(&format!("x-sim-echo-{PREFIX_TOKENS_HEADER}"))
+        .and_then(|tokens| tokens.trim().parse().ok());
     sample.worker = header("x-served-by");
     let mut body = response.into_body();
     let mut tail = Vec::new();

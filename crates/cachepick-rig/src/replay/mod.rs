@@ -5,15 +5,20 @@
 //! JSON and SVG charts.
 //!
 //! A *policy* is a named `policy:` section applied to the cachepick configuration generated for the
-//! fleet ([`POLICIES`]); each policy runs on a freshly started fleet with the same seed.
+//! fleet ([`POLICIES`]); each policy runs on a freshly started fleet with the same seed, once per *arm*:
+//! per owner-index mode ([`IndexMode`], `--index`) and per number of picker replicas (`--replicas`,
+//! several pickers behind one Envoy that round-robins them, each learning its own index). A run can
+//! also crash a worker mid-replay ([`fault`]) and count the picker's stale credits after the restart.
 
 pub mod drive;
+pub mod fault;
 pub mod report;
 pub mod svg;
 pub mod trace;
 
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -25,6 +30,7 @@ use crate::client::Client as PickerClient;
 use crate::nz;
 use crate::stage::{Stage, StageError, on_free_ports};
 use drive::Route;
+use fault::{Crash, FaultReport};
 use report::{PolicyReport, Skipped};
 use trace::{Item, PromptBuilder};
 
@@ -45,6 +51,44 @@ pub enum Via {
     Envoy,
     /// Over the picker's ext_proc gRPC interface (the messages Envoy sends), then to the chosen worker.
     Direct,
+}
+
+/// How the picker's owner index learns which worker holds which prefix (`pools[].index.mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexMode {
+    /// From the picker's own decisions (each replica its own); today's behaviour, and the default.
+    Approximate,
+    /// From the engines' KV cache events, the same for every replica.
+    Events,
+}
+
+impl IndexMode {
+    pub const ALL: [IndexMode; 2] = [IndexMode::Approximate, IndexMode::Events];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexMode::Approximate => "approximate",
+            IndexMode::Events => "events",
+        }
+    }
+}
+
+impl fmt::Display for IndexMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for IndexMode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        IndexMode::ALL
+            .into_iter()
+            .find(|mode| mode.as_str() == text)
+            .ok_or_else(|| format!("expected approximate or events, got `{text}`"))
+    }
 }
 
 /// What `cachepick replay` runs.
@@ -70,6 +114,13 @@ pub struct ReplayOptions {
     pub duration_scale: f64,
     /// Requests in flight at most; one due beyond it is dropped and counted.
     pub max_in_flight: usize,
+    /// Picker replicas per arm, one arm per entry (default `[1]`); more than one needs `Via::Envoy`,
+    /// which round-robins the replicas.
+    pub replicas: Vec<usize>,
+    /// Owner-index modes, one arm per entry (default `[Approximate]`).
+    pub index_modes: Vec<IndexMode>,
+    /// Crash a worker mid-replay in every arm and report stale credits.
+    pub crash: Option<Crash>,
     /// Print progress lines.
     pub verbose: bool,
 }
@@ -94,6 +145,9 @@ impl ReplayOptions {
             seed: 1,
             duration_scale: 1.0,
             max_in_flight: 2_000,
+            replicas: vec![1],
+            index_modes: vec![IndexMode::Approximate],
+            crash: None,
             verbose: true,
         }
     }
@@ -176,6 +230,17 @@ pub enum ReplayError {
     },
     #[error("no policy could run: {0}")]
     NothingRan(String),
+    #[error(
+        "--replicas {0} needs --via envoy: the replicas sit behind one Envoy, which round-robins each \
+         request's ext_proc stream to one of them (direct mode asks a single picker)"
+    )]
+    ReplicasNeedEnvoy(usize),
+    #[error("--replicas must be at least 1")]
+    NoReplicas,
+    #[error("--crash-worker {index}: the fleet has {workers} workers (0 to {last})", last = .workers.saturating_sub(1))]
+    CrashWorker { index: usize, workers: usize },
+    #[error("{0}")]
+    Events(String),
 }
 
 /// The fleet as the report describes it.
@@ -205,6 +270,14 @@ pub struct Replay {
     /// Trace time the workload spans, seconds.
     pub trace_span_s: f64,
     pub fleet: FleetSummary,
+    /// Owner-index modes the arms ran with.
+    pub index_modes: Vec<IndexMode>,
+    /// Picker replica counts the arms ran with.
+    pub replicas: Vec<usize>,
+    /// The worker crash every arm had, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub crash: Option<Crash>,
+    /// One report per arm.
     pub policies: Vec<PolicyReport>,
     pub skipped: Vec<Skipped>,
     /// The printed table (Markdown).
@@ -241,6 +314,22 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64) -> SimConfig {
 /// Applies the `policy:` section `policy` to the generated cachepick configuration `generated`, on fresh
 /// loopback ports, and validates the result.
 pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, StageError> {
+    apply_arm(generated, policy, IndexMode::Approximate)
+}
+
+/// [`apply_policy`], with every pool's owner index in `mode`: `index: {mode: <mode>}` in each pool,
+/// written only when the mode is not `approximate` (the default, and until the product knows the key,
+/// an unknown one that validation refuses).
+pub fn apply_arm(generated: &str, policy: &str, mode: IndexMode) -> Result<Config, StageError> {
+    on_free_ports(
+        &arm_text(generated, policy, mode)?,
+        "the replay configuration",
+        config::Overrides::default(),
+    )
+}
+
+/// The text [`apply_arm`] validates: `generated` with the `policy:` section and every pool's index mode.
+pub fn arm_text(generated: &str, policy: &str, mode: IndexMode) -> Result<String, StageError> {
     let invalid = |what: &str, error: serde_yaml::Error| {
         StageError::Compose(format!("{what} is not YAML: {error}"))
     };
@@ -250,13 +339,79 @@ pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, StageError>
         serde_yaml::from_str(policy).map_err(|error| invalid("the policy section", error))?;
     if let serde_yaml::Value::Mapping(map) = &mut root {
         map.insert("policy".into(), section);
+        if mode != IndexMode::Approximate
+            && let Some(serde_yaml::Value::Sequence(pools)) = map.get_mut("pools")
+        {
+            for pool in pools {
+                if let serde_yaml::Value::Mapping(pool) = pool {
+                    let mut index = serde_yaml::Mapping::new();
+                    index.insert("mode".into(), mode.as_str().into());
+                    pool.insert("index".into(), index.into());
+                }
+            }
+        }
     }
-    let text = serde_yaml::to_string(&root).map_err(|error| invalid("the configuration", error))?;
-    on_free_ports(
-        &text,
-        "the replay configuration",
-        config::Overrides::default(),
-    )
+    serde_yaml::to_string(&root).map_err(|error| invalid("the configuration", error))
+}
+
+/// THE one place that turns the simulator's KV event publisher on, for an `events` arm's fleet.
+///
+/// The simulator is gaining `SimConfig::kv_events` (`vllm_array`, `vllm_map` or `sglang`), with which
+/// `Fleet::cachepick_config()` writes each worker's `kv_events:` endpoint into the generated
+/// configuration itself. Until it has, this refuses, and the `events` arms are reported as skipped with
+/// this message. Once it lands, the body becomes one assignment, `sim.kv_events = Some(<format>);`,
+/// with the format chosen below.
+pub fn enable_sim_events(sim: &mut SimConfig) -> Result<(), ReplayError> {
+    let format = match sim.engine {
+        Engine::Vllm => "vllm_array",
+        Engine::Sglang => "sglang",
+    };
+    Err(ReplayError::Events(format!(
+        "events mode needs the simulator's KV event publisher (SimConfig::kv_events, format {format} \
+         for its {} workers), which this build of cachepick-sim does not have",
+        sim.engine.as_str()
+    )))
+}
+
+/// One arm of the run: a policy with an index mode and a number of picker replicas.
+#[derive(Clone, Debug)]
+struct Arm {
+    label: String,
+    policy: String,
+    yaml: String,
+    index_mode: IndexMode,
+    replicas: usize,
+}
+
+/// Every arm, policy by policy: the policy's name, then `/<mode>` when the run compares modes or uses a
+/// non-default one, then `/x<n>` when it uses more than one replica anywhere.
+fn arms(names: &[String], sim: &SimConfig, modes: &[IndexMode], replicas: &[usize]) -> Vec<Arm> {
+    let show_mode = modes != [IndexMode::Approximate];
+    let show_replicas = replicas != [1];
+    let mut arms = Vec::new();
+    for name in names {
+        let yaml = policy_yaml(name, sim).unwrap_or_default();
+        for &index_mode in modes {
+            for &count in replicas {
+                let mut label = name.clone();
+                if show_mode {
+                    label.push('/');
+                    label.push_str(index_mode.as_str());
+                }
+                if show_replicas {
+                    let _ = write!(label, "/x{count}");
+                }
+                arms.push(Arm {
+                    label,
+                    policy: name.clone(),
+                    yaml: yaml.clone(),
+                    index_mode,
+                    replicas: count,
+                });
+            }
+        }
+    }
+    arms
 }
 
 /// Runs the replay: every policy in turn on a fresh fleet, then writes the report and the charts.
@@ -297,6 +452,33 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             return Err(ReplayError::UnknownPolicy(name.clone(), known.join(", ")));
         }
     }
+    let replicas = if options.replicas.is_empty() {
+        vec![1]
+    } else {
+        options.replicas.clone()
+    };
+    if replicas.contains(&0) {
+        return Err(ReplayError::NoReplicas);
+    }
+    let most = replicas.iter().copied().max().unwrap_or(1);
+    if most > 1 && options.via != Via::Envoy {
+        return Err(ReplayError::ReplicasNeedEnvoy(most));
+    }
+    let modes = if options.index_modes.is_empty() {
+        vec![IndexMode::Approximate]
+    } else {
+        options.index_modes.clone()
+    };
+    if let Some(crash) = &options.crash {
+        let workers = sim.workers.get() as usize;
+        if crash.worker >= workers {
+            return Err(ReplayError::CrashWorker {
+                index: crash.worker,
+                workers,
+            });
+        }
+    }
+    let arms = arms(&names, &sim, &modes, &replicas);
     let envoy_path = match options.via {
         Via::Envoy => Some(
             crate::envoy::find_envoy(options.envoy.as_deref()).ok_or_else(|| {
@@ -326,7 +508,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     if options.verbose {
         println!(
             "replay {scenario_name}: {} requests over {:.0} s of trace time, speed-up {speedup} \
-             ({replay_s:.0} s per policy), via {:?}; fleet: {} {} workers, {} KV blocks of {} tokens and {} \
+             ({replay_s:.0} s per arm), via {:?}; fleet: {} {} workers, {} KV blocks of {} tokens and {} \
              running each, time scale {}",
             items.len(),
             span_ms as f64 / 1000.0,
@@ -340,18 +522,37 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
         );
     }
 
+    if options.verbose && (modes != [IndexMode::Approximate] || replicas != [1]) {
+        let modes: Vec<&str> = modes.iter().map(|mode| mode.as_str()).collect();
+        let counts: Vec<String> = replicas.iter().map(ToString::to_string).collect();
+        println!(
+            "arms: every policy with index mode {} and {} picker replica(s)",
+            modes.join(", "),
+            counts.join(", ")
+        );
+    }
+    if options.verbose
+        && let Some(crash) = &options.crash
+    {
+        println!(
+            "fault: worker {} crashes at {:.1} s of every arm and restarts {:.1} s later",
+            crash.worker,
+            crash.at.as_secs_f64(),
+            crash.restart_after.as_secs_f64()
+        );
+    }
+
     let mut reports = Vec::new();
     let mut skipped = Vec::new();
-    for name in &names {
-        let yaml = policy_yaml(name, &sim).unwrap_or_default();
-        match run_policy(
+    for arm in &arms {
+        let name = &arm.label;
+        match run_arm(
             options,
             &sim,
             &items,
             &prompts,
             speedup,
-            name,
-            &yaml,
+            arm,
             envoy_path.as_deref(),
             &phase_names,
             bucket,
@@ -405,6 +606,19 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     table.push_str("\ndecision reasons:\n");
     table.push_str(&report::reasons(&reports));
+    let per_replica = report::replica_decisions(&reports);
+    if !per_replica.is_empty() {
+        table.push_str("\ndecisions per picker replica:\n");
+        table.push_str(&per_replica);
+    }
+    let stale = report::stale_credits(&reports);
+    if !stale.is_empty() {
+        table.push_str(
+            "\nstale credits (requests the picker sent to the restarted worker for a prefix it credited it \
+             with, served with 0 cached tokens, of those credited):\n",
+        );
+        table.push_str(&stale);
+    }
     let replay = Replay {
         scenario: scenario_name,
         via: options.via,
@@ -425,6 +639,9 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             time_scale: sim.params.time_scale,
             seed: sim.seed,
         },
+        index_modes: modes,
+        replicas,
+        crash: options.crash,
         policies: reports,
         skipped,
         table,
@@ -435,19 +652,27 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn run_policy(
+async fn run_arm(
     options: &ReplayOptions,
     sim: &SimConfig,
     items: &[Item],
     prompts: &PromptBuilder,
     speedup: f64,
-    name: &str,
-    yaml: &str,
+    arm: &Arm,
     envoy_path: Option<&Path>,
     phases: &[&str],
     bucket: Duration,
 ) -> Result<PolicyReport, ReplayError> {
-    let mut stage = Stage::start(sim, |generated| apply_policy(generated, yaml)).await?;
+    let mut sim = sim.clone();
+    if arm.index_mode == IndexMode::Events {
+        enable_sim_events(&mut sim)?;
+    }
+    let mut stage = Stage::start(&sim, |generated| {
+        apply_arm(generated, &arm.yaml, arm.index_mode)
+    })
+    .await?
+    .with_replicas(arm.replicas)
+    .await?;
     if let Some(path) = envoy_path {
         stage = stage.with_envoy(path).await?;
     }
@@ -460,21 +685,80 @@ async fn run_policy(
         ),
     };
     let started = Instant::now();
-    let samples = drive::drive(
-        &route,
-        items,
-        prompts,
-        &sim.model,
-        speedup,
-        options.max_in_flight,
-    )
-    .await;
+    let start = tokio::time::Instant::now();
+    let crashing = async {
+        match &options.crash {
+            Some(crash) => Some(fault::crash(&stage.fleet, crash, start).await),
+            None => None,
+        }
+    };
+    let (samples, crashed) = tokio::join!(
+        drive::drive(
+            &route,
+            items,
+            prompts,
+            &sim.model,
+            speedup,
+            options.max_in_flight,
+        ),
+        crashing
+    );
     let wall = started.elapsed();
     let workers = drive::per_worker(&samples, &stage.fleet.endpoints());
+    let mut replica_decisions = Vec::new();
+    for picker in stage.pickers() {
+        replica_decisions.push(decisions(picker.metrics_listen()).await);
+    }
+    let fault = options.crash.as_ref().zip(crashed).map(|(crash, crashed)| {
+        let worker = stage
+            .fleet
+            .worker(crash.worker)
+            .map_or_else(String::new, |worker| worker.addr().to_string());
+        match crashed {
+            Ok(times) => FaultReport::new(crash, worker, times, &samples),
+            Err(error) => FaultReport::failed(crash, worker, error),
+        }
+    });
     stage.stop().await?;
-    Ok(PolicyReport::new(
-        name, yaml, &samples, workers, phases, bucket, wall,
-    ))
+    let mut report = PolicyReport::new(
+        &arm.policy,
+        &arm.yaml,
+        &samples,
+        workers,
+        phases,
+        bucket,
+        wall,
+    );
+    report.arm = arm.label.clone();
+    report.index_mode = arm.index_mode.as_str().to_owned();
+    report.replicas = arm.replicas;
+    report.replica_decisions = replica_decisions;
+    report.fault = fault;
+    Ok(report)
+}
+
+/// The decisions a picker made: `cachepick_decisions_total` over every pool and reason, from its
+/// `/metrics`; `None` when they cannot be read.
+async fn decisions(metrics: std::net::SocketAddr) -> Option<u64> {
+    let (status, text) = crate::http_exchange(
+        http::Method::GET,
+        metrics,
+        "/metrics",
+        "",
+        Duration::from_secs(5),
+    )
+    .await?;
+    (status == 200).then(|| decision_total(&text))
+}
+
+/// Σ `cachepick_decisions_total{…}` in a Prometheus exposition.
+fn decision_total(exposition: &str) -> u64 {
+    exposition
+        .lines()
+        .filter(|line| line.starts_with("cachepick_decisions_total{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|value| value as u64)
+        .sum()
 }
 
 fn write(path: &Path, contents: &str) -> Result<(), ReplayError> {
@@ -492,7 +776,7 @@ fn write_outputs(replay: &Replay, burst: bool, scale: f64) -> Result<(), ReplayE
     })?;
     let json = serde_json::to_string_pretty(replay).unwrap_or_default();
     write(&dir.join("report.json"), &json)?;
-    let caption = format!(
+    let mut caption = format!(
         "cachepick replay {} via {:?}, {} requests, speed-up {}, {} workers × {} running, {} KV blocks",
         replay.scenario,
         replay.via,
@@ -502,6 +786,22 @@ fn write_outputs(replay: &Replay, burst: bool, scale: f64) -> Result<(), ReplayE
         replay.fleet.max_running,
         replay.fleet.kv_blocks
     );
+    if replay.index_modes != [IndexMode::Approximate] {
+        let modes: Vec<&str> = replay.index_modes.iter().map(|m| m.as_str()).collect();
+        let _ = write!(caption, ", index {}", modes.join("/"));
+    }
+    if replay.replicas != [1] {
+        let counts: Vec<String> = replay.replicas.iter().map(ToString::to_string).collect();
+        let _ = write!(caption, ", picker replicas {}", counts.join("/"));
+    }
+    if let Some(crash) = &replay.crash {
+        let _ = write!(
+            caption,
+            ", worker {} crashed at {:.1} s",
+            crash.worker,
+            crash.at.as_secs_f64()
+        );
+    }
     write(
         &dir.join("ttft_cdf.svg"),
         &svg::ttft_cdf(&replay.policies, &caption),
@@ -514,10 +814,11 @@ fn write_outputs(replay: &Replay, burst: bool, scale: f64) -> Result<(), ReplayE
                 end / 1000.0 / replay.speedup,
             )
         });
+        // Every arm of the named policies, in the policies' order.
         let pick = |names: &[&str]| -> Vec<&PolicyReport> {
             names
                 .iter()
-                .filter_map(|name| replay.policies.iter().find(|r| r.policy == *name))
+                .flat_map(|name| replay.policies.iter().filter(|r| r.policy == *name))
                 .collect()
         };
         let main = pick(&["gate", "gate_floor"]);
@@ -542,4 +843,94 @@ fn write_outputs(replay: &Replay, burst: bool, scale: f64) -> Result<(), ReplayE
     let _ = writeln!(text, "{}", replay.table);
     write(&dir.join("table.md"), &text)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sim() -> SimConfig {
+        default_fleet(&Scenario::Burst, 4.0)
+    }
+
+    fn labels(modes: &[IndexMode], replicas: &[usize]) -> Vec<String> {
+        let names = ["gate".to_owned(), "gate_floor".to_owned()];
+        arms(&names, &sim(), modes, replicas)
+            .into_iter()
+            .map(|arm| arm.label)
+            .collect()
+    }
+
+    #[test]
+    fn arms_are_named_after_their_policy_unless_the_run_compares_more() {
+        use IndexMode::{Approximate, Events};
+        assert_eq!(labels(&[Approximate], &[1]), ["gate", "gate_floor"]);
+        assert_eq!(
+            labels(&[Approximate, Events], &[3]),
+            [
+                "gate/approximate/x3",
+                "gate/events/x3",
+                "gate_floor/approximate/x3",
+                "gate_floor/events/x3"
+            ]
+        );
+        assert_eq!(
+            labels(&[Approximate], &[1, 2]),
+            ["gate/x1", "gate/x2", "gate_floor/x1", "gate_floor/x2"]
+        );
+        assert_eq!(
+            labels(&[Events], &[1]),
+            ["gate/events", "gate_floor/events"]
+        );
+        assert_eq!("events".parse(), Ok(Events));
+        assert!("exact".parse::<IndexMode>().is_err());
+    }
+
+    const GENERATED: &str = "listen: 127.0.0.1:9002\npools:\n  - model: a\n    engine: vllm\n    workers:\n      - endpoint: 127.0.0.1:8001\n  - model: b\n    engine: vllm\n    workers:\n      - endpoint: 127.0.0.1:8002\n";
+
+    #[test]
+    fn the_index_mode_is_written_into_every_pool_only_when_not_approximate() {
+        let pools = |mode| -> Vec<serde_yaml::Value> {
+            let text = arm_text(GENERATED, "mode: round_robin", mode).expect("composed");
+            let root: serde_yaml::Value = serde_yaml::from_str(&text).expect("YAML");
+            assert_eq!(root["policy"]["mode"].as_str(), Some("round_robin"));
+            root["pools"].as_sequence().cloned().expect("pools")
+        };
+        let events = pools(IndexMode::Events);
+        assert_eq!(events.len(), 2);
+        for pool in &events {
+            assert_eq!(pool["index"]["mode"].as_str(), Some("events"), "{pool:?}");
+        }
+        for pool in &pools(IndexMode::Approximate) {
+            assert!(pool.get("index").is_none(), "{pool:?}");
+        }
+        let approximate = apply_arm(GENERATED, "mode: round_robin", IndexMode::Approximate);
+        assert!(approximate.is_ok(), "{approximate:?}");
+        // Until the product knows `pools[].index`, the key is an unknown one, and says where it is.
+        match apply_arm(GENERATED, "mode: round_robin", IndexMode::Events) {
+            Ok(config) => assert_eq!(config.pools.len(), 2),
+            Err(error) => assert!(error.to_string().contains("index"), "{error}"),
+        }
+    }
+
+    #[test]
+    fn events_mode_is_refused_until_the_simulator_publishes_kv_events() {
+        let error = enable_sim_events(&mut sim()).expect_err("not yet");
+        assert!(
+            error
+                .to_string()
+                .starts_with("events mode needs the simulator's KV event publisher"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_pickers_decisions_are_summed_over_pools_and_reasons() {
+        let exposition = "# HELP cachepick_decisions_total decisions\n\
+            cachepick_decisions_total{pool=\"a\",reason=\"cache_hit\"} 7\n\
+            cachepick_decisions_total{pool=\"a\",reason=\"cache_miss\"} 3\n\
+            cachepick_decisions_total{pool=\"b\",reason=\"cache_hit\"} 0\n\
+            cachepick_rejections_total{pool=\"a\",reason=\"no_workers\"} 5\n";
+        assert_eq!(decision_total(exposition), 10);
+    }
 }

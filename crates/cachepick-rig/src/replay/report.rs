@@ -1,4 +1,6 @@
-//! Per-policy figures computed from the samples, the printed table and the JSON report.
+//! Per-arm figures computed from the samples, the printed table and the JSON report. An *arm* is one
+//! policy run with one index mode and one number of picker replicas; with the defaults (approximate
+//! index, one replica) an arm is named after its policy alone.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -7,6 +9,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::drive::{End, Sample};
+use super::fault::FaultReport;
 
 /// Percentiles in milliseconds.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -36,10 +39,24 @@ pub struct PhaseFigures {
     pub ttft_ms: Percentiles,
 }
 
-/// One policy's run.
+/// One arm's run: a policy, an index mode, a number of picker replicas.
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyReport {
+    /// The arm's label in the table and the charts: the policy, then `/<index mode>` and `/x<replicas>`
+    /// when the run compares those (`gate_floor/events/x3`).
+    pub arm: String,
     pub policy: String,
+    /// The owner index's mode (`pools[].index.mode`): `approximate` (learned from the picker's own
+    /// decisions) or `events` (the engines' KV cache events).
+    pub index_mode: String,
+    /// Picker replicas behind the one Envoy, round-robined per request.
+    pub replicas: usize,
+    /// Decisions each replica made (`cachepick_decisions_total` summed, from its `/metrics`), in
+    /// replica order; `None` for a replica whose metrics could not be read.
+    pub replica_decisions: Vec<Option<u64>>,
+    /// The fault arm's stale credits, when the run crashed a worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fault: Option<FaultReport>,
     /// The `policy:` section the picker ran with.
     pub policy_yaml: String,
     pub requests: usize,
@@ -168,7 +185,12 @@ impl PolicyReport {
             })
             .collect();
         PolicyReport {
+            arm: policy.to_owned(),
             policy: policy.to_owned(),
+            index_mode: "approximate".to_owned(),
+            replicas: 1,
+            replica_decisions: Vec::new(),
+            fault: None,
             policy_yaml: policy_yaml.to_owned(),
             requests: samples.len(),
             ok: count(End::Ok),
@@ -225,6 +247,15 @@ fn timeline(samples: &[Sample], bucket: Duration) -> Vec<Bucket> {
         .collect()
 }
 
+/// `policy`, or `arm` when some arm is more than its policy (another index mode, several replicas).
+fn first_column(reports: &[PolicyReport]) -> &'static str {
+    if reports.iter().all(|r| r.arm == r.policy) {
+        "policy"
+    } else {
+        "arm"
+    }
+}
+
 fn pct(value: Option<f64>) -> String {
     value.map_or_else(|| "-".to_owned(), |v| format!("{:.1}%", v * 100.0))
 }
@@ -233,19 +264,20 @@ fn millis(value: Option<f64>) -> String {
     value.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
 }
 
-/// The comparison table, one row per policy, as Markdown (readable in a terminal too).
+/// The comparison table, one row per arm, as Markdown (readable in a terminal too).
 pub fn table(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| policy | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share |"
+        "| {} | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share |",
+        first_column(reports)
     );
     let _ = writeln!(out, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
     for r in reports {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            r.policy,
+            r.arm,
             r.requests,
             r.errors,
             r.rejections,
@@ -272,7 +304,7 @@ pub fn phase_table(reports: &[PolicyReport]) -> String {
     if first.phases.len() < 2 {
         return out;
     }
-    let mut header = "| policy |".to_owned();
+    let mut header = format!("| {} |", first_column(reports));
     let mut rule = "|---|".to_owned();
     for phase in &first.phases {
         let _ = write!(
@@ -284,7 +316,7 @@ pub fn phase_table(reports: &[PolicyReport]) -> String {
     }
     let _ = writeln!(out, "{header}\n{rule}");
     for r in reports {
-        let mut line = format!("| {} |", r.policy);
+        let mut line = format!("| {} |", r.arm);
         for phase in &r.phases {
             let _ = write!(
                 line,
@@ -309,7 +341,36 @@ pub fn reasons(reports: &[PolicyReport]) -> String {
             .iter()
             .map(|(reason, count)| format!("{reason} {count}"))
             .collect();
-        let _ = writeln!(out, "- {}: {}", r.policy, text.join(", "));
+        let _ = writeln!(out, "- {}: {}", r.arm, text.join(", "));
+    }
+    out
+}
+
+/// Decisions per picker replica, one line per arm (only arms with more than one replica).
+pub fn replica_decisions(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    for r in reports.iter().filter(|r| r.replicas > 1) {
+        let counts: Vec<String> = r
+            .replica_decisions
+            .iter()
+            .enumerate()
+            .map(|(index, count)| {
+                let count = count.map_or_else(|| "?".to_owned(), |n| n.to_string());
+                format!("replica {index} {count}")
+            })
+            .collect();
+        let _ = writeln!(out, "- {}: {}", r.arm, counts.join(", "));
+    }
+    out
+}
+
+/// The fault arm's stale credits, one line per arm (only when the run crashed a worker).
+pub fn stale_credits(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    for r in reports {
+        if let Some(fault) = &r.fault {
+            let _ = writeln!(out, "- {}: {}", r.arm, fault.summary());
+        }
     }
     out
 }

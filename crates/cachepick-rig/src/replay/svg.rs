@@ -251,7 +251,7 @@ pub fn ttft_cdf(reports: &[PolicyReport], caption: &str) -> String {
                 points.insert(0, (*first, 0.0));
             }
             Series {
-                name: &r.policy,
+                name: &r.arm,
                 color: color(index),
                 points,
             }
@@ -259,7 +259,11 @@ pub fn ttft_cdf(reports: &[PolicyReport], caption: &str) -> String {
         .collect();
     document(
         &[Panel {
-            title: "TTFT CDF per policy".to_owned(),
+            title: if reports.iter().all(|r| r.arm == r.policy) {
+                "TTFT CDF per policy".to_owned()
+            } else {
+                "TTFT CDF per arm (policy / index mode / picker replicas)".to_owned()
+            },
             x_label: "time to first token, ms (log scale)",
             y_label: "share of requests",
             x: (low, high),
@@ -282,7 +286,7 @@ fn timeline_series<'a>(
         .iter()
         .enumerate()
         .map(|(index, r)| Series {
-            name: &r.policy,
+            name: &r.arm,
             color: color(index),
             points: r
                 .timeline
