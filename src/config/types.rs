@@ -445,11 +445,30 @@ pub enum IndexMode {
 }
 
 impl IndexMode {
+    pub const ALL: [IndexMode; 2] = [IndexMode::Approximate, IndexMode::Events];
+
     pub fn as_str(self) -> &'static str {
         match self {
             IndexMode::Approximate => "approximate",
             IndexMode::Events => "events",
         }
+    }
+}
+
+impl std::fmt::Display for IndexMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for IndexMode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        IndexMode::ALL
+            .into_iter()
+            .find(|mode| mode.as_str() == text)
+            .ok_or_else(|| format!("expected approximate or events, got `{text}`"))
     }
 }
 

@@ -16,15 +16,14 @@ pub mod report;
 pub mod svg;
 pub mod trace;
 
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use cachepick::config::{self, Config};
-use cachepick_sim::{Engine, SimConfig, SimOverrides};
+use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimOverrides};
 
 use crate::client::Client as PickerClient;
 use crate::nz;
@@ -53,43 +52,7 @@ pub enum Via {
     Direct,
 }
 
-/// How the picker's owner index learns which worker holds which prefix (`pools[].index.mode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum IndexMode {
-    /// From the picker's own decisions (each replica its own); today's behaviour, and the default.
-    Approximate,
-    /// From the engines' KV cache events, the same for every replica.
-    Events,
-}
-
-impl IndexMode {
-    pub const ALL: [IndexMode; 2] = [IndexMode::Approximate, IndexMode::Events];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            IndexMode::Approximate => "approximate",
-            IndexMode::Events => "events",
-        }
-    }
-}
-
-impl fmt::Display for IndexMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for IndexMode {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        IndexMode::ALL
-            .into_iter()
-            .find(|mode| mode.as_str() == text)
-            .ok_or_else(|| format!("expected approximate or events, got `{text}`"))
-    }
-}
+pub use cachepick::config::IndexMode;
 
 /// What `cachepick replay` runs.
 #[derive(Clone, Debug)]
@@ -239,8 +202,6 @@ pub enum ReplayError {
     NoReplicas,
     #[error("--crash-worker {index}: the fleet has {workers} workers (0 to {last})", last = .workers.saturating_sub(1))]
     CrashWorker { index: usize, workers: usize },
-    #[error("{0}")]
-    Events(String),
 }
 
 /// The fleet as the report describes it.
@@ -356,21 +317,12 @@ pub fn arm_text(generated: &str, policy: &str, mode: IndexMode) -> Result<String
 
 /// THE one place that turns the simulator's KV event publisher on, for an `events` arm's fleet.
 ///
-/// The simulator is gaining `SimConfig::kv_events` (`vllm_array`, `vllm_map` or `sglang`), with which
-/// `Fleet::cachepick_config()` writes each worker's `kv_events:` endpoint into the generated
-/// configuration itself. Until it has, this refuses, and the `events` arms are reported as skipped with
-/// this message. Once it lands, the body becomes one assignment, `sim.kv_events = Some(<format>);`,
-/// with the format chosen below.
-pub fn enable_sim_events(sim: &mut SimConfig) -> Result<(), ReplayError> {
-    let format = match sim.engine {
-        Engine::Vllm => "vllm_array",
-        Engine::Sglang => "sglang",
-    };
-    Err(ReplayError::Events(format!(
-        "events mode needs the simulator's KV event publisher (SimConfig::kv_events, format {format} \
-         for its {} workers), which this build of cachepick-sim does not have",
-        sim.engine.as_str()
-    )))
+/// The workers publish in their engine's current format (a fleet configuration that chose one keeps
+/// it), and `Fleet::cachepick_config()` then names every worker's `kv_events:` sockets itself.
+pub fn enable_sim_events(sim: &mut SimConfig) {
+    if sim.kv_events.is_none() {
+        sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::default_for(sim.engine)));
+    }
 }
 
 /// One arm of the run: a policy with an index mode and a number of picker replicas.
@@ -665,7 +617,7 @@ async fn run_arm(
 ) -> Result<PolicyReport, ReplayError> {
     let mut sim = sim.clone();
     if arm.index_mode == IndexMode::Events {
-        enable_sim_events(&mut sim)?;
+        enable_sim_events(&mut sim);
     }
     let mut stage = Stage::start(&sim, |generated| {
         apply_arm(generated, &arm.yaml, arm.index_mode)
@@ -914,13 +866,12 @@ mod tests {
     }
 
     #[test]
-    fn events_mode_is_refused_until_the_simulator_publishes_kv_events() {
-        let error = enable_sim_events(&mut sim()).expect_err("not yet");
-        assert!(
-            error
-                .to_string()
-                .starts_with("events mode needs the simulator's KV event publisher"),
-            "{error}"
+    fn events_mode_turns_on_the_engines_own_event_format() {
+        let mut vllm = sim();
+        enable_sim_events(&mut vllm);
+        assert_eq!(
+            vllm.kv_events.map(|events| events.format),
+            Some(KvEventsFormat::default_for(Engine::Vllm))
         );
     }
 
