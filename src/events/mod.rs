@@ -57,10 +57,7 @@ pub struct EventBatch {
 pub enum KvEvent {
     BlockStored(BlockStored),
     /// The engine freed these blocks (by its own hashes) from `medium`.
-    BlockRemoved {
-        hashes: Vec<u64>,
-        medium: Medium,
-    },
+    BlockRemoved { hashes: Vec<u64>, medium: Medium },
     /// The engine dropped its whole cache (`/reset_prefix_cache`, a sleep).
     AllBlocksCleared,
 }
