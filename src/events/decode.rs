@@ -347,8 +347,12 @@ fn read_event(r: &mut Reader<'_>, budget: &mut Budget) -> Result<Option<KvEvent>
             let mut tag = None;
             for _ in 0..n {
                 if scan.key(EVENT_FIELD)? == Some(b"type".as_slice()) {
-                    if let Head::Str(name) = scan.head()? {
-                        tag = tag_of(name);
+                    match scan.peek()? {
+                        Head::Str(name) => {
+                            scan.head()?;
+                            tag = tag_of(name);
+                        }
+                        _ => scan.skip(EVENT_FIELD)?,
                     }
                 } else {
                     scan.skip(EVENT_FIELD)?;

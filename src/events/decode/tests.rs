@@ -578,12 +578,14 @@ fn unknown_events_are_skipped_and_counted() {
         ]),
         m(vec![("type", s("LoadStat")), ("n", Value::from(1))]),
         m(vec![("block_hashes", ints(&[1u64]))]),
+        // A tag that is not a string, with a value to skip past.
+        m(vec![("type", ints(&[1u32, 2, 3])), ("x", s("y"))]),
         a(vec![]),
         a(vec![s("AllBlocksCleared")]),
     ];
     let batch = decode(events);
     assert_eq!(batch.events, vec![KvEvent::AllBlocksCleared]);
-    assert_eq!(batch.unknown_events, 4);
+    assert_eq!(batch.unknown_events, 5);
 }
 
 #[test]
