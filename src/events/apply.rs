@@ -94,3 +94,129 @@ impl Applier {
         self.stream.count_reset(reason);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::events::{BlockStored, EventBatch};
+    use crate::prefix::block_hashes;
+    use crate::worker::WorkerId;
+
+    fn applier() -> (Applier, Arc<EventIndex>) {
+        let index = Arc::new(EventIndex::new(
+            &[1],
+            &[100],
+            NonZeroU32::new(4).unwrap(),
+            Duration::ZERO,
+        ));
+        let slot = index.slot(WorkerId(0), 0).unwrap();
+        let stream = Arc::new(Stream::new(
+            WorkerId(0),
+            0,
+            "127.0.0.1:5557".parse().unwrap(),
+            None,
+        ));
+        (
+            Applier::new(Arc::clone(&index), slot, "m".to_owned(), stream),
+            index,
+        )
+    }
+
+    fn stored(tokens: &[u32]) -> BlockStored {
+        BlockStored {
+            hashes: (0..tokens.len().div_ceil(4) as u64).collect(),
+            parent: None,
+            tokens: tokens.to_vec(),
+            block_size: 4,
+            medium: Medium::Gpu,
+            lora_name: None,
+            cache_salt: None,
+            opaque_extra_keys: false,
+        }
+    }
+
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events,
+            rank: Some(0),
+            unknown_events: 0,
+        }
+    }
+
+    /// Tokens the index credits worker 0 with for `tokens` under `model` and `salt`.
+    fn depth(index: &EventIndex, model: &str, salt: Option<&str>, tokens: &[u32]) -> u64 {
+        let hashes = block_hashes(
+            prefix_seed(model, salt),
+            tokens,
+            NonZeroU32::new(4).unwrap(),
+        );
+        index
+            .matches(&hashes, Instant::now())
+            .first()
+            .map_or(0, |found| found.matched_tokens)
+    }
+
+    const TOKENS: [u32; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+
+    #[test]
+    fn a_salted_or_adapter_chain_matches_only_requests_with_that_salt_or_adapter() {
+        let (applier, index) = applier();
+        let mut salted = stored(&TOKENS);
+        salted.cache_salt = Some("tenant".to_owned());
+        let mut adapter = stored(&[9, 9, 9, 9]);
+        adapter.hashes = vec![50];
+        adapter.lora_name = Some("sql-lora".to_owned());
+        applier.apply(&batch(vec![
+            KvEvent::BlockStored(salted),
+            KvEvent::BlockStored(adapter),
+        ]));
+        assert_eq!(depth(&index, "m", Some("tenant"), &TOKENS), 8);
+        assert_eq!(depth(&index, "m", None, &TOKENS), 0);
+        assert_eq!(depth(&index, "sql-lora", None, &[9, 9, 9, 9]), 4);
+        assert_eq!(depth(&index, "m", None, &[9, 9, 9, 9]), 0);
+    }
+
+    #[test]
+    fn only_gpu_blocks_make_an_owner_and_every_tier_is_counted() {
+        let (applier, index) = applier();
+        let mut cpu = stored(&TOKENS);
+        cpu.medium = Medium::Cpu;
+        let mut opaque = stored(&[7, 7, 7, 7]);
+        opaque.opaque_extra_keys = true;
+        applier.apply(&batch(vec![
+            KvEvent::BlockStored(cpu),
+            KvEvent::BlockStored(opaque),
+        ]));
+        assert_eq!(depth(&index, "m", None, &TOKENS), 0);
+        assert_eq!(depth(&index, "m", None, &[7, 7, 7, 7]), 0);
+        let view = applier.stream().view(Instant::now());
+        assert_eq!(view.tiers[0], (Medium::Gpu, 1));
+        assert_eq!(view.tiers[1], (Medium::Cpu, 2));
+        assert_eq!(view.opaque, 1);
+        applier.apply(&batch(vec![KvEvent::BlockRemoved {
+            hashes: vec![0, 1, 2],
+            medium: Medium::Cpu,
+        }]));
+        // There is no negative cache: a removal of blocks stored before the subscription stops at 0.
+        assert_eq!(
+            applier.stream().view(Instant::now()).tiers[1],
+            (Medium::Cpu, 0)
+        );
+    }
+
+    #[test]
+    fn all_blocks_cleared_forgets_the_rank_and_counts_a_reset() {
+        let (applier, index) = applier();
+        applier.apply(&batch(vec![KvEvent::BlockStored(stored(&TOKENS))]));
+        assert_eq!(depth(&index, "m", None, &TOKENS), 8);
+        applier.apply(&batch(vec![KvEvent::AllBlocksCleared]));
+        assert_eq!(depth(&index, "m", None, &TOKENS), 0);
+        let view = applier.stream().view(Instant::now());
+        assert_eq!(view.resets[2], (ResetReason::Cleared, 1));
+        assert_eq!((view.batches, view.events, view.blocks_stored), (2, 2, 2));
+    }
+}

@@ -433,3 +433,55 @@ fn sequence(frame: &[u8]) -> Result<i64, StreamError> {
         .map_err(|_| StreamError::Sequence(frame.len()))?;
     Ok(i64::from_be_bytes(bytes))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(frames: &[&[u8]]) -> ZmqMessage {
+        let frames: Vec<Bytes> = frames.iter().map(|f| Bytes::copy_from_slice(f)).collect();
+        ZmqMessage::try_from(frames).unwrap()
+    }
+
+    #[test]
+    fn live_messages_are_topic_seq_payload() {
+        let seq = 7_u64.to_be_bytes();
+        assert_eq!(
+            live_frames(&message(&[b"kv@a", &seq, b"payload"])).unwrap(),
+            (7, &b"payload"[..])
+        );
+        assert!(matches!(
+            live_frames(&message(&[b"kv@a", b"1234", b"payload"])),
+            Err(StreamError::Sequence(4))
+        ));
+        assert!(matches!(
+            live_frames(&message(&[b"a", b"b", b"c", b"d"])),
+            Err(StreamError::Frames(4))
+        ));
+    }
+
+    #[test]
+    fn replies_of_both_framings_and_the_end_marker_are_read() {
+        let seq = 3_u64.to_be_bytes();
+        let end = (-1_i64).to_be_bytes();
+        // vLLM ≥ 0.26: the DEALER sees the empty delimiter, then topic, seq, payload.
+        assert_eq!(
+            replay_frames(&message(&[b"", b"kv@a", &seq, b"p"])).unwrap(),
+            (3, &b"p"[..])
+        );
+        // Older vLLM and SGLang: no topic.
+        assert_eq!(
+            replay_frames(&message(&[b"", &seq, b"p"])).unwrap(),
+            (3, &b"p"[..])
+        );
+        assert_eq!(
+            replay_frames(&message(&[b"", &end, b""])).unwrap(),
+            (-1, &b""[..])
+        );
+        // An empty topic is skipped with the delimiter; the end marker with an empty topic too.
+        assert_eq!(
+            replay_frames(&message(&[b"", b"", &end, b""])).unwrap(),
+            (-1, &b""[..])
+        );
+    }
+}
