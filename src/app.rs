@@ -4,22 +4,23 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::config::Config;
-use crate::events::stream::StreamView;
+use crate::config::{Config, IndexMode, PoolConfig};
+use crate::events::EventFeeds;
 use crate::extproc;
 use crate::load::{PoolLoad, PoolView, Scraper};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource};
+use crate::prefix::EventIndex;
 use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
 pub use crate::route::Explanation;
-use crate::route::{Picker, PickerError, RequestError, Service};
+use crate::route::{Picker, PickerError, PoolReport, RequestError, Service};
 
 #[derive(Debug, Error)]
 pub enum AppError {
@@ -112,36 +113,13 @@ pub async fn run(
     Ok(served?)
 }
 
-/// A pool in `/debug/snapshot`: its load snapshot, and in `events` mode its KV event streams.
-#[derive(serde::Serialize)]
-struct DebugPool {
-    #[serde(flatten)]
-    view: PoolView,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    kv_events: Vec<StreamView>,
-}
-
 /// The debug endpoints' view of the request service: the HTTP server on `metrics_listen` asks through
 /// [`DebugSource`], so the request path itself depends on no server.
 struct Debug(Arc<Service>);
 
 impl DebugSource for Debug {
     fn snapshot_json(&self) -> Vec<u8> {
-        let mut streams = self.0.kv_event_streams();
-        let pools: Vec<DebugPool> = self
-            .0
-            .snapshot()
-            .into_iter()
-            .map(|view| {
-                let kv_events = streams
-                    .iter_mut()
-                    .find(|(pool, _)| *pool == view.pool)
-                    .map(|(_, streams)| std::mem::take(streams))
-                    .unwrap_or_default();
-                DebugPool { view, kv_events }
-            })
-            .collect();
-        serde_json::to_vec_pretty(&pools).unwrap_or_default()
+        serde_json::to_vec_pretty(&self.0.report()).unwrap_or_default()
     }
 
     fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
@@ -162,15 +140,58 @@ impl DebugSource for Debug {
     }
 }
 
-/// Scrapes every pool `rounds` times, `scrape_interval` apart, and returns what cachepick then sees.
-pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolView>, AppError> {
+/// Scrapes every pool `rounds` times, `scrape_interval` apart, and returns what cachepick then sees;
+/// meanwhile (and for at least [`EVENTS_LOOK`]) it subscribes to the `events` pools' KV event streams,
+/// so their state shows whether the engines publish.
+pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolReport>, AppError> {
+    let indexes: Vec<(&PoolConfig, Arc<EventIndex>)> = config
+        .pools
+        .iter()
+        .filter(|pool| pool.index.mode == IndexMode::Events)
+        .map(|pool| {
+            let ranks: Vec<u32> = pool
+                .workers
+                .iter()
+                .map(|worker| worker.dp_size.get())
+                .collect();
+            let capacity = vec![pool.default_cache_blocks.get(); ranks.len()];
+            let index = EventIndex::new(
+                &ranks,
+                &capacity,
+                pool.block_size,
+                pool.index.speculative_ttl,
+            );
+            (pool, Arc::new(index))
+        })
+        .collect();
+    let feeds = EventFeeds::new(indexes);
+    let (stop, stopped) = watch::channel(false);
+    let tasks = feeds.start(move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        }
+    });
+    let started = Instant::now();
     let loads = scraped(config, rounds).await?;
+    if !tasks.is_empty() {
+        tokio::time::sleep(EVENTS_LOOK.saturating_sub(started.elapsed())).await;
+    }
     let now = Instant::now();
-    Ok(loads
+    let views = loads
         .iter()
         .map(|load| PoolView::new(load.label(), &load.snapshot(), now))
-        .collect())
+        .collect();
+    let reports = PoolReport::join(views, feeds.views(now));
+    let _ = stop.send(true);
+    for task in tasks {
+        let _ = task.await;
+    }
+    Ok(reports)
 }
+
+/// How long `cachepick snapshot` listens to KV event streams at least: enough to connect and replay.
+pub const EVENTS_LOOK: Duration = Duration::from_secs(1);
 
 /// Every pool's load after `rounds` scrape rounds, `scrape_interval` apart: what the one-shot commands
 /// read instead of a running scraper.

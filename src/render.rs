@@ -5,16 +5,17 @@
 
 use std::fmt::Write as _;
 
-use crate::load::PoolView;
+use crate::events::stream::StreamView;
 use crate::policy::Outcome;
 use crate::prefix::DepthSource;
-use crate::route::Explanation;
+use crate::route::{Explanation, PoolReport};
 use crate::worker::WorkerId;
 
 /// `cachepick snapshot`: a plain-text table of every pool.
-pub fn snapshot(pools: &[PoolView]) -> String {
+pub fn snapshot(pools: &[PoolReport]) -> String {
     let mut out = String::new();
-    for pool in pools {
+    for report in pools {
+        let pool = &report.view;
         let _ = writeln!(
             out,
             "pool {} (snapshot v{}, freshness {:.1}s)",
@@ -60,8 +61,49 @@ pub fn snapshot(pools: &[PoolView]) -> String {
                 &fresh,
             ]));
         }
+        if !report.kv_events.is_empty() {
+            kv_event_streams(&mut out, &report.kv_events);
+        }
     }
     out
+}
+
+/// The `events` pool's streams: one line per worker rank.
+fn kv_event_streams(out: &mut String, streams: &[StreamView]) {
+    let _ = writeln!(
+        out,
+        "  kv events: {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>5} {:>7} {:>6} {:>9}",
+        "STREAM",
+        "RANK",
+        "STATE",
+        "LAST SEQ",
+        "BATCHES",
+        "GPU BLKS",
+        "GAPS",
+        "REPLAYS",
+        "RESETS",
+        "ENGINE BS"
+    );
+    for stream in streams {
+        let resets: u64 = stream.resets.iter().map(|(_, count)| count).sum();
+        let gpu = stream.tiers.first().map_or(0, |(_, blocks)| *blocks);
+        let _ = writeln!(
+            out,
+            "             {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>5} {:>7} {:>6} {:>9}",
+            stream.live.to_string(),
+            stream.rank,
+            stream.state.as_str(),
+            cell(stream.last_seq),
+            stream.batches,
+            gpu,
+            stream.gaps,
+            stream.replays,
+            resets,
+            stream
+                .engine_block_size
+                .map_or_else(|| "-".to_owned(), |size| size.to_string()),
+        );
+    }
 }
 
 fn row(cells: [&str; 10]) -> String {

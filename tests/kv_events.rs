@@ -392,3 +392,33 @@ async fn chat_tokens_equal_the_engines_so_every_full_block_matches() {
     }
     stage.stop().await.unwrap();
 }
+
+/// `cachepick snapshot` listens to the streams too, so an operator sees whether the engines publish.
+#[tokio::test]
+async fn the_snapshot_command_shows_every_stream() {
+    let stage = stage(KvEventsFormat::VllmArray).await;
+    send_directly(stage.fleet.workers()[0].addr(), &prompt("snapshot", 4)).await;
+    let pools = bounded(
+        "the snapshot",
+        DEADLINE,
+        cachepick::app::snapshot(stage.config(), 1),
+    )
+    .await
+    .unwrap();
+    let streams = &pools[0].kv_events;
+    assert_eq!(streams.len(), 2, "{pools:?}");
+    for stream in streams {
+        assert_eq!(stream.state.as_str(), "live", "{stream:?}");
+        assert_eq!(
+            stream.replays, 1,
+            "the first connection replays the ring: {stream:?}"
+        );
+    }
+    // Worker 0's ring held the batch of the request above.
+    assert_eq!(streams[0].last_seq, Some(0), "{streams:?}");
+    assert!(streams[0].blocks_stored > 0, "{streams:?}");
+    let text = cachepick::render::snapshot(&pools);
+    assert!(text.contains("kv events:"), "{text}");
+    assert!(text.contains(" live "), "{text}");
+    stage.stop().await.unwrap();
+}

@@ -1137,7 +1137,7 @@ async fn snapshot_reads_a_simulated_fleet_of_either_engine() {
             .await
             .expect("snapshot");
         assert_eq!(pools.len(), 1);
-        let views = &pools[0].workers;
+        let views = &pools[0].view.workers;
         assert_eq!(views.len(), 3);
         for (index, sim) in fleet.workers().iter().enumerate() {
             let view = &views[index];

@@ -99,6 +99,36 @@ impl From<RejectReason> for RefusalReason {
     }
 }
 
+/// A pool as the operator commands show it: its load snapshot and, in `events` mode, its KV event
+/// streams.
+#[derive(Clone, Debug, Serialize)]
+pub struct PoolReport {
+    #[serde(flatten)]
+    pub view: PoolView,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kv_events: Vec<StreamView>,
+}
+
+impl PoolReport {
+    /// Each pool's view with its streams, matched by pool label.
+    pub fn join(
+        views: Vec<PoolView>,
+        mut streams: Vec<(String, Vec<StreamView>)>,
+    ) -> Vec<PoolReport> {
+        views
+            .into_iter()
+            .map(|view| {
+                let kv_events = streams
+                    .iter_mut()
+                    .find(|(pool, _)| *pool == view.pool)
+                    .map(|(_, streams)| std::mem::take(streams))
+                    .unwrap_or_default();
+                PoolReport { view, kv_events }
+            })
+            .collect()
+    }
+}
+
 /// The request path for a running picker.
 pub struct Service {
     picker: Picker,
@@ -356,9 +386,9 @@ impl Service {
         self.feeds.start(shutdown)
     }
 
-    /// Every KV event stream's state and counters now, by pool.
-    pub fn kv_event_streams(&self) -> Vec<(String, Vec<StreamView>)> {
-        self.feeds.views(Instant::now())
+    /// Every pool's load snapshot and, in `events` mode, its KV event streams: `/debug/snapshot`.
+    pub fn report(&self) -> Vec<PoolReport> {
+        PoolReport::join(self.snapshot(), self.feeds.views(Instant::now()))
     }
 
     /// Every pool's current snapshot as an operator reads it.
