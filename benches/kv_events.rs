@@ -19,14 +19,14 @@
     clippy::indexing_slicing,
     clippy::panic
 )]
-// Measuring memory needs a global allocator, which is unsafe to implement (as in `benches/prefix.rs`).
+// Measuring memory needs the counting allocator of `support/counting.rs`, unsafe to implement (as
+// `benches/prefix.rs` says).
 #![allow(unsafe_code)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -40,50 +40,9 @@ use cachepick::events::stream::Stream;
 use cachepick::prefix::{EventIndex, OwnerIndex, block_hashes, prefix_seed};
 use cachepick::worker::WorkerId;
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-struct Counting;
-
-// SAFETY: every method forwards its arguments unchanged to the system allocator and returns its
-// result; the counter is bookkeeping only, so `System`'s guarantees carry over as they are.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller upholds `alloc`'s contract, which is `System::alloc`'s.
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        ptr
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: as for `alloc`.
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        ptr
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, that is from `System`, with this layout.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: as for `dealloc` and `alloc`; the caller upholds `realloc`'s contract.
-        let new = unsafe { System.realloc(ptr, layout, new_size) };
-        if !new.is_null() {
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-            LIVE.fetch_add(new_size, Ordering::Relaxed);
-        }
-        new
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
+#[path = "support/counting.rs"]
+mod counting;
+use counting::LIVE;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const TTL: Duration = Duration::from_secs(2);

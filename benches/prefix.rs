@@ -18,14 +18,13 @@
     clippy::indexing_slicing,
     clippy::panic
 )]
-// Measuring memory needs a global allocator, which is unsafe to implement; this file is the workspace's
-// one exception to its `unsafe_code` denial.
+// Measuring memory needs a global allocator (`support/counting.rs`), which is unsafe to implement: this file
+// and `kv_events.rs` are the workspace's exceptions to its `unsafe_code` denial.
 #![allow(unsafe_code)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use rand::rngs::SmallRng;
@@ -43,51 +42,9 @@ const HELD_BLOCKS: usize = 480;
 /// Distinct probes for the cache-cold match: 123k entries, spread over every worker.
 const PROBES: usize = 256;
 
-/// Live heap bytes, as requested by the program.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-struct Counting;
-
-// SAFETY: every method forwards its arguments unchanged to the system allocator and returns its
-// result; the counter is bookkeeping only, so `System`'s guarantees carry over as they are.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller upholds `alloc`'s contract, which is `System::alloc`'s.
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        ptr
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: as for `alloc`.
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        ptr
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, that is from `System`, with this layout.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: `ptr` came from `System` with `layout`; the caller upholds the rest.
-        let new = unsafe { System.realloc(ptr, layout, new_size) };
-        if !new.is_null() {
-            LIVE.fetch_add(new_size, Ordering::Relaxed);
-            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        }
-        new
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
+#[path = "support/counting.rs"]
+mod counting;
+use counting::LIVE;
 
 fn random_tokens(rng: &mut SmallRng, len: usize) -> Vec<u32> {
     (0..len).map(|_| rng.random_range(0..200_000)).collect()
