@@ -32,6 +32,7 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -100,6 +101,8 @@ pub struct EventIndex {
     speculative_ttl: Duration,
     block_size: NonZeroU32,
     workers: usize,
+    /// The load snapshot version the capacities were last set from.
+    capacity_version: AtomicU64,
 }
 
 /// A decision's placement and when it stops counting.
@@ -164,6 +167,7 @@ impl EventIndex {
             speculative_ttl,
             block_size,
             workers: ranks.len(),
+            capacity_version: AtomicU64::new(0),
         }
     }
 
@@ -275,8 +279,41 @@ impl EventIndex {
         }
     }
 
-    /// Records that `worker` was just chosen for the prompt `hashes`, until `now + speculative_ttl`.
+    /// Whether the capacities were last set from a snapshot older than `version`; records `version`.
+    pub fn capacity_outdated(&self, version: u64) -> bool {
+        self.capacity_version.fetch_max(version, Ordering::Relaxed) < version
+    }
+
+    /// Bounds every rank of `worker` at `blocks` (the engine-reported KV capacity, which may arrive
+    /// after the configured default): the engine's events say what it holds, but nothing it sends may
+    /// grow the index beyond what it can hold.
+    pub fn set_capacity(&self, worker: WorkerId, blocks: usize) {
+        for (slot, _) in self
+            .slot_worker
+            .iter()
+            .enumerate()
+            .filter(|(_, owner)| **owner == worker)
+        {
+            self.truth.set_capacity(WorkerId(slot as u32), blocks);
+            if let Some(sides) = self.sides.get(slot) {
+                lock(sides).bound = blocks;
+            }
+        }
+    }
+
+    /// Records that `worker` was just chosen for the prompt `hashes`: a guess until `now +
+    /// speculative_ttl`, and the blocks its ranks already hold become their most recent. Engines
+    /// report what they store and evict, not what they reuse, so without this the index's own bound
+    /// would evict a conversation's hot prefix first while the engine keeps it.
     pub fn speculate(&self, worker: WorkerId, hashes: &[u64], now: Instant) {
+        for (slot, _) in self
+            .slot_worker
+            .iter()
+            .enumerate()
+            .filter(|(_, owner)| **owner == worker)
+        {
+            self.truth.touch(WorkerId(slot as u32), hashes);
+        }
         if hashes.is_empty() || self.speculative_ttl.is_zero() {
             return;
         }

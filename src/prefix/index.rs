@@ -239,6 +239,20 @@ impl OwnerIndex {
         lru.tag(slot.get(), engine);
     }
 
+    /// Makes the blocks of the chain `hashes` that `worker` already holds its most recent, first block
+    /// most recent, adding none: what a cache hit does to the engine's own LRU, which no event reports.
+    pub fn touch(&self, worker: WorkerId, hashes: &[u64]) {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return;
+        };
+        let mut lru = lock(lru);
+        for &hash in hashes.iter().rev() {
+            if let Some(slot) = self.slot_of(worker.0, hash) {
+                lru.touch(slot);
+            }
+        }
+    }
+
     /// The block `worker` holds under the engine hash `engine`.
     pub fn tagged(&self, worker: WorkerId, engine: u64) -> Option<u64> {
         let lru = lock(self.lrus.get(worker.index())?);

@@ -438,8 +438,18 @@ impl<'p> Pinned<'p> {
                 index.set_capacity(decision.selected, capacity);
                 index.insert(decision.selected, &self.prepared.block_hashes);
             }
-            // The engine's events will say what it really cached; until then, a guess.
+            // The engine's events will say what it really cached; until then, a guess. The engines'
+            // capacities bound what their events can make the index hold.
             PoolIndex::Events(index) => {
+                // Every worker's, not only the selected one's: the other replicas' decisions fill the
+                // others through their events.
+                if index.capacity_outdated(self.snapshot.version) {
+                    for worker in self.snapshot.workers() {
+                        let capacity =
+                            capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
+                        index.set_capacity(worker.id, capacity);
+                    }
+                }
                 index.speculate(
                     decision.selected,
                     &self.prepared.block_hashes,

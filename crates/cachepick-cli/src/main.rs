@@ -298,7 +298,16 @@ fn main() -> ExitCode {
             Err(error) => bad_config(&error),
         },
         Command::Demo(args) => run("cachepick demo", demo(&args)),
-        Command::Replay(args) => run("cachepick replay", replay(&args)),
+        Command::Replay(args) => {
+            // The pickers' own logs, only when asked for: a replay's output is its report.
+            if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+                tracing_subscriber::fmt()
+                    .with_env_filter(filter)
+                    .with_writer(std::io::stderr)
+                    .init();
+            }
+            run("cachepick replay", replay(&args))
+        }
         Command::Check(args) => with_config(&args, |config| {
             print!("{}", config.to_yaml());
             ExitCode::SUCCESS

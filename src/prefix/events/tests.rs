@@ -264,3 +264,44 @@ fn a_restored_block_under_a_new_engine_hash_is_found_by_the_new_one() {
 fn start() -> Instant {
     Instant::now()
 }
+
+#[test]
+fn a_decision_keeps_its_prefix_recent_so_the_bound_evicts_colder_blocks() {
+    let now = start();
+    // Room for three blocks: a conversation's prefix and two blocks of other prompts.
+    let index = EventIndex::new(&[1], &[3], size(4), Duration::ZERO);
+    let slot = slot(&index, 0);
+    let conversation = prompt(8);
+    index.store(slot, seed(), None, engine_blocks(&conversation, 4));
+    index.store(
+        slot,
+        prefix_seed("m", Some("older")),
+        None,
+        [(76, &conversation[..4])],
+    );
+    // A hit: the engine reports nothing, but the picker's decision refreshes the prefix, so the
+    // next store evicts the other prompt's block rather than the conversation's.
+    index.speculate(
+        WorkerId(0),
+        &block_hashes(seed(), &conversation, size(4)),
+        now,
+    );
+    index.store(
+        slot,
+        prefix_seed("m", Some("other")),
+        None,
+        [(77, &conversation[..4])],
+    );
+    assert_eq!(depths(&index, &conversation, 4, now), [(0, 8)]);
+    // A larger engine-reported capacity lifts the bound for every rank of the worker.
+    assert!(index.capacity_outdated(3));
+    assert!(!index.capacity_outdated(3));
+    index.set_capacity(WorkerId(0), 10);
+    index.store(
+        slot,
+        prefix_seed("m", Some("third")),
+        None,
+        [(78, &conversation[..4])],
+    );
+    assert_eq!(index.stats().index.entries, 4);
+}
