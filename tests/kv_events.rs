@@ -288,7 +288,7 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
     // This decision also leaves a guess for the worker, which the restart must clear too.
     assert_eq!(decide(&picker, &text).await.0, worker);
 
-    let restart_after = Duration::from_millis(300);
+    let restart_after = Duration::from_millis(500);
     let crashed = Instant::now();
     admin(
         worker,
@@ -296,6 +296,13 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
         json!({"restart_after_ms": restart_after.as_millis() as u64}),
     )
     .await;
+    // While it is down, its stream is too, and what it held makes no owner.
+    wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "connecting").await;
+    let (chosen, reason, _) = decide(&picker, &text).await;
+    assert!(
+        !(chosen == worker && reason == "cache_hit"),
+        "{chosen} {reason}: a worker whose stream is down is still credited"
+    );
     // Back (answering HTTP) ...
     let back = loop {
         let up = Client::new()

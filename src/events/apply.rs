@@ -88,6 +88,11 @@ impl Applier {
         }
     }
 
+    /// Stops (or resumes) crediting the rank with what it held; see `EventIndex::suspend`.
+    pub fn suspend(&self, suspended: bool) {
+        self.index.suspend(self.slot, suspended);
+    }
+
     /// Forgets everything the stream's rank held.
     pub fn reset(&self, reason: ResetReason) {
         self.index.clear(self.slot);

@@ -23,9 +23,12 @@
 //! nothing, another batch, or a ring that starts later, and the rank is reset at once instead of at
 //! the new engine's first batch. Without a replay socket a restart shows only as a backwards sequence.
 //!
-//! While the stream is down the rank's entries still count: a reconnect usually finds the same
-//! engine. After `stream_grace` without it they are forgotten and the stream is `stale`, because
-//! whatever happened meanwhile (evictions, a restart) is invisible.
+//! While the stream is down the rank's entries are kept but make no owner: a reconnect usually finds
+//! the same engine, but until it shows that (the replay returns the last batch applied, or the next
+//! live batch continues the sequence) they may describe a cache that died with its engine, and a
+//! request sent on their credit would pay a cold prefill on a worker that may not even be up. After
+//! `stream_grace` without the stream they are forgotten and the stream is `stale`, because whatever
+//! happened meanwhile (evictions, a restart) is invisible.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -55,7 +58,7 @@ const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
 /// Reconnection starts fast: a restarted engine is back within a second, and until the stream is
 /// back its restart cannot be seen.
 const BACKOFF_START: Duration = Duration::from_millis(50);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// Why a frame or a replay could not be used.
 #[derive(Debug, Error)]
@@ -124,6 +127,7 @@ impl Subscriber {
                         broken = self.receive(&mut socket, &mut events) => broken,
                         () = &mut shutdown => return,
                     };
+                    self.applier.suspend(true);
                     tracing::warn!(%live, error = %broken, "kv events: stream down; reconnecting");
                     down_since = Instant::now();
                     self.applier
@@ -176,6 +180,8 @@ impl Subscriber {
     /// it published while nobody listened, from its ring (see the module docs).
     async fn catch_up(&mut self) {
         if self.applier.stream().replay.is_none() {
+            // Nothing to check against: a restart shows only at the next batch.
+            self.applier.suspend(false);
             return;
         }
         let from = self.last.map_or(0, |(seq, _)| seq);
@@ -191,6 +197,7 @@ impl Subscriber {
             }
         };
         let Some((last_seq, fingerprint)) = self.last else {
+            self.applier.suspend(false);
             // A first connection: nothing applied yet that could be wrong. The ring holds what the
             // engine published so far, so the next live batch is the one after it (0 if none): a
             // loss right after subscribing is then a gap like any other.
@@ -205,6 +212,7 @@ impl Subscriber {
             .first()
             .is_some_and(|(seq, payload)| *seq == last_seq && xxh3_64(payload) == fingerprint);
         if same_engine {
+            self.applier.suspend(false);
             let newer = batches.into_iter().skip(1).collect();
             self.apply_replayed(last_seq.saturating_add(1), newer);
             return;
@@ -216,6 +224,7 @@ impl Subscriber {
         } else {
             ResetReason::Restart
         });
+        self.applier.suspend(false);
         self.expected = None;
         self.last = None;
         // What the new process published so far, from its first batch.
@@ -269,6 +278,9 @@ impl Subscriber {
     /// One live batch, by the sequence rules in the module docs.
     async fn on_batch(&mut self, seq: u64, payload: &[u8]) {
         let stream = self.applier.stream().clone();
+        // A catch-up that could not replay leaves the rank suspended; the sequence settles it: a
+        // continuation is the same engine, anything else is handled below as a gap or a restart.
+        self.applier.suspend(false);
         match self.expected {
             Some(expected) if seq > expected => {
                 stream.gaps.fetch_add(1, Ordering::Relaxed);

@@ -32,7 +32,7 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -103,6 +103,9 @@ pub struct EventIndex {
     workers: usize,
     /// The load snapshot version the capacities were last set from.
     capacity_version: AtomicU64,
+    /// Per slot: its stream broke and has not yet shown the engine is the same one, so its entries
+    /// make no owner (they may describe a cache that died with its engine).
+    suspended: Box<[AtomicBool]>,
 }
 
 /// A decision's placement and when it stops counting.
@@ -168,6 +171,7 @@ impl EventIndex {
             block_size,
             workers: ranks.len(),
             capacity_version: AtomicU64::new(0),
+            suspended: capacities.iter().map(|_| AtomicBool::new(false)).collect(),
         }
     }
 
@@ -279,6 +283,31 @@ impl EventIndex {
         }
     }
 
+    /// Stops (or resumes) counting `slot`'s entries toward its worker's matches, keeping them: while
+    /// its stream is down and until the reconnection shows the same engine is there.
+    pub fn suspend(&self, slot: Slot, suspended: bool) {
+        if let Some(flag) = self.suspended.get(slot.0 as usize) {
+            flag.store(suspended, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether every rank of `worker` is suspended.
+    fn worker_suspended(&self, worker: WorkerId) -> bool {
+        let mut slots = self
+            .slot_worker
+            .iter()
+            .enumerate()
+            .filter(|(_, owner)| **owner == worker)
+            .peekable();
+        slots.peek().is_some() && slots.all(|(slot, _)| self.is_suspended(Slot(slot as u32)))
+    }
+
+    pub fn is_suspended(&self, slot: Slot) -> bool {
+        self.suspended
+            .get(slot.0 as usize)
+            .is_some_and(|flag| flag.load(Ordering::Relaxed))
+    }
+
     /// Whether the capacities were last set from a snapshot older than `version`; records `version`.
     pub fn capacity_outdated(&self, version: u64) -> bool {
         self.capacity_version.fetch_max(version, Ordering::Relaxed) < version
@@ -346,6 +375,9 @@ impl EventIndex {
     pub fn sourced(&self, hashes: &[u64], now: Instant) -> Vec<SourcedMatch> {
         let mut by_worker: Vec<SourcedMatch> = Vec::new();
         for owner in self.truth.matches(hashes, self.block_size) {
+            if self.is_suspended(Slot(owner.worker.0)) {
+                continue;
+            }
             if let Some(&worker) = self.slot_worker.get(owner.worker.index())
                 && let Some(found) = sourced_entry(&mut by_worker, worker)
             {
@@ -357,6 +389,11 @@ impl EventIndex {
             self.expire(&mut expiry, now);
         }
         for owner in self.speculative.matches(hashes, self.block_size) {
+            // A guess is about the engine this replica sent to; while the worker's streams are down
+            // that engine may be gone.
+            if self.worker_suspended(owner.worker) {
+                continue;
+            }
             if let Some(found) = sourced_entry(&mut by_worker, owner.worker) {
                 found.speculative_tokens = owner.matched_tokens;
             }

@@ -305,3 +305,24 @@ fn a_decision_keeps_its_prefix_recent_so_the_bound_evicts_colder_blocks() {
     );
     assert_eq!(index.stats().index.entries, 4);
 }
+
+#[test]
+fn a_suspended_rank_keeps_its_blocks_but_makes_no_owner() {
+    let now = start();
+    let index = EventIndex::new(&[2], &[100, 100], size(4), TTL);
+    let tokens = prompt(8);
+    let rank0 = index.slot(WorkerId(0), 0).unwrap();
+    let rank1 = index.slot(WorkerId(0), 1).unwrap();
+    index.store(rank0, seed(), None, engine_blocks(&tokens, 4));
+    index.store(rank1, seed(), None, engine_blocks(&tokens[..4], 4));
+    index.suspend(rank0, true);
+    assert_eq!(depths(&index, &tokens, 4, now), [(0, 4)]);
+    // A guess counts while one rank's stream is up, not once all are down.
+    index.speculate(WorkerId(0), &block_hashes(seed(), &tokens, size(4)), now);
+    assert_eq!(depths(&index, &tokens, 4, now), [(0, 8)]);
+    index.suspend(rank1, true);
+    assert_eq!(depths(&index, &tokens, 4, now), []);
+    index.suspend(rank1, false);
+    index.suspend(rank0, false);
+    assert_eq!(depths(&index, &tokens, 4, now), [(0, 8)]);
+}
