@@ -72,12 +72,13 @@ pub fn snapshot(pools: &[PoolReport]) -> String {
 fn kv_event_streams(out: &mut String, streams: &[StreamView]) {
     let _ = writeln!(
         out,
-        "  kv events: {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>5} {:>7} {:>6} {:>9}",
+        "  kv events: {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>9} {:>5} {:>7} {:>6} {:>9}",
         "STREAM",
         "RANK",
         "STATE",
         "LAST SEQ",
         "BATCHES",
+        "EVENTS/S",
         "GPU BLKS",
         "GAPS",
         "REPLAYS",
@@ -89,12 +90,15 @@ fn kv_event_streams(out: &mut String, streams: &[StreamView]) {
         let gpu = stream.tiers.first().map_or(0, |(_, blocks)| *blocks);
         let _ = writeln!(
             out,
-            "             {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>5} {:>7} {:>6} {:>9}",
+            "             {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>9} {:>5} {:>7} {:>6} {:>9}",
             stream.live.to_string(),
             stream.rank,
             stream.state.as_str(),
             cell(stream.last_seq),
             stream.batches,
+            stream
+                .events_per_second
+                .map_or_else(|| "-".to_owned(), |rate| format!("{rate:.1}")),
             gpu,
             stream.gaps,
             stream.replays,

@@ -424,8 +424,17 @@ async fn the_snapshot_command_shows_every_stream() {
     // Worker 0's ring held the batch of the request above.
     assert_eq!(streams[0].last_seq, Some(0), "{streams:?}");
     assert!(streams[0].blocks_stored > 0, "{streams:?}");
+    assert!(
+        streams
+            .iter()
+            .all(|stream| stream.events_per_second.is_some()),
+        "{streams:?}"
+    );
     let text = cachepick::render::snapshot(&pools);
-    assert!(text.contains("kv events:"), "{text}");
+    assert!(
+        text.contains("kv events:") && text.contains("EVENTS/S"),
+        "{text}"
+    );
     assert!(text.contains(" live "), "{text}");
     stage.stop().await.unwrap();
 }

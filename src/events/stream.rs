@@ -125,7 +125,8 @@ pub struct Stream {
     tiers: [AtomicI64; 4],
     /// The engine's block size, from its last `BlockStored`.
     pub(super) engine_block_size: AtomicU32,
-    since: Mutex<Option<Instant>>,
+    /// When the stream entered its state, and how many events it had received then.
+    since: Mutex<Option<(Instant, u64)>>,
 }
 
 impl Stream {
@@ -166,7 +167,7 @@ impl Stream {
         if self.state.swap(state.to_u8(), Ordering::Relaxed) != state.to_u8()
             && let Ok(mut since) = self.since.lock()
         {
-            *since = Some(now);
+            *since = Some((now, self.events.load(Ordering::Relaxed)));
         }
     }
 
@@ -203,18 +204,19 @@ impl Stream {
     /// A consistent-enough copy of the counters, for display.
     pub fn view(&self, now: Instant) -> StreamView {
         let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let since = self.since.lock().ok().and_then(|since| *since);
         StreamView {
             worker: self.worker,
             rank: self.rank,
             live: self.live,
             replay: self.replay,
             state: self.state(),
-            for_ms: self
-                .since
-                .lock()
-                .ok()
-                .and_then(|since| *since)
-                .map(|since| duration_ms(now.saturating_duration_since(since))),
+            for_ms: since.map(|(at, _)| duration_ms(now.saturating_duration_since(at))),
+            events_per_second: since.and_then(|(at, events)| {
+                let seconds = now.saturating_duration_since(at).as_secs_f64();
+                (self.state() == StreamState::Live && seconds > 0.0)
+                    .then(|| load(&self.events).saturating_sub(events) as f64 / seconds)
+            }),
             last_seq: self.last_seq(),
             batches: load(&self.batches),
             events: load(&self.events),
@@ -276,6 +278,8 @@ pub struct StreamView {
     pub state: StreamState,
     /// How long it has been in `state`.
     pub for_ms: Option<u64>,
+    /// Events received per second since the stream went live; `None` while it is not.
+    pub events_per_second: Option<f64>,
     pub last_seq: Option<u64>,
     pub batches: u64,
     pub events: u64,
