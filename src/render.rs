@@ -194,6 +194,22 @@ pub fn explanation(explanation: &Explanation) -> String {
             owner.matched_tokens
         );
     }
+    for worker in &explanation.tiers {
+        let blocks: Vec<String> = worker
+            .blocks
+            .iter()
+            .filter(|(_, blocks)| *blocks > 0)
+            .map(|(medium, blocks)| format!("{} {blocks}", medium.as_str()))
+            .collect();
+        if !blocks.is_empty() {
+            let _ = writeln!(
+                out,
+                "tiers:   {} holds {} blocks (only gpu blocks make an owner)",
+                endpoint(worker.worker),
+                blocks.join(", ")
+            );
+        }
+    }
     match &explanation.outcome {
         Outcome::Route(decision) => {
             let fallbacks: Vec<String> =

@@ -212,6 +212,31 @@ async fn follows_the_engine(format: KvEventsFormat) {
     let (chosen, reason, tokens) = decide(&picker, &text).await;
     assert_eq!((chosen, reason.as_str()), (worker, "cache_hit"));
     assert!(tokens >= 1024, "{tokens} tokens");
+    // explain says where the owner's depth comes from, and what each engine holds per tier.
+    let explained = request(
+        Method::POST,
+        stage.picker.metrics_listen(),
+        "/debug/explain?path=/v1/completions",
+        Some(&serde_json::from_slice::<Value>(&body(&text)).unwrap()),
+    )
+    .await
+    .json();
+    let sources = explained["depth_sources"]
+        .as_array()
+        .expect("depth sources");
+    assert!(
+        sources
+            .iter()
+            .any(|source| source["worker"] == 1 && source["events_tokens"].as_u64() >= Some(1024)),
+        "{explained:#}"
+    );
+    let tiers = explained["tiers"].as_array().expect("tiers");
+    assert!(
+        tiers.iter().any(|worker| worker["worker"] == 1
+            && worker["blocks"][0][0] == "gpu"
+            && worker["blocks"][0][1].as_u64() > Some(0)),
+        "{explained:#}"
+    );
     let metrics = request(Method::GET, stage.picker.metrics_listen(), "/metrics", None)
         .await
         .text();

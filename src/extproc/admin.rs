@@ -282,6 +282,7 @@ mod tests {
         };
         let explanation = Explanation {
             depth_sources: None,
+            tiers: Vec::new(),
             prepared: prepared(),
             block_size: 16,
             outcome: Outcome::Route(Decision {
@@ -343,6 +344,7 @@ mod tests {
         }];
         let explanation = Explanation {
             depth_sources: None,
+            tiers: Vec::new(),
             prepared,
             block_size: 16,
             outcome: Outcome::Reject(Reject {

@@ -321,6 +321,7 @@ impl Picker {
         let depth_sources = self.depth_sources(&prepared);
         Ok(Explanation {
             depth_sources,
+            tiers: Vec::new(),
             block_size: config.map_or(0, |pool| pool.block_size.get()),
             endpoints: config
                 .map(|pool| {

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::explain::Explanation;
+use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Picker, Pinned, Prepared, RequestError};
 use crate::events::EventFeeds;
 use crate::events::stream::StreamView;
@@ -375,7 +375,42 @@ impl Service {
 
     /// How a body would be routed now, without routing it: the live owner index and load.
     pub fn explain(&self, path: &str, body: &[u8]) -> Result<Explanation, RequestError> {
-        self.picker.explain(path, body, &mut rand::rng())
+        let mut explanation = self.picker.explain(path, body, &mut rand::rng())?;
+        if explanation.depth_sources.is_some() {
+            explanation.tiers = self.tiers(&explanation.prepared.pool_label);
+        }
+        Ok(explanation)
+    }
+
+    /// Each worker's blocks per tier in `pool`, summed over its ranks' streams.
+    fn tiers(&self, pool: &str) -> Vec<WorkerTiers> {
+        let mut tiers: Vec<WorkerTiers> = Vec::new();
+        let views = self.feeds.views(Instant::now());
+        let Some((_, streams)) = views.into_iter().find(|(label, _)| label == pool) else {
+            return tiers;
+        };
+        for stream in streams {
+            let at = match tiers.iter().position(|found| found.worker == stream.worker) {
+                Some(at) => at,
+                None => {
+                    tiers.push(WorkerTiers {
+                        worker: stream.worker,
+                        blocks: stream
+                            .tiers
+                            .iter()
+                            .map(|(medium, _)| (*medium, 0))
+                            .collect(),
+                    });
+                    tiers.len() - 1
+                }
+            };
+            if let Some(found) = tiers.get_mut(at) {
+                for ((_, total), (_, blocks)) in found.blocks.iter_mut().zip(stream.tiers) {
+                    *total += blocks;
+                }
+            }
+        }
+        tiers
     }
 
     /// Subscribes to every KV event stream of the `events` pools, until `shutdown()` completes.
