@@ -253,7 +253,12 @@ impl Validator<'_> {
         })
     }
 
-    fn positive_duration(&mut self, map: &Map, key: &str, default: Duration) -> Res<Val<Duration>> {
+    pub(super) fn positive_duration(
+        &mut self,
+        map: &Map,
+        key: &str,
+        default: Duration,
+    ) -> Res<Val<Duration>> {
         let given = self.opt(map, key, Self::duration);
         self.check(with_default(given, default), |duration| {
             if duration.is_zero() {

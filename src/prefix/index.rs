@@ -100,18 +100,21 @@ impl OwnerIndex {
     /// Records that `worker` now holds the chain `hashes` (in prompt order), as its most recently
     /// used blocks, evicting its least recently used blocks beyond its capacity.
     pub fn insert(&self, worker: WorkerId, hashes: &[u64]) {
-        let Some(lru) = self.lrus.get(worker.index()) else {
-            return;
-        };
-        let mut lru = lock(lru);
+        self.insert_locked(worker, hashes);
+    }
+
+    /// [`OwnerIndex::insert`], returning the worker's LRU still locked (`None` if nothing was held).
+    fn insert_locked(&self, worker: WorkerId, hashes: &[u64]) -> Option<MutexGuard<'_, Lru>> {
+        let mut lru = lock(self.lrus.get(worker.index())?);
         if lru.capacity == 0 {
-            return;
+            return None;
         }
         // Last block first, so that the first block ends up most recent (see the module docs).
         for &hash in hashes.iter().rev() {
             self.hold(worker.0, &mut lru, hash);
             self.evict_beyond_capacity(worker.0, &mut lru);
         }
+        Some(lru)
     }
 
     /// For each worker holding the chain's first block, how many leading prompt tokens it holds:
@@ -220,17 +223,9 @@ impl OwnerIndex {
     /// find it by that hash. A block carries one tag; a later tag replaces it, and an engine hash
     /// tags one block. Without engine keys ([`OwnerIndex::new`]) nothing is tagged.
     pub fn insert_tagged(&self, worker: WorkerId, hashes: &[u64], engine: u64) {
-        let Some(lru) = self.lrus.get(worker.index()) else {
+        let Some(mut lru) = self.insert_locked(worker, hashes) else {
             return;
         };
-        let mut lru = lock(lru);
-        if lru.capacity == 0 {
-            return;
-        }
-        for &hash in hashes.iter().rev() {
-            self.hold(worker.0, &mut lru, hash);
-            self.evict_beyond_capacity(worker.0, &mut lru);
-        }
         // The last block is the least recent of the chain: a capacity below the chain's length has
         // already evicted it.
         let Some(slot) = hashes.last().and_then(|&tip| self.slot_of(worker.0, tip)) else {

@@ -63,7 +63,7 @@ impl Validator<'_> {
                 Ok(ttl)
             }
         });
-        let grace = self.positive(&map, "stream_grace", defaults.stream_grace);
+        let grace = self.positive_duration(&map, "stream_grace", defaults.stream_grace);
         let topic = self.opt(&map, "topic", Self::string);
         let port = self.opt(&map, "port", Self::port);
         let port = with_default(port, IndexConfig::DEFAULT_LIVE_PORT);
@@ -128,17 +128,6 @@ impl Validator<'_> {
         Ok(KvEventEndpoints {
             live: live.value,
             replay: replay.map(|replay| replay.value),
-        })
-    }
-
-    fn positive(&mut self, map: &Map, key: &str, default: Duration) -> Res<Val<Duration>> {
-        let given = self.opt(map, key, Self::duration);
-        self.check(with_default(given, default), |duration| {
-            if duration.is_zero() {
-                Err("must be greater than 0".to_owned())
-            } else {
-                Ok(duration)
-            }
         })
     }
 
