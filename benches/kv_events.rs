@@ -9,7 +9,8 @@
 //!   again, at three fill sizes; live bytes requested, the engine-hash tags included, per (block,
 //!   owner) entry.
 //! - Match: a 512-block probe of which one worker holds 480, on the events index (truth and
-//!   guesses) and on the approximate `OwnerIndex` filled the same way.
+//!   guesses) and on the approximate `OwnerIndex` filled the same way; and the commit after a decision
+//!   on each (a guess and a refresh, against an insert).
 //!
 //! Run: `cargo bench --bench kv_events`. Figures go to BENCHMARKS.md with the machine they came from.
 
@@ -230,6 +231,16 @@ fn bench_match(c: &mut Criterion) {
     });
     group.bench_function("approximate index, 512-block probe, 480 held", |b| {
         b.iter(|| approximate.matches(black_box(&probe), block))
+    });
+    group.finish();
+    // The commit after a decision: the approximate index inserts the prompt for the worker; the
+    // events index refreshes what the worker holds and records a guess.
+    let mut group = c.benchmark_group("kv_events_commit");
+    group.bench_function("events index: speculate 512 blocks, 480 held", |b| {
+        b.iter(|| index.speculate(WorkerId(5), black_box(&probe), now))
+    });
+    group.bench_function("approximate index: insert 512 blocks, 480 held", |b| {
+        b.iter(|| approximate.insert(WorkerId(5), black_box(&probe)))
     });
     group.finish();
 }
