@@ -149,19 +149,8 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolReport>, A
         .iter()
         .filter(|pool| pool.index.mode == IndexMode::Events)
         .map(|pool| {
-            let ranks: Vec<u32> = pool
-                .workers
-                .iter()
-                .map(|worker| worker.dp_size.get())
-                .collect();
-            let capacity = vec![pool.default_cache_blocks.get(); ranks.len()];
-            let index = EventIndex::new(
-                &ranks,
-                &capacity,
-                pool.block_size,
-                pool.index.speculative_ttl,
-            );
-            (pool, Arc::new(index))
+            let capacity = vec![pool.default_cache_blocks.get(); pool.workers.len()];
+            (pool, Arc::new(EventIndex::for_pool(pool, &capacity)))
         })
         .collect();
     let feeds = EventFeeds::new(indexes);

@@ -32,12 +32,13 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU32;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::hash::block_hashes_into;
-use super::index::{IndexStats, OwnerIndex, OwnerMatch};
+use super::index::{IndexStats, OwnerIndex, OwnerMatch, lock};
+use crate::config::PoolConfig;
 use crate::worker::WorkerId;
 
 /// Where a worker's match comes from.
@@ -175,6 +176,34 @@ impl EventIndex {
         }
     }
 
+    /// An index for `pool` whose worker `i` can hold `capacity_blocks[i]` blocks per rank, each
+    /// worker with its configured data-parallel ranks.
+    pub fn for_pool(pool: &PoolConfig, capacity_blocks: &[usize]) -> Self {
+        let ranks: Vec<u32> = pool
+            .workers
+            .iter()
+            .map(|worker| worker.dp_size.get())
+            .collect();
+        EventIndex::new(
+            &ranks,
+            capacity_blocks,
+            pool.block_size,
+            pool.index.speculative_ttl,
+        )
+    }
+
+    /// Every rank's slot of `worker`; its slots are consecutive.
+    fn slots_of(&self, worker: WorkerId) -> impl Iterator<Item = Slot> + '_ {
+        let first = self
+            .first_slot
+            .get(worker.index())
+            .copied()
+            .unwrap_or(u32::MAX);
+        (first..)
+            .take_while(move |&slot| self.slot_worker.get(slot as usize) == Some(&worker))
+            .map(Slot)
+    }
+
     /// The slot of rank `rank` of `worker`, if both exist.
     pub fn slot(&self, worker: WorkerId, rank: u32) -> Option<Slot> {
         let first = *self.first_slot.get(worker.index())?;
@@ -293,13 +322,8 @@ impl EventIndex {
 
     /// Whether every rank of `worker` is suspended.
     fn worker_suspended(&self, worker: WorkerId) -> bool {
-        let mut slots = self
-            .slot_worker
-            .iter()
-            .enumerate()
-            .filter(|(_, owner)| **owner == worker)
-            .peekable();
-        slots.peek().is_some() && slots.all(|(slot, _)| self.is_suspended(Slot(slot as u32)))
+        let mut slots = self.slots_of(worker).peekable();
+        slots.peek().is_some() && slots.all(|slot| self.is_suspended(slot))
     }
 
     pub fn is_suspended(&self, slot: Slot) -> bool {
@@ -317,14 +341,9 @@ impl EventIndex {
     /// after the configured default): the engine's events say what it holds, but nothing it sends may
     /// grow the index beyond what it can hold.
     pub fn set_capacity(&self, worker: WorkerId, blocks: usize) {
-        for (slot, _) in self
-            .slot_worker
-            .iter()
-            .enumerate()
-            .filter(|(_, owner)| **owner == worker)
-        {
-            self.truth.set_capacity(WorkerId(slot as u32), blocks);
-            if let Some(sides) = self.sides.get(slot) {
+        for slot in self.slots_of(worker) {
+            self.truth.set_capacity(WorkerId(slot.0), blocks);
+            if let Some(sides) = self.sides.get(slot.0 as usize) {
                 lock(sides).bound = blocks;
             }
         }
@@ -335,13 +354,8 @@ impl EventIndex {
     /// report what they store and evict, not what they reuse, so without this the index's own bound
     /// would evict a conversation's hot prefix first while the engine keeps it.
     pub fn speculate(&self, worker: WorkerId, hashes: &[u64], now: Instant) {
-        for (slot, _) in self
-            .slot_worker
-            .iter()
-            .enumerate()
-            .filter(|(_, owner)| **owner == worker)
-        {
-            self.truth.touch(WorkerId(slot as u32), hashes);
+        for slot in self.slots_of(worker) {
+            self.truth.touch(WorkerId(slot.0), hashes);
         }
         if hashes.is_empty() || self.speculative_ttl.is_zero() {
             return;
@@ -475,11 +489,6 @@ fn sourced_entry(by_worker: &mut Vec<SourcedMatch>, worker: WorkerId) -> Option<
         }
     };
     by_worker.get_mut(at)
-}
-
-/// A poisoned lock only means a panic elsewhere mid-update, which the lints rule out here.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -836,10 +836,10 @@ impl Lru {
     }
 }
 
-/// A poisoned LRU only means a panic elsewhere mid-update, which the lints rule out in this module;
+/// A poisoned lock only means a panic elsewhere mid-update, which the lints rule out in `prefix`;
 /// routing on whatever it holds beats failing every later request.
-fn lock(lru: &Mutex<Lru>) -> MutexGuard<'_, Lru> {
-    lru.lock().unwrap_or_else(PoisonError::into_inner)
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The maps' hasher: one keyed, folded multiply per key.

@@ -142,17 +142,7 @@ impl Picker {
                 let index = match pool.index.mode {
                     IndexMode::Approximate => PoolIndex::Approximate(OwnerIndex::new(&capacities)),
                     IndexMode::Events => {
-                        let ranks: Vec<u32> = pool
-                            .workers
-                            .iter()
-                            .map(|worker| worker.dp_size.get())
-                            .collect();
-                        PoolIndex::Events(Arc::new(EventIndex::new(
-                            &ranks,
-                            &capacities,
-                            pool.block_size,
-                            pool.index.speculative_ttl,
-                        )))
+                        PoolIndex::Events(Arc::new(EventIndex::for_pool(pool, &capacities)))
                     }
                 };
                 Ok(PoolRoute {
