@@ -4,6 +4,7 @@
 //! - [`config`]: the YAML file and CLI overrides, validated in one place into typed configuration.
 //! - [`worker`]: worker identity (`WorkerId`, role, engine) shared by every other module.
 //! - [`request`]: request bodies → the API, model and prompt routing needs, borrowed from the body.
+//! - [`discovery`]: where each pool's workers come from at runtime (the file, DNS, Kubernetes).
 //! - [`load`]: scraping worker load into immutable per-pool snapshots; router-local dispatch counts.
 //! - [`metrics`]: cachepick's own Prometheus metrics, defined in one place.
 //! - [`tokenize`]: prompt → tokens per pool (tiktoken, Hugging Face or bytes), chat templates, and the
@@ -26,6 +27,7 @@
 
 pub mod app;
 pub mod config;
+pub mod discovery;
 pub mod envoy_config;
 pub mod events;
 pub mod extproc;

@@ -193,7 +193,7 @@ fn the_simulator_crate_depends_on_no_product_crate() {
 const LAYERS: [&[&str]; 8] = [
     &["worker", "protocol"],
     &["config"],
-    &["request", "tokenize", "prefix", "load"],
+    &["request", "tokenize", "prefix", "load", "discovery"],
     &["policy", "events"],
     &["metrics"],
     &["route"],

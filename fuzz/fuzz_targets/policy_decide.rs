@@ -17,7 +17,9 @@ use rand::rngs::SmallRng;
 use cachepick::config::{
     BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, PolicyConfig, QueueGate, RelThreshold,
 };
-use cachepick::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
+use cachepick::load::{
+    Capacity, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading, WorkerState,
+};
 use cachepick::policy::{LoadView, Outcome, OwnerMatch, Reason, RequestFacts, decide};
 use cachepick::worker::{Role, WorkerId};
 
@@ -68,7 +70,9 @@ fuzz_target!(|input: Input| {
             let endpoint = SocketAddr::from(([127, 0, 0, 1], 10_000 + i as u16));
             let role = [Role::Prefill, Role::Decode, Role::Both][usize::from(w.role % 3)];
             let mut state = WorkerState::new(WorkerId(i as u32), endpoint, role);
-            state.routable = w.routable;
+            if !w.routable {
+                state.lifecycle = Lifecycle::Draining;
+            }
             state.capacity = Capacity {
                 max_running: w.max_running.map(u64::from),
                 max_total_tokens: w.max_total_tokens.map(u64::from),
@@ -162,7 +166,7 @@ fuzz_target!(|input: Input| {
 
     let in_fleet = |id: WorkerId| {
         snapshot.worker(id).is_some_and(|w| {
-            w.routable
+            w.routable()
                 && w.role.serves_prefill()
                 && allowed.as_ref().is_none_or(|a| a.contains(&id))
         })

@@ -22,8 +22,8 @@ use serde::Serialize;
 use cachepick_decode::{duration, size};
 
 use super::{
-    Config, IndexConfig, IndexMode, Mode, ModelMatch, PolicyConfig, PoolConfig, TokenizerConfig,
-    WorkerConfig,
+    Config, Discovery, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection, PolicyConfig,
+    PoolConfig, TokenizerConfig, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 
@@ -184,11 +184,52 @@ struct Pool<'c> {
     policy: Policy,
     #[serde(skip_serializing_if = "Option::is_none")]
     index: Option<Index<'c>>,
+    max_workers: usize,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     workers: Vec<Worker<'c>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dns: Option<Dns<'c>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kubernetes: Option<Kubernetes<'c>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    template: Option<Template>,
 }
 
-/// `index:`, written only when it differs from the default. The ports are not written: every worker's
-/// sockets are, where they differ from the default ones.
+#[derive(Serialize)]
+struct Dns<'c> {
+    name: &'c str,
+    port: u16,
+    interval: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server: Option<SocketAddr>,
+}
+
+#[derive(Serialize)]
+struct Kubernetes<'c> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    namespace: Option<&'c str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    selector: Option<&'c str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    inference_pool: Option<&'c str>,
+    #[serde(skip_serializing_if = "<[u16]>::is_empty")]
+    ports: &'c [u16],
+}
+
+#[derive(Serialize)]
+struct Template {
+    load_source: &'static str,
+    role: Role,
+    dp_size: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_running_requests: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_total_tokens: Option<u64>,
+}
+
+/// `index:`, written only when it differs from the default. The ports are what discovered workers'
+/// sockets are resolved with; a file worker's own sockets are written with it where they differ from
+/// the default ones.
 #[derive(Serialize)]
 struct Index<'c> {
     mode: IndexMode,
@@ -196,6 +237,9 @@ struct Index<'c> {
     stream_grace: String,
     #[serde(skip_serializing_if = "str::is_empty")]
     topic: &'c str,
+    port: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replay_port: Option<u16>,
 }
 
 #[derive(Serialize)]
@@ -279,11 +323,48 @@ impl<'c> Pool<'c> {
             segment_cache_entries: pool.segment_cache_entries.get(),
             default_cache_blocks: pool.default_cache_blocks.get(),
             policy: Policy::over(&pool.policy, policy),
-            index: (pool.index != IndexConfig::default()).then(|| Index {
+            index: (pool.index != IndexConfig::default()
+                || pool.template.kv_events_port != IndexConfig::DEFAULT_LIVE_PORT
+                || pool.template.kv_replay_port.is_some())
+            .then(|| Index {
                 mode: pool.index.mode,
                 speculative_ttl: duration::format(pool.index.speculative_ttl),
                 stream_grace: duration::format(pool.index.stream_grace),
                 topic: &pool.index.topic,
+                port: pool.template.kv_events_port,
+                replay_port: pool.template.kv_replay_port,
+            }),
+            max_workers: pool.max_workers.get(),
+            dns: match &pool.discovery {
+                Discovery::Dns(dns) => Some(Dns {
+                    name: &dns.name,
+                    port: dns.port,
+                    interval: duration::format(dns.interval),
+                    server: dns.server,
+                }),
+                _ => None,
+            },
+            kubernetes: match &pool.discovery {
+                Discovery::Kubernetes(kube) => Some(Kubernetes {
+                    namespace: kube.namespace.as_deref(),
+                    selector: match &kube.pods {
+                        PodSelection::Selector(selector) => Some(selector),
+                        PodSelection::InferencePool(_) => None,
+                    },
+                    inference_pool: match &kube.pods {
+                        PodSelection::InferencePool(name) => Some(name),
+                        PodSelection::Selector(_) => None,
+                    },
+                    ports: &kube.ports,
+                }),
+                _ => None,
+            },
+            template: (pool.discovery != Discovery::Static).then(|| Template {
+                load_source: pool.template.load_source.as_str(),
+                role: pool.template.role,
+                dp_size: pool.template.dp_size.get(),
+                max_running_requests: pool.template.max_running_requests.map(NonZeroU64::get),
+                max_total_tokens: pool.template.max_total_tokens.map(NonZeroU64::get),
             }),
             workers: pool
                 .workers

@@ -156,6 +156,9 @@ fn the_full_example_is_accepted_with_its_values() {
                 }],
                 policy: gated(4, 2),
                 index: IndexConfig::default(),
+                discovery: Discovery::Static,
+                template: WorkerTemplate::default(),
+                max_workers: NonZeroUsize::new(256).unwrap(),
             },
             PoolConfig {
                 model: ModelMatch::Any,
@@ -205,6 +208,12 @@ fn the_full_example_is_accepted_with_its_values() {
                     topic: "kv@".into(),
                     stream_grace: IndexConfig::DEFAULT_STREAM_GRACE,
                 },
+                discovery: Discovery::Static,
+                template: WorkerTemplate {
+                    kv_replay_port: Some(5558),
+                    ..WorkerTemplate::default()
+                },
+                max_workers: NonZeroUsize::new(256).unwrap(),
             },
         ],
     };

@@ -367,13 +367,20 @@ pub struct PoolConfig {
     pub segment_cache_entries: NonZeroUsize,
     /// Prefix blocks the owner index keeps per worker when the engine does not report its KV capacity.
     pub default_cache_blocks: NonZeroUsize,
-    /// Non-empty, unique endpoints, at least one of them serving prefill.
+    /// The file's workers (`Discovery::Static`): non-empty, unique endpoints, at least one of them
+    /// serving prefill. Empty for a discovered pool; the live roster is the load snapshot's.
     pub workers: Vec<WorkerConfig>,
     /// The policy this pool runs with: its own `pools[].policy` keys, the others from the top-level
     /// `policy`.
     pub policy: PolicyConfig,
     /// Where the owner index learns which worker holds which prefix.
     pub index: IndexConfig,
+    /// Where the workers come from; `workers` is the file's list for `Static` and empty otherwise.
+    pub discovery: Discovery,
+    /// What a discovered worker is beyond its address.
+    pub template: WorkerTemplate,
+    /// Workers the pool can hold at once: per-worker state is allocated for this many.
+    pub max_workers: NonZeroUsize,
 }
 
 impl PoolConfig {
@@ -381,6 +388,8 @@ impl PoolConfig {
     pub const DEFAULT_SEGMENT_CACHE_ENTRIES: usize = 16_384;
     /// About 1M tokens at 64 tokens per block: a mid-size GPU's KV cache.
     pub const DEFAULT_CACHE_BLOCKS: usize = 16_384;
+    /// Far more engines than one model's pool runs today, and a few hundred kilobytes of slots.
+    pub const DEFAULT_MAX_WORKERS: usize = 256;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -515,6 +524,121 @@ impl WorkerConfig {
         match (&self.load_source, &self.loads_url) {
             (LoadSource::Loads, Some(url)) => url,
             _ => &self.metrics_url,
+        }
+    }
+}
+
+/// Where a pool's workers come from (`pools[].workers`, `dns` or `kubernetes`, exactly one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// The `workers:` list of the file, re-read when the file changes or on SIGHUP.
+    Static,
+    /// A/AAAA records of a name (a headless Service), re-resolved every `interval`.
+    Dns(DnsDiscovery),
+    /// Pods watched through the Kubernetes API.
+    Kubernetes(KubernetesDiscovery),
+}
+
+impl Discovery {
+    /// The source's name in metrics, logs and the snapshot.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Discovery::Static => "file",
+            Discovery::Dns(_) => "dns",
+            Discovery::Kubernetes(_) => "kubernetes",
+        }
+    }
+}
+
+/// `pools[].dns`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DnsDiscovery {
+    /// The name resolved, usually a headless Service's (`vllm.llm.svc.cluster.local`).
+    pub name: String,
+    /// The engines' port: every resolved address is one worker at this port.
+    pub port: u16,
+    /// How often the name is resolved again.
+    pub interval: Duration,
+    /// The DNS server asked; `None` is the system's resolver configuration (`/etc/resolv.conf`).
+    pub server: Option<SocketAddr>,
+}
+
+impl DnsDiscovery {
+    pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(5);
+}
+
+/// `pools[].kubernetes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesDiscovery {
+    /// The namespace watched; `None` is the picker's own (the service account's namespace).
+    pub namespace: Option<String>,
+    pub pods: PodSelection,
+    /// The engine ports of each pod: every (ready pod, port) is one worker. Empty only with an
+    /// InferencePool, whose `targetPorts` are then used.
+    pub ports: Vec<u16>,
+}
+
+/// Which pods a `kubernetes` pool watches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodSelection {
+    /// A label selector, as `kubectl get pods -l` takes it (`app=vllm,tier in (gpu)`).
+    Selector(String),
+    /// The named InferencePool (Gateway API Inference Extension): its `selector` and `targetPorts`.
+    InferencePool(String),
+}
+
+/// `pools[].template`: what a discovered worker is, beyond its address. The file's workers carry the
+/// same keys each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerTemplate {
+    pub load_source: LoadSource,
+    pub role: Role,
+    pub dp_size: NonZeroU32,
+    pub max_running_requests: Option<NonZeroU64>,
+    pub max_total_tokens: Option<NonZeroU64>,
+    /// `index.port`: each worker's KV event socket on its own IP.
+    pub kv_events_port: u16,
+    /// `index.replay_port`.
+    pub kv_replay_port: Option<u16>,
+}
+
+impl WorkerTemplate {
+    /// The worker a discovery source found at `endpoint`: metrics and loads on its API port, as both
+    /// engines serve them, and KV events on the pool's ports of its IP.
+    pub fn worker(&self, endpoint: SocketAddr) -> WorkerConfig {
+        WorkerConfig {
+            endpoint,
+            metrics_url: format!("http://{endpoint}/metrics"),
+            load_source: self.load_source,
+            loads_url: match self.load_source {
+                LoadSource::Loads => Some(format!("http://{endpoint}/v1/loads")),
+                LoadSource::Metrics => None,
+            },
+            role: self.role,
+            dp_size: self.dp_size,
+            max_running_requests: self.max_running_requests,
+            max_total_tokens: self.max_total_tokens,
+            kv_events: KvEventEndpoints {
+                live: SocketAddr::new(endpoint.ip(), self.kv_events_port),
+                replay: self
+                    .kv_replay_port
+                    .map(|port| SocketAddr::new(endpoint.ip(), port)),
+            },
+        }
+    }
+}
+
+impl Default for WorkerTemplate {
+    /// The defaults of a file worker's keys, and the engines' documented KV event port.
+    fn default() -> Self {
+        WorkerTemplate {
+            load_source: LoadSource::default(),
+            role: WorkerConfig::DEFAULT_ROLE,
+            dp_size: NonZeroU32::MIN,
+            max_running_requests: None,
+            max_total_tokens: None,
+            kv_events_port: IndexConfig::DEFAULT_LIVE_PORT,
+            kv_replay_port: None,
         }
     }
 }

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{
-    Config, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides, PolicyConfig,
-    PoolConfig, TokenizerConfig, WorkerConfig,
+    Config, Discovery, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides,
+    PolicyConfig, PoolConfig, TokenizerConfig, WorkerConfig, WorkerTemplate,
 };
 use crate::worker::{Engine, Role};
 use cachepick_decode::duration;
@@ -31,6 +31,7 @@ use cachepick_tokenizer::{decode_chat_template, decode_tokenizer};
 use index::IndexDraft;
 use policy::Resolved;
 
+mod discovery;
 mod index;
 mod policy;
 
@@ -61,6 +62,10 @@ const POOL_KEYS: &[&str] = &[
     "policy",
     "index",
     "workers",
+    "dns",
+    "kubernetes",
+    "template",
+    "max_workers",
 ];
 const WORKER_KEYS: &[&str] = &[
     "endpoint",
@@ -94,6 +99,9 @@ struct PoolDraft {
     workers: Res<Vec<Res<WorkerDraft>>>,
     policy: Res<PolicyConfig>,
     index: Res<IndexDraft>,
+    discovery: Res<Discovery>,
+    template: Res<WorkerTemplate>,
+    max_workers: Res<NonZeroUsize>,
 }
 
 struct WorkerDraft {
@@ -107,6 +115,14 @@ struct WorkerDraft {
     max_running_requests: Res<Option<NonZeroU64>>,
     max_total_tokens: Res<Option<NonZeroU64>>,
     kv_events: Res<KvEventEndpoints>,
+}
+
+/// What a worker's engine is, beyond its address.
+struct EngineKeys {
+    role: Res<Role>,
+    dp_size: Res<Val<NonZeroU32>>,
+    max_running_requests: Res<Option<NonZeroU64>>,
+    max_total_tokens: Res<Option<NonZeroU64>>,
 }
 
 impl PoolDraft {
@@ -134,6 +150,9 @@ impl PoolDraft {
                 .collect::<Res<_>>()?,
             policy: self.policy?,
             index: self.index?.config,
+            discovery: self.discovery?,
+            template: self.template?,
+            max_workers: self.max_workers?,
         })
     }
 }
@@ -346,8 +365,12 @@ impl Validator<'_> {
         let policy = self.policy(&map, None, Some(parent)).policy;
         let engine = engine.map(|engine| engine.value);
         let index = self.index(&map);
-        let workers = self.workers(&map, engine.ok(), &index);
+        let source = self.source(&map, at, engine.ok(), &index);
         Ok(PoolDraft {
+            workers: source.workers,
+            discovery: source.discovery,
+            template: source.template,
+            max_workers: source.max_workers,
             model,
             engine,
             block_size: block_size.map(|size| size.value),
@@ -355,7 +378,6 @@ impl Validator<'_> {
             chat_template,
             segment_cache_entries,
             default_cache_blocks,
-            workers,
             policy,
             index,
         })
@@ -421,7 +443,37 @@ impl Validator<'_> {
             loads_url,
             engine,
         );
-        let role = self.opt(&map, "role", |v, node, at| {
+        let EngineKeys {
+            role,
+            dp_size,
+            max_running_requests,
+            max_total_tokens,
+        } = self.engine_keys(&map);
+        let kv_events = self.worker_kv_events(&map);
+        let kv_events = match (&endpoint, &dp_size, index, kv_events) {
+            (Ok(endpoint), Ok(dp_size), Ok(index), Ok(own)) => {
+                self.resolve_kv_events(index, own, endpoint.value, dp_size.value.get())
+            }
+            (Err(reported), ..) | (_, Err(reported), ..) | (.., Err(reported), _) => Err(*reported),
+            (.., Err(reported)) => Err(reported),
+        };
+        Ok(WorkerDraft {
+            kv_events,
+            endpoint,
+            metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
+            load_source,
+            loads_url,
+            role,
+            dp_size: dp_size.map(|size| size.value),
+            max_running_requests,
+            max_total_tokens,
+        })
+    }
+
+    /// The keys that say what a worker's engine is, beyond its address: a file worker's and a pool's
+    /// `template` for discovered workers.
+    fn engine_keys(&mut self, map: &Map) -> EngineKeys {
+        let role = self.opt(map, "role", |v, node, at| {
             v.keyword(
                 node,
                 at,
@@ -429,7 +481,7 @@ impl Validator<'_> {
                 Role::as_str,
             )
         });
-        let dp_size = self.opt(&map, "dp_size", Self::integer);
+        let dp_size = self.opt(map, "dp_size", Self::integer);
         let dp_size = self.check(
             with_default(dp_size, WorkerConfig::DEFAULT_DP_SIZE.into()),
             |n| {
@@ -445,30 +497,17 @@ impl Validator<'_> {
                 })
             },
         );
-        let max_running_requests = self.opt(&map, "max_running_requests", Self::integer);
+        let max_running_requests = self.opt(map, "max_running_requests", Self::integer);
         let max_running_requests = self.check_opt(max_running_requests, at_least_one);
-        let max_total_tokens = self.opt(&map, "max_total_tokens", Self::integer);
+        let max_total_tokens = self.opt(map, "max_total_tokens", Self::integer);
         let max_total_tokens = self.check_opt(max_total_tokens, at_least_one);
-        let kv_events = self.worker_kv_events(&map);
-        let kv_events = match (&endpoint, &dp_size, index, kv_events) {
-            (Ok(endpoint), Ok(dp_size), Ok(index), Ok(own)) => {
-                self.resolve_kv_events(index, own, endpoint.value, dp_size.value.get())
-            }
-            (Err(reported), ..) | (_, Err(reported), ..) | (.., Err(reported), _) => Err(*reported),
-            (.., Err(reported)) => Err(reported),
-        };
         let value = |field: Field<NonZeroU64>| field.map(|given| given.map(|given| given.value));
-        Ok(WorkerDraft {
-            kv_events,
-            endpoint,
-            metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
-            load_source,
-            loads_url,
+        EngineKeys {
             role: with_default(role, WorkerConfig::DEFAULT_ROLE).map(|role| role.value),
-            dp_size: dp_size.map(|size| size.value),
+            dp_size,
             max_running_requests: value(max_running_requests),
             max_total_tokens: value(max_total_tokens),
-        })
+        }
     }
 
     /// A worker's load source against its pool's engine, and its `loads_url` against the source; each

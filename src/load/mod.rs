@@ -19,6 +19,6 @@ pub use inspect::{PoolView, WorkerView};
 pub use prom::{Labels, Sample, Samples, samples};
 pub use scrape::{PoolLoad, ScrapeError, ScrapeObserver, Scraper};
 pub use snapshot::{
-    Capacity, DispatchCounts, Dispatches, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome,
-    ScrapeStatus, WorkerState,
+    Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading,
+    ScrapeOutcome, ScrapeStatus, Tier, WorkerState,
 };

@@ -30,7 +30,7 @@ use super::dispatch::DispatchTable;
 use super::engine::{self, ExtractError, RankLoad, Report};
 use super::snapshot::DispatchCounts;
 use super::snapshot::{Capacity, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome, WorkerState};
-use crate::config::{Config, LoadConfig, LoadSource, ModelMatch, PoolConfig};
+use crate::config::{Config, LoadConfig, LoadSource, ModelMatch, PoolConfig, WorkerConfig};
 use crate::worker::{Engine, WorkerId};
 
 /// A warning that the gate is blind is repeated at most this often per pool.
@@ -90,6 +90,12 @@ pub struct PoolLoad {
     current: ArcSwap<PoolSnapshot>,
     dispatches: DispatchTable,
     rounds: watch::Sender<u64>,
+    /// The workers discovery wants in the pool (the file's list, DNS, Kubernetes): the scraper
+    /// reconciles its roster against the latest value.
+    desired: watch::Sender<Arc<[WorkerConfig]>>,
+    /// Bumped each time a published snapshot changes who is in the pool or in which state, so
+    /// followers (the index, the event feeds, EDS) need not compare every snapshot.
+    roster: watch::Sender<u64>,
 }
 
 impl PoolLoad {
@@ -122,8 +128,10 @@ impl PoolLoad {
         Arc::new(PoolLoad {
             label: pool_label(&pool.model).to_owned(),
             current: ArcSwap::from_pointee(PoolSnapshot::new(0, load.freshness, workers)),
-            dispatches: DispatchTable::new(pool.workers.len()),
+            dispatches: DispatchTable::new(pool.max_workers.get().max(pool.workers.len())),
             rounds: watch::channel(0).0,
+            desired: watch::channel(pool.workers.clone().into()).0,
+            roster: watch::channel(0).0,
         })
     }
 
@@ -144,6 +152,17 @@ impl PoolLoad {
     /// Completed scrape rounds; a pool is ready once this is at least 1.
     pub fn rounds(&self) -> watch::Receiver<u64> {
         self.rounds.subscribe()
+    }
+
+    /// Where discovery publishes the workers it wants in the pool; `discovery::publish` sends only
+    /// changes.
+    pub fn desired(&self) -> &watch::Sender<Arc<[WorkerConfig]>> {
+        &self.desired
+    }
+
+    /// Changes when a snapshot with a different roster (workers, states, restarts) is published.
+    pub fn roster_changes(&self) -> watch::Receiver<u64> {
+        self.roster.subscribe()
     }
 }
 

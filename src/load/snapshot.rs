@@ -48,9 +48,13 @@ pub struct WorkerState {
     pub id: WorkerId,
     pub endpoint: SocketAddr,
     pub role: Role,
-    /// False for a worker that is being removed: it keeps its place (ids stay dense) but never receives
-    /// requests and never counts as part of the fleet.
-    pub routable: bool,
+    /// Where the worker is in its life in the pool; the policy reads it through [`WorkerState::tier`].
+    pub lifecycle: Lifecycle,
+    /// Which occupant of the slot `id` this is: a slot freed by a worker that left and taken by a new
+    /// one gets a new generation, so nothing recorded for the old one is credited to the new one.
+    pub generation: u64,
+    /// Restarts of this worker's engine seen so far: each one voids what the index holds for it.
+    pub incarnation: u64,
     pub capacity: Capacity,
     pub reading: Option<Reading>,
     /// How the last scrape went, for operators; the policy never reads it.
@@ -104,12 +108,98 @@ impl WorkerState {
             id,
             endpoint,
             role,
-            routable: true,
+            lifecycle: Lifecycle::New,
+            generation: 0,
+            incarnation: 0,
             capacity: Capacity::default(),
             reading: None,
             scrape: ScrapeStatus::default(),
         }
     }
+}
+
+impl WorkerState {
+    /// How the policy may use the worker.
+    pub fn tier(&self) -> Tier {
+        self.lifecycle.tier()
+    }
+
+    /// Whether the policy may choose the worker at all (every tier but `Excluded`).
+    pub fn routable(&self) -> bool {
+        self.tier() != Tier::Excluded
+    }
+}
+
+/// A worker's place in its life in the pool: one state machine, driven by the scraper (scrapes,
+/// discovery) and shown to operators as `cachepick_workers{pool,state}`.
+///
+/// ```text
+///   joins ─▶ new ──scrape answered──▶ healthy ◀──answered── unreachable
+///             │                        │  ▲                     ▲
+///             └──connect failures──────┼──┼─────────────────────┘
+///                                      │  └─ one freshness later ─ restarted ◀─ start time changed,
+///   left discovery (any state) ─▶ draining ─▶ gone (slot freed)                   counters went back
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lifecycle {
+    /// Joined, not yet answered a scrape: used only when nothing better is left.
+    New,
+    /// Answers its scrapes.
+    Healthy,
+    /// `unreachable_after` consecutive scrapes could not connect or timed out: never an owner, used
+    /// only when nothing better is left, so fail-open survives a fleet-wide outage of the scrapes.
+    Unreachable,
+    /// Removed from discovery: no new requests; it leaves when idle, gone or at `drain_timeout`.
+    Draining,
+    /// Its engine restarted with an empty cache (start time changed or counters went backwards):
+    /// routable, its index entries forgotten; healthy again one `freshness` later.
+    Restarted,
+}
+
+impl Lifecycle {
+    pub const ALL: [Lifecycle; 5] = [
+        Lifecycle::New,
+        Lifecycle::Healthy,
+        Lifecycle::Unreachable,
+        Lifecycle::Draining,
+        Lifecycle::Restarted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::New => "new",
+            Lifecycle::Healthy => "healthy",
+            Lifecycle::Unreachable => "unreachable",
+            Lifecycle::Draining => "draining",
+            Lifecycle::Restarted => "restarted",
+        }
+    }
+
+    pub fn tier(self) -> Tier {
+        match self {
+            Lifecycle::Healthy | Lifecycle::Restarted => Tier::Preferred,
+            Lifecycle::New | Lifecycle::Unreachable => Tier::LastResort,
+            Lifecycle::Draining => Tier::Excluded,
+        }
+    }
+
+    /// Whether Envoy's workers cluster lists the worker: every worker the picker may choose, and new
+    /// ones before it does (so the endpoint exists in Envoy by the time it is chosen).
+    pub fn in_envoy(self) -> bool {
+        self != Lifecycle::Draining
+    }
+}
+
+/// How the policy may use a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tier {
+    /// Part of the fleet.
+    Preferred,
+    /// Part of the fleet only when no preferred worker is; never an owner when unreachable.
+    LastResort,
+    /// Never chosen.
+    Excluded,
 }
 
 /// Everything known about one pool's workers, published whole by the scraper.
@@ -119,7 +209,8 @@ pub struct PoolSnapshot {
     pub version: u64,
     /// A reading older than this is not fresh (`load.freshness`).
     pub freshness: Duration,
-    /// Indexed by [`WorkerId`]: `workers[i].id == WorkerId(i)`.
+    /// The workers present, by increasing id. Ids are slots: a worker that left frees its slot, so
+    /// ids can have gaps, and `workers[i].id == WorkerId(i)` holds until a worker leaves.
     workers: Vec<WorkerState>,
 }
 
@@ -136,12 +227,54 @@ impl PoolSnapshot {
         }
     }
 
+    /// Builds a snapshot of workers that keep their ids (their slots).
+    pub fn with_slots(version: u64, freshness: Duration, mut workers: Vec<WorkerState>) -> Self {
+        workers.sort_unstable_by_key(|worker| worker.id);
+        workers.dedup_by_key(|worker| worker.id);
+        PoolSnapshot {
+            version,
+            freshness,
+            workers,
+        }
+    }
+
+    /// The workers present, by increasing id.
     pub fn workers(&self) -> &[WorkerState] {
         &self.workers
     }
 
+    /// One more than the highest id present: the length of a vector indexed by [`WorkerId`].
+    pub fn slots(&self) -> usize {
+        self.workers.last().map_or(0, |worker| worker.id.index() + 1)
+    }
+
     pub fn worker(&self, id: WorkerId) -> Option<&WorkerState> {
-        self.workers.get(id.index())
+        // Without gaps, a worker sits at its id; with gaps, before it.
+        match self.workers.get(id.index()) {
+            Some(worker) if worker.id == id => Some(worker),
+            _ => {
+                let end = id.index().min(self.workers.len());
+                let before = self.workers.get(..end)?;
+                let at = before.binary_search_by_key(&id, |worker| worker.id).ok()?;
+                before.get(at)
+            }
+        }
+    }
+
+    /// The worker at `endpoint`, if present.
+    pub fn by_endpoint(&self, endpoint: SocketAddr) -> Option<&WorkerState> {
+        self.workers
+            .iter()
+            .find(|worker| worker.endpoint == endpoint)
+    }
+
+    /// The endpoints Envoy's workers cluster must hold: every worker but the draining ones.
+    pub fn envoy_endpoints(&self) -> Vec<SocketAddr> {
+        self.workers
+            .iter()
+            .filter(|worker| worker.lifecycle.in_envoy())
+            .map(|worker| worker.endpoint)
+            .collect()
     }
 
     /// The worker's load if its reading is complete and younger than `freshness` at `now`.

@@ -4,6 +4,7 @@
 use super::rank::{self, Member};
 use super::trace::OwnerVerdict;
 use super::{LoadView, RequestFacts};
+use crate::load::{Lifecycle, Tier, WorkerState};
 use crate::prefix::OwnerMatch;
 
 /// The fleet, and what the owner index said about workers outside it.
@@ -26,7 +27,7 @@ impl<'a> Fleet<'a> {
     ) -> Fleet<'a> {
         let snapshot = load.snapshot;
         // Leading tokens each worker holds, by worker index; duplicates keep the deepest match.
-        let mut matched = vec![0_u64; snapshot.workers().len()];
+        let mut matched = vec![0_u64; snapshot.slots()];
         let mut unknown_workers = 0;
         for owner in owners.iter().filter(|owner| owner.matched_tokens > 0) {
             match matched.get_mut(owner.worker.index()) {
@@ -34,21 +35,36 @@ impl<'a> Fleet<'a> {
                 None => unknown_workers += 1,
             }
         }
-        let members = snapshot
-            .workers()
-            .iter()
-            .filter(|state| state.routable && state.role.serves_prefill())
-            .filter(|state| {
-                request
-                    .allowed
-                    .is_none_or(|allowed| allowed.contains(&state.id))
-            })
+        let candidates = || {
+            snapshot
+                .workers()
+                .iter()
+                .filter(|state| state.role.serves_prefill())
+                .filter(|state| {
+                    request
+                        .allowed
+                        .is_none_or(|allowed| allowed.contains(&state.id))
+                })
+        };
+        // New and unreachable workers serve only when no answering one is left: fail-open survives
+        // an outage of the scrapes, and a worker that just joined waits for its first answer.
+        let floor = candidates()
+            .map(WorkerState::tier)
+            .min()
+            .unwrap_or(Tier::Excluded);
+        let members = candidates()
+            .filter(|state| state.tier() != Tier::Excluded && state.tier() <= floor)
             .map(|state| {
                 let fresh = snapshot.fresh_load(state.id, load.now);
+                // An unreachable worker's cache is out of reach with it.
+                let matched_tokens = match state.lifecycle {
+                    Lifecycle::Unreachable => 0,
+                    _ => matched.get(state.id.index()).copied().unwrap_or(0),
+                };
                 Member {
                     state,
                     fresh,
-                    matched_tokens: matched.get(state.id.index()).copied().unwrap_or(0),
+                    matched_tokens,
                     gate: rank::gate(limit, fresh),
                     admission: rank::admission(state, fresh, request.prompt_tokens),
                     dispatched: load.dispatches.since_reading(state.id),

@@ -15,7 +15,9 @@ use super::*;
 use crate::config::{
     BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, PolicyConfig, QueueGate, RelThreshold,
 };
-use crate::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
+use crate::load::{
+    Capacity, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading, WorkerState,
+};
 use crate::worker::{Role, WorkerId};
 
 const BLOCK: u64 = 64;
@@ -428,7 +430,7 @@ fn workers_outside_the_fleet_do_not_block_the_pin() {
     let removed = Case::gated()
         .owner(9, 32)
         .worker(Some(0))
-        .with(|w| w.routable = false);
+        .with(|w| w.lifecycle = Lifecycle::Draining);
     assert_eq!(removed.pick(), (0, Reason::SaturationPin));
 
     let mut outside_subset = Case::gated().owner(9, 32).worker(Some(6)).worker(Some(0));
@@ -799,7 +801,7 @@ fn round_robin_skips_workers_outside_the_fleet() {
         .with(|w| w.role = Role::Decode)
         .worker(Some(0))
         .worker(Some(0))
-        .with(|w| w.routable = false)
+        .with(|w| w.lifecycle = Lifecycle::Draining)
         .worker(Some(0))
         .with(|w| w.role = Role::Prefill)
         .worker(Some(0))
@@ -1123,7 +1125,9 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                                 4 => Role::Prefill,
                                 _ => Role::Both,
                             };
-                            w.routable = shape != 5;
+                            if shape == 5 {
+                                w.lifecycle = Lifecycle::Draining;
+                            }
                         });
                     if blocks > 0 {
                         case = case.owns(blocks);
@@ -1136,7 +1140,7 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
 
 fn in_fleet(case: &Case, id: WorkerId) -> bool {
     case.workers.get(id.index()).is_some_and(|w| {
-        w.routable
+        w.routable()
             && w.role.serves_prefill()
             && case
                 .allowed

@@ -418,7 +418,7 @@ impl<'p> Pinned<'p> {
         let Some(worker) = self
             .snapshot
             .worker(decision.selected)
-            .filter(|worker| worker.routable)
+            .filter(|worker| worker.routable())
         else {
             return;
         };

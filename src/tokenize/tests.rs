@@ -545,6 +545,9 @@ fn a_pool_config_builds_its_tokenizer() {
         workers: Vec::new(),
         policy: PolicyConfig::default(),
         index: Default::default(),
+        discovery: crate::config::Discovery::Static,
+        template: Default::default(),
+        max_workers: NonZeroUsize::new(8).unwrap(),
     };
     let pool = PoolTokenizer::new(&config).unwrap();
     assert_eq!(

@@ -131,7 +131,7 @@ impl Validator<'_> {
         })
     }
 
-    fn port(&mut self, node: &Node, at: &Place) -> Res<u16> {
+    pub(super) fn port(&mut self, node: &Node, at: &Place) -> Res<u16> {
         let port = self.integer(node, at)?;
         match u16::try_from(port) {
             Ok(port) if port > 0 => Ok(port),

@@ -1,0 +1,1 @@
+//! The `kubernetes` source: ready Pods, watched. (Being built.)
