@@ -200,7 +200,7 @@ fn baseline(runtime: &Runtime, config: &Config) -> (Shutdown, Arc<Service>) {
     let mut loads = Vec::new();
     for pool in &config.pools {
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.clone());
         let mut rounds = load.rounds();
         runtime.spawn(scraper.run(stop.signal()));
         runtime

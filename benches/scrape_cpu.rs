@@ -149,7 +149,7 @@ fn main() {
         let metrics = Arc::new(Metrics::new().unwrap());
         let pool = &config.pools[0];
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.clone());
         let stop = Shutdown::default();
         let task = tokio::spawn(scraper.run(stop.signal()));
         // Warm-up: connections opened, first round parsed.

@@ -16,12 +16,16 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+mod discovery;
 mod kv_events;
 
+use discovery::{DiscoveryCollector, DiscoveryGauges};
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
 
-use crate::load::{PoolLoad, ScrapeObserver, ScrapeOutcome};
+use crate::config::ReloadOutcome;
+use crate::discovery::SourceStatus;
+use crate::load::{Lifecycle, PoolLoad, ScrapeObserver, ScrapeOutcome};
 use crate::policy::Reason;
 use crate::prefix::IndexStats;
 use crate::protocol::RefusalReason;
@@ -68,6 +72,8 @@ pub struct Metrics {
     rejections: IntCounterVec,
     /// `cachepick_passthrough_total{pool}`.
     passthrough: IntCounterVec,
+    /// `cachepick_unknown_subset_total{pool}`.
+    unknown_subset: IntCounterVec,
     /// `cachepick_prefix_match_ratio{pool}`.
     match_ratio: HistogramVec,
     /// `cachepick_diverted_prefix_blocks{pool}`.
@@ -83,6 +89,9 @@ pub struct Metrics {
     load: Arc<LoadGauges>,
     index: Arc<IndexGauges>,
     kv_events: Arc<KvEventGauges>,
+    discovery: Arc<DiscoveryGauges>,
+    /// `cachepick_config_reloads_total{outcome}`.
+    config_reloads: IntCounterVec,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -94,6 +103,8 @@ struct LoadGauges {
     /// `cachepick_workers_fresh{pool}` / `cachepick_workers_stale{pool}`.
     workers_fresh: IntGaugeVec,
     workers_stale: IntGaugeVec,
+    /// `cachepick_workers{pool,state}`: workers in each lifecycle state.
+    workers: IntGaugeVec,
     pools: Mutex<Vec<Arc<PoolLoad>>>,
 }
 
@@ -140,6 +151,16 @@ impl Metrics {
                 ),
                 &["pool"],
             )?,
+            workers: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_workers",
+                    "Workers of the pool by lifecycle state: new (joined, not yet answered a scrape), healthy, \
+                     unreachable (scrapes cannot connect: never an owner, used only when nothing else is \
+                     left), draining (left discovery: no new requests), restarted (engine restarted with an \
+                     empty cache).",
+                ),
+                &["pool", "state"],
+            )?,
             pools: Mutex::new(Vec::new()),
         });
         let index = Arc::new(IndexGauges {
@@ -182,6 +203,18 @@ impl Metrics {
         for end in StreamEnd::ALL {
             streams_closed.with_label_values(&[end.as_str()]);
         }
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "cachepick_config_reloads_total",
+                "Reloads of the configuration file (on change or SIGHUP), by outcome: applied, invalid \
+                 (nothing changed; the log lists every problem), needs_restart (it changes what only a \
+                 restart can; nothing changed).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ReloadOutcome::ALL {
+            config_reloads.with_label_values(&[outcome.as_str()]);
+        }
         let metrics = Metrics {
             registry: Registry::new(),
             scrapes: IntCounterVec::new(
@@ -215,6 +248,15 @@ impl Metrics {
                     "cachepick_passthrough_total",
                     "Requests without a prompt (GET /v1/models, POST /v1/embeddings...) routed by load alone: \
                      not decisions, not in the owner index.",
+                ),
+                &["pool"],
+            )?,
+            unknown_subset: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_unknown_subset_total",
+                    "Requests whose proxy subset hint named only endpoints the pool does not know (a gateway \
+                     ahead of cachepick's discovery): routed within the subset blind, as a cache_miss, \
+                     instead of refused.",
                 ),
                 &["pool"],
             )?,
@@ -257,12 +299,15 @@ impl Metrics {
             load,
             index,
             kv_events: Arc::new(KvEventGauges::new()?),
+            discovery: Arc::new(DiscoveryGauges::new()?),
+            config_reloads,
         };
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
         registry.register(Box::new(metrics.decisions.clone()))?;
         registry.register(Box::new(metrics.rejections.clone()))?;
         registry.register(Box::new(metrics.passthrough.clone()))?;
+        registry.register(Box::new(metrics.unknown_subset.clone()))?;
         registry.register(Box::new(metrics.match_ratio.clone()))?;
         registry.register(Box::new(metrics.diverted_blocks.clone()))?;
         registry.register(Box::new(metrics.decision_seconds.clone()))?;
@@ -273,6 +318,8 @@ impl Metrics {
         registry.register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
         registry.register(Box::new(IndexCollector(Arc::clone(&metrics.index))))?;
         registry.register(Box::new(KvEventCollector(Arc::clone(&metrics.kv_events))))?;
+        registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
+        registry.register(Box::new(metrics.config_reloads.clone()))?;
         Ok(metrics)
     }
 
@@ -289,6 +336,18 @@ impl Metrics {
         if let Ok(mut sources) = self.index.sources.lock() {
             sources.push(source);
         }
+    }
+
+    /// Reports `cachepick_discovery_*` for pool `pool`'s source of workers, from now on.
+    pub fn watch_source(&self, pool: &str, status: Arc<SourceStatus>) {
+        self.discovery.watch(pool, status);
+    }
+
+    /// Counts one reload of the configuration file.
+    pub fn record_reload(&self, outcome: ReloadOutcome) {
+        self.config_reloads
+            .with_label_values(&[outcome.as_str()])
+            .inc();
     }
 
     /// Reports `cachepick_kv_events_*` for the streams `source` lists, from now on.
@@ -313,6 +372,11 @@ impl Metrics {
     /// A request without a prompt routed by load alone: `cachepick_passthrough_total{pool}` += 1.
     pub fn record_passthrough(&self, pool: &str) {
         self.passthrough.with_label_values(&[pool]).inc();
+    }
+
+    /// One request whose proxy subset named no worker the pool knows.
+    pub fn record_unknown_subset(&self, pool: &str) {
+        self.unknown_subset.with_label_values(&[pool]).inc();
     }
 
     /// One routed request: `cachepick_decisions_total{pool,reason}` += 1; `cachepick_prefix_match_ratio`
@@ -400,6 +464,14 @@ impl ScrapeObserver for Metrics {
     fn watch_pool(&self, pool: Arc<PoolLoad>) {
         Metrics::watch_pool(self, pool);
     }
+
+    fn worker_left(&self, pool: &str, worker: &str) {
+        for outcome in ScrapeOutcome::ALL {
+            let _ = self
+                .scrapes
+                .remove_label_values(&[pool, worker, outcome.as_str()]);
+        }
+    }
 }
 
 impl LoadGauges {
@@ -433,10 +505,21 @@ impl LoadGauges {
             self.workers_stale
                 .with_label_values(&[pool.label()])
                 .set(total.saturating_sub(fresh));
+            for state in Lifecycle::ALL {
+                let count = snapshot
+                    .workers()
+                    .iter()
+                    .filter(|worker| worker.lifecycle == state)
+                    .count();
+                self.workers
+                    .with_label_values(&[pool.label(), state.as_str()])
+                    .set(i64::try_from(count).unwrap_or(i64::MAX));
+            }
         }
         let mut families = self.reading_age.collect();
         families.extend(self.workers_fresh.collect());
         families.extend(self.workers_stale.collect());
+        families.extend(self.workers.collect());
         families
     }
 }
@@ -476,6 +559,7 @@ impl Collector for SharedCollector {
         let mut descs = gauges.reading_age.desc();
         descs.extend(gauges.workers_fresh.desc());
         descs.extend(gauges.workers_stale.desc());
+        descs.extend(gauges.workers.desc());
         descs
     }
 

@@ -24,6 +24,7 @@ pub fn snapshot(pools: &[PoolReport]) -> String {
         out.push_str(&row([
             "WORKER",
             "ROLE",
+            "STATE",
             "WAITING",
             "RUNNING",
             "UNCACHED",
@@ -44,6 +45,10 @@ pub fn snapshot(pools: &[PoolReport]) -> String {
             let age = worker
                 .age_seconds
                 .map_or_else(|| "-".to_owned(), |age| format!("{age:.1}s"));
+            let state = match worker.restarts {
+                0 => worker.state.to_owned(),
+                restarts => format!("{} ({restarts} restarts)", worker.state),
+            };
             let fresh = match &worker.why_not_fresh {
                 None => "yes".to_owned(),
                 Some(why) => format!("no: {why}"),
@@ -51,6 +56,7 @@ pub fn snapshot(pools: &[PoolReport]) -> String {
             out.push_str(&row([
                 &worker.endpoint,
                 worker.role,
+                &state,
                 &cell(worker.waiting),
                 &cell(worker.running),
                 &cell(worker.waiting_uncached_tokens),
@@ -110,10 +116,11 @@ fn kv_event_streams(out: &mut String, streams: &[StreamView]) {
     }
 }
 
-fn row(cells: [&str; 10]) -> String {
+fn row(cells: [&str; 11]) -> String {
     let [
         worker,
         role,
+        state,
         waiting,
         running,
         uncached,
@@ -124,7 +131,7 @@ fn row(cells: [&str; 10]) -> String {
         fresh,
     ] = cells;
     format!(
-        "  {worker:<22} {role:<7} {waiting:>7} {running:>7} {uncached:>9} {tokens:>21} {kv:>6} \
+        "  {worker:<22} {role:<7} {state:<11} {waiting:>7} {running:>7} {uncached:>9} {tokens:>21} {kv:>6} \
          {max_running:>6} {age:>6}  {fresh}\n"
     )
 }

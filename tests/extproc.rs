@@ -690,13 +690,28 @@ async fn the_subset_hint_restricts_the_choice() {
         }
     }
 
-    // Nothing routable in the hint: 503, never a worker outside it.
-    for metadata in [
-        subset_string("10.9.9.9:1,10.9.9.8:2"),
-        subset_list(&["10.9.9.9:1".to_owned()]),
-        subset_string("garbage"),
-        subset_string(""),
+    // Only endpoints the pool does not know (a gateway whose discovery is ahead of cachepick's): routed
+    // within the hint blind, as a miss, never outside it and never refused, since Envoy's fail-open
+    // cannot rescue a 503.
+    for (metadata, allowed) in [
+        (
+            subset_string("10.9.9.9:1,10.9.9.8:2"),
+            vec!["10.9.9.9:1", "10.9.9.8:2"],
+        ),
+        (subset_list(&["10.9.9.9:1".to_owned()]), vec!["10.9.9.9:1"]),
     ] {
+        let route = route_of(&buffered(&harness, CHAT, &chat(400, 500), Some(metadata)).await);
+        let allowed: Vec<SocketAddr> = allowed.iter().map(|a| a.parse().unwrap()).collect();
+        assert!(!route.endpoints.is_empty());
+        assert!(
+            route.endpoints.iter().all(|e| allowed.contains(e)),
+            "{route:?} outside {allowed:?}"
+        );
+        assert_eq!(route.reason, "cache_miss", "{route:?}");
+    }
+
+    // No endpoint at all in the hint: 503, never a worker outside it.
+    for metadata in [subset_string("garbage"), subset_string("")] {
         let answer = buffered(&harness, CHAT, &chat(400, 500), Some(metadata.clone())).await;
         let refused = checked_refusal(&answer);
         assert_eq!(
@@ -775,7 +790,7 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
         &harness,
         CHAT,
         &chat(11, 100),
-        Some(subset_string("10.9.9.9:1")),
+        Some(subset_string("garbage")),
     )
     .await;
     assert_eq!(refusal_of(&unknown).status, 503);

@@ -49,7 +49,7 @@ impl Pool {
         let metrics = Arc::new(Metrics::new().unwrap());
         let pool = &config.pools[0];
         let load = PoolLoad::new(pool, &config.load);
-        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
+        let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.clone());
         Pool {
             load,
             scraper,

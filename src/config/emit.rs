@@ -151,6 +151,8 @@ struct Load {
     freshness: String,
     max_body_bytes: Size,
     max_concurrent_scrapes: usize,
+    unreachable_after: u32,
+    drain_timeout: String,
 }
 
 /// A byte size: `4MiB` when a binary unit holds it exactly, else a bare number of bytes.
@@ -288,6 +290,8 @@ impl<'c> From<&'c Config> for File<'c> {
                 freshness: duration::format(config.load.freshness),
                 max_body_bytes: config.load.max_body_bytes.get().into(),
                 max_concurrent_scrapes: config.load.max_concurrent_scrapes.get(),
+                unreachable_after: config.load.unreachable_after.get(),
+                drain_timeout: duration::format(config.load.drain_timeout),
             },
             pools: config
                 .pools

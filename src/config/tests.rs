@@ -127,6 +127,7 @@ fn the_full_example_is_accepted_with_its_values() {
             freshness: Duration::from_secs(3),
             max_body_bytes: NonZeroUsize::new(512 << 10).unwrap(),
             max_concurrent_scrapes: NonZeroUsize::new(16).unwrap(),
+            ..LoadConfig::default()
         },
         max_body_bytes: NonZeroUsize::new(16 << 20).unwrap(),
         pools: vec![

@@ -302,12 +302,21 @@ pub struct LoadConfig {
     pub max_body_bytes: NonZeroUsize,
     /// Scrape requests in flight at once per pool.
     pub max_concurrent_scrapes: NonZeroUsize,
+    /// Consecutive scrapes that cannot connect or time out before a worker is `unreachable`.
+    pub unreachable_after: NonZeroU32,
+    /// How long a worker removed from discovery may keep serving what it was sent before it leaves,
+    /// if it neither goes idle nor stops answering first.
+    pub drain_timeout: Duration,
 }
 
 impl LoadConfig {
     /// Real expositions are 50–200 KB; sixteen times that is still small and leaves room to grow.
     pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
     pub const DEFAULT_MAX_CONCURRENT_SCRAPES: usize = 64;
+    /// One failure can be a dropped packet; two in a row, a scrape interval apart, is a worker gone.
+    pub const DEFAULT_UNREACHABLE_AFTER: u32 = 2;
+    /// Longer than most generations take; a request still running then is cut by the engine's exit.
+    pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 }
 
 impl Default for LoadConfig {
@@ -320,6 +329,9 @@ impl Default for LoadConfig {
                 .unwrap_or(NonZeroUsize::MIN),
             max_concurrent_scrapes: NonZeroUsize::new(Self::DEFAULT_MAX_CONCURRENT_SCRAPES)
                 .unwrap_or(NonZeroUsize::MIN),
+            unreachable_after: NonZeroU32::new(Self::DEFAULT_UNREACHABLE_AFTER)
+                .unwrap_or(NonZeroU32::MIN),
+            drain_timeout: Self::DEFAULT_DRAIN_TIMEOUT,
         }
     }
 }
@@ -639,6 +651,30 @@ impl Default for WorkerTemplate {
             max_total_tokens: None,
             kv_events_port: IndexConfig::DEFAULT_LIVE_PORT,
             kv_replay_port: None,
+        }
+    }
+}
+
+/// How a reload ended; the `outcome` label of `cachepick_config_reloads_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    Applied,
+    Invalid,
+    NeedsRestart,
+}
+
+impl ReloadOutcome {
+    pub const ALL: [ReloadOutcome; 3] = [
+        ReloadOutcome::Applied,
+        ReloadOutcome::Invalid,
+        ReloadOutcome::NeedsRestart,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReloadOutcome::Applied => "applied",
+            ReloadOutcome::Invalid => "invalid",
+            ReloadOutcome::NeedsRestart => "needs_restart",
         }
     }
 }

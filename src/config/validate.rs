@@ -50,6 +50,8 @@ const LOAD_KEYS: &[&str] = &[
     "freshness",
     "max_body_bytes",
     "max_concurrent_scrapes",
+    "unreachable_after",
+    "drain_timeout",
 ];
 const POOL_KEYS: &[&str] = &[
     "model",
@@ -261,9 +263,17 @@ impl Validator<'_> {
             with_default(scrapes, LoadConfig::DEFAULT_MAX_CONCURRENT_SCRAPES as u64),
             at_least_one_usize,
         );
+        let unreachable = self.opt(map, "unreachable_after", Self::integer);
+        let unreachable = self.check(
+            with_default(unreachable, defaults.unreachable_after.get().into()),
+            at_least_one_u32,
+        );
+        let drain = self.positive_duration(map, "drain_timeout", defaults.drain_timeout);
         timeout_fits?;
         freshness_lasts?;
         Ok(LoadConfig {
+            unreachable_after: unreachable?.value,
+            drain_timeout: drain?.value,
             scrape_interval: interval?.value,
             scrape_timeout: timeout?.value,
             freshness: freshness?.value,

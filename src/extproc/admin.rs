@@ -223,6 +223,9 @@ fn worker_load(worker: &WorkerView) -> pb::WorkerLoad {
             .last_outcome
             .map(|outcome| outcome.as_str().to_owned()),
         last_error: worker.last_error.clone(),
+        state: worker.state.to_owned(),
+        restarts: worker.restarts,
+        id: worker.id,
     }
 }
 
@@ -375,7 +378,10 @@ mod tests {
             workers: vec![
                 WorkerView {
                     endpoint: "10.0.0.1:8000".to_owned(),
+                    id: 0,
                     role: "both",
+                    state: "healthy",
+                    restarts: 1,
                     fresh: true,
                     why_not_fresh: None,
                     waiting: Some(2),
@@ -392,7 +398,10 @@ mod tests {
                 },
                 WorkerView {
                     endpoint: "10.0.0.2:8000".to_owned(),
+                    id: 1,
                     role: "decode",
+                    state: "unreachable",
+                    restarts: 0,
                     fresh: false,
                     why_not_fresh: Some("no reading yet: connection refused".to_owned()),
                     waiting: None,
@@ -418,6 +427,9 @@ mod tests {
             pb::WorkerLoad {
                 endpoint: "10.0.0.1:8000".to_owned(),
                 role: "both".to_owned(),
+                state: "healthy".to_owned(),
+                restarts: 1,
+                id: 0,
                 fresh: true,
                 why_not_fresh: None,
                 waiting: Some(2),

@@ -21,6 +21,22 @@ impl DispatchTable {
         }
     }
 
+    /// Slots the table counts for.
+    pub fn len(&self) -> usize {
+        self.counts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
+    /// Forgets every request counted for `id`: its worker left, restarted, or the slot has a new one.
+    pub fn reset(&self, id: WorkerId) {
+        if let Some(count) = self.counts.get(id.index()) {
+            count.store(0, Ordering::Relaxed);
+        }
+    }
+
     /// Counts one request sent to `id`.
     pub fn record(&self, id: WorkerId) {
         if let Some(count) = self.counts.get(id.index()) {

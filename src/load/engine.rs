@@ -34,7 +34,37 @@ pub struct Report {
     pub ranks: Vec<Option<RankLoad>>,
     /// Lines or entries that could not be read.
     pub malformed: usize,
+    /// What tells one run of the engine from the next.
+    pub identity: Identity,
 }
+
+/// What tells one run of an engine from the next: a restart resets both.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Identity {
+    /// `process_start_time_seconds` (the Prometheus client's process collector), the latest of them.
+    pub start_time: Option<f64>,
+    /// The engine's prompt-token counter, summed over its series: it only grows while the engine runs.
+    pub served: Option<f64>,
+}
+
+impl Identity {
+    /// Whether `self`, read after `earlier`, is another run of the engine: its start time moved, or its
+    /// counter went backwards.
+    pub fn restarted_since(&self, earlier: &Identity) -> bool {
+        let moved = matches!((earlier.start_time, self.start_time),
+            (Some(before), Some(now)) if (now - before).abs() > START_TIME_JITTER);
+        let went_back = matches!((earlier.served, self.served),
+            (Some(before), Some(now)) if now < before);
+        moved || went_back
+    }
+}
+
+/// Start times are floats computed from `/proc`; the same process reports the same value, but a
+/// scrape through another process's collector may round differently.
+const START_TIME_JITTER: f64 = 1e-3;
+
+/// The process collector's series, the same for every engine.
+const START_TIME: &str = "process_start_time_seconds";
 
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum ExtractError {
@@ -67,6 +97,8 @@ struct Names {
     cache_info_labels: (&'static str, &'static str),
     /// Labels naming the data-parallel rank, tried in order.
     rank_labels: &'static [&'static str],
+    /// A counter that grows while the engine runs and starts from zero with it.
+    served: &'static str,
 }
 
 const VLLM: Names = Names {
@@ -80,6 +112,7 @@ const VLLM: Names = Names {
     cache_info: "vllm:cache_config_info",
     cache_info_labels: ("block_size", "num_gpu_blocks"),
     rank_labels: &["engine", "dp_rank"],
+    served: "vllm:prompt_tokens_total",
 };
 
 const SGLANG: Names = Names {
@@ -92,6 +125,7 @@ const SGLANG: Names = Names {
     cache_info: "sglang:cache_config_info",
     cache_info_labels: ("page_size", "num_pages"),
     rank_labels: &["dp_rank"],
+    served: "sglang:prompt_tokens_total",
 };
 
 impl Names {
@@ -110,6 +144,8 @@ impl Names {
             || Some(name) == self.max_total_tokens
             || Some(name) == self.max_running
             || name == self.cache_info
+            || name == self.served
+            || name == START_TIME
     }
 }
 
@@ -144,7 +180,24 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
     let mut partial = vec![Partial::default(); dp_size as usize];
     let mut samples = prom::samples(text, |name| names.wants(name));
     let mut malformed = 0;
+    let mut identity = Identity::default();
     for sample in samples.by_ref() {
+        if sample.name == START_TIME || sample.name == names.served {
+            if sample.value.is_finite() {
+                let field = if sample.name == START_TIME {
+                    &mut identity.start_time
+                } else {
+                    &mut identity.served
+                };
+                *field = Some(match *field {
+                    // The latest start: a worker's API server may outlive its engine core.
+                    Some(kept) if sample.name == START_TIME => f64::max(kept, sample.value),
+                    Some(kept) => kept + sample.value,
+                    None => sample.value,
+                });
+            }
+            continue;
+        }
         let number = |label: &str| sample.label(label).map(|value| value.parse::<u64>().ok());
         let rank = match names.rank_labels.iter().find_map(|label| number(label)) {
             None => 0,
@@ -211,7 +264,11 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
             running: names.running,
         });
     }
-    Ok(Report { ranks, malformed })
+    Ok(Report {
+        ranks,
+        malformed,
+        identity,
+    })
 }
 
 fn complete_rank(partial: &Partial) -> Option<RankLoad> {
@@ -303,7 +360,12 @@ pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError
             running: "num_running_reqs",
         });
     }
-    Ok(Report { ranks, malformed })
+    // `/v1/loads` carries no process identity; restarts of such workers are seen by their KV events.
+    Ok(Report {
+        ranks,
+        malformed,
+        identity: Identity::default(),
+    })
 }
 
 #[cfg(test)]

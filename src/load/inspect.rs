@@ -10,7 +10,13 @@ use super::snapshot::{PoolSnapshot, ScrapeOutcome, WorkerState};
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct WorkerView {
     pub endpoint: String,
+    /// The worker's slot: the id decisions and `explain` name it by.
+    pub id: u32,
     pub role: &'static str,
+    /// Its lifecycle state: new, healthy, unreachable, draining or restarted.
+    pub state: &'static str,
+    /// Engine restarts seen since it joined.
+    pub restarts: u64,
     pub fresh: bool,
     /// Why the reading does not count, when it does not.
     pub why_not_fresh: Option<String>,
@@ -84,7 +90,10 @@ fn worker_view(snapshot: &PoolSnapshot, worker: &WorkerState, now: Instant) -> W
     let used_tokens = load.and_then(|load| load.used_tokens);
     WorkerView {
         endpoint: worker.endpoint.to_string(),
+        id: worker.id.0,
         role: worker.role.as_str(),
+        state: worker.lifecycle.as_str(),
+        restarts: worker.incarnation,
         fresh,
         why_not_fresh,
         waiting: load.map(|load| load.waiting),

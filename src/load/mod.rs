@@ -14,10 +14,10 @@ mod scrape;
 mod snapshot;
 
 pub use dispatch::DispatchTable;
-pub use engine::{ExtractError, RankLoad, Report, from_loads_json, from_metrics};
+pub use engine::{ExtractError, Identity, RankLoad, Report, from_loads_json, from_metrics};
 pub use inspect::{PoolView, WorkerView};
 pub use prom::{Labels, Sample, Samples, samples};
-pub use scrape::{PoolLoad, ScrapeError, ScrapeObserver, Scraper};
+pub use scrape::{PoolLoad, RosterObserver, ScrapeError, ScrapeObserver, Scraper};
 pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading,
     ScrapeOutcome, ScrapeStatus, Tier, WorkerState,

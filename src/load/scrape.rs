@@ -7,8 +7,9 @@
 //! whichever snapshot is current and never wait on a scrape. A failed scrape keeps the old rank samples,
 //! which age out of `freshness` on their own: staleness is a property of time, not of the last outcome.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,9 +28,11 @@ use tokio::sync::{Semaphore, watch};
 use tokio::time::MissedTickBehavior;
 
 use super::dispatch::DispatchTable;
-use super::engine::{self, ExtractError, RankLoad, Report};
+use super::engine::{self, ExtractError, Identity, RankLoad, Report};
 use super::snapshot::DispatchCounts;
-use super::snapshot::{Capacity, EngineLoad, PoolSnapshot, Reading, ScrapeOutcome, WorkerState};
+use super::snapshot::{
+    Capacity, EngineLoad, Lifecycle, PoolSnapshot, Reading, ScrapeOutcome, WorkerState,
+};
 use crate::config::{Config, LoadConfig, LoadSource, ModelMatch, PoolConfig, WorkerConfig};
 use crate::worker::{Engine, WorkerId};
 
@@ -81,6 +84,8 @@ pub trait ScrapeObserver: Send + Sync {
     fn scrape_counter(&self, pool: &str, worker: &str, outcome: ScrapeOutcome) -> IntCounter;
     /// `pool`'s snapshots are to be reported from now on (the freshness gauges).
     fn watch_pool(&self, pool: Arc<PoolLoad>);
+    /// `worker` left `pool`: its counters go, so a churning fleet does not grow the metrics forever.
+    fn worker_left(&self, pool: &str, worker: &str);
 }
 
 /// What the request path shares with a pool's scraper: the current snapshot and the dispatch counts.
@@ -173,9 +178,23 @@ fn pool_label(model: &ModelMatch) -> &str {
     }
 }
 
+/// What the rest of the picker does when the roster changes, implemented by the request path (`load`
+/// cannot import it). Called synchronously, before the snapshot that shows the change is published,
+/// so no decision reads a roster the owner index has not caught up with.
+pub trait RosterObserver: Send + Sync {
+    /// `worker` takes slot `id`, free or freed: nothing recorded for the slot counts for it.
+    fn joined(&self, id: WorkerId, worker: &WorkerConfig);
+    /// The worker in slot `id` left the pool; the slot may be taken again.
+    fn left(&self, id: WorkerId);
+    /// The engine of the worker in slot `id` restarted: its cache is empty.
+    fn restarted(&self, id: WorkerId);
+}
+
 /// One worker as the scraper tracks it.
 struct Tracked {
     id: WorkerId,
+    /// As discovery described it; a changed description is applied in place.
+    config: WorkerConfig,
     state: WorkerState,
     target: Arc<Target>,
     /// Latest sample of each rank, with when it was requested.
@@ -184,6 +203,12 @@ struct Tracked {
     in_flight: bool,
     /// `cachepick_scrapes_total` for this worker, one handle per outcome (in `ScrapeOutcome::ALL` order).
     counters: Vec<IntCounter>,
+    /// Scrapes in a row that could not connect or timed out.
+    failures: u32,
+    /// The engine run the last answer came from.
+    identity: Option<Identity>,
+    /// When the state last changed to `Restarted` or `Draining`.
+    since: Instant,
 }
 
 /// What a request needs to know about its worker; shared with the in-flight future.
@@ -194,15 +219,38 @@ struct Target {
     dp_size: u32,
 }
 
-/// A finished request: worker index, round, when it was sent, the dispatch count at that moment, result.
-type Fetched = (usize, u64, Instant, u64, Result<Report, ScrapeError>);
+impl Target {
+    fn new(worker: &WorkerConfig, engine: Engine) -> Self {
+        let url = worker.scrape_url();
+        Target {
+            url: url
+                .parse::<Uri>()
+                .map_err(|error| format!("{url}: {error}")),
+            source: worker.load_source,
+            engine,
+            dp_size: worker.dp_size.get(),
+        }
+    }
+}
+
+/// A finished request: the worker (slot and generation), round, when it was sent, the dispatch count at
+/// that moment, result.
+type Fetched = (
+    (WorkerId, u64),
+    u64,
+    Instant,
+    u64,
+    Result<Report, ScrapeError>,
+);
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
 /// Scrapes one pool. Owned by its task; shares only [`PoolLoad`] with the request path.
 pub struct Scraper {
     pool: Arc<PoolLoad>,
+    /// By increasing id.
     workers: Vec<Tracked>,
+    engine: Engine,
     client: HttpClient,
     config: LoadConfig,
     limiter: Arc<Semaphore>,
@@ -211,6 +259,16 @@ pub struct Scraper {
     round: u64,
     completed_rounds: u64,
     last_blind_warning: Option<Instant>,
+    observer: Arc<dyn ScrapeObserver>,
+    roster: Option<Arc<dyn RosterObserver>>,
+    desired: watch::Receiver<Arc<[WorkerConfig]>>,
+    /// Slots no worker holds, lowest first.
+    free: BTreeSet<u32>,
+    /// The next occupant's generation.
+    generation: u64,
+    /// What the last published snapshot's roster looked like.
+    roster_key: Vec<(WorkerId, u64, Lifecycle, u64)>,
+    last_full_warning: Option<Instant>,
 }
 
 impl Scraper {
@@ -218,78 +276,102 @@ impl Scraper {
         pool_config: &PoolConfig,
         config: &LoadConfig,
         pool: Arc<PoolLoad>,
-        observer: &dyn ScrapeObserver,
+        observer: Arc<dyn ScrapeObserver>,
     ) -> Self {
-        let label = pool.label().to_owned();
         let roster = pool.snapshot();
-        let workers = pool_config
-            .workers
-            .iter()
-            .zip(roster.workers())
-            .map(|(worker, state)| {
-                let endpoint = worker.endpoint.to_string();
-                let url = worker.scrape_url();
-                Tracked {
-                    id: state.id,
-                    state: state.clone(),
-                    target: Arc::new(Target {
-                        url: url
-                            .parse::<Uri>()
-                            .map_err(|error| format!("{url}: {error}")),
-                        source: worker.load_source,
-                        engine: pool_config.engine,
-                        dp_size: worker.dp_size.get(),
-                    }),
-                    ranks: vec![None; worker.dp_size.get() as usize],
-                    configured: state.capacity,
-                    in_flight: false,
-                    counters: ScrapeOutcome::ALL
-                        .iter()
-                        .map(|outcome| observer.scrape_counter(&label, &endpoint, *outcome))
-                        .collect(),
-                }
-            })
-            .collect();
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.scrape_timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(config.scrape_interval.saturating_mul(4))
-            .pool_max_idle_per_host(1)
-            .build(connector);
-        observer.watch_pool(Arc::clone(&pool));
-        Scraper {
-            pool,
-            workers,
-            client,
+        let slots = u32::try_from(pool.dispatches.len()).unwrap_or(u32::MAX);
+        let mut free: BTreeSet<u32> = (0..slots).collect();
+        let mut desired = pool.desired.subscribe();
+        // The file's workers are in the first snapshot already; what discovery sends later is news.
+        desired.mark_unchanged();
+        let mut scraper = Scraper {
+            workers: Vec::new(),
+            engine: pool_config.engine,
+            client: http_client(config),
             config: *config,
             limiter: Arc::new(Semaphore::new(config.max_concurrent_scrapes.get())),
-            version: 0,
+            version: roster.version,
             round: 0,
             completed_rounds: 0,
             last_blind_warning: None,
+            observer: Arc::clone(&observer),
+            roster: None,
+            desired,
+            free: BTreeSet::new(),
+            generation: 0,
+            roster_key: Vec::new(),
+            last_full_warning: None,
+            pool,
+        };
+        let now = Instant::now();
+        for (worker, state) in pool_config.workers.iter().zip(roster.workers()) {
+            free.remove(&state.id.0);
+            scraper.generation = scraper.generation.max(state.generation + 1);
+            scraper
+                .workers
+                .push(scraper.track(worker, state.clone(), now));
+        }
+        scraper.free = free;
+        scraper.roster_key = roster_key(&roster);
+        observer.watch_pool(Arc::clone(&scraper.pool));
+        scraper
+    }
+
+    /// Tells `roster` about every change of the roster from now on; the workers already present are
+    /// announced as joining.
+    pub fn with_roster(mut self, roster: Arc<dyn RosterObserver>) -> Self {
+        for worker in &self.workers {
+            roster.joined(worker.id, &worker.config);
+        }
+        self.roster = Some(roster);
+        self
+    }
+
+    fn track(&self, worker: &WorkerConfig, state: WorkerState, now: Instant) -> Tracked {
+        let label = self.pool.label();
+        let endpoint = worker.endpoint.to_string();
+        Tracked {
+            id: state.id,
+            config: worker.clone(),
+            configured: state.capacity,
+            state,
+            target: Arc::new(Target::new(worker, self.engine)),
+            ranks: vec![None; worker.dp_size.get() as usize],
+            in_flight: false,
+            counters: ScrapeOutcome::ALL
+                .iter()
+                .map(|outcome| self.observer.scrape_counter(label, &endpoint, *outcome))
+                .collect(),
+            failures: 0,
+            identity: None,
+            since: now,
         }
     }
 
-    /// Worker indices without a request in flight, those whose last scrape succeeded first: the permit
+    fn position(&self, id: WorkerId) -> Option<usize> {
+        self.workers
+            .binary_search_by_key(&id, |worker| worker.id)
+            .ok()
+    }
+
+    /// Worker slots without a request in flight, those whose last scrape succeeded first: the permit
     /// queue is first-come, so this keeps failing or hung workers from holding up healthy ones.
-    fn idle_healthy_first(&self) -> Vec<usize> {
-        let mut idle: Vec<(bool, usize)> = self
+    fn idle_healthy_first(&self) -> Vec<WorkerId> {
+        let mut idle: Vec<(bool, WorkerId)> = self
             .workers
             .iter()
-            .enumerate()
-            .filter(|(_, worker)| !worker.in_flight)
-            .map(|(index, worker)| {
+            .filter(|worker| !worker.in_flight)
+            .map(|worker| {
                 let failing = worker
                     .state
                     .scrape
                     .last_outcome
                     .is_some_and(|outcome| outcome != ScrapeOutcome::Ok);
-                (failing, index)
+                (failing, worker.id)
             })
             .collect();
         idle.sort_unstable();
-        idle.into_iter().map(|(_, index)| index).collect()
+        idle.into_iter().map(|(_, id)| id).collect()
     }
 
     /// Scrapes every worker once, waits for all of them, and publishes: the `snapshot` command's round.
@@ -298,45 +380,65 @@ impl Scraper {
         let fetches: Vec<_> = self
             .idle_healthy_first()
             .into_iter()
-            .map(|index| self.start(index))
+            .map(|id| self.start(id))
             .collect();
         let results = futures_util::future::join_all(fetches).await;
+        let now = Instant::now();
         for fetched in results {
-            self.apply(fetched);
+            self.apply(fetched, now);
         }
         self.publish();
-        self.finish_round(Instant::now());
+        self.finish_round(now);
     }
 
-    /// Scrapes every `scrape_interval` until `shutdown` resolves.
+    /// Scrapes every `scrape_interval` until `shutdown` resolves, and follows discovery.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         let mut ticker = tokio::time::interval(self.config.scrape_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut in_flight = FuturesUnordered::new();
         // Requests still outstanding per round, so a round ends when its own requests do.
         let mut pending: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut discovering = true;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
+                changed = self.desired.changed(), if discovering => {
+                    if changed.is_err() {
+                        // Nobody can send any more: the roster stays as it is.
+                        discovering = false;
+                        continue;
+                    }
+                    let desired = Arc::clone(&self.desired.borrow_and_update());
+                    // Joiners are scraped at once: they serve only once they answer.
+                    for id in self.reconcile(&desired, Instant::now()) {
+                        in_flight.push(self.start(id));
+                    }
+                    self.publish();
+                }
                 _ = ticker.tick() => {
                     self.round += 1;
+                    let now = Instant::now();
+                    if self.expire(now) {
+                        self.publish();
+                    }
                     let idle = self.idle_healthy_first();
                     if idle.is_empty() {
                         continue;
                     }
                     pending.insert(self.round, idle.len());
-                    for index in idle {
-                        in_flight.push(self.start(index));
+                    for id in idle {
+                        in_flight.push(self.start(id));
                     }
                 }
                 Some(fetched) = in_flight.next(), if !in_flight.is_empty() => {
+                    let now = Instant::now();
                     let mut done = vec![fetched.1];
-                    self.apply(fetched);
+                    self.apply(fetched, now);
                     // Apply everything that is already finished before publishing once.
                     while let Some(Some(fetched)) = in_flight.next().now_or_never() {
                         done.push(fetched.1);
-                        self.apply(fetched);
+                        self.apply(fetched, now);
                     }
                     self.publish();
                     for round in done {
@@ -353,24 +455,137 @@ impl Scraper {
         }
     }
 
-    /// Starts a request for worker `index`; the future owns everything it needs.
-    fn start(&mut self, index: usize) -> impl Future<Output = Fetched> + use<> {
+    /// Brings the roster to `desired`: newcomers take free slots, workers no longer listed drain, a
+    /// draining worker listed again stays, a changed description is applied. Returns the newcomers.
+    fn reconcile(&mut self, desired: &[WorkerConfig], now: Instant) -> Vec<WorkerId> {
+        let label = self.pool.label().to_owned();
+        let wanted: BTreeMap<SocketAddr, &WorkerConfig> = desired
+            .iter()
+            .map(|worker| (worker.endpoint, worker))
+            .collect();
+        for worker in &mut self.workers {
+            match wanted.get(&worker.state.endpoint) {
+                None if worker.state.lifecycle != Lifecycle::Draining => {
+                    tracing::info!(pool = %label, worker = %worker.state.endpoint, "worker left discovery; draining");
+                    worker.state.lifecycle = Lifecycle::Draining;
+                    worker.since = now;
+                }
+                None => {}
+                Some(config) => {
+                    if worker.state.lifecycle == Lifecycle::Draining {
+                        tracing::info!(pool = %label, worker = %worker.state.endpoint, "worker back in discovery");
+                        worker.state.lifecycle = answered_state(worker.failures, &self.config);
+                    }
+                    if **config != worker.config {
+                        worker.reconfigure(config, self.engine);
+                    }
+                }
+            }
+        }
+        let mut joined = Vec::new();
+        for (endpoint, config) in wanted {
+            if self
+                .workers
+                .iter()
+                .any(|worker| worker.state.endpoint == endpoint)
+            {
+                continue;
+            }
+            let Some(slot) = self.free.pop_first() else {
+                if self
+                    .last_full_warning
+                    .is_none_or(|last| now.saturating_duration_since(last) >= BLIND_WARNING_EVERY)
+                {
+                    self.last_full_warning = Some(now);
+                    tracing::warn!(pool = %label, worker = %endpoint, max_workers = self.pool.dispatches.len(),
+                        "discovery lists more workers than max_workers; the rest are left out");
+                }
+                continue;
+            };
+            let id = WorkerId(slot);
+            let mut state = WorkerState::new(id, endpoint, config.role);
+            state.generation = self.generation;
+            self.generation += 1;
+            state.capacity = configured_capacity(config);
+            let tracked = self.track(config, state, now);
+            if let Some(roster) = &self.roster {
+                roster.joined(id, config);
+            }
+            self.pool.dispatches.reset(id);
+            tracing::info!(pool = %label, worker = %endpoint, slot = id.0, "worker joined");
+            let at = self.workers.partition_point(|worker| worker.id < id);
+            self.workers.insert(at, tracked);
+            joined.push(id);
+        }
+        joined
+    }
+
+    /// Time-driven changes: a drain that ran out, a restart that is old news. Whether anything changed.
+    fn expire(&mut self, now: Instant) -> bool {
+        let mut changed = false;
+        let drain = self.config.drain_timeout;
+        let leaving: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|worker| {
+                worker.state.lifecycle == Lifecycle::Draining
+                    && now.saturating_duration_since(worker.since) >= drain
+            })
+            .map(|worker| worker.id)
+            .collect();
+        for id in leaving {
+            self.leave(id, "drain timeout");
+            changed = true;
+        }
+        for worker in &mut self.workers {
+            if worker.state.lifecycle == Lifecycle::Restarted
+                && now.saturating_duration_since(worker.since) >= self.config.freshness
+            {
+                worker.state.lifecycle = Lifecycle::Healthy;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Removes the worker in slot `id` and frees the slot.
+    fn leave(&mut self, id: WorkerId, why: &str) {
+        let Some(at) = self.position(id) else {
+            return;
+        };
+        let worker = self.workers.remove(at);
+        tracing::info!(pool = self.pool.label(), worker = %worker.state.endpoint, why, "worker left the pool");
+        if let Some(roster) = &self.roster {
+            roster.left(id);
+        }
+        self.observer
+            .worker_left(self.pool.label(), &worker.state.endpoint.to_string());
+        self.pool.dispatches.reset(id);
+        self.free.insert(id.0);
+    }
+
+    /// Starts a request for the worker in slot `id`; the future owns everything it needs.
+    fn start(&mut self, id: WorkerId) -> impl Future<Output = Fetched> + use<> {
         let round = self.round;
         let dispatches = self.pool.dispatches();
-        let request = self.workers.get_mut(index).map(|worker| {
-            worker.in_flight = true;
-            (
-                Arc::clone(&worker.target),
-                dispatches.since_reading(worker.id),
-            )
-        });
+        let request = self
+            .position(id)
+            .and_then(|at| self.workers.get_mut(at))
+            .map(|worker| {
+                worker.in_flight = true;
+                (
+                    Arc::clone(&worker.target),
+                    dispatches.since_reading(worker.id),
+                    worker.state.generation,
+                )
+            });
         let client = self.client.clone();
         let limiter = Arc::clone(&self.limiter);
         let config = self.config;
         async move {
-            let Some((target, dispatched)) = request else {
+            let Some((target, dispatched, generation)) = request else {
                 return (
-                    index,
+                    (id, u64::MAX),
                     round,
                     Instant::now(),
                     0,
@@ -387,15 +602,21 @@ impl Scraper {
                     Ok(result) => result,
                     Err(_) => Err(ScrapeError::Timeout(config.scrape_timeout)),
                 };
-            (index, round, sent, dispatched, result)
+            ((id, generation), round, sent, dispatched, result)
         }
     }
 
-    /// Records one result: rank samples, status, counters, dispatch count.
-    fn apply(&mut self, (index, _, sent, dispatched, result): Fetched) {
+    /// Records one result: rank samples, status, counters, dispatch count, and the worker's state.
+    fn apply(&mut self, ((id, generation), _, sent, dispatched, result): Fetched, now: Instant) {
         let dispatches = self.pool.dispatches();
         let label = self.pool.label();
-        let Some(worker) = self.workers.get_mut(index) else {
+        let config = self.config;
+        let Some(worker) = self
+            .position(id)
+            .and_then(|at| self.workers.get_mut(at))
+            // The slot's worker left (and perhaps another took it) while the request was out.
+            .filter(|worker| worker.state.generation == generation)
+        else {
             return;
         };
         worker.in_flight = false;
@@ -418,8 +639,27 @@ impl Scraper {
         let status = &mut worker.state.scrape;
         status.attempts += 1;
         status.last_outcome = Some(outcome);
+        let unanswered = matches!(
+            outcome,
+            ScrapeOutcome::ConnectError | ScrapeOutcome::Timeout
+        );
+        worker.failures = if unanswered {
+            worker.failures.saturating_add(1)
+        } else {
+            0
+        };
+        let mut restarted = false;
+        let mut idle = false;
         match result {
             Ok(report) => {
+                if let Some(earlier) = &worker.identity
+                    && report.identity.restarted_since(earlier)
+                {
+                    restarted = true;
+                    // The old run's samples describe a cache that is gone.
+                    worker.ranks.iter_mut().for_each(|rank| *rank = None);
+                }
+                worker.identity = Some(report.identity);
                 let before = worker.state.reading.map(|reading| reading.captured_at);
                 for (slot, rank) in worker.ranks.iter_mut().zip(report.ranks) {
                     if let Some(rank) = rank {
@@ -442,6 +682,7 @@ impl Scraper {
                     // The engine's numbers cover what was sent before the request, not what was sent
                     // while it was in flight.
                     dispatches.forget(worker.id, dispatched);
+                    idle = reading.load.waiting == 0 && reading.load.running == 0;
                 }
                 if was_failing {
                     tracing::info!(pool = label, worker = %worker.state.endpoint, "worker scrape recovered");
@@ -456,6 +697,52 @@ impl Scraper {
                 status.last_error = Some(Arc::from(error.to_string()));
             }
         }
+        let endpoint = worker.state.endpoint;
+        match worker.state.lifecycle {
+            // A draining worker leaves once it has nothing left to serve or cannot be reached.
+            Lifecycle::Draining => {
+                if idle || unanswered {
+                    let why = if idle {
+                        "drained"
+                    } else {
+                        "unreachable while draining"
+                    };
+                    self.leave(id, why);
+                }
+            }
+            _ if restarted => {
+                tracing::warn!(pool = label, worker = %endpoint, "worker engine restarted; its cached prefixes are forgotten");
+                worker.state.lifecycle = Lifecycle::Restarted;
+                worker.state.incarnation += 1;
+                worker.since = now;
+                dispatches.reset(id);
+                if let Some(roster) = &self.roster {
+                    roster.restarted(id);
+                }
+            }
+            Lifecycle::Restarted if unanswered => {
+                worker.state.lifecycle = answered_state(worker.failures, &config);
+            }
+            Lifecycle::Restarted => {}
+            _ => {
+                let next = answered_state(worker.failures, &config);
+                let next = match (worker.state.lifecycle, next) {
+                    // A new worker stays new until it answers once, however many failures.
+                    (Lifecycle::New, Lifecycle::Healthy) if unanswered => Lifecycle::New,
+                    _ => next,
+                };
+                if next != worker.state.lifecycle {
+                    match next {
+                        Lifecycle::Unreachable => tracing::warn!(pool = label, worker = %endpoint,
+                            failures = worker.failures, "worker unreachable; not an owner until it answers"),
+                        _ => {
+                            tracing::info!(pool = label, worker = %endpoint, state = next.as_str(), "worker state")
+                        }
+                    }
+                    worker.state.lifecycle = next;
+                }
+            }
+        }
     }
 
     fn publish(&mut self) {
@@ -465,8 +752,13 @@ impl Scraper {
             .iter()
             .map(|worker| worker.state.clone())
             .collect();
-        let snapshot = PoolSnapshot::new(self.version, self.config.freshness, workers);
+        let snapshot = PoolSnapshot::with_slots(self.version, self.config.freshness, workers);
+        let key = roster_key(&snapshot);
         self.pool.current.store(Arc::new(snapshot));
+        if key != self.roster_key {
+            self.roster_key = key;
+            self.pool.roster.send_modify(|version| *version += 1);
+        }
     }
 
     /// End-of-round bookkeeping: the blind-gate warning and the completed-round count.
@@ -498,6 +790,63 @@ impl Scraper {
         self.completed_rounds += 1;
         self.pool.rounds.send_replace(self.completed_rounds);
     }
+}
+
+impl Tracked {
+    /// Applies a changed description from discovery: what is scraped, and how.
+    fn reconfigure(&mut self, config: &WorkerConfig, engine: Engine) {
+        if config.dp_size != self.config.dp_size {
+            self.ranks = vec![None; config.dp_size.get() as usize];
+            self.state.reading = None;
+        }
+        self.state.role = config.role;
+        self.configured = configured_capacity(config);
+        self.target = Arc::new(Target::new(config, engine));
+        self.config = config.clone();
+    }
+}
+
+/// The state of a worker that is not draining or restarted, after `failures` unanswered scrapes.
+fn answered_state(failures: u32, config: &LoadConfig) -> Lifecycle {
+    if failures >= config.unreachable_after.get() {
+        Lifecycle::Unreachable
+    } else {
+        Lifecycle::Healthy
+    }
+}
+
+/// Capacities given in configuration, which override the engine's.
+fn configured_capacity(worker: &WorkerConfig) -> Capacity {
+    Capacity {
+        max_running: worker.max_running_requests.map(|max| max.get()),
+        max_total_tokens: worker.max_total_tokens.map(|max| max.get()),
+    }
+}
+
+/// Who is in the pool and in which state: a change of it is a roster change.
+fn roster_key(snapshot: &PoolSnapshot) -> Vec<(WorkerId, u64, Lifecycle, u64)> {
+    snapshot
+        .workers()
+        .iter()
+        .map(|worker| {
+            (
+                worker.id,
+                worker.generation,
+                worker.lifecycle,
+                worker.incarnation,
+            )
+        })
+        .collect()
+}
+
+fn http_client(config: &LoadConfig) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(config.scrape_timeout));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(config.scrape_interval.saturating_mul(4))
+        .pool_max_idle_per_host(1)
+        .build(connector)
 }
 
 /// Ranks with no sample at all, or whose sample predates the latest request (the response lacked them).

@@ -245,7 +245,9 @@ impl PoolSnapshot {
 
     /// One more than the highest id present: the length of a vector indexed by [`WorkerId`].
     pub fn slots(&self) -> usize {
-        self.workers.last().map_or(0, |worker| worker.id.index() + 1)
+        self.workers
+            .last()
+            .map_or(0, |worker| worker.id.index() + 1)
     }
 
     pub fn worker(&self, id: WorkerId) -> Option<&WorkerState> {

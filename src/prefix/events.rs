@@ -176,20 +176,39 @@ impl EventIndex {
         }
     }
 
-    /// An index for `pool` whose worker `i` can hold `capacity_blocks[i]` blocks per rank, each
-    /// worker with its configured data-parallel ranks.
+    /// An index for `pool` whose worker slot `i` can hold `capacity_blocks[i]` blocks per rank. Every
+    /// slot has as many rank slots as the pool's largest data-parallel degree (its file's workers and
+    /// its template), so a worker that joins later finds its slots laid out; a worker with fewer ranks
+    /// leaves the rest empty.
     pub fn for_pool(pool: &PoolConfig, capacity_blocks: &[usize]) -> Self {
-        let ranks: Vec<u32> = pool
-            .workers
-            .iter()
-            .map(|worker| worker.dp_size.get())
-            .collect();
+        let ranks = vec![Self::ranks_per_worker(pool); capacity_blocks.len()];
         EventIndex::new(
             &ranks,
             capacity_blocks,
             pool.block_size,
             pool.index.speculative_ttl,
         )
+    }
+
+    /// Rank slots each worker slot of `pool` gets.
+    pub fn ranks_per_worker(pool: &PoolConfig) -> u32 {
+        pool.workers
+            .iter()
+            .map(|worker| worker.dp_size.get())
+            .chain([pool.template.dp_size.get()])
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// Forgets everything `worker`'s ranks hold and its guesses, and bounds them at `blocks` (0 for a
+    /// slot nobody holds): the slot's worker left, joined, or restarted.
+    pub fn reset_worker(&self, worker: WorkerId, blocks: usize) {
+        for slot in self.slots_of(worker) {
+            self.clear(slot);
+            self.suspend(slot, false);
+        }
+        self.speculative.clear_worker(worker);
+        self.set_capacity(worker, blocks);
     }
 
     /// Every rank's slot of `worker`; its slots are consecutive.

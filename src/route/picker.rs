@@ -19,13 +19,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use arc_swap::ArcSwap;
 use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 
 use super::explain::Explanation;
-use crate::config::{Config, IndexMode, Mode, PoolConfig};
-use crate::load::{PoolLoad, PoolSnapshot};
+use crate::config::{Config, IndexMode, Mode, PolicyConfig, PoolConfig, WorkerConfig};
+use crate::events::EventFeeds;
+use crate::load::{PoolLoad, PoolSnapshot, RosterObserver};
 use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
 use crate::prefix::{
     EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch, block_hashes, prefix_seed,
@@ -86,6 +88,8 @@ struct PoolRoute {
     load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
     index: PoolIndex,
+    /// The pool's policy; a reloaded file replaces it whole, and each decision reads one.
+    policy: ArcSwap<PolicyConfig>,
     /// Decisions taken so far under `round_robin`: the next request's turn.
     sequence: AtomicU64,
 }
@@ -93,7 +97,7 @@ struct PoolRoute {
 /// Where a pool learns who holds which prefix (`PoolConfig::index`).
 enum PoolIndex {
     /// From this picker's own decisions.
-    Approximate(OwnerIndex),
+    Approximate(Arc<OwnerIndex>),
     /// From the engines' KV events, fed by `events::EventFeeds`, plus this picker's recent decisions.
     Events(Arc<EventIndex>),
 }
@@ -133,19 +137,25 @@ impl Picker {
                         pool: load.label().to_owned(),
                         source,
                     })?;
+                // One slot per worker the pool can hold; a slot nobody holds has no capacity, so
+                // nothing is recorded there until a worker joins (`PoolRoster::joined`).
                 let snapshot = load.snapshot();
-                let capacities: Vec<usize> = snapshot
-                    .workers()
-                    .iter()
-                    .map(|worker| capacity_blocks(pool, worker.capacity.max_total_tokens))
-                    .collect();
+                let mut capacities = vec![0; load.dispatches().len()];
+                for worker in snapshot.workers() {
+                    if let Some(slot) = capacities.get_mut(worker.id.index()) {
+                        *slot = capacity_blocks(pool, worker.capacity.max_total_tokens);
+                    }
+                }
                 let index = match pool.index.mode {
-                    IndexMode::Approximate => PoolIndex::Approximate(OwnerIndex::new(&capacities)),
+                    IndexMode::Approximate => {
+                        PoolIndex::Approximate(Arc::new(OwnerIndex::new(&capacities)))
+                    }
                     IndexMode::Events => {
                         PoolIndex::Events(Arc::new(EventIndex::for_pool(pool, &capacities)))
                     }
                 };
                 Ok(PoolRoute {
+                    policy: ArcSwap::from_pointee(pool.policy.clone()),
                     config: pool.clone(),
                     load: Arc::clone(load),
                     tokenizer,
@@ -313,17 +323,36 @@ impl Picker {
             depth_sources,
             tiers: Vec::new(),
             block_size: config.map_or(0, |pool| pool.block_size.get()),
-            endpoints: config
-                .map(|pool| {
-                    pool.workers
-                        .iter()
-                        .map(|worker| worker.endpoint.to_string())
-                        .collect()
-                })
+            endpoints: self
+                .pools
+                .get(prepared.pool)
+                .map(|pool| endpoints_by_id(&pool.load.snapshot()))
                 .unwrap_or_default(),
             prepared,
             outcome,
         })
+    }
+
+    /// Replaces pool `pool`'s policy (a reloaded file's); decisions already running finish with the old.
+    pub fn set_policy(&self, pool: usize, policy: PolicyConfig) {
+        if let Some(route) = self.pools.get(pool) {
+            route.policy.store(Arc::new(policy));
+        }
+    }
+
+    /// What keeps pool `pool`'s index and streams in step with its roster; handed to its scraper.
+    pub fn roster(&self, pool: usize, feeds: &Arc<EventFeeds>) -> Option<Arc<dyn RosterObserver>> {
+        let route = self.pools.get(pool)?;
+        let index = match &route.index {
+            PoolIndex::Approximate(index) => PoolIndex::Approximate(Arc::clone(index)),
+            PoolIndex::Events(index) => PoolIndex::Events(Arc::clone(index)),
+        };
+        Some(Arc::new(PoolRoster {
+            pool: route.config.clone(),
+            label: route.load.label().to_owned(),
+            index,
+            feeds: Arc::clone(feeds),
+        }))
     }
 
     /// The pools' shared load states, in configuration order.
@@ -349,6 +378,11 @@ impl<'p> Pinned<'p> {
     /// The snapshot every step of this request reads.
     pub fn snapshot(&self) -> &PoolSnapshot {
         &self.snapshot
+    }
+
+    /// How many fallbacks the pool's policy sends after the selected worker.
+    pub fn max_fallbacks(&self) -> usize {
+        self.pool.policy.load().max_fallbacks
     }
 
     /// The pool's prefix block size in tokens.
@@ -391,7 +425,8 @@ impl<'p> Pinned<'p> {
             now,
         };
         // Only round robin reads the sequence; other pools leave the counter alone.
-        let sequence = match pool.config.policy.mode {
+        let policy = pool.policy.load();
+        let sequence = match policy.mode {
             Mode::RoundRobin if take_turn => pool.sequence.fetch_add(1, Ordering::Relaxed),
             Mode::RoundRobin => pool.sequence.load(Ordering::Relaxed),
             _ => 0,
@@ -401,13 +436,7 @@ impl<'p> Pinned<'p> {
             allowed,
             sequence,
         };
-        policy::decide(
-            &facts,
-            &self.prepared.owners,
-            &view,
-            &pool.config.policy,
-            rng,
-        )
+        policy::decide(&facts, &self.prepared.owners, &view, &policy, rng)
     }
 
     /// Records a routed request: its blocks now live on the selected worker, and one more request is in
@@ -415,6 +444,7 @@ impl<'p> Pinned<'p> {
     pub fn commit(&self, decision: &Decision) {
         // A worker the roster no longer routes to gets nothing recorded, so a decision cannot bring a
         // removed worker's blocks back.
+        let pool = self.pool;
         let Some(worker) = self
             .snapshot
             .worker(decision.selected)
@@ -422,7 +452,15 @@ impl<'p> Pinned<'p> {
         else {
             return;
         };
-        let pool = self.pool;
+        // The worker may have left since this request's snapshot, and its slot gone to another: what
+        // was decided for the one must not be credited to the other.
+        let current = pool.load.snapshot();
+        if current
+            .worker(decision.selected)
+            .is_none_or(|now| now.generation != worker.generation)
+        {
+            return;
+        }
         match &pool.index {
             PoolIndex::Approximate(index) => {
                 let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
@@ -457,6 +495,68 @@ impl<'p> Pinned<'p> {
             .chain(decision.fallbacks.iter().copied())
             .filter_map(|id| self.snapshot.worker(id).map(|worker| worker.endpoint))
             .collect()
+    }
+}
+
+/// Each slot's endpoint, by worker id (empty for a slot nobody holds): what `explain` names workers by.
+fn endpoints_by_id(snapshot: &PoolSnapshot) -> Vec<String> {
+    let mut endpoints = vec![String::new(); snapshot.slots()];
+    for worker in snapshot.workers() {
+        if let Some(slot) = endpoints.get_mut(worker.id.index()) {
+            *slot = worker.endpoint.to_string();
+        }
+    }
+    endpoints
+}
+
+/// Keeps one pool's owner index and KV event streams in step with its roster: the scraper calls it
+/// before it publishes the snapshot that shows a change.
+struct PoolRoster {
+    pool: PoolConfig,
+    label: String,
+    index: PoolIndex,
+    feeds: Arc<EventFeeds>,
+}
+
+impl RosterObserver for PoolRoster {
+    fn joined(&self, id: WorkerId, worker: &WorkerConfig) {
+        // Whatever the slot's previous worker left behind (or a commit that raced its leaving) is not
+        // this worker's.
+        let capacity = capacity_blocks(&self.pool, worker.max_total_tokens.map(|max| max.get()));
+        match &self.index {
+            PoolIndex::Approximate(index) => {
+                index.remove_worker(id);
+                index.set_capacity(id, capacity);
+            }
+            PoolIndex::Events(index) => {
+                index.reset_worker(id, capacity);
+                self.feeds.join(&self.label, id, worker);
+            }
+        }
+    }
+
+    fn left(&self, id: WorkerId) {
+        match &self.index {
+            PoolIndex::Approximate(index) => index.remove_worker(id),
+            PoolIndex::Events(index) => {
+                self.feeds.leave(&self.label, id);
+                index.reset_worker(id, 0);
+            }
+        }
+    }
+
+    fn restarted(&self, id: WorkerId) {
+        match &self.index {
+            PoolIndex::Approximate(index) => index.clear_worker(id),
+            // The stream sees the restart too (its sequence starts over) and resets the same slots.
+            PoolIndex::Events(index) => {
+                for rank in 0..EventIndex::ranks_per_worker(&self.pool) {
+                    if let Some(slot) = index.slot(id, rank) {
+                        index.clear(slot);
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -6,17 +6,18 @@
 //! [`Routed`] request or a [`Refusal`], whose [`RefusalReason`] carries the status and label.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use serde::Serialize;
 
 use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Picker, Pinned, Prepared, RequestError};
+use crate::discovery::{SourceState, SourceStatus};
 use crate::events::EventFeeds;
 use crate::events::stream::StreamView;
-use crate::load::PoolView;
+use crate::load::{PoolView, RosterObserver};
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
 use crate::protocol::{PASSTHROUGH, RefusalReason};
@@ -107,6 +108,18 @@ pub struct PoolReport {
     pub view: PoolView,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub kv_events: Vec<StreamView>,
+    /// Where the pool's workers come from, and how that source is doing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<SourceReport>,
+}
+
+/// A pool's source of workers as the operator commands show it.
+#[derive(Clone, Debug, Serialize)]
+pub struct SourceReport {
+    /// `file`, `dns` or `kubernetes`.
+    pub kind: &'static str,
+    #[serde(flatten)]
+    pub state: SourceState,
 }
 
 impl PoolReport {
@@ -123,7 +136,11 @@ impl PoolReport {
                     .find(|(pool, _)| *pool == view.pool)
                     .map(|(_, streams)| std::mem::take(streams))
                     .unwrap_or_default();
-                PoolReport { view, kv_events }
+                PoolReport {
+                    view,
+                    kv_events,
+                    source: None,
+                }
             })
             .collect()
     }
@@ -137,6 +154,8 @@ pub struct Service {
     feeds: Arc<EventFeeds>,
     /// Counts info-level events for sampling.
     sampled: AtomicU64,
+    /// Each pool's source of workers, by pool label, once the app has started them.
+    sources: Mutex<Vec<(String, Arc<SourceStatus>)>>,
 }
 
 impl Service {
@@ -152,6 +171,7 @@ impl Service {
             metrics,
             feeds,
             sampled: AtomicU64::new(0),
+            sources: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&service);
         service.metrics.watch_index(Arc::new(move || {
@@ -209,6 +229,12 @@ impl Service {
             return self.no_workers(&prepared, subset);
         };
         let allowed = subset.map(|subset| pinned.workers_in(subset));
+        if let (Some(subset), Some(allowed)) = (subset, &allowed)
+            && allowed.is_empty()
+            && !subset.is_empty()
+        {
+            return self.unknown_subset(&pinned, subset, passthrough);
+        }
         match pinned.decide(allowed.as_deref(), Instant::now(), &mut rand::rng()) {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, &decision),
             Outcome::Route(decision) => self.routed(&pinned, decision),
@@ -284,6 +310,49 @@ impl Service {
             matched_tokens: 0,
             prompt_tokens: 0,
             passthrough: true,
+        })
+    }
+
+    /// The proxy allows only endpoints the pool does not know (yet): a gateway whose discovery is ahead
+    /// of cachepick's. Refusing would be a 503 that Envoy's fail-open cannot rescue, so the request goes
+    /// within the subset, to a random endpoint, the others as fallbacks: a miss, nothing committed.
+    fn unknown_subset(
+        &self,
+        pinned: &Pinned<'_>,
+        subset: &[SocketAddr],
+        passthrough: bool,
+    ) -> Answer {
+        let prepared = pinned.prepared();
+        self.metrics.record_unknown_subset(&prepared.pool_label);
+        if self
+            .sampled
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(LOG_SAMPLE)
+        {
+            tracing::warn!(pool = %prepared.pool_label, subset = ?subset,
+                "the proxy's subset names no worker cachepick knows; routed within it blind (logged 1 in 64)");
+        }
+        let mut endpoints = subset.to_vec();
+        endpoints.dedup();
+        let first = rand::random_range(0..endpoints.len());
+        endpoints.rotate_left(first);
+        endpoints.truncate(pinned.max_fallbacks().saturating_add(1));
+        if !passthrough {
+            self.metrics.record_decision(
+                &prepared.pool_label,
+                Reason::CacheMiss,
+                prepared.prompt_tokens,
+                0,
+                None,
+            );
+        }
+        Answer::Route(Routed {
+            pool: prepared.pool_label.clone(),
+            endpoints,
+            reason: Reason::CacheMiss,
+            matched_tokens: 0,
+            prompt_tokens: prepared.prompt_tokens,
+            passthrough,
         })
     }
 
@@ -414,16 +483,46 @@ impl Service {
     }
 
     /// Subscribes to every KV event stream of the `events` pools, until `shutdown()` completes.
-    pub fn start_event_feeds<F>(&self, shutdown: impl Fn() -> F) -> Vec<tokio::task::JoinHandle<()>>
+    pub fn start_event_feeds<F>(
+        &self,
+        shutdown: impl Fn() -> F + Send + Sync + 'static,
+    ) -> Vec<tokio::task::JoinHandle<()>>
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
         self.feeds.start(shutdown)
     }
 
-    /// Every pool's load snapshot and, in `events` mode, its KV event streams: `/debug/snapshot`.
+    /// What keeps pool `pool`'s owner index and KV event streams in step with its roster; the app hands
+    /// it to the pool's scraper.
+    pub fn roster(&self, pool: usize) -> Option<Arc<dyn RosterObserver>> {
+        self.picker.roster(pool, &self.feeds)
+    }
+
+    /// Reports `status` as pool `pool`'s source of workers in the snapshot and the metrics.
+    pub fn watch_source(&self, pool: &str, status: Arc<SourceStatus>) {
+        self.metrics.watch_source(pool, Arc::clone(&status));
+        self.sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((pool.to_owned(), status));
+    }
+
+    /// Every pool's load snapshot, its source of workers and, in `events` mode, its KV event streams:
+    /// `/debug/snapshot`.
     pub fn report(&self) -> Vec<PoolReport> {
-        PoolReport::join(self.snapshot(), self.feeds.views(Instant::now()))
+        let mut reports = PoolReport::join(self.snapshot(), self.feeds.views(Instant::now()));
+        let sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        for report in &mut reports {
+            report.source = sources
+                .iter()
+                .find(|(pool, _)| *pool == report.view.pool)
+                .map(|(_, status)| SourceReport {
+                    kind: status.kind,
+                    state: status.state(),
+                });
+        }
+        reports
     }
 
     /// Every pool's current snapshot as an operator reads it.

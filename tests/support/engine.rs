@@ -54,13 +54,17 @@ impl FakeEngine {
             let mode = Arc::clone(&mode);
             let hits = Arc::clone(&hits);
             tokio::spawn(async move {
+                // Connections live in the accept task's set, so stopping the engine closes them too,
+                // as a process that dies does: a client's kept-alive connection must not outlive it.
+                let mut connections = tokio::task::JoinSet::new();
                 loop {
+                    while connections.try_join_next().is_some() {}
                     let Ok((stream, _)) = listener.accept().await else {
                         continue;
                     };
                     let mode = Arc::clone(&mode);
                     let hits = Arc::clone(&hits);
-                    tokio::spawn(async move {
+                    connections.spawn(async move {
                         let service = service_fn(move |request: Request<Incoming>| {
                             let mode = mode.lock().unwrap().clone();
                             hits.fetch_add(1, Ordering::SeqCst);

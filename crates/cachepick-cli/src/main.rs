@@ -25,7 +25,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the external processor.
+    /// Run the external processor; the file is read again when it changes and on SIGHUP.
     Serve(ConfigArgs),
     /// Validate the configuration and print the effective configuration as YAML.
     Check(ConfigArgs),
@@ -279,15 +279,26 @@ struct ConfigArgs {
 }
 
 impl ConfigArgs {
-    fn load(&self) -> Result<Config, config::ConfigError> {
-        let overrides = Overrides {
+    fn overrides(&self) -> Overrides {
+        Overrides {
             listen: self.listen,
             metrics_listen: self.metrics_listen,
             worker_queue_limit: self.worker_queue_limit,
             saturation_queue_floor: self.saturation_queue_floor,
             min_load_choices: self.min_load_choices,
-        };
-        config::load(&self.config, &overrides)
+        }
+    }
+
+    fn load(&self) -> Result<Config, config::ConfigError> {
+        config::load(&self.config, &self.overrides())
+    }
+
+    /// Where `serve` reads the file again: the same path, with the same flags over it.
+    fn reload(&self) -> cachepick::app::Reload {
+        cachepick::app::Reload {
+            path: self.config.clone(),
+            overrides: self.overrides(),
+        }
     }
 }
 
@@ -320,7 +331,7 @@ fn main() -> ExitCode {
                 )
                 .init();
             run("cachepick", async {
-                cachepick::app::run(&config, shutdown_signal()).await?;
+                cachepick::app::serve(&config, Some(args.reload()), shutdown_signal()).await?;
                 Ok(())
             })
         }),

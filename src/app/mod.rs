@@ -10,7 +10,8 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::config::{Config, IndexMode, PoolConfig};
+use crate::config::{Config, Discovery, IndexMode, PoolConfig};
+use crate::discovery::SourceStatus;
 use crate::events::EventFeeds;
 use crate::extproc;
 use crate::load::{PoolLoad, PoolView, Scraper};
@@ -21,6 +22,9 @@ use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
 pub use crate::route::Explanation;
 use crate::route::{Picker, PickerError, PoolReport, RequestError, Service};
+pub use reload::{Reload, restart_only_changes};
+
+mod reload;
 
 #[derive(Debug, Error)]
 pub enum AppError {
@@ -52,15 +56,25 @@ fn pools(config: &Config, metrics: &Arc<Metrics>) -> Vec<(Arc<PoolLoad>, Scraper
         .iter()
         .map(|pool| {
             let load = PoolLoad::new(pool, &config.load);
-            let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.as_ref());
+            let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.clone());
             (load, scraper)
         })
         .collect()
 }
 
-/// Runs cachepick with `config` until `shutdown` resolves.
+/// Runs cachepick with `config` until `shutdown` resolves, its file's workers fixed.
 pub async fn run(
     config: &Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AppError> {
+    serve(config, None, shutdown).await
+}
+
+/// Runs cachepick with `config` until `shutdown` resolves. With `reload`, the file `config` came from
+/// is read again when it changes and on SIGHUP (see [`reload`]).
+pub async fn serve(
+    config: &Config,
+    reload: Option<Reload>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AppError> {
     let (listener, bound) = bind(config.listen).await?;
@@ -80,10 +94,29 @@ pub async fn run(
     let picker = Picker::new(config, &loads)?;
     let service = Service::new(picker, Arc::clone(&metrics));
     let mut tasks = tokio::task::JoinSet::new();
-    for (_, scraper) in pools {
+    for (index, (_, scraper)) in pools.into_iter().enumerate() {
+        let scraper = match service.roster(index) {
+            Some(roster) => scraper.with_roster(roster),
+            None => scraper,
+        };
         tasks.spawn(scraper.run(stopped_future()));
     }
     let feeds = service.start_event_feeds(stopped_future.clone());
+    let sources = start_sources(config, &loads, &service, &mut tasks, &stopped_future);
+    if let Some(reload) = reload {
+        let targets = reload::Targets {
+            loads: loads.clone(),
+            service: Arc::clone(&service),
+            metrics: Arc::clone(&metrics),
+            sources,
+        };
+        tasks.spawn(reload::watch(
+            reload,
+            config.clone(),
+            targets,
+            stopped_future(),
+        ));
+    }
     let debug = config
         .debug_endpoints
         .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
@@ -97,7 +130,7 @@ pub async fn run(
         listen = %bound,
         metrics_listen = %metrics_bound,
         pools = config.pools.len(),
-        workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
+        file_workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
         "cachepick started"
     );
     let served = extproc::serve(listener, service, config.debug_endpoints, async move {
@@ -111,6 +144,40 @@ pub async fn run(
     }
     tracing::info!("cachepick stopped");
     Ok(served?)
+}
+
+/// Starts each pool's source of workers: a `dns` or `kubernetes` pool's task, publishing to the pool's
+/// scraper; a file pool's workers come from the file (and its reloads). Returns the file pools'
+/// statuses, by pool position, for the reloads to report to.
+fn start_sources<F>(
+    config: &Config,
+    loads: &[Arc<PoolLoad>],
+    service: &Arc<Service>,
+    tasks: &mut tokio::task::JoinSet<()>,
+    shutdown: &(impl Fn() -> F + Send + Sync + Clone + 'static),
+) -> Vec<Option<Arc<SourceStatus>>>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let mut files = Vec::new();
+    for (pool, load) in config.pools.iter().zip(loads) {
+        let status = SourceStatus::new(pool.discovery.kind());
+        service.watch_source(load.label(), Arc::clone(&status));
+        let publish = load.desired().clone();
+        match &pool.discovery {
+            Discovery::Static => {
+                status.updated(pool.workers.len());
+                files.push(Some(status));
+                continue;
+            }
+            // MERGE: the dns and kubernetes sources are wired here once they land.
+            Discovery::Dns(_) | Discovery::Kubernetes(_) => {
+                let _ = (publish, &tasks, shutdown);
+            }
+        }
+        files.push(None);
+    }
+    files
 }
 
 /// The debug endpoints' view of the request service: the HTTP server on `metrics_listen` asks through

@@ -1,0 +1,243 @@
+//! Reloading the configuration file while serving: when its content changes, and on SIGHUP.
+//!
+//! The file is read again every [`POLL`] and compared with what was last applied. Polling the
+//! content, rather than watching inotify events, sees every way a file is replaced: an edit in place,
+//! an editor's rename over it, and a Kubernetes ConfigMap update, which swaps the `..data` symlink of
+//! the mounted directory without touching the file's own path (an inotify watch on the file would
+//! miss it, and one on the directory must be re-armed after each swap). A read a second is nothing.
+//!
+//! A new file is validated in full first. An invalid one changes nothing: every problem is logged
+//! with its line, and counted. A valid one that changes what only a restart can change (the listen
+//! addresses, the pools themselves, their tokenizers, indexes and sources, the load settings) is
+//! refused whole, with a message naming each such change. Otherwise the file's workers go to their
+//! pools' scrapers (which drain, join and keep everything else, including the owner index), and the
+//! policies are swapped for the next decisions.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::config::{self, Config, Discovery, Overrides, PoolConfig, ReloadOutcome};
+use crate::discovery::{self, SourceStatus};
+use crate::load::PoolLoad;
+use crate::metrics::Metrics;
+use crate::route::Service;
+
+/// How often the file is read again.
+pub const POLL: Duration = Duration::from_secs(1);
+
+/// Where the running configuration came from, so it can be read again.
+#[derive(Clone, Debug)]
+pub struct Reload {
+    pub path: PathBuf,
+    pub overrides: Overrides,
+}
+
+/// What a reload acts on.
+pub(super) struct Targets {
+    pub loads: Vec<Arc<PoolLoad>>,
+    pub service: Arc<Service>,
+    pub metrics: Arc<Metrics>,
+    /// The `file` source of each pool whose workers the file lists, by pool position.
+    pub sources: Vec<Option<Arc<SourceStatus>>>,
+}
+
+/// Reloads `reload.path` when its content changes or SIGHUP arrives, until `shutdown` resolves.
+/// `current` is the configuration running now.
+pub(super) async fn watch(
+    reload: Reload,
+    mut current: Config,
+    targets: Targets,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let mut applied = tokio::fs::read(&reload.path)
+        .await
+        .map(|text| xxh3_64(&text))
+        .ok();
+    let mut hangup = hangups();
+    let mut ticker = tokio::time::interval(POLL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        let asked = tokio::select! {
+            () = &mut shutdown => return,
+            _ = ticker.tick() => false,
+            Some(()) = next_hangup(&mut hangup) => true,
+        };
+        let Ok(text) = tokio::fs::read(&reload.path).await else {
+            if asked {
+                tracing::error!(path = %reload.path.display(), "SIGHUP: cannot read the configuration file; nothing changed");
+                targets.metrics.record_reload(ReloadOutcome::Invalid);
+            }
+            // Mid-swap, or removed: the running configuration stands until a file is there again.
+            continue;
+        };
+        let hash = xxh3_64(&text);
+        if !asked && applied == Some(hash) {
+            continue;
+        }
+        applied = Some(hash);
+        let trigger = if asked { "SIGHUP" } else { "file changed" };
+        let outcome = match config::load(&reload.path, &reload.overrides) {
+            Err(error) => {
+                tracing::error!(path = %reload.path.display(), trigger, "the reloaded configuration is invalid; nothing changed:\n{error}");
+                for status in targets.sources.iter().flatten() {
+                    status.failed(format!("invalid configuration: {error}"));
+                }
+                ReloadOutcome::Invalid
+            }
+            Ok(next) => {
+                let refused = restart_only_changes(&current, &next);
+                if refused.is_empty() {
+                    apply(&next, &targets);
+                    tracing::info!(path = %reload.path.display(), trigger, "configuration reloaded");
+                    current = next;
+                    ReloadOutcome::Applied
+                } else {
+                    tracing::error!(path = %reload.path.display(), trigger,
+                        "the reloaded configuration changes what only a restart can change; nothing changed:\n  {}",
+                        refused.join("\n  "));
+                    ReloadOutcome::NeedsRestart
+                }
+            }
+        };
+        targets.metrics.record_reload(outcome);
+    }
+}
+
+/// Sends each file pool its workers and every pool its policy.
+fn apply(next: &Config, targets: &Targets) {
+    for (position, pool) in next.pools.iter().enumerate() {
+        targets
+            .service
+            .picker()
+            .set_policy(position, pool.policy.clone());
+        if pool.discovery != Discovery::Static {
+            continue;
+        }
+        if let Some(load) = targets.loads.get(position) {
+            discovery::publish(load.desired(), discovery::members(pool.workers.clone()));
+        }
+        if let Some(Some(status)) = targets.sources.get(position) {
+            status.updated(pool.workers.len());
+        }
+    }
+}
+
+/// Every difference between `old` and `new` that a running picker cannot take, one line each; empty
+/// when the new file changes only workers and policies.
+pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
+    let mut refused = Vec::new();
+    let mut differs = |what: &str, same: bool| {
+        if !same {
+            refused.push(format!("{what} changed (restart to apply it)"));
+        }
+    };
+    differs("listen", old.listen == new.listen);
+    differs("metrics_listen", old.metrics_listen == new.metrics_listen);
+    differs("max_body_bytes", old.max_body_bytes == new.max_body_bytes);
+    differs(
+        "debug_endpoints",
+        old.debug_endpoints == new.debug_endpoints,
+    );
+    differs("load", old.load == new.load);
+    if old.pools.len() != new.pools.len() {
+        refused.push(format!(
+            "pools: {} pools instead of {} (restart to add or remove a pool)",
+            new.pools.len(),
+            old.pools.len()
+        ));
+        return refused;
+    }
+    for (position, (old, new)) in old.pools.iter().zip(&new.pools).enumerate() {
+        refused.extend(
+            pool_changes(old, new)
+                .into_iter()
+                .map(|field| format!("pools[{position}].{field} changed (restart to apply it)")),
+        );
+    }
+    refused
+}
+
+/// The fields of a pool that differ, among those only a restart applies.
+fn pool_changes(old: &PoolConfig, new: &PoolConfig) -> Vec<&'static str> {
+    let fields: [(&'static str, bool); 11] = [
+        ("model", old.model == new.model),
+        ("engine", old.engine == new.engine),
+        ("block_size", old.block_size == new.block_size),
+        ("tokenizer", old.tokenizer == new.tokenizer),
+        ("chat_template", old.chat_template == new.chat_template),
+        (
+            "segment_cache_entries",
+            old.segment_cache_entries == new.segment_cache_entries,
+        ),
+        (
+            "default_cache_blocks",
+            old.default_cache_blocks == new.default_cache_blocks,
+        ),
+        (
+            "index",
+            old.index == new.index && old.template == new.template,
+        ),
+        ("source (workers, dns or kubernetes)", same_source(old, new)),
+        ("max_workers", old.max_workers == new.max_workers),
+        (
+            "workers[].dp_size beyond the pool's largest",
+            ranks_fit(old, new),
+        ),
+    ];
+    fields
+        .into_iter()
+        .filter(|(_, same)| !same)
+        .map(|(field, _)| field)
+        .collect()
+}
+
+/// A file pool stays a file pool (its list may change); a discovered pool keeps its source's settings.
+fn same_source(old: &PoolConfig, new: &PoolConfig) -> bool {
+    match (&old.discovery, &new.discovery) {
+        (Discovery::Static, Discovery::Static) => true,
+        (old, new) => old == new,
+    }
+}
+
+/// In an `events` pool every worker slot has rank slots for the largest data-parallel degree the pool
+/// started with; a worker with more ranks needs a restart.
+fn ranks_fit(old: &PoolConfig, new: &PoolConfig) -> bool {
+    let largest = |pool: &PoolConfig| {
+        pool.workers
+            .iter()
+            .map(|worker| worker.dp_size.get())
+            .chain([pool.template.dp_size.get()])
+            .max()
+            .unwrap_or(1)
+    };
+    old.index.mode == crate::config::IndexMode::Approximate || largest(new) <= largest(old)
+}
+
+#[cfg(unix)]
+type Hangups = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+type Hangups = Option<()>;
+
+#[cfg(unix)]
+fn hangups() -> Hangups {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok()
+}
+
+#[cfg(not(unix))]
+fn hangups() -> Hangups {
+    None
+}
+
+/// The next SIGHUP; pending forever where there is none to wait for.
+async fn next_hangup(hangup: &mut Hangups) -> Option<()> {
+    #[cfg(unix)]
+    if let Some(signal) = hangup {
+        return signal.recv().await;
+    }
+    let _ = hangup;
+    std::future::pending().await
+}
