@@ -349,6 +349,17 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
     );
     let stream = stream(&stage, 1).await;
     assert_eq!(reset_count(&stream, "restart"), 1, "{stream:#}");
+    // The roster knows it too: the worker counts a restart.
+    let snapshot = request(
+        Method::GET,
+        stage.picker.metrics_listen(),
+        "/debug/snapshot",
+        None,
+    )
+    .await
+    .json();
+    let restarts = snapshot[0]["workers"][1]["restarts"].as_u64();
+    assert!(restarts >= Some(1), "{snapshot:#}");
     stage.stop().await.unwrap();
 }
 

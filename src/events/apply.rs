@@ -1,11 +1,13 @@
 //! A decoded batch → the pool's [`EventIndex`], for one stream.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 
 use super::stream::{ResetReason, Stream};
 use super::{EventBatch, KvEvent, Medium};
+use crate::load::PoolLoad;
 use crate::prefix::{EventIndex, Slot, prefix_seed};
+use crate::worker::WorkerId;
 
 /// Applies one stream's batches to its slot of the pool's index.
 pub struct Applier {
@@ -15,6 +17,9 @@ pub struct Applier {
     /// pool's, exactly as a request to the pool is chained.
     model: String,
     stream: Arc<Stream>,
+    /// Where a restart the stream sees is reported, once the pool's scraper runs: the scraper marks
+    /// the worker `restarted` as it does for a restart seen in a scrape.
+    restarts: Option<(Arc<OnceLock<Arc<PoolLoad>>>, WorkerId)>,
 }
 
 impl Applier {
@@ -24,7 +29,18 @@ impl Applier {
             slot,
             model,
             stream,
+            restarts: None,
         }
+    }
+
+    /// Reports a restart of `worker` to the pool load `load` holds (when it holds one).
+    pub fn reporting_restarts(
+        mut self,
+        load: Arc<OnceLock<Arc<PoolLoad>>>,
+        worker: WorkerId,
+    ) -> Self {
+        self.restarts = Some((load, worker));
+        self
     }
 
     pub fn stream(&self) -> &Arc<Stream> {
@@ -97,6 +113,12 @@ impl Applier {
     pub fn reset(&self, reason: ResetReason) {
         self.index.clear(self.slot);
         self.stream.count_reset(reason);
+        if reason == ResetReason::Restart
+            && let Some((load, worker)) = &self.restarts
+            && let Some(load) = load.get()
+        {
+            load.report_restart(*worker);
+        }
     }
 }
 

@@ -6,13 +6,14 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::apply::Applier;
 use super::stream::{Stream, StreamView};
 use super::subscriber::Subscriber;
 use crate::config::{IndexMode, KvEventEndpoints, ModelMatch, PoolConfig, WorkerConfig};
+use crate::load::PoolLoad;
 use crate::prefix::EventIndex;
 use crate::worker::WorkerId;
 
@@ -43,6 +44,8 @@ pub struct PoolFeed {
     topic: String,
     grace: Duration,
     workers: Mutex<BTreeMap<WorkerId, WorkerFeed>>,
+    /// The pool's load, once known: where the streams report the restarts they see.
+    load: Arc<OnceLock<Arc<PoolLoad>>>,
 }
 
 /// The streams of every `events` pool.
@@ -72,6 +75,7 @@ impl EventFeeds {
                 topic: pool.index.topic.clone(),
                 grace: pool.index.stream_grace,
                 workers: Mutex::new(BTreeMap::new()),
+                load: Arc::new(OnceLock::new()),
             };
             for (id, worker) in pool.workers.iter().enumerate() {
                 feed.join(WorkerId(id as u32), worker, None);
@@ -135,6 +139,13 @@ impl EventFeeds {
         }
     }
 
+    /// The streams of pool `pool` report the engine restarts they see to `load` from now on.
+    pub fn report_restarts(&self, pool: &str, load: Arc<PoolLoad>) {
+        if let Some(feed) = self.pools.iter().find(|feed| feed.pool == pool) {
+            let _ = feed.load.set(load);
+        }
+    }
+
     pub fn pools(&self) -> &[PoolFeed] {
         &self.pools
     }
@@ -174,7 +185,8 @@ impl PoolFeed {
                 slot,
                 self.pool.clone(),
                 Arc::clone(&stream),
-            );
+            )
+            .reporting_restarts(Arc::clone(&self.load), id);
             let subscriber = Subscriber::new(applier, self.topic.clone(), self.grace);
             match &started {
                 Some(shutdown) => {

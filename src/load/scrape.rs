@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -24,7 +24,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use prometheus::IntCounter;
 use thiserror::Error;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::time::MissedTickBehavior;
 
 use super::dispatch::DispatchTable;
@@ -101,6 +101,10 @@ pub struct PoolLoad {
     /// Bumped each time a published snapshot changes who is in the pool or in which state, so
     /// followers (the index, the event feeds, EDS) need not compare every snapshot.
     roster: watch::Sender<u64>,
+    /// Restarts seen elsewhere (a KV event stream whose sequence started over), for the scraper.
+    restarts: mpsc::UnboundedSender<WorkerId>,
+    /// Taken by the pool's scraper.
+    restart_reports: Mutex<Option<mpsc::UnboundedReceiver<WorkerId>>>,
 }
 
 impl PoolLoad {
@@ -130,6 +134,7 @@ impl PoolLoad {
                 state
             })
             .collect();
+        let (restarts, restart_reports) = mpsc::unbounded_channel();
         Arc::new(PoolLoad {
             label: pool_label(&pool.model).to_owned(),
             current: ArcSwap::from_pointee(PoolSnapshot::new(0, load.freshness, workers)),
@@ -137,6 +142,8 @@ impl PoolLoad {
             rounds: watch::channel(0).0,
             desired: watch::channel(pool.workers.clone().into()).0,
             roster: watch::channel(0).0,
+            restarts,
+            restart_reports: Mutex::new(Some(restart_reports)),
         })
     }
 
@@ -163,6 +170,12 @@ impl PoolLoad {
     /// changes.
     pub fn desired(&self) -> &watch::Sender<Arc<[WorkerConfig]>> {
         &self.desired
+    }
+
+    /// The engine of the worker in slot `id` restarted, as a KV event stream saw: its scraper marks it
+    /// `restarted` as it does for a restart seen in a scrape.
+    pub fn report_restart(&self, id: WorkerId) {
+        let _ = self.restarts.send(id);
     }
 
     /// Changes when a snapshot with a different roster (workers, states, restarts) is published.
@@ -262,6 +275,8 @@ pub struct Scraper {
     observer: Arc<dyn ScrapeObserver>,
     roster: Option<Arc<dyn RosterObserver>>,
     desired: watch::Receiver<Arc<[WorkerConfig]>>,
+    /// Restarts reported by the KV event streams; `None` when another scraper of the pool took them.
+    restarts: Option<mpsc::UnboundedReceiver<WorkerId>>,
     /// Slots no worker holds, lowest first.
     free: BTreeSet<u32>,
     /// The next occupant's generation.
@@ -284,6 +299,11 @@ impl Scraper {
         let mut desired = pool.desired.subscribe();
         // The file's workers are in the first snapshot already; what discovery sends later is news.
         desired.mark_unchanged();
+        let restarts = pool
+            .restart_reports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         let mut scraper = Scraper {
             workers: Vec::new(),
             engine: pool_config.engine,
@@ -296,6 +316,7 @@ impl Scraper {
             last_blind_warning: None,
             observer: Arc::clone(&observer),
             roster: None,
+            restarts,
             desired,
             free: BTreeSet::new(),
             generation: 0,
@@ -403,6 +424,11 @@ impl Scraper {
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
+                Some(id) = next_restart(&mut self.restarts) => {
+                    if self.mark_restarted(id, Instant::now()) {
+                        self.publish();
+                    }
+                }
                 changed = self.desired.changed(), if discovering => {
                     if changed.is_err() {
                         // Nobody can send any more: the roster stays as it is.
@@ -546,6 +572,28 @@ impl Scraper {
             }
         }
         changed
+    }
+
+    /// The engine of the worker in slot `id` restarted: its prefixes are forgotten at once, and it shows
+    /// `restarted` for one `freshness`. Whether a worker was there to mark.
+    fn mark_restarted(&mut self, id: WorkerId, now: Instant) -> bool {
+        let label = self.pool.label();
+        let Some(worker) = self
+            .position(id)
+            .and_then(|at| self.workers.get_mut(at))
+            .filter(|worker| worker.state.lifecycle != Lifecycle::Draining)
+        else {
+            return false;
+        };
+        tracing::warn!(pool = label, worker = %worker.state.endpoint, "worker engine restarted; its cached prefixes are forgotten");
+        worker.state.lifecycle = Lifecycle::Restarted;
+        worker.state.incarnation += 1;
+        worker.since = now;
+        self.pool.dispatches.reset(id);
+        if let Some(roster) = &self.roster {
+            roster.restarted(id);
+        }
+        true
     }
 
     /// Removes the worker in slot `id` and frees the slot.
@@ -711,14 +759,7 @@ impl Scraper {
                 }
             }
             _ if restarted => {
-                tracing::warn!(pool = label, worker = %endpoint, "worker engine restarted; its cached prefixes are forgotten");
-                worker.state.lifecycle = Lifecycle::Restarted;
-                worker.state.incarnation += 1;
-                worker.since = now;
-                dispatches.reset(id);
-                if let Some(roster) = &self.roster {
-                    roster.restarted(id);
-                }
+                self.mark_restarted(id, now);
             }
             Lifecycle::Restarted if unanswered => {
                 worker.state.lifecycle = answered_state(worker.failures, &config);
@@ -820,6 +861,16 @@ fn configured_capacity(worker: &WorkerConfig) -> Capacity {
     Capacity {
         max_running: worker.max_running_requests.map(|max| max.get()),
         max_total_tokens: worker.max_total_tokens.map(|max| max.get()),
+    }
+}
+
+/// The next restart a KV event stream reported; pending forever without a receiver.
+async fn next_restart(
+    restarts: &mut Option<mpsc::UnboundedReceiver<WorkerId>>,
+) -> Option<WorkerId> {
+    match restarts {
+        Some(restarts) => restarts.recv().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -164,6 +164,9 @@ impl Service {
             metrics.init_pool(load.label());
         }
         let feeds = Arc::new(EventFeeds::new(picker.event_indexes()));
+        for load in picker.loads() {
+            feeds.report_restarts(load.label(), Arc::clone(load));
+        }
         let streams = Arc::clone(&feeds);
         metrics.watch_kv_events(Arc::new(move |now| streams.views(now)));
         let service = Arc::new(Service {
