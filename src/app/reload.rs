@@ -1,6 +1,8 @@
 //! Reloading the configuration file while serving: when its content changes, and on SIGHUP.
 //!
-//! The file is read again every [`POLL`] and compared with what was last applied. Polling the
+//! The file is read again every scrape interval (at most every [`POLL`]) and compared with what was
+//! last applied, so a worker added to the file is scraped, and can serve, within two scrape
+//! intervals. Polling the
 //! content, rather than watching inotify events, sees every way a file is replaced: an edit in place,
 //! an editor's rename over it, and a Kubernetes ConfigMap update, which swaps the `..data` symlink of
 //! the mounted directory without touching the file's own path (an inotify watch on the file would
@@ -25,7 +27,7 @@ use crate::load::PoolLoad;
 use crate::metrics::Metrics;
 use crate::route::Service;
 
-/// How often the file is read again.
+/// The longest the file goes unread: pools scraped less often still see a change within this.
 pub const POLL: Duration = Duration::from_secs(1);
 
 /// Where the running configuration came from, so it can be read again.
@@ -57,7 +59,7 @@ pub(super) async fn watch(
         .map(|text| xxh3_64(&text))
         .ok();
     let mut hangup = hangups();
-    let mut ticker = tokio::time::interval(POLL);
+    let mut ticker = tokio::time::interval(current.load.scrape_interval.min(POLL));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     loop {

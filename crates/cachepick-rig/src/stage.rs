@@ -80,11 +80,17 @@ pub struct Picker {
 impl Picker {
     /// Starts `app::run` with `config` on the current runtime; it serves until stopped or dropped.
     pub fn spawn(config: Config) -> Picker {
+        Picker::spawn_serving(config, None)
+    }
+
+    /// Starts `app::serve` with `config` on the current runtime, reading its file again on change and
+    /// SIGHUP when `reload` names it; it serves until stopped or dropped.
+    pub fn spawn_serving(config: Config, reload: Option<cachepick::app::Reload>) -> Picker {
         let shutdown = Shutdown::default();
         let signal = shutdown.signal();
         let task = {
             let config = config.clone();
-            tokio::spawn(async move { cachepick::app::run(&config, signal).await })
+            tokio::spawn(async move { cachepick::app::serve(&config, reload, signal).await })
         };
         Picker {
             config,
