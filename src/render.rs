@@ -21,6 +21,22 @@ pub fn snapshot(pools: &[PoolReport]) -> String {
             "pool {} (snapshot v{}, freshness {:.1}s)",
             pool.pool, pool.version, pool.freshness_seconds
         );
+        if let Some(source) = &report.source {
+            let _ = writeln!(
+                out,
+                "  workers from {}: {} listed, {} answers, {} errors{}",
+                source.kind,
+                source.state.members,
+                source.state.updates,
+                source.state.errors,
+                source
+                    .state
+                    .last_error
+                    .as_deref()
+                    .map(|error| format!("; last error: {error}"))
+                    .unwrap_or_default()
+            );
+        }
         out.push_str(&row([
             "WORKER",
             "ROLE",

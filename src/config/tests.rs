@@ -1567,3 +1567,32 @@ fn kv_event_sockets_are_checked_and_every_rank_needs_a_port() {
         "{found:?}"
     );
 }
+
+#[test]
+fn the_lifecycle_keys_are_read_and_checked() {
+    let yaml = |load: &str| {
+        format!(
+            "load: {{{load}}}\npools:\n  - model: m\n    engine: vllm\n    workers: [{{endpoint: 10.0.0.1:8000}}]\n"
+        )
+    };
+    let config = parse(
+        &yaml("unreachable_after: 3, drain_timeout: 1m"),
+        "t",
+        &Overrides::default(),
+    )
+    .unwrap();
+    assert_eq!(config.load.unreachable_after.get(), 3);
+    assert_eq!(config.load.drain_timeout, Duration::from_secs(60));
+    let defaults = parse(&yaml(""), "t", &Overrides::default()).unwrap();
+    assert_eq!(defaults.load.unreachable_after.get(), 2);
+    assert_eq!(defaults.load.drain_timeout, Duration::from_secs(30));
+    let error = parse(
+        &yaml("unreachable_after: 0, drain_timeout: 0s"),
+        "t",
+        &Overrides::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("load.unreachable_after (line 1)"), "{error}");
+    assert!(error.contains("load.drain_timeout (line 1)"), "{error}");
+}
