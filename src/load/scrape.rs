@@ -33,7 +33,9 @@ use super::snapshot::DispatchCounts;
 use super::snapshot::{
     Capacity, EngineLoad, Lifecycle, PoolSnapshot, Reading, ScrapeOutcome, WorkerState,
 };
-use crate::config::{Config, LoadConfig, LoadSource, ModelMatch, PoolConfig, WorkerConfig};
+use crate::config::{
+    Config, Discovery, LoadConfig, LoadSource, ModelMatch, PoolConfig, WorkerConfig,
+};
 use crate::worker::{Engine, WorkerId};
 
 /// A warning that the gate is blind is repeated at most this often per pool.
@@ -284,6 +286,9 @@ pub struct Scraper {
     /// What the last published snapshot's roster looked like.
     roster_key: Vec<(WorkerId, u64, Lifecycle, u64)>,
     last_full_warning: Option<Instant>,
+    /// A discovered pool's source has not answered yet: until it has, an empty roster is not a
+    /// completed round (the pool is not ready with no workers it was never told of).
+    awaiting_source: bool,
 }
 
 impl Scraper {
@@ -322,6 +327,7 @@ impl Scraper {
             generation: 0,
             roster_key: Vec::new(),
             last_full_warning: None,
+            awaiting_source: pool_config.discovery != Discovery::Static,
             pool,
         };
         let now = Instant::now();
@@ -436,6 +442,7 @@ impl Scraper {
                         continue;
                     }
                     let desired = Arc::clone(&self.desired.borrow_and_update());
+                    self.awaiting_source = false;
                     // Joiners are scraped at once: they serve only once they answer.
                     for id in self.reconcile(&desired, Instant::now()) {
                         in_flight.push(self.start(id));
@@ -450,6 +457,10 @@ impl Scraper {
                     }
                     let idle = self.idle_healthy_first();
                     if idle.is_empty() {
+                        // A round over no workers is complete at once, once the source has spoken.
+                        if self.workers.is_empty() && !self.awaiting_source {
+                            self.finish_round(now);
+                        }
                         continue;
                     }
                     pending.insert(self.round, idle.len());
