@@ -88,7 +88,8 @@ fn assignments(endpoints: &[SocketAddr]) -> Assignments {
 
 /// A static pool of `workers` with cachepick listening at `picker`, parsed by cachepick's loader.
 fn config(picker: SocketAddr, workers: &[SocketAddr]) -> Config {
-    let mut yaml = format!("listen: \"{picker}\"\npools:\n  - model: m\n    engine: vllm\n    workers:\n");
+    let mut yaml =
+        format!("listen: \"{picker}\"\npools:\n  - model: m\n    engine: vllm\n    workers:\n");
     for worker in workers {
         yaml.push_str(&format!("      - {{endpoint: \"{worker}\"}}\n"));
     }

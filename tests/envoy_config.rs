@@ -330,10 +330,7 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
                 assert_eq!(str_of(&workers["type"]), "EDS");
                 assert!(workers["load_assignment"].is_null());
                 let eds = &workers["eds_cluster_config"];
-                assert_eq!(
-                    str_of(&eds["service_name"]),
-                    eds::WORKERS_CLUSTER
-                );
+                assert_eq!(str_of(&eds["service_name"]), eds::WORKERS_CLUSTER);
                 let source = &eds["eds_config"]["api_config_source"];
                 assert_eq!(str_of(&source["api_type"]), "GRPC");
                 assert_eq!(str_of(&source["transport_api_version"]), "V3");
@@ -429,7 +426,10 @@ fn assert_outlier_detection(workers: &Value) {
         outlier["split_external_local_origin_errors"].as_bool(),
         Some(true)
     );
-    assert_eq!(outlier["consecutive_local_origin_failure"].as_u64(), Some(3));
+    assert_eq!(
+        outlier["consecutive_local_origin_failure"].as_u64(),
+        Some(3)
+    );
     assert_eq!(outlier["consecutive_gateway_failure"].as_u64(), Some(5));
     assert_eq!(outlier["enforcing_consecutive_5xx"].as_u64(), Some(0));
     assert_eq!(outlier["enforcing_success_rate"].as_u64(), Some(0));
@@ -438,7 +438,10 @@ fn assert_outlier_detection(workers: &Value) {
     let percent = outlier["max_ejection_percent"].as_u64().unwrap();
     // Ejections Envoy allows in a pool of n: the largest k with 100 k / n <= percent. Never all of 2 to 8.
     for n in 2..=8u64 {
-        let most = (1..=n).filter(|k| 100 * k <= percent * n).max().unwrap_or(0);
+        let most = (1..=n)
+            .filter(|k| 100 * k <= percent * n)
+            .max()
+            .unwrap_or(0);
         assert!(most < n, "{n} workers could all be ejected");
     }
 }
@@ -476,20 +479,27 @@ fn dns_kubernetes_and_mixed_fleets_validate_with_their_workers_source() {
         let dns = &workers["cluster_type"];
         assert_eq!(str_of(&dns["name"]), "envoy.cluster.dns");
         assert_eq!(str_of(&dns["typed_config"]["dns_refresh_rate"]), "3s");
-        assert_eq!(dns["typed_config"]["respect_dns_ttl"].as_bool(), Some(false));
+        assert_eq!(
+            dns["typed_config"]["respect_dns_ttl"].as_bool(),
+            Some(false)
+        );
         assert_eq!(str_of(&dns["typed_config"]["dns_lookup_family"]), "ALL");
         let resolver = &dns["typed_config"]["typed_dns_resolver_config"]["typed_config"];
         assert_eq!(
             socket(&resolver["resolvers"][0]),
             "127.0.0.1:19053".parse().unwrap()
         );
-        let names: Vec<(&str, u64)> = seq(&workers["load_assignment"]["endpoints"][0]["lb_endpoints"])
-            .iter()
-            .map(|endpoint| {
-                let address = &endpoint["endpoint"]["address"]["socket_address"];
-                (str_of(&address["address"]), address["port_value"].as_u64().unwrap())
-            })
-            .collect();
+        let names: Vec<(&str, u64)> =
+            seq(&workers["load_assignment"]["endpoints"][0]["lb_endpoints"])
+                .iter()
+                .map(|endpoint| {
+                    let address = &endpoint["endpoint"]["address"]["socket_address"];
+                    (
+                        str_of(&address["address"]),
+                        address["port_value"].as_u64().unwrap(),
+                    )
+                })
+                .collect();
         assert_eq!(
             names,
             [("localhost", 18001), ("vllm-b.llm.svc.cluster.local", 8000)]
@@ -508,7 +518,10 @@ fn dns_kubernetes_and_mixed_fleets_validate_with_their_workers_source() {
             panic!("{error}\n{text}");
         }
         let bootstrap = yaml(&text);
-        assert_eq!(str_of(&cluster(&bootstrap, "workers").unwrap()["type"]), "EDS");
+        assert_eq!(
+            str_of(&cluster(&bootstrap, "workers").unwrap()["type"]),
+            "EDS"
+        );
         assert!(cluster(&bootstrap, envoy_config::XDS_CLUSTER).is_some());
     }
 }

@@ -4,9 +4,7 @@
 use std::net::SocketAddr;
 
 use super::yaml::{Yaml, duration};
-use super::{
-    EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, WORKERS_CLUSTER, WorkersSource, XDS_CLUSTER,
-};
+use super::{EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, WORKERS_CLUSTER, WorkersSource, XDS_CLUSTER};
 use crate::config::{Config, DnsDiscovery};
 use crate::protocol::{DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SELECTED_HEADER};
 

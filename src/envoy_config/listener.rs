@@ -96,7 +96,10 @@ pub(super) fn node(out: &mut Yaml) {
             "same roster, so these only name the gateway in cachepick's logs. --service-node overrides the id.",
         ],
     );
-    out.line(0, "node: {id: cachepick-gateway, cluster: cachepick-gateway}");
+    out.line(
+        0,
+        "node: {id: cachepick-gateway, cluster: cachepick-gateway}",
+    );
     out.line(0, "");
 }
 

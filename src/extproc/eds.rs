@@ -45,7 +45,8 @@ use crate::load::PoolLoad;
 pub const WORKERS_CLUSTER: &str = "workers";
 
 /// The EDS resource type.
-pub const ASSIGNMENT_TYPE: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub const ASSIGNMENT_TYPE: &str =
+    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 
 /// Per cluster name, the endpoints Envoy's cluster must hold: sorted, without duplicates.
 pub type Assignments = BTreeMap<String, Vec<SocketAddr>>;
@@ -259,9 +260,7 @@ fn load_assignment(name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignmen
                 address: Some(Address {
                     address: Some(address::Address::SocketAddress(SocketAddress {
                         address: endpoint.ip().to_string(),
-                        port_specifier: Some(PortSpecifier::PortValue(u32::from(
-                            endpoint.port(),
-                        ))),
+                        port_specifier: Some(PortSpecifier::PortValue(u32::from(endpoint.port()))),
                         ..SocketAddress::default()
                     })),
                 }),
@@ -344,7 +343,8 @@ impl EdsStream {
     async fn on_request(&mut self, request: DiscoveryRequest) -> Result<(), Status> {
         check_type(&request.type_url)?;
         let latest_nonce = self.sent.as_ref().map(|(_, nonce)| nonce.as_str());
-        if !request.response_nonce.is_empty() && Some(request.response_nonce.as_str()) != latest_nonce
+        if !request.response_nonce.is_empty()
+            && Some(request.response_nonce.as_str()) != latest_nonce
         {
             // A reply to a response that has since been superseded: the protocol says to ignore it; the
             // newer response is on its way.
@@ -401,12 +401,7 @@ impl EdsStream {
         };
         let assignments = self.assignments.borrow_and_update().clone();
         let (version, resources) = response_body(&assignments, names);
-        if !always
-            && self
-                .sent
-                .as_ref()
-                .is_some_and(|(sent, _)| *sent == version)
-        {
+        if !always && self.sent.as_ref().is_some_and(|(sent, _)| *sent == version) {
             return true;
         }
         self.nonces += 1;
@@ -441,7 +436,9 @@ mod tests {
     use super::*;
 
     fn addrs(list: &[&str]) -> Vec<SocketAddr> {
-        list.iter().map(|addr| addr.parse().expect("addr")).collect()
+        list.iter()
+            .map(|addr| addr.parse().expect("addr"))
+            .collect()
     }
 
     #[test]
