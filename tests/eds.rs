@@ -2,7 +2,8 @@
 //! `cachepick::extproc::eds`, served here on a loopback tonic server from a hand-driven roster, in front
 //! of three loopback HTTP workers. Envoy's `/clusters` lists exactly the roster; an added worker appears
 //! within a bounded time and `override_host` steers to it; a removed one disappears and can no longer be
-//! steered to. A second test starts Envoy before any picker is up: it starts within
+//! steered to; when the roster's source goes away (a picker shutting down) Envoy keeps what it has. A
+//! second test starts Envoy before any picker is up: it starts within
 //! `initial_fetch_timeout` with no workers and fills the cluster once the picker answers.
 //!
 //! The test plays the picker's ext_proc part by sending `x-gateway-destination-endpoint` itself: the
@@ -225,6 +226,13 @@ async fn envoy_follows_the_roster_cachepick_pushes() {
     roster.send(assignments(&[c, a])).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(envoy.stat("cluster.workers.update_success").await, before);
+
+    // The roster's source goes away (a picker shutting down): the stream ends, and Envoy keeps the
+    // roster it has and goes on serving from it.
+    drop(roster);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(envoy_hosts(&envoy).await, BTreeSet::from([a, c]));
+    assert_eq!(served_by(&envoy, c).await, c.to_string());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

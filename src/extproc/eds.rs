@@ -6,7 +6,7 @@
 //! `GRPC`, not `DELTA_GRPC`). Each Envoy stream gets its own task: it answers the first request and every
 //! change of subscription, pushes a new response (new `version_info`, new nonce) whenever the roster of
 //! a subscribed cluster changes, logs a NACK with Envoy's error detail (and does not resend the same
-//! thing), and ends when Envoy goes away. Nothing here runs on the decision path: the roster is read from
+//! thing), and ends when Envoy goes away or when the roster's source does (the picker shutting down). Nothing here runs on the decision path: the roster is read from
 //! the published snapshots by a follower task ([`follow`]), off the request path.
 //!
 //! `version_info` is a fingerprint of the assignments sent, not a counter, so every picker replica
@@ -52,8 +52,9 @@ pub const ASSIGNMENT_TYPE: &str =
 pub type Assignments = BTreeMap<String, Vec<SocketAddr>>;
 
 /// The EDS gRPC service over `assignments`: every change of the watched value is pushed to the Envoy
-/// streams subscribed to a cluster it changes. The app passes [`follow`]'s receiver; a test can drive
-/// its own.
+/// streams subscribed to a cluster it changes, and every stream ends (cleanly) once the sender is gone,
+/// which is how a shutting-down picker lets go of Envoy. The app passes [`follow`]'s receiver; a test
+/// can drive its own.
 pub fn server(assignments: watch::Receiver<Assignments>) -> EndpointDiscoveryServiceServer<Eds> {
     EndpointDiscoveryServiceServer::new(Eds { assignments })
 }
@@ -312,7 +313,6 @@ impl EdsStream {
 
     /// Serves the stream until it ends; returns why, for the log.
     async fn run(mut self, mut requests: Streaming<DiscoveryRequest>) -> &'static str {
-        let mut watching = true;
         loop {
             tokio::select! {
                 message = requests.message() => match message {
@@ -326,14 +326,16 @@ impl EdsStream {
                     // Envoy resets the stream when it shuts down or moves to another replica.
                     Err(_) => return "reset by Envoy",
                 },
-                changed = self.assignments.changed(), if watching => match changed {
+                changed = self.assignments.changed() => match changed {
                     Ok(()) => {
                         if self.subscribed.is_some() && !self.push(false).await {
                             return "Envoy gone";
                         }
                     }
-                    // The roster's source is gone (shutdown): serve what was last sent until Envoy leaves.
-                    Err(_) => watching = false,
+                    // The roster's source is gone: the picker is shutting down, and a stream left open
+                    // would hold its graceful shutdown forever. Ending it cleanly sends Envoy to
+                    // another replica, with the roster it has kept meanwhile.
+                    Err(_) => return "picker shutting down",
                 },
                 () = self.sender.closed() => return "Envoy gone",
             }

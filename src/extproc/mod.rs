@@ -79,7 +79,7 @@ pub async fn serve(
     // default would fail larger prompts before cachepick could answer 413 or route them).
     let max_message = service.max_body_bytes().saturating_add(MESSAGE_OVERHEAD);
     // EDS for Envoy's workers cluster: the roster the picker routes over, pushed on every change.
-    let (assignments, _follower) = eds::follow(service.picker().loads().cloned().collect());
+    let (assignments, follower) = eds::follow(service.picker().loads().cloned().collect());
     let processor = ExternalProcessorServer::new(process::Processor::new(Arc::clone(&service)))
         .max_decoding_message_size(max_message);
     let served = tonic::transport::Server::builder()
@@ -93,7 +93,12 @@ pub async fn serve(
         // delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
+            async move {
+                shutdown.await;
+                // An EDS stream lasts as long as Envoy does, and the graceful shutdown waits for every
+                // stream: stopping the roster's follower ends them (Envoy moves to another replica).
+                drop(follower);
+            },
         )
         .await;
     readiness.abort();
