@@ -962,6 +962,19 @@ fn the_inferencepool_sketch_points_at_a_valid_cachepick() {
         service["spec"]["ports"][0]["targetPort"].as_u64(),
         Some(u64::from(config.listen.port()))
     );
+    // It follows the InferencePool the route names (its pods), as the gateway's cluster does, with
+    // the Deployment's ServiceAccount (the one rbac.yaml grants).
+    match &config.pools[0].discovery {
+        config::Discovery::Kubernetes(kubernetes) => assert_eq!(
+            kubernetes.pods,
+            config::PodSelection::InferencePool(str_of(&pool["metadata"]["name"]).to_owned())
+        ),
+        other => panic!("the ConfigMap's pool is not a kubernetes: pool: {other:?}"),
+    }
+    assert_eq!(
+        str_of(&by_kind["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"]),
+        "cachepick"
+    );
     // It listens on the pod network, so the debug endpoints are off...
     assert!(config.listen.ip().is_unspecified());
     assert!(
