@@ -36,6 +36,8 @@ use tokio::net::TcpListener;
 
 use cachepick::config::{self, Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EXT_PROC_FILTER, EnvoyOptions};
+use cachepick::extproc::eds;
+use cachepick::load::PoolLoad;
 use cachepick::policy::Reason;
 use cachepick::protocol::{
     DECISION_HEADER, DESTINATION, OWNED_PREFIX, PASSTHROUGH, SELECTED_HEADER,
@@ -323,7 +325,24 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
             BodyMode::Buffered | BodyMode::Duplex => {
                 assert_eq!(str_of(&route["route"]["cluster"]), "workers");
                 let workers = cluster(&bootstrap, "workers").expect("the workers cluster");
-                assert_eq!(endpoints(workers), routable);
+                // The endpoints come from cachepick's EDS (tests/eds.rs runs it against Envoy), over
+                // a cluster of its own at the picker's address, without the readiness health check.
+                assert_eq!(str_of(&workers["type"]), "EDS");
+                assert!(workers["load_assignment"].is_null());
+                let eds = &workers["eds_cluster_config"];
+                assert_eq!(str_of(&eds["service_name"]), eds::WORKERS_CLUSTER);
+                let source = &eds["eds_config"]["api_config_source"];
+                assert_eq!(str_of(&source["api_type"]), "GRPC");
+                assert_eq!(str_of(&source["transport_api_version"]), "V3");
+                assert_eq!(
+                    str_of(&source["grpc_services"][0]["envoy_grpc"]["cluster_name"]),
+                    envoy_config::XDS_CLUSTER
+                );
+                assert_eq!(str_of(&eds["eds_config"]["initial_fetch_timeout"]), "5s");
+                let xds = cluster(&bootstrap, envoy_config::XDS_CLUSTER).expect("the EDS cluster");
+                assert_eq!(endpoints(xds), vec![config.listen]);
+                assert!(xds["health_checks"].is_null());
+                assert_outlier_detection(workers);
                 let policy =
                     &workers["load_balancing_policy"]["policies"][0]["typed_extension_config"];
                 assert_eq!(
@@ -342,9 +361,16 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
                     str_of(&fallback["typed_extension_config"]["name"]),
                     "envoy.load_balancing_policies.least_request"
                 );
+                // max_fallbacks 3: the four listed addresses, then one least-request attempt.
+                let retry = &route["route"]["retry_policy"];
+                assert_eq!(retry["num_retries"].as_u64(), Some(4));
                 assert_eq!(
-                    route["route"]["retry_policy"]["num_retries"].as_u64(),
-                    Some(3)
+                    str_of(&retry["retry_on"]),
+                    "connect-failure,refused-stream,reset-before-request"
+                );
+                assert_eq!(
+                    str_of(&retry["retry_host_predicate"][0]["name"]),
+                    "envoy.retry_host_predicates.previous_hosts"
                 );
             }
             BodyMode::OriginalDst => {
@@ -361,6 +387,7 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
                     SELECTED_HEADER
                 );
                 assert!(route["route"]["retry_policy"].is_null());
+                assert!(cluster(&bootstrap, envoy_config::XDS_CLUSTER).is_none());
             }
         }
         // The workers Envoy does not route to are still named, in a comment saying why: the decode-only
@@ -389,6 +416,113 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
             picker["common_lb_config"]["healthy_panic_threshold"]["value"].as_u64(),
             Some(0)
         );
+    }
+}
+
+/// The workers cluster's outlier detection: local-origin failures apart, never the whole pool.
+fn assert_outlier_detection(workers: &Value) {
+    let outlier = &workers["outlier_detection"];
+    assert_eq!(
+        outlier["split_external_local_origin_errors"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(
+        outlier["consecutive_local_origin_failure"].as_u64(),
+        Some(3)
+    );
+    assert_eq!(outlier["consecutive_gateway_failure"].as_u64(), Some(5));
+    assert_eq!(outlier["enforcing_consecutive_5xx"].as_u64(), Some(0));
+    assert_eq!(outlier["enforcing_success_rate"].as_u64(), Some(0));
+    assert_eq!(str_of(&outlier["interval"]), "2s");
+    assert_eq!(str_of(&outlier["base_ejection_time"]), "10s");
+    let percent = outlier["max_ejection_percent"].as_u64().unwrap();
+    // Ejections Envoy allows in a pool of n: the largest k with 100 k / n <= percent. Never all of 2 to 8.
+    for n in 2..=8u64 {
+        let most = (1..=n)
+            .filter(|k| 100 * k <= percent * n)
+            .max()
+            .unwrap_or(0);
+        assert!(most < n, "{n} workers could all be ejected");
+    }
+}
+
+const DNS_FLEET: &str = "\
+listen: 127.0.0.1:19002
+pools:
+  - model: a
+    engine: vllm
+    dns: {name: localhost, port: 18001, interval: 3s, server: \"127.0.0.1:19053\"}
+  - model: b
+    engine: sglang
+    dns: {name: vllm-b.llm.svc.cluster.local, port: 8000, interval: 10s}
+";
+
+#[test]
+fn dns_kubernetes_and_mixed_fleets_validate_with_their_workers_source() {
+    // Every pool `dns:` → STRICT_DNS (the DnsCluster extension) on the same names, no EDS.
+    let config = parse_config(DNS_FLEET);
+    for mode in [BodyMode::Buffered, BodyMode::Duplex] {
+        let text = envoy_config::render(
+            &config,
+            &EnvoyOptions {
+                mode,
+                ..EnvoyOptions::for_config(&config)
+            },
+        );
+        if let Err(error) = envoy::validate_yaml(&text) {
+            panic!("mode {mode}: {error}\n{text}");
+        }
+        let bootstrap = yaml(&text);
+        let workers = cluster(&bootstrap, "workers").unwrap();
+        assert!(workers["type"].is_null() && workers["eds_cluster_config"].is_null());
+        assert!(cluster(&bootstrap, envoy_config::XDS_CLUSTER).is_none());
+        let dns = &workers["cluster_type"];
+        assert_eq!(str_of(&dns["name"]), "envoy.cluster.dns");
+        assert_eq!(str_of(&dns["typed_config"]["dns_refresh_rate"]), "3s");
+        assert_eq!(
+            dns["typed_config"]["respect_dns_ttl"].as_bool(),
+            Some(false)
+        );
+        assert_eq!(str_of(&dns["typed_config"]["dns_lookup_family"]), "ALL");
+        let resolver = &dns["typed_config"]["typed_dns_resolver_config"]["typed_config"];
+        assert_eq!(
+            socket(&resolver["resolvers"][0]),
+            "127.0.0.1:19053".parse().unwrap()
+        );
+        let names: Vec<(&str, u64)> =
+            seq(&workers["load_assignment"]["endpoints"][0]["lb_endpoints"])
+                .iter()
+                .map(|endpoint| {
+                    let address = &endpoint["endpoint"]["address"]["socket_address"];
+                    (
+                        str_of(&address["address"]),
+                        address["port_value"].as_u64().unwrap(),
+                    )
+                })
+                .collect();
+        assert_eq!(
+            names,
+            [("localhost", 18001), ("vllm-b.llm.svc.cluster.local", 8000)]
+        );
+        assert_outlier_detection(workers);
+    }
+
+    // A Kubernetes pool, and a mix of sources: EDS from cachepick, which holds every pool's roster.
+    for fleet in [
+        "listen: 127.0.0.1:19002\npools:\n  - model: a\n    engine: vllm\n    kubernetes: {namespace: llm, selector: \"app=vllm\", ports: [8000]}\n",
+        "listen: 127.0.0.1:19002\npools:\n  - model: a\n    engine: vllm\n    dns: {name: localhost, port: 18001}\n  - model: b\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:18002\"}\n",
+    ] {
+        let config = parse_config(fleet);
+        let text = envoy_config::render(&config, &EnvoyOptions::for_config(&config));
+        if let Err(error) = envoy::validate_yaml(&text) {
+            panic!("{error}\n{text}");
+        }
+        let bootstrap = yaml(&text);
+        assert_eq!(
+            str_of(&cluster(&bootstrap, "workers").unwrap()["type"]),
+            "EDS"
+        );
+        assert!(cluster(&bootstrap, envoy_config::XDS_CLUSTER).is_some());
     }
 }
 
@@ -828,6 +962,19 @@ fn the_inferencepool_sketch_points_at_a_valid_cachepick() {
         service["spec"]["ports"][0]["targetPort"].as_u64(),
         Some(u64::from(config.listen.port()))
     );
+    // It follows the InferencePool the route names (its pods), as the gateway's cluster does, with
+    // the Deployment's ServiceAccount (the one rbac.yaml grants).
+    match &config.pools[0].discovery {
+        config::Discovery::Kubernetes(kubernetes) => assert_eq!(
+            kubernetes.pods,
+            config::PodSelection::InferencePool(str_of(&pool["metadata"]["name"]).to_owned())
+        ),
+        other => panic!("the ConfigMap's pool is not a kubernetes: pool: {other:?}"),
+    }
+    assert_eq!(
+        str_of(&by_kind["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"]),
+        "cachepick"
+    );
     // It listens on the pod network, so the debug endpoints are off...
     assert!(config.listen.ip().is_unspecified());
     assert!(
@@ -997,14 +1144,17 @@ async fn post(envoy: &envoy::Envoy, headers: &[(&str, &str)], body: Vec<u8>) -> 
 
 const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
 
-/// Two live workers, one dead one (unless `dead` is false), and a picker address where nothing listens.
+/// Two live workers, one dead one (unless `dead` is false), and a picker address where nothing listens
+/// once Envoy has started ([`start`] serves the roster's EDS there until then).
 struct Fleet {
     config: Config,
     live: Vec<SocketAddr>,
     dead: SocketAddr,
-    /// Keeps the dead worker's and the picker's ports bound but not listening: connections to them are
-    /// refused, and no other process can take them while the test runs.
-    _reserved: [tokio::net::TcpSocket; 2],
+    /// The picker's port, bound but not listening until [`start`] takes it.
+    picker: Option<tokio::net::TcpSocket>,
+    /// Keeps the dead worker's port bound but not listening: connections to it are refused, and no
+    /// other process can take it while the test runs.
+    _dead: tokio::net::TcpSocket,
 }
 
 fn reserve() -> (tokio::net::TcpSocket, SocketAddr) {
@@ -1029,26 +1179,55 @@ async fn fleet_down_picker(max_body: &str, dead: bool) -> Fleet {
         config: parse_config(&yaml),
         live,
         dead: dead_addr,
-        _reserved: [dead_socket, picker_socket],
+        picker: Some(picker_socket),
+        _dead: dead_socket,
     }
 }
 
-async fn start(config: &Config, mode: BodyMode) -> envoy::Envoy {
+/// cachepick's EDS alone on `socket` (no ext_proc, no health: to Envoy's ext_proc the picker is down),
+/// serving `config`'s roster as the app would, until the returned task is aborted.
+fn roster_only_picker(
+    socket: tokio::net::TcpSocket,
+    config: &Config,
+) -> tokio::task::JoinHandle<()> {
+    let (assignments, follower) = eds::follow(PoolLoad::for_pools(config));
+    let listener = socket.listen(64).unwrap();
+    tokio::spawn(async move {
+        let _follower = follower;
+        let _ = tonic::transport::Server::builder()
+            .add_service(eds::server(assignments))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await;
+    })
+}
+
+/// Envoy in front of `fleet` in `mode`. In the override_host modes the workers cluster is EDS: the
+/// picker's address serves the roster until Envoy has it (Envoy's listener waits for the first answer),
+/// then stops listening, so the picker is down for every request, as it is when a picker dies after
+/// Envoy has its roster (Envoy keeps the last roster through the outage).
+async fn start(fleet: &mut Fleet, mode: BodyMode) -> envoy::Envoy {
+    let config = &fleet.config;
     let options = EnvoyOptions {
         mode,
         listen: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
         admin: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
         ..EnvoyOptions::for_config(config)
     };
-    envoy::Envoy::start(&envoy_config::render(config, &options)).await
+    let picker = (mode != BodyMode::OriginalDst)
+        .then(|| roster_only_picker(fleet.picker.take().unwrap(), config));
+    let envoy = envoy::Envoy::start(&envoy_config::render(config, &options)).await;
+    if let Some(picker) = picker {
+        picker.abort();
+    }
+    envoy
 }
 
 /// The promise of the override_host modes: with the picker down, Envoy still serves every request from
 /// the fleet (least-request, retried off a dead worker), and a client's routing headers steer nothing.
 async fn picker_outage_degrades_to_load_balancing(mode: BodyMode) {
-    let fleet = fleet_down_picker("64KiB", true).await;
-    let (config, live, dead) = (&fleet.config, &fleet.live, fleet.dead);
-    let envoy = start(config, mode).await;
+    let mut fleet = fleet_down_picker("64KiB", true).await;
+    let envoy = start(&mut fleet, mode).await;
+    let (live, dead) = (&fleet.live, fleet.dead);
     let live_names: BTreeSet<String> = live.iter().map(ToString::to_string).collect();
     let mut served: BTreeMap<String, usize> = BTreeMap::new();
     let mut total = 0;
@@ -1179,9 +1358,9 @@ async fn duplex_mode_serves_through_a_picker_outage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_open_passes_bodies_above_max_body_bytes_through() {
     for mode in [BodyMode::Buffered, BodyMode::Duplex] {
-        let fleet = fleet_down_picker("64KiB", false).await;
-        let (config, live) = (&fleet.config, &fleet.live);
-        let envoy = start(config, mode).await;
+        let mut fleet = fleet_down_picker("64KiB", false).await;
+        let envoy = start(&mut fleet, mode).await;
+        let live = &fleet.live;
         let answer = post(&envoy, &[], vec![b' '; 100 << 10]).await;
         assert_eq!(answer.status, StatusCode::OK, "mode {mode}");
         assert!(
@@ -1253,10 +1432,11 @@ async fn trickle(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receive_deadlines_cut_slow_clients_but_not_long_responses() {
     let worker = streaming_worker(7, Duration::from_millis(500)).await;
-    let (_picker_socket, picker) = reserve();
+    let (picker_socket, picker) = reserve();
     let config = parse_config(&format!(
         "listen: \"{picker}\"\nmax_body_bytes: 64KiB\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - {{endpoint: \"{worker}\"}}\n"
     ));
+    let _roster = roster_only_picker(picker_socket, &config);
     let options = EnvoyOptions {
         listen: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
         admin: format!("127.0.0.1:{}", envoy::free_port()).parse().unwrap(),
@@ -1346,9 +1526,9 @@ async fn receive_deadlines_cut_slow_clients_but_not_long_responses() {
 /// even a live worker, is dropped before Envoy could connect to it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn original_dst_mode_fails_closed_without_the_picker_and_ignores_client_destinations() {
-    let fleet = fleet_down_picker("64KiB", false).await;
-    let (config, live) = (&fleet.config, &fleet.live);
-    let envoy = start(config, BodyMode::OriginalDst).await;
+    let mut fleet = fleet_down_picker("64KiB", false).await;
+    let envoy = start(&mut fleet, BodyMode::OriginalDst).await;
+    let live = &fleet.live;
     let answer = post(&envoy, &[], CHAT.to_vec()).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     let answer = post(

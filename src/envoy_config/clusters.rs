@@ -1,10 +1,11 @@
-//! The bootstrap's clusters: the workers (`override_host`, or `ORIGINAL_DST`) and the picker.
+//! The bootstrap's clusters: the workers (`override_host` over EDS or DNS, or `ORIGINAL_DST`), the
+//! picker, and the picker again as the EDS server.
 
 use std::net::SocketAddr;
 
-use super::EnvoyOptions;
-use super::yaml::Yaml;
-use crate::config::Config;
+use super::yaml::{Yaml, duration};
+use super::{EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, WORKERS_CLUSTER, WorkersSource, XDS_CLUSTER};
+use crate::config::{Config, DnsDiscovery};
 use crate::protocol::{DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SELECTED_HEADER};
 
 /// Generous limits: Envoy's defaults (1024 connections, pending and active requests, 3 concurrent
@@ -58,22 +59,42 @@ fn load_balancing_policy(out: &mut Yaml, indent: usize, name: &str, type_name: &
 }
 
 pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
-    out.line(2, "- name: workers");
-    out.comment(
-        4,
-        &["Every worker that takes requests (role prefill or both), in configuration order."],
-    );
-    decode_only_comment(out, config);
+    out.line(2, &format!("- name: {WORKERS_CLUSTER}"));
+    let source = WorkersSource::of(config);
+    match &source {
+        WorkersSource::Eds => out.comment(
+            4,
+            &[
+                "Endpoints from cachepick's EDS: every worker that takes requests (role prefill or both) and is not",
+                "draining, as cachepick's roster holds them (the file's workers as last loaded, DNS answers, Kubernetes",
+                "pods), pushed on every change, so a new or removed worker reaches Envoy with no restart.",
+            ],
+        ),
+        WorkersSource::Dns(_) => out.comment(
+            4,
+            &[
+                "Every pool is `dns:`, so Envoy resolves the same names itself. Envoy and cachepick resolve",
+                "independently, each on its own timer: for up to one interval they can disagree. A worker that",
+                "cachepick names and Envoy does not hold yet is skipped by override_host (the next listed address,",
+                "or least-request, serves it); one that Envoy holds and cachepick has not seen yet is reached only by",
+                "the fallback. Use EDS (any pool not `dns:`) where that window matters.",
+            ],
+        ),
+    }
+    decode_only_comment(out, config, source == WorkersSource::Eds);
     if config.pools.len() > 1 {
         out.comment(
             4,
             &[
-                "The pools share this cluster. cachepick always picks within the request's pool, but the fallback",
-                "(picker down) knows no models: it may send a request to another pool's worker, which refuses it.",
+                "The pools share this cluster (the route cannot know a request's pool: the model is in the body).",
+                "cachepick always picks within the request's pool, but the fallback (picker down) knows no models: it",
+                "may send a request to another pool's worker, which refuses it.",
             ],
         );
     }
-    out.line(4, "type: STATIC");
+    if source == WorkersSource::Eds {
+        out.line(4, "type: EDS");
+    }
     out.line(4, "connect_timeout: 2s");
     circuit_breakers(
         out,
@@ -83,7 +104,11 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
             "would be refused by Envoy itself.",
         ],
     );
-    load_assignment(out, "workers", endpoints(config, true));
+    match source {
+        WorkersSource::Eds => eds_config(out),
+        WorkersSource::Dns(names) => dns_config(out, &names),
+    }
+    outlier_detection(out);
     out.comment(
         4,
         &[
@@ -118,7 +143,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
 }
 
 /// Names the decode-only workers, which are not upstream hosts, and says why.
-fn decode_only_comment(out: &mut Yaml, config: &Config) {
+fn decode_only_comment(out: &mut Yaml, config: &Config, eds: bool) {
     let decode_only: Vec<String> = endpoints(config, false)
         .map(|endpoint| endpoint.to_string())
         .collect();
@@ -126,7 +151,8 @@ fn decode_only_comment(out: &mut Yaml, config: &Config) {
         out.comment(
             4,
             &[&format!(
-                "Left out, decode-only (cachepick never sends a request there, so the fallback must not): {}.",
+                "Left out{}, decode-only (cachepick never sends a request there, so the fallback must not): {}.",
+                if eds { " of cachepick's EDS" } else { "" },
                 decode_only.join(", ")
             )],
         );
@@ -154,7 +180,7 @@ pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
             ),
         ],
     );
-    decode_only_comment(out, config);
+    decode_only_comment(out, config, false);
     out.line(4, "type: ORIGINAL_DST");
     out.line(4, "lb_policy: CLUSTER_PROVIDED");
     out.line(4, "connect_timeout: 2s");
@@ -235,4 +261,178 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(10, "http2_protocol_options:");
     out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
     load_assignment(out, "cachepick", options.pickers.iter().copied());
+}
+
+/// `eds_cluster_config`: the workers' endpoints from cachepick's EDS over [`XDS_CLUSTER`].
+fn eds_config(out: &mut Yaml) {
+    out.comment(
+        4,
+        &[
+            &format!(
+                "Subscribed over {XDS_CLUSTER} (the same picker replicas; any one serves the same roster). At start-up"
+            ),
+            &format!(
+                "Envoy holds its listener back until the first answer, for at most initial_fetch_timeout ({}): a",
+                duration(EDS_INITIAL_FETCH_TIMEOUT)
+            ),
+            "picker that is up answers at once, and with none up Envoy starts with no workers (503) instead of",
+            "waiting forever, and fills the cluster as soon as a picker answers; the subscription retries every",
+            "0.5 s to 5 s. An EDS cluster takes no static endpoints (Envoy ignores a load_assignment here), so",
+            "there is no fallback list before the first answer. Once Envoy has the roster it keeps it through a",
+            "picker outage: the least-request fallback then serves the last roster it was sent.",
+        ],
+    );
+    out.line(4, "eds_cluster_config:");
+    out.line(6, &format!("service_name: {WORKERS_CLUSTER}"));
+    out.line(6, "eds_config:");
+    out.line(8, "resource_api_version: V3");
+    out.line(
+        8,
+        &format!(
+            "initial_fetch_timeout: {}",
+            duration(EDS_INITIAL_FETCH_TIMEOUT)
+        ),
+    );
+    out.line(8, "api_config_source:");
+    out.line(10, "api_type: GRPC");
+    out.line(10, "transport_api_version: V3");
+    out.line(10, "set_node_on_first_message_only: true");
+    out.line(10, "grpc_services:");
+    out.line(10, "- envoy_grpc:");
+    out.line(14, &format!("cluster_name: {XDS_CLUSTER}"));
+    out.line(
+        14,
+        "retry_policy: {retry_back_off: {base_interval: 0.5s, max_interval: 5s}}",
+    );
+}
+
+/// `STRICT_DNS` on each pool's name and port, re-resolved as often as cachepick does.
+fn dns_config(out: &mut Yaml, names: &[&DnsDiscovery]) {
+    let interval = names
+        .iter()
+        .map(|dns| dns.interval)
+        .min()
+        .unwrap_or(DnsDiscovery::DEFAULT_INTERVAL);
+    out.comment(
+        4,
+        &[
+            "STRICT_DNS, in the DnsCluster form (the Cluster's own dns_* fields are deprecated): every address",
+            "each name resolves to is a worker, A and AAAA records alike (ALL), as for cachepick. Re-resolved every",
+            "pools[].dns.interval (the shortest, if the pools differ), as cachepick does, and regardless of the",
+            "records' TTL, which cachepick ignores too.",
+        ],
+    );
+    out.line(4, "cluster_type:");
+    out.line(6, "name: envoy.cluster.dns");
+    out.line(6, "typed_config:");
+    out.type_url(8, "envoy.extensions.clusters.dns.v3.DnsCluster");
+    out.line(8, &format!("dns_refresh_rate: {}", duration(interval)));
+    out.line(8, "respect_dns_ttl: false");
+    out.line(8, "dns_lookup_family: ALL");
+    let mut servers: Vec<SocketAddr> = names.iter().filter_map(|dns| dns.server).collect();
+    servers.sort_unstable();
+    servers.dedup();
+    if !servers.is_empty() {
+        out.comment(
+            8,
+            &["The DNS servers the pools name (pools[].dns.server), so Envoy asks what cachepick asks."],
+        );
+        out.line(8, "typed_dns_resolver_config:");
+        out.line(10, "name: envoy.network.dns_resolver.cares");
+        out.line(10, "typed_config:");
+        out.type_url(
+            12,
+            "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
+        );
+        out.line(12, "resolvers:");
+        for server in servers {
+            out.line(
+                12,
+                &format!(
+                    "- socket_address: {{address: \"{}\", port_value: {}}}",
+                    server.ip(),
+                    server.port()
+                ),
+            );
+        }
+    }
+    out.line(4, "load_assignment:");
+    out.line(6, &format!("cluster_name: {WORKERS_CLUSTER}"));
+    out.line(6, "endpoints:");
+    out.line(6, "- lb_endpoints:");
+    for dns in names {
+        out.line(8, "- endpoint:");
+        out.line(12, "address:");
+        out.line(
+            14,
+            &format!(
+                "socket_address: {{address: \"{}\", port_value: {}}}",
+                dns.name, dns.port
+            ),
+        );
+    }
+}
+
+/// Outlier detection on the workers: a worker that stops accepting connections is ejected after a few
+/// consecutive failures, so the least-request fallback stops choosing it.
+fn outlier_detection(out: &mut Yaml) {
+    out.comment(
+        4,
+        &[
+            "Outlier detection, sized for pools of 2 to 8 workers. Local-origin failures (connect failure, reset,",
+            "timeout) count apart from the workers' answers (split_external_local_origin_errors): 3 in a row eject a",
+            "worker at once; 5 gateway errors (502/503/504) in a row do too. Other 5xx never eject (an engine's 500",
+            "is usually about one request), nor does success-rate statistics (too few requests per worker to mean",
+            "anything). Ejection lasts base_ejection_time times the number of ejections, at most 60 s; interval",
+            "is how often Envoy re-examines (and returns ejected workers). max_ejection_percent 50 never ejects a",
+            "whole pool: of 2 workers at most 1, of 3 at most 1, of 4 at most 2, of 8 at most 4, and a lone worker",
+            "never. The percentage is of the cluster, which all pools share: with several pools of unequal size a",
+            "small pool can still lose every worker to ejection. Ejection steers least-request (the fallback, and",
+            "retries past cachepick's list); cachepick itself moves off a worker whose scrapes fail.",
+        ],
+    );
+    out.line(4, "outlier_detection:");
+    out.line(6, "split_external_local_origin_errors: true");
+    out.line(6, "consecutive_local_origin_failure: 3");
+    out.line(6, "enforcing_consecutive_local_origin_failure: 100");
+    out.line(6, "consecutive_gateway_failure: 5");
+    out.line(6, "enforcing_consecutive_gateway_failure: 100");
+    out.line(6, "enforcing_consecutive_5xx: 0");
+    out.line(6, "enforcing_success_rate: 0");
+    out.line(6, "enforcing_local_origin_success_rate: 0");
+    out.line(6, "interval: 2s");
+    out.line(6, "base_ejection_time: 10s");
+    out.line(6, "max_ejection_time: 60s");
+    out.line(6, "max_ejection_percent: 50");
+}
+
+/// The cluster that carries the EDS subscription: the picker replicas without the readiness health
+/// check, since the roster is valid before the picker's first scrape round makes it ready.
+pub(super) fn xds_cluster(out: &mut Yaml, options: &EnvoyOptions) {
+    out.line(2, &format!("- name: {XDS_CLUSTER}"));
+    out.comment(
+        4,
+        &[
+            "cachepick's EDS, on the same gRPC listener as ext_proc. A cluster of its own because the ext_proc",
+            "cluster's health check follows readiness (a first scrape round), and the roster is good before that.",
+            "Envoy keeps one EDS stream open; if it breaks, it reconnects to the next replica, which serves the same",
+            "roster under the same version.",
+        ],
+    );
+    out.line(4, "type: STATIC");
+    if options.pickers.len() > 1 {
+        out.line(4, "lb_policy: ROUND_ROBIN");
+    }
+    out.line(4, "connect_timeout: 1s");
+    out.comment(
+        4,
+        &["gRPC needs HTTP/2; keepalive pings find a dead connection to the picker within seconds."],
+    );
+    out.line(4, "typed_extension_protocol_options:");
+    out.line(6, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions:");
+    out.type_url(8, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions");
+    out.line(8, "explicit_http_config:");
+    out.line(10, "http2_protocol_options:");
+    out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
+    load_assignment(out, XDS_CLUSTER, options.pickers.iter().copied());
 }

@@ -86,6 +86,23 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     out.line(0, "");
 }
 
+/// The node Envoy names itself as to cachepick's EDS (Envoy requires an id and a cluster for any xDS
+/// subscription); `--service-node` / `--service-cluster` on Envoy's command line override it.
+pub(super) fn node(out: &mut Yaml) {
+    out.comment(
+        0,
+        &[
+            "Envoy requires a node id and cluster to subscribe to cachepick's EDS; cachepick serves every node the",
+            "same roster, so these only name the gateway in cachepick's logs. --service-node overrides the id.",
+        ],
+    );
+    out.line(
+        0,
+        "node: {id: cachepick-gateway, cluster: cachepick-gateway}",
+    );
+    out.line(0, "");
+}
+
 pub(super) fn admin(out: &mut Yaml, options: &EnvoyOptions) {
     out.comment(
         0,
@@ -210,16 +227,22 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     );
     out.line(18, "timeout: 0s");
     out.line(18, "idle_timeout: 0s");
-    let retries = config.most_fallbacks();
-    if options.mode != BodyMode::OriginalDst && retries > 0 {
+    let fallbacks = config.most_fallbacks();
+    if options.mode != BodyMode::OriginalDst {
         out.comment(
             18,
             &[
                 &format!(
-                    "cachepick lists the selected worker and up to {retries} fallbacks (max_fallbacks); override_host walks"
+                    "cachepick lists the selected worker and up to {fallbacks} fallbacks (max_fallbacks); override_host takes"
                 ),
-                "that list on retries. Only failures that happened before the worker saw the request are retried, so a",
-                "generation never runs twice; previous_hosts keeps the least-request fallback off a failed worker.",
+                "the next listed address that is a member of the cluster on each retry, and once the list is used up",
+                "it hands the choice to least-request, which skips outlier-ejected workers",
+                &format!(
+                    "and, through previous_hosts, every worker already tried. Hence num_retries is {fallbacks} + 1: a worker"
+                ),
+                "dying between cachepick's decision and Envoy's connect costs one retry per dead listed worker, and one",
+                "more attempt goes wherever least-request finds room. Only failures that happened before the worker saw",
+                "the request are retried, so a generation never runs twice.",
             ],
         );
         out.line(18, "retry_policy:");
@@ -227,7 +250,7 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
             20,
             "retry_on: connect-failure,refused-stream,reset-before-request",
         );
-        out.line(20, &format!("num_retries: {retries}"));
+        out.line(20, &format!("num_retries: {}", fallbacks.saturating_add(1)));
         out.line(20, "retry_host_predicate:");
         out.typed_entry(
             20,

@@ -11,12 +11,16 @@
 //!   on [`DECISION_HEADER`], so Envoy's `/stats` count requests and latencies per decision;
 //! - a filter chain `header_mutation` (drops every client-sent `x-cachepick-*` header and
 //!   [`DESTINATION`]) → `ext_proc` (cachepick) → `router`;
-//! - the `workers` cluster: every prefill-capable worker, with the `override_host` load-balancing policy
-//!   that follows [`DESTINATION`] (or the `envoy.lb` metadata) and falls back to least-request — or, in
-//!   [`BodyMode::OriginalDst`], an `ORIGINAL_DST` cluster, the form GIE gateways use;
+//! - the `workers` cluster, with the `override_host` load-balancing policy that follows [`DESTINATION`]
+//!   (or the `envoy.lb` metadata) and falls back to least-request, outlier detection and a retry policy
+//!   that walks cachepick's fallbacks. Its endpoints come from where the pools' workers come from
+//!   ([`WorkersSource`]): cachepick's own EDS (file and Kubernetes pools, and any mix), or Envoy's DNS
+//!   resolution of the same names cachepick resolves (every pool `dns:`). In
+//!   [`BodyMode::OriginalDst`] it is an `ORIGINAL_DST` cluster instead, the form GIE gateways use;
 //! - the `cachepick` cluster (gRPC, so HTTP/2) at the picker's address, or at several picker replicas'
 //!   addresses, round-robined per request (Envoy opens one ext_proc stream per request, so each request
-//!   is decided by one replica).
+//!   is decided by one replica); with EDS, the `cachepick_xds` cluster at the same addresses, which
+//!   carries the EDS subscription.
 //!
 //! The output is deterministic: the same configuration and options give the same bytes.
 //!
@@ -33,14 +37,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{Config, Discovery, DnsDiscovery};
 
 mod clusters;
 mod listener;
 mod yaml;
 
-use clusters::{original_dst_cluster, picker_cluster, workers_cluster};
-use listener::{admin, header, listener};
+use clusters::{original_dst_cluster, picker_cluster, workers_cluster, xds_cluster};
+use listener::{admin, header, listener, node};
 use yaml::Yaml;
 
 /// Envoy's name for the ext_proc filter, also the key of its per-route config.
@@ -52,6 +56,44 @@ pub const REQUEST_HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
 /// body included. Envoy disarms it once the request has gone upstream or the response has begun, so it
 /// never cuts a generation (`tests/envoy_config.rs` checks both sides against a live Envoy).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The workers cluster of the override_host modes; with EDS, also the resource name Envoy subscribes
+/// to (cachepick's `extproc::eds::WORKERS_CLUSTER`, which `tests/envoy_config.rs` keeps equal).
+pub const WORKERS_CLUSTER: &str = "workers";
+/// The cluster that carries Envoy's EDS subscription to the picker replicas.
+pub const XDS_CLUSTER: &str = "cachepick_xds";
+/// How long Envoy waits at start-up for the first EDS answer before it starts its listener anyway (with
+/// an empty workers cluster, filled as soon as a picker answers). A picker that is up answers within
+/// milliseconds, since EDS does not wait for its first scrape round.
+pub const EDS_INITIAL_FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where Envoy's workers cluster learns its endpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WorkersSource<'a> {
+    /// cachepick's EDS: the roster the picker routes over (the file's list as reloaded, DNS answers,
+    /// Kubernetes pods), pushed on every change. Used whenever some pool is not `dns:`.
+    Eds,
+    /// Every pool is `dns:`: Envoy resolves the same names itself (`STRICT_DNS`), one per pool.
+    Dns(Vec<&'a DnsDiscovery>),
+}
+
+impl<'a> WorkersSource<'a> {
+    pub fn of(config: &'a Config) -> Self {
+        let names: Vec<&DnsDiscovery> = config
+            .pools
+            .iter()
+            .filter_map(|pool| match &pool.discovery {
+                Discovery::Dns(dns) => Some(dns),
+                Discovery::Static | Discovery::Kubernetes(_) => None,
+            })
+            .collect();
+        if !names.is_empty() && names.len() == config.pools.len() {
+            WorkersSource::Dns(names)
+        } else {
+            WorkersSource::Eds
+        }
+    }
+}
 
 /// How Envoy hands the request body to cachepick, and how it steers to the chosen worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -178,6 +220,9 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
     };
     let mut out = Yaml::default();
     header(&mut out, config, options);
+    if uses_eds(config, options.mode) {
+        node(&mut out);
+    }
     admin(&mut out, options);
     out.line(0, "");
     out.line(0, "static_resources:");
@@ -188,13 +233,21 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
         BodyMode::OriginalDst => original_dst_cluster(&mut out, config),
     }
     picker_cluster(&mut out, options);
+    if uses_eds(config, options.mode) {
+        xds_cluster(&mut out, options);
+    }
     out.text
+}
+
+/// Whether the bootstrap subscribes to cachepick's EDS.
+fn uses_eds(config: &Config, mode: BodyMode) -> bool {
+    mode != BodyMode::OriginalDst && WorkersSource::of(config) == WorkersSource::Eds
 }
 
 /// Name of the cluster the route sends requests to.
 fn upstream_cluster(mode: BodyMode) -> &'static str {
     match mode {
-        BodyMode::Buffered | BodyMode::Duplex => "workers",
+        BodyMode::Buffered | BodyMode::Duplex => WORKERS_CLUSTER,
         BodyMode::OriginalDst => "workers_original_dst",
     }
 }
@@ -232,11 +285,35 @@ mod tests {
     }
 
     #[test]
-    fn only_prefill_capable_workers_are_upstream_hosts() {
+    fn file_pools_get_their_workers_from_cachepicks_eds() {
         let yaml = render(&config(TWO), &EnvoyOptions::for_config(&config(TWO)));
-        assert!(yaml.contains("socket_address: {address: \"127.0.0.1\", port_value: 8001}"));
-        assert!(yaml.contains("socket_address: {address: \"::1\", port_value: 8003}"));
-        assert!(!yaml.contains("port_value: 8002}"));
+        let workers = yaml
+            .split("- name: workers\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n  - name: ").next())
+            .expect("the workers cluster");
+        assert!(workers.contains("type: EDS\n"));
+        assert!(workers.contains("cluster_name: cachepick_xds\n"));
+        assert!(workers.contains("initial_fetch_timeout: 5s\n"));
+        // An EDS cluster takes no static endpoints: none are written.
+        assert!(!workers.contains("load_assignment:"));
+        assert!(!workers.contains("port_value: 8001"));
+        assert!(yaml.contains("node: {id: cachepick-gateway, cluster: cachepick-gateway}\n"));
+        let xds = yaml
+            .split("- name: cachepick_xds\n")
+            .nth(1)
+            .expect("the EDS cluster");
+        assert!(xds.contains("port_value: 9002}"));
+        assert!(!xds.contains("health_checks:"));
+        // ORIGINAL_DST needs no roster, so no subscription.
+        let original = render(
+            &config(TWO),
+            &EnvoyOptions {
+                mode: BodyMode::OriginalDst,
+                ..EnvoyOptions::for_config(&config(TWO))
+            },
+        );
+        assert!(!original.contains("cachepick_xds") && !original.contains("node:"));
         let comments: Vec<&str> = yaml
             .lines()
             .filter_map(|line| line.trim_start().strip_prefix('#'))
@@ -247,7 +324,7 @@ mod tests {
             .collect::<Vec<_>>()
             .join(" ");
         assert!(comments.contains(
-            "decode-only (cachepick never sends a request there, so the fallback must not): 127.0.0.1:8002."
+            "of cachepick's EDS, decode-only (cachepick never sends a request there, so the fallback must not): 127.0.0.1:8002."
         ));
     }
 
@@ -277,7 +354,32 @@ mod tests {
                 .lines()
                 .any(|line| line.trim_start().starts_with("message_timeout:"))
         );
-        assert!(yaml.contains("num_retries: 2"));
+        // max_fallbacks 2 (the default): the list's three addresses, then one least-request attempt.
+        assert!(yaml.contains("num_retries: 3"));
+        assert!(yaml.contains("max_ejection_percent: 50\n"));
+    }
+
+    #[test]
+    fn all_dns_pools_make_a_strict_dns_cluster_and_anything_else_eds() {
+        let dns = config(
+            "pools:\n  - model: a\n    engine: vllm\n    dns: {name: a.llm.svc, port: 8000, interval: 3s, server: \"10.96.0.10:53\"}\n  - model: b\n    engine: vllm\n    dns: {name: b.llm.svc, port: 8001}\n",
+        );
+        assert!(matches!(WorkersSource::of(&dns), WorkersSource::Dns(names) if names.len() == 2));
+        let yaml = render(&dns, &EnvoyOptions::for_config(&dns));
+        assert!(!yaml.contains("type: EDS") && !yaml.contains("cachepick_xds"));
+        assert!(yaml.contains("name: envoy.cluster.dns\n"));
+        assert!(yaml.contains("dns_refresh_rate: 3s\n"));
+        assert!(yaml.contains("socket_address: {address: \"a.llm.svc\", port_value: 8000}"));
+        assert!(yaml.contains("socket_address: {address: \"b.llm.svc\", port_value: 8001}"));
+        assert!(yaml.contains("- socket_address: {address: \"10.96.0.10\", port_value: 53}"));
+        let mixed = config(
+            "pools:\n  - model: a\n    engine: vllm\n    dns: {name: a.llm.svc, port: 8000}\n  - model: b\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:8001\"}\n",
+        );
+        assert_eq!(WorkersSource::of(&mixed), WorkersSource::Eds);
+        let kubernetes = config(
+            "pools:\n  - model: a\n    engine: vllm\n    kubernetes: {namespace: llm, selector: \"app=vllm\", ports: [8000]}\n",
+        );
+        assert_eq!(WorkersSource::of(&kubernetes), WorkersSource::Eds);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The gRPC face of cachepick on `listen`: the Envoy ext_proc service and gRPC health.
+//! The gRPC face of cachepick on `listen`: the Envoy ext_proc service, EDS for Envoy's workers cluster
+//! (`eds.rs`) and gRPC health.
 //!
 //! This is the only module that sees protobuf and tonic types; everything it hands inward is a plain
 //! domain type, and everything it sends out is built here from a domain outcome.
@@ -8,6 +9,7 @@
 //! so a gateway never routes through a picker that has not seen the fleet's load yet.
 
 mod admin;
+pub mod eds;
 mod process;
 
 /// The generated `cachepick.v1` admin API (messages, server, client), for tests and Rust tools.
@@ -76,11 +78,14 @@ pub async fn serve(
     // A BUFFERED body arrives in one message: the decode limit follows max_body_bytes (tonic's 4 MiB
     // default would fail larger prompts before cachepick could answer 413 or route them).
     let max_message = service.max_body_bytes().saturating_add(MESSAGE_OVERHEAD);
+    // EDS for Envoy's workers cluster: the roster the picker routes over, pushed on every change.
+    let (assignments, follower) = eds::follow(service.picker().loads().cloned().collect());
     let processor = ExternalProcessorServer::new(process::Processor::new(Arc::clone(&service)))
         .max_decoding_message_size(max_message);
     let served = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(processor)
+        .add_service(eds::server(assignments))
         .add_optional_service(debug.then(|| admin::server(Arc::clone(&service))))
         .add_optional_service(admin::reflection_v1().filter(|_| debug))
         .add_optional_service(admin::reflection_v1alpha().filter(|_| debug))
@@ -88,7 +93,12 @@ pub async fn serve(
         // delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
+            async move {
+                shutdown.await;
+                // An EDS stream lasts as long as Envoy does, and the graceful shutdown waits for every
+                // stream: stopping the roster's follower ends them (Envoy moves to another replica).
+                drop(follower);
+            },
         )
         .await;
     readiness.abort();
