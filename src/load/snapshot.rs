@@ -270,11 +270,13 @@ impl PoolSnapshot {
             .find(|worker| worker.endpoint == endpoint)
     }
 
-    /// The endpoints Envoy's workers cluster must hold: every worker but the draining ones.
+    /// The endpoints Envoy's workers cluster must hold: every worker the picker may send a request to,
+    /// and new ones before it does; not the draining ones, and not decode-only ones (so Envoy's own
+    /// fallback never sends a prefill there).
     pub fn envoy_endpoints(&self) -> Vec<SocketAddr> {
         self.workers
             .iter()
-            .filter(|worker| worker.lifecycle.in_envoy())
+            .filter(|worker| worker.lifecycle.in_envoy() && worker.role.serves_prefill())
             .map(|worker| worker.endpoint)
             .collect()
     }
