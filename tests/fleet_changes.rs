@@ -335,6 +335,15 @@ async fn a_killed_worker_costs_its_conversations_nothing_and_stops_being_chosen_
         );
     }
     eprintln!("cachepick last chose the killed worker {last_chosen:?} after it died");
+    // Every request cachepick sent there meanwhile was retried by Envoy, never failed.
+    let retries = envoy::parse_stat(
+        &stack.envoy.stats().await,
+        "cluster.workers.upstream_rq_retry",
+    )
+    .unwrap_or(0);
+    if last_chosen.is_some() {
+        assert!(retries > 0, "chosen while dead, yet Envoy retried nothing");
+    }
     let roster = stack.roster().await;
     assert_eq!(roster[&w1].0, "unreachable", "{roster:?}");
 }
