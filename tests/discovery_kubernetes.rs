@@ -310,30 +310,33 @@ async fn configured_ports_override_the_pool_and_v1alpha2_is_read_where_only_it_i
 #[tokio::test]
 async fn an_api_server_down_at_start_is_a_failure_until_it_answers() {
     let addr = cachepick_rig::free_port().unwrap();
+    let template = WorkerTemplate::default();
     let selector = PodSelection::Selector("app=vllm".to_owned());
-    let mut source = start_source(
-        client_for(addr),
-        None,
-        selector,
-        &[8000],
-        &WorkerTemplate::default(),
-    );
+    let mut by_selector = start_source(client_for(addr), None, selector, &[8000], &template);
+    let pool = PodSelection::InferencePool("chat".to_owned());
+    let mut by_pool = start_source(client_for(addr), None, pool, &[], &template);
 
-    let state = source
-        .status_until("the refused list counted", |s| s.errors >= 1)
-        .await;
-    assert!(state.last_error.is_some(), "{state:?}");
-    assert!(
-        !source.members.has_changed().unwrap(),
-        "published with no answer"
-    );
-    assert!(source.members.borrow().is_empty());
+    for source in [&by_selector, &by_pool] {
+        let state = source
+            .status_until("the refused request counted", |s| s.errors >= 1)
+            .await;
+        assert!(state.last_error.is_some(), "{state:?}");
+        assert!(
+            !source.members.has_changed().unwrap(),
+            "published with no answer"
+        );
+        assert!(source.members.borrow().is_empty());
+    }
 
     let fake = FakeKube::start_on(addr).await;
     fake.apply_pod("default", pod("a", VLLM, Some(&ip(41)), true));
-    source.published(&[at(&ip(41), 8000)]).await;
-    let state = source
-        .status_until("the error cleared", |s| s.last_error.is_none())
-        .await;
-    assert_eq!(state.members, 1);
+    fake.apply_pool(POOL_V1, "default", inference_pool_v1("chat", VLLM, &[9000]));
+    by_selector.published(&[at(&ip(41), 8000)]).await;
+    by_pool.published(&[at(&ip(41), 9000)]).await;
+    for source in [&by_selector, &by_pool] {
+        let state = source
+            .status_until("the error cleared", |s| s.last_error.is_none())
+            .await;
+        assert_eq!(state.members, 1);
+    }
 }

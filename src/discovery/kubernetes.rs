@@ -33,6 +33,9 @@ use crate::config::{KubernetesDiscovery, PodSelection, WorkerTemplate};
 /// How often a failing source may warn: a watch that keeps failing retries for as long as it lasts.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
+/// The longest wait between two tries, as the watcher's own backoff caps it.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
 /// The InferencePool API groups, in the order they are tried: the GA group first.
 const POOL_VERSIONS: [(&str, &str); 2] = [
     ("inference.networking.k8s.io", "v1"),
@@ -204,9 +207,7 @@ impl KubernetesSource {
     /// Follows the InferencePool and, through its selector, its pods; a changed selector starts the
     /// pod watch again, changed ports only republish.
     async fn watch_pool(&mut self, name: &str, sender: &watch::Sender<Members>) {
-        let Some(resource) = self.pool_api(name).await else {
-            return;
-        };
+        let resource = self.pool_api(name).await;
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), &self.namespace, &resource);
         let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
@@ -307,14 +308,14 @@ impl KubernetesSource {
 
     /// The InferencePool API this cluster serves: the GA group if it answers, else v1alpha2. Retried
     /// with the watcher's backoff while the API server cannot say.
-    async fn pool_api(&mut self, name: &str) -> Option<ApiResource> {
+    async fn pool_api(&mut self, name: &str) -> ApiResource {
         let mut backoff = DefaultBackoff::default();
         loop {
             match self.find_pool_api(name).await {
-                Ok(resource) => return Some(resource),
+                Ok(resource) => return resource,
                 Err(error) => self.failed(&error),
             }
-            tokio::time::sleep(backoff.next()?).await;
+            tokio::time::sleep(backoff.next().unwrap_or(MAX_BACKOFF)).await;
         }
     }
 
