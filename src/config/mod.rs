@@ -14,6 +14,8 @@
 mod emit;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_discovery;
 mod types;
 mod validate;
 

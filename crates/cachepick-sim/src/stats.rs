@@ -25,6 +25,10 @@ pub struct RankStats {
     /// Latency histograms since start (or restart); bucket bounds in `LATENCY_BUCKETS`.
     pub ttft: Histogram,
     pub e2e: Histogram,
+    /// When the worker's current run started, in seconds since the Unix epoch (0 when unknown): what
+    /// the engines' `process_start_time_seconds` says, so a reader can tell a restart from a counter
+    /// that went down.
+    pub process_start_time: f64,
 }
 
 impl RankStats {
@@ -131,6 +135,7 @@ pub fn sample_ranks(n: u32) -> Vec<RankStats> {
                     rejected: 0,
                     evicted_blocks: 0,
                 },
+                process_start_time: 1_764_500_000.25,
                 ..RankStats::default()
             };
             for seconds in [0.0005, 0.03, 0.03, 0.7, 3.0, 5000.0] {

@@ -24,6 +24,7 @@ pub const SGLANG_VERSION: &str = "0.5.4+cachepick.sim";
 /// The engine's `/metrics` for `model` served by `ranks`.
 pub fn render_metrics(engine: Engine, model: &str, ranks: &[RankStats]) -> String {
     let mut out = Exposition::default();
+    process(&mut out, ranks);
     match engine {
         Engine::Vllm => vllm(&mut out, model, ranks),
         Engine::Sglang => sglang(&mut out, model, ranks),
@@ -176,6 +177,22 @@ fn used_tokens(rank: &RankStats) -> u64 {
 fn total_tokens(rank: &RankStats) -> u64 {
     rank.kv_total_blocks
         .saturating_mul(u64::from(rank.block_size))
+}
+
+/// Python's process collector, which both engines' `prometheus_client` registry writes first:
+/// `process_start_time_seconds`, the worker's (re)start, one unlabelled series. Readers compare it
+/// across scrapes to tell an engine restart, whose counters start again from zero.
+fn process(out: &mut Exposition, ranks: &[RankStats]) {
+    let Some(first) = ranks.first() else {
+        return;
+    };
+    let name = "process_start_time_seconds";
+    out.family(
+        name,
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+    );
+    out.sample(name, &[], Num::Float(first.process_start_time));
 }
 
 fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {

@@ -101,7 +101,19 @@ fn every_line_is_well_formed_and_typed() {
     for engine in [Engine::Vllm, Engine::Sglang] {
         for n in [0, 1, 3] {
             let text = render_metrics(engine, MODEL, &ranks(n));
-            let samples = lines(&text);
+            // The process collector's series is the process's, unlabelled; the rest are the engine's.
+            let (process, samples): (Vec<Line>, Vec<Line>) = lines(&text)
+                .into_iter()
+                .partition(|s| s.name.starts_with("process_"));
+            let expected = if n == 0 { 0 } else { 1 };
+            assert_eq!(process.len(), expected, "{engine:?}, {n} ranks");
+            assert!(
+                process
+                    .iter()
+                    .all(|s| s.name == "process_start_time_seconds"
+                        && s.labels.is_empty()
+                        && s.value == ranks(n)[0].process_start_time)
+            );
             assert!(
                 samples.iter().all(|s| label(s, "model_name") == Some(MODEL)
                     || s.name.ends_with("cache_config_info"))

@@ -21,7 +21,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -132,11 +132,18 @@ impl Rank {
 /// The state one run of the worker owns; a restart starts a new one, empty, as a restarted engine is.
 struct Incarnation {
     ranks: Vec<Mutex<Rank>>,
+    /// When this run started, in seconds since the Unix epoch.
+    started: f64,
 }
 
 impl Incarnation {
     /// Fresh ranks; `streams[r]` is rank `r`'s event stream (none when events are off).
-    fn new(spec: &WorkerSpec, params: &SimParams, streams: Vec<RankStream>) -> Incarnation {
+    fn new(
+        spec: &WorkerSpec,
+        params: &SimParams,
+        streams: Vec<RankStream>,
+        started: f64,
+    ) -> Incarnation {
         let mut streams = streams.into_iter();
         let ranks = (0..spec.dp_size)
             .map(|rank| {
@@ -158,7 +165,7 @@ impl Incarnation {
                 })
             })
             .collect();
-        Incarnation { ranks }
+        Incarnation { ranks, started }
     }
 
     fn rank(&self, index: usize) -> Option<MutexGuard<'_, Rank>> {
@@ -182,7 +189,13 @@ impl Incarnation {
     }
 
     fn stats(&self) -> Vec<RankStats> {
-        self.ranks.iter().map(|rank| lock(rank).stats()).collect()
+        self.ranks
+            .iter()
+            .map(|rank| RankStats {
+                process_start_time: self.started,
+                ..lock(rank).stats()
+            })
+            .collect()
     }
 }
 
@@ -221,6 +234,8 @@ struct Shared {
     /// Where the ranks publish KV cache events, fixed for the worker's life.
     kv_events: Option<KvEventEndpoints>,
     kv_publisher: Option<Arc<PublisherSpec>>,
+    /// The last run's start time, so a restart's is always later even if the clock steps back.
+    last_start: Mutex<f64>,
 }
 
 /// A simulated worker. Dropping it stops its server.
@@ -278,6 +293,7 @@ impl Worker {
             rng: Mutex::new(SmallRng::seed_from_u64(spec.seed)),
             kv_events,
             kv_publisher,
+            last_start: Mutex::new(0.0),
             spec,
         });
         launch(&shared, listener, kv_listeners);
@@ -437,6 +453,7 @@ fn launch(shared: &Arc<Shared>, listener: TcpListener, kv_listeners: Vec<RankLis
         &shared.spec,
         &shared.params.load(),
         streams,
+        start_time(shared),
     ));
     let (stop, stopped) = oneshot::channel();
     let server = tokio::spawn(accept_loop(
@@ -463,6 +480,19 @@ fn launch(shared: &Arc<Shared>, listener: TcpListener, kv_listeners: Vec<RankLis
             publisher.abort();
         }
     }
+}
+
+/// Now, in seconds since the Unix epoch with sub-second precision (a restart within the same second
+/// still shows), and always after the previous run's start.
+fn start_time(shared: &Shared) -> f64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64());
+    let mut last = lock(&shared.last_start);
+    // A microsecond is far above an f64's resolution at today's epoch (about 0.24 µs).
+    let started = now.max(*last + 1e-6);
+    *last = started;
+    started
 }
 
 async fn kill(shared: &Shared) {
