@@ -34,6 +34,8 @@ use cachepick::discovery::dns::DnsSource;
 use cachepick::discovery::{Members, SourceState, SourceStatus, endpoints};
 use cachepick::worker::Role;
 
+mod support;
+
 const NAME: &str = "workers.cachepick.test";
 const PORT: u16 = 8000;
 /// Short, so a change is seen within a few rounds; each wait below is bounded far above it.
@@ -398,4 +400,83 @@ async fn every_address_of_the_name_is_a_worker_with_the_template() {
             format!("http://{}/metrics", worker.endpoint)
         );
     }
+}
+
+/// The whole picker on a `dns` pool: `serve` starts the source, scrapes what the name resolves to, and
+/// routes there; the snapshot names the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dns_pool_serves_the_engines_its_name_resolves_to() {
+    // Two engines on one port of two loopback IPs, as two pods behind a headless Service.
+    let port = std::net::TcpListener::bind("127.0.0.2:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = || {
+        support::engine::Mode::Body(
+            "text/plain",
+            support::engine::vllm_metrics(&[(0, 0, 0, 0.1)]),
+        )
+    };
+    let first =
+        support::engine::FakeEngine::start_at(SocketAddr::new(v4(2), port), metrics()).await;
+    let second =
+        support::engine::FakeEngine::start_at(SocketAddr::new(v4(3), port), metrics()).await;
+    let server = DnsServer::start(Zone::Records(vec![v4(2), v4(3)])).await;
+    let yaml = format!(
+        "load: {{scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s}}\n\
+         pools:\n  - model: m\n    engine: vllm\n    tokenizer: {{kind: bytes}}\n\
+         \x20   dns: {{name: {NAME}, port: {port}, interval: 200ms, server: \"{}\"}}\n",
+        server.addr
+    );
+    let config =
+        cachepick_rig::stage::on_free_ports(&yaml, "dns.yaml", Default::default()).unwrap();
+    let mut picker = cachepick_rig::stage::Picker::spawn(config);
+    picker
+        .ready(cachepick_rig::stage::READY_WITHIN)
+        .await
+        .expect("ready once the name resolved and the engines were scraped");
+    let deadline = std::time::Instant::now() + DEADLINE;
+    let snapshot = loop {
+        let (status, body) = cachepick_rig::http_exchange(
+            http::Method::GET,
+            picker.metrics_listen(),
+            "/debug/snapshot",
+            "",
+            DEADLINE,
+        )
+        .await
+        .unwrap();
+        assert_eq!(status, 200);
+        let snapshot: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let healthy = snapshot[0]["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|worker| worker["state"] == "healthy")
+            .count();
+        if healthy == 2 {
+            break snapshot;
+        }
+        assert!(std::time::Instant::now() < deadline, "{snapshot:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(snapshot[0]["source"]["kind"], "dns", "{snapshot:#}");
+    assert_eq!(snapshot[0]["source"]["members"], 2, "{snapshot:#}");
+    let client = cachepick_rig::client::Client::connect(picker.listen())
+        .await
+        .unwrap();
+    let body =
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": "hello ".repeat(100)}))
+            .unwrap();
+    match client.decide("/v1/completions", &body).await.unwrap() {
+        cachepick_rig::client::Verdict::Route { endpoints, .. } => {
+            assert!(
+                [first.addr, second.addr].contains(&endpoints[0]),
+                "{endpoints:?}"
+            );
+        }
+        refused => panic!("refused: {refused:?}"),
+    }
+    picker.stop().await.unwrap();
 }

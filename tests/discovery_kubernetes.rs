@@ -16,6 +16,8 @@
     clippy::panic
 )]
 
+#[path = "support/engine.rs"]
+mod engine;
 #[path = "support/fake_kube.rs"]
 mod fake_kube;
 
@@ -338,5 +340,141 @@ async fn an_api_server_down_at_start_is_a_failure_until_it_answers() {
             .status_until("the error cleared", |s| s.last_error.is_none())
             .await;
         assert_eq!(state.members, 1);
+    }
+}
+
+/// The whole picker on a `kubernetes` pool, as `cachepick serve` runs in a cluster: the client comes
+/// from `KUBECONFIG` (in a pod, the service account), the ready pods are scraped and listed in the
+/// snapshot, and a pod that turns not ready drains and leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_follows_the_ready_pods_of_a_kubernetes_pool() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let port = std::net::TcpListener::bind(format!("{}:0", ip(2)))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = || engine::Mode::Body("text/plain", engine::vllm_metrics(&[(0, 0, 0, 0.1)]));
+    let _first = engine::FakeEngine::start_at(at(&ip(2), port), metrics()).await;
+    let _second = engine::FakeEngine::start_at(at(&ip(3), port), metrics()).await;
+    let kube = FakeKube::start().await;
+    kube.apply_pod("llm", pod("vllm-a", VLLM, Some(&ip(2)), true));
+    kube.apply_pod("llm", pod("vllm-b", VLLM, Some(&ip(3)), true));
+
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"http://{}\"}}}}]\n\
+             users: [{{name: picker, user: {{}}}}]\n\
+             contexts: [{{name: fake, context: {{cluster: fake, user: picker, namespace: llm}}}}]\n\
+             current-context: fake\n",
+            kube.addr
+        ),
+    )
+    .unwrap();
+    let config = dir.path().join("cachepick.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\n\
+             load: {{scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s}}\n\
+             pools:\n  - model: m\n    engine: vllm\n    tokenizer: {{kind: bytes}}\n\
+             \x20   kubernetes: {{selector: app=vllm, ports: [{port}]}}\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(cachepick_rig::cachepick_binary())
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("serve starts");
+    let stdout = child.stdout.take().unwrap();
+    let _child = Killed(child);
+    // The log is echoed (visible with --nocapture, and in a failure's output) while the addresses are
+    // read off it.
+    let (found, address) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            eprintln!("serve: {line}");
+            if let Some(rest) = line.split(" metrics_listen=").nth(1) {
+                let addr = rest
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .parse::<SocketAddr>();
+                let _ = found.send(addr.unwrap());
+            }
+        }
+    });
+    let metrics_listen = tokio::task::spawn_blocking(move || {
+        address
+            .recv_timeout(DEADLINE)
+            .expect("serve logs its addresses")
+    })
+    .await
+    .unwrap();
+
+    let workers = || async {
+        let (status, body) = cachepick_rig::http_exchange(
+            http::Method::GET,
+            metrics_listen,
+            "/debug/snapshot",
+            "",
+            DEADLINE,
+        )
+        .await
+        .expect("the snapshot answers");
+        assert_eq!(status, 200);
+        let snapshot: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(snapshot[0]["source"]["kind"], "kubernetes", "{snapshot:#}");
+        snapshot[0]["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|worker| {
+                (
+                    worker["endpoint"].as_str().unwrap().to_owned(),
+                    worker["state"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let until = |want: Vec<(String, String)>| async move {
+        let deadline = std::time::Instant::now() + DEADLINE;
+        loop {
+            let now = workers().await;
+            if now == want {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{now:?}, wanted {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let healthy = |last: u8| (at(&ip(last), port).to_string(), "healthy".to_owned());
+    until(vec![healthy(2), healthy(3)]).await;
+    // b stops being ready: it drains (idle, so it leaves at its next scrape).
+    kube.apply_pod("llm", pod("vllm-b", VLLM, Some(&ip(3)), false));
+    until(vec![healthy(2)]).await;
+}
+
+/// A child process killed when the test ends, passed or failed.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

@@ -12,6 +12,8 @@ use tokio::sync::watch;
 
 use crate::config::{Config, Discovery, IndexMode, PoolConfig};
 use crate::discovery::SourceStatus;
+use crate::discovery::dns::DnsSource;
+use crate::discovery::kubernetes::KubernetesSource;
 use crate::events::EventFeeds;
 use crate::extproc;
 use crate::load::{PoolLoad, PoolView, Scraper};
@@ -102,7 +104,7 @@ pub async fn serve(
         tasks.spawn(scraper.run(stopped_future()));
     }
     let feeds = service.start_event_feeds(stopped_future.clone());
-    let sources = start_sources(config, &loads, &service, &mut tasks, &stopped_future);
+    let sources = start_sources(config, &loads, Some(&service), &mut tasks, &stopped_future);
     if let Some(reload) = reload {
         let targets = reload::Targets {
             loads: loads.clone(),
@@ -148,11 +150,12 @@ pub async fn serve(
 
 /// Starts each pool's source of workers: a `dns` or `kubernetes` pool's task, publishing to the pool's
 /// scraper; a file pool's workers come from the file (and its reloads). Returns the file pools'
-/// statuses, by pool position, for the reloads to report to.
+/// statuses, by pool position, for the reloads to report to. `service`, when given, reports every
+/// source in the snapshot and the metrics.
 fn start_sources<F>(
     config: &Config,
     loads: &[Arc<PoolLoad>],
-    service: &Arc<Service>,
+    service: Option<&Arc<Service>>,
     tasks: &mut tokio::task::JoinSet<()>,
     shutdown: &(impl Fn() -> F + Send + Sync + Clone + 'static),
 ) -> Vec<Option<Arc<SourceStatus>>>
@@ -162,7 +165,9 @@ where
     let mut files = Vec::new();
     for (pool, load) in config.pools.iter().zip(loads) {
         let status = SourceStatus::new(pool.discovery.kind());
-        service.watch_source(load.label(), Arc::clone(&status));
+        if let Some(service) = service {
+            service.watch_source(load.label(), Arc::clone(&status));
+        }
         let publish = load.desired().clone();
         match &pool.discovery {
             Discovery::Static => {
@@ -170,9 +175,26 @@ where
                 files.push(Some(status));
                 continue;
             }
-            // MERGE: the dns and kubernetes sources are wired here once they land.
-            Discovery::Dns(_) | Discovery::Kubernetes(_) => {
-                let _ = (publish, &tasks, shutdown);
+            Discovery::Dns(dns) => {
+                let source = DnsSource::new(dns, &pool.template, status);
+                tasks.spawn(source.run(publish, shutdown()));
+            }
+            Discovery::Kubernetes(kubernetes) => {
+                let kubernetes = kubernetes.clone();
+                let template = pool.template.clone();
+                let stopped = shutdown();
+                // The client is inferred on the task (in-cluster service account or KUBECONFIG): a
+                // picker whose API server is not reachable yet still serves its other pools, and the
+                // source counts the failure until it can start.
+                tasks.spawn(async move {
+                    match KubernetesSource::infer(&kubernetes, &template, Arc::clone(&status)).await {
+                        Ok(source) => source.run(publish, stopped).await,
+                        Err(error) => {
+                            tracing::error!(%error, "the kubernetes source cannot start; the pool has no workers");
+                            status.failed(&error);
+                        }
+                    }
+                });
             }
         }
         files.push(None);
@@ -254,6 +276,7 @@ pub const EVENTS_LOOK: Duration = Duration::from_secs(1);
 async fn scraped(config: &Config, rounds: u32) -> Result<Vec<Arc<PoolLoad>>, AppError> {
     let metrics = Arc::new(Metrics::new()?);
     let mut pools = pools(config, &metrics);
+    discover_once(config, &mut pools).await;
     for round in 0..rounds {
         if round > 0 {
             tokio::time::sleep(config.load.scrape_interval).await;
@@ -261,6 +284,42 @@ async fn scraped(config: &Config, rounds: u32) -> Result<Vec<Arc<PoolLoad>>, App
         futures_util::future::join_all(pools.iter_mut().map(|(_, scraper)| scraper.round())).await;
     }
     Ok(pools.into_iter().map(|(load, _)| load).collect())
+}
+
+/// How long the one-shot commands wait for a `dns` or `kubernetes` pool's source to answer.
+pub const DISCOVERY_LOOK: Duration = Duration::from_secs(5);
+
+/// Runs each discovered pool's source until it answers (for at most [`DISCOVERY_LOOK`]) and brings the
+/// pool's roster to what it said, so the one-shot commands see the workers `serve` would.
+async fn discover_once(config: &Config, pools: &mut [(Arc<PoolLoad>, Scraper)]) {
+    if config
+        .pools
+        .iter()
+        .all(|pool| pool.discovery == Discovery::Static)
+    {
+        return;
+    }
+    let (stop, stopped) = watch::channel(false);
+    let stopped = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        }
+    };
+    let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    start_sources(config, &loads, None, &mut tasks, &stopped);
+    let deadline = Instant::now() + DISCOVERY_LOOK;
+    for (pool, (_, scraper)) in config.pools.iter().zip(pools.iter_mut()) {
+        if pool.discovery == Discovery::Static {
+            continue;
+        }
+        while !scraper.follow_discovery() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let _ = stop.send(true);
+    tasks.join_all().await;
 }
 
 /// Scrapes every pool once and explains how `body`, sent to `path`, would be routed by a picker that has

@@ -401,6 +401,20 @@ impl Scraper {
         idle.into_iter().map(|(_, id)| id).collect()
     }
 
+    /// Brings the roster to what discovery wants, if it said anything new since: the one-shot
+    /// commands' step before their rounds ([`Scraper::run`] follows discovery by itself). Whether it
+    /// did.
+    pub fn follow_discovery(&mut self) -> bool {
+        if !self.desired.has_changed().unwrap_or(false) {
+            return false;
+        }
+        let desired = Arc::clone(&self.desired.borrow_and_update());
+        self.awaiting_source = false;
+        self.reconcile(&desired, Instant::now());
+        self.publish();
+        true
+    }
+
     /// Scrapes every worker once, waits for all of them, and publishes: the `snapshot` command's round.
     pub async fn round(&mut self) {
         self.round += 1;

@@ -44,9 +44,12 @@ pub struct FakeEngine {
 
 impl FakeEngine {
     pub async fn start(mode: Mode) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind loopback");
+        Self::start_at(SocketAddr::from(([127, 0, 0, 1], 0)), mode).await
+    }
+
+    /// An engine on `addr` (any loopback IP and port; port 0 picks one).
+    pub async fn start_at(addr: SocketAddr, mode: Mode) -> Self {
+        let listener = TcpListener::bind(addr).await.expect("bind loopback");
         let addr = listener.local_addr().expect("local addr");
         let mode = Arc::new(Mutex::new(mode));
         let hits = Arc::new(AtomicUsize::new(0));
