@@ -176,6 +176,19 @@ impl Stack {
         }
     }
 
+    /// Nine conversations of two turns each; those that settled on `worker` (at least one).
+    async fn settled_on(&self, worker: SocketAddr) -> Vec<String> {
+        let mut settled = Vec::new();
+        for talk in conversations(9) {
+            self.turn(&talk, 0).await.ok();
+            if self.turn(&talk, 1).await.ok().served_by == Some(worker) {
+                settled.push(talk);
+            }
+        }
+        assert!(!settled.is_empty(), "some conversation lives on {worker}");
+        settled
+    }
+
     /// The workers `/debug/snapshot` lists: endpoint → (state, restarts).
     async fn roster(&self) -> BTreeMap<SocketAddr, (String, u64)> {
         let reply = self
@@ -301,16 +314,7 @@ async fn workers_added_to_and_removed_from_the_file_serve_and_stop_serving_witho
 async fn a_killed_worker_costs_its_conversations_nothing_and_stops_being_chosen_within_freshness() {
     let stack = Stack::start(&[0, 1, 2]).await;
     let w1 = stack.worker(1);
-    let talks = conversations(9);
-    let mut on_w1 = Vec::new();
-    for talk in &talks {
-        stack.turn(talk, 0).await.ok();
-        let second = stack.turn(talk, 1).await.ok();
-        if second.served_by == Some(w1) {
-            on_w1.push(talk.clone());
-        }
-    }
-    assert!(!on_w1.is_empty(), "some conversation lives on w1");
+    let on_w1 = stack.settled_on(w1).await;
 
     // Killed between requests: the next turns are routed to it until cachepick sees it gone, and
     // Envoy retries each of those onto the fallbacks.
@@ -352,16 +356,7 @@ async fn a_killed_worker_costs_its_conversations_nothing_and_stops_being_chosen_
 async fn a_restarted_worker_is_not_credited_with_its_old_prefixes_once_the_restart_is_seen() {
     let stack = Stack::start(&[0, 1, 2]).await;
     let w1 = stack.worker(1);
-    let talks = conversations(9);
-    let mut on_w1 = Vec::new();
-    for talk in &talks {
-        stack.turn(talk, 0).await.ok();
-        let second = stack.turn(talk, 1).await.ok();
-        if second.served_by == Some(w1) {
-            on_w1.push(talk.clone());
-        }
-    }
-    assert!(!on_w1.is_empty(), "some conversation lives on w1");
+    let on_w1 = stack.settled_on(w1).await;
 
     let worker = &stack.fleet.workers()[1];
     worker.kill().await;

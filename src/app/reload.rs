@@ -21,10 +21,11 @@ use std::time::Duration;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::config::{self, Config, Discovery, Overrides, PoolConfig, ReloadOutcome};
+use crate::config::{self, Config, Discovery, IndexMode, Overrides, PoolConfig, ReloadOutcome};
 use crate::discovery::{self, SourceStatus};
 use crate::load::PoolLoad;
 use crate::metrics::Metrics;
+use crate::prefix::EventIndex;
 use crate::route::Service;
 
 /// The longest the file goes unread: pools scraped less often still see a change within this.
@@ -208,15 +209,8 @@ fn same_source(old: &PoolConfig, new: &PoolConfig) -> bool {
 /// In an `events` pool every worker slot has rank slots for the largest data-parallel degree the pool
 /// started with; a worker with more ranks needs a restart.
 fn ranks_fit(old: &PoolConfig, new: &PoolConfig) -> bool {
-    let largest = |pool: &PoolConfig| {
-        pool.workers
-            .iter()
-            .map(|worker| worker.dp_size.get())
-            .chain([pool.template.dp_size.get()])
-            .max()
-            .unwrap_or(1)
-    };
-    old.index.mode == crate::config::IndexMode::Approximate || largest(new) <= largest(old)
+    old.index.mode == IndexMode::Approximate
+        || EventIndex::ranks_per_worker(new) <= EventIndex::ranks_per_worker(old)
 }
 
 #[cfg(unix)]

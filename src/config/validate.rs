@@ -121,6 +121,8 @@ struct WorkerDraft {
 
 /// What a worker's engine is, beyond its address.
 struct EngineKeys {
+    /// As given, checked against the pool's engine by `load_source`.
+    load_source: Res<Val<LoadSource>>,
     role: Res<Role>,
     dp_size: Res<Val<NonZeroU32>>,
     max_running_requests: Res<Option<NonZeroU64>>,
@@ -437,28 +439,17 @@ impl Validator<'_> {
         let metrics_url = self.opt(&map, "metrics_url", |v, node, at| {
             v.http_url(node, at, "metrics")
         });
-        let load_source = self.opt(&map, "load_source", |v, node, at| {
-            v.keyword(
-                node,
-                at,
-                &[LoadSource::Metrics, LoadSource::Loads],
-                LoadSource::as_str,
-            )
-        });
         let loads_url = self.opt(&map, "loads_url", |v, node, at| {
             v.http_url(node, at, "/v1/loads")
         });
-        let (load_source, loads_url) = self.load_source(
-            with_default(load_source, LoadSource::default()),
-            loads_url,
-            engine,
-        );
         let EngineKeys {
+            load_source,
             role,
             dp_size,
             max_running_requests,
             max_total_tokens,
         } = self.engine_keys(&map);
+        let (load_source, loads_url) = self.load_source(load_source, loads_url, engine);
         let kv_events = self.worker_kv_events(&map);
         let kv_events = match (&endpoint, &dp_size, index, kv_events) {
             (Ok(endpoint), Ok(dp_size), Ok(index), Ok(own)) => {
@@ -483,6 +474,14 @@ impl Validator<'_> {
     /// The keys that say what a worker's engine is, beyond its address: a file worker's and a pool's
     /// `template` for discovered workers.
     fn engine_keys(&mut self, map: &Map) -> EngineKeys {
+        let load_source = self.opt(map, "load_source", |v, node, at| {
+            v.keyword(
+                node,
+                at,
+                &[LoadSource::Metrics, LoadSource::Loads],
+                LoadSource::as_str,
+            )
+        });
         let role = self.opt(map, "role", |v, node, at| {
             v.keyword(
                 node,
@@ -513,6 +512,7 @@ impl Validator<'_> {
         let max_total_tokens = self.check_opt(max_total_tokens, at_least_one);
         let value = |field: Field<NonZeroU64>| field.map(|given| given.map(|given| given.value));
         EngineKeys {
+            load_source: with_default(load_source, LoadSource::default()),
             role: with_default(role, WorkerConfig::DEFAULT_ROLE).map(|role| role.value),
             dp_size,
             max_running_requests: value(max_running_requests),

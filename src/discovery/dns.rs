@@ -10,7 +10,7 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{
@@ -24,10 +24,6 @@ use tokio::time::MissedTickBehavior;
 
 use super::{Members, SourceStatus, members, publish};
 use crate::config::{DnsDiscovery, WorkerTemplate};
-
-/// How often a failing source may warn: a pool re-resolving every second would otherwise log every
-/// second through a whole outage.
-const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// The longest one resolution may take, whatever the interval: a slow server must not hold the
 /// source past the next few rounds.
@@ -59,7 +55,6 @@ pub struct DnsSource {
     /// Built on the first resolution, and again after a failure to build one (a missing
     /// `/etc/resolv.conf` may appear later).
     resolver: Option<TokioResolver>,
-    last_warned: Option<Instant>,
 }
 
 impl DnsSource {
@@ -74,7 +69,6 @@ impl DnsSource {
             template: template.clone(),
             status,
             resolver: None,
-            last_warned: None,
         }
     }
 
@@ -116,20 +110,13 @@ impl DnsSource {
         if publish(sender, next) {
             tracing::info!(name = %self.name, workers = count, "dns: the name's workers changed");
         }
-        if self.last_warned.take().is_some() {
+        if self.status.updated(count) {
             tracing::info!(name = %self.name, "dns: the name resolves again");
         }
-        self.status.updated(count);
     }
 
     fn failed(&mut self, error: &DnsError) {
-        self.status.failed(error);
-        let now = Instant::now();
-        if self
-            .last_warned
-            .is_none_or(|last| now.duration_since(last) >= WARN_EVERY)
-        {
-            self.last_warned = Some(now);
+        if self.status.failed(error) {
             tracing::warn!(%error, "dns: keeping the last workers");
         }
     }

@@ -16,7 +16,7 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::stream::BoxStream;
 use futures_util::{StreamExt, future};
@@ -29,9 +29,6 @@ use tokio::sync::watch;
 
 use super::{Members, SourceStatus, members, publish};
 use crate::config::{KubernetesDiscovery, PodSelection, WorkerTemplate};
-
-/// How often a failing source may warn: a watch that keeps failing retries for as long as it lasts.
-const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// The longest wait between two tries, as the watcher's own backoff caps it.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
@@ -83,7 +80,6 @@ pub struct KubernetesSource {
     ports: Vec<u16>,
     template: WorkerTemplate,
     status: Arc<SourceStatus>,
-    last_warned: Option<Instant>,
 }
 
 /// What an InferencePool says: the pods' selector (`k=v,…`) and their ports.
@@ -123,7 +119,6 @@ impl KubernetesSource {
             ports: kubernetes.ports.clone(),
             template: template.clone(),
             status,
-            last_warned: None,
         }
     }
 
@@ -345,10 +340,9 @@ impl KubernetesSource {
 
     fn answered(&mut self, pods: &PodSet, ports: &[u16], sender: &watch::Sender<Members>) {
         let count = publish_workers(sender, &self.template, pods, ports);
-        if self.last_warned.take().is_some() {
+        if self.status.updated(count) {
             tracing::info!(namespace = %self.namespace, "kubernetes: the watch answers again");
         }
-        self.status.updated(count);
     }
 
     fn failed(&mut self, error: &KubernetesError) {
@@ -367,13 +361,7 @@ impl KubernetesSource {
             tracing::debug!(%error, "kubernetes: the watch expired, listing again");
             return;
         }
-        self.status.failed(error);
-        let now = Instant::now();
-        if self
-            .last_warned
-            .is_none_or(|last| now.duration_since(last) >= WARN_EVERY)
-        {
-            self.last_warned = Some(now);
+        if self.status.failed(error) {
             tracing::warn!(%error, "kubernetes: keeping the last workers");
         }
     }

@@ -15,7 +15,7 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
@@ -74,7 +74,13 @@ pub struct SourceState {
     pub last_update: Option<SystemTime>,
     /// Workers in the last published set.
     pub members: usize,
+    /// When a failure was last logged as a warning, during the current spell of failures.
+    #[serde(skip)]
+    warned: Option<Instant>,
 }
+
+/// A failing source warns at most this often; every failure is counted.
+pub const WARN_EVERY: Duration = Duration::from_secs(60);
 
 impl SourceStatus {
     pub fn new(kind: &'static str) -> Arc<Self> {
@@ -84,20 +90,32 @@ impl SourceStatus {
         })
     }
 
-    /// An answer was read; `members` workers are published.
-    pub fn updated(&self, members: usize) {
+    /// An answer was read; `members` workers are published. Whether it ends a spell of failures that
+    /// was warned about (the caller says the source answers again).
+    pub fn updated(&self, members: usize) -> bool {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.updates += 1;
         state.last_error = None;
         state.last_update = Some(SystemTime::now());
         state.members = members;
+        state.warned.take().is_some()
     }
 
-    /// An attempt failed; the published set is unchanged.
-    pub fn failed(&self, error: impl std::fmt::Display) {
+    /// An attempt failed; the published set is unchanged. Whether the caller should log it as a
+    /// warning: the first failure of a spell, then one every [`WARN_EVERY`], so a source that stays
+    /// down cannot flood the log.
+    pub fn failed(&self, error: impl std::fmt::Display) -> bool {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.errors += 1;
         state.last_error = Some(error.to_string());
+        let now = Instant::now();
+        let due = state
+            .warned
+            .is_none_or(|last| now.saturating_duration_since(last) >= WARN_EVERY);
+        if due {
+            state.warned = Some(now);
+        }
+        due
     }
 
     pub fn state(&self) -> SourceState {

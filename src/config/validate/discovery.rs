@@ -11,11 +11,10 @@ use std::num::NonZeroUsize;
 use super::index::IndexDraft;
 use super::{EngineKeys, Validator, WorkerDraft};
 use crate::config::{
-    Discovery, DnsDiscovery, KubernetesDiscovery, LoadSource, PodSelection, PoolConfig,
-    WorkerTemplate,
+    Discovery, DnsDiscovery, KubernetesDiscovery, PodSelection, PoolConfig, WorkerTemplate,
 };
 use crate::worker::Engine;
-use cachepick_decode::{Decode, Map, Node, Phase, Place, Res, with_default};
+use cachepick_decode::{Decode, Map, Node, Phase, Place, Res};
 
 const DNS_KEYS: &[&str] = &["name", "port", "interval", "server"];
 const KUBERNETES_KEYS: &[&str] = &["namespace", "selector", "inference_pool", "ports"];
@@ -173,25 +172,14 @@ impl Validator<'_> {
         index: &Res<IndexDraft>,
     ) -> Res<WorkerTemplate> {
         let map = self.section(pool, "template", TEMPLATE_KEYS)?;
-        let load_source = self.opt(&map, "load_source", |v, node, at| {
-            v.keyword(
-                node,
-                at,
-                &[LoadSource::Metrics, LoadSource::Loads],
-                LoadSource::as_str,
-            )
-        });
-        let (load_source, _) = self.load_source(
-            with_default(load_source, LoadSource::default()),
-            Ok(None),
-            engine,
-        );
         let EngineKeys {
+            load_source,
             role,
             dp_size,
             max_running_requests,
             max_total_tokens,
         } = self.engine_keys(&map);
+        let (load_source, _) = self.load_source(load_source, Ok(None), engine);
         let index = index.as_ref().map_err(|reported| *reported)?;
         Ok(WorkerTemplate {
             load_source: load_source?,
