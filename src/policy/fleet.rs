@@ -35,42 +35,46 @@ impl<'a> Fleet<'a> {
                 None => unknown_workers += 1,
             }
         }
-        let candidates = || {
-            snapshot
-                .workers()
-                .iter()
-                .filter(|state| state.role.serves_prefill())
-                .filter(|state| {
-                    request
-                        .allowed
-                        .is_none_or(|allowed| allowed.contains(&state.id))
-                })
+        let member = |state: &'a WorkerState| {
+            let fresh = state
+                .reading
+                .as_ref()
+                .filter(|reading| snapshot.is_fresh(reading, load.now))
+                .map(|reading| &reading.load);
+            // An unreachable worker's cache is out of reach with it.
+            let matched_tokens = match state.lifecycle {
+                Lifecycle::Unreachable => 0,
+                _ => matched.get(state.id.index()).copied().unwrap_or(0),
+            };
+            Member {
+                state,
+                fresh,
+                matched_tokens,
+                gate: rank::gate(limit, fresh),
+                admission: rank::admission(state, fresh, request.prompt_tokens),
+                dispatched: load.dispatches.since_reading(state.id),
+            }
         };
         // New and unreachable workers serve only when no answering one is left: fail-open survives
-        // an outage of the scrapes, and a worker that just joined waits for its first answer.
-        let floor = candidates()
-            .map(WorkerState::tier)
-            .min()
-            .unwrap_or(Tier::Excluded);
-        let members = candidates()
-            .filter(|state| state.tier() != Tier::Excluded && state.tier() <= floor)
-            .map(|state| {
-                let fresh = snapshot.fresh_load(state.id, load.now);
-                // An unreachable worker's cache is out of reach with it.
-                let matched_tokens = match state.lifecycle {
-                    Lifecycle::Unreachable => 0,
-                    _ => matched.get(state.id.index()).copied().unwrap_or(0),
-                };
-                Member {
-                    state,
-                    fresh,
-                    matched_tokens,
-                    gate: rank::gate(limit, fresh),
-                    admission: rank::admission(state, fresh, request.prompt_tokens),
-                    dispatched: load.dispatches.since_reading(state.id),
-                }
-            })
-            .collect();
+        // an outage of the scrapes, and a worker that just joined waits for its first answer. One pass;
+        // the last resorts are kept aside (usually none) in case nothing answers.
+        let mut members = Vec::with_capacity(snapshot.workers().len());
+        let mut last_resort = Vec::new();
+        for state in snapshot.workers().iter().filter(|state| {
+            state.role.serves_prefill()
+                && request
+                    .allowed
+                    .is_none_or(|allowed| allowed.contains(&state.id))
+        }) {
+            match state.tier() {
+                Tier::Preferred => members.push(member(state)),
+                Tier::LastResort => last_resort.push(state),
+                Tier::Excluded => {}
+            }
+        }
+        if members.is_empty() {
+            members = last_resort.into_iter().map(member).collect();
+        }
         Fleet {
             members,
             matching_workers: matched.iter().filter(|depth| **depth > 0).count(),
