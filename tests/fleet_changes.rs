@@ -40,8 +40,9 @@ use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 use sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded};
 
-const SCRAPE_INTERVAL: Duration = Duration::from_millis(250);
-const FRESHNESS: Duration = Duration::from_millis(1000);
+/// Long enough that the bounds below hold on a loaded two-core CI machine, short enough to be tested.
+const SCRAPE_INTERVAL: Duration = Duration::from_millis(400);
+const FRESHNESS: Duration = Duration::from_millis(1500);
 const ECHO_DESTINATION: &str = "x-sim-echo-x-gateway-destination-endpoint";
 const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
 
@@ -83,7 +84,7 @@ impl Stack {
             policy.cache_aware_mut().unwrap().min_match_tokens = 64;
         }
         full.load.scrape_interval = SCRAPE_INTERVAL;
-        full.load.scrape_timeout = Duration::from_millis(200);
+        full.load.scrape_timeout = Duration::from_millis(300);
         full.load.freshness = FRESHNESS;
         full.load.drain_timeout = Duration::from_secs(5);
         let dir = tempfile::tempdir().unwrap();
