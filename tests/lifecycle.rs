@@ -47,13 +47,15 @@ fn idle() -> Mode {
     exposition(0, 1_700_000_000.25, 1000.0)
 }
 
-/// A cache-aware pool over `workers`, scraped every [`INTERVAL`].
-fn config(workers: &[SocketAddr]) -> Config {
-    let mut yaml = String::from(
-        "policy: {min_match_tokens: 16}\n\
-         load: {scrape_interval: 150ms, scrape_timeout: 100ms, freshness: 600ms, unreachable_after: 2, \
-         drain_timeout: 5s}\n\
-         pools:\n  - model: m\n    engine: vllm\n    block_size: 16\n    tokenizer: {kind: bytes}\n    max_workers: 4\n    workers:\n",
+/// A cache-aware pool over `workers`, scraped every `interval` (a reading lasts four of them).
+fn config(workers: &[SocketAddr], interval: Duration) -> Config {
+    let mut yaml = format!(
+        "policy: {{min_match_tokens: 16}}\n\
+         load: {{scrape_interval: {}ms, scrape_timeout: 100ms, freshness: {}ms, unreachable_after: 2, \
+         drain_timeout: 5s}}\n\
+         pools:\n  - model: m\n    engine: vllm\n    block_size: 16\n    tokenizer: {{kind: bytes}}\n    max_workers: 4\n    workers:\n",
+        interval.as_millis(),
+        (interval * 4).as_millis(),
     );
     for worker in workers {
         yaml.push_str(&format!("      - endpoint: \"{worker}\"\n"));
@@ -73,7 +75,11 @@ struct Running {
 
 impl Running {
     fn start(workers: &[SocketAddr]) -> Running {
-        let config = config(workers);
+        Running::start_every(workers, INTERVAL)
+    }
+
+    fn start_every(workers: &[SocketAddr], interval: Duration) -> Running {
+        let config = config(workers, interval);
         let metrics = Arc::new(Metrics::new().unwrap());
         let loads = PoolLoad::for_pools(&config);
         let load = Arc::clone(&loads[0]);
@@ -163,21 +169,23 @@ fn conversation(name: &str) -> String {
 async fn a_joining_worker_is_scraped_at_once_and_serves_once_it_answers() {
     let a = FakeEngine::start(idle()).await;
     let b = FakeEngine::start(idle()).await;
-    let pool = Running::start(&[a.addr]);
+    // Ticks 5 s apart (the first at once): b can only answer before the next one if it is scraped
+    // when it joins.
+    let tick = Duration::from_secs(5);
+    let started = Instant::now();
+    let pool = Running::start_every(&[a.addr], tick);
     pool.until(Duration::from_secs(2), "a healthy", healthy(a.addr))
         .await;
     let mut roster = pool.load.roster_changes();
     roster.mark_unchanged();
 
-    let asked = Instant::now();
     pool.want(&[a.addr, b.addr]);
     pool.until(Duration::from_secs(2), "b healthy", healthy(b.addr))
         .await;
-    // It is scraped when it joins, not at the next tick.
     assert!(
-        asked.elapsed() < INTERVAL * 2,
-        "b answered after {:?}",
-        asked.elapsed()
+        started.elapsed() < tick,
+        "b answered {:?} after the start, not before the second tick",
+        started.elapsed()
     );
     assert!(
         roster.has_changed().unwrap(),
