@@ -250,16 +250,7 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     );
     out.line(4, "common_lb_config:");
     out.line(6, "healthy_panic_threshold: {value: 0}");
-    out.comment(
-        4,
-        &["gRPC needs HTTP/2; keepalive pings find a dead connection to the picker within seconds."],
-    );
-    out.line(4, "typed_extension_protocol_options:");
-    out.line(6, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions:");
-    out.type_url(8, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions");
-    out.line(8, "explicit_http_config:");
-    out.line(10, "http2_protocol_options:");
-    out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
+    picker_http2(out);
     load_assignment(out, "cachepick", options.pickers.iter().copied());
 }
 
@@ -424,6 +415,12 @@ pub(super) fn xds_cluster(out: &mut Yaml, options: &EnvoyOptions) {
         out.line(4, "lb_policy: ROUND_ROBIN");
     }
     out.line(4, "connect_timeout: 1s");
+    picker_http2(out);
+    load_assignment(out, XDS_CLUSTER, options.pickers.iter().copied());
+}
+
+/// The HTTP/2 options of a cluster of pickers (ext_proc and EDS both speak gRPC to them).
+fn picker_http2(out: &mut Yaml) {
     out.comment(
         4,
         &["gRPC needs HTTP/2; keepalive pings find a dead connection to the picker within seconds."],
@@ -434,5 +431,4 @@ pub(super) fn xds_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(8, "explicit_http_config:");
     out.line(10, "http2_protocol_options:");
     out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
-    load_assignment(out, XDS_CLUSTER, options.pickers.iter().copied());
 }
