@@ -17,6 +17,7 @@ use std::time::Duration;
 use tonic_health::pb::HealthCheckRequest;
 
 use support::engine::{FakeEngine, Mode, refused_addr, vllm_metrics};
+use support::http_get;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -334,23 +335,6 @@ async fn snapshot_shows_what_cachepick_sees_of_each_worker() {
         table.contains("no: no reading yet: cannot connect"),
         "{table}"
     );
-}
-
-/// A plain HTTP/1.1 GET over a fresh connection; returns the whole response.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::Read;
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read response");
-    response
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,13 +12,14 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use support::engine::{FakeEngine, Mode, vllm_metrics};
+use support::http_get;
 
 /// A `serve` process, killed if the test fails before it ends.
 struct Server(Child);
@@ -72,21 +73,6 @@ fn config(workers: &[&str], extra: &str) -> String {
         text.push_str(&format!("      - endpoint: \"{worker}\"\n"));
     }
     text
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read response");
-    response
 }
 
 /// The workers `/debug/snapshot` lists: (endpoint, state).
