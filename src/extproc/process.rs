@@ -39,7 +39,7 @@ use crate::protocol::{
     DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PREFIX_TOKENS_HEADER, REJECT_HEADER,
     RefusalReason, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE, error_json,
 };
-use crate::route::{Answer, Refusal, Routed, Service};
+use crate::route::{Answer, Inbound, Refusal, Routed, Service};
 
 /// Envoy recommends at most 64 KiB per streamed chunk; this leaves room for the message's framing.
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
@@ -98,6 +98,9 @@ struct Exchange {
     subset: Option<Vec<SocketAddr>>,
     /// Client-sent headers cachepick owns, to be removed.
     spoofed: Vec<String>,
+    content_encoding: Option<String>,
+    /// The configured tenant header's value.
+    tenant: Option<String>,
     body: Vec<u8>,
     /// Body messages received (a duplex request with trailers may have none).
     chunks: usize,
@@ -248,6 +251,11 @@ fn on_headers(
         if key == ":path" {
             // As sent, query string included: the service reads the API off it.
             exchange.path = String::from_utf8_lossy(&header.raw_value).into_owned();
+        } else if key == "content-encoding" {
+            exchange.content_encoding =
+                Some(String::from_utf8_lossy(&header.raw_value).into_owned());
+        } else if service.salt_header() == Some(key.as_str()) {
+            exchange.tenant = Some(String::from_utf8_lossy(&header.raw_value).into_owned());
         } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION)
             && !exchange.spoofed.contains(&key)
         {
@@ -335,9 +343,17 @@ async fn decide(
         let service = Arc::clone(service);
         let path = exchange.path.clone();
         let subset = exchange.subset.clone();
+        let content_encoding = exchange.content_encoding.clone();
+        let tenant = exchange.tenant.clone();
         let body = (ending != Ending::Headers).then(|| std::mem::take(&mut exchange.body));
         let decided = tokio::task::spawn_blocking(move || {
-            let answer = service.route(&path, body.as_deref(), subset.as_deref());
+            let answer = service.route(&Inbound {
+                path: &path,
+                body: body.as_deref(),
+                subset: subset.as_deref(),
+                content_encoding: content_encoding.as_deref(),
+                tenant: tenant.as_deref(),
+            });
             (answer, body)
         })
         .await;

@@ -18,4 +18,4 @@ mod service;
 pub use crate::protocol::RefusalReason;
 pub use explain::Explanation;
 pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
-pub use service::{Answer, PoolReport, Refusal, Routed, Service, SourceReport};
+pub use service::{Answer, Inbound, PoolReport, Refusal, Routed, Service, SourceReport};

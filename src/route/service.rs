@@ -27,6 +27,32 @@ use crate::request::{self, ApiPath};
 /// fleet cannot flood the log; the metrics count every one.
 const LOG_SAMPLE: u64 = 64;
 
+/// One request as the wire hands it in: everything routing reads, none of it a protobuf type.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Inbound<'a> {
+    /// `:path` as sent, query string included.
+    pub path: &'a str,
+    /// `None` for a request without one.
+    pub body: Option<&'a [u8]>,
+    /// The proxy's subset hint: the only endpoints the request may go to.
+    pub subset: Option<&'a [SocketAddr]>,
+    /// The request's `content-encoding`, as sent.
+    pub content_encoding: Option<&'a str>,
+    /// The value of the configured tenant header (`cache_salt_header`), when it was sent.
+    pub tenant: Option<&'a str>,
+}
+
+impl<'a> Inbound<'a> {
+    /// A request to `path` with `body` and nothing else.
+    pub fn new(path: &'a str, body: Option<&'a [u8]>) -> Inbound<'a> {
+        Inbound {
+            path,
+            body,
+            ..Inbound::default()
+        }
+    }
+}
+
 /// Where a request goes, and why.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Routed {
@@ -204,14 +230,15 @@ impl Service {
         }
     }
 
-    /// Routes one request: `body` is `None` for a request without one; `subset` is the proxy's hint, the
-    /// only endpoints it may pick.
+    /// Routes one request: its body is `None` for a request without one; its subset is the proxy's
+    /// hint, the only endpoints it may pick.
     ///
     /// Generation requests (`/v1/chat/completions`, `/v1/completions`, `/generate`) must carry a readable
     /// prompt. Anything else — a GET, a POST to another API — is routed by load alone to the pool its
     /// `model` names (else the default pool): a passthrough, neither a decision nor a prefix to learn.
-    pub fn route(&self, path: &str, body: Option<&[u8]>, subset: Option<&[SocketAddr]>) -> Answer {
-        let path = ApiPath::new(path);
+    pub fn route(&self, inbound: &Inbound<'_>) -> Answer {
+        let Inbound { body, subset, .. } = *inbound;
+        let path = ApiPath::new(inbound.path);
         let prepared = match body {
             Some(body) => self.prepare(path, body),
             None if path.api.is_some() => {
@@ -540,6 +567,11 @@ impl Service {
     /// The pools' scrape-round counters, for readiness: ready once every pool has completed one.
     pub fn rounds(&self) -> Vec<tokio::sync::watch::Receiver<u64>> {
         self.picker.loads().map(|load| load.rounds()).collect()
+    }
+
+    /// The request header whose value salts the prefix hashes (tenant isolation), if one is configured.
+    pub fn salt_header(&self) -> Option<&str> {
+        None
     }
 
     /// Largest body accepted.
