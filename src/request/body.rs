@@ -39,11 +39,6 @@ pub(super) const MAX_DEPTH: usize = 64;
 pub(super) struct Draft<'a> {
     pub(super) model: Option<Cow<'a, str>>,
     pub(super) cache_salt: Option<Cow<'a, str>>,
-    pub(super) stream: Option<bool>,
-    pub(super) max_tokens: Option<u64>,
-    pub(super) max_completion_tokens: Option<u64>,
-    /// `sampling_params.max_new_tokens` (SGLang).
-    pub(super) max_new_tokens: Option<u64>,
     pub(super) messages: Option<Vec<Message<'a>>>,
     pub(super) tools: Option<&'a RawValue>,
     /// `/v1/completions`' `prompt`: text or tokens.
@@ -90,8 +85,6 @@ enum At {
     Body,
     /// `name`
     Member(&'static str),
-    /// `name.inner`
-    Inner(&'static str, &'static str),
     /// `name[i]`
     Item(&'static str, usize),
     /// `name[i][j]`
@@ -109,7 +102,6 @@ impl fmt::Display for At {
         match *self {
             At::Body => f.write_str("the request body"),
             At::Member(name) => write!(f, "`{name}`"),
-            At::Inner(name, inner) => write!(f, "`{name}.{inner}`"),
             At::Item(name, i) => write!(f, "`{name}[{i}]`"),
             At::ItemOf(name, i, j) => write!(f, "`{name}[{i}][{j}]`"),
             At::MessageMember(i, name) => write!(f, "`messages[{i}].{name}`"),
@@ -405,21 +397,11 @@ impl<'a> Visitor<'a> for BodyVisitor<'_> {
         let faults = self.faults;
         let reads = |api: Api| self.api.is_none_or(|wanted| wanted == api);
         let text = |name| Any(Text::new(At::Member(name), faults));
-        let count = |name| Any(Count::new(At::Member(name), faults));
         let mut draft = Draft::default();
         while let Some(key) = map.next_key_seed(Key)? {
             match &*key {
                 "model" => draft.model = map.next_value_seed(text("model"))?,
                 "cache_salt" => draft.cache_salt = map.next_value_seed(text("cache_salt"))?,
-                "stream" => draft.stream = map.next_value_seed(Any(Flag::new("stream", faults)))?,
-                "max_tokens" => draft.max_tokens = map.next_value_seed(count("max_tokens"))?,
-                "max_completion_tokens" => {
-                    draft.max_completion_tokens =
-                        map.next_value_seed(count("max_completion_tokens"))?;
-                }
-                "sampling_params" => {
-                    draft.max_new_tokens = map.next_value_seed(Any(SamplingParams { faults }))?;
-                }
                 "messages" if reads(Api::ChatCompletions) => {
                     draft.messages = map.next_value_seed(Any(Messages { faults }))?;
                 }
@@ -478,103 +460,5 @@ impl<'a> Visitor<'a> for Text<'_> {
 
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
-    }
-}
-
-/// A boolean member; `null` is absent.
-struct Flag<'f> {
-    name: &'static str,
-    faults: &'f Faults,
-}
-
-impl<'f> Flag<'f> {
-    fn new(name: &'static str, faults: &'f Faults) -> Self {
-        Flag { name, faults }
-    }
-}
-
-expect!(Flag; |v| At::Member(v.name), "true or false");
-
-impl<'a> Visitor<'a> for Flag<'_> {
-    type Value = Option<bool>;
-
-    visitor_common!('a; number, string, list, object);
-
-    fn visit_bool<E: de::Error>(self, flag: bool) -> Result<Self::Value, E> {
-        Ok(Some(flag))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-}
-
-/// A non-negative integer member; `null` is absent.
-struct Count<'f> {
-    at: At,
-    faults: &'f Faults,
-}
-
-impl<'f> Count<'f> {
-    fn new(at: At, faults: &'f Faults) -> Self {
-        Count { at, faults }
-    }
-}
-
-expect!(Count; |v| v.at, "a non-negative integer");
-
-impl<'a> Visitor<'a> for Count<'_> {
-    type Value = Option<u64>;
-
-    visitor_common!('a; bool, string, list, object);
-
-    fn visit_u64<E: de::Error>(self, count: u64) -> Result<Self::Value, E> {
-        Ok(Some(count))
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Err(self.wrong("a negative number"))
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Err(self.wrong("a number that is not an integer below 2^64"))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-}
-
-/// SGLang's `sampling_params`, of which only `max_new_tokens` is read.
-struct SamplingParams<'f> {
-    faults: &'f Faults,
-}
-
-expect!(SamplingParams; |_| At::Member("sampling_params"), "an object");
-
-impl<'a> Visitor<'a> for SamplingParams<'_> {
-    type Value = Option<u64>;
-
-    visitor_common!('a; bool, number, string, list);
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let faults = self.faults;
-        let mut max_new_tokens = None;
-        while let Some(key) = map.next_key_seed(Key)? {
-            if key == "max_new_tokens" {
-                let at = At::Inner("sampling_params", "max_new_tokens");
-                max_new_tokens = map.next_value_seed(Any(Count::new(at, faults)))?;
-            } else {
-                map.next_value_seed(Any(Skip {
-                    enclosing: 2,
-                    faults,
-                }))?;
-            }
-        }
-        Ok(max_new_tokens)
     }
 }

@@ -33,8 +33,9 @@
 //! prefix is the one that can be matched there, and batched prompts usually share their prefix (one
 //! few-shot template, many questions). The other prompts are skipped unread; the engine validates them.
 //!
-//! `max_tokens` is `max_completion_tokens`, else `max_tokens` for chat (vLLM's precedence); `max_tokens`
-//! for completions; `sampling_params.max_new_tokens` for `/generate`. `cache_salt` is vLLM's, as given.
+//! `cache_salt` is vLLM's, as given. Nothing else is read, so nothing else is type-checked: routing has no
+//! use for `stream`, `max_tokens` or `sampling_params`, and a body the engine accepts (`"max_tokens":
+//! 100.0`, `"stream": "true"`) must not be refused by the picker in front of it. The engine validates them.
 mod body;
 mod error;
 
@@ -107,8 +108,6 @@ pub struct ParsedRequest<'a> {
     pub prompt: Prompt<'a>,
     /// vLLM's `cache_salt`: requests with different salts share no cached prefix.
     pub cache_salt: Option<Cow<'a, str>>,
-    pub stream: bool,
-    pub max_tokens: Option<u64>,
 }
 
 /// The prompt, as the API gave it.
@@ -230,18 +229,11 @@ impl<'a> ReadBody<'a> {
                 (None, None) => return Err(required("`text` or `input_ids`")),
             },
         };
-        let max_tokens = match api {
-            Api::ChatCompletions => draft.max_completion_tokens.or(draft.max_tokens),
-            Api::Completions => draft.max_tokens,
-            Api::Generate => draft.max_new_tokens,
-        };
         Ok(ParsedRequest {
             api,
             model: draft.model,
             prompt,
             cache_salt: draft.cache_salt,
-            stream: draft.stream.unwrap_or(false),
-            max_tokens,
         })
     }
 }

@@ -174,41 +174,27 @@ fn a_path_naming_no_api_is_read_by_the_body_shape() {
 }
 
 #[test]
-fn the_parameters_routing_reads_come_from_each_apis_own_members() {
+fn members_routing_does_not_read_are_not_type_checked() {
+    // What vLLM and SGLang accept, or validate themselves: the picker has no opinion on them.
     #[rustfmt::skip]
     let cases = [
-        (CHAT, r#"{"max_tokens":5}"#, Some(5)),
-        (CHAT, r#"{"max_completion_tokens":7}"#, Some(7)),
-        (CHAT, r#"{"max_completion_tokens":7,"max_tokens":5}"#, Some(7)),
-        (CHAT, r#"{"max_completion_tokens":null,"max_tokens":5}"#, Some(5)),
-        (CHAT, r#"{"sampling_params":{"max_new_tokens":3}}"#, None),
-        (COMPLETIONS, r#"{"max_tokens":5,"max_completion_tokens":7}"#, Some(5)),
-        (COMPLETIONS, r#"{"max_tokens":null}"#, None),
-        (GENERATE, r#"{"sampling_params":{"temperature":0,"max_new_tokens":3,"stop":["x"]}}"#, Some(3)),
-        (GENERATE, r#"{"sampling_params":null,"max_tokens":5}"#, None),
+        (COMPLETIONS, r#"{"max_tokens":100.0,"prompt":"p"}"#),
+        (COMPLETIONS, r#"{"stream":"true","prompt":"p"}"#),
+        (COMPLETIONS, r#"{"max_tokens":-1,"stream":1,"prompt":"p"}"#),
+        (CHAT, r#"{"max_completion_tokens":1.5,"messages":[{"role":"user","content":"hi"}]}"#),
+        (GENERATE, r#"{"sampling_params":[],"text":"t"}"#),
+        (GENERATE, r#"{"sampling_params":{"max_new_tokens":"9"},"text":"t"}"#),
     ];
-    for (path, members, max_tokens) in cases {
-        let prompt = r#""messages":[{"role":"user","content":"hi"}],"prompt":"p","text":"t""#;
-        let body = format!("{},{prompt}}}", members.strip_suffix('}').unwrap());
-        assert_eq!(parsed(path, &body).max_tokens, max_tokens, "{path} {body}");
+    for (path, body) in cases {
+        assert!(parse(path, body.as_bytes(), 1 << 20).is_ok(), "{path} {body}");
     }
-    let request = parsed(
-        COMPLETIONS,
-        r#"{"model":"m","cache_salt":"s","stream":true,"prompt":"p"}"#,
-    );
+    let request = parsed(COMPLETIONS, r#"{"model":"m","cache_salt":"s","stream":true,"prompt":"p"}"#);
     assert_eq!(
-        (
-            request.model.as_deref(),
-            request.cache_salt.as_deref(),
-            request.stream
-        ),
-        (Some("m"), Some("s"), true)
+        (request.model.as_deref(), request.cache_salt.as_deref()),
+        (Some("m"), Some("s"))
     );
-    let request = parsed(COMPLETIONS, r#"{"model":null,"stream":null,"prompt":"p"}"#);
-    assert_eq!(
-        (request.model, request.cache_salt, request.stream),
-        (None, None, false)
-    );
+    let request = parsed(COMPLETIONS, r#"{"model":null,"cache_salt":null,"prompt":"p"}"#);
+    assert_eq!((request.model, request.cache_salt), (None, None));
 }
 
 #[test]
@@ -302,16 +288,6 @@ fn each_refused_body_has_its_status_kind_and_message() {
          "`model` must be a string, got a number"),
         ("a cache salt as a list", COMPLETIONS, br#"{"cache_salt":["s"],"prompt":"p"}"#.to_vec(),
          "wrong_type", 400, "`cache_salt` must be a string, got a list"),
-        ("stream as a string", COMPLETIONS, br#"{"stream":"yes","prompt":"p"}"#.to_vec(), "wrong_type", 400,
-         "`stream` must be true or false, got a string"),
-        ("a negative max_tokens", COMPLETIONS, br#"{"max_tokens":-1,"prompt":"p"}"#.to_vec(),
-         "wrong_type", 400, "`max_tokens` must be a non-negative integer, got a negative number"),
-        ("a fractional max_completion_tokens", CHAT, br#"{"max_completion_tokens":1.5}"#.to_vec(),
-         "wrong_type", 400, "`max_completion_tokens` must be a non-negative integer, got a number that is not"),
-        ("sampling params as a list", GENERATE, br#"{"sampling_params":[],"text":"t"}"#.to_vec(),
-         "wrong_type", 400, "`sampling_params` must be an object, got a list"),
-        ("max_new_tokens as a string", GENERATE, br#"{"sampling_params":{"max_new_tokens":"9"}}"#.to_vec(),
-         "wrong_type", 400, "`sampling_params.max_new_tokens` must be a non-negative integer, got a string"),
         ("messages as an object", CHAT, br#"{"messages":{"role":"user"}}"#.to_vec(), "wrong_type", 400,
          "`messages` must be a list of messages, got an object"),
         ("a message as a string", CHAT, br#"{"messages":[{"role":"user","content":"a"},"hi"]}"#.to_vec(),
