@@ -74,6 +74,8 @@ pub struct Metrics {
     passthrough: IntCounterVec,
     /// `cachepick_unknown_subset_total{pool}`.
     unknown_subset: IntCounterVec,
+    /// `cachepick_compressed_bodies_total{encoding,outcome}`.
+    compressed_bodies: IntCounterVec,
     /// `cachepick_prefix_match_ratio{pool}`.
     match_ratio: HistogramVec,
     /// `cachepick_diverted_prefix_blocks{pool}`.
@@ -251,6 +253,15 @@ impl Metrics {
                 ),
                 &["pool"],
             )?,
+            compressed_bodies: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_compressed_bodies_total",
+                    "Request bodies sent with a content-encoding, by encoding (gzip, deflate, br, zstd, \
+                     other) and outcome: decoded, or routed by load as a passthrough because the body is \
+                     unsupported, corrupt or decodes beyond max_body_bytes.",
+                ),
+                &["encoding", "outcome"],
+            )?,
             unknown_subset: IntCounterVec::new(
                 Opts::new(
                     "cachepick_unknown_subset_total",
@@ -308,6 +319,7 @@ impl Metrics {
         registry.register(Box::new(metrics.rejections.clone()))?;
         registry.register(Box::new(metrics.passthrough.clone()))?;
         registry.register(Box::new(metrics.unknown_subset.clone()))?;
+        registry.register(Box::new(metrics.compressed_bodies.clone()))?;
         registry.register(Box::new(metrics.match_ratio.clone()))?;
         registry.register(Box::new(metrics.diverted_blocks.clone()))?;
         registry.register(Box::new(metrics.decision_seconds.clone()))?;
@@ -372,6 +384,13 @@ impl Metrics {
     /// A request without a prompt routed by load alone: `cachepick_passthrough_total{pool}` += 1.
     pub fn record_passthrough(&self, pool: &str) {
         self.passthrough.with_label_values(&[pool]).inc();
+    }
+
+    /// One compressed body: `outcome` is `decoded` or why it was routed by load instead.
+    pub fn record_compressed_body(&self, encoding: &str, outcome: &str) {
+        self.compressed_bodies
+            .with_label_values(&[encoding, outcome])
+            .inc();
     }
 
     /// One request whose proxy subset named no worker the pool knows.

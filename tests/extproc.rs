@@ -1115,3 +1115,67 @@ async fn debug_endpoints_can_be_turned_off() {
     assert_eq!(status.code(), tonic::Code::Unimplemented);
     harness.stop().await;
 }
+
+/// A compressed body is read once decoded (and learned, so its repeat is a hit); one that cannot be
+/// decoded is routed by load, never refused; both are counted by encoding and outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_bodies_are_decoded_or_routed_by_load() {
+    use std::io::Write;
+
+    let harness = Harness::start(2, "").await;
+    let compressed = |path: &str, encoding: &str, payload: &[u8]| {
+        let harness = &harness;
+        let path = path.to_owned();
+        let encoding = encoding.to_owned();
+        let payload = payload.to_vec();
+        async move {
+            let responses = harness
+                .exchange(vec![
+                    headers(
+                        "POST",
+                        &path,
+                        &[("content-encoding", &encoding)],
+                        false,
+                        BodySendMode::Buffered,
+                        None,
+                    ),
+                    body(&payload, true),
+                ])
+                .await
+                .clean();
+            route_of(&responses[1])
+        }
+    };
+    let prompt = "a compressed conversation ".repeat(200);
+    let json = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+    let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gzip.write_all(json.as_bytes()).unwrap();
+    let gzip = gzip.finish().unwrap();
+    let first = compressed(COMPLETIONS, "gzip", &gzip).await;
+    assert_eq!(first.reason, "cache_miss", "{first:?}");
+    assert!(first.prefix_tokens == 0);
+    let again = compressed(COMPLETIONS, "gzip", &gzip).await;
+    assert_eq!(
+        (again.reason.as_str(), again.endpoints.first()),
+        ("cache_hit", first.endpoints.first()),
+        "the decoded prompt was learned"
+    );
+    // Not what it claims to be, and a coding nobody decodes: routed by load, never a 400.
+    for (encoding, payload) in [("br", &b"not brotli"[..]), ("compress", json.as_bytes())] {
+        let route = compressed(COMPLETIONS, encoding, payload).await;
+        assert_eq!(route.reason, "passthrough", "{encoding}");
+        harness.assert_routed_to_a_worker(&route);
+    }
+    let text = harness.metrics().await;
+    let count = |encoding, outcome| {
+        metric(
+            &text,
+            "cachepick_compressed_bodies_total",
+            &[("encoding", encoding), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(count("gzip", "decoded"), 2.0, "{text}");
+    assert_eq!(count("br", "corrupt"), 1.0, "{text}");
+    assert_eq!(count("other", "unsupported"), 1.0, "{text}");
+    harness.stop().await;
+}

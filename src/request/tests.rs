@@ -186,14 +186,23 @@ fn members_routing_does_not_read_are_not_type_checked() {
         (GENERATE, r#"{"sampling_params":{"max_new_tokens":"9"},"text":"t"}"#),
     ];
     for (path, body) in cases {
-        assert!(parse(path, body.as_bytes(), 1 << 20).is_ok(), "{path} {body}");
+        assert!(
+            parse(path, body.as_bytes(), 1 << 20).is_ok(),
+            "{path} {body}"
+        );
     }
-    let request = parsed(COMPLETIONS, r#"{"model":"m","cache_salt":"s","stream":true,"prompt":"p"}"#);
+    let request = parsed(
+        COMPLETIONS,
+        r#"{"model":"m","cache_salt":"s","stream":true,"prompt":"p"}"#,
+    );
     assert_eq!(
         (request.model.as_deref(), request.cache_salt.as_deref()),
         (Some("m"), Some("s"))
     );
-    let request = parsed(COMPLETIONS, r#"{"model":null,"cache_salt":null,"prompt":"p"}"#);
+    let request = parsed(
+        COMPLETIONS,
+        r#"{"model":null,"cache_salt":null,"prompt":"p"}"#,
+    );
     assert_eq!((request.model, request.cache_salt), (None, None));
 }
 

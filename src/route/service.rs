@@ -5,6 +5,7 @@
 //! header-only request) and the proxy's subset hint as addresses, and gets back an [`Answer`]: a
 //! [`Routed`] request or a [`Refusal`], whose [`RefusalReason`] carries the status and label.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,7 +22,7 @@ use crate::load::{PoolView, RosterObserver};
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
 use crate::protocol::{PASSTHROUGH, RefusalReason};
-use crate::request::{self, ApiPath};
+use crate::request::{self, ApiPath, encoding};
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -239,8 +240,14 @@ impl Service {
     pub fn route(&self, inbound: &Inbound<'_>) -> Answer {
         let Inbound { body, subset, .. } = *inbound;
         let path = ApiPath::new(inbound.path);
-        let prepared = match body {
-            Some(body) => self.prepare(path, body),
+        let decoded = body.map(|body| self.decode(inbound.content_encoding, body));
+        let prepared = match decoded {
+            // A compressed body cachepick cannot read: routed by load, like a request without a prompt.
+            Some(None) => self
+                .picker
+                .prepare_passthrough(None)
+                .map(|prepared| (prepared, true)),
+            Some(Some(body)) => self.prepare(path, &body),
             None if path.api.is_some() => {
                 let message = format!("a request to {} needs a JSON body with a prompt", path.path);
                 return Answer::Refuse(self.refuse(RefusalReason::MissingBody, message));
@@ -269,6 +276,30 @@ impl Service {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, &decision),
             Outcome::Route(decision) => self.routed(&pinned, decision),
             Outcome::Reject(reject) => self.rejected(&prepared, reject.reason.into(), subset),
+        }
+    }
+
+    /// The body with its content-encoding undone, within `max_body_bytes` of output; `None` when it
+    /// cannot be (counted, and the request is then routed by load: never refused for it).
+    fn decode<'b>(&self, content_encoding: Option<&str>, body: &'b [u8]) -> Option<Cow<'b, [u8]>> {
+        let decoded = encoding::decode(content_encoding, body, self.picker.max_body_bytes());
+        let label = || {
+            content_encoding
+                .and_then(|header| encoding::codings(header).ok())
+                .and_then(|codings| codings.last().map(|coding| coding.as_str()))
+                .unwrap_or("other")
+        };
+        match decoded {
+            Ok(Cow::Borrowed(body)) => Some(Cow::Borrowed(body)),
+            Ok(owned) => {
+                self.metrics.record_compressed_body(label(), "decoded");
+                Some(owned)
+            }
+            Err(error) => {
+                self.metrics.record_compressed_body(label(), error.as_str());
+                tracing::debug!(%error, "compressed body not decoded; routed by load");
+                None
+            }
         }
     }
 
