@@ -1179,3 +1179,28 @@ async fn compressed_bodies_are_decoded_or_routed_by_load() {
     assert_eq!(count("other", "unsupported"), 1.0, "{text}");
     harness.stop().await;
 }
+
+/// Only a generation request is learned from: a prompt-shaped body on another path (vLLM's
+/// `/tokenize`, a gateway's own path) is routed by load and leaves the owner index untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_shaped_bodies_on_other_paths_are_not_learned() {
+    let harness = Harness::start(2, "").await;
+    let prompt = "a prompt sent to the tokenizer endpoint ".repeat(100);
+    let payload = json!({"model": MODEL, "prompt": prompt}).to_string();
+    for path in ["/tokenize", "/v1/custom", "/"] {
+        let answer = buffered(&harness, path, payload.as_bytes(), None).await;
+        let route = route_of(&answer);
+        assert_eq!(route.reason, "passthrough", "{path}");
+        harness.assert_routed_to_a_worker(&route);
+    }
+    let text = harness.metrics().await;
+    assert_eq!(
+        metric(&text, "cachepick_index_entries", &[("pool", POOL)]),
+        0.0,
+        "{text}"
+    );
+    // The same prompt as a completion is a first sighting, not a hit.
+    let completion = buffered(&harness, COMPLETIONS, payload.as_bytes(), None).await;
+    assert_eq!(route_of(&completion).reason, "cache_miss");
+    harness.stop().await;
+}

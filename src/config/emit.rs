@@ -42,6 +42,8 @@ struct File<'c> {
     metrics_listen: SocketAddr,
     max_body_bytes: Size,
     debug_endpoints: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_salt_header: Option<&'c str>,
     policy: Policy,
     load: Load,
     pools: Vec<Pool<'c>>,
@@ -182,6 +184,7 @@ struct Pool<'c> {
     chat_template: Option<Cow<'c, str>>,
     segment_cache_entries: usize,
     default_cache_blocks: usize,
+    max_model_len: u64,
     #[serde(skip_serializing_if = "Policy::is_empty")]
     policy: Policy,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -283,6 +286,7 @@ impl<'c> From<&'c Config> for File<'c> {
             metrics_listen: config.metrics_listen,
             max_body_bytes: config.max_body_bytes.get().into(),
             debug_endpoints: config.debug_endpoints,
+            cache_salt_header: config.cache_salt_header.as_deref(),
             policy: Policy::whole(&config.policy),
             load: Load {
                 scrape_interval: duration::format(config.load.scrape_interval),
@@ -326,6 +330,7 @@ impl<'c> Pool<'c> {
             chat_template: pool.chat_template.as_deref().map(Path::to_string_lossy),
             segment_cache_entries: pool.segment_cache_entries.get(),
             default_cache_blocks: pool.default_cache_blocks.get(),
+            max_model_len: pool.max_model_len.get(),
             policy: Policy::over(&pool.policy, policy),
             index: (pool.index != IndexConfig::default()
                 || pool.template.kv_events_port != IndexConfig::DEFAULT_LIVE_PORT

@@ -120,6 +120,7 @@ fn the_full_example_is_accepted_with_its_values() {
         listen: addr("127.0.0.1:9002"),
         metrics_listen: addr("127.0.0.1:9090"),
         debug_endpoints: true,
+        cache_salt_header: None,
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),
@@ -141,6 +142,7 @@ fn the_full_example_is_accepted_with_its_values() {
                 chat_template: None,
                 segment_cache_entries: NonZeroUsize::new(16_384).unwrap(),
                 default_cache_blocks: NonZeroUsize::new(16_384).unwrap(),
+                max_model_len: NonZeroU64::new(PoolConfig::DEFAULT_MAX_MODEL_LEN).unwrap(),
                 workers: vec![WorkerConfig {
                     endpoint: addr("10.0.0.11:8000"),
                     metrics_url: "http://10.0.0.11:8000/metrics".into(),
@@ -171,6 +173,7 @@ fn the_full_example_is_accepted_with_its_values() {
                 chat_template: Some(PathBuf::from("/models/qwen/tokenizer_config.json")),
                 segment_cache_entries: NonZeroUsize::new(4096).unwrap(),
                 default_cache_blocks: NonZeroUsize::new(65_536).unwrap(),
+                max_model_len: NonZeroU64::new(PoolConfig::DEFAULT_MAX_MODEL_LEN).unwrap(),
                 workers: vec![
                     WorkerConfig {
                         endpoint: addr("10.0.0.21:30000"),
@@ -275,6 +278,8 @@ fn defaults_fill_a_minimal_file() {
     assert_eq!(pool.chat_template, None);
     assert_eq!(pool.segment_cache_entries.get(), 16_384);
     assert_eq!(pool.default_cache_blocks.get(), 16_384);
+    assert_eq!(pool.max_model_len.get(), 131_072);
+    assert_eq!(config.cache_salt_header, None);
     assert_eq!(
         pool.tokenizer,
         TokenizerConfig::Tiktoken {
@@ -673,7 +678,7 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
             ("interval beyond default freshness", load("  scrape_interval: 5s\n"), &NO_FLAGS,
              "load.scrape_interval (line 2)", "freshness (3s) must be longer than scrape_interval (5s)"),
             ("unknown top-level key", format!("{POOL}listn: 127.0.0.1:1\n"), &NO_FLAGS,
-             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, max_body_bytes, debug_endpoints, policy, load, pools"),
+             "listn (line 6)", "unknown key; expected one of: listen, metrics_listen, max_body_bytes, debug_endpoints,"),
             ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
              "policy.worker_queue_limt (line 2)",
              "unknown key; expected one of: mode, worker_queue_limit, saturation_queue_floor, min_load_choices, \
@@ -721,12 +726,18 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "pools[0].segment_cache_entries (line 4)", "expected a non-negative integer, got `many`"),
             ("default_cache_blocks 0", pool_with("default_cache_blocks: 0"), &NO_FLAGS,
              "pools[0].default_cache_blocks (line 4)", "must be at least 1"),
+            ("max_model_len 0", pool_with("max_model_len: 0"), &NO_FLAGS,
+             "pools[0].max_model_len (line 4)", "must be at least 1"),
+            ("a salt header with a space", format!("cache_salt_header: x tenant\n{POOL}"), &NO_FLAGS,
+             "cache_salt_header (line 1)", "is not an HTTP header name"),
+            ("a salt header cachepick owns", format!("cache_salt_header: X-Cachepick-Tenant\n{POOL}"),
+             &NO_FLAGS, "cache_salt_header (line 1)", "is a header cachepick sets and removes"),
             ("default_cache_blocks as a size", pool_with("default_cache_blocks: 1MiB"), &NO_FLAGS,
              "pools[0].default_cache_blocks (line 4)", "expected a non-negative integer, got `1MiB`"),
             ("unknown pool key", pool_with("chat_templates: a.jinja"), &NO_FLAGS,
              "pools[0].chat_templates (line 4)",
              "unknown key; expected one of: model, engine, block_size, tokenizer, chat_template, \
-              segment_cache_entries, default_cache_blocks, policy, index, workers"),
+              segment_cache_entries, default_cache_blocks, max_model_len, policy, index, workers"),
             ("request body limit 0", format!("max_body_bytes: 0\n{POOL}"), &NO_FLAGS,
              "max_body_bytes (line 1)", "must be at least 1 byte"),
             ("request body limit in lower case", format!("max_body_bytes: 8mib\n{POOL}"), &NO_FLAGS,
@@ -1595,4 +1606,13 @@ fn the_lifecycle_keys_are_read_and_checked() {
     .to_string();
     assert!(error.contains("load.unreachable_after (line 1)"), "{error}");
     assert!(error.contains("load.drain_timeout (line 1)"), "{error}");
+}
+
+#[test]
+fn the_salt_header_is_lower_cased_and_emitted() {
+    let source = format!("cache_salt_header: X-Tenant-ID\n{POOL}");
+    let config = parse(&source, "salt.yaml", &Overrides::default()).unwrap();
+    assert_eq!(config.cache_salt_header.as_deref(), Some("x-tenant-id"));
+    let again = parse(&config.to_yaml(), "emitted.yaml", &Overrides::default()).unwrap();
+    assert_eq!(again, config);
 }

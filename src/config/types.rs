@@ -27,6 +27,9 @@ pub struct Config {
     /// describe the fleet and explain routing to whoever can connect: turn them off where those listeners
     /// are reachable beyond the operator (a pod network, say).
     pub debug_endpoints: bool,
+    /// The request header whose value salts every prefix hash of an `approximate` pool, lower-case: one
+    /// tenant's prompts never match another's in the owner index (see `route`).
+    pub cache_salt_header: Option<String>,
 }
 
 impl Config {
@@ -379,6 +382,9 @@ pub struct PoolConfig {
     pub segment_cache_entries: NonZeroUsize,
     /// Prefix blocks the owner index keeps per worker when the engine does not report its KV capacity.
     pub default_cache_blocks: NonZeroUsize,
+    /// The engine's context length in tokens (vLLM's `--max-model-len`): a longer prompt is refused by
+    /// the engine, so it is routed but never committed to the owner index.
+    pub max_model_len: NonZeroU64,
     /// The file's workers (`Discovery::Static`): non-empty, unique endpoints, at least one of them
     /// serving prefill. Empty for a discovered pool; the live roster is the load snapshot's.
     pub workers: Vec<WorkerConfig>,
@@ -400,6 +406,12 @@ impl PoolConfig {
     pub const DEFAULT_SEGMENT_CACHE_ENTRIES: usize = 16_384;
     /// About 1M tokens at 64 tokens per block: a mid-size GPU's KV cache.
     pub const DEFAULT_CACHE_BLOCKS: usize = 16_384;
+    /// The context most served models have; set the engine's own.
+    pub const DEFAULT_MAX_MODEL_LEN: u64 = 131_072;
+    /// The most blocks an engine-reported KV capacity can give a worker in the owner index: 2 Mi
+    /// blocks (128 Mi tokens at the default block size) is beyond any engine's cache today, and bounds
+    /// what one garbled or lying scrape can make the index hold.
+    pub const MAX_REPORTED_CACHE_BLOCKS: usize = 1 << 21;
     /// Far more engines than one model's pool runs today, and a few hundred kilobytes of slots.
     pub const DEFAULT_MAX_WORKERS: usize = 256;
 }

@@ -40,6 +40,7 @@ const ROOT_KEYS: &[&str] = &[
     "metrics_listen",
     "max_body_bytes",
     "debug_endpoints",
+    "cache_salt_header",
     "policy",
     "load",
     "pools",
@@ -61,6 +62,7 @@ const POOL_KEYS: &[&str] = &[
     "chat_template",
     "segment_cache_entries",
     "default_cache_blocks",
+    "max_model_len",
     "policy",
     "index",
     "workers",
@@ -98,6 +100,7 @@ struct PoolDraft {
     chat_template: Res<Option<PathBuf>>,
     segment_cache_entries: Res<NonZeroUsize>,
     default_cache_blocks: Res<NonZeroUsize>,
+    max_model_len: Res<NonZeroU64>,
     workers: Res<Vec<Res<WorkerDraft>>>,
     policy: Res<PolicyConfig>,
     index: Res<IndexDraft>,
@@ -147,6 +150,7 @@ impl PoolDraft {
             chat_template: self.chat_template?,
             segment_cache_entries: self.segment_cache_entries?,
             default_cache_blocks: self.default_cache_blocks?,
+            max_model_len: self.max_model_len?,
             workers: self
                 .workers?
                 .into_iter()
@@ -215,6 +219,8 @@ impl Validator<'_> {
         let max_body_bytes =
             self.positive_size(&root, "max_body_bytes", Config::DEFAULT_MAX_BODY_BYTES);
         let debug_endpoints = self.opt(&root, "debug_endpoints", Self::boolean);
+        let cache_salt_header = self.opt(&root, "cache_salt_header", Self::string);
+        let cache_salt_header = self.check_opt(cache_salt_header, salt_header);
         let policy = self.policy(&root, Some(overrides), None);
         let load = self
             .section(&root, "load", LOAD_KEYS)
@@ -228,6 +234,7 @@ impl Validator<'_> {
             pools: pools?,
             max_body_bytes: max_body_bytes?.value,
             debug_endpoints: debug_endpoints?.is_none_or(|given| given.value),
+            cache_salt_header: cache_salt_header?.map(|given| given.value),
         })
     }
 
@@ -373,6 +380,11 @@ impl Validator<'_> {
             "default_cache_blocks",
             PoolConfig::DEFAULT_CACHE_BLOCKS,
         );
+        let max_model_len = self.opt(&map, "max_model_len", Self::integer);
+        let max_model_len = self.check(
+            with_default(max_model_len, PoolConfig::DEFAULT_MAX_MODEL_LEN),
+            at_least_one,
+        );
         // The pool's own keys over the top-level ones; flags apply to the top level only.
         let policy = self.policy(&map, None, Some(parent)).policy;
         let engine = engine.map(|engine| engine.value);
@@ -390,6 +402,7 @@ impl Validator<'_> {
             chat_template,
             segment_cache_entries,
             default_cache_blocks,
+            max_model_len: max_model_len.map(|len| len.value),
             policy,
             index,
         })
@@ -619,4 +632,22 @@ impl Validator<'_> {
             ModelMatch::Exact(name)
         })
     }
+}
+
+/// `cache_salt_header`: an HTTP header name a client sends (not a pseudo-header, not one the proxy
+/// owns), lower-cased as Envoy hands headers to ext_proc.
+fn salt_header(name: String) -> Result<String, String> {
+    let lower = name.to_ascii_lowercase();
+    let token = |byte: u8| byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte);
+    if !lower.bytes().all(token) {
+        return Err(format!(
+            "{name:?} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)"
+        ));
+    }
+    if lower.starts_with(crate::protocol::OWNED_PREFIX) || lower == crate::protocol::DESTINATION {
+        return Err(format!(
+            "{name:?} is a header cachepick sets and removes from client requests"
+        ));
+    }
+    Ok(lower)
 }

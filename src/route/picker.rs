@@ -121,6 +121,8 @@ pub struct Picker {
     /// In configuration order: `Prepared::pool` indexes it.
     pools: Vec<PoolRoute>,
     max_body_bytes: usize,
+    /// `cache_salt_header`: the request header that salts an `approximate` pool's prefix hashes.
+    salt_header: Option<String>,
 }
 
 impl Picker {
@@ -167,17 +169,27 @@ impl Picker {
         Ok(Picker {
             pools,
             max_body_bytes: config.max_body_bytes.get(),
+            salt_header: config.cache_salt_header.clone(),
         })
     }
 
     /// Body → pool, tokens, block hashes and owners.
     pub fn prepare(&self, path: &str, body: &[u8]) -> Result<Prepared, RequestError> {
         let read = request::read(ApiPath::new(path).api, body, self.max_body_bytes)?;
-        self.prepare_read(read)
+        self.prepare_read(read, None)
     }
 
-    /// [`Picker::prepare`] of a body already read.
-    pub(super) fn prepare_read(&self, read: ReadBody<'_>) -> Result<Prepared, RequestError> {
+    /// The request header whose value salts the prefix hashes, if one is configured.
+    pub fn salt_header(&self) -> Option<&str> {
+        self.salt_header.as_deref()
+    }
+
+    /// [`Picker::prepare`] of a body already read; `tenant` is the value of the salt header.
+    pub(super) fn prepare_read(
+        &self,
+        read: ReadBody<'_>,
+        tenant: Option<&str>,
+    ) -> Result<Prepared, RequestError> {
         let parsed = read.into_request()?;
         let model = parsed.model.as_deref();
         let (pool_index, pool) = self.select_pool(model)?;
@@ -214,7 +226,19 @@ impl Picker {
             PoolIndex::Approximate(_) => model.unwrap_or(pool.load.label()),
             PoolIndex::Events(_) => pool.load.label(),
         };
-        let seed = prefix_seed(seed_model, parsed.cache_salt.as_deref());
+        // The tenant salts only what cachepick hashes itself: an `events` pool matches the engines'
+        // own chains, which no header changes (the engines isolate tenants by vLLM's `cache_salt`).
+        let salt = match (&pool.index, tenant) {
+            (PoolIndex::Approximate(_), Some(tenant)) => {
+                Some(Cow::Owned(match &parsed.cache_salt {
+                    // Length-prefixed, so no pair of tenant and body salt reads as another pair.
+                    Some(body) => format!("{}:{tenant}\0{body}", tenant.len()),
+                    None => format!("{}:{tenant}", tenant.len()),
+                }))
+            }
+            _ => parsed.cache_salt.clone(),
+        };
+        let seed = prefix_seed(seed_model, salt.as_deref());
         let hashes = block_hashes(seed, &tokens, config.block_size);
         let owners = match &pool.index {
             PoolIndex::Approximate(index) => index.matches(&hashes, config.block_size),
@@ -452,6 +476,11 @@ impl<'p> Pinned<'p> {
         else {
             return;
         };
+        // A prompt beyond the engine's context is refused by the engine: its blocks will never be
+        // cached there, and recording them would evict prefixes that are.
+        if self.prepared.prompt_tokens > pool.config.max_model_len.get() {
+            return;
+        }
         // The worker may have left since this request's snapshot, and its slot gone to another: what
         // was decided for the one must not be credited to the other.
         let current = pool.load.snapshot();
@@ -587,12 +616,17 @@ fn untokenized_as_empty(
     }
 }
 
-/// A worker's capacity in our blocks: the engine's KV tokens divided by our block size, else the pool's
+/// A worker's capacity in our blocks: the engine's KV tokens divided by our block size, at most
+/// [`PoolConfig::MAX_REPORTED_CACHE_BLOCKS`] (a scrape is plaintext and may be garbled), else the pool's
 /// configured default.
 fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
     let block: u64 = NonZeroU32::get(pool.block_size).into();
     max_total_tokens
-        .map(|tokens| usize::try_from(tokens / block).unwrap_or(usize::MAX).max(1))
+        .map(|tokens| {
+            usize::try_from(tokens / block)
+                .unwrap_or(usize::MAX)
+                .clamp(1, PoolConfig::MAX_REPORTED_CACHE_BLOCKS)
+        })
         .unwrap_or(pool.default_cache_blocks.get())
 }
 
@@ -644,6 +678,101 @@ pools:
         };
         pinned.commit(&decision);
         (decision.selected.0, decision.reason)
+    }
+
+    /// One cache_aware pool of two workers, with `extra` top-level lines and `pool` pool lines.
+    fn one_pool(extra: &str, pool: &str) -> Picker {
+        let yaml = format!(
+            "{extra}policy: {{min_match_tokens: 4}}\npools:\n  - model: ca\n    engine: vllm\n    \
+             tokenizer: {{kind: bytes}}\n{pool}    workers:\n      - endpoint: 127.0.0.1:4\n      \
+             - endpoint: 127.0.0.1:5\n"
+        );
+        let config = crate::config::parse(&yaml, "t", &Overrides::default()).unwrap();
+        let loads = PoolLoad::for_pools(&config);
+        Picker::new(&config, &loads).unwrap()
+    }
+
+    /// Routes `read`'s body as `tenant` and commits; (reason, matched tokens).
+    fn route_as(picker: &Picker, body: &[u8], tenant: Option<&str>) -> (Reason, u64) {
+        let read = request::read(Some(request::Api::Completions), body, 1 << 20).unwrap();
+        let prepared = picker.prepare_read(read, tenant).unwrap();
+        let pinned = picker.pin(&prepared).unwrap();
+        let mut rng = SmallRng::seed_from_u64(3);
+        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
+            panic!("rejected")
+        };
+        pinned.commit(&decision);
+        (decision.reason, decision.matched_tokens)
+    }
+
+    #[test]
+    fn a_prompt_beyond_the_engines_context_is_routed_but_never_learned() {
+        let picker = one_pool("", "    max_model_len: 500\n    block_size: 16\n");
+        let prompt = |bytes: usize| {
+            serde_json::to_vec(&serde_json::json!({"model": "ca", "prompt": "x".repeat(bytes)}))
+                .unwrap()
+        };
+        // About 1,000 tokens: beyond the 500-token context, so the engine refuses it.
+        let long = prompt(4000);
+        assert!(
+            picker
+                .prepare("/v1/completions", &long)
+                .unwrap()
+                .prompt_tokens
+                > 500
+        );
+        assert_eq!(route_as(&picker, &long, None).0, Reason::CacheMiss);
+        assert_eq!(route_as(&picker, &long, None).0, Reason::CacheMiss);
+        assert_eq!(picker.index_stats()[0].1.entries, 0, "nothing committed");
+        let short = prompt(1600);
+        route_as(&picker, &short, None);
+        assert_eq!(route_as(&picker, &short, None).0, Reason::CacheHit);
+    }
+
+    #[test]
+    fn tenants_salted_by_header_share_no_prefix() {
+        let picker = one_pool("cache_salt_header: x-tenant\n", "");
+        let prompt = body("ca");
+        assert_eq!(route_as(&picker, &prompt, Some("a")).0, Reason::CacheMiss);
+        assert_eq!(route_as(&picker, &prompt, Some("a")).0, Reason::CacheHit);
+        assert_eq!(
+            route_as(&picker, &prompt, Some("b")),
+            (Reason::CacheMiss, 0),
+            "tenant b matches nothing of tenant a's"
+        );
+        assert_eq!(route_as(&picker, &prompt, None), (Reason::CacheMiss, 0));
+        // The body's own salt and the tenant's are two parts, not one string run together.
+        let salted = |salt: &str| {
+            let prompt = "z".repeat(600);
+            serde_json::to_vec(
+                &serde_json::json!({"model": "ca", "prompt": prompt, "cache_salt": salt}),
+            )
+            .unwrap()
+        };
+        route_as(&picker, &salted("c"), Some("ab"));
+        assert_eq!(route_as(&picker, &salted("bc"), Some("a")).1, 0);
+    }
+
+    #[test]
+    fn an_engine_reported_capacity_is_clamped() {
+        let pool = crate::config::parse(
+            "pools:\n  - model: m\n    engine: vllm\n    block_size: 1\n    workers:\n      - endpoint: 127.0.0.1:4\n",
+            "t",
+            &Overrides::default(),
+        )
+        .unwrap()
+        .pools
+        .remove(0);
+        assert_eq!(
+            capacity_blocks(&pool, Some(u64::MAX)),
+            PoolConfig::MAX_REPORTED_CACHE_BLOCKS
+        );
+        assert_eq!(capacity_blocks(&pool, Some(0)), 1);
+        assert_eq!(capacity_blocks(&pool, Some(1000)), 1000);
+        assert_eq!(
+            capacity_blocks(&pool, None),
+            pool.default_cache_blocks.get()
+        );
     }
 
     #[test]

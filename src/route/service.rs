@@ -247,7 +247,7 @@ impl Service {
                 .picker
                 .prepare_passthrough(None)
                 .map(|prepared| (prepared, true)),
-            Some(Some(body)) => self.prepare(path, &body),
+            Some(Some(body)) => self.prepare(path, &body, inbound.tenant),
             None if path.api.is_some() => {
                 let message = format!("a request to {} needs a JSON body with a prompt", path.path);
                 return Answer::Refuse(self.refuse(RefusalReason::MissingBody, message));
@@ -303,30 +303,26 @@ impl Service {
         }
     }
 
-    /// The body → a prepared request, and whether it is a passthrough. The body is read once: a body
-    /// that reads but holds no usable prompt on a non-generation path is routed by the `model` it named.
-    fn prepare(&self, path: ApiPath<'_>, body: &[u8]) -> Result<(Prepared, bool), RequestError> {
-        let generation = path.api.is_some();
-        let read = match request::read(path.api, body, self.picker.max_body_bytes()) {
-            Ok(read) => read,
-            Err(error) if generation => return Err(error.into()),
-            // A body the reader refuses on another API (not JSON, say): a lenient look for its model.
-            Err(_) => {
-                return self
-                    .picker
-                    .prepare_passthrough(request::model_of(body).as_deref())
-                    .map(|prepared| (prepared, true));
-            }
-        };
-        let model = read.model();
-        match self.picker.prepare_read(read) {
-            Ok(prepared) => Ok((prepared, false)),
-            Err(_) if !generation => self
+    /// The body → a prepared request, and whether it is a passthrough. Only a generation request
+    /// leaves its prompt in a worker's cache, so only one is read for a prompt and learned from:
+    /// anything else (a tokenizer endpoint, embeddings, a path of the gateway's own) is routed by load to
+    /// the pool of the `model` it names, whatever prompt-shaped members it carries.
+    fn prepare(
+        &self,
+        path: ApiPath<'_>,
+        body: &[u8],
+        tenant: Option<&str>,
+    ) -> Result<(Prepared, bool), RequestError> {
+        if path.api.is_none() {
+            return self
                 .picker
-                .prepare_passthrough(model.as_deref())
-                .map(|prepared| (prepared, true)),
-            Err(error) => Err(error),
+                .prepare_passthrough(request::model_of(body).as_deref())
+                .map(|prepared| (prepared, true));
         }
+        let read = request::read(path.api, body, self.picker.max_body_bytes())?;
+        self.picker
+            .prepare_read(read, tenant)
+            .map(|prepared| (prepared, false))
     }
 
     /// The policy found no worker: 503, counted under the pool.
@@ -602,7 +598,7 @@ impl Service {
 
     /// The request header whose value salts the prefix hashes (tenant isolation), if one is configured.
     pub fn salt_header(&self) -> Option<&str> {
-        None
+        self.picker.salt_header()
     }
 
     /// Largest body accepted.

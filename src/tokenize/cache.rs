@@ -3,14 +3,16 @@
 //! A segment's tokens depend only on the tokenizer, on whether the tokenizer adds its own special
 //! tokens, and on the segment's text, so the key hashes exactly those (the text is fed piece by piece,
 //! so a turn is looked up without first joining its header and content parts). The key is a 128-bit
-//! xxh3: with a few thousand entries per pool a collision, which would hand back another segment's
-//! tokens, is out of reach, and no text is kept to compare against.
+//! xxh3, and each entry keeps its text, compared on every hit: xxh3 is not built to resist a client
+//! crafting two texts with one key, and a collision would hand one tenant's request another's tokens.
+//! The text costs about as much memory as the tokens and is counted in the same budget.
 //!
 //! The LRU is split into shards, each behind its own mutex, so concurrent requests rarely wait on one
 //! another; a lock is held only to look up or insert, never while tokenizing. Two requests that miss the
 //! same segment at once both tokenize it, and the second insert replaces the first with equal tokens.
-//! Memory is bounded twice: by entries (`segment_cache_entries`) and by tokens, at
-//! [`TOKENS_PER_ENTRY`] per entry on average (32 MiB per pool at the default 16,384 entries). A segment
+//! Memory is bounded twice: by entries (`segment_cache_entries`) and by 4-byte units (a token, or four
+//! bytes of text), at [`TOKENS_PER_ENTRY`] per entry on average (32 MiB per pool at the default 16,384
+//! entries). A segment
 //! longer than an eighth of its shard's token budget is not cached at all, so one huge prompt — or a
 //! client sending many — cannot flush the conversations the cache exists for.
 
@@ -28,10 +30,37 @@ const SHARDS: usize = 16;
 /// The average segment the token budget allows for: a long chat turn.
 pub(super) const TOKENS_PER_ENTRY: usize = 512;
 
-/// One shard: its LRU and the tokens it holds.
+/// One shard: its LRU and the units (tokens plus text) it holds.
 struct Shard {
-    lru: LruCache<u128, Arc<[u32]>>,
+    lru: LruCache<u128, Entry>,
     tokens: usize,
+}
+
+/// A cached segment: its exact text, checked on a hit, and its tokens.
+struct Entry {
+    text: Box<str>,
+    tokens: Arc<[u32]>,
+}
+
+impl Entry {
+    /// What the entry costs against the budget, in 4-byte units.
+    fn cost(&self) -> usize {
+        self.tokens
+            .len()
+            .saturating_add(self.text.len().div_ceil(4))
+    }
+
+    /// Whether the text is `pieces` joined, without joining them.
+    fn is(&self, pieces: &[&str]) -> bool {
+        let mut rest = self.text.as_bytes();
+        for piece in pieces {
+            match rest.strip_prefix(piece.as_bytes()) {
+                Some(after) => rest = after,
+                None => return false,
+            }
+        }
+        rest.is_empty()
+    }
 }
 
 /// How often the cache answered, since the pool's tokenizer was built.
@@ -85,10 +114,17 @@ impl SegmentCache {
         hasher.digest128()
     }
 
-    /// The cached tokens for `key`, counting the hit or miss.
-    pub(super) fn get(&self, key: u128) -> Option<Arc<[u32]>> {
+    /// The cached tokens for `key`, whose text is `pieces` joined, counting the hit or miss. An entry
+    /// under the key with another text is a collision: a miss.
+    pub(super) fn get(&self, key: u128, pieces: &[&str]) -> Option<Arc<[u32]>> {
         let found = self
-            .with_shard(key, |shard| shard.lru.get(&key).cloned())
+            .with_shard(key, |shard| {
+                shard
+                    .lru
+                    .get(&key)
+                    .filter(|entry| entry.is(pieces))
+                    .map(|entry| Arc::clone(&entry.tokens))
+            })
             .flatten();
         let counter = if found.is_some() {
             &self.hits
@@ -101,25 +137,31 @@ impl SegmentCache {
 
     /// Caches `tokens` unless the segment is too long to be worth its share of the budget, evicting the
     /// least recently used entries until the shard is within both of its bounds.
-    pub(super) fn insert(&self, key: u128, tokens: Arc<[u32]>) {
+    pub(super) fn insert(&self, key: u128, text: &str, tokens: Arc<[u32]>) {
         let budget = self.shard_tokens;
-        if tokens.len() > budget / 8 {
+        let entry = Entry {
+            text: text.into(),
+            tokens,
+        };
+        let len = entry.cost();
+        if len > budget / 8 {
             return;
         }
         self.with_shard(key, |shard| {
-            let len = tokens.len();
             if let Some(old) = shard.lru.remove(&key) {
-                shard.tokens = shard.tokens.saturating_sub(old.len());
+                shard.tokens = shard.tokens.saturating_sub(old.cost());
             }
             while shard.lru.len() >= shard.lru.capacity()
                 || shard.tokens.saturating_add(len) > budget
             {
                 match shard.lru.remove_lru() {
-                    Some((_, evicted)) => shard.tokens = shard.tokens.saturating_sub(evicted.len()),
+                    Some((_, evicted)) => {
+                        shard.tokens = shard.tokens.saturating_sub(evicted.cost());
+                    }
                     None => break,
                 }
             }
-            shard.lru.insert(key, tokens);
+            shard.lru.insert(key, entry);
             shard.tokens = shard.tokens.saturating_add(len);
         });
     }
@@ -161,7 +203,11 @@ mod tests {
         let cache = SegmentCache::new(16, 7);
         // One entry per shard, 512 tokens per shard.
         let huge: Arc<[u32]> = vec![1; 65].into();
-        cache.insert(cache.key(Mode::Segment, &["huge"]), Arc::clone(&huge));
+        cache.insert(
+            cache.key(Mode::Segment, &["huge"]),
+            "huge",
+            Arc::clone(&huge),
+        );
         assert_eq!(
             cache.held_tokens(),
             0,
@@ -170,12 +216,31 @@ mod tests {
         for i in 0..200 {
             let text = format!("segment {i}");
             let tokens: Arc<[u32]> = vec![2; 60].into();
-            cache.insert(cache.key(Mode::Segment, &[text.as_str()]), tokens);
+            cache.insert(cache.key(Mode::Segment, &[text.as_str()]), &text, tokens);
         }
         assert!(cache.held_tokens() <= 16 * TOKENS_PER_ENTRY);
-        assert!(cache.held_tokens() <= 16 * 60, "one entry per shard");
+        // 60 tokens and up to 11 bytes of text (3 units) an entry, one entry per shard.
+        assert!(cache.held_tokens() <= 16 * 63, "one entry per shard");
         let last = cache.key(Mode::Segment, &["segment 199"]);
-        assert!(cache.get(last).is_some(), "the newest entry survives");
+        assert!(
+            cache.get(last, &["segment ", "199"]).is_some(),
+            "the newest entry survives"
+        );
+    }
+
+    #[test]
+    fn a_hit_needs_the_same_text_not_only_the_same_key() {
+        let cache = SegmentCache::new(64, 1);
+        let key = cache.key(Mode::Segment, &["tenant a's prompt"]);
+        cache.insert(key, "tenant a's prompt", vec![1, 2, 3].into());
+        // A key collided on purpose (stood in for by reusing the key with another text) is a miss.
+        assert!(cache.get(key, &["tenant b's prompt"]).is_none());
+        assert!(cache.get(key, &["tenant a's prompt", "!"]).is_none());
+        assert!(cache.get(key, &["tenant a's"]).is_none());
+        assert_eq!(
+            cache.get(key, &["tenant a", "'s prompt"]).as_deref(),
+            Some(&[1, 2, 3][..])
+        );
     }
 
     #[test]
@@ -183,8 +248,8 @@ mod tests {
         let cache = SegmentCache::new(64, 1);
         let key = cache.key(Mode::Prompt, &["same"]);
         for _ in 0..10 {
-            cache.insert(key, vec![3; 40].into());
+            cache.insert(key, "same", vec![3; 40].into());
         }
-        assert_eq!(cache.held_tokens(), 40);
+        assert_eq!(cache.held_tokens(), 41);
     }
 }

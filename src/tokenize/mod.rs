@@ -154,7 +154,7 @@ impl PoolTokenizer {
         pieces: &[&str],
     ) -> Result<(), TokenizeError> {
         let key = self.cache.key(mode, pieces);
-        let segment = match self.cache.get(key) {
+        let segment = match self.cache.get(key, pieces) {
             Some(cached) => cached,
             None => {
                 let joined;
@@ -166,7 +166,7 @@ impl PoolTokenizer {
                     }
                 };
                 let fresh: Arc<[u32]> = self.tokenizer.encode(text, mode)?.into();
-                self.cache.insert(key, Arc::clone(&fresh));
+                self.cache.insert(key, text, Arc::clone(&fresh));
                 fresh
             }
         };

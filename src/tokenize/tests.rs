@@ -542,6 +542,7 @@ fn a_pool_config_builds_its_tokenizer() {
         chat_template: Some(fixture("tokenizer_config.json")),
         segment_cache_entries: NonZeroUsize::new(16).unwrap(),
         default_cache_blocks: NonZeroUsize::new(16).unwrap(),
+        max_model_len: std::num::NonZeroU64::MAX,
         workers: Vec::new(),
         policy: PolicyConfig::default(),
         index: Default::default(),
