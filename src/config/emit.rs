@@ -54,10 +54,11 @@ struct File<'c> {
 struct Policy {
     #[serde(skip_serializing_if = "Option::is_none")]
     mode: Option<&'static str>,
+    /// `Some(None)` is written `null`: the gate (or its floor) turned off.
     #[serde(skip_serializing_if = "Option::is_none")]
-    worker_queue_limit: Option<u64>,
+    worker_queue_limit: Option<Option<u64>>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    saturation_queue_floor: Option<u64>,
+    saturation_queue_floor: Option<Option<u64>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     min_load_choices: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -84,8 +85,8 @@ impl Policy {
         };
         match &policy.mode {
             Mode::CacheAware(knobs) => {
-                section.worker_queue_limit = knobs.gate.map(|gate| gate.limit());
-                section.saturation_queue_floor = knobs.gate.and_then(|gate| gate.floor());
+                section.worker_queue_limit = Some(knobs.gate.map(|gate| gate.limit()));
+                section.saturation_queue_floor = Some(knobs.gate.and_then(|gate| gate.floor()));
                 section.min_load_choices = Some(knobs.min_load_choices.get());
                 section.min_match_tokens = Some(knobs.min_match_tokens);
                 section.pin_depth_ratio = Some(knobs.pin_depth_ratio.get());

@@ -56,7 +56,7 @@ pools:
       speculative_ttl: 1500ms
       replay_port: 5558
       topic: kv@
-    policy:                     # four ranks a worker: limit and floor scaled with dp_size
+    policy:                     # per rank, so a worker of four ranks is passed over at 64 waiting
       worker_queue_limit: 16
       saturation_queue_floor: 8
     workers:
@@ -263,7 +263,12 @@ fn defaults_fill_a_minimal_file() {
     assert_eq!(config.policy, PolicyConfig::default());
     assert_eq!(config.policy.mode.kind(), ModeKind::CacheAware);
     let knobs = config.policy.cache_aware().unwrap();
-    assert_eq!(knobs.gate, None);
+    // The gate and its floor are the product's point: on unless turned off with `null`.
+    assert_eq!(knobs.gate, Some(QueueGate::default_gate()));
+    assert_eq!(
+        knobs.gate.map(|gate| (gate.limit(), gate.floor())),
+        Some((4, Some(2)))
+    );
     assert_eq!(knobs.min_match_tokens, 1024);
     assert_eq!(knobs.min_load_choices.get(), 2);
     assert_eq!(knobs.pin_depth_ratio.get(), 0.5);
@@ -480,7 +485,6 @@ fn the_effective_config_uses_the_file_keys_and_readable_durations() {
     // Unset options stay unset; the load keys and the load source are always written.
     let minimal = parse(POOL, "t", &NO_FLAGS).unwrap().to_yaml();
     for absent in [
-        "worker_queue_limit",
         "loads_url",
         "max_running_requests",
         "max_total_tokens",
@@ -493,9 +497,20 @@ fn the_effective_config_uses_the_file_keys_and_readable_durations() {
         "    load_source: metrics\n",
         "\nmax_body_bytes: 8MiB\n",
         "  segment_cache_entries: 16384\n  default_cache_blocks: 16384\n",
+        "  worker_queue_limit: 4\n  saturation_queue_floor: 2\n",
     ] {
         assert!(minimal.contains(present), "{present:?} not in\n{minimal}");
     }
+    // A gate turned off is written as such, so the file read back runs without it.
+    let off = format!("policy: {{worker_queue_limit: null}}\n{POOL}");
+    let off = parse(&off, "t", &NO_FLAGS).unwrap();
+    assert_eq!(off.policy.gate(), None);
+    let written = off.to_yaml();
+    assert!(
+        written.contains("  worker_queue_limit: null\n  saturation_queue_floor: null\n"),
+        "{written}"
+    );
+    assert_eq!(parse(&written, "t", &NO_FLAGS).unwrap(), off);
 }
 
 /// Each case has exactly one problem, at `at`, whose message contains `message`.
@@ -539,18 +554,21 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
     };
     #[rustfmt::skip]
         let cases: Vec<(&str, String, &Overrides, &str, &str)> = vec![
-            ("floor without limit", policy("  saturation_queue_floor: 2\n"), &NO_FLAGS,
+            ("floor with the gate off", policy("  worker_queue_limit: null\n  saturation_queue_floor: 2\n"),
+             &NO_FLAGS, "policy.saturation_queue_floor (line 3)",
+             "requires a queue limit, but policy.worker_queue_limit is null (the gate is off, so there is no \
+              diversion to cancel)"),
+            ("floor above the default limit", policy("  saturation_queue_floor: 5\n"), &NO_FLAGS,
              "policy.saturation_queue_floor (line 2)",
-             "requires a queue limit, policy.worker_queue_limit or --worker-queue-limit (there is no diversion \
-              to cancel without it)"),
+             "saturation_queue_floor (5) must be at most worker_queue_limit (4, the default)"),
             ("floor above limit", policy("  worker_queue_limit: 2\n  saturation_queue_floor: 3\n"), &NO_FLAGS,
              "policy.saturation_queue_floor (line 3)",
              "saturation_queue_floor (3) must be at most worker_queue_limit (2): a floor above the limit would \
               declare the fleet saturated while the gate still admits some workers"),
             ("floor flag above file limit", policy("  worker_queue_limit: 4\n"), &floor_flag,
              "--saturation-queue-floor", "--saturation-queue-floor (5) must be at most worker_queue_limit (4)"),
-            ("floor flag without limit", POOL.to_owned(), &floor_flag,
-             "--saturation-queue-floor", "requires a queue limit"),
+            ("floor flag above the default limit", POOL.to_owned(), &floor_flag,
+             "--saturation-queue-floor", "must be at most worker_queue_limit (4, the default)"),
             ("floor 0 without limit", policy("  saturation_queue_floor: 0\n"), &NO_FLAGS,
              "policy.saturation_queue_floor (line 2)", "must be at least 1"),
             ("floor 0", policy("  worker_queue_limit: 2\n  saturation_queue_floor: 0\n"), &NO_FLAGS,
@@ -593,8 +611,9 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "pools[0].policy.mood (line 4)", "unknown key; expected one of: mode, worker_queue_limit"),
             ("pool limit 0", pool_with("policy: {worker_queue_limit: 0}"), &NO_FLAGS,
              "pools[0].policy.worker_queue_limit (line 4)", "must be at least 1"),
-            ("pool floor without any limit", pool_with("policy: {saturation_queue_floor: 2}"), &NO_FLAGS,
-             "pools[0].policy.saturation_queue_floor (line 4)", "requires a queue limit"),
+            ("pool floor under a gate turned off above",
+             format!("policy:\n  worker_queue_limit: null\n{}", pool_with("policy: {saturation_queue_floor: 2}")),
+             &NO_FLAGS, "pools[0].policy.saturation_queue_floor (line 6)", "requires a queue limit"),
             ("pool floor above the inherited limit",
              format!("policy:\n  worker_queue_limit: 4\n{}", pool_with("policy: {saturation_queue_floor: 5}")),
              &NO_FLAGS, "pools[0].policy.saturation_queue_floor (line 6)",
@@ -1301,7 +1320,7 @@ fn every_unknown_key_is_listed() {
 fn problems_are_listed_in_phase_order() {
     let source = "\
 policy:
-  saturation_queue_floor: 2
+  saturation_queue_floor: 5
 pools:
   - model: m
     engine: vllm

@@ -188,7 +188,7 @@ impl CacheAwareKnobs {
 impl Default for CacheAwareKnobs {
     fn default() -> Self {
         CacheAwareKnobs {
-            gate: None,
+            gate: Some(QueueGate::default_gate()),
             min_load_choices: NonZeroUsize::new(Self::DEFAULT_MIN_LOAD_CHOICES)
                 .unwrap_or(NonZeroUsize::MIN),
             min_match_tokens: Self::DEFAULT_MIN_MATCH_TOKENS,
@@ -257,6 +257,19 @@ pub struct QueueGate {
 }
 
 impl QueueGate {
+    /// Requests waiting per data-parallel rank at which an owner is passed over, by default.
+    pub const DEFAULT_LIMIT: u64 = 4;
+    /// Requests waiting per rank below which some worker must be for a diversion to pay off.
+    pub const DEFAULT_FLOOR: u64 = 2;
+
+    /// The gate the configuration runs when it does not say otherwise.
+    pub fn default_gate() -> QueueGate {
+        QueueGate {
+            limit: NonZeroU64::new(Self::DEFAULT_LIMIT).unwrap_or(NonZeroU64::MIN),
+            floor: NonZeroU64::new(Self::DEFAULT_FLOOR),
+        }
+    }
+
     /// `None` if the floor exceeds the limit.
     pub fn new(limit: NonZeroU64, floor: Option<NonZeroU64>) -> Option<Self> {
         match floor {
@@ -265,12 +278,12 @@ impl QueueGate {
         }
     }
 
-    /// An owner with this many or more waiting requests is passed over.
+    /// An owner with this many or more waiting requests per data-parallel rank is passed over.
     pub fn limit(self) -> u64 {
         self.limit.get()
     }
 
-    /// The fleet is saturated when no worker has a fresh reading below this.
+    /// The fleet is saturated when no worker has a fresh reading below this, per rank.
     pub fn floor(self) -> Option<u64> {
         self.floor.map(NonZeroU64::get)
     }

@@ -129,6 +129,7 @@ impl PoolLoad {
             .map(|(index, worker)| {
                 let id = WorkerId(u32::try_from(index).unwrap_or(u32::MAX));
                 let mut state = WorkerState::new(id, worker.endpoint, worker.role);
+                state.ranks = worker.dp_size.get();
                 state.capacity = Capacity {
                     max_running: worker.max_running_requests.map(|max| max.get()),
                     max_total_tokens: worker.max_total_tokens.map(|max| max.get()),
@@ -555,6 +556,7 @@ impl Scraper {
             };
             let id = WorkerId(slot);
             let mut state = WorkerState::new(id, endpoint, config.role);
+            state.ranks = config.dp_size.get();
             state.generation = self.generation;
             self.generation += 1;
             state.capacity = configured_capacity(config);

@@ -55,6 +55,9 @@ pub struct WorkerState {
     pub generation: u64,
     /// Restarts of this worker's engine seen so far: each one voids what the index holds for it.
     pub incarnation: u64,
+    /// Data-parallel ranks (`dp_size`): the reading is their sum, and the queue gate's per-rank limit
+    /// and floor are scaled by it.
+    pub ranks: u32,
     pub capacity: Capacity,
     pub reading: Option<Reading>,
     /// How the last scrape went, for operators; the policy never reads it.
@@ -111,6 +114,7 @@ impl WorkerState {
             lifecycle: Lifecycle::New,
             generation: 0,
             incarnation: 0,
+            ranks: 1,
             capacity: Capacity::default(),
             reading: None,
             scrape: ScrapeStatus::default(),

@@ -50,7 +50,7 @@ impl<'a> Fleet<'a> {
                 state,
                 fresh,
                 matched_tokens,
-                gate: rank::gate(limit, fresh),
+                gate: rank::gate(limit.map(|limit| per_worker(limit, state)), fresh),
                 admission: rank::admission(state, fresh, request.prompt_tokens),
                 dispatched: load.dispatches.since_reading(state.id),
             }
@@ -104,4 +104,10 @@ pub(super) fn owner_verdicts(owners: &[Member<'_>]) -> Vec<OwnerVerdict> {
         (std::cmp::Reverse(verdict.matched_tokens), verdict.worker)
     });
     verdicts
+}
+
+/// A per-rank queue threshold (the gate's limit or floor) for one worker: the reading sums its
+/// data-parallel ranks' queues, so the threshold is scaled by their number.
+pub(super) fn per_worker(threshold: u64, state: &WorkerState) -> u64 {
+    threshold.saturating_mul(u64::from(state.ranks.max(1)))
 }

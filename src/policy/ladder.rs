@@ -2,7 +2,7 @@
 
 use rand::Rng;
 
-use super::fleet::{Fleet, owner_verdicts};
+use super::fleet::{Fleet, owner_verdicts, per_worker};
 use super::outcome::{Decision, Outcome, Reason, Reject, RejectReason};
 use super::rank::{self, Member};
 use super::trace::{Gate, Rung, Sampled, Saturation, Trace};
@@ -208,12 +208,13 @@ fn off_owner_tier(member: &Member<'_>) -> u8 {
     }
 }
 
-/// Looks for a fleet worker whose fresh queue is below `threshold`: the evidence that diverting can pay
-/// off. A worker without a fresh reading is no such evidence for the floor (fail-closed); for the
+/// Looks for a fleet worker whose fresh queue is below `per_rank` times its ranks: the evidence that
+/// diverting can pay off. A worker without a fresh reading is no such evidence for the floor (fail-closed); for the
 /// all-queued check (`require_fresh`) it is the opposite, since "every worker is at the limit" cannot
 /// be shown for a worker nobody has read.
-fn saturation_below(fleet: &[Member<'_>], threshold: u64, require_fresh: bool) -> Saturation {
+fn saturation_below(fleet: &[Member<'_>], per_rank: u64, require_fresh: bool) -> Saturation {
     for member in fleet {
+        let threshold = per_worker(per_rank, member.state);
         match member.fresh {
             Some(load) if load.waiting < threshold => {
                 return Saturation::Relieved {
@@ -231,5 +232,7 @@ fn saturation_below(fleet: &[Member<'_>], threshold: u64, require_fresh: bool) -
             _ => {}
         }
     }
-    Saturation::Saturated { threshold }
+    Saturation::Saturated {
+        threshold: per_rank,
+    }
 }

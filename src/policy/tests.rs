@@ -367,6 +367,36 @@ fn queued_owners_pin_to_the_calmer_one_when_no_worker_is_below_the_floor() {
 }
 
 #[test]
+fn the_gate_and_the_floor_are_per_data_parallel_rank() {
+    // Nine waiting on a worker of four ranks is about two a rank: under the limit of 4 a rank, so it
+    // is still an owner worth its queue, where one rank with nine waiting is passed over.
+    let wide = Case::gated()
+        .owner(9, 32)
+        .with(|w| w.ranks = 4)
+        .owner(9, 32);
+    assert_eq!(pick_of(&wide.routed()), (0, Reason::CacheHit));
+    let narrow = Case::gated().owner(9, 32).owner(5, 32).worker(Some(3));
+    assert_eq!(pick_of(&narrow.routed()), (1, Reason::SaturationPin));
+    // The floor scales alike: seven waiting on four ranks is below 2 × 4, so the fleet is not saturated
+    // and the request is diverted there, not pinned.
+    let relieved = Case::gated()
+        .owner(9, 32)
+        .owner(5, 32)
+        .worker(Some(7))
+        .with(|w| w.ranks = 4);
+    let decision = relieved.routed();
+    assert_eq!(pick_of(&decision), (2, Reason::CacheWorkerQueued));
+    assert_eq!(
+        decision.trace.saturation,
+        Saturation::Relieved {
+            witness: WorkerId(2),
+            waiting: 7,
+            threshold: 8
+        }
+    );
+}
+
+#[test]
 fn an_idle_worker_below_the_floor_cancels_the_pin() {
     let case = Case::gated().owner(9, 32).owner(5, 32).worker(Some(0));
     let decision = case.routed();

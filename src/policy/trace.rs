@@ -117,7 +117,8 @@ pub enum Saturation {
     /// (All-queued check only) this fleet worker has no fresh reading, so the fleet cannot be shown to
     /// be queueing everywhere.
     Unread { witness: WorkerId, threshold: u64 },
-    /// No fleet worker has a fresh reading below the threshold (the floor, or the limit without one).
+    /// No fleet worker has a fresh reading below the threshold (the floor, or the limit without one),
+    /// per data-parallel rank; the witnesses above carry their own worker's threshold.
     Saturated { threshold: u64 },
 }
 

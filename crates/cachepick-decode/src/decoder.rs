@@ -99,6 +99,16 @@ impl<'n> Map<'n> {
         Some((&entry.value, self.at.key(key, entry.line)))
     }
 
+    /// Where `key` is, when it is written with a null value: for the few keys where `null` means "off"
+    /// rather than "absent".
+    pub fn null_at(&self, key: &str) -> Option<Place> {
+        let entry = self
+            .entries
+            .iter()
+            .find(|entry| entry.key == key && entry.value.is_null())?;
+        Some(self.at.key(key, entry.line))
+    }
+
     /// Where `key` is, or would be: its own line if written, else the mapping's.
     pub fn place_of(&self, key: &str) -> Place {
         let line = self

@@ -54,10 +54,8 @@ impl Validator<'_> {
         let mode = self.opt(map, "mode", |v, node, at| {
             v.keyword(node, at, &ModeKind::ALL, ModeKind::as_str)
         });
-        let limit = self.flagged(map, Knob::WorkerQueueLimit, overrides);
-        let limit = self.check_opt(limit, at_least_one);
-        let floor = self.flagged(map, Knob::SaturationQueueFloor, overrides);
-        let floor = self.check_opt(floor, at_least_one);
+        let limit = self.switchable(map, Knob::WorkerQueueLimit, overrides);
+        let floor = self.switchable(map, Knob::SaturationQueueFloor, overrides);
         let choices = self.flagged(map, Knob::MinLoadChoices, overrides);
         let choices = self.check_opt(choices, at_least_one_usize);
         let min_match_tokens = self.opt(map, "min_match_tokens", Self::integer);
@@ -105,6 +103,32 @@ impl Validator<'_> {
             max_fallbacks: fallbacks,
         };
         (keys, given)
+    }
+
+    /// A gate threshold: at least 1, or `null` for off (a flag given still replaces the file's value).
+    fn switchable(
+        &mut self,
+        map: &Map,
+        knob: Knob,
+        overrides: Option<&Overrides>,
+    ) -> Field<Switch> {
+        let flagged = knob
+            .flag()
+            .is_some_and(|(_, value)| overrides.and_then(value).is_some());
+        if let (Some(place), false) = (map.null_at(knob.key()), flagged) {
+            return Ok(Some(Val {
+                value: Switch::Off,
+                at: place.origin(),
+            }));
+        }
+        let given = self.flagged(map, knob, overrides);
+        let given = self.check_opt(given, at_least_one);
+        given.map(|given| {
+            given.map(|Val { value, at }| Val {
+                value: Switch::On(value),
+                at,
+            })
+        })
     }
 
     /// An integer key that the top level's flag replaces when given (`overrides` are the top level's).
@@ -253,18 +277,53 @@ impl Validator<'_> {
     /// The queue gate, once the limit and the floor each passed their own checks. `limit_here` and
     /// `floor_here` say which of the two the scope gave itself (the other is inherited): a disagreement
     /// is reported at the one given here.
+    ///
+    /// Both are on by default ([`QueueGate::DEFAULT_LIMIT`] and [`QueueGate::DEFAULT_FLOOR`], the floor
+    /// never above a limit that was given); `null` turns either off, and a floor without a limit is an
+    /// error.
     fn gate(
         &mut self,
-        limit: Field<NonZeroU64>,
-        floor: Field<NonZeroU64>,
+        limit: Field<Switch>,
+        floor: Field<Switch>,
         limit_here: bool,
         floor_here: bool,
     ) -> Res<Option<QueueGate>> {
-        match (limit?, floor?) {
+        let default = |value: u64| Val {
+            value: NonZeroU64::new(value).unwrap_or(NonZeroU64::MIN),
+            at: Origin::Default,
+        };
+        let limit = match limit? {
+            None => Some(default(QueueGate::DEFAULT_LIMIT)),
+            Some(Val {
+                value: Switch::On(limit),
+                at,
+            }) => Some(Val { value: limit, at }),
+            Some(Val {
+                value: Switch::Off, ..
+            }) => None,
+        };
+        let floor = match (floor?, &limit) {
+            (None, Some(limit)) => Some(default(QueueGate::DEFAULT_FLOOR.min(limit.value.get()))),
+            (None, None) => None,
+            (
+                Some(Val {
+                    value: Switch::On(floor),
+                    at,
+                }),
+                _,
+            ) => Some(Val { value: floor, at }),
+            (
+                Some(Val {
+                    value: Switch::Off, ..
+                }),
+                _,
+            ) => None,
+        };
+        match (limit, floor) {
             (limit, None) => Ok(limit.and_then(|limit| QueueGate::new(limit.value, None))),
             (None, Some(floor)) => {
-                let message = "requires a queue limit, policy.worker_queue_limit or --worker-queue-limit \
-                               (there is no diversion to cancel without it)";
+                let message = "requires a queue limit, but policy.worker_queue_limit is null (the gate is \
+                               off, so there is no diversion to cancel)";
                 Err(self.report(Phase::Cross, floor.at, message))
             }
             (Some(limit), Some(floor)) => match QueueGate::new(limit.value, Some(floor.value)) {
@@ -274,6 +333,8 @@ impl Validator<'_> {
                     let named = |val: &Val<NonZeroU64>, key: &str, here: bool| {
                         if here {
                             format!("{} ({})", val.name(key), val.value)
+                        } else if val.at == Origin::Default {
+                            format!("{key} ({}, the default)", val.value)
                         } else {
                             format!("{key} ({}, inherited from {})", val.value, val.at)
                         }
@@ -294,6 +355,13 @@ impl Validator<'_> {
 
 fn share(value: f64) -> Result<DepthRatio, String> {
     DepthRatio::new(value).ok_or_else(|| format!("must be between 0 and 1, got {value}"))
+}
+
+/// A gate threshold as written: a value, or `null` for off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Switch {
+    Off,
+    On(NonZeroU64),
 }
 
 /// The keys that belong to one mode; given under another, they are errors.
@@ -372,8 +440,8 @@ type Given = Vec<(Knob, Origin)>;
 #[derive(Clone)]
 struct PolicyKeys {
     mode: Field<ModeKind>,
-    limit: Field<NonZeroU64>,
-    floor: Field<NonZeroU64>,
+    limit: Field<Switch>,
+    floor: Field<Switch>,
     min_load_choices: Field<NonZeroUsize>,
     min_match_tokens: Field<u64>,
     pin_depth_ratio: Field<DepthRatio>,

@@ -123,9 +123,12 @@ pub const POLICIES: [(&str, &str); 8] = [
     ("round_robin", "mode: round_robin"),
     ("least_load", "mode: least_load"),
     ("balance_threshold", "mode: balance_threshold"),
-    // Pure prefix affinity: the cache-aware mode without a queue gate.
-    ("affinity", "mode: cache_aware"),
-    ("gate", "worker_queue_limit: {limit}"),
+    // Pure prefix affinity: the cache-aware mode with its queue gate turned off.
+    ("affinity", "mode: cache_aware\nworker_queue_limit: null"),
+    (
+        "gate",
+        "worker_queue_limit: {limit}\nsaturation_queue_floor: null",
+    ),
     (
         "gate_floor",
         "worker_queue_limit: {limit}\nsaturation_queue_floor: {floor}",
