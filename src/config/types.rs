@@ -8,6 +8,7 @@ use std::time::Duration;
 
 pub use cachepick_tokenizer::{TiktokenEncoding, TokenizerConfig};
 
+use super::types_security::{HttpLimits, ScrapeTls, ServerFiles};
 use crate::worker::{Engine, Role};
 
 /// The whole validated configuration.
@@ -24,9 +25,18 @@ pub struct Config {
     /// A request body larger than this is refused (413) before it is parsed.
     pub max_body_bytes: NonZeroUsize,
     /// Serve `/debug/*` on `metrics_listen` and the gRPC admin API (and reflection) on `listen`. They
-    /// describe the fleet and explain routing to whoever can connect: turn them off where those listeners
-    /// are reachable beyond the operator (a pod network, say).
-    pub debug_endpoints: bool,
+    /// describe the fleet and explain routing to whoever can connect. `None` (the key absent): each
+    /// listener serves them only when it is bound to loopback (see `Config::debug_on_listen`);
+    /// `Some` forces them on or off on both.
+    pub debug_endpoints: Option<bool>,
+    /// When set, `/debug/*` and the admin gRPC API require `authorization: Bearer <token>`, the token
+    /// being this file's content (read at start-up).
+    pub debug_token_file: Option<PathBuf>,
+    /// TLS on `listen` (ext_proc, EDS, health, admin); `client_ca_file` makes client certificates
+    /// mandatory. `None`: plain text.
+    pub tls: Option<ServerFiles>,
+    /// The bounds of the HTTP listener on `metrics_listen`.
+    pub metrics_http: HttpLimits,
 }
 
 impl Config {
@@ -290,7 +300,7 @@ impl DepthRatio {
 }
 
 /// How load is scraped and when a reading stops counting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadConfig {
     pub scrape_interval: Duration,
     /// At most `scrape_interval`, so rounds never overlap.
@@ -307,6 +317,8 @@ pub struct LoadConfig {
     /// How long a worker removed from discovery may keep serving what it was sent before it leaves,
     /// if it neither goes idle nor stops answering first.
     pub drain_timeout: Duration,
+    /// `load.tls`: how `https://` scrape URLs are verified; `None` allows `http://` URLs only.
+    pub tls: Option<ScrapeTls>,
 }
 
 impl LoadConfig {
@@ -332,6 +344,7 @@ impl Default for LoadConfig {
             unreachable_after: NonZeroU32::new(Self::DEFAULT_UNREACHABLE_AFTER)
                 .unwrap_or(NonZeroU32::MIN),
             drain_timeout: Self::DEFAULT_DRAIN_TIMEOUT,
+            tls: None,
         }
     }
 }
