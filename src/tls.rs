@@ -226,15 +226,15 @@ pub struct ClientFiles {
     pub identity: Option<(PathBuf, PathBuf)>,
 }
 
-/// A client configuration trusting only `files.ca_file`, presenting `files.identity` when set; HTTP/1.1
-/// only (what the scraper speaks).
+/// A client configuration trusting only `files.ca_file`, presenting `files.identity` when set. It sets
+/// no ALPN: the HTTP connector that uses it chooses the protocols (and refuses a preset list).
 pub fn client_config(files: &ClientFiles) -> Result<rustls::ClientConfig, TlsError> {
     let roots = roots(&files.ca_file, &read(&files.ca_file)?)?;
     let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Protocol)?
         .with_root_certificates(roots);
-    let mut config = match &files.identity {
+    let config = match &files.identity {
         Some((cert, key)) => {
             let chain = certificates(cert, &read(cert)?)?;
             let private = private_key(key, &read(key)?)?;
@@ -248,18 +248,7 @@ pub fn client_config(files: &ClientFiles) -> Result<rustls::ClientConfig, TlsErr
         }
         None => builder.with_no_client_auth(),
     };
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(config)
-}
-
-/// A client configuration that trusts nothing: what plain-HTTP scraping is built with, so an `https`
-/// URL that slipped past validation fails its handshake instead of trusting anyone.
-pub fn no_trust_client_config() -> Result<rustls::ClientConfig, TlsError> {
-    Ok(rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(TlsError::Protocol)?
-        .with_root_certificates(RootCertStore::empty())
-        .with_no_client_auth())
 }
 
 #[cfg(test)]
@@ -363,6 +352,5 @@ mod tests {
         .err()
         .unwrap();
         assert!(matches!(error, TlsError::NoCertificate { .. }), "{error}");
-        assert!(no_trust_client_config().is_ok());
     }
 }
