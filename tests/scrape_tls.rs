@@ -11,7 +11,6 @@
 )]
 
 #[path = "support/engine.rs"]
-#[allow(dead_code)]
 mod engine;
 #[path = "support/pki.rs"]
 mod pki;
