@@ -11,6 +11,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use rustls::RootCertStore;
@@ -114,6 +115,14 @@ pub struct ServerFiles {
     pub key_file: PathBuf,
     /// When set, clients must present a certificate signed by one of these CAs (mTLS).
     pub client_ca_file: Option<PathBuf>,
+    /// How often the files are read again, so a rotated certificate reaches new connections.
+    pub reload_interval: Duration,
+}
+
+impl ServerFiles {
+    /// cert-manager renews well before expiry (a third of the lifetime by default), so a minute's delay
+    /// is harmless, and reading three small files a minute costs nothing.
+    pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(60);
 }
 
 /// The files' bytes as last read, and the configuration built from them.
@@ -289,6 +298,7 @@ mod tests {
             cert_file: write(dir.path(), "tls.crt", &cert),
             key_file: write(dir.path(), "tls.key", &key),
             client_ca_file: Some(write(dir.path(), "ca.crt", &pki.pem())),
+            reload_interval: ServerFiles::DEFAULT_RELOAD_INTERVAL,
         };
         let tls = ServerTls::load(files.clone()).unwrap();
         let first = tls.config();

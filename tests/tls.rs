@@ -359,3 +359,46 @@ async fn mtls_routes_envoy_with_its_certificate_and_refuses_clients_without_one(
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_certificate_reaches_new_connections_without_a_restart() {
+    let certs = Certs::new();
+    let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(1).unwrap());
+    sim.tokenizer = TokenizerConfig::Bytes;
+    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
+        .await
+        .expect("the fleet starts");
+    let yaml = format!(
+        "tls: {{cert_file: \"{}\", key_file: \"{}\", reload_interval: 100ms}}\n{}",
+        certs.server.cert_file.display(),
+        certs.server.key_file.display(),
+        fleet.cachepick_config()
+    );
+    let config = on_free_ports(&yaml, "the rotation test", Overrides::default())
+        .unwrap_or_else(|error| panic!("{error}\n{yaml}"));
+    let _picker = Picker::spawn(config.clone());
+    let listen = config.listen;
+    wait_ready(listen, &certs.ca, None).await;
+
+    // cert-manager renews: a certificate from a new CA replaces the files in place.
+    let renewed = Ca::new(certs.path(), "renewed");
+    let next = renewed.server(certs.path(), "next");
+    std::fs::write(&certs.server.cert_file, &next.cert_pem).unwrap();
+    std::fs::write(&certs.server.key_file, &next.key_pem).unwrap();
+
+    // New connections get it within a few reload intervals: a client trusting only the new CA is
+    // served, and one trusting only the old CA no longer is.
+    wait_ready(listen, &renewed, None).await;
+    let old = readiness(tls_endpoint(listen, &certs.ca, None)).await;
+    assert!(old.is_err(), "the old certificate is still served: {old:?}");
+    let metrics = Client::new().get(config.metrics_listen, "/metrics").await;
+    assert!(
+        metric_sum(
+            &metrics.text(),
+            "cachepick_tls_reloads_total",
+            &[("outcome", "ok")]
+        ) >= 1.0,
+        "{}",
+        metrics.text()
+    );
+}

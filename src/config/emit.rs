@@ -61,6 +61,7 @@ struct ListenerTls<'c> {
     key_file: &'c Path,
     #[serde(skip_serializing_if = "Option::is_none")]
     client_ca_file: Option<&'c Path>,
+    reload_interval: String,
 }
 
 /// `load.tls`.
@@ -327,6 +328,7 @@ impl<'c> From<&'c Config> for File<'c> {
                 cert_file: &tls.cert_file,
                 key_file: &tls.key_file,
                 client_ca_file: tls.client_ca_file.as_deref(),
+                reload_interval: duration::format(tls.reload_interval),
             }),
             metrics_http: MetricsHttp {
                 max_connections: config.metrics_http.max_connections.get(),

@@ -55,11 +55,14 @@ fn listener_tls_is_off_by_default_and_read_whole() {
             cert_file: PathBuf::from("/tls/tls.crt"),
             key_file: PathBuf::from("/tls/tls.key"),
             client_ca_file: Some(PathBuf::from("/tls/ca.crt")),
+            reload_interval: Duration::from_secs(60),
         })
     );
     round_trips(&tls);
-    let no_mtls = config("tls: {cert_file: a.crt, key_file: a.key}\n");
-    assert_eq!(no_mtls.tls.unwrap().client_ca_file, None);
+    let no_mtls = config("tls: {cert_file: a.crt, key_file: a.key, reload_interval: 10s}\n");
+    let no_mtls = no_mtls.tls.unwrap();
+    assert_eq!(no_mtls.client_ca_file, None);
+    assert_eq!(no_mtls.reload_interval, Duration::from_secs(10));
 
     let problems = messages(&format!(
         "tls:\n  cert_file: a.crt\n  client_ca: ca.crt\n{POOL}"

@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
-use std::path::PathBuf;
 use std::time::Duration;
 
 pub use crate::tls::{ClientFiles, ServerFiles};
@@ -88,16 +87,4 @@ impl Config {
 
 fn debug_on(forced: Option<bool>, listener: SocketAddr) -> bool {
     forced.unwrap_or_else(|| listener.ip().is_loopback())
-}
-
-/// The paths the running process reads for security, for the reload check and the docs.
-pub fn security_files(config: &Config) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    if let Some(tls) = &config.tls {
-        files.push(tls.cert_file.clone());
-        files.push(tls.key_file.clone());
-        files.extend(tls.client_ca_file.clone());
-    }
-    files.extend(config.debug_token_file.clone());
-    files
 }

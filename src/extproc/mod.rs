@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 pub use process::MAX_STREAMED_CHUNK;
-pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES, TLS_REFRESH_INTERVAL};
+pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 use thiserror::Error;
 use tokio::net::TcpListener;

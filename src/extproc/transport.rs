@@ -27,9 +27,6 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshakes in progress at once; a connection beyond them is closed at once. Envoy opens a handful of
 /// connections per worker thread, so only a flood of stalled clients ever reaches this.
 pub const MAX_PENDING_HANDSHAKES: usize = 128;
-/// How often the certificate files are re-read. cert-manager renews well before expiry (a third of the
-/// lifetime by default), so a minute's delay is harmless; reading three small files costs nothing.
-pub const TLS_REFRESH_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Completed handshakes waiting for tonic to take them.
 const HANDED_OVER: usize = 64;
@@ -98,9 +95,9 @@ pub(super) fn tls_incoming(
     ReceiverStream::new(receiver)
 }
 
-/// Re-reads the certificate files every [`TLS_REFRESH_INTERVAL`] until aborted.
+/// Re-reads the certificate files every `tls.reload_interval` until aborted.
 pub(super) async fn refresh(tls: Arc<ServerTls>, service: Arc<Service>) {
-    let mut ticks = tokio::time::interval(TLS_REFRESH_INTERVAL);
+    let mut ticks = tokio::time::interval(tls.files().reload_interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticks.tick().await;
     loop {

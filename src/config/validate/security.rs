@@ -12,7 +12,7 @@ use super::Validator;
 use crate::config::{ClientFiles, HttpLimits, ScrapeTls, ServerFiles};
 use cachepick_decode::{Decode, Field, Map, Node, Phase, Place, Res, Val};
 
-const LISTENER_TLS_KEYS: &[&str] = &["cert_file", "key_file", "client_ca_file"];
+const LISTENER_TLS_KEYS: &[&str] = &["cert_file", "key_file", "client_ca_file", "reload_interval"];
 const SCRAPE_TLS_KEYS: &[&str] = &["ca_file", "cert_file", "key_file", "server_name"];
 const HTTP_KEYS: &[&str] = &[
     "max_connections",
@@ -39,10 +39,16 @@ impl Validator<'_> {
         let cert = self.required(&map, "cert_file", Self::path);
         let key = self.required(&map, "key_file", Self::path);
         let client_ca = self.opt(&map, "client_ca_file", Self::path);
+        let reload = self.positive_duration(
+            &map,
+            "reload_interval",
+            ServerFiles::DEFAULT_RELOAD_INTERVAL,
+        );
         Ok(Some(ServerFiles {
             cert_file: cert?.value,
             key_file: key?.value,
             client_ca_file: client_ca?.map(|ca| ca.value),
+            reload_interval: reload?.value,
         }))
     }
 
