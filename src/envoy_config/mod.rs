@@ -491,6 +491,82 @@ mod tests {
     }
 
     #[test]
+    fn picker_tls_flags_follow_the_configuration_and_write_both_picker_clusters() {
+        let plain = config(TWO);
+        assert_eq!(
+            PickerTls::from_flags(&plain, None, None, None, None),
+            Ok(None)
+        );
+        assert_eq!(
+            PickerTls::from_flags(&plain, Some("ca.crt".into()), None, None, None),
+            Err(PickerTlsError::NotTls)
+        );
+        let mtls = config(&format!(
+            "tls: {{cert_file: p.crt, key_file: p.key, client_ca_file: clients.crt}}\n{TWO}"
+        ));
+        assert_eq!(
+            PickerTls::from_flags(&mtls, None, None, None, None),
+            Err(PickerTlsError::CaMissing)
+        );
+        assert_eq!(
+            PickerTls::from_flags(&mtls, Some("ca.crt".into()), None, None, None),
+            Err(PickerTlsError::ClientCertMissing)
+        );
+        assert_eq!(
+            PickerTls::from_flags(
+                &mtls,
+                Some("ca.crt".into()),
+                Some("e.crt".into()),
+                None,
+                None
+            ),
+            Err(PickerTlsError::HalfPair)
+        );
+        let tls = PickerTls::from_flags(
+            &mtls,
+            Some("/etc/envoy/ca.crt".into()),
+            Some("/etc/envoy/e.crt".into()),
+            Some("/etc/envoy/e.key".into()),
+            Some("cachepick.llm.svc".into()),
+        )
+        .expect("valid flags");
+        let yaml = render(
+            &mtls,
+            &EnvoyOptions {
+                picker_tls: tls,
+                ..EnvoyOptions::for_config(&mtls)
+            },
+        );
+        for cluster in ["- name: cachepick\n", "- name: cachepick_xds\n"] {
+            let section = yaml
+                .split(cluster)
+                .nth(1)
+                .and_then(|rest| rest.split("\n  - name: ").next())
+                .expect("the cluster");
+            for expected in [
+                "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni: \"cachepick.llm.svc\"",
+                "trusted_ca: {filename: \"/etc/envoy/ca.crt\"}",
+                "- {san_type: DNS, matcher: {exact: \"cachepick.llm.svc\"}}",
+                "- certificate_chain: {filename: \"/etc/envoy/e.crt\"}",
+                "private_key: {filename: \"/etc/envoy/e.key\"}",
+                "alpn_protocols: [h2]",
+            ] {
+                assert!(
+                    section.contains(expected),
+                    "{cluster}: {expected} in\n{section}"
+                );
+            }
+        }
+        assert!(yaml.contains(
+            "--picker-ca /etc/envoy/ca.crt --picker-client-cert /etc/envoy/e.crt --picker-client-key /etc/envoy/e.key --picker-sni cachepick.llm.svc"
+        ));
+        // Without TLS options the bootstrap has no transport socket at all.
+        let plain_yaml = render(&plain, &EnvoyOptions::for_config(&plain));
+        assert!(!plain_yaml.contains("transport_socket"));
+    }
+
+    #[test]
     fn durations_use_envoys_json_form() {
         assert_eq!(duration(Duration::from_secs(2)), "2s");
         assert_eq!(duration(Duration::from_millis(250)), "0.250s");
