@@ -267,6 +267,8 @@ struct Template {
     max_running_requests: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_total_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scrape_scheme: Option<&'static str>,
 }
 
 /// `index:`, written only when it differs from the default. The ports are what discovered workers'
@@ -428,6 +430,7 @@ impl<'c> Pool<'c> {
                 dp_size: pool.template.dp_size.get(),
                 max_running_requests: pool.template.max_running_requests.map(NonZeroU64::get),
                 max_total_tokens: pool.template.max_total_tokens.map(NonZeroU64::get),
+                scrape_scheme: pool.template.scrape_https.then_some("https"),
             }),
             workers: pool
                 .workers

@@ -189,3 +189,43 @@ fn metrics_http_bounds_are_checked() {
         );
     }
 }
+
+#[test]
+fn discovered_workers_are_scraped_over_https_with_scrape_scheme() {
+    let dns = "pools:\n  - model: m\n    engine: sglang\n    dns: {name: sglang.llm.svc, port: 30000}\n    template: {scrape_scheme: https, load_source: loads}\n";
+    let problems = messages(dns);
+    assert_eq!(
+        problems,
+        [
+            "pools[0].template.scrape_scheme (line 5): scrape_scheme: https needs load.tls (a ca_file to verify the engines with)"
+        ]
+    );
+    let source = format!("load: {{tls: {{ca_file: /ca.crt, server_name: sglang.llm.svc}}}}\n{dns}");
+    let config = parse(&source, "t", &Overrides::default()).unwrap();
+    let worker = config.pools[0]
+        .template
+        .worker("10.1.2.3:30000".parse().unwrap());
+    assert_eq!(worker.metrics_url, "https://10.1.2.3:30000/metrics");
+    assert_eq!(
+        worker.loads_url.as_deref(),
+        Some("https://10.1.2.3:30000/v1/loads")
+    );
+    round_trips(&config);
+    let plain = parse(
+        "pools:\n  - model: m\n    engine: vllm\n    dns: {name: v.llm.svc, port: 8000}\n",
+        "t",
+        &Overrides::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        plain.pools[0]
+            .template
+            .worker("10.1.2.3:8000".parse().unwrap())
+            .metrics_url,
+        "http://10.1.2.3:8000/metrics"
+    );
+    let bad = messages(
+        "pools:\n  - model: m\n    engine: vllm\n    dns: {name: v.llm.svc, port: 8000}\n    template: {scrape_scheme: ftp}\n",
+    );
+    assert!(bad[0].contains("expected one of: http, https"), "{bad:?}");
+}

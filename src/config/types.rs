@@ -625,18 +625,21 @@ pub struct WorkerTemplate {
     pub kv_events_port: u16,
     /// `index.replay_port`.
     pub kv_replay_port: Option<u16>,
+    /// `scrape_scheme: https`: discovered workers' metrics and loads are scraped over TLS (`load.tls`).
+    pub scrape_https: bool,
 }
 
 impl WorkerTemplate {
     /// The worker a discovery source found at `endpoint`: metrics and loads on its API port, as both
     /// engines serve them, and KV events on the pool's ports of its IP.
     pub fn worker(&self, endpoint: SocketAddr) -> WorkerConfig {
+        let scheme = if self.scrape_https { "https" } else { "http" };
         WorkerConfig {
             endpoint,
-            metrics_url: format!("http://{endpoint}/metrics"),
+            metrics_url: format!("{scheme}://{endpoint}/metrics"),
             load_source: self.load_source,
             loads_url: match self.load_source {
-                LoadSource::Loads => Some(format!("http://{endpoint}/v1/loads")),
+                LoadSource::Loads => Some(format!("{scheme}://{endpoint}/v1/loads")),
                 LoadSource::Metrics => None,
             },
             role: self.role,
@@ -664,6 +667,7 @@ impl Default for WorkerTemplate {
             max_total_tokens: None,
             kv_events_port: IndexConfig::DEFAULT_LIVE_PORT,
             kv_replay_port: None,
+            scrape_https: false,
         }
     }
 }

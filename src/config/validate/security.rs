@@ -100,6 +100,24 @@ impl Validator<'_> {
         }
     }
 
+    /// A template's `scrape_scheme`: `http` (the default) or `https`, which needs `load.tls`.
+    pub(super) fn scrape_scheme(&mut self, template: &Map) -> Res<bool> {
+        let scheme = self.opt(template, "scrape_scheme", |v, node, at| {
+            v.keyword(node, at, &[false, true], |https| {
+                if https { "https" } else { "http" }
+            })
+        })?;
+        match scheme {
+            Some(Val { value: true, at }) if !self.https_scrape => Err(self.report(
+                Phase::Cross,
+                at,
+                "scrape_scheme: https needs load.tls (a ca_file to verify the engines with)",
+            )),
+            Some(scheme) => Ok(scheme.value),
+            None => Ok(false),
+        }
+    }
+
     /// `debug_token_file`.
     pub(super) fn debug_token_file(&mut self, root: &Map) -> Res<Option<PathBuf>> {
         self.opt(root, "debug_token_file", Self::path)
