@@ -385,13 +385,17 @@ mod tests {
     }
 
     async fn start(debug: Option<Arc<dyn DebugSource>>) -> SocketAddr {
+        start_with(debug, HttpLimits::default()).await
+    }
+
+    async fn start_with(debug: Option<Arc<dyn DebugSource>>, limits: HttpLimits) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(Metrics::new().unwrap());
         let access = Access {
             debug,
             token: None,
-            limits: HttpLimits::default(),
+            limits,
         };
         tokio::spawn(serve(listener, metrics, access, std::future::pending()));
         addr
@@ -583,6 +587,39 @@ mod tests {
         }
         let reply = call(addr, Method::GET, "/metrics", full(b"")).await;
         assert_eq!(reply.status, StatusCode::OK);
+    }
+
+    /// The header-read timer also runs while a keep-alive connection waits for its next request, so an
+    /// idle connection does not hold its slot.
+    #[tokio::test]
+    async fn an_idle_keep_alive_connection_is_closed_by_the_header_timeout() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let limits = HttpLimits {
+            header_read_timeout: Duration::from_millis(300),
+            ..HttpLimits::default()
+        };
+        let addr = start_with(None, limits).await;
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: cachepick\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let mut buffer = [0_u8; 4096];
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match stream.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(read) => answer.extend_from_slice(&buffer[..read]),
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the idle connection stayed open");
+        assert!(
+            answer.starts_with(b"HTTP/1.1 200 OK"),
+            "one answer, then the close"
+        );
     }
 
     #[test]
