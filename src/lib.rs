@@ -3,6 +3,8 @@
 //! # Layout
 //! - [`config`]: the YAML file and CLI overrides, validated in one place into typed configuration.
 //! - [`worker`]: worker identity (`WorkerId`, role, engine) shared by every other module.
+//! - [`tls`]: rustls server and client configurations from PEM files (the ext_proc listener, https
+//!   scraping); [`auth`]: the debug bearer token.
 //! - [`request`]: request bodies → the API, model and prompt routing needs, borrowed from the body.
 //! - [`discovery`]: where each pool's workers come from at runtime (the file, DNS, Kubernetes).
 //! - [`load`]: scraping worker load into immutable per-pool snapshots; router-local dispatch counts.
@@ -26,6 +28,7 @@
 //! `ARCHITECTURE.md` at the repository root holds the code map and the invariants.
 
 pub mod app;
+pub mod auth;
 pub mod config;
 pub mod discovery;
 pub mod envoy_config;
@@ -40,5 +43,6 @@ pub mod protocol;
 pub mod render;
 pub mod request;
 pub mod route;
+pub mod tls;
 pub mod tokenize;
 pub mod worker;

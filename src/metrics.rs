@@ -18,10 +18,13 @@ use prometheus::{
 
 mod discovery;
 mod kv_events;
+mod security;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
+use security::SecurityMetrics;
+pub use security::{DebugListener, HttpRefusal};
 
 use crate::config::ReloadOutcome;
 use crate::discovery::SourceStatus;
@@ -94,6 +97,8 @@ pub struct Metrics {
     discovery: Arc<DiscoveryGauges>,
     /// `cachepick_config_reloads_total{outcome}`.
     config_reloads: IntCounterVec,
+    /// The HTTP listener's bounds, refused debug calls, TLS (`security.rs`).
+    security: SecurityMetrics,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -312,6 +317,7 @@ impl Metrics {
             kv_events: Arc::new(KvEventGauges::new()?),
             discovery: Arc::new(DiscoveryGauges::new()?),
             config_reloads,
+            security: SecurityMetrics::new()?,
         };
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
@@ -332,6 +338,7 @@ impl Metrics {
         registry.register(Box::new(KvEventCollector(Arc::clone(&metrics.kv_events))))?;
         registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
         registry.register(Box::new(metrics.config_reloads.clone()))?;
+        metrics.security.register(registry)?;
         Ok(metrics)
     }
 

@@ -20,11 +20,15 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::metrics::Metrics;
+use cachepick_decode::duration;
+
+use crate::auth::BearerToken;
+use crate::config::HttpLimits;
+use crate::metrics::{DebugListener, HttpRefusal, Metrics};
 use crate::protocol::error_json;
 
 /// What the debug endpoints read; `app` adapts the request service to it.
@@ -49,13 +53,51 @@ const JSON: &str = "application/json";
 const TEXT: &str = "text/plain; charset=utf-8";
 const EXPOSITION: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// Serves `/metrics` (and, with `debug`, `/debug/*`) on `listener` until `shutdown` resolves.
+/// Who may use what on `metrics_listen`, and the listener's bounds.
+#[derive(Clone)]
+pub struct Access {
+    /// The debug endpoints' source; `None` answers 404 on `/debug/*`.
+    pub debug: Option<Arc<dyn DebugSource>>,
+    /// When set, `/debug/*` requires `authorization: Bearer <token>`; `/metrics` stays open.
+    pub token: Option<BearerToken>,
+    pub limits: HttpLimits,
+}
+
+/// What every connection's service reads.
+struct Shared {
+    metrics: Arc<Metrics>,
+    debug: Option<Arc<dyn DebugSource>>,
+    token: Option<BearerToken>,
+    limits: HttpLimits,
+}
+
+/// Serves `/metrics` (and, with a debug source, `/debug/*`) on `listener` until `shutdown` resolves.
+///
+/// HTTP/1.1 only (Prometheus, curl and the CLI speak it): HTTP/2 has no header-read timeout to bound an
+/// idle or slow client with. At most `limits.max_connections` connections are open at once; one more is
+/// accepted and closed at once rather than left in the kernel's backlog, so a client over the cap fails
+/// fast instead of timing out, and the connection costs this process a file descriptor for an instant
+/// only. Every connection is bounded in time: its headers by `header_read_timeout` (which also closes an
+/// idle keep-alive connection), each request by `request_timeout` (a body trickled slowly included), and
+/// the connection as a whole by `connection_lifetime`.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
-    debug: Option<Arc<dyn DebugSource>>,
+    access: Access,
     shutdown: impl Future<Output = ()>,
 ) {
+    let Access {
+        debug,
+        token,
+        limits,
+    } = access;
+    let shared = Arc::new(Shared {
+        metrics,
+        debug,
+        token,
+        limits,
+    });
+    let slots = Arc::new(Semaphore::new(limits.max_connections.get()));
     tokio::pin!(shutdown);
     let mut last_logged: Option<Instant> = None;
     loop {
@@ -78,34 +120,103 @@ pub async fn serve(
                 }
             }
         };
-        let metrics = Arc::clone(&metrics);
-        let debug = debug.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                let metrics = Arc::clone(&metrics);
-                let debug = debug.clone();
-                async move { Ok::<_, Infallible>(route(request, &metrics, debug).await) }
-            });
-            if let Err(error) = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(%error, "metrics connection ended with an error");
-            }
-        });
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            shared.metrics.http_refused(HttpRefusal::ConnectionCap);
+            drop(stream);
+            continue;
+        };
+        tokio::spawn(connection(stream, slot, Arc::clone(&shared)));
     }
 }
 
-async fn route(
-    request: Request<Incoming>,
-    metrics: &Metrics,
-    debug: Option<Arc<dyn DebugSource>>,
-) -> Response<Full<Bytes>> {
+/// One connection, within its bounds; `slot` is its place under the connection cap.
+async fn connection(stream: TcpStream, slot: OwnedSemaphorePermit, shared: Arc<Shared>) {
+    let open = shared.metrics.http_connections().clone();
+    open.inc();
+    let limits = shared.limits;
+    let service = service_fn({
+        let shared = Arc::clone(&shared);
+        move |request| {
+            let shared = Arc::clone(&shared);
+            async move {
+                let answer = tokio::time::timeout(limits.request_timeout, route(request, &shared));
+                Ok::<_, Infallible>(match answer.await {
+                    Ok(response) => response,
+                    Err(_) => {
+                        shared.metrics.http_refused(HttpRefusal::RequestTimeout);
+                        let mut response = error(
+                            StatusCode::REQUEST_TIMEOUT,
+                            "request_timeout",
+                            &format!(
+                                "the request was not received and answered within {} (metrics_http.request_timeout)",
+                                duration::format(limits.request_timeout)
+                            ),
+                        );
+                        response
+                            .headers_mut()
+                            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                        response
+                    }
+                })
+            }
+        }
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    let ended = tokio::select! {
+        ended = connection.as_mut() => ended,
+        () = tokio::time::sleep(limits.connection_lifetime) => {
+            shared.metrics.http_refused(HttpRefusal::Lifetime);
+            // The request in progress, if any, may finish; none follows it.
+            connection.as_mut().graceful_shutdown();
+            tokio::time::timeout(limits.request_timeout, connection.as_mut())
+                .await
+                .unwrap_or(Ok(()))
+        }
+    };
+    if let Err(error) = ended {
+        if error.is_timeout() {
+            shared.metrics.http_refused(HttpRefusal::HeaderTimeout);
+        }
+        tracing::debug!(%error, "metrics connection ended with an error");
+    }
+    open.dec();
+    drop(slot);
+}
+
+async fn route(request: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>> {
     let method = request.method();
-    match (request.uri().path(), debug) {
+    let debug = shared.debug.clone();
+    let path = request.uri().path();
+    if debug.is_some()
+        && path.starts_with("/debug/")
+        && let Some(token) = &shared.token
+        && !token.admits(
+            request
+                .headers()
+                .get(header::AUTHORIZATION)
+                .map(HeaderValue::as_bytes),
+        )
+    {
+        shared.metrics.debug_unauthorized(DebugListener::Http);
+        let mut response = error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "the debug endpoints require authorization: Bearer <token> (debug_token_file)",
+        );
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return response;
+    }
+    match (path, debug) {
         ("/metrics", _) => {
             if method == Method::GET {
-                respond(StatusCode::OK, EXPOSITION, metrics.render().into())
+                respond(StatusCode::OK, EXPOSITION, shared.metrics.render().into())
             } else {
                 not_allowed("GET")
             }
@@ -274,10 +385,19 @@ mod tests {
     }
 
     async fn start(debug: Option<Arc<dyn DebugSource>>) -> SocketAddr {
+        start_with(debug, HttpLimits::default()).await
+    }
+
+    async fn start_with(debug: Option<Arc<dyn DebugSource>>, limits: HttpLimits) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(Metrics::new().unwrap());
-        tokio::spawn(serve(listener, metrics, debug, std::future::pending()));
+        let access = Access {
+            debug,
+            token: None,
+            limits,
+        };
+        tokio::spawn(serve(listener, metrics, access, std::future::pending()));
         addr
     }
 
@@ -467,6 +587,39 @@ mod tests {
         }
         let reply = call(addr, Method::GET, "/metrics", full(b"")).await;
         assert_eq!(reply.status, StatusCode::OK);
+    }
+
+    /// The header-read timer also runs while a keep-alive connection waits for its next request, so an
+    /// idle connection does not hold its slot.
+    #[tokio::test]
+    async fn an_idle_keep_alive_connection_is_closed_by_the_header_timeout() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let limits = HttpLimits {
+            header_read_timeout: Duration::from_millis(300),
+            ..HttpLimits::default()
+        };
+        let addr = start_with(None, limits).await;
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: cachepick\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let mut buffer = [0_u8; 4096];
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match stream.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(read) => answer.extend_from_slice(&buffer[..read]),
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the idle connection stayed open");
+        assert!(
+            answer.starts_with(b"HTTP/1.1 200 OK"),
+            "one answer, then the close"
+        );
     }
 
     #[test]

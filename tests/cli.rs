@@ -413,3 +413,52 @@ async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
     assert_eq!(refused.status.code(), Some(1));
     assert!(stderr(&refused).contains("400"), "{}", stderr(&refused));
 }
+
+#[test]
+fn envoy_config_writes_the_pickers_tls_and_refuses_flags_that_do_not_fit() {
+    let config = write_config(
+        "tls: {cert_file: /tls/p.crt, key_file: /tls/p.key, client_ca_file: /tls/clients.crt}\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - endpoint: 10.0.0.1:8000\n",
+    );
+    let path = config.path().to_str().expect("a UTF-8 path");
+    let missing = cachepick(&["envoy-config", "--config", path]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(
+        stderr(&missing).contains("give --picker-ca"),
+        "{}",
+        stderr(&missing)
+    );
+    let no_client = cachepick(&["envoy-config", "--config", path, "--picker-ca", "/e/ca.crt"]);
+    assert_eq!(no_client.status.code(), Some(2));
+    assert!(stderr(&no_client).contains("--picker-client-cert"));
+    let output = cachepick(&[
+        "envoy-config",
+        "--config",
+        path,
+        "--picker-ca",
+        "/e/ca.crt",
+        "--picker-client-cert",
+        "/e/envoy.crt",
+        "--picker-client-key",
+        "/e/envoy.key",
+        "--picker-sni",
+        "cachepick.llm.svc",
+    ]);
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let yaml = stdout(&output);
+    assert_eq!(yaml.matches("UpstreamTlsContext").count(), 2, "{yaml}");
+}
+
+#[test]
+fn serve_stops_at_start_up_on_a_certificate_it_cannot_read() {
+    let config = write_config(
+        "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\ntls: {cert_file: /nonexistent/tls.crt, key_file: /nonexistent/tls.key}\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - endpoint: 127.0.0.1:9\n",
+    );
+    let path = config.path().to_str().expect("a UTF-8 path");
+    let output = cachepick(&["serve", "--config", path]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("/nonexistent/tls.crt"),
+        "{}",
+        stderr(&output)
+    );
+}

@@ -376,6 +376,7 @@ async fn every_address_of_the_name_is_a_worker_with_the_template() {
         max_total_tokens: NonZeroU64::new(100_000),
         kv_events_port: 5557,
         kv_replay_port: Some(5558),
+        scrape_https: false,
     };
     let mut source = start_source(server.addr, &template);
 

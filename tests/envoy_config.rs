@@ -978,8 +978,8 @@ fn the_inferencepool_sketch_points_at_a_valid_cachepick() {
     // It listens on the pod network, so the debug endpoints are off...
     assert!(config.listen.ip().is_unspecified());
     assert!(
-        !config.debug_endpoints,
-        "the ConfigMap must set debug_endpoints: false"
+        !config.debug_on_listen() && !config.debug_on_metrics(),
+        "the debug endpoints must be off on the pod network"
     );
 
     // ...and a NetworkPolicy admits only the gateway's pods to the ext_proc port and only the

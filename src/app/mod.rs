@@ -10,13 +10,14 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::auth::{AuthError, BearerToken};
 use crate::config::{Config, Discovery, IndexMode, PoolConfig};
 use crate::discovery::SourceStatus;
 use crate::discovery::dns::DnsSource;
 use crate::discovery::kubernetes::KubernetesSource;
 use crate::events::EventFeeds;
 use crate::extproc;
-use crate::load::{PoolLoad, PoolView, Scraper};
+use crate::load::{PoolLoad, PoolView, ScrapeTlsClient, Scraper};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource};
 use crate::prefix::EventIndex;
@@ -24,6 +25,7 @@ use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
 pub use crate::route::Explanation;
 use crate::route::{Picker, PickerError, PoolReport, RequestError, Service};
+use crate::tls::{ServerTls, TlsError};
 pub use reload::{Reload, restart_only_changes};
 
 mod reload;
@@ -42,6 +44,40 @@ pub enum AppError {
     Serve(#[from] extproc::ServeError),
     #[error(transparent)]
     Picker(#[from] PickerError),
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+}
+
+/// The files `tls`, `load.tls` and `debug_token_file` name, read once at start-up.
+struct Security {
+    tls: Option<Arc<ServerTls>>,
+    token: Option<BearerToken>,
+}
+
+impl Security {
+    fn load(config: &Config) -> Result<Security, AppError> {
+        let tls = config
+            .tls
+            .clone()
+            .map(ServerTls::load)
+            .transpose()?
+            .map(Arc::new);
+        let token = config
+            .debug_token_file
+            .as_deref()
+            .map(BearerToken::from_file)
+            .transpose()?;
+        for (key, addr) in config.exposed_debug() {
+            tracing::warn!(
+                %addr,
+                "debug_endpoints: true serves the debug endpoints on {key}, which is not loopback, to anyone \
+                 who can connect: set debug_token_file, or bind {key} to loopback"
+            );
+        }
+        Ok(Security { tls, token })
+    }
 }
 
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), AppError> {
@@ -51,17 +87,30 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), AppError> {
     Ok((listener, bound))
 }
 
-/// A scraper and its shared state for every pool of `config`.
-fn pools(config: &Config, metrics: &Arc<Metrics>) -> Vec<(Arc<PoolLoad>, Scraper)> {
-    config
+/// A scraper and its shared state for every pool of `config`; `load.tls`'s files are read here.
+fn pools(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+) -> Result<Vec<(Arc<PoolLoad>, Scraper)>, AppError> {
+    let tls = config
+        .load
+        .tls
+        .as_ref()
+        .map(ScrapeTlsClient::load)
+        .transpose()?;
+    Ok(config
         .pools
         .iter()
         .map(|pool| {
             let load = PoolLoad::new(pool, &config.load);
             let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.clone());
+            let scraper = match &tls {
+                Some(tls) => scraper.with_tls(tls),
+                None => scraper,
+            };
             (load, scraper)
         })
-        .collect()
+        .collect())
 }
 
 /// Runs cachepick with `config` until `shutdown` resolves, its file's workers fixed.
@@ -79,6 +128,8 @@ pub async fn serve(
     reload: Option<Reload>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AppError> {
+    // The files first: a bad certificate or token stops the process before it listens.
+    let security = Security::load(config)?;
     let (listener, bound) = bind(config.listen).await?;
     let (metrics_listener, metrics_bound) = bind(config.metrics_listen).await?;
     let metrics = Arc::new(Metrics::new()?);
@@ -90,7 +141,7 @@ pub async fn serve(
         }
     };
 
-    let pools = pools(config, &metrics);
+    let pools = pools(config, &metrics)?;
     let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
     // Loading every tokenizer and template up front makes a bad file a start-up error, not a 400 later.
     let picker = Picker::new(config, &loads)?;
@@ -120,12 +171,16 @@ pub async fn serve(
         ));
     }
     let debug = config
-        .debug_endpoints
+        .debug_on_metrics()
         .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
     tasks.spawn(metrics_server::serve(
         metrics_listener,
         Arc::clone(&metrics),
-        debug,
+        metrics_server::Access {
+            debug,
+            token: security.token.clone(),
+            limits: config.metrics_http,
+        },
         stopped_future(),
     ));
     tracing::info!(
@@ -135,7 +190,12 @@ pub async fn serve(
         file_workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
         "cachepick started"
     );
-    let served = extproc::serve(listener, service, config.debug_endpoints, async move {
+    let access = extproc::Access {
+        debug: config.debug_on_listen(),
+        token: security.token,
+        tls: security.tls,
+    };
+    let served = extproc::serve(listener, service, access, async move {
         shutdown.await;
         let _ = stop.send(true);
     })
@@ -275,7 +335,7 @@ pub const EVENTS_LOOK: Duration = Duration::from_secs(1);
 /// read instead of a running scraper.
 async fn scraped(config: &Config, rounds: u32) -> Result<Vec<Arc<PoolLoad>>, AppError> {
     let metrics = Arc::new(Metrics::new()?);
-    let mut pools = pools(config, &metrics);
+    let mut pools = pools(config, &metrics)?;
     discover_once(config, &mut pools).await;
     for round in 0..rounds {
         if round > 0 {

@@ -146,6 +146,12 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         old.debug_endpoints == new.debug_endpoints,
     );
     differs("load", old.load == new.load);
+    differs("tls", old.tls == new.tls);
+    differs(
+        "debug_token_file",
+        old.debug_token_file == new.debug_token_file,
+    );
+    differs("metrics_http", old.metrics_http == new.metrics_http);
     if old.pools.len() != new.pools.len() {
         refused.push(format!(
             "pools: {} pools instead of {} (restart to add or remove a pool)",

@@ -41,12 +41,50 @@ struct File<'c> {
     listen: SocketAddr,
     metrics_listen: SocketAddr,
     max_body_bytes: Size,
-    debug_endpoints: bool,
+    /// Absent: on only where the listener is bound to loopback.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    debug_endpoints: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    debug_token_file: Option<&'c Path>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<ListenerTls<'c>>,
+    metrics_http: MetricsHttp,
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_salt_header: Option<&'c str>,
     policy: Policy,
-    load: Load,
+    load: Load<'c>,
     pools: Vec<Pool<'c>>,
+}
+
+/// `tls` (the ext_proc listener).
+#[derive(Serialize)]
+struct ListenerTls<'c> {
+    cert_file: &'c Path,
+    key_file: &'c Path,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    client_ca_file: Option<&'c Path>,
+    reload_interval: String,
+}
+
+/// `load.tls`.
+#[derive(Serialize)]
+struct ScrapeTls<'c> {
+    ca_file: &'c Path,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cert_file: Option<&'c Path>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_file: Option<&'c Path>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server_name: Option<&'c str>,
+}
+
+/// `metrics_http`.
+#[derive(Serialize)]
+struct MetricsHttp {
+    max_connections: usize,
+    header_read_timeout: String,
+    request_timeout: String,
+    connection_lifetime: String,
 }
 
 /// A `policy` section; a key is written when it is `Some`.
@@ -148,7 +186,7 @@ fn differs<T: PartialEq>(mine: Option<T>, theirs: Option<T>) -> Option<T> {
 }
 
 #[derive(Serialize)]
-struct Load {
+struct Load<'c> {
     scrape_interval: String,
     scrape_timeout: String,
     freshness: String,
@@ -156,6 +194,8 @@ struct Load {
     max_concurrent_scrapes: usize,
     unreachable_after: u32,
     drain_timeout: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<ScrapeTls<'c>>,
 }
 
 /// A byte size: `4MiB` when a binary unit holds it exactly, else a bare number of bytes.
@@ -231,6 +271,8 @@ struct Template {
     max_running_requests: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_total_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scrape_scheme: Option<&'static str>,
 }
 
 /// `index:`, written only when it differs from the default. The ports are what discovered workers'
@@ -288,6 +330,19 @@ impl<'c> From<&'c Config> for File<'c> {
             max_body_bytes: config.max_body_bytes.get().into(),
             debug_endpoints: config.debug_endpoints,
             cache_salt_header: config.cache_salt_header.as_deref(),
+            debug_token_file: config.debug_token_file.as_deref(),
+            tls: config.tls.as_ref().map(|tls| ListenerTls {
+                cert_file: &tls.cert_file,
+                key_file: &tls.key_file,
+                client_ca_file: tls.client_ca_file.as_deref(),
+                reload_interval: duration::format(tls.reload_interval),
+            }),
+            metrics_http: MetricsHttp {
+                max_connections: config.metrics_http.max_connections.get(),
+                header_read_timeout: duration::format(config.metrics_http.header_read_timeout),
+                request_timeout: duration::format(config.metrics_http.request_timeout),
+                connection_lifetime: duration::format(config.metrics_http.connection_lifetime),
+            },
             policy: Policy::whole(&config.policy),
             load: Load {
                 scrape_interval: duration::format(config.load.scrape_interval),
@@ -297,6 +352,12 @@ impl<'c> From<&'c Config> for File<'c> {
                 max_concurrent_scrapes: config.load.max_concurrent_scrapes.get(),
                 unreachable_after: config.load.unreachable_after.get(),
                 drain_timeout: duration::format(config.load.drain_timeout),
+                tls: config.load.tls.as_ref().map(|tls| ScrapeTls {
+                    ca_file: &tls.files.ca_file,
+                    cert_file: tls.files.identity.as_ref().map(|(cert, _)| cert.as_path()),
+                    key_file: tls.files.identity.as_ref().map(|(_, key)| key.as_path()),
+                    server_name: tls.server_name.as_deref(),
+                }),
             },
             pools: config
                 .pools
@@ -375,6 +436,7 @@ impl<'c> Pool<'c> {
                 dp_size: pool.template.dp_size.get(),
                 max_running_requests: pool.template.max_running_requests.map(NonZeroU64::get),
                 max_total_tokens: pool.template.max_total_tokens.map(NonZeroU64::get),
+                scrape_scheme: pool.template.scrape_https.then_some("https"),
             }),
             workers: pool
                 .workers

@@ -16,7 +16,10 @@ mod emit;
 mod tests;
 #[cfg(test)]
 mod tests_discovery;
+#[cfg(test)]
+mod tests_security;
 mod types;
+mod types_security;
 mod validate;
 
 use std::net::SocketAddr;
@@ -24,6 +27,7 @@ use std::path::Path;
 
 pub use cachepick_decode::{ConfigError, Origin, Problem};
 pub use types::*;
+pub use types_security::*;
 
 /// Values given as command-line flags; each replaces the file's value and is validated like it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -119,7 +119,10 @@ fn the_full_example_is_accepted_with_its_values() {
     let expected = Config {
         listen: addr("127.0.0.1:9002"),
         metrics_listen: addr("127.0.0.1:9090"),
-        debug_endpoints: true,
+        debug_endpoints: None,
+        debug_token_file: None,
+        tls: None,
+        metrics_http: HttpLimits::default(),
         cache_salt_header: None,
         policy: gated(4, 2),
         load: LoadConfig {
@@ -476,7 +479,7 @@ fn the_effective_config_uses_the_file_keys_and_readable_durations() {
         "  max_body_bytes: 512KiB\n  max_concurrent_scrapes: 16\n",
         "load_source: loads\n    loads_url: http://10.0.0.21:30000/v1/loads\n",
         "max_running_requests: 256\n    max_total_tokens: 500000\n",
-        "metrics_listen: 127.0.0.1:9090\nmax_body_bytes: 16MiB\ndebug_endpoints: true\npolicy:\n",
+        "metrics_listen: 127.0.0.1:9090\nmax_body_bytes: 16MiB\nmetrics_http:\n  max_connections: 64\n",
         "  chat_template: /models/qwen/tokenizer_config.json\n  segment_cache_entries: 4096\n  \
              default_cache_blocks: 65536\n",
     ] {
@@ -769,27 +772,28 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "pools[0].workers[0].dp_size (line 6)", "must be at most 1024"),
             ("metrics_url without scheme", pool("        metrics_url: 10.0.0.1:8000/metrics\n"), &NO_FLAGS,
              "pools[0].workers[0].metrics_url (line 6)",
-             "expected a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics, \
+             "expected an http:// or https:// URL naming a host, such as http://10.0.0.11:8000/metrics, \
               got `10.0.0.1:8000/metrics`"),
             ("metrics_url without host", pool("        metrics_url: http:///metrics\n"), &NO_FLAGS,
-             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+             "pools[0].workers[0].metrics_url (line 6)", "expected an http:// or https:// URL naming a host"),
             ("metrics_url with an empty host", pool("        metrics_url: http://:8000/metrics\n"), &NO_FLAGS,
-             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+             "pools[0].workers[0].metrics_url (line 6)", "expected an http:// or https:// URL naming a host"),
             ("metrics_url of scheme only", pool("        metrics_url: http://\n"), &NO_FLAGS,
-             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+             "pools[0].workers[0].metrics_url (line 6)", "expected an http:// or https:// URL naming a host"),
             ("metrics_url with a space", pool("        metrics_url: http://a b/metrics\n"), &NO_FLAGS,
-             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+             "pools[0].workers[0].metrics_url (line 6)", "expected an http:// or https:// URL naming a host"),
             ("metrics_url of another scheme", pool("        metrics_url: ftp://10.0.0.1/metrics\n"), &NO_FLAGS,
-             "pools[0].workers[0].metrics_url (line 6)", "expected a plain http:// URL naming a host"),
+             "pools[0].workers[0].metrics_url (line 6)", "expected an http:// or https:// URL naming a host"),
             ("metrics_url over TLS", pool("        metrics_url: https://10.0.0.1:8000/metrics\n"), &NO_FLAGS,
              "pools[0].workers[0].metrics_url (line 6)",
-             "TLS scraping is not supported: expose the engine's metrics over plain HTTP on the pod network"),
+             "`https://10.0.0.1:8000/metrics` is https, and load.tls names no CA to verify the engine's metrics \
+              with: set load.tls.ca_file, or scrape over plain http"),
             ("loads_url over TLS", sglang("        load_source: loads\n        loads_url: https://w/v1/loads\n"),
              &NO_FLAGS, "pools[0].workers[0].loads_url (line 7)",
-             "TLS scraping is not supported: expose the engine's /v1/loads over plain HTTP on the pod network"),
+             "`https://w/v1/loads` is https, and load.tls names no CA to verify the engine's /v1/loads with"),
             ("loads_url without scheme", sglang("        load_source: loads\n        loads_url: /v1/loads\n"),
              &NO_FLAGS, "pools[0].workers[0].loads_url (line 7)",
-             "expected a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics, got `/v1/loads`"),
+             "expected an http:// or https:// URL naming a host, such as http://10.0.0.11:8000/metrics, got `/v1/loads`"),
             ("unknown load source", pool("        load_source: prometheus\n"), &NO_FLAGS,
              "pools[0].workers[0].load_source (line 6)", "expected one of: metrics, loads; got `prometheus`"),
             ("loads_url without a load source", sglang("        loads_url: http://w/v1/loads\n"), &NO_FLAGS,
@@ -1530,10 +1534,16 @@ proptest! {
 }
 
 #[test]
-fn debug_endpoints_is_a_plain_boolean() {
+fn debug_endpoints_is_a_plain_boolean_or_absent() {
     let off = format!("debug_endpoints: false\n{POOL}");
-    assert!(!parse(&off, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints);
-    assert!(parse(POOL, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints);
+    assert_eq!(
+        parse(&off, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints,
+        Some(false)
+    );
+    assert_eq!(
+        parse(POOL, "t.yaml", &NO_FLAGS).unwrap().debug_endpoints,
+        None
+    );
     let quoted = format!("debug_endpoints: \"false\"\n{POOL}");
     let message = parse(&quoted, "t.yaml", &NO_FLAGS).unwrap_err().to_string();
     assert!(

@@ -77,6 +77,7 @@ fn a_dns_pool_reads_every_key_and_its_template() {
             max_total_tokens: NonZeroU64::new(100_000),
             kv_events_port: 6000,
             kv_replay_port: Some(6001),
+            scrape_https: false,
         }
     );
     assert_eq!(pool.max_workers, NonZeroUsize::new(8).unwrap());
@@ -194,7 +195,7 @@ fn every_discovery_problem_is_reported_with_its_place() {
         ("unknown template key",
          "    dns: {name: a, port: 8000}\n    template: {endpoint: 10.0.0.1:8000}\n",
          &["pools[0].template.endpoint (line 5): unknown key; expected one of: load_source, role, \
-            dp_size, max_running_requests, max_total_tokens"]),
+            dp_size, max_running_requests, max_total_tokens, scrape_scheme"]),
         ("template loads on vllm",
          "    dns: {name: a, port: 8000}\n    template: {load_source: loads}\n",
          &["pools[0].template.load_source (line 5): load_source: loads reads SGLang's /v1/loads; \

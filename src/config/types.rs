@@ -8,6 +8,7 @@ use std::time::Duration;
 
 pub use cachepick_tokenizer::{TiktokenEncoding, TokenizerConfig};
 
+use super::types_security::{HttpLimits, ScrapeTls, ServerFiles};
 use crate::worker::{Engine, Role};
 
 /// The whole validated configuration.
@@ -24,9 +25,18 @@ pub struct Config {
     /// A request body larger than this is refused (413) before it is parsed.
     pub max_body_bytes: NonZeroUsize,
     /// Serve `/debug/*` on `metrics_listen` and the gRPC admin API (and reflection) on `listen`. They
-    /// describe the fleet and explain routing to whoever can connect: turn them off where those listeners
-    /// are reachable beyond the operator (a pod network, say).
-    pub debug_endpoints: bool,
+    /// describe the fleet and explain routing to whoever can connect. `None` (the key absent): each
+    /// listener serves them only when it is bound to loopback (see `Config::debug_on_listen`);
+    /// `Some` forces them on or off on both.
+    pub debug_endpoints: Option<bool>,
+    /// When set, `/debug/*` and the admin gRPC API require `authorization: Bearer <token>`, the token
+    /// being this file's content (read at start-up).
+    pub debug_token_file: Option<PathBuf>,
+    /// TLS on `listen` (ext_proc, EDS, health, admin); `client_ca_file` makes client certificates
+    /// mandatory. `None`: plain text.
+    pub tls: Option<ServerFiles>,
+    /// The bounds of the HTTP listener on `metrics_listen`.
+    pub metrics_http: HttpLimits,
     /// The request header whose value salts every prefix hash of an `approximate` pool, lower-case: one
     /// tenant's prompts never match another's in the owner index (see `route`).
     pub cache_salt_header: Option<String>,
@@ -306,7 +316,7 @@ impl DepthRatio {
 }
 
 /// How load is scraped and when a reading stops counting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadConfig {
     pub scrape_interval: Duration,
     /// At most `scrape_interval`, so rounds never overlap.
@@ -323,6 +333,8 @@ pub struct LoadConfig {
     /// How long a worker removed from discovery may keep serving what it was sent before it leaves,
     /// if it neither goes idle nor stops answering first.
     pub drain_timeout: Duration,
+    /// `load.tls`: how `https://` scrape URLs are verified; `None` allows `http://` URLs only.
+    pub tls: Option<ScrapeTls>,
 }
 
 impl LoadConfig {
@@ -348,6 +360,7 @@ impl Default for LoadConfig {
             unreachable_after: NonZeroU32::new(Self::DEFAULT_UNREACHABLE_AFTER)
                 .unwrap_or(NonZeroU32::MIN),
             drain_timeout: Self::DEFAULT_DRAIN_TIMEOUT,
+            tls: None,
         }
     }
 }
@@ -637,18 +650,21 @@ pub struct WorkerTemplate {
     pub kv_events_port: u16,
     /// `index.replay_port`.
     pub kv_replay_port: Option<u16>,
+    /// `scrape_scheme: https`: discovered workers' metrics and loads are scraped over TLS (`load.tls`).
+    pub scrape_https: bool,
 }
 
 impl WorkerTemplate {
     /// The worker a discovery source found at `endpoint`: metrics and loads on its API port, as both
     /// engines serve them, and KV events on the pool's ports of its IP.
     pub fn worker(&self, endpoint: SocketAddr) -> WorkerConfig {
+        let scheme = if self.scrape_https { "https" } else { "http" };
         WorkerConfig {
             endpoint,
-            metrics_url: format!("http://{endpoint}/metrics"),
+            metrics_url: format!("{scheme}://{endpoint}/metrics"),
             load_source: self.load_source,
             loads_url: match self.load_source {
-                LoadSource::Loads => Some(format!("http://{endpoint}/v1/loads")),
+                LoadSource::Loads => Some(format!("{scheme}://{endpoint}/v1/loads")),
                 LoadSource::Metrics => None,
             },
             role: self.role,
@@ -676,6 +692,7 @@ impl Default for WorkerTemplate {
             max_total_tokens: None,
             kv_events_port: IndexConfig::DEFAULT_LIVE_PORT,
             kv_replay_port: None,
+            scrape_https: false,
         }
     }
 }

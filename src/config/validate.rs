@@ -34,6 +34,7 @@ use policy::Resolved;
 mod discovery;
 mod index;
 mod policy;
+mod security;
 
 const ROOT_KEYS: &[&str] = &[
     "listen",
@@ -41,6 +42,9 @@ const ROOT_KEYS: &[&str] = &[
     "max_body_bytes",
     "debug_endpoints",
     "cache_salt_header",
+    "debug_token_file",
+    "tls",
+    "metrics_http",
     "policy",
     "load",
     "pools",
@@ -53,6 +57,7 @@ const LOAD_KEYS: &[&str] = &[
     "max_concurrent_scrapes",
     "unreachable_after",
     "drain_timeout",
+    "tls",
 ];
 const POOL_KEYS: &[&str] = &[
     "model",
@@ -83,12 +88,17 @@ const WORKER_KEYS: &[&str] = &[
     "kv_events",
 ];
 
-const HTTP_URL: &str = "a plain http:// URL naming a host, such as http://10.0.0.11:8000/metrics";
+const HTTP_URL: &str =
+    "an http:// or https:// URL naming a host, such as http://10.0.0.11:8000/metrics";
 
 /// Decodes and checks the whole configuration; `Ok` only means every value could be built; the
 /// configuration is valid only if, in addition, no problem was recorded (e.g. an unknown key).
 pub(super) fn validate(root: &Node, overrides: &Overrides, problems: &mut Problems) -> Res<Config> {
-    Validator { problems }.config(root, overrides)
+    Validator {
+        problems,
+        https_scrape: true,
+    }
+    .config(root, overrides)
 }
 
 /// A pool whose pieces are decoded; it is built after the checks across pools.
@@ -196,6 +206,9 @@ impl WorkerDraft {
 /// The decoder of cachepick's own file: the shared walker plus this schema's methods.
 struct Validator<'p> {
     problems: &'p mut Problems,
+    /// Whether `https://` scrape URLs are allowed: `load.tls` is set (or `load` failed, and is reported
+    /// there).
+    https_scrape: bool,
 }
 
 impl Decode for Validator<'_> {
@@ -221,10 +234,14 @@ impl Validator<'_> {
         let debug_endpoints = self.opt(&root, "debug_endpoints", Self::boolean);
         let cache_salt_header = self.opt(&root, "cache_salt_header", Self::string);
         let cache_salt_header = self.check_opt(cache_salt_header, salt_header);
+        let debug_token_file = self.debug_token_file(&root);
+        let tls = self.listener_tls(&root);
+        let metrics_http = self.metrics_http(&root);
         let policy = self.policy(&root, Some(overrides), None);
         let load = self
             .section(&root, "load", LOAD_KEYS)
             .and_then(|map| self.load(&map));
+        self.https_scrape = load.as_ref().map_or(true, |load| load.tls.is_some());
         let pools = self.pools(&root, &policy);
         Ok(Config {
             listen: listen?.value,
@@ -233,7 +250,10 @@ impl Validator<'_> {
             load: load?,
             pools: pools?,
             max_body_bytes: max_body_bytes?.value,
-            debug_endpoints: debug_endpoints?.is_none_or(|given| given.value),
+            debug_endpoints: debug_endpoints?.map(|given| given.value),
+            debug_token_file: debug_token_file?,
+            tls: tls?,
+            metrics_http: metrics_http?,
             cache_salt_header: cache_salt_header?.map(|given| given.value),
         })
     }
@@ -278,6 +298,7 @@ impl Validator<'_> {
             at_least_one_u32,
         );
         let drain = self.positive_duration(map, "drain_timeout", defaults.drain_timeout);
+        let tls = self.scrape_tls(map);
         timeout_fits?;
         freshness_lasts?;
         Ok(LoadConfig {
@@ -288,6 +309,7 @@ impl Validator<'_> {
             freshness: freshness?.value,
             max_body_bytes: body?.value,
             max_concurrent_scrapes: scrapes?.value,
+            tls: tls?,
         })
     }
 
@@ -602,18 +624,20 @@ impl Validator<'_> {
         }
     }
 
-    /// A URL the scraper can request as is: plain `http://` (it speaks no TLS) with a host, parsed the
-    /// way the HTTP client will parse it. `serves` names what the engine exposes there.
+    /// A URL the scraper can request as is: `http://`, or `https://` when `load.tls` names the CA to
+    /// verify it with, with a host, parsed the way the HTTP client will parse it. `serves` names what
+    /// the engine exposes there.
     fn http_url(&mut self, node: &Node, at: &Place, serves: &str) -> Res<String> {
         let url = self.string(node, at)?;
-        if url.starts_with("https://") {
+        let https = url.starts_with("https://");
+        if https && !self.https_scrape {
             let message = format!(
-                "TLS scraping is not supported: expose the engine's {serves} over plain HTTP on the pod \
-                 network, got `{url}`"
+                "`{url}` is https, and load.tls names no CA to verify the engine's {serves} with: set \
+                 load.tls.ca_file, or scrape over plain http"
             );
-            return Err(self.report(Phase::Value, at.origin(), message));
+            return Err(self.report(Phase::Cross, at.origin(), message));
         }
-        let has_host = url.starts_with("http://")
+        let has_host = (https || url.starts_with("http://"))
             && url
                 .parse::<http::Uri>()
                 .is_ok_and(|uri| uri.host().is_some_and(|host| !host.is_empty()));

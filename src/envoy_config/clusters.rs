@@ -251,6 +251,7 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(4, "common_lb_config:");
     out.line(6, "healthy_panic_threshold: {value: 0}");
     picker_http2(out);
+    picker_tls(out, options);
     load_assignment(out, "cachepick", options.pickers.iter().copied());
 }
 
@@ -416,6 +417,7 @@ pub(super) fn xds_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     }
     out.line(4, "connect_timeout: 1s");
     picker_http2(out);
+    picker_tls(out, options);
     load_assignment(out, XDS_CLUSTER, options.pickers.iter().copied());
 }
 
@@ -431,4 +433,79 @@ fn picker_http2(out: &mut Yaml) {
     out.line(8, "explicit_http_config:");
     out.line(10, "http2_protocol_options:");
     out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
+}
+
+/// The `transport_socket` of a cluster of pickers serving TLS (`--picker-ca` and the rest); nothing for
+/// plain text.
+fn picker_tls(out: &mut Yaml, options: &EnvoyOptions) {
+    let Some(tls) = &options.picker_tls else {
+        return;
+    };
+    let mut comment = vec![
+        "TLS to the picker (its tls: section): the picker's certificate must chain to the CA below",
+    ];
+    match &tls.sni {
+        Some(_) => comment.push("and name the SNI among its DNS names."),
+        None => comment.push(
+            "(no --picker-sni: any certificate that CA signed is accepted, so it must sign pickers only).",
+        ),
+    }
+    if tls.client_cert.is_some() {
+        comment.push(
+            "Envoy presents its own certificate: the picker requires one (tls.client_ca_file).",
+        );
+    }
+    comment.push(
+        "The files are read by Envoy, which reloads them when they change on disk (a mounted Secret).",
+    );
+    out.comment(4, &comment);
+    out.line(4, "transport_socket:");
+    out.line(6, "name: envoy.transport_sockets.tls");
+    out.line(6, "typed_config:");
+    out.type_url(
+        8,
+        "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+    );
+    if let Some(sni) = &tls.sni {
+        out.line(8, &format!("sni: {}", quoted(sni)));
+    }
+    out.line(8, "common_tls_context:");
+    out.line(10, "alpn_protocols: [h2]");
+    out.line(10, "validation_context:");
+    out.line(
+        12,
+        &format!(
+            "trusted_ca: {{filename: {}}}",
+            quoted(&tls.ca_file.display().to_string())
+        ),
+    );
+    if let Some(sni) = &tls.sni {
+        out.line(12, "match_typed_subject_alt_names:");
+        out.line(
+            12,
+            &format!("- {{san_type: DNS, matcher: {{exact: {}}}}}", quoted(sni)),
+        );
+    }
+    if let Some((cert, key)) = &tls.client_cert {
+        out.line(10, "tls_certificates:");
+        out.line(
+            10,
+            &format!(
+                "- certificate_chain: {{filename: {}}}",
+                quoted(&cert.display().to_string())
+            ),
+        );
+        out.line(
+            12,
+            &format!(
+                "private_key: {{filename: {}}}",
+                quoted(&key.display().to_string())
+            ),
+        );
+    }
+}
+
+/// A YAML double-quoted scalar (JSON string syntax is valid YAML).
+fn quoted(text: &str) -> String {
+    serde_json::to_string(text).unwrap_or_else(|_| format!("{text:?}"))
 }

@@ -33,6 +33,22 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
             command.push_str(&format!(" --picker {picker}"));
         }
     }
+    if let Some(tls) = &options.picker_tls {
+        command.push_str(&format!(
+            " --picker-ca {}",
+            one_line(&tls.ca_file.display().to_string())
+        ));
+        if let Some((cert, key)) = &tls.client_cert {
+            command.push_str(&format!(
+                " --picker-client-cert {} --picker-client-key {}",
+                one_line(&cert.display().to_string()),
+                one_line(&key.display().to_string())
+            ));
+        }
+        if let Some(sni) = &tls.sni {
+            command.push_str(&format!(" --picker-sni {}", one_line(sni)));
+        }
+    }
     let summary = match options.mode {
         BodyMode::Buffered => {
             "Mode buffered: Envoy buffers each request body and sends it to cachepick in one message; \

@@ -34,6 +34,7 @@
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -166,6 +167,74 @@ pub struct EnvoyOptions {
     /// How the configuration file was named on the command line, echoed in the header comment so the
     /// file says how to regenerate it; `None` writes a placeholder.
     pub source: Option<String>,
+    /// TLS from Envoy to the pickers (the ext_proc and EDS clusters), for a cachepick with `tls:`;
+    /// `None` is plain text.
+    pub picker_tls: Option<PickerTls>,
+}
+
+/// How Envoy connects to a picker serving TLS: the CA that signed the picker's certificate, the name to
+/// send and check, and Envoy's own certificate when the picker requires one (`tls.client_ca_file`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PickerTls {
+    /// `--picker-ca`: the CA bundle the picker's certificate must chain to.
+    pub ca_file: PathBuf,
+    /// `--picker-client-cert` and `--picker-client-key`: Envoy's certificate and key, for mTLS.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// `--picker-sni`: sent as SNI and required among the certificate's DNS names. Without it the
+    /// certificate is checked against the CA only, so the CA must sign pickers and nothing else.
+    pub sni: Option<String>,
+}
+
+/// Why the pickers' TLS options do not fit the configuration.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PickerTlsError {
+    #[error(
+        "the configuration serves TLS on listen (tls:): give --picker-ca, the CA Envoy verifies the picker with"
+    )]
+    CaMissing,
+    #[error(
+        "the configuration requires client certificates (tls.client_ca_file): give --picker-client-cert and --picker-client-key"
+    )]
+    ClientCertMissing,
+    #[error("--picker-client-cert and --picker-client-key go together: give both or neither")]
+    HalfPair,
+    #[error(
+        "the configuration serves plain text on listen (no tls:): the --picker-* TLS flags do not apply"
+    )]
+    NotTls,
+}
+
+impl PickerTls {
+    /// The pickers' TLS from the `--picker-*` flags, checked against the configuration's `tls`.
+    pub fn from_flags(
+        config: &Config,
+        ca_file: Option<PathBuf>,
+        client_cert: Option<PathBuf>,
+        client_key: Option<PathBuf>,
+        sni: Option<String>,
+    ) -> Result<Option<PickerTls>, PickerTlsError> {
+        let client_cert = match (client_cert, client_key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => return Err(PickerTlsError::HalfPair),
+        };
+        let Some(tls) = &config.tls else {
+            return if ca_file.is_some() || client_cert.is_some() || sni.is_some() {
+                Err(PickerTlsError::NotTls)
+            } else {
+                Ok(None)
+            };
+        };
+        let ca_file = ca_file.ok_or(PickerTlsError::CaMissing)?;
+        if tls.client_ca_file.is_some() && client_cert.is_none() {
+            return Err(PickerTlsError::ClientCertMissing);
+        }
+        Ok(Some(PickerTls {
+            ca_file,
+            client_cert,
+            sni,
+        }))
+    }
 }
 
 impl EnvoyOptions {
@@ -188,6 +257,7 @@ impl EnvoyOptions {
             pickers: vec![picker_address(config.listen)],
             message_timeout: Self::DEFAULT_MESSAGE_TIMEOUT,
             source: None,
+            picker_tls: None,
         }
     }
 }
@@ -418,6 +488,82 @@ mod tests {
         assert!(
             yaml.contains("--picker 127.0.0.1:9101 --picker 127.0.0.1:9102 --picker [::1]:9103")
         );
+    }
+
+    #[test]
+    fn picker_tls_flags_follow_the_configuration_and_write_both_picker_clusters() {
+        let plain = config(TWO);
+        assert_eq!(
+            PickerTls::from_flags(&plain, None, None, None, None),
+            Ok(None)
+        );
+        assert_eq!(
+            PickerTls::from_flags(&plain, Some("ca.crt".into()), None, None, None),
+            Err(PickerTlsError::NotTls)
+        );
+        let mtls = config(&format!(
+            "tls: {{cert_file: p.crt, key_file: p.key, client_ca_file: clients.crt}}\n{TWO}"
+        ));
+        assert_eq!(
+            PickerTls::from_flags(&mtls, None, None, None, None),
+            Err(PickerTlsError::CaMissing)
+        );
+        assert_eq!(
+            PickerTls::from_flags(&mtls, Some("ca.crt".into()), None, None, None),
+            Err(PickerTlsError::ClientCertMissing)
+        );
+        assert_eq!(
+            PickerTls::from_flags(
+                &mtls,
+                Some("ca.crt".into()),
+                Some("e.crt".into()),
+                None,
+                None
+            ),
+            Err(PickerTlsError::HalfPair)
+        );
+        let tls = PickerTls::from_flags(
+            &mtls,
+            Some("/etc/envoy/ca.crt".into()),
+            Some("/etc/envoy/e.crt".into()),
+            Some("/etc/envoy/e.key".into()),
+            Some("cachepick.llm.svc".into()),
+        )
+        .expect("valid flags");
+        let yaml = render(
+            &mtls,
+            &EnvoyOptions {
+                picker_tls: tls,
+                ..EnvoyOptions::for_config(&mtls)
+            },
+        );
+        for cluster in ["- name: cachepick\n", "- name: cachepick_xds\n"] {
+            let section = yaml
+                .split(cluster)
+                .nth(1)
+                .and_then(|rest| rest.split("\n  - name: ").next())
+                .expect("the cluster");
+            for expected in [
+                "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni: \"cachepick.llm.svc\"",
+                "trusted_ca: {filename: \"/etc/envoy/ca.crt\"}",
+                "- {san_type: DNS, matcher: {exact: \"cachepick.llm.svc\"}}",
+                "- certificate_chain: {filename: \"/etc/envoy/e.crt\"}",
+                "private_key: {filename: \"/etc/envoy/e.key\"}",
+                "alpn_protocols: [h2]",
+            ] {
+                assert!(
+                    section.contains(expected),
+                    "{cluster}: {expected} in\n{section}"
+                );
+            }
+        }
+        assert!(yaml.contains(
+            "--picker-ca /etc/envoy/ca.crt --picker-client-cert /etc/envoy/e.crt --picker-client-key /etc/envoy/e.key --picker-sni cachepick.llm.svc"
+        ));
+        // Without TLS options the bootstrap has no transport socket at all.
+        let plain_yaml = render(&plain, &EnvoyOptions::for_config(&plain));
+        assert!(!plain_yaml.contains("transport_socket"));
     }
 
     #[test]

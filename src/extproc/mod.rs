@@ -11,6 +11,7 @@
 mod admin;
 pub mod eds;
 mod process;
+mod transport;
 
 /// The generated `cachepick.v1` admin API (messages, server, client), for tests and Rust tools.
 pub use admin::pb as admin_api;
@@ -20,12 +21,15 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 pub use process::MAX_STREAMED_CHUNK;
+pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 use thiserror::Error;
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::auth::BearerToken;
 /// The wire names, defined in [`crate::protocol`]; re-exported here for the callers that speak
 /// ext_proc (tests, the demo, replay).
 pub use crate::protocol::{
@@ -33,6 +37,18 @@ pub use crate::protocol::{
     READINESS, REJECT_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use crate::route::Service;
+use crate::tls::ServerTls;
+
+/// Who reaches what on `listen`, and how.
+#[derive(Clone, Default)]
+pub struct Access {
+    /// Serve the admin API and reflection (`Config::debug_on_listen`).
+    pub debug: bool,
+    /// When set, the admin API and reflection require `authorization: Bearer <token>`.
+    pub token: Option<BearerToken>,
+    /// TLS on every connection (ext_proc, EDS, health, admin); `None` is plain text.
+    pub tls: Option<Arc<ServerTls>>,
+}
 
 #[derive(Debug, Error)]
 pub enum ServeError {
@@ -52,13 +68,15 @@ async fn set_readiness(reporter: &HealthReporter, status: ServingStatus) {
 
 /// Serves ext_proc and health on `listener` until `shutdown` resolves.
 ///
-/// With `debug` false the admin API and reflection are not served (`debug_endpoints: false`).
+/// `access` says whether the admin API and reflection are served, behind which token, and whether
+/// connections are TLS.
 pub async fn serve(
     listener: TcpListener,
     service: Arc<Service>,
-    debug: bool,
+    access: Access,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    let Access { debug, token, tls } = access;
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status(LIVENESS, ServingStatus::Serving)
@@ -82,25 +100,48 @@ pub async fn serve(
     let (assignments, follower) = eds::follow(service.picker().loads().cloned().collect());
     let processor = ExternalProcessorServer::new(process::Processor::new(Arc::clone(&service)))
         .max_decoding_message_size(max_message);
-    let served = tonic::transport::Server::builder()
+    let guard = transport::guard(token, Arc::clone(&service));
+    let admin =
+        debug.then(|| InterceptedService::new(admin::server(Arc::clone(&service)), guard.clone()));
+    let reflection_v1 = admin::reflection_v1()
+        .filter(|_| debug)
+        .map(|reflection| InterceptedService::new(reflection, guard.clone()));
+    let reflection_v1alpha = admin::reflection_v1alpha()
+        .filter(|_| debug)
+        .map(|reflection| InterceptedService::new(reflection, guard));
+    let router = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(processor)
         .add_service(eds::server(assignments))
-        .add_optional_service(debug.then(|| admin::server(Arc::clone(&service))))
-        .add_optional_service(admin::reflection_v1().filter(|_| debug))
-        .add_optional_service(admin::reflection_v1alpha().filter(|_| debug))
-        // TCP_NODELAY: an answer is one small frame; without it, Nagle holds that frame until Envoy's
-        // delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                shutdown.await;
-                // An EDS stream lasts as long as Envoy does, and the graceful shutdown waits for every
-                // stream: stopping the roster's follower ends them (Envoy moves to another replica).
-                drop(follower);
-            },
-        )
-        .await;
+        .add_optional_service(admin)
+        .add_optional_service(reflection_v1)
+        .add_optional_service(reflection_v1alpha);
+    let shutdown = async move {
+        shutdown.await;
+        // An EDS stream lasts as long as Envoy does, and the graceful shutdown waits for every
+        // stream: stopping the roster's follower ends them (Envoy moves to another replica).
+        drop(follower);
+    };
+    let served = match tls {
+        None => {
+            // TCP_NODELAY: an answer is one small frame; without it, Nagle holds that frame until
+            // Envoy's delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        Some(tls) => {
+            let refresh = tokio::spawn(transport::refresh(Arc::clone(&tls), Arc::clone(&service)));
+            let incoming = transport::tls_incoming(listener, tls, Arc::clone(&service));
+            let served = router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await;
+            refresh.abort();
+            served
+        }
+    };
     readiness.abort();
     Ok(served?)
 }

@@ -12,6 +12,7 @@ mod inspect;
 mod prom;
 mod scrape;
 mod snapshot;
+mod tls;
 
 pub use dispatch::DispatchTable;
 pub use engine::{ExtractError, Identity, RankLoad, Report, from_loads_json, from_metrics};
@@ -22,3 +23,4 @@ pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading,
     ScrapeOutcome, ScrapeStatus, Tier, WorkerState,
 };
+pub use tls::ScrapeTlsClient;

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -19,9 +20,6 @@ use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::{Request, Uri, header};
 use http_body_util::{BodyExt, Empty, LengthLimitError, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use prometheus::IntCounter;
 use thiserror::Error;
 use tokio::sync::{Semaphore, mpsc, watch};
@@ -33,6 +31,7 @@ use super::snapshot::DispatchCounts;
 use super::snapshot::{
     Capacity, EngineLoad, Lifecycle, PoolSnapshot, Reading, ScrapeOutcome, WorkerState,
 };
+use super::tls::{HttpClient, ScrapeTlsClient};
 use crate::config::{
     Config, Discovery, LoadConfig, LoadSource, ModelMatch, PoolConfig, WorkerConfig,
 };
@@ -259,8 +258,6 @@ type Fetched = (
     Result<Report, ScrapeError>,
 );
 
-type HttpClient = Client<HttpConnector, Empty<Bytes>>;
-
 /// Scrapes one pool. Owned by its task; shares only [`PoolLoad`] with the request path.
 pub struct Scraper {
     pool: Arc<PoolLoad>,
@@ -313,8 +310,8 @@ impl Scraper {
         let mut scraper = Scraper {
             workers: Vec::new(),
             engine: pool_config.engine,
-            client: http_client(config),
-            config: *config,
+            client: HttpClient::new(config, None),
+            config: config.clone(),
             limiter: Arc::new(Semaphore::new(config.max_concurrent_scrapes.get())),
             version: roster.version,
             round: 0,
@@ -343,6 +340,12 @@ impl Scraper {
         scraper.roster_key = roster_key(&roster);
         observer.watch_pool(Arc::clone(&scraper.pool));
         scraper
+    }
+
+    /// Scrapes `https://` URLs with `tls` (`load.tls`); without it the scraper speaks plain HTTP only.
+    pub fn with_tls(mut self, tls: &ScrapeTlsClient) -> Self {
+        self.client = HttpClient::new(&self.config, Some(tls));
+        self
     }
 
     /// Tells `roster` about every change of the roster from now on; the workers already present are
@@ -526,7 +529,8 @@ impl Scraper {
                 Some(config) => {
                     if worker.state.lifecycle == Lifecycle::Draining {
                         tracing::info!(pool = %label, worker = %worker.state.endpoint, "worker back in discovery");
-                        worker.state.lifecycle = answered_state(worker.failures, &self.config);
+                        worker.state.lifecycle =
+                            answered_state(worker.failures, self.config.unreachable_after);
                     }
                     if **config != worker.config {
                         worker.reconfigure(config, self.engine);
@@ -656,7 +660,7 @@ impl Scraper {
             });
         let client = self.client.clone();
         let limiter = Arc::clone(&self.limiter);
-        let config = self.config;
+        let (timeout, max_body) = (self.config.scrape_timeout, self.config.max_body_bytes);
         async move {
             let Some((target, dispatched, generation)) = request else {
                 return (
@@ -671,11 +675,9 @@ impl Scraper {
             let _permit = limiter.acquire_owned().await;
             let sent = Instant::now();
             let result =
-                match tokio::time::timeout(config.scrape_timeout, fetch(&client, &target, &config))
-                    .await
-                {
+                match tokio::time::timeout(timeout, fetch(&client, &target, max_body)).await {
                     Ok(result) => result,
-                    Err(_) => Err(ScrapeError::Timeout(config.scrape_timeout)),
+                    Err(_) => Err(ScrapeError::Timeout(timeout)),
                 };
             ((id, generation), round, sent, dispatched, result)
         }
@@ -685,7 +687,7 @@ impl Scraper {
     fn apply(&mut self, ((id, generation), _, sent, dispatched, result): Fetched, now: Instant) {
         let dispatches = self.pool.dispatches();
         let label = self.pool.label();
-        let config = self.config;
+        let unreachable_after = self.config.unreachable_after;
         let Some(worker) = self
             .position(id)
             .and_then(|at| self.workers.get_mut(at))
@@ -789,11 +791,11 @@ impl Scraper {
                 self.mark_restarted(id, now);
             }
             Lifecycle::Restarted if unanswered => {
-                worker.state.lifecycle = answered_state(worker.failures, &config);
+                worker.state.lifecycle = answered_state(worker.failures, unreachable_after);
             }
             Lifecycle::Restarted => {}
             _ => {
-                let next = answered_state(worker.failures, &config);
+                let next = answered_state(worker.failures, unreachable_after);
                 let next = match (worker.state.lifecycle, next) {
                     // A new worker stays new until it answers once, however many failures.
                     (Lifecycle::New, Lifecycle::Healthy) if unanswered => Lifecycle::New,
@@ -875,8 +877,8 @@ impl Tracked {
 }
 
 /// The state of a worker that is not draining or restarted, after `failures` unanswered scrapes.
-fn answered_state(failures: u32, config: &LoadConfig) -> Lifecycle {
-    if failures >= config.unreachable_after.get() {
+fn answered_state(failures: u32, unreachable_after: NonZeroU32) -> Lifecycle {
+    if failures >= unreachable_after.get() {
         Lifecycle::Unreachable
     } else {
         Lifecycle::Healthy
@@ -915,16 +917,6 @@ fn roster_key(snapshot: &PoolSnapshot) -> Vec<(WorkerId, u64, Lifecycle, u64)> {
             )
         })
         .collect()
-}
-
-fn http_client(config: &LoadConfig) -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(config.scrape_timeout));
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(config.scrape_interval.saturating_mul(4))
-        .pool_max_idle_per_host(1)
-        .build(connector)
 }
 
 /// Ranks with no sample at all, or whose sample predates the latest request (the response lacked them).
@@ -982,7 +974,7 @@ fn capacity(ranks: &[Option<(Instant, RankLoad)>], configured: Capacity) -> Capa
 async fn fetch(
     client: &HttpClient,
     target: &Target,
-    config: &LoadConfig,
+    max_body: NonZeroUsize,
 ) -> Result<Report, ScrapeError> {
     let uri = target.url.clone().map_err(ScrapeError::Url)?;
     let accept = match target.source {
@@ -1003,7 +995,7 @@ async fn fetch(
     if !response.status().is_success() {
         return Err(ScrapeError::Status(response.status()));
     }
-    let limit = config.max_body_bytes.get();
+    let limit = max_body.get();
     let declared = response
         .headers()
         .get(header::CONTENT_LENGTH)

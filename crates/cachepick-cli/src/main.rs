@@ -73,6 +73,19 @@ enum Command {
         /// round-robins per request (default: the configuration's `listen`, on loopback if unspecified).
         #[arg(long = "picker", value_name = "IP:PORT")]
         pickers: Vec<SocketAddr>,
+        /// The CA bundle Envoy verifies the picker's certificate with (required when the configuration
+        /// has `tls:`); a path on Envoy's side.
+        #[arg(long, value_name = "FILE")]
+        picker_ca: Option<PathBuf>,
+        /// Envoy's client certificate for the picker (required with `tls.client_ca_file`).
+        #[arg(long, value_name = "FILE")]
+        picker_client_cert: Option<PathBuf>,
+        /// The private key of --picker-client-cert.
+        #[arg(long, value_name = "FILE")]
+        picker_client_key: Option<PathBuf>,
+        /// The name Envoy sends as SNI and requires among the picker certificate's DNS names.
+        #[arg(long, value_name = "NAME")]
+        picker_sni: Option<String>,
     },
     /// One command to see cachepick work: a simulated fleet, the picker, and Envoy when installed,
     /// driven by a bursty shared-prefix workload; prints decision reasons, prefix-hit rate and TTFT.
@@ -356,7 +369,24 @@ fn main() -> ExitCode {
             envoy_listen,
             envoy_admin,
             pickers,
+            picker_ca,
+            picker_client_cert,
+            picker_client_key,
+            picker_sni,
         } => with_config(&args, |config| {
+            let picker_tls = match cachepick::envoy_config::PickerTls::from_flags(
+                &config,
+                picker_ca,
+                picker_client_cert,
+                picker_client_key,
+                picker_sni,
+            ) {
+                Ok(tls) => tls,
+                Err(error) => {
+                    eprintln!("{error}");
+                    return ExitCode::from(EXIT_BAD_CONFIG);
+                }
+            };
             let defaults = cachepick::envoy_config::EnvoyOptions::for_config(&config);
             let options = cachepick::envoy_config::EnvoyOptions {
                 listen: envoy_listen,
@@ -368,6 +398,7 @@ fn main() -> ExitCode {
                     pickers
                 },
                 source: Some(args.config.display().to_string()),
+                picker_tls,
                 ..defaults
             };
             print!("{}", cachepick::envoy_config::render(&config, &options));

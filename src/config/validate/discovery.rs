@@ -24,6 +24,7 @@ const TEMPLATE_KEYS: &[&str] = &[
     "dp_size",
     "max_running_requests",
     "max_total_tokens",
+    "scrape_scheme",
 ];
 const SOURCES: [&str; 3] = ["workers", "dns", "kubernetes"];
 
@@ -180,6 +181,7 @@ impl Validator<'_> {
             max_total_tokens,
         } = self.engine_keys(&map);
         let (load_source, _) = self.load_source(load_source, Ok(None), engine);
+        let https = self.scrape_scheme(&map);
         let index = index.as_ref().map_err(|reported| *reported)?;
         Ok(WorkerTemplate {
             load_source: load_source?,
@@ -189,6 +191,7 @@ impl Validator<'_> {
             max_total_tokens: max_total_tokens?,
             kv_events_port: index.port.value,
             kv_replay_port: index.replay_port.as_ref().map(|port| port.value),
+            scrape_https: https?,
         })
     }
 }
