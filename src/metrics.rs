@@ -18,10 +18,12 @@ use prometheus::{
 
 mod discovery;
 mod kv_events;
+mod overload;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
+pub use overload::{OverloadMetrics, RefusedCommit};
 
 use crate::config::ReloadOutcome;
 use crate::discovery::SourceStatus;
@@ -39,10 +41,18 @@ pub enum StreamEnd {
     Reset,
     /// The stream failed: a protocol violation or a transport error.
     Error,
+    /// cachepick gave the request up with a gRPC error (`cachepick_shed_total` says why), so the
+    /// proxy routes it by its own load balancing.
+    Shed,
 }
 
 impl StreamEnd {
-    pub const ALL: [StreamEnd; 3] = [StreamEnd::Answered, StreamEnd::Reset, StreamEnd::Error];
+    pub const ALL: [StreamEnd; 4] = [
+        StreamEnd::Answered,
+        StreamEnd::Reset,
+        StreamEnd::Error,
+        StreamEnd::Shed,
+    ];
 
     /// The `outcome` label of `cachepick_extproc_streams_closed_total`.
     pub fn as_str(self) -> &'static str {
@@ -50,6 +60,7 @@ impl StreamEnd {
             StreamEnd::Answered => "answered",
             StreamEnd::Reset => "reset",
             StreamEnd::Error => "error",
+            StreamEnd::Shed => "shed",
         }
     }
 }
@@ -92,6 +103,8 @@ pub struct Metrics {
     discovery: Arc<DiscoveryGauges>,
     /// `cachepick_config_reloads_total{outcome}`.
     config_reloads: IntCounterVec,
+    /// Shedding, admission and the answer-time histogram (`overload.rs`).
+    pub overload: OverloadMetrics,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -196,7 +209,8 @@ impl Metrics {
             Opts::new(
                 "cachepick_extproc_streams_closed_total",
                 "ext_proc streams ended, by outcome: answered (cachepick sent its answer), reset (the proxy \
-                 went away first), error (protocol or transport failure).",
+                 went away first), error (protocol or transport failure), shed (given up with a gRPC \
+                 error so the proxy routes by itself).",
             ),
             &["outcome"],
         )?;
@@ -301,6 +315,7 @@ impl Metrics {
             kv_events: Arc::new(KvEventGauges::new()?),
             discovery: Arc::new(DiscoveryGauges::new()?),
             config_reloads,
+            overload: OverloadMetrics::new()?,
         };
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
@@ -320,6 +335,7 @@ impl Metrics {
         registry.register(Box::new(KvEventCollector(Arc::clone(&metrics.kv_events))))?;
         registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
         registry.register(Box::new(metrics.config_reloads.clone()))?;
+        metrics.overload.register(registry)?;
         Ok(metrics)
     }
 

@@ -8,8 +8,36 @@ use std::fmt::Write as _;
 use crate::events::stream::StreamView;
 use crate::policy::Outcome;
 use crate::prefix::DepthSource;
-use crate::route::{Explanation, PoolReport};
+use crate::route::{AdmissionView, Explanation, PoolReport};
 use crate::worker::WorkerId;
+
+/// A running picker's admission (the `admission` object of `/debug/snapshot`) as text: slots, queue,
+/// deadline, buffered bytes, and what was shed and refused.
+pub fn admission(view: &AdmissionView) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "admission: {}/{} decision slots busy, {}/{} queued, deadline {} ms, {}/{} body bytes held, {} explain slot(s)",
+        view.in_flight,
+        view.decision_slots,
+        view.queued,
+        view.max_queued,
+        view.decision_deadline_ms,
+        view.buffered_bytes,
+        view.max_buffered_bytes,
+        view.explain_slots,
+    );
+    let counts = |counts: &[(&str, u64)]| {
+        counts
+            .iter()
+            .map(|(reason, count)| format!("{reason} {count}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(out, "  shed: {}", counts(&view.shed));
+    let _ = writeln!(out, "  commits refused: {}", counts(&view.commits_refused));
+    out
+}
 
 /// `cachepick snapshot`: a plain-text table of every pool.
 pub fn snapshot(pools: &[PoolReport]) -> String {

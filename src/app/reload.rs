@@ -146,6 +146,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         old.debug_endpoints == new.debug_endpoints,
     );
     differs("load", old.load == new.load);
+    differs("overload", old.overload == new.overload);
     if old.pools.len() != new.pools.len() {
         refused.push(format!(
             "pools: {} pools instead of {} (restart to add or remove a pool)",

@@ -12,10 +12,13 @@
 //! the effective configuration back in the file's format.
 
 mod emit;
+mod overload;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_discovery;
+#[cfg(test)]
+mod tests_overload;
 mod types;
 mod validate;
 
@@ -23,6 +26,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 pub use cachepick_decode::{ConfigError, Origin, Problem};
+pub use overload::OverloadConfig;
 pub use types::*;
 
 /// Values given as command-line flags; each replaces the file's value and is validated like it.
@@ -38,6 +42,13 @@ pub struct Overrides {
     pub saturation_queue_floor: Option<u64>,
     /// `--min-load-choices`
     pub min_load_choices: Option<u64>,
+    /// `--shutdown-grace`
+    pub shutdown_grace: Option<std::time::Duration>,
+}
+
+/// A duration as the configuration writes them (`500ms`, `5s`, `1m`), for flags that take one.
+pub fn parse_duration(text: &str) -> Option<std::time::Duration> {
+    cachepick_decode::duration::parse(text)
 }
 
 /// Reads and validates the configuration file at `path`, with `overrides` applied.

@@ -27,6 +27,8 @@ pub struct Config {
     /// describe the fleet and explain routing to whoever can connect: turn them off where those listeners
     /// are reachable beyond the operator (a pod network, say).
     pub debug_endpoints: bool,
+    /// `overload:`: admission, deadlines, stream and memory bounds, and the shutdown grace.
+    pub overload: super::OverloadConfig,
 }
 
 impl Config {

@@ -33,6 +33,7 @@ use policy::Resolved;
 
 mod discovery;
 mod index;
+mod overload;
 mod policy;
 
 const ROOT_KEYS: &[&str] = &[
@@ -43,6 +44,7 @@ const ROOT_KEYS: &[&str] = &[
     "policy",
     "load",
     "pools",
+    "overload",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -220,6 +222,7 @@ impl Validator<'_> {
             .section(&root, "load", LOAD_KEYS)
             .and_then(|map| self.load(&map));
         let pools = self.pools(&root, &policy);
+        let overload = self.overload(&root, overrides, &max_body_bytes);
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -228,6 +231,7 @@ impl Validator<'_> {
             pools: pools?,
             max_body_bytes: max_body_bytes?.value,
             debug_endpoints: debug_endpoints?.is_none_or(|given| given.value),
+            overload: overload?,
         })
     }
 

@@ -175,8 +175,10 @@ impl EnvoyOptions {
         SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10000));
     pub const DEFAULT_ADMIN: SocketAddr =
         SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9901));
-    /// Envoy's own default is 200 ms, which tokenizing a prompt of a few MiB can exceed.
-    pub const DEFAULT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Envoy's own default is 200 ms, which tokenizing a prompt of a few MiB can exceed; the value
+    /// written is the configuration's `overload.message_timeout`, whose default this is.
+    pub const DEFAULT_MESSAGE_TIMEOUT: Duration =
+        crate::config::OverloadConfig::DEFAULT_MESSAGE_TIMEOUT;
 
     /// The defaults for `config`: buffered mode, loopback listener and admin, the picker at
     /// [`picker_address`] of `config.listen`. Change a field with struct-update syntax.
@@ -186,7 +188,8 @@ impl EnvoyOptions {
             listen: Self::DEFAULT_LISTEN,
             admin: Self::DEFAULT_ADMIN,
             pickers: vec![picker_address(config.listen)],
-            message_timeout: Self::DEFAULT_MESSAGE_TIMEOUT,
+            // The picker's decision deadline is derived from the same value, so it ends first.
+            message_timeout: config.overload.message_timeout,
             source: None,
         }
     }

@@ -14,7 +14,7 @@ use tonic::{Code, Request, Response, Status};
 use self::pb::admin_server::{Admin, AdminServer};
 use crate::load::{PoolView, WorkerView};
 use crate::policy::Outcome;
-use crate::route::{Explanation, RequestError, Service};
+use crate::route::{ExplainError, Explanation, RequestError, Service};
 use crate::worker::WorkerId;
 
 /// The generated `cachepick.v1` package: messages, `admin_server` and `admin_client`.
@@ -87,9 +87,21 @@ impl Admin for AdminApi {
             "" => DEFAULT_PATH,
             path => path,
         };
-        match self.service.explain(path, &request.body) {
+        // Through admission (explain's own share of blocking threads, rate-limited), never on the
+        // runtime: a multi-MB prompt would stall every ext_proc stream and the health service.
+        match self
+            .service
+            .explain_admitted(path.to_owned(), request.body)
+            .await
+        {
             Ok(explanation) => Ok(Response::new(explain_response(&explanation))),
-            Err(error) => Err(refused(&error)),
+            Err(ExplainError::Request(error)) => Err(refused(&error)),
+            Err(ExplainError::Refused(refused)) => {
+                Err(Status::resource_exhausted(refused.message()))
+            }
+            Err(ExplainError::Failed(cause)) => Err(Status::internal(format!(
+                "explaining the request failed: {cause}"
+            ))),
         }
     }
 
