@@ -4,7 +4,7 @@
 //! explain's rate.
 //!
 //! Slow and panicking decisions are injected with the test-only `fault-injection` feature
-//! (`x-cachepick-fault: sleep=<ms>` or `panic`); every test checks first that the build has it.
+//! (`x-fault-injection: sleep=<ms>` or `panic`); every test checks first that the build has it.
 
 #![allow(
     clippy::unwrap_used,
@@ -29,19 +29,22 @@ use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 use cachepick::extproc::FAULT_INJECTION;
 use cachepick::protocol::SHED_METADATA;
 use picker::{
-    CHAT, DEADLINE, ExtProcStream, Harness, body, bounded, chat, duplex_headers, headers, http,
-    immediate, post_headers, refusal_of, route_of,
+    CHAT, DEADLINE, ExtProcStream, Harness, body, bounded, chat, common, duplex_headers, headers,
+    http, immediate, metadata_destination, post_headers, refusal_of, route_of, set_headers,
+    streamed_chunk,
 };
 use sim_client::{metric, metric_sum};
 
-const FAULT: &str = "x-cachepick-fault";
+const FAULT: &str = "x-fault-injection";
 
 fn require_fault_injection() {
-    assert!(
-        FAULT_INJECTION,
-        "this build of cachepick has no fault injection: the root package's tests enable the \
-         `fault-injection` feature through the rig's dev-dependency; build them with `cargo test`"
-    );
+    // A constant of the build: the test fails, loudly, in a build without the hook.
+    if !FAULT_INJECTION {
+        panic!(
+            "this build of cachepick has no fault injection: the root package's tests enable the \
+             `fault-injection` feature through the rig's dev-dependency; build them with `cargo test`"
+        );
+    }
 }
 
 /// A buffered request to `/v1/chat/completions` whose decision carries `fault` (if any).
@@ -317,19 +320,43 @@ async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
             metric(text, "cachepick_buffered_body_bytes", &[]) == (60 << 10) as f64
         })
         .await;
-    // A second stream's 60 KiB would take the streams together over 100 KiB.
-    let mut second = send(
+
+    // A buffered body that would take the streams together over 100 KiB: a gRPC error (Envoy still
+    // holds a buffered body, so it fails open).
+    let mut buffered = send(
+        &harness,
+        vec![post_headers(CHAT), body(&chat(4, 60 << 10), true)],
+    )
+    .await;
+    let status = outcome(&mut buffered).await.expect_err("shed");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(shed_reason(&status), "body_budget");
+
+    // A duplex body over the budget: Envoy no longer holds it, so it is handed back and the request
+    // continues without a destination; the rest of it is echoed as it comes, never held.
+    let mut duplex = send(
         &harness,
         vec![duplex_headers(CHAT, &[]), body(&chunk, false)],
     )
     .await;
-    let status = second.next().await.expect_err("shed");
-    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-    assert_eq!(shed_reason(&status), "body_budget");
-    // The first goes on: its body ends and it is decided.
+    let headers_response = duplex.next_headers_response().await;
+    let mutation = common(&headers_response)
+        .and_then(|common| common.header_mutation.as_ref())
+        .expect("a header mutation");
+    assert!(set_headers(mutation).is_empty(), "{mutation:?}");
+    assert!(metadata_destination(&headers_response).is_none());
+    let echoed = duplex.next_response("the held chunk echoed").await;
+    assert_eq!(streamed_chunk(&echoed).body.len(), 60 << 10);
+    assert!(!streamed_chunk(&echoed).end_of_stream);
+    duplex.send(body(b"{}", true)).await;
+    let last = duplex.next_response("the last chunk echoed").await;
+    assert_eq!(streamed_chunk(&last).body, b"{}");
+    assert!(streamed_chunk(&last).end_of_stream);
+    duplex.expect_clean_end().await;
+
+    // The first goes on: its body ends and it is decided. 60 KiB of spaces before a JSON body is still
+    // JSON: the request is routed.
     first.send(body(&chat(3, 400), true)).await;
-    // Duplex: the delayed headers response carries the decision. 60 KiB of spaces before a JSON body
-    // is still JSON: the request is routed.
     let response = first.next_response("the first is answered").await;
     assert!(immediate(&response).is_none(), "{response:?}");
     harness.assert_routed_to_a_worker(&route_of(&response));
@@ -337,7 +364,7 @@ async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
     harness
         .wait_metrics("the budget given back", |text| {
             metric(text, "cachepick_buffered_body_bytes", &[]) == 0.0
-                && metric(text, "cachepick_shed_total", &[("reason", "body_budget")]) == 1.0
+                && metric(text, "cachepick_shed_total", &[("reason", "body_budget")]) == 2.0
         })
         .await;
     harness.stop().await;

@@ -17,6 +17,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderMap, HeaderValue, HeaderValueOption, Metadata, header_value_option::HeaderAppendAction,
 };
@@ -51,14 +52,19 @@ pub const MAX_STREAMED_CHUNK: usize = 62_000;
 /// sending its body mid-way must not hold a stream (and, in duplex mode, its buffered bytes) forever.
 pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(60);
 
+/// The most of a decision's deadline kept, after its commit, for its answer to be sent (a tenth of the
+/// deadline when that is less).
+const ANSWER_TIME: Duration = Duration::from_millis(50);
+
 /// Whether this build can inject faults into decisions (the `fault-injection` cargo feature, for tests
-/// only): a request with `x-cachepick-fault: panic` then panics inside its decision, and one with
-/// `x-cachepick-fault: sleep=<ms>` holds its decision slot that long before deciding (a slow decision).
+/// only): a request with `x-fault-injection: panic` then panics inside its decision, and one with
+/// `x-fault-injection: sleep=<ms>` holds its decision slot that long before deciding (a slow decision).
 pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
 
-/// The request header that injects a fault, read only by builds with the `fault-injection` feature.
+/// The request header that injects a fault, read only by builds with the `fault-injection` feature. Not
+/// an `x-cachepick-*` header: the generated Envoy configuration strips those from clients.
 #[cfg(feature = "fault-injection")]
-const FAULT_HEADER: &str = "x-cachepick-fault";
+const FAULT_HEADER: &str = "x-fault-injection";
 
 /// The ext_proc service.
 pub struct Processor {
@@ -110,6 +116,12 @@ struct Exchange {
     /// The configured tenant header's value.
     tenant: Option<String>,
     body: Vec<u8>,
+    /// The whole body once the decision is owed: shared with the decision (a cheap clone), so the answer
+    /// can still re-emit it in duplex mode when the decision is given up on.
+    whole: Bytes,
+    /// Duplex, shed before the body ended (`body_budget`): the request continues without a destination
+    /// and each further chunk is echoed as it arrives, never held.
+    forwarding: bool,
     /// The body's bytes, counted against the budget of every stream together; given back when the
     /// exchange ends.
     share: BodyShare,
@@ -118,7 +130,7 @@ struct Exchange {
     body_mode: Option<BodySendMode>,
     /// The headers response is owed (duplex: it is sent with the decision).
     headers_pending: bool,
-    /// The fault injected into the decision (`x-cachepick-fault`).
+    /// The fault injected into the decision (`x-fault-injection`).
     #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
 }
@@ -132,6 +144,8 @@ impl Exchange {
             content_encoding: None,
             tenant: None,
             body: Vec::new(),
+            whole: Bytes::new(),
+            forwarding: false,
             share,
             chunks: 0,
             body_mode: None,
@@ -222,7 +236,16 @@ async fn drive(
                 continue;
             }
             Step::Refuse(refusal) => (vec![immediate(&refusal)], Answer::Refuse(refusal)),
-            Step::Shed(reason) => return shed(service, out, reason, received).await,
+            Step::Shed(reason) => {
+                return shed(service, out, &exchange, reason, None, received).await;
+            }
+            Step::Finish(responses) => {
+                return if send_all(out, responses).await {
+                    StreamEnd::Shed
+                } else {
+                    StreamEnd::Reset
+                };
+            }
             Step::Decide(ending) => {
                 match decide(
                     service,
@@ -235,7 +258,9 @@ async fn drive(
                 .await
                 {
                     Decided::Answer(responses, answer) => (responses, answer),
-                    Decided::Shed(reason) => return shed(service, out, reason, received).await,
+                    Decided::Shed(reason) => {
+                        return shed(service, out, &exchange, reason, Some(ending), received).await;
+                    }
                     Decided::Gone => {
                         service.metrics().overload.shed(ShedReason::Cancelled);
                         return StreamEnd::Reset;
@@ -269,11 +294,33 @@ async fn drive(
     }
 }
 
-/// Gives the request up with a gRPC error: Envoy's `failure_mode_allow` then routes it by its own load
-/// balancing, so the client is still served. Never an HTTP error of cachepick's own.
-async fn shed(service: &Service, out: &Sender, reason: ShedReason, owed: Instant) -> StreamEnd {
+/// Gives the request up so that Envoy routes it by its own load balancing and the client is still
+/// served; never an HTTP error of cachepick's own.
+///
+/// With a gRPC error, which Envoy's `failure_mode_allow` turns into exactly that — except in duplex mode
+/// once the body has been streamed to cachepick: Envoy no longer holds it and answers a gRPC error with
+/// a 500 (observed with Envoy 1.40, `envoy/README.md`). There the request is continued without a
+/// destination instead: the headers response with no routing headers, the body streamed back, so
+/// `override_host` falls back to the cluster's load balancing.
+async fn shed(
+    service: &Service,
+    out: &Sender,
+    exchange: &Exchange,
+    reason: ShedReason,
+    ending: Option<Ending>,
+    owed: Instant,
+) -> StreamEnd {
     let overload = &service.metrics().overload;
     overload.shed(reason);
+    if let (true, Some(ending)) = (exchange.headers_pending, ending) {
+        let sent = send_all(out, unrouted(exchange, ending)).await;
+        overload.observe_answer("shed", owed.elapsed().as_secs_f64());
+        return if sent {
+            StreamEnd::Shed
+        } else {
+            StreamEnd::Reset
+        };
+    }
     let code = match reason {
         ShedReason::QueueFull | ShedReason::BodyBudget => tonic::Code::ResourceExhausted,
         ShedReason::Deadline | ShedReason::StreamDeadline => tonic::Code::DeadlineExceeded,
@@ -304,6 +351,8 @@ enum Step {
     Wait,
     /// Give the request up with a gRPC error, and end the stream.
     Shed(ShedReason),
+    /// Send these and end the stream (a shed duplex request whose body ended while being forwarded).
+    Finish(Vec<ProcessingResponse>),
     /// Protocol replies; the stream goes on.
     Reply(Vec<ProcessingResponse>),
     /// The request is complete: decide, answer, and end the stream.
@@ -355,11 +404,12 @@ fn on_headers(
         } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION)
             && !exchange.spoofed.contains(&key)
         {
+            exchange.spoofed.push(key);
+        } else {
             #[cfg(feature = "fault-injection")]
             if key == FAULT_HEADER {
                 exchange.fault = Fault::parse(&header.raw_value);
             }
-            exchange.spoofed.push(key);
         }
     }
     exchange.subset = metadata.and_then(subset_hint);
@@ -394,6 +444,16 @@ fn on_headers(
 
 fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     let duplex = exchange.headers_pending;
+    let ends = body.end_of_stream || body.end_of_stream_without_message;
+    if exchange.forwarding {
+        // Shed mid-body: each chunk goes straight back to Envoy, and nothing is held.
+        let responses = streamed_body(&body.body, ends);
+        return if ends {
+            Step::Finish(responses)
+        } else {
+            Step::Reply(responses)
+        };
+    }
     let limit = service.max_body_bytes();
     if exchange.body.len().saturating_add(body.body.len()) > limit {
         return Step::Refuse(service.refuse(
@@ -403,7 +463,26 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     }
     // Over the budget of every stream's bodies together: shed, so that the request is still served.
     if !exchange.share.grow(body.body.len()) {
-        return Step::Shed(ShedReason::BodyBudget);
+        if !duplex {
+            return Step::Shed(ShedReason::BodyBudget);
+        }
+        // Duplex: the body is cachepick's to give back, so the request continues without a
+        // destination; what was held goes back now and the rest is echoed as it comes.
+        service.metrics().overload.shed(ShedReason::BodyBudget);
+        exchange.forwarding = true;
+        let mut held = std::mem::take(&mut exchange.body);
+        held.extend_from_slice(&body.body);
+        exchange.share.release();
+        let mut responses = vec![headers_response(HeaderMutation {
+            set_headers: Vec::new(),
+            remove_headers: exchange.spoofed.clone(),
+        })];
+        responses.extend(streamed_body(&held, ends));
+        return if ends {
+            Step::Finish(responses)
+        } else {
+            Step::Reply(responses)
+        };
     }
     exchange.chunks += 1;
     if exchange.body.is_empty() {
@@ -415,7 +494,7 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     // BUFFERED sends the whole body in one message; its end_of_stream is false when trailers follow
     // (they come in their own message, or not at all with trailer mode SKIP), so that message is the
     // end either way. Duplex chunks end at end_of_stream, or at the trailers.
-    if body.end_of_stream || body.end_of_stream_without_message || !duplex {
+    if ends || !duplex {
         Step::Decide(Ending::Body)
     } else {
         Step::Wait
@@ -425,7 +504,11 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
 /// Trailers end a duplex body (the proto's signal that the whole body has arrived); in other modes the
 /// decision is already made and this only acknowledges them.
 fn on_trailers(exchange: &Exchange) -> Step {
-    if exchange.headers_pending {
+    if exchange.forwarding {
+        Step::Finish(vec![response(
+            processing_response::Response::RequestTrailers(TrailersResponse::default()),
+        )])
+    } else if exchange.headers_pending {
         Step::Decide(Ending::Trailers)
     } else {
         Step::Reply(vec![response(
@@ -483,8 +566,12 @@ async fn decide(
     } else {
         (deadline, ShedReason::Deadline)
     };
-    let gate = CommitGate::until(deadline);
-    let body = (ending != Ending::Headers).then(|| std::mem::take(&mut exchange.body));
+    // The last commit comes a little before the deadline: what follows it (the answer built, queued and
+    // sent by a busy runtime) must still arrive by the deadline.
+    let answer_time = (service.admission().decision_deadline() / 10).min(ANSWER_TIME);
+    let gate = CommitGate::until(deadline.checked_sub(answer_time).unwrap_or(deadline));
+    exchange.whole = Bytes::from(std::mem::take(&mut exchange.body));
+    let body = (ending != Ending::Headers).then(|| exchange.whole.clone());
     let request = Pending {
         path: exchange.path.clone(),
         subset: exchange.subset.clone(),
@@ -502,8 +589,7 @@ async fn decide(
             let decided = tokio::task::spawn_blocking(move || {
                 // The slot is held until the work ends, even when its answer was given up on.
                 let _admitted = admitted;
-                let answer = request.route(&service, &gate);
-                (answer, request.body)
+                request.route(&service, &gate)
             })
             .await;
             Ok::<_, ShedReason>(decided)
@@ -526,22 +612,19 @@ async fn decide(
             tracing::error!(%error, "the decision task failed; the request is failed open");
             return Decided::Shed(ShedReason::Internal);
         }
-        Ok(Ok((Answer::Shed(reason), _))) => {
+        Ok(Ok(Answer::Shed(reason))) => {
             return Decided::Shed(if reason == ShedReason::Deadline {
                 late
             } else {
                 reason
             });
         }
-        Ok(Ok((Answer::Refuse(refusal), _))) if refusal.reason.fails_open() => {
+        Ok(Ok(Answer::Refuse(refusal))) if refusal.reason.fails_open() => {
             tracing::warn!(reason = refusal.reason.as_str(), message = %refusal.message,
                 "the decision failed inside cachepick; the request is failed open");
             return Decided::Shed(ShedReason::Internal);
         }
-        Ok(Ok((answer, body))) => {
-            exchange.body = body.unwrap_or_default();
-            answer
-        }
+        Ok(Ok(answer)) => answer,
     };
     let duplex = exchange.headers_pending;
     let responses = match (&answer, ending, duplex) {
@@ -553,7 +636,7 @@ async fn decide(
             // Duplex order: the delayed headers response, the body, then the trailers if they ended it.
             let mut responses = vec![routed_in_headers(exchange, routed)];
             if exchange.chunks > 0 {
-                responses.extend(streamed_body(&exchange.body, ending == Ending::Body));
+                responses.extend(streamed_body(&exchange.whole, ending == Ending::Body));
             }
             if ending == Ending::Trailers {
                 responses.push(response(processing_response::Response::RequestTrailers(
@@ -581,7 +664,7 @@ struct Pending {
     subset: Option<Vec<SocketAddr>>,
     content_encoding: Option<String>,
     tenant: Option<String>,
-    body: Option<Vec<u8>>,
+    body: Option<Bytes>,
     #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
 }
@@ -632,6 +715,26 @@ impl Fault {
 #[allow(clippy::panic)]
 fn inject_panic() {
     panic!("fault injected by {FAULT_HEADER}: panic");
+}
+
+/// A duplex request given up on after its body arrived, continued without a destination: the delayed
+/// headers response with only the removal of client-sent routing headers, the body streamed back, and
+/// the trailers response if they ended it. Envoy's `override_host` then uses the cluster's own load
+/// balancing.
+fn unrouted(exchange: &Exchange, ending: Ending) -> Vec<ProcessingResponse> {
+    let mut responses = vec![headers_response(HeaderMutation {
+        set_headers: Vec::new(),
+        remove_headers: exchange.spoofed.clone(),
+    })];
+    if exchange.chunks > 0 {
+        responses.extend(streamed_body(&exchange.whole, ending == Ending::Body));
+    }
+    if ending == Ending::Trailers {
+        responses.push(response(processing_response::Response::RequestTrailers(
+            TrailersResponse::default(),
+        )));
+    }
+    responses
 }
 
 /// A routed answer as a headers response (header-only requests and duplex).

@@ -16,7 +16,7 @@
 //!
 //! Nothing here sees a protobuf type: the wire maps a [`ShedReason`] to its own error.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,8 @@ use crate::protocol::ShedReason;
 pub struct Admission {
     slots: usize,
     decisions: Arc<Semaphore>,
+    /// The recent time per decision, in microseconds (see [`Admission::per_decision`]).
+    per_decision: Arc<AtomicU64>,
     queued: AtomicUsize,
     max_queued: usize,
     deadline: Duration,
@@ -52,6 +54,7 @@ impl Admission {
         Admission {
             slots,
             decisions: Arc::new(Semaphore::new(slots)),
+            per_decision: Arc::new(AtomicU64::new(0)),
             queued: AtomicUsize::new(0),
             max_queued: overload.max_queued_decisions.get(),
             deadline: overload.decision_deadline,
@@ -88,12 +91,27 @@ impl Admission {
         &self.metrics
     }
 
-    /// Waits for a decision slot until `deadline`. Shed at once when the queue is full; shed at the
-    /// deadline when no slot came free. Dropping the future (the stream closed) leaves the queue.
+    /// Waits for a decision slot until `deadline`. Shed at once when the queue is full, or when the
+    /// decisions ahead of it (at the recent time per decision) would take it past its deadline; shed
+    /// at the deadline when no slot came free. Dropping the future (the stream closed) leaves the queue.
+    ///
+    /// Shedding what cannot make it on arrival keeps the queue as short as the deadline allows, so the
+    /// requests that do wait are decided in time: a queue left to fill would make every request wait
+    /// almost the whole deadline and most of them miss it.
     pub async fn admit(&self, deadline: Instant) -> Result<Admitted, ShedReason> {
         // Taken without waiting when a slot is free: the queue is only for those that must wait.
         if let Ok(permit) = Arc::clone(&self.decisions).try_acquire_owned() {
             return Ok(self.admitted(permit));
+        }
+        let per_decision = self.per_decision();
+        if !per_decision.is_zero() {
+            let ahead = self.queued.load(Ordering::Acquire).saturating_add(1);
+            let rounds = u32::try_from(ahead.div_ceil(self.slots)).unwrap_or(u32::MAX);
+            // Waiting for the rounds ahead, then its own decision.
+            let expected = per_decision.saturating_mul(rounds.saturating_add(1));
+            if Instant::now() + expected > deadline {
+                return Err(ShedReason::Deadline);
+            }
         }
         if self
             .queued
@@ -118,7 +136,15 @@ impl Admission {
         Admitted {
             _permit: permit,
             metrics: self.metrics.clone(),
+            since: Instant::now(),
+            per_decision: Arc::clone(&self.per_decision),
         }
+    }
+
+    /// The recent time a decision holds its slot (an exponentially weighted average); zero before the
+    /// first.
+    pub fn per_decision(&self) -> Duration {
+        Duration::from_micros(self.per_decision.load(Ordering::Acquire))
     }
 
     /// One explain call: refused when over `explain_rate` or when explain's share of slots is taken
@@ -174,6 +200,7 @@ impl Admission {
             queued: self.queued.load(Ordering::Acquire),
             max_queued: self.max_queued,
             decision_deadline_ms: u64::try_from(self.deadline.as_millis()).unwrap_or(u64::MAX),
+            per_decision_us: u64::try_from(self.per_decision().as_micros()).unwrap_or(u64::MAX),
             buffered_bytes: self.budget.held(),
             max_buffered_bytes: self.budget.limit,
             explain_slots: self.explain_slots,
@@ -208,11 +235,24 @@ impl Drop for Queued<'_> {
 pub struct Admitted {
     _permit: OwnedSemaphorePermit,
     metrics: OverloadMetrics,
+    since: Instant,
+    per_decision: Arc<AtomicU64>,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
         self.metrics.in_flight.dec();
+        let sample = u64::try_from(self.since.elapsed().as_micros()).unwrap_or(u64::MAX);
+        // An eighth of each new sample: a burst of slow decisions moves it within a few dozen.
+        let _ = self
+            .per_decision
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |old| {
+                Some(if old == 0 {
+                    sample
+                } else {
+                    old - old / 8 + sample / 8
+                })
+            });
     }
 }
 
@@ -396,6 +436,16 @@ impl BodyShare {
     }
 }
 
+impl BodyShare {
+    /// Gives back everything held so far (the stream holds its body no longer).
+    pub fn release(&mut self) {
+        if self.bytes > 0 {
+            self.budget.give_back(self.bytes);
+            self.bytes = 0;
+        }
+    }
+}
+
 impl Drop for BodyShare {
     fn drop(&mut self) {
         if self.bytes > 0 {
@@ -412,6 +462,8 @@ pub struct AdmissionView {
     pub queued: usize,
     pub max_queued: usize,
     pub decision_deadline_ms: u64,
+    /// The recent time a decision holds its slot.
+    pub per_decision_us: u64,
     pub buffered_bytes: usize,
     pub max_buffered_bytes: usize,
     pub explain_slots: usize,
@@ -474,6 +526,25 @@ mod tests {
         let waiting = tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000)));
         assert!(waiting.await.is_err());
         assert_eq!(admission.view().queued, 0);
+    }
+
+    #[tokio::test]
+    async fn a_request_the_queue_would_make_late_is_shed_on_arrival() {
+        let admission = admission(1, 10, 50, 1024);
+        let first = admission.admit(soon(1000)).await.unwrap();
+        std::thread::sleep(Duration::from_millis(40));
+        drop(first);
+        assert!(admission.per_decision() >= Duration::from_millis(40));
+        let _held = admission.admit(soon(1000)).await.unwrap();
+        // One decision ahead, then its own: about 80 ms, more than the 60 left.
+        assert_eq!(
+            admission.admit(soon(60)).await.err(),
+            Some(ShedReason::Deadline)
+        );
+        assert_eq!(admission.view().queued, 0, "it never entered the queue");
+        // With time for both, it waits.
+        let waiting = tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000)));
+        assert!(waiting.await.is_err());
     }
 
     #[test]
