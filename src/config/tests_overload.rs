@@ -70,6 +70,17 @@ fn the_deadline_follows_the_message_timeout_unless_given() {
 }
 
 #[test]
+fn unset_bounds_follow_the_limits_they_must_hold() {
+    let overload = config(
+        "max_body_bytes: 512MiB\noverload: {message_timeout: 60s}\n",
+        &Overrides::default(),
+    )
+    .overload;
+    assert_eq!(overload.max_buffered_bytes.get(), 512 << 20);
+    assert_eq!(overload.stream_deadline, Duration::from_secs(60));
+}
+
+#[test]
 fn the_flag_replaces_the_grace() {
     let flagged = Overrides {
         shutdown_grace: Some(Duration::from_millis(50)),

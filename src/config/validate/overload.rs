@@ -11,7 +11,7 @@ use std::time::Duration;
 use super::Validator;
 use crate::config::{OverloadConfig, Overrides};
 use cachepick_decode::duration;
-use cachepick_decode::{Decode, Map, Phase, Res, Val, blame, overridden, with_default};
+use cachepick_decode::{Decode, Map, Origin, Phase, Res, Val, blame, overridden, with_default};
 
 pub(super) const OVERLOAD_KEYS: &[&str] = &[
     "message_timeout",
@@ -45,11 +45,19 @@ impl Validator<'_> {
             "max_queued_decisions",
             OverloadConfig::DEFAULT_MAX_QUEUED_DECISIONS,
         );
-        let buffered = self.positive_size(
-            &map,
-            "max_buffered_bytes",
-            OverloadConfig::DEFAULT_MAX_BUFFERED_BYTES,
-        );
+        // Unset, the budget is at least one body of max_body_bytes, so raising that alone stays valid.
+        let buffered = self
+            .positive_size(
+                &map,
+                "max_buffered_bytes",
+                OverloadConfig::DEFAULT_MAX_BUFFERED_BYTES,
+            )
+            .map(|mut budget| {
+                if let (Origin::Default, Ok(body)) = (&budget.at, max_body_bytes) {
+                    budget.value = budget.value.max(body.value);
+                }
+                budget
+            });
         let streams = self.opt(&map, "max_concurrent_streams", Self::integer);
         let streams = self.check(
             with_default(
@@ -68,8 +76,15 @@ impl Validator<'_> {
             "max_connections",
             OverloadConfig::DEFAULT_MAX_CONNECTIONS,
         );
-        let stream_deadline =
-            self.positive_duration(&map, "stream_deadline", defaults.stream_deadline);
+        // Unset, a stream may last at least one message_timeout, so raising that alone stays valid.
+        let stream_deadline = self
+            .positive_duration(&map, "stream_deadline", defaults.stream_deadline)
+            .map(|mut stream| {
+                if let (Origin::Default, Ok(timeout)) = (&stream.at, &message_timeout) {
+                    stream.value = stream.value.max(timeout.value);
+                }
+                stream
+            });
         let rate = self.opt(&map, "explain_rate", Self::integer);
         let rate = self.check(
             with_default(rate, u64::from(OverloadConfig::DEFAULT_EXPLAIN_RATE)),
