@@ -569,7 +569,8 @@ async fn decide(
     // The last commit comes a little before the deadline: what follows it (the answer built, queued and
     // sent by a busy runtime) must still arrive by the deadline.
     let answer_time = (service.admission().decision_deadline() / 10).min(ANSWER_TIME);
-    let gate = CommitGate::until(deadline.checked_sub(answer_time).unwrap_or(deadline));
+    let commit_by = deadline.checked_sub(answer_time).unwrap_or(deadline);
+    let gate = CommitGate::until(commit_by);
     exchange.whole = Bytes::from(std::mem::take(&mut exchange.body));
     let body = (ending != Ending::Headers).then(|| exchange.whole.clone());
     let request = Pending {
@@ -585,7 +586,7 @@ async fn decide(
         let service = Arc::clone(service);
         let gate = gate.clone();
         async move {
-            let admitted = service.admission().admit(deadline).await?;
+            let admitted = service.admission().admit(commit_by).await?;
             let decided = tokio::task::spawn_blocking(move || {
                 // The slot is held until the work ends, even when its answer was given up on.
                 let _admitted = admitted;

@@ -98,8 +98,20 @@ impl Admission {
     /// Shedding what cannot make it on arrival keeps the queue as short as the deadline allows, so the
     /// requests that do wait are decided in time: a queue left to fill would make every request wait
     /// almost the whole deadline and most of them miss it.
+    ///
+    /// `deadline` is when the decision must have committed; a request admitted (from the queue) with
+    /// less time left than a decision takes is shed then and there, so its slot goes to one that can
+    /// make it instead of to work that would be refused its commit.
     pub async fn admit(&self, deadline: Instant) -> Result<Admitted, ShedReason> {
-        // Taken without waiting when a slot is free: the queue is only for those that must wait.
+        let in_time = |permit: OwnedSemaphorePermit| {
+            if Instant::now() + self.per_decision() > deadline {
+                Err(ShedReason::Deadline)
+            } else {
+                Ok(self.admitted(permit))
+            }
+        };
+        // Taken without waiting when a slot is free: the queue is only for those that must wait. The
+        // recent time per decision is an average, not this decision's: with a slot free it is tried.
         if let Ok(permit) = Arc::clone(&self.decisions).try_acquire_owned() {
             return Ok(self.admitted(permit));
         }
@@ -125,7 +137,7 @@ impl Admission {
         let _queued = Queued::enter(&self.queued, &self.metrics);
         let acquire = Arc::clone(&self.decisions).acquire_owned();
         match tokio::time::timeout_at(deadline.into(), acquire).await {
-            Ok(Ok(permit)) if Instant::now() < deadline => Ok(self.admitted(permit)),
+            Ok(Ok(permit)) => in_time(permit),
             // The semaphore is never closed; a slot that came free at the deadline is too late.
             Ok(_) | Err(_) => Err(ShedReason::Deadline),
         }
