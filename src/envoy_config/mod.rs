@@ -268,6 +268,14 @@ mod tests {
     const TWO: &str = "listen: 0.0.0.0:9002\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:8001\"}\n      - {endpoint: \"127.0.0.1:8002\", role: decode}\n      - {endpoint: \"[::1]:8003\"}\n";
 
     #[test]
+    fn the_filter_waits_as_long_as_the_configured_message_timeout() {
+        let config = config(&format!("overload: {{message_timeout: 3500ms}}\n{TWO}"));
+        let yaml = render(&config, &EnvoyOptions::for_config(&config));
+        assert!(yaml.contains("message_timeout: 3.500s\n"), "{yaml}");
+        assert!(config.overload.decision_deadline < Duration::from_millis(3500));
+    }
+
+    #[test]
     fn modes_round_trip_through_their_names() {
         for mode in BodyMode::ALL {
             assert_eq!(mode.as_str().parse::<BodyMode>(), Ok(mode));
