@@ -285,3 +285,38 @@ pub fn explanation(explanation: &Explanation) -> String {
     let _ = writeln!(out, "trace:   {trace}");
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_reads_as_one_line_and_its_counts() {
+        let view = AdmissionView {
+            decision_slots: 4,
+            in_flight: 3,
+            queued: 2,
+            max_queued: 128,
+            decision_deadline_ms: 1750,
+            per_decision_us: 1200,
+            buffered_bytes: 10,
+            max_buffered_bytes: 100,
+            explain_slots: 1,
+            shed: vec![("queue_full", 1), ("deadline", 5)],
+            commits_refused: vec![("deadline", 2), ("cancelled", 0)],
+        };
+        let text = admission(&view);
+        assert!(
+            text.starts_with("admission: 3/4 decision slots busy, 2/128 queued, deadline 1750 ms"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  shed: queue_full 1, deadline 5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  commits refused: deadline 2, cancelled 0\n"),
+            "{text}"
+        );
+    }
+}
