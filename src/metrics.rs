@@ -19,12 +19,14 @@ use prometheus::{
 mod discovery;
 mod kv_events;
 mod security;
+mod overload;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
 use security::SecurityMetrics;
 pub use security::{DebugListener, HttpRefusal};
+pub use overload::{OverloadMetrics, RefusedCommit};
 
 use crate::config::ReloadOutcome;
 use crate::discovery::SourceStatus;
@@ -42,10 +44,18 @@ pub enum StreamEnd {
     Reset,
     /// The stream failed: a protocol violation or a transport error.
     Error,
+    /// cachepick gave the request up with a gRPC error (`cachepick_shed_total` says why), so the
+    /// proxy routes it by its own load balancing.
+    Shed,
 }
 
 impl StreamEnd {
-    pub const ALL: [StreamEnd; 3] = [StreamEnd::Answered, StreamEnd::Reset, StreamEnd::Error];
+    pub const ALL: [StreamEnd; 4] = [
+        StreamEnd::Answered,
+        StreamEnd::Reset,
+        StreamEnd::Error,
+        StreamEnd::Shed,
+    ];
 
     /// The `outcome` label of `cachepick_extproc_streams_closed_total`.
     pub fn as_str(self) -> &'static str {
@@ -53,6 +63,7 @@ impl StreamEnd {
             StreamEnd::Answered => "answered",
             StreamEnd::Reset => "reset",
             StreamEnd::Error => "error",
+            StreamEnd::Shed => "shed",
         }
     }
 }
@@ -99,6 +110,8 @@ pub struct Metrics {
     config_reloads: IntCounterVec,
     /// The HTTP listener's bounds, refused debug calls, TLS (`security.rs`).
     security: SecurityMetrics,
+    /// Shedding, admission and the answer-time histogram (`overload.rs`).
+    pub overload: OverloadMetrics,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -203,7 +216,8 @@ impl Metrics {
             Opts::new(
                 "cachepick_extproc_streams_closed_total",
                 "ext_proc streams ended, by outcome: answered (cachepick sent its answer), reset (the proxy \
-                 went away first), error (protocol or transport failure).",
+                 went away first), error (protocol or transport failure), shed (given up with a gRPC \
+                 error so the proxy routes by itself).",
             ),
             &["outcome"],
         )?;
@@ -318,6 +332,7 @@ impl Metrics {
             discovery: Arc::new(DiscoveryGauges::new()?),
             config_reloads,
             security: SecurityMetrics::new()?,
+            overload: OverloadMetrics::new()?,
         };
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
@@ -339,6 +354,7 @@ impl Metrics {
         registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
         registry.register(Box::new(metrics.config_reloads.clone()))?;
         metrics.security.register(registry)?;
+        metrics.overload.register(registry)?;
         Ok(metrics)
     }
 

@@ -31,13 +31,19 @@ use crate::config::HttpLimits;
 use crate::metrics::{DebugListener, HttpRefusal, Metrics};
 use crate::protocol::error_json;
 
+/// An explanation being worked out: Ok = 200 JSON; Err((status, json body)) = the refusal.
+pub type ExplainFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<Vec<u8>, (u16, Vec<u8>)>> + Send>>;
+
 /// What the debug endpoints read; `app` adapts the request service to it.
 pub trait DebugSource: Send + Sync + 'static {
-    /// `GET /debug/snapshot`: JSON of every pool's current load snapshot as cachepick sees it.
+    /// `GET /debug/snapshot`: JSON of every pool's current load snapshot as cachepick sees it, and its
+    /// admission state.
     fn snapshot_json(&self) -> Vec<u8>;
     /// `POST /debug/explain?path=/v1/chat/completions`: how this body would be routed now, without
-    /// routing it. Ok = 200 JSON; Err((status, json body)) = the refusal.
-    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)>;
+    /// routing it. The source runs it through the decisions' admission (its own share of blocking
+    /// threads, rate-limited: 429 over the rate), never on the runtime.
+    fn explain_json(&self, path: String, body: Bytes) -> ExplainFuture;
     /// Request bodies larger than this get 413 before they are read whole.
     fn max_body_bytes(&self) -> usize;
 }
@@ -248,8 +254,8 @@ async fn route(request: Request<Incoming>, shared: &Shared) -> Response<Full<Byt
     }
 }
 
-/// `POST /debug/explain`: checks the query and the body's size, then asks the source off the runtime
-/// (tokenizing a long prompt is CPU work).
+/// `POST /debug/explain`: checks the query and the body's size, then asks the source (which runs it
+/// through admission, off the runtime: tokenizing a long prompt is CPU work).
 async fn explain(request: Request<Incoming>, debug: Arc<dyn DebugSource>) -> Response<Full<Bytes>> {
     let path = match explain_path(request.uri().query()) {
         Ok(path) => path.to_owned(),
@@ -277,18 +283,12 @@ async fn explain(request: Request<Incoming>, debug: Arc<dyn DebugSource>) -> Res
             );
         }
     };
-    let answer = tokio::task::spawn_blocking(move || debug.explain_json(&path, &body)).await;
-    match answer {
-        Ok(Ok(json)) => respond(StatusCode::OK, JSON, json.into()),
-        Ok(Err((status, json))) => respond(
+    match debug.explain_json(path, body).await {
+        Ok(json) => respond(StatusCode::OK, JSON, json.into()),
+        Err((status, json)) => respond(
             StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
             JSON,
             json.into(),
-        ),
-        Err(cause) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            &format!("explaining the request failed: {cause}"),
         ),
     }
 }
@@ -367,16 +367,18 @@ mod tests {
             br#"{"pools":[{"pool":"m","workers":2}]}"#.to_vec()
         }
 
-        fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
-            self.paths.lock().unwrap().push(path.to_owned());
-            if body == b"refuse" {
-                return Err((
+        fn explain_json(&self, path: String, body: Bytes) -> ExplainFuture {
+            self.paths.lock().unwrap().push(path.clone());
+            let answer = if body.as_ref() == b"refuse" {
+                Err((
                     404,
                     br#"{"error":{"message":"no","type":"unknown_model"}}"#.to_vec(),
-                ));
-            }
-            let echo = serde_json::json!({ "path": path, "bytes": body.len() });
-            Ok(serde_json::to_vec(&echo).unwrap())
+                ))
+            } else {
+                let echo = serde_json::json!({ "path": path, "bytes": body.len() });
+                Ok(serde_json::to_vec(&echo).unwrap())
+            };
+            Box::pin(std::future::ready(answer))
         }
 
         fn max_body_bytes(&self) -> usize {

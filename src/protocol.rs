@@ -27,6 +27,10 @@ pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
 /// The stable label of a refusal, on cachepick's own (immediate) answers.
 pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
 
+/// The gRPC metadata key of a shed's reason ([`ShedReason`]), on the error cachepick ends a stream
+/// with when it gives a request up.
+pub const SHED_METADATA: &str = "x-cachepick-shed-reason";
+
 /// The [`DECISION_HEADER`] of a request without a prompt (a GET, or a POST to a non-generation API
 /// such as `/v1/embeddings`): routed by load alone, not a decision of the ladder.
 pub const PASSTHROUGH: &str = "passthrough";
@@ -147,6 +151,62 @@ impl RefusalReason {
     }
 }
 
+impl RefusalReason {
+    /// Whether this refusal is cachepick's own failure rather than an answer about the request: it is
+    /// then not sent as a 5xx but as a gRPC error, so Envoy's `failure_mode_allow` routes the request
+    /// by its own load balancing (fail open).
+    pub fn fails_open(self) -> bool {
+        matches!(
+            self,
+            RefusalReason::Internal | RefusalReason::TokenizerFailed
+        )
+    }
+}
+
+/// Why cachepick gave a request up without a decision (shedding): it answers with a gRPC error status,
+/// which Envoy's `failure_mode_allow: true` turns into routing by its own load balancing, so a shed
+/// request is still served. The labels are `cachepick_shed_total{reason}`'s and part of the public
+/// interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShedReason {
+    /// The admission queue was full when the request completed.
+    QueueFull,
+    /// The decision could not be made (or finished) before the decision deadline.
+    Deadline,
+    /// Holding the request's body would take the buffered bytes of all streams over `max_buffered_bytes`.
+    BodyBudget,
+    /// The stream outlived `stream_deadline` before it could be answered.
+    StreamDeadline,
+    /// Envoy closed the stream while the decision waited or ran: nothing is answered or committed.
+    Cancelled,
+    /// The decision failed inside cachepick (a panic, a tokenizer failure): failed open.
+    Internal,
+}
+
+impl ShedReason {
+    pub const ALL: [ShedReason; 6] = [
+        ShedReason::QueueFull,
+        ShedReason::Deadline,
+        ShedReason::BodyBudget,
+        ShedReason::StreamDeadline,
+        ShedReason::Cancelled,
+        ShedReason::Internal,
+    ];
+
+    /// The stable snake_case label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShedReason::QueueFull => "queue_full",
+            ShedReason::Deadline => "deadline",
+            ShedReason::BodyBudget => "body_budget",
+            ShedReason::StreamDeadline => "stream_deadline",
+            ShedReason::Cancelled => "cancelled",
+            ShedReason::Internal => "internal",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +229,21 @@ mod tests {
             assert_eq!(
                 serde_json::to_value(reason).ok(),
                 Some(serde_json::Value::from(label))
+            );
+        }
+    }
+
+    #[test]
+    fn shed_labels_are_distinct_and_serialize_as_themselves() {
+        let labels: std::collections::BTreeSet<&str> = ShedReason::ALL
+            .iter()
+            .map(|reason| reason.as_str())
+            .collect();
+        assert_eq!(labels.len(), ShedReason::ALL.len());
+        for reason in ShedReason::ALL {
+            assert_eq!(
+                serde_json::to_value(reason).ok(),
+                Some(serde_json::Value::from(reason.as_str()))
             );
         }
     }

@@ -8,8 +8,36 @@ use std::fmt::Write as _;
 use crate::events::stream::StreamView;
 use crate::policy::Outcome;
 use crate::prefix::DepthSource;
-use crate::route::{Explanation, PoolReport};
+use crate::route::{AdmissionView, Explanation, PoolReport};
 use crate::worker::WorkerId;
+
+/// A running picker's admission (the `admission` object of `/debug/snapshot`) as text: slots, queue,
+/// deadline, buffered bytes, and what was shed and refused.
+pub fn admission(view: &AdmissionView) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "admission: {}/{} decision slots busy, {}/{} queued, deadline {} ms, {}/{} body bytes held, {} explain slot(s)",
+        view.in_flight,
+        view.decision_slots,
+        view.queued,
+        view.max_queued,
+        view.decision_deadline_ms,
+        view.buffered_bytes,
+        view.max_buffered_bytes,
+        view.explain_slots,
+    );
+    let counts = |counts: &[(&str, u64)]| {
+        counts
+            .iter()
+            .map(|(reason, count)| format!("{reason} {count}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(out, "  shed: {}", counts(&view.shed));
+    let _ = writeln!(out, "  commits refused: {}", counts(&view.commits_refused));
+    out
+}
 
 /// `cachepick snapshot`: a plain-text table of every pool.
 pub fn snapshot(pools: &[PoolReport]) -> String {
@@ -256,4 +284,39 @@ pub fn explanation(explanation: &Explanation) -> String {
     let trace = serde_json::to_string_pretty(explanation.outcome.trace()).unwrap_or_default();
     let _ = writeln!(out, "trace:   {trace}");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_reads_as_one_line_and_its_counts() {
+        let view = AdmissionView {
+            decision_slots: 4,
+            in_flight: 3,
+            queued: 2,
+            max_queued: 128,
+            decision_deadline_ms: 1750,
+            per_decision_us: 1200,
+            buffered_bytes: 10,
+            max_buffered_bytes: 100,
+            explain_slots: 1,
+            shed: vec![("queue_full", 1), ("deadline", 5)],
+            commits_refused: vec![("deadline", 2), ("cancelled", 0)],
+        };
+        let text = admission(&view);
+        assert!(
+            text.starts_with("admission: 3/4 decision slots busy, 2/128 queued, deadline 1750 ms"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  shed: queue_full 1, deadline 5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  commits refused: deadline 2, cancelled 0\n"),
+            "{text}"
+        );
+    }
 }

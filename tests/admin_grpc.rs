@@ -167,6 +167,11 @@ async fn snapshot_lists_every_worker_with_why_it_is_not_fresh() {
     // The pool filter: by name, and NOT_FOUND for a pool that does not exist.
     let only = picker.snapshot(Some("m")).await.expect("snapshot of m");
     assert_eq!(only.pools.len(), 1);
+    // Admission beside the pools: its slots, deadline and every shed reason, counted from zero.
+    let admission = only.admission.expect("admission");
+    assert!(admission.decision_slots > 0);
+    assert_eq!(admission.decision_deadline_ms, 1750);
+    assert_eq!(admission.shed.get("queue_full"), Some(&0));
     let missing = picker
         .snapshot(Some("other"))
         .await

@@ -450,7 +450,7 @@ async fn a_dns_pool_serves_the_engines_its_name_resolves_to() {
         .unwrap();
         assert_eq!(status, 200);
         let snapshot: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let healthy = snapshot[0]["workers"]
+        let healthy = snapshot["pools"][0]["workers"]
             .as_array()
             .unwrap()
             .iter()
@@ -462,8 +462,11 @@ async fn a_dns_pool_serves_the_engines_its_name_resolves_to() {
         assert!(std::time::Instant::now() < deadline, "{snapshot:#}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(snapshot[0]["source"]["kind"], "dns", "{snapshot:#}");
-    assert_eq!(snapshot[0]["source"]["members"], 2, "{snapshot:#}");
+    assert_eq!(
+        snapshot["pools"][0]["source"]["kind"], "dns",
+        "{snapshot:#}"
+    );
+    assert_eq!(snapshot["pools"][0]["source"]["members"], 2, "{snapshot:#}");
     let client = cachepick_rig::client::Client::connect(picker.listen())
         .await
         .unwrap();

@@ -435,8 +435,11 @@ async fn serve_follows_the_ready_pods_of_a_kubernetes_pool() {
         .expect("the snapshot answers");
         assert_eq!(status, 200);
         let snapshot: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(snapshot[0]["source"]["kind"], "kubernetes", "{snapshot:#}");
-        snapshot[0]["workers"]
+        assert_eq!(
+            snapshot["pools"][0]["source"]["kind"], "kubernetes",
+            "{snapshot:#}"
+        );
+        snapshot["pools"][0]["workers"]
             .as_array()
             .unwrap()
             .iter()

@@ -269,7 +269,7 @@ impl Stack {
             .await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         let pools = reply.json();
-        pools[0]["workers"]
+        pools["pools"][0]["workers"]
             .as_array()
             .unwrap_or_else(|| panic!("no workers in the snapshot: {pools}"))
             .iter()

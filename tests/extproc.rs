@@ -853,8 +853,8 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
     let snapshot = harness.get_debug("/debug/snapshot").await;
     assert_eq!(snapshot.status, StatusCode::OK, "{}", snapshot.text());
     let pools = snapshot.json();
-    assert_eq!(pools[0]["pool"], POOL, "{pools}");
-    let listed: Vec<String> = pools[0]["workers"]
+    assert_eq!(pools["pools"][0]["pool"], POOL, "{pools}");
+    let listed: Vec<String> = pools["pools"][0]["workers"]
         .as_array()
         .unwrap()
         .iter()

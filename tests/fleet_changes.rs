@@ -197,7 +197,7 @@ impl Stack {
             .get(self.picker.metrics_listen(), "/debug/snapshot")
             .await;
         let pools: Value = reply.json();
-        pools[0]["workers"]
+        pools["pools"][0]["workers"]
             .as_array()
             .unwrap()
             .iter()

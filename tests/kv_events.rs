@@ -138,7 +138,7 @@ async fn stream(stage: &Stage, worker: u64) -> Value {
     )
     .await
     .json();
-    let streams = snapshot[0]["kv_events"]
+    let streams = snapshot["pools"][0]["kv_events"]
         .as_array()
         .expect("kv_events streams")
         .clone();
@@ -358,7 +358,7 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
     )
     .await
     .json();
-    let restarts = snapshot[0]["workers"][1]["restarts"].as_u64();
+    let restarts = snapshot["pools"][0]["workers"][1]["restarts"].as_u64();
     assert!(restarts >= Some(1), "{snapshot:#}");
     stage.stop().await.unwrap();
 }

@@ -80,7 +80,7 @@ fn workers(metrics: &str) -> Vec<(String, String)> {
     let response = http_get(metrics, "/debug/snapshot");
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
     let pools: serde_json::Value = serde_json::from_str(body).expect("snapshot JSON");
-    pools[0]["workers"]
+    pools["pools"][0]["workers"]
         .as_array()
         .unwrap()
         .iter()

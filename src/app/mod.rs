@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -19,12 +20,12 @@ use crate::events::EventFeeds;
 use crate::extproc;
 use crate::load::{PoolLoad, PoolView, ScrapeTlsClient, Scraper};
 use crate::metrics::Metrics;
-use crate::metrics_server::{self, DebugSource};
+use crate::metrics_server::{self, DebugSource, ExplainFuture};
 use crate::prefix::EventIndex;
 use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
 pub use crate::route::Explanation;
-use crate::route::{Picker, PickerError, PoolReport, RequestError, Service};
+use crate::route::{ExplainError, Picker, PickerError, PoolReport, RequestError, Service};
 use crate::tls::{ServerTls, TlsError};
 pub use reload::{Reload, restart_only_changes};
 
@@ -145,7 +146,7 @@ pub async fn serve(
     let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
     // Loading every tokenizer and template up front makes a bad file a start-up error, not a 400 later.
     let picker = Picker::new(config, &loads)?;
-    let service = Service::new(picker, Arc::clone(&metrics));
+    let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     let mut tasks = tokio::task::JoinSet::new();
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
         let scraper = match service.roster(index) {
@@ -190,16 +191,19 @@ pub async fn serve(
         file_workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
         "cachepick started"
     );
-    let access = extproc::Access {
-        debug: config.debug_on_listen(),
-        token: security.token,
-        tls: security.tls,
+    let options = extproc::ServeOptions {
+        access: extproc::Access {
+            debug: config.debug_on_listen(),
+            token: security.token,
+            tls: security.tls,
+        },
+        overload: config.overload,
+        freshness: config.load.freshness,
     };
-    let served = extproc::serve(listener, service, access, async move {
-        shutdown.await;
-        let _ = stop.send(true);
-    })
-    .await;
+    // The scrapers, sources and the metrics listener keep running through the drain, so the picker
+    // decides on fresh load until its last answer; they stop once the gRPC server has.
+    let served = extproc::serve(listener, service, options, shutdown).await;
+    let _ = stop.send(true);
     tasks.join_all().await;
     for feed in feeds {
         let _ = feed.await;
@@ -268,20 +272,37 @@ struct Debug(Arc<Service>);
 
 impl DebugSource for Debug {
     fn snapshot_json(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(&self.0.report()).unwrap_or_default()
+        let snapshot = serde_json::json!({
+            "pools": self.0.report(),
+            "admission": self.0.admission_view(),
+        });
+        serde_json::to_vec_pretty(&snapshot).unwrap_or_default()
     }
 
-    fn explain_json(&self, path: &str, body: &[u8]) -> Result<Vec<u8>, (u16, Vec<u8>)> {
-        match self.0.explain(path, body) {
-            Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
-            Err(error) => {
-                let reason = error.reason();
-                Err((
-                    reason.status(),
-                    error_json(reason.as_str(), &error.to_string()),
-                ))
+    fn explain_json(&self, path: String, body: Bytes) -> ExplainFuture {
+        let service = Arc::clone(&self.0);
+        Box::pin(async move {
+            match service.explain_admitted(path, body).await {
+                Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
+                Err(ExplainError::Refused(refused)) => {
+                    Err((429, error_json("explain_refused", refused.message())))
+                }
+                Err(ExplainError::Request(error)) => {
+                    let reason = error.reason();
+                    Err((
+                        reason.status(),
+                        error_json(reason.as_str(), &error.to_string()),
+                    ))
+                }
+                Err(ExplainError::Failed(cause)) => Err((
+                    500,
+                    error_json(
+                        "internal_error",
+                        &format!("explaining the request failed: {cause}"),
+                    ),
+                )),
             }
-        }
+        })
     }
 
     fn max_body_bytes(&self) -> usize {

@@ -152,6 +152,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         old.debug_token_file == new.debug_token_file,
     );
     differs("metrics_http", old.metrics_http == new.metrics_http);
+    differs("overload", old.overload == new.overload);
     if old.pools.len() != new.pools.len() {
         refused.push(format!(
             "pools: {} pools instead of {} (restart to add or remove a pool)",

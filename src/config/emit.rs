@@ -53,6 +53,7 @@ struct File<'c> {
     cache_salt_header: Option<&'c str>,
     policy: Policy,
     load: Load<'c>,
+    overload: Overload,
     pools: Vec<Pool<'c>>,
 }
 
@@ -85,6 +86,36 @@ struct MetricsHttp {
     header_read_timeout: String,
     request_timeout: String,
     connection_lifetime: String,
+}
+
+/// The `overload` section, every key written.
+#[derive(Serialize)]
+struct Overload {
+    message_timeout: String,
+    decision_deadline: String,
+    max_queued_decisions: usize,
+    max_buffered_bytes: Size,
+    max_concurrent_streams: u32,
+    max_connections: usize,
+    stream_deadline: String,
+    explain_rate: u32,
+    shutdown_grace: String,
+}
+
+impl From<&crate::config::OverloadConfig> for Overload {
+    fn from(overload: &crate::config::OverloadConfig) -> Self {
+        Overload {
+            message_timeout: duration::format(overload.message_timeout),
+            decision_deadline: duration::format(overload.decision_deadline),
+            max_queued_decisions: overload.max_queued_decisions.get(),
+            max_buffered_bytes: overload.max_buffered_bytes.get().into(),
+            max_concurrent_streams: overload.max_concurrent_streams.get(),
+            max_connections: overload.max_connections.get(),
+            stream_deadline: duration::format(overload.stream_deadline),
+            explain_rate: overload.explain_rate.get(),
+            shutdown_grace: duration::format(overload.shutdown_grace),
+        }
+    }
 }
 
 /// A `policy` section; a key is written when it is `Some`.
@@ -359,6 +390,7 @@ impl<'c> From<&'c Config> for File<'c> {
                     server_name: tls.server_name.as_deref(),
                 }),
             },
+            overload: Overload::from(&config.overload),
             pools: config
                 .pools
                 .iter()

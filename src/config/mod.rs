@@ -12,12 +12,15 @@
 //! the effective configuration back in the file's format.
 
 mod emit;
+mod overload;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_discovery;
 #[cfg(test)]
 mod tests_security;
+#[cfg(test)]
+mod tests_overload;
 mod types;
 mod types_security;
 mod validate;
@@ -26,6 +29,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 pub use cachepick_decode::{ConfigError, Origin, Problem};
+pub use overload::OverloadConfig;
 pub use types::*;
 pub use types_security::*;
 
@@ -42,6 +46,13 @@ pub struct Overrides {
     pub saturation_queue_floor: Option<u64>,
     /// `--min-load-choices`
     pub min_load_choices: Option<u64>,
+    /// `--shutdown-grace`
+    pub shutdown_grace: Option<std::time::Duration>,
+}
+
+/// A duration as the configuration writes them (`500ms`, `5s`, `1m`), for flags that take one.
+pub fn parse_duration(text: &str) -> Option<std::time::Duration> {
+    cachepick_decode::duration::parse(text)
 }
 
 /// Reads and validates the configuration file at `path`, with `overrides` applied.

@@ -84,6 +84,7 @@ const NO_FLAGS: Overrides = Overrides {
     worker_queue_limit: None,
     saturation_queue_floor: None,
     min_load_choices: None,
+    shutdown_grace: None,
 };
 
 fn problems(source: &str, overrides: &Overrides) -> Vec<Problem> {
@@ -124,6 +125,7 @@ fn the_full_example_is_accepted_with_its_values() {
         tls: None,
         metrics_http: HttpLimits::default(),
         cache_salt_header: None,
+        overload: OverloadConfig::default(),
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),
@@ -406,6 +408,7 @@ fn flags_override_file_values() {
         worker_queue_limit: Some(8),
         saturation_queue_floor: Some(8),
         min_load_choices: Some(1),
+        shutdown_grace: None,
     };
     let config = parse(&source, "t", &overrides).unwrap();
     assert_eq!(config.listen, addr("127.0.0.1:7000"));

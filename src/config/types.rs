@@ -40,6 +40,8 @@ pub struct Config {
     /// The request header whose value salts every prefix hash of an `approximate` pool, lower-case: one
     /// tenant's prompts never match another's in the owner index (see `route`).
     pub cache_salt_header: Option<String>,
+    /// `overload:`: admission, deadlines, stream and memory bounds, and the shutdown grace.
+    pub overload: super::OverloadConfig,
 }
 
 impl Config {

@@ -33,6 +33,7 @@ use policy::Resolved;
 
 mod discovery;
 mod index;
+mod overload;
 mod policy;
 mod security;
 
@@ -48,6 +49,7 @@ const ROOT_KEYS: &[&str] = &[
     "policy",
     "load",
     "pools",
+    "overload",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -243,6 +245,7 @@ impl Validator<'_> {
             .and_then(|map| self.load(&map));
         self.https_scrape = load.as_ref().map_or(true, |load| load.tls.is_some());
         let pools = self.pools(&root, &policy);
+        let overload = self.overload(&root, overrides, &max_body_bytes);
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -255,6 +258,7 @@ impl Validator<'_> {
             tls: tls?,
             metrics_http: metrics_http?,
             cache_salt_header: cache_salt_header?.map(|given| given.value),
+            overload: overload?,
         })
     }
 

@@ -244,8 +244,10 @@ impl EnvoyOptions {
         SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10000));
     pub const DEFAULT_ADMIN: SocketAddr =
         SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9901));
-    /// Envoy's own default is 200 ms, which tokenizing a prompt of a few MiB can exceed.
-    pub const DEFAULT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Envoy's own default is 200 ms, which tokenizing a prompt of a few MiB can exceed; the value
+    /// written is the configuration's `overload.message_timeout`, whose default this is.
+    pub const DEFAULT_MESSAGE_TIMEOUT: Duration =
+        crate::config::OverloadConfig::DEFAULT_MESSAGE_TIMEOUT;
 
     /// The defaults for `config`: buffered mode, loopback listener and admin, the picker at
     /// [`picker_address`] of `config.listen`. Change a field with struct-update syntax.
@@ -255,7 +257,8 @@ impl EnvoyOptions {
             listen: Self::DEFAULT_LISTEN,
             admin: Self::DEFAULT_ADMIN,
             pickers: vec![picker_address(config.listen)],
-            message_timeout: Self::DEFAULT_MESSAGE_TIMEOUT,
+            // The picker's decision deadline is derived from the same value, so it ends first.
+            message_timeout: config.overload.message_timeout,
             source: None,
             picker_tls: None,
         }
@@ -333,6 +336,14 @@ mod tests {
     }
 
     const TWO: &str = "listen: 0.0.0.0:9002\npools:\n  - model: m\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:8001\"}\n      - {endpoint: \"127.0.0.1:8002\", role: decode}\n      - {endpoint: \"[::1]:8003\"}\n";
+
+    #[test]
+    fn the_filter_waits_as_long_as_the_configured_message_timeout() {
+        let config = config(&format!("overload: {{message_timeout: 3500ms}}\n{TWO}"));
+        let yaml = render(&config, &EnvoyOptions::for_config(&config));
+        assert!(yaml.contains("message_timeout: 3.500s\n"), "{yaml}");
+        assert!(config.overload.decision_deadline < Duration::from_millis(3500));
+    }
 
     #[test]
     fn modes_round_trip_through_their_names() {

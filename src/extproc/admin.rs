@@ -14,7 +14,7 @@ use tonic::{Code, Request, Response, Status};
 use self::pb::admin_server::{Admin, AdminServer};
 use crate::load::{PoolView, WorkerView};
 use crate::policy::Outcome;
-use crate::route::{Explanation, RequestError, Service};
+use crate::route::{AdmissionView, ExplainError, Explanation, RequestError, Service};
 use crate::worker::WorkerId;
 
 /// The generated `cachepick.v1` package: messages, `admin_server` and `admin_client`.
@@ -87,9 +87,21 @@ impl Admin for AdminApi {
             "" => DEFAULT_PATH,
             path => path,
         };
-        match self.service.explain(path, &request.body) {
+        // Through admission (explain's own share of blocking threads, rate-limited), never on the
+        // runtime: a multi-MB prompt would stall every ext_proc stream and the health service.
+        match self
+            .service
+            .explain_admitted(path.to_owned(), request.body)
+            .await
+        {
             Ok(explanation) => Ok(Response::new(explain_response(&explanation))),
-            Err(error) => Err(refused(&error)),
+            Err(ExplainError::Request(error)) => Err(refused(&error)),
+            Err(ExplainError::Refused(refused)) => {
+                Err(Status::resource_exhausted(refused.message()))
+            }
+            Err(ExplainError::Failed(cause)) => Err(Status::internal(format!(
+                "explaining the request failed: {cause}"
+            ))),
         }
     }
 
@@ -118,6 +130,7 @@ impl Admin for AdminApi {
         };
         Ok(Response::new(pb::SnapshotResponse {
             pools: pools.iter().map(pool_snapshot).collect(),
+            admission: Some(admission(&self.service.admission_view())),
         }))
     }
 }
@@ -191,6 +204,30 @@ pub(crate) fn explain_response(explanation: &Explanation) -> pb::ExplainResponse
         outcome: Some(outcome),
         trace_json: serde_json::to_string(explanation.outcome.trace()).unwrap_or_default(),
         endpoints: endpoints.clone(),
+    }
+}
+
+/// Admission as the wire reports it.
+fn admission(view: &AdmissionView) -> pb::Admission {
+    let wide = |count: usize| u64::try_from(count).unwrap_or(u64::MAX);
+    let counts = |counts: &[(&str, u64)]| {
+        counts
+            .iter()
+            .map(|(reason, count)| ((*reason).to_owned(), *count))
+            .collect()
+    };
+    pb::Admission {
+        decision_slots: wide(view.decision_slots),
+        in_flight: wide(view.in_flight),
+        queued: wide(view.queued),
+        max_queued: wide(view.max_queued),
+        decision_deadline_ms: view.decision_deadline_ms,
+        per_decision_us: view.per_decision_us,
+        buffered_bytes: wide(view.buffered_bytes),
+        max_buffered_bytes: wide(view.max_buffered_bytes),
+        explain_slots: wide(view.explain_slots),
+        shed: counts(&view.shed),
+        commits_refused: counts(&view.commits_refused),
     }
 }
 

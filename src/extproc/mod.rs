@@ -5,11 +5,18 @@
 //! domain type, and everything it sends out is built here from a domain outcome.
 //!
 //! Health follows the Endpoint Picker Protocol's service names: `liveness` is SERVING while the process
-//! runs; `readiness` and the ext_proc service turn SERVING once every pool has completed a scrape round,
-//! so a gateway never routes through a picker that has not seen the fleet's load yet.
+//! runs; `readiness` and the ext_proc service are SERVING while the picker can decide with what it
+//! knows: every pool has completed a scrape round and at least one worker's reading is fresh. They turn
+//! NOT_SERVING when every reading has gone stale (and back when one is fresh again), and for good when
+//! the picker starts draining (SIGTERM/SIGINT): it keeps answering for `overload.shutdown_grace`, so
+//! Envoy's health check moves its traffic to other replicas first.
+//!
+//! The listener is bounded: HTTP/2 streams per connection, open connections (`limits.rs`), keepalive
+//! on both HTTP/2 and TCP (a peer that vanished is noticed and its streams freed).
 
 mod admin;
 pub mod eds;
+mod limits;
 mod process;
 mod transport;
 
@@ -18,18 +25,21 @@ pub use admin::pb as admin_api;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-pub use process::MAX_STREAMED_CHUNK;
+pub use process::{FAULT_INJECTION, MAX_STREAMED_CHUNK};
 pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 use thiserror::Error;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tonic::service::interceptor::InterceptedService;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 use crate::auth::BearerToken;
+use crate::config::OverloadConfig;
 /// The wire names, defined in [`crate::protocol`]; re-exported here for the callers that speak
 /// ext_proc (tests, the demo, replay).
 pub use crate::protocol::{
@@ -59,6 +69,23 @@ pub enum ServeError {
 /// Room for the headers and metadata Envoy sends beside a body of `max_body_bytes`.
 const MESSAGE_OVERHEAD: usize = 1 << 20;
 
+/// HTTP/2 PING every 30 s on an idle connection, and the peer gone after 10 s without the answer:
+/// Envoy's own `connection_keepalive` is the same, so either side notices a vanished peer.
+const HTTP2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const HTTP2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// TCP keepalive under HTTP/2's, for connections that never carry a stream.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+
+/// What the gRPC listener serves and how it is bounded, beyond the request service.
+#[derive(Clone)]
+pub struct ServeOptions {
+    /// Who reaches what, and how (admin API, token, TLS).
+    pub access: Access,
+    pub overload: OverloadConfig,
+    /// A reading older than this is stale (`load.freshness`): readiness needs one that is not.
+    pub freshness: Duration,
+}
+
 /// Readiness and the ext_proc service's health (what Envoy's health check asks) change together.
 async fn set_readiness(reporter: &HealthReporter, status: ServingStatus) {
     for service in [READINESS, EXT_PROC_SERVICE] {
@@ -66,40 +93,88 @@ async fn set_readiness(reporter: &HealthReporter, status: ServingStatus) {
     }
 }
 
-/// Serves ext_proc and health on `listener` until `shutdown` resolves.
-///
-/// `access` says whether the admin API and reflection are served, behind which token, and whether
-/// connections are TLS.
+/// Keeps readiness true to what the picker can do: NOT_SERVING until every pool has had a scrape round,
+/// then SERVING exactly while some worker's reading is fresh; NOT_SERVING for good once `draining`.
+async fn follow_readiness(
+    reporter: HealthReporter,
+    service: Arc<Service>,
+    freshness: Duration,
+    mut draining: watch::Receiver<bool>,
+) {
+    // Ready only once every pool has completed a scrape round; a pool whose scraper is gone never is.
+    for mut round in service.rounds() {
+        tokio::select! {
+            waited = round.wait_for(|completed| *completed > 0) => {
+                if waited.is_err() {
+                    return;
+                }
+            }
+            _ = draining.wait_for(|draining| *draining) => return,
+        }
+    }
+    // A reading goes stale `freshness` after it was taken: looking four times per freshness sees it
+    // within a quarter of that.
+    let every = (freshness / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
+    let mut ready = false;
+    loop {
+        let fresh = service.has_fresh_reading(Instant::now());
+        if fresh != ready {
+            ready = fresh;
+            if ready {
+                set_readiness(&reporter, ServingStatus::Serving).await;
+                tracing::info!(
+                    "ready: every pool has a scrape round and a worker's reading is fresh"
+                );
+            } else {
+                set_readiness(&reporter, ServingStatus::NotServing).await;
+                tracing::warn!(
+                    "not ready: no worker has a fresh reading; Envoy routes by its own load balancing"
+                );
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = draining.wait_for(|draining| *draining) => return,
+        }
+    }
+}
+
+/// Serves ext_proc and health on `listener` until `shutdown` resolves, then drains: readiness is
+/// withdrawn at once, requests are answered for `overload.shutdown_grace`, then the server stops.
 pub async fn serve(
     listener: TcpListener,
     service: Arc<Service>,
-    access: Access,
+    options: ServeOptions,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
+    let ServeOptions {
+        access,
+        overload,
+        freshness,
+    } = options;
     let Access { debug, token, tls } = access;
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status(LIVENESS, ServingStatus::Serving)
         .await;
     set_readiness(&reporter, ServingStatus::NotServing).await;
-    let rounds = service.rounds();
-    let readiness = tokio::spawn(async move {
-        // Ready once every pool has completed a scrape round; a pool whose scraper is gone never is.
-        for mut round in rounds {
-            if round.wait_for(|completed| *completed > 0).await.is_err() {
-                return;
-            }
-        }
-        set_readiness(&reporter, ServingStatus::Serving).await;
-        tracing::info!("ready: every pool has a scrape round");
-    });
+    let (drain, draining) = watch::channel(false);
+    let readiness = tokio::spawn(follow_readiness(
+        reporter.clone(),
+        Arc::clone(&service),
+        freshness,
+        draining,
+    ));
     // A BUFFERED body arrives in one message: the decode limit follows max_body_bytes (tonic's 4 MiB
     // default would fail larger prompts before cachepick could answer 413 or route them).
     let max_message = service.max_body_bytes().saturating_add(MESSAGE_OVERHEAD);
     // EDS for Envoy's workers cluster: the roster the picker routes over, pushed on every change.
     let (assignments, follower) = eds::follow(service.picker().loads().cloned().collect());
-    let processor = ExternalProcessorServer::new(process::Processor::new(Arc::clone(&service)))
-        .max_decoding_message_size(max_message);
+    let processor = ExternalProcessorServer::new(process::Processor::new(
+        Arc::clone(&service),
+        overload.stream_deadline,
+    ))
+    .max_decoding_message_size(max_message);
     let guard = transport::guard(token, Arc::clone(&service));
     let admin =
         debug.then(|| InterceptedService::new(admin::server(Arc::clone(&service)), guard.clone()));
@@ -109,7 +184,11 @@ pub async fn serve(
     let reflection_v1alpha = admin::reflection_v1alpha()
         .filter(|_| debug)
         .map(|reflection| InterceptedService::new(reflection, guard));
+    let grace = overload.shutdown_grace;
     let router = tonic::transport::Server::builder()
+        .max_concurrent_streams(overload.max_concurrent_streams.get())
+        .http2_keepalive_interval(Some(HTTP2_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE_TIMEOUT))
         .add_service(health)
         .add_service(processor)
         .add_service(eds::server(assignments))
@@ -118,25 +197,39 @@ pub async fn serve(
         .add_optional_service(reflection_v1alpha);
     let shutdown = async move {
         shutdown.await;
+        // Withdraw readiness first and keep answering: Envoy's health check sees NOT_SERVING and
+        // moves new requests to other replicas before this one stops.
+        let _ = drain.send(true);
+        set_readiness(&reporter, ServingStatus::NotServing).await;
+        tracing::info!(
+            grace_seconds = grace.as_secs_f64(),
+            "draining: readiness withdrawn, answering until the grace ends"
+        );
+        tokio::time::sleep(grace).await;
         // An EDS stream lasts as long as Envoy does, and the graceful shutdown waits for every
         // stream: stopping the roster's follower ends them (Envoy moves to another replica).
         drop(follower);
     };
+    let open = service.metrics().overload.connections.clone();
+    let max_connections = overload.max_connections.get();
     let served = match tls {
         None => {
             // TCP_NODELAY: an answer is one small frame; without it, Nagle holds that frame until
             // Envoy's delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
-            let incoming =
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(TCP_KEEPALIVE));
+            let incoming = limits::limit_connections(incoming, max_connections, open);
             router
-                .serve_with_incoming_shutdown(incoming, shutdown)
+                .serve_with_incoming_shutdown(Box::pin(incoming), shutdown)
                 .await
         }
         Some(tls) => {
             let refresh = tokio::spawn(transport::refresh(Arc::clone(&tls), Arc::clone(&service)));
             let incoming = transport::tls_incoming(listener, tls, Arc::clone(&service));
+            let incoming = limits::limit_connections(incoming, max_connections, open);
             let served = router
-                .serve_with_incoming_shutdown(incoming, shutdown)
+                .serve_with_incoming_shutdown(Box::pin(incoming), shutdown)
                 .await;
             refresh.abort();
             served

@@ -17,6 +17,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderMap, HeaderValue, HeaderValueOption, Metadata, header_value_option::HeaderAppendAction,
 };
@@ -30,16 +31,19 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value};
 use futures_util::Stream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::StreamEnd;
 use crate::protocol::{
     DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PREFIX_TOKENS_HEADER, REJECT_HEADER,
-    RefusalReason, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE, error_json,
+    RefusalReason, SELECTED_HEADER, SHED_METADATA, SUBSET_KEY, SUBSET_NAMESPACE, ShedReason,
+    error_json,
 };
-use crate::route::{Answer, Inbound, Refusal, Routed, Service};
+use crate::route::admission::BodyShare;
+use crate::route::{Answer, CommitGate, Inbound, Refusal, Routed, Service};
 
 /// Envoy recommends at most 64 KiB per streamed chunk; this leaves room for the message's framing.
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
@@ -48,21 +52,32 @@ pub const MAX_STREAMED_CHUNK: usize = 62_000;
 /// sending its body mid-way must not hold a stream (and, in duplex mode, its buffered bytes) forever.
 pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(60);
 
+/// The most of a decision's deadline kept, after its commit, for its answer to be sent (a tenth of the
+/// deadline when that is less).
+const ANSWER_TIME: Duration = Duration::from_millis(50);
+
+/// Whether this build can inject faults into decisions (the `fault-injection` cargo feature, for tests
+/// only): a request with `x-fault-injection: panic` then panics inside its decision, and one with
+/// `x-fault-injection: sleep=<ms>` holds its decision slot that long before deciding (a slow decision).
+pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
+
+/// The request header that injects a fault, read only by builds with the `fault-injection` feature. Not
+/// an `x-cachepick-*` header: the generated Envoy configuration strips those from clients.
+#[cfg(feature = "fault-injection")]
+const FAULT_HEADER: &str = "x-fault-injection";
+
 /// The ext_proc service.
 pub struct Processor {
     service: Arc<Service>,
-    /// Decisions (tokenizing, hashing, the policy) run on the blocking pool, at most this many at once:
-    /// a huge prompt occupies a blocking thread, never a runtime thread that other streams and the
-    /// health service need.
-    decisions: Arc<Semaphore>,
+    /// The longest a stream may take from its first message to its answer.
+    stream_deadline: Duration,
 }
 
 impl Processor {
-    pub fn new(service: Arc<Service>) -> Processor {
-        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    pub fn new(service: Arc<Service>, stream_deadline: Duration) -> Processor {
         Processor {
             service,
-            decisions: Arc::new(Semaphore::new(cores.saturating_mul(2))),
+            stream_deadline,
         }
     }
 }
@@ -81,10 +96,10 @@ impl ExternalProcessor for Processor {
         // One answer in flight at a time is all a stream ever has, plus the duplex body chunks.
         let (sender, receiver) = mpsc::channel(8);
         let service = Arc::clone(&self.service);
-        let decisions = Arc::clone(&self.decisions);
+        let stream_end = Instant::now() + self.stream_deadline;
         service.metrics().stream_opened();
         tokio::spawn(async move {
-            let end = drive(&service, &decisions, inbound, &sender).await;
+            let end = drive(&service, inbound, &sender, stream_end).await;
             service.metrics().stream_closed(end);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
@@ -92,7 +107,6 @@ impl ExternalProcessor for Processor {
 }
 
 /// What the stream has learnt so far.
-#[derive(Default)]
 struct Exchange {
     path: String,
     subset: Option<Vec<SocketAddr>>,
@@ -102,11 +116,44 @@ struct Exchange {
     /// The configured tenant header's value.
     tenant: Option<String>,
     body: Vec<u8>,
+    /// The whole body once the decision is owed: shared with the decision (a cheap clone), so the answer
+    /// can still re-emit it in duplex mode when the decision is given up on.
+    whole: Bytes,
+    /// Duplex, shed before the body ended (`body_budget`): the request continues without a destination
+    /// and each further chunk is echoed as it arrives, never held.
+    forwarding: bool,
+    /// The body's bytes, counted against the budget of every stream together; given back when the
+    /// exchange ends.
+    share: BodyShare,
     /// Body messages received (a duplex request with trailers may have none).
     chunks: usize,
     body_mode: Option<BodySendMode>,
     /// The headers response is owed (duplex: it is sent with the decision).
     headers_pending: bool,
+    /// The fault injected into the decision (`x-fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    fault: Option<Fault>,
+}
+
+impl Exchange {
+    fn new(share: BodyShare) -> Exchange {
+        Exchange {
+            path: String::new(),
+            subset: None,
+            spoofed: Vec::new(),
+            content_encoding: None,
+            tenant: None,
+            body: Vec::new(),
+            whole: Bytes::new(),
+            forwarding: false,
+            share,
+            chunks: 0,
+            body_mode: None,
+            headers_pending: false,
+            #[cfg(feature = "fault-injection")]
+            fault: None,
+        }
+    }
 }
 
 type Sender = mpsc::Sender<Result<ProcessingResponse, Status>>;
@@ -114,13 +161,15 @@ type Sender = mpsc::Sender<Result<ProcessingResponse, Status>>;
 /// Runs one stream to its end and says how it ended.
 async fn drive(
     service: &Arc<Service>,
-    decisions: &Semaphore,
     mut inbound: Streaming<ProcessingRequest>,
     out: &Sender,
+    stream_end: Instant,
 ) -> StreamEnd {
-    let mut exchange = Exchange::default();
+    let mut exchange = Exchange::new(service.admission().budget().share());
     loop {
-        let message = match tokio::time::timeout(MESSAGE_DEADLINE, inbound.message()).await {
+        let left = stream_end.saturating_duration_since(Instant::now());
+        let wait = MESSAGE_DEADLINE.min(left);
+        let message = match tokio::time::timeout(wait, inbound.message()).await {
             Ok(Ok(Some(message))) => message,
             // Envoy closed its side before we answered: the client went away.
             Ok(Ok(None)) => return StreamEnd::Reset,
@@ -133,12 +182,15 @@ async fn drive(
                 return StreamEnd::Error;
             }
             Err(_) => {
+                // The client stopped sending its request: its own fault, answered as such.
+                let within = if wait < MESSAGE_DEADLINE {
+                    "the stream deadline (overload.stream_deadline)".to_owned()
+                } else {
+                    format!("{} s", MESSAGE_DEADLINE.as_secs())
+                };
                 let refusal = service.refuse(
                     RefusalReason::BodyTimeout,
-                    format!(
-                        "the request was not received within {} s",
-                        MESSAGE_DEADLINE.as_secs()
-                    ),
+                    format!("the request was not received within {within}"),
                 );
                 let sent = send_all(out, vec![immediate(&refusal)]).await;
                 return if sent {
@@ -184,7 +236,37 @@ async fn drive(
                 continue;
             }
             Step::Refuse(refusal) => (vec![immediate(&refusal)], Answer::Refuse(refusal)),
-            Step::Decide(ending) => decide(service, decisions, &mut exchange, ending).await,
+            Step::Shed(reason) => {
+                return shed(service, out, &exchange, reason, None, received).await;
+            }
+            Step::Finish(responses) => {
+                return if send_all(out, responses).await {
+                    StreamEnd::Shed
+                } else {
+                    StreamEnd::Reset
+                };
+            }
+            Step::Decide(ending) => {
+                match decide(
+                    service,
+                    &mut exchange,
+                    &mut inbound,
+                    out,
+                    ending,
+                    stream_end,
+                )
+                .await
+                {
+                    Decided::Answer(responses, answer) => (responses, answer),
+                    Decided::Shed(reason) => {
+                        return shed(service, out, &exchange, reason, Some(ending), received).await;
+                    }
+                    Decided::Gone => {
+                        service.metrics().overload.shed(ShedReason::Cancelled);
+                        return StreamEnd::Reset;
+                    }
+                }
+            }
         };
         // The decision's latency ends when its first message is on its way; a duplex body echo after
         // it is Envoy's transfer, not the decision.
@@ -193,7 +275,14 @@ async fn drive(
             Some(first) => out.send(Ok(first)).await.is_ok(),
             None => true,
         };
-        service.observe_latency(&answer, received.elapsed().as_secs_f64());
+        let seconds = received.elapsed().as_secs_f64();
+        service.observe_latency(&answer, seconds);
+        let outcome = match answer {
+            Answer::Route(_) => "routed",
+            Answer::Refuse(_) => "refused",
+            Answer::Shed(_) => "shed",
+        };
+        service.metrics().overload.observe_answer(outcome, seconds);
         for response in responses {
             sent = sent && out.send(Ok(response)).await.is_ok();
         }
@@ -205,9 +294,65 @@ async fn drive(
     }
 }
 
+/// Gives the request up so that Envoy routes it by its own load balancing and the client is still
+/// served; never an HTTP error of cachepick's own.
+///
+/// With a gRPC error, which Envoy's `failure_mode_allow` turns into exactly that — except in duplex mode
+/// once the body has been streamed to cachepick: Envoy no longer holds it and answers a gRPC error with
+/// a 500 (observed with Envoy 1.40, `envoy/README.md`). There the request is continued without a
+/// destination instead: the headers response with no routing headers, the body streamed back, so
+/// `override_host` falls back to the cluster's load balancing.
+async fn shed(
+    service: &Service,
+    out: &Sender,
+    exchange: &Exchange,
+    reason: ShedReason,
+    ending: Option<Ending>,
+    owed: Instant,
+) -> StreamEnd {
+    let overload = &service.metrics().overload;
+    overload.shed(reason);
+    if let (true, Some(ending)) = (exchange.headers_pending, ending) {
+        let sent = send_all(out, unrouted(exchange, ending)).await;
+        overload.observe_answer("shed", owed.elapsed().as_secs_f64());
+        return if sent {
+            StreamEnd::Shed
+        } else {
+            StreamEnd::Reset
+        };
+    }
+    let code = match reason {
+        ShedReason::QueueFull | ShedReason::BodyBudget => tonic::Code::ResourceExhausted,
+        ShedReason::Deadline | ShedReason::StreamDeadline => tonic::Code::DeadlineExceeded,
+        ShedReason::Cancelled => tonic::Code::Cancelled,
+        ShedReason::Internal => tonic::Code::Internal,
+    };
+    let mut status = Status::new(
+        code,
+        format!(
+            "cachepick shed the request ({}); the proxy routes it by itself",
+            reason.as_str()
+        ),
+    );
+    status
+        .metadata_mut()
+        .insert(SHED_METADATA, MetadataValue::from_static(reason.as_str()));
+    let sent = out.send(Err(status)).await.is_ok();
+    overload.observe_answer("shed", owed.elapsed().as_secs_f64());
+    if sent {
+        StreamEnd::Shed
+    } else {
+        StreamEnd::Reset
+    }
+}
+
 enum Step {
     /// Nothing to send yet (a duplex chunk before the end of the body).
     Wait,
+    /// Give the request up with a gRPC error, and end the stream.
+    Shed(ShedReason),
+    /// Send these and end the stream (a shed duplex request whose body ended while being forwarded).
+    Finish(Vec<ProcessingResponse>),
     /// Protocol replies; the stream goes on.
     Reply(Vec<ProcessingResponse>),
     /// The request is complete: decide, answer, and end the stream.
@@ -260,6 +405,11 @@ fn on_headers(
             && !exchange.spoofed.contains(&key)
         {
             exchange.spoofed.push(key);
+        } else {
+            #[cfg(feature = "fault-injection")]
+            if key == FAULT_HEADER {
+                exchange.fault = Fault::parse(&header.raw_value);
+            }
         }
     }
     exchange.subset = metadata.and_then(subset_hint);
@@ -294,12 +444,45 @@ fn on_headers(
 
 fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     let duplex = exchange.headers_pending;
+    let ends = body.end_of_stream || body.end_of_stream_without_message;
+    if exchange.forwarding {
+        // Shed mid-body: each chunk goes straight back to Envoy, and nothing is held.
+        let responses = streamed_body(&body.body, ends);
+        return if ends {
+            Step::Finish(responses)
+        } else {
+            Step::Reply(responses)
+        };
+    }
     let limit = service.max_body_bytes();
     if exchange.body.len().saturating_add(body.body.len()) > limit {
         return Step::Refuse(service.refuse(
             RefusalReason::TooLarge,
             format!("the request body exceeds max_body_bytes ({limit} bytes)"),
         ));
+    }
+    // Over the budget of every stream's bodies together: shed, so that the request is still served.
+    if !exchange.share.grow(body.body.len()) {
+        if !duplex {
+            return Step::Shed(ShedReason::BodyBudget);
+        }
+        // Duplex: the body is cachepick's to give back, so the request continues without a
+        // destination; what was held goes back now and the rest is echoed as it comes.
+        service.metrics().overload.shed(ShedReason::BodyBudget);
+        exchange.forwarding = true;
+        let mut held = std::mem::take(&mut exchange.body);
+        held.extend_from_slice(&body.body);
+        exchange.share.release();
+        let mut responses = vec![headers_response(HeaderMutation {
+            set_headers: Vec::new(),
+            remove_headers: exchange.spoofed.clone(),
+        })];
+        responses.extend(streamed_body(&held, ends));
+        return if ends {
+            Step::Finish(responses)
+        } else {
+            Step::Reply(responses)
+        };
     }
     exchange.chunks += 1;
     if exchange.body.is_empty() {
@@ -311,7 +494,7 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     // BUFFERED sends the whole body in one message; its end_of_stream is false when trailers follow
     // (they come in their own message, or not at all with trailer mode SKIP), so that message is the
     // end either way. Duplex chunks end at end_of_stream, or at the trailers.
-    if body.end_of_stream || body.end_of_stream_without_message || !duplex {
+    if ends || !duplex {
         Step::Decide(Ending::Body)
     } else {
         Step::Wait
@@ -321,7 +504,11 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
 /// Trailers end a duplex body (the proto's signal that the whole body has arrived); in other modes the
 /// decision is already made and this only acknowledges them.
 fn on_trailers(exchange: &Exchange) -> Step {
-    if exchange.headers_pending {
+    if exchange.forwarding {
+        Step::Finish(vec![response(
+            processing_response::Response::RequestTrailers(TrailersResponse::default()),
+        )])
+    } else if exchange.headers_pending {
         Step::Decide(Ending::Trailers)
     } else {
         Step::Reply(vec![response(
@@ -330,57 +517,127 @@ fn on_trailers(exchange: &Exchange) -> Step {
     }
 }
 
-/// Decides on the blocking pool and builds the answer's messages, in the order Envoy expects them.
-async fn decide(
-    service: &Arc<Service>,
-    decisions: &Semaphore,
-    exchange: &mut Exchange,
-    ending: Ending,
-) -> (Vec<ProcessingResponse>, Answer) {
-    let answer = {
-        // A closed semaphore is impossible (it is never closed); deciding without a permit is harmless.
-        let _permit = decisions.acquire().await.ok();
-        let service = Arc::clone(service);
-        let path = exchange.path.clone();
-        let subset = exchange.subset.clone();
-        let content_encoding = exchange.content_encoding.clone();
-        let tenant = exchange.tenant.clone();
-        let body = (ending != Ending::Headers).then(|| std::mem::take(&mut exchange.body));
-        let decided = tokio::task::spawn_blocking(move || {
-            let answer = service.route(&Inbound {
-                path: &path,
-                body: body.as_deref(),
-                subset: subset.as_deref(),
-                content_encoding: content_encoding.as_deref(),
-                tenant: tenant.as_deref(),
-            });
-            (answer, body)
-        })
-        .await;
-        match decided {
-            Ok((answer, body)) => {
-                exchange.body = body.unwrap_or_default();
-                answer
-            }
-            Err(error) => {
-                tracing::error!(%error, "the decision task failed");
-                Answer::Refuse(Refusal {
-                    reason: RefusalReason::Internal,
-                    message: "cachepick failed to decide".to_owned(),
-                    pool: None,
-                })
+/// How a decision ended.
+enum Decided {
+    /// The answer's messages, in the order Envoy expects them.
+    Answer(Vec<ProcessingResponse>, Answer),
+    /// Given up: answered with a gRPC error.
+    Shed(ShedReason),
+    /// The stream closed while the decision waited or ran: there is no one to answer.
+    Gone,
+}
+
+/// Resolves when the stream is gone: Envoy reset it (the client went away, or Envoy gave up waiting),
+/// which shows as an error on the inbound side or as the response side being dropped. A half-close is
+/// not that: a client that has sent everything still wants its answer. Messages a complete request
+/// does not expect are skipped.
+async fn closed(inbound: &mut Streaming<ProcessingRequest>, out: &Sender) {
+    let reset = async {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => std::future::pending::<()>().await,
+                Err(_) => return,
             }
         }
+    };
+    tokio::select! {
+        () = reset => {}
+        () = out.closed() => {}
+    }
+}
+
+/// Decides through admission, on the blocking pool, within the decision deadline, while watching the
+/// stream: the decision is owed from now; it waits for a slot in the bounded queue, and is shed when
+/// the queue is full, at its deadline, or (without an answer) when the stream closes. A decision that
+/// ends after its deadline or its stream is not committed ([`CommitGate`]).
+async fn decide(
+    service: &Arc<Service>,
+    exchange: &mut Exchange,
+    inbound: &mut Streaming<ProcessingRequest>,
+    out: &Sender,
+    ending: Ending,
+    stream_end: Instant,
+) -> Decided {
+    let owed = Instant::now();
+    let deadline = owed + service.admission().decision_deadline();
+    let (deadline, late) = if stream_end < deadline {
+        (stream_end, ShedReason::StreamDeadline)
+    } else {
+        (deadline, ShedReason::Deadline)
+    };
+    // The last commit comes a little before the deadline: what follows it (the answer built, queued and
+    // sent by a busy runtime) must still arrive by the deadline.
+    let answer_time = (service.admission().decision_deadline() / 10).min(ANSWER_TIME);
+    let commit_by = deadline.checked_sub(answer_time).unwrap_or(deadline);
+    let gate = CommitGate::until(commit_by);
+    exchange.whole = Bytes::from(std::mem::take(&mut exchange.body));
+    let body = (ending != Ending::Headers).then(|| exchange.whole.clone());
+    let request = Pending {
+        path: exchange.path.clone(),
+        subset: exchange.subset.clone(),
+        content_encoding: exchange.content_encoding.clone(),
+        tenant: exchange.tenant.clone(),
+        body,
+        #[cfg(feature = "fault-injection")]
+        fault: exchange.fault,
+    };
+    let work = {
+        let service = Arc::clone(service);
+        let gate = gate.clone();
+        async move {
+            let admitted = service.admission().admit(commit_by).await?;
+            let decided = tokio::task::spawn_blocking(move || {
+                // The slot is held until the work ends, even when its answer was given up on.
+                let _admitted = admitted;
+                request.route(&service, &gate)
+            })
+            .await;
+            Ok::<_, ShedReason>(decided)
+        }
+    };
+    let decided = tokio::select! {
+        biased;
+        () = closed(inbound, out) => {
+            gate.cancel();
+            return Decided::Gone;
+        }
+        // The gate closes by itself at the same instant: the decision, if it runs on, cannot commit.
+        () = tokio::time::sleep_until(deadline.into()) => return Decided::Shed(late),
+        decided = work => decided,
+    };
+    let answer = match decided {
+        Err(reason) => return Decided::Shed(reason),
+        Ok(Err(error)) => {
+            // A panic in the decision: fail open, never a 5xx of cachepick's own.
+            tracing::error!(%error, "the decision task failed; the request is failed open");
+            return Decided::Shed(ShedReason::Internal);
+        }
+        Ok(Ok(Answer::Shed(reason))) => {
+            return Decided::Shed(if reason == ShedReason::Deadline {
+                late
+            } else {
+                reason
+            });
+        }
+        Ok(Ok(Answer::Refuse(refusal))) if refusal.reason.fails_open() => {
+            tracing::warn!(reason = refusal.reason.as_str(), message = %refusal.message,
+                "the decision failed inside cachepick; the request is failed open");
+            return Decided::Shed(ShedReason::Internal);
+        }
+        Ok(Ok(answer)) => answer,
     };
     let duplex = exchange.headers_pending;
     let responses = match (&answer, ending, duplex) {
         (Answer::Refuse(refusal), ..) => vec![immediate(refusal)],
+        // Handled above; an empty answer would leave Envoy waiting, so it never gets here.
+        (Answer::Shed(reason), ..) => return Decided::Shed(*reason),
         (Answer::Route(routed), Ending::Headers, _) => vec![routed_in_headers(exchange, routed)],
         (Answer::Route(routed), _, true) => {
             // Duplex order: the delayed headers response, the body, then the trailers if they ended it.
             let mut responses = vec![routed_in_headers(exchange, routed)];
             if exchange.chunks > 0 {
-                responses.extend(streamed_body(&exchange.body, ending == Ending::Body));
+                responses.extend(streamed_body(&exchange.whole, ending == Ending::Body));
             }
             if ending == Ending::Trailers {
                 responses.push(response(processing_response::Response::RequestTrailers(
@@ -399,7 +656,86 @@ async fn decide(
             })),
         )],
     };
-    (responses, answer)
+    Decided::Answer(responses, answer)
+}
+
+/// What a decision needs of the exchange, owned, so it can run on the blocking pool.
+struct Pending {
+    path: String,
+    subset: Option<Vec<SocketAddr>>,
+    content_encoding: Option<String>,
+    tenant: Option<String>,
+    body: Option<Bytes>,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<Fault>,
+}
+
+impl Pending {
+    fn route(&self, service: &Service, gate: &CommitGate) -> Answer {
+        #[cfg(feature = "fault-injection")]
+        match self.fault {
+            Some(Fault::Panic) => inject_panic(),
+            Some(Fault::Sleep(pause)) => std::thread::sleep(pause),
+            None => {}
+        }
+        service.route_gated(
+            &Inbound {
+                path: &self.path,
+                body: self.body.as_deref(),
+                subset: self.subset.as_deref(),
+                content_encoding: self.content_encoding.as_deref(),
+                tenant: self.tenant.as_deref(),
+            },
+            gate,
+        )
+    }
+}
+
+/// A fault injected into a decision (test builds only).
+#[cfg(feature = "fault-injection")]
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Panic,
+    Sleep(Duration),
+}
+
+#[cfg(feature = "fault-injection")]
+impl Fault {
+    fn parse(value: &[u8]) -> Option<Fault> {
+        let value = std::str::from_utf8(value).ok()?;
+        if value == "panic" {
+            return Some(Fault::Panic);
+        }
+        let millis = value.strip_prefix("sleep=")?.parse().ok()?;
+        Some(Fault::Sleep(Duration::from_millis(millis)))
+    }
+}
+
+/// The injected fault: a panic inside the decision, as a bug would cause one.
+#[cfg(feature = "fault-injection")]
+#[allow(clippy::panic)]
+fn inject_panic() {
+    panic!("fault injected by {FAULT_HEADER}: panic");
+}
+
+/// A duplex request given up on after its body arrived, continued without a destination: the delayed
+/// headers response with only the removal of client-sent routing headers, the body streamed back, and
+/// the trailers response if they ended it. Envoy's `override_host` then uses the cluster's own load
+/// balancing.
+fn unrouted(exchange: &Exchange, ending: Ending) -> Vec<ProcessingResponse> {
+    let mut responses = vec![headers_response(HeaderMutation {
+        set_headers: Vec::new(),
+        remove_headers: exchange.spoofed.clone(),
+    })];
+    if exchange.chunks > 0 {
+        responses.extend(streamed_body(&exchange.whole, ending == Ending::Body));
+    }
+    if ending == Ending::Trailers {
+        responses.push(response(processing_response::Response::RequestTrailers(
+            TrailersResponse::default(),
+        )));
+    }
+    responses
 }
 
 /// A routed answer as a headers response (header-only requests and duplex).

@@ -6,16 +6,23 @@
 //! - [`Service`]: one call per request between the wire and the picker — prepare, decide, commit, count,
 //!   log — answering [`Answer::Route`] or [`Answer::Refuse`] in domain terms; every refusal carries a
 //!   [`RefusalReason`].
+//! - [`admission`]: decision slots, the bounded queue in front of them, the decision deadline and the
+//!   [`CommitGate`] that keeps a late or cancelled decision from committing; explain's share and rate;
+//!   the global body budget.
 //! - [`Explanation`]: what `cachepick explain` and the debug endpoints report (its text form is in
 //!   `crate::render`).
 //!
 //! Nothing here sees a protobuf type or a server: `extproc` translates answers to Envoy's, and `app`
 //! adapts the service to the debug endpoints.
+pub mod admission;
 mod explain;
 mod picker;
 mod service;
 
-pub use crate::protocol::RefusalReason;
+pub use crate::protocol::{RefusalReason, ShedReason};
+pub use admission::{Admission, AdmissionView, CommitGate};
 pub use explain::Explanation;
 pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
-pub use service::{Answer, Inbound, PoolReport, Refusal, Routed, Service, SourceReport};
+pub use service::{
+    Answer, ExplainError, Inbound, PoolReport, Refusal, Routed, Service, SourceReport,
+};

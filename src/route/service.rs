@@ -13,15 +13,17 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::admission::{Admission, AdmissionView, CommitGate};
 use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Picker, Pinned, Prepared, RequestError};
+use crate::config::OverloadConfig;
 use crate::discovery::{SourceState, SourceStatus};
 use crate::events::EventFeeds;
 use crate::events::stream::StreamView;
 use crate::load::{PoolView, RosterObserver};
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
-use crate::protocol::{PASSTHROUGH, RefusalReason};
+use crate::protocol::{PASSTHROUGH, RefusalReason, ShedReason};
 use crate::request::{self, ApiPath, encoding};
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
@@ -102,11 +104,14 @@ impl Refusal {
     }
 }
 
-/// What cachepick answers a request with: route it, or refuse it.
+/// What cachepick answers a request with: route it, refuse it, or give it up (shed) so that the proxy
+/// routes it by its own load balancing.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Answer {
     Route(Routed),
     Refuse(Refusal),
+    /// Decided too late, or for a stream that is gone: nothing was committed.
+    Shed(ShedReason),
 }
 
 impl Answer {
@@ -114,6 +119,7 @@ impl Answer {
         match self {
             Answer::Route(routed) => Some(&routed.pool),
             Answer::Refuse(refusal) => refusal.pool.as_deref(),
+            Answer::Shed(_) => None,
         }
     }
 }
@@ -125,6 +131,17 @@ impl From<RejectReason> for RefusalReason {
             RejectReason::NoWorkers => RefusalReason::NoWorkers,
         }
     }
+}
+
+/// Why an explain call did not explain.
+#[derive(Debug)]
+pub enum ExplainError {
+    /// Refused before any work (rate, busy).
+    Refused(super::admission::ExplainRefused),
+    /// The body cannot be routed: what a request with it would be answered.
+    Request(RequestError),
+    /// The explanation failed inside cachepick.
+    Failed(String),
 }
 
 /// A pool as the operator commands show it: its load snapshot and, in `events` mode, its KV event
@@ -183,10 +200,22 @@ pub struct Service {
     sampled: AtomicU64,
     /// Each pool's source of workers, by pool label, once the app has started them.
     sources: Mutex<Vec<(String, Arc<SourceStatus>)>>,
+    /// Decision slots, queue, deadline, explain's share and the body budget.
+    admission: Admission,
 }
 
 impl Service {
+    /// The service with `overload`'s default bounds.
     pub fn new(picker: Picker, metrics: Arc<Metrics>) -> Arc<Service> {
+        Service::with_overload(picker, metrics, &OverloadConfig::default())
+    }
+
+    /// The service with the bounds of `overload`.
+    pub fn with_overload(
+        picker: Picker,
+        metrics: Arc<Metrics>,
+        overload: &OverloadConfig,
+    ) -> Arc<Service> {
         for load in picker.loads() {
             metrics.init_pool(load.label());
         }
@@ -196,12 +225,18 @@ impl Service {
         }
         let streams = Arc::clone(&feeds);
         metrics.watch_kv_events(Arc::new(move |now| streams.views(now)));
+        let admission = Admission::new(
+            overload,
+            Admission::default_slots(),
+            metrics.overload.clone(),
+        );
         let service = Arc::new(Service {
             picker,
             metrics,
             feeds,
             sampled: AtomicU64::new(0),
             sources: Mutex::new(Vec::new()),
+            admission,
         });
         let weak = Arc::downgrade(&service);
         service.metrics.watch_index(Arc::new(move || {
@@ -218,6 +253,16 @@ impl Service {
 
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// Decision slots, queue, deadline, explain's share and the body budget.
+    pub fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    /// Admission's state as the debug snapshot shows it.
+    pub fn admission_view(&self) -> AdmissionView {
+        self.admission.view()
     }
 
     /// A refusal made before any pool was selected, counted like every other: the wire's own refusals
@@ -238,6 +283,13 @@ impl Service {
     /// prompt. Anything else — a GET, a POST to another API — is routed by load alone to the pool its
     /// `model` names (else the default pool): a passthrough, neither a decision nor a prefix to learn.
     pub fn route(&self, inbound: &Inbound<'_>) -> Answer {
+        self.route_gated(inbound, &CommitGate::open())
+    }
+
+    /// [`route`](Self::route), committing only while `gate` allows it (the decision's deadline has not
+    /// passed and its stream is still there): a decision the gate refuses is [`Answer::Shed`], and
+    /// nothing of it reaches the owner index or the dispatch counts.
+    pub fn route_gated(&self, inbound: &Inbound<'_>, gate: &CommitGate) -> Answer {
         let Inbound { body, subset, .. } = *inbound;
         let path = ApiPath::new(inbound.path);
         let decoded = body.map(|body| self.decode(inbound.content_encoding, body));
@@ -274,7 +326,7 @@ impl Service {
         }
         match pinned.decide(allowed.as_deref(), Instant::now(), &mut rand::rng()) {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, &decision),
-            Outcome::Route(decision) => self.routed(&pinned, decision),
+            Outcome::Route(decision) => self.routed(&pinned, decision, gate),
             Outcome::Reject(reject) => self.rejected(&prepared, reject.reason.into(), subset),
         }
     }
@@ -425,8 +477,14 @@ impl Service {
         Answer::Refuse(self.refuse(reason, error.to_string()))
     }
 
-    fn routed(&self, pinned: &Pinned<'_>, decision: Decision) -> Answer {
+    fn routed(&self, pinned: &Pinned<'_>, decision: Decision, gate: &CommitGate) -> Answer {
         let prepared = pinned.prepared();
+        // Right before the commit: a decision finished after its deadline, or for a stream that is gone,
+        // would credit a worker the request never reaches.
+        if let Err(refused) = gate.check() {
+            self.metrics.overload.commit_refused(refused);
+            return Answer::Shed(refused.into());
+        }
         pinned.commit(&decision);
         let endpoints = pinned.endpoints(&decision);
         let block_size = pinned.block_size().max(1);
@@ -506,6 +564,28 @@ impl Service {
             explanation.tiers = self.tiers(&explanation.prepared.pool_label);
         }
         Ok(explanation)
+    }
+
+    /// [`explain`](Self::explain) through admission: refused at once over `explain_rate` or when
+    /// explain's share of slots is taken, else run on the blocking pool (tokenizing a long prompt is CPU
+    /// work that must not hold a runtime thread).
+    pub async fn explain_admitted<B: AsRef<[u8]> + Send + 'static>(
+        self: &Arc<Self>,
+        path: String,
+        body: B,
+    ) -> Result<Explanation, ExplainError> {
+        let permit = self.admission.explain().map_err(ExplainError::Refused)?;
+        let service = Arc::clone(self);
+        let explained = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            service.explain(&path, body.as_ref())
+        })
+        .await;
+        match explained {
+            Ok(Ok(explanation)) => Ok(explanation),
+            Ok(Err(error)) => Err(ExplainError::Request(error)),
+            Err(error) => Err(ExplainError::Failed(error.to_string())),
+        }
     }
 
     /// Each worker's blocks per tier in `pool`, summed over its ranks' streams.
@@ -594,6 +674,19 @@ impl Service {
     /// The pools' scrape-round counters, for readiness: ready once every pool has completed one.
     pub fn rounds(&self) -> Vec<tokio::sync::watch::Receiver<u64>> {
         self.picker.loads().map(|load| load.rounds()).collect()
+    }
+
+    /// Whether any pool has a worker whose reading is fresh at `now`: what readiness means.
+    pub fn has_fresh_reading(&self, now: Instant) -> bool {
+        self.picker.loads().any(|load| {
+            let snapshot = load.snapshot();
+            snapshot.workers().iter().any(|worker| {
+                worker
+                    .reading
+                    .as_ref()
+                    .is_some_and(|reading| snapshot.is_fresh(reading, now))
+            })
+        })
     }
 
     /// The request header whose value salts the prefix hashes (tenant isolation), if one is configured.

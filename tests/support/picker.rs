@@ -42,6 +42,7 @@ use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 
+#[allow(unused_imports)] // not every test uses every re-export
 pub use super::sim_client::{CHAT, COMPLETIONS, DEADLINE, MODEL, Reply, bounded};
 use super::sim_client::{metric, read_whole};
 

@@ -289,6 +289,15 @@ struct ConfigArgs {
     /// Workers sampled for an off-owner pick (overrides `policy.min_load_choices`).
     #[arg(long, value_name = "K")]
     min_load_choices: Option<u64>,
+    /// After SIGTERM/SIGINT, answer for this long with readiness withdrawn before stopping, e.g. `5s`
+    /// or `0s` (overrides `overload.shutdown_grace`).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    shutdown_grace: Option<std::time::Duration>,
+}
+
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    cachepick::config::parse_duration(text)
+        .ok_or_else(|| format!("{text:?} is not a duration such as 500ms, 5s or 1m"))
 }
 
 impl ConfigArgs {
@@ -299,6 +308,7 @@ impl ConfigArgs {
             worker_queue_limit: self.worker_queue_limit,
             saturation_queue_floor: self.saturation_queue_floor,
             min_load_choices: self.min_load_choices,
+            shutdown_grace: self.shutdown_grace,
         }
     }
 

@@ -77,6 +77,25 @@ impl Client {
         self.decide_within(path, body, DECIDE_TIMEOUT).await
     }
 
+    /// [`Client::decide`] with `headers` added to the request's (a test's fault injection, say).
+    pub async fn decide_with(
+        &self,
+        path: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> Result<Verdict, ClientError> {
+        let mut request = buffered_request(path, body);
+        if let Some(processing_request::Request::RequestHeaders(sent)) = &mut request[0].request
+            && let Some(map) = &mut sent.headers
+        {
+            map.headers
+                .extend(headers.iter().map(|(key, value)| raw(key, value)));
+        }
+        tokio::time::timeout(DECIDE_TIMEOUT, self.send(request))
+            .await
+            .map_err(|_| ClientError::Timeout(DECIDE_TIMEOUT))?
+    }
+
     /// [`Client::decide`] with its own deadline for the whole exchange.
     pub async fn decide_within(
         &self,
@@ -90,9 +109,13 @@ impl Client {
     }
 
     async fn exchange(&self, path: &str, body: &[u8]) -> Result<Verdict, ClientError> {
+        self.send(buffered_request(path, body)).await
+    }
+
+    async fn send(&self, request: [ProcessingRequest; 2]) -> Result<Verdict, ClientError> {
         let mut client = self.inner.clone();
         let mut responses = client
-            .process(futures_util::stream::iter(buffered_request(path, body)))
+            .process(futures_util::stream::iter(request))
             .await?
             .into_inner();
         let mut decided = None;

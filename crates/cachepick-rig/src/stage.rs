@@ -25,6 +25,11 @@ use crate::envoy::Envoy;
 /// How long a picker may take to become ready: its first scrape round of every pool.
 pub const READY_WITHIN: Duration = Duration::from_secs(15);
 
+/// The longest shutdown grace a stage's picker drains for: nothing but the stage's own Envoy health-
+/// checks it, and a run or a test must not wait seconds at every stop. Drains at production length
+/// are shown with the real binary.
+pub const STAGE_GRACE: Duration = Duration::from_millis(100);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StageError {
     #[error(transparent)]
@@ -85,7 +90,13 @@ impl Picker {
 
     /// Starts `app::serve` with `config` on the current runtime, reading its file again on change and
     /// SIGHUP when `reload` names it; it serves until stopped or dropped.
-    pub fn spawn_serving(config: Config, reload: Option<cachepick::app::Reload>) -> Picker {
+    pub fn spawn_serving(mut config: Config, reload: Option<cachepick::app::Reload>) -> Picker {
+        config.overload.shutdown_grace = config.overload.shutdown_grace.min(STAGE_GRACE);
+        // The file read again must agree, or the reload would see the grace as changed.
+        let reload = reload.map(|mut reload| {
+            reload.overrides.shutdown_grace = Some(config.overload.shutdown_grace);
+            reload
+        });
         let shutdown = Shutdown::default();
         let signal = shutdown.signal();
         let task = {
