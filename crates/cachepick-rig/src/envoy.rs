@@ -238,3 +238,36 @@ pub fn find_envoy(explicit: Option<&Path>) -> Option<PathBuf> {
             .find(|candidate| candidate.is_file())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_access_log_goes_on_every_http_connection_manager_and_nowhere_else() {
+        let bootstrap = "\
+static_resources:
+  listeners:
+  - name: llm
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          stat_prefix: ingress_http
+  clusters: []
+";
+        let logged = with_access_log(bootstrap, Path::new("/tmp/access.log")).expect("placed");
+        let root: serde_yaml::Value = serde_yaml::from_str(&logged).expect("YAML");
+        let config = &root["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        assert_eq!(config["stat_prefix"].as_str(), Some("ingress_http"));
+        let logger = &config["access_log"][0]["typed_config"];
+        assert_eq!(logger["path"].as_str(), Some("/tmp/access.log"));
+        assert_eq!(
+            logger["log_format"]["json_format"]["id"].as_str(),
+            Some("%REQ(X-CHAOS-ID)%")
+        );
+        assert!(root["static_resources"]["clusters"].is_sequence());
+        let error = with_access_log("admin: {}\n", Path::new("/tmp/a.log"));
+        assert!(error.is_err(), "{error:?}");
+    }
+}
