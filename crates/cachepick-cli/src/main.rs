@@ -93,6 +93,45 @@ enum Command {
     /// Replay a Mooncake trace (or the synthetic burst scenario) once per routing policy against a
     /// simulated fleet; compare prefix-hit rate, TTFT, balance and decision reasons.
     Replay(ReplayArgs),
+    /// Faults through a real Envoy while traffic flows — workers crash, their metrics hang or turn to
+    /// garbage, the picker process is SIGKILLed and restarted, slow and malformed clients arrive — and
+    /// every request that was not served, with its cause. Exits 1 if a request a live worker could have
+    /// served was lost. With --soak: steady traffic alone, the picker's memory sampled.
+    Chaos(ChaosArgs),
+}
+
+/// `cachepick chaos`.
+#[derive(Args)]
+struct ChaosArgs {
+    /// How long the good traffic flows, seconds (the faults fire within it).
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    duration: f64,
+    /// Good requests per second (a seeded conversation mix, Poisson arrivals).
+    #[arg(long, value_name = "N", default_value_t = 20.0)]
+    rate: f64,
+    /// Simulated workers (at least 2).
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Seed of the fleet, the traffic and the fault schedule.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Slowloris connections to Envoy's listener.
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    slowloris: usize,
+    /// No faults: steady traffic, the picker's RSS sampled every second; reports its growth after
+    /// --warmup.
+    #[arg(long)]
+    soak: bool,
+    /// Soak: seconds of warm-up before the RSS baseline.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    warmup: f64,
+    /// The Envoy binary (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, then PATH).
+    #[arg(long, value_name = "PATH")]
+    envoy: Option<PathBuf>,
+    /// Output directory for report.json, table.md, Envoy's access log and the picker's log (default
+    /// target/chaos, or target/soak with --soak).
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
 }
 
 /// `cachepick replay`.
@@ -342,6 +381,7 @@ fn main() -> ExitCode {
             }
             run("cachepick replay", replay(&args))
         }
+        Command::Chaos(args) => run("cachepick chaos", chaos(&args)),
         Command::Check(args) => with_config(&args, |config| {
             print!("{}", config.to_yaml());
             ExitCode::SUCCESS
@@ -526,6 +566,42 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
         println!("skipped {}: {}", skipped.policy, skipped.error);
     }
     println!("report: {}", replay.out_dir.join("report.json").display());
+    Ok(())
+}
+
+async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {
+    use cachepick_rig::chaos::{ChaosOptions, Mode};
+    let seconds = |value: f64, name: &str| {
+        std::time::Duration::try_from_secs_f64(value)
+            .with_context(|| format!("--{name} must be a non-negative number of seconds"))
+    };
+    let mode = if args.soak { Mode::Soak } else { Mode::Chaos };
+    // The picker is this very binary, run as `cachepick serve` in a child process.
+    let picker = std::env::current_exe().context("cannot find the cachepick binary")?;
+    let mut options =
+        ChaosOptions::new(mode, seconds(args.duration, "duration")?, args.rate, picker);
+    options.workers = args.workers;
+    options.seed = args.seed;
+    options.envoy = args.envoy.clone();
+    options.crowd.slowloris = args.slowloris;
+    options.warmup = seconds(args.warmup, "warmup")?;
+    options.out = args.out.clone().unwrap_or_else(|| {
+        PathBuf::from(if args.soak {
+            "target/soak"
+        } else {
+            "target/chaos"
+        })
+    });
+    options.verbose = true;
+    let report = cachepick_rig::chaos::run(&options).await?;
+    println!("\n{}", report.table);
+    println!("report: {}", report.out_dir.join("report.json").display());
+    if report.good.lost_servable > 0 {
+        anyhow::bail!(
+            "{} request(s) lost that a live worker could have served (see `failures` in the report)",
+            report.good.lost_servable
+        );
+    }
     Ok(())
 }
 

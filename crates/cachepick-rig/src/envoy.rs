@@ -25,9 +25,29 @@ impl Envoy {
         config: &Config,
         pickers: &[SocketAddr],
     ) -> Result<Envoy, String> {
+        Envoy::start_with(path, config, pickers, None).await
+    }
+
+    /// [`start`](Self::start), with an access log of one JSON line per request written to `log`
+    /// ([`with_access_log`]) and flushed every 200 ms.
+    pub async fn start_logged(
+        path: &Path,
+        config: &Config,
+        pickers: &[SocketAddr],
+        log: &Path,
+    ) -> Result<Envoy, String> {
+        Envoy::start_with(path, config, pickers, Some(log)).await
+    }
+
+    async fn start_with(
+        path: &Path,
+        config: &Config,
+        pickers: &[SocketAddr],
+        access_log: Option<&Path>,
+    ) -> Result<Envoy, String> {
         let listen = crate::free_port().map_err(|error| error.to_string())?;
         let admin = crate::free_port().map_err(|error| error.to_string())?;
-        let yaml = cachepick::envoy_config::render(
+        let mut yaml = cachepick::envoy_config::render(
             config,
             &EnvoyOptions {
                 mode: BodyMode::Buffered,
@@ -37,6 +57,9 @@ impl Envoy {
                 ..EnvoyOptions::for_config(config)
             },
         );
+        if let Some(log) = access_log {
+            yaml = with_access_log(&yaml, log)?;
+        }
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |since| since.subsec_nanos());
@@ -46,7 +69,11 @@ impl Envoy {
         let file = dir.join("envoy.yaml");
         std::fs::write(&file, yaml).map_err(|error| error.to_string())?;
         let log = dir.join("envoy.log");
-        let child = Command::new(path)
+        let mut command = Command::new(path);
+        if access_log.is_some() {
+            command.args(["--file-flush-interval-msec", "200"]);
+        }
+        let child = command
             .arg("-c")
             .arg(&file)
             .args(["--concurrency", "2", "-l", "warning", "--log-path"])
@@ -86,7 +113,86 @@ impl Envoy {
     }
 }
 
+/// The fields of each access-log line [`Envoy::start_logged`] writes: the client's `x-chaos-id`, the
+/// status, why Envoy answered as it did (`via_upstream` when a worker answered), its response flags, the
+/// last worker tried, how many tries, and cachepick's decision as the worker received it.
+pub const ACCESS_LOG_FIELDS: [(&str, &str); 7] = [
+    ("id", "%REQ(X-CHAOS-ID)%"),
+    ("code", "%RESPONSE_CODE%"),
+    ("details", "%RESPONSE_CODE_DETAILS%"),
+    ("flags", "%RESPONSE_FLAGS%"),
+    ("upstream", "%UPSTREAM_HOST%"),
+    ("attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
+    ("decision", "%REQ(X-CACHEPICK-DECISION)%"),
+];
+
+/// `yaml` (a bootstrap [`cachepick::envoy_config::render`] wrote) with a JSON file access log to `log`
+/// on every listener's HTTP connection manager. The shipped configuration has none (the operator
+/// chooses their logging); the chaos run needs Envoy's own account of each request.
+pub fn with_access_log(yaml: &str, log: &Path) -> Result<String, String> {
+    use serde_yaml::{Mapping, Value};
+    let mut root: Value = serde_yaml::from_str(yaml)
+        .map_err(|error| format!("the bootstrap is not YAML: {error}"))?;
+    let mut format = Mapping::new();
+    for (key, operator) in ACCESS_LOG_FIELDS {
+        format.insert(key.into(), operator.into());
+    }
+    let mut typed = Mapping::new();
+    typed.insert(
+        "@type".into(),
+        "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog".into(),
+    );
+    typed.insert("path".into(), log.display().to_string().into());
+    let mut log_format = Mapping::new();
+    log_format.insert("json_format".into(), Value::Mapping(format));
+    typed.insert("log_format".into(), Value::Mapping(log_format));
+    let mut logger = Mapping::new();
+    logger.insert("name".into(), "envoy.access_loggers.file".into());
+    logger.insert("typed_config".into(), Value::Mapping(typed));
+    let logger = Value::Sequence(vec![Value::Mapping(logger)]);
+    let mut placed = 0;
+    let listeners = root
+        .get_mut("static_resources")
+        .and_then(|resources| resources.get_mut("listeners"))
+        .and_then(Value::as_sequence_mut);
+    for listener in listeners.into_iter().flatten() {
+        let chains = listener
+            .get_mut("filter_chains")
+            .and_then(Value::as_sequence_mut);
+        for chain in chains.into_iter().flatten() {
+            let filters = chain.get_mut("filters").and_then(Value::as_sequence_mut);
+            for filter in filters.into_iter().flatten() {
+                let is_hcm = filter.get("name").and_then(Value::as_str)
+                    == Some("envoy.filters.network.http_connection_manager");
+                if let (true, Some(Value::Mapping(config))) =
+                    (is_hcm, filter.get_mut("typed_config"))
+                {
+                    config.insert("access_log".into(), logger.clone());
+                    placed += 1;
+                }
+            }
+        }
+    }
+    if placed == 0 {
+        return Err("the bootstrap has no HTTP connection manager to log".to_owned());
+    }
+    serde_yaml::to_string(&root).map_err(|error| error.to_string())
+}
+
 impl Envoy {
+    /// Every counter and gauge of Envoy's `/stats` whose name starts with one of `prefixes`.
+    pub async fn stats(&self, prefixes: &[&str]) -> Option<Vec<(String, u64)>> {
+        let stats = admin_get(self.admin, "/stats").await?;
+        Some(
+            stats
+                .lines()
+                .filter_map(|line| line.split_once(": "))
+                .filter(|(name, _)| prefixes.iter().any(|prefix| name.starts_with(prefix)))
+                .filter_map(|(name, value)| Some((name.to_owned(), value.trim().parse().ok()?)))
+                .collect(),
+        )
+    }
+
     /// `vhost.llm.vcluster.<reason>.upstream_rq_total` lines with a non-zero count.
     pub async fn vcluster_totals(&self) -> Option<Vec<String>> {
         let stats = admin_get(self.admin, "/stats?filter=vcluster").await?;
@@ -131,4 +237,37 @@ pub fn find_envoy(explicit: Option<&Path>) -> Option<PathBuf> {
             .map(|dir| dir.join("envoy"))
             .find(|candidate| candidate.is_file())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_access_log_goes_on_every_http_connection_manager_and_nowhere_else() {
+        let bootstrap = "\
+static_resources:
+  listeners:
+  - name: llm
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          stat_prefix: ingress_http
+  clusters: []
+";
+        let logged = with_access_log(bootstrap, Path::new("/tmp/access.log")).expect("placed");
+        let root: serde_yaml::Value = serde_yaml::from_str(&logged).expect("YAML");
+        let config = &root["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        assert_eq!(config["stat_prefix"].as_str(), Some("ingress_http"));
+        let logger = &config["access_log"][0]["typed_config"];
+        assert_eq!(logger["path"].as_str(), Some("/tmp/access.log"));
+        assert_eq!(
+            logger["log_format"]["json_format"]["id"].as_str(),
+            Some("%REQ(X-CHAOS-ID)%")
+        );
+        assert!(root["static_resources"]["clusters"].is_sequence());
+        let error = with_access_log("admin: {}\n", Path::new("/tmp/a.log"));
+        assert!(error.is_err(), "{error:?}");
+    }
 }

@@ -1,6 +1,9 @@
 //! cachepick's bench rig: the product and the simulator together, for people and for tests.
 //!
 //! # Layout
+//! - [`chaos`]: `cachepick chaos` — faults (workers, their metrics, the picker process, slow and
+//!   malformed clients) through a real Envoy, every lost request explained; and `--soak`, the picker's
+//!   memory over a steady run.
 //! - [`client`]: an ext_proc client that asks a picker for a decision the way Envoy does.
 //! - [`envoy`]: finding the Envoy binary and running it with the configuration cachepick generates.
 //! - [`replay`]: `cachepick replay` — a Mooncake trace or the burst scenario, once per routing policy on
@@ -13,6 +16,7 @@
 //! This crate depends on both `cachepick` and `cachepick-sim`; neither depends on it, so nothing in
 //! the product can reach the rig (Cargo refuses the cycle).
 
+pub mod chaos;
 pub mod client;
 pub mod demo;
 pub mod envoy;
