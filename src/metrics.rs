@@ -18,15 +18,15 @@ use prometheus::{
 
 mod discovery;
 mod kv_events;
-mod security;
 mod overload;
+mod security;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
+pub use overload::{OverloadMetrics, RefusedCommit};
 use security::SecurityMetrics;
 pub use security::{DebugListener, HttpRefusal};
-pub use overload::{OverloadMetrics, RefusedCommit};
 
 use crate::config::ReloadOutcome;
 use crate::discovery::SourceStatus;

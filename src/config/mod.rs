@@ -18,9 +18,9 @@ mod tests;
 #[cfg(test)]
 mod tests_discovery;
 #[cfg(test)]
-mod tests_security;
-#[cfg(test)]
 mod tests_overload;
+#[cfg(test)]
+mod tests_security;
 mod types;
 mod types_security;
 mod validate;
