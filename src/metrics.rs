@@ -70,6 +70,8 @@ impl StreamEnd {
 
 /// Owner-index statistics per pool label, read when `/metrics` is collected.
 pub type IndexSource = Arc<dyn Fn() -> Vec<(String, IndexStats)> + Send + Sync>;
+/// Each pool's segment cache size in bytes, by pool label, read when `/metrics` is.
+pub type SegmentSource = Arc<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
 
 /// Buckets of `cachepick_prefix_match_ratio`: 0 is a complete miss, 1 a complete hit.
 const MATCH_RATIO_BUCKETS: [f64; 11] = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
@@ -134,6 +136,10 @@ struct IndexGauges {
     blocks: IntGaugeVec,
     entries: IntGaugeVec,
     sources: Mutex<Vec<IndexSource>>,
+    /// `cachepick_segment_cache_bytes{pool}`: the tokenizer's cache, the other memory a pool grows
+    /// into under traffic.
+    segment_bytes: IntGaugeVec,
+    segment_sources: Mutex<Vec<SegmentSource>>,
 }
 
 impl std::fmt::Debug for IndexGauges {
@@ -201,6 +207,15 @@ impl Metrics {
                 &["pool"],
             )?,
             sources: Mutex::new(Vec::new()),
+            segment_bytes: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_segment_cache_bytes",
+                    "Bytes of tokens and text the pool's segment cache holds; it fills to its budget \
+                     (segment_cache_entries x 512 tokens x 4 bytes) under steady traffic and stays there.",
+                ),
+                &["pool"],
+            )?,
+            segment_sources: Mutex::new(Vec::new()),
         });
         let build_info = IntGaugeVec::new(
             Opts::new(
@@ -369,6 +384,14 @@ impl Metrics {
     /// from `source` each time `/metrics` is read.
     pub fn watch_index(&self, source: IndexSource) {
         if let Ok(mut sources) = self.index.sources.lock() {
+            sources.push(source);
+        }
+    }
+
+    /// Reports `cachepick_segment_cache_bytes{pool}` from now on, computed from `source` each time
+    /// `/metrics` is read.
+    pub fn watch_segment_cache(&self, source: SegmentSource) {
+        if let Ok(mut sources) = self.index.segment_sources.lock() {
             sources.push(source);
         }
     }
@@ -585,8 +608,19 @@ impl IndexGauges {
                     .set(entries);
             }
         }
+        self.segment_bytes.reset();
+        if let Ok(segment_sources) = self.segment_sources.lock() {
+            for source in segment_sources.iter() {
+                for (pool, bytes) in source() {
+                    self.segment_bytes
+                        .with_label_values(&[pool.as_str()])
+                        .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+                }
+            }
+        }
         let mut families = self.blocks.collect();
         families.extend(self.entries.collect());
+        families.extend(self.segment_bytes.collect());
         families
     }
 }
@@ -618,6 +652,7 @@ impl Collector for IndexCollector {
     fn desc(&self) -> Vec<&Desc> {
         let mut descs = self.0.blocks.desc();
         descs.extend(self.0.entries.desc());
+        descs.extend(self.0.segment_bytes.desc());
         descs
     }
 

@@ -1199,8 +1199,21 @@ async fn prompt_shaped_bodies_on_other_paths_are_not_learned() {
         0.0,
         "{text}"
     );
+    assert_eq!(
+        metric(&text, "cachepick_segment_cache_bytes", &[("pool", POOL)]),
+        0.0,
+        "a passthrough is not even tokenized: {text}"
+    );
     // The same prompt as a completion is a first sighting, not a hit.
     let completion = buffered(&harness, COMPLETIONS, payload.as_bytes(), None).await;
     assert_eq!(route_of(&completion).reason, "cache_miss");
+    let text = harness.metrics().await;
+    // Its tokens (4 bytes each) and its text are cached.
+    let cached = metric(&text, "cachepick_segment_cache_bytes", &[("pool", POOL)]);
+    assert!(
+        cached >= prompt.len() as f64,
+        "{cached} bytes for a {}-byte prompt",
+        prompt.len()
+    );
     harness.stop().await;
 }

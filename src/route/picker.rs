@@ -295,6 +295,19 @@ impl Picker {
         self.max_body_bytes
     }
 
+    /// Bytes each pool's segment cache holds, by pool label.
+    pub fn segment_cache_bytes(&self) -> Vec<(String, u64)> {
+        self.pools
+            .iter()
+            .map(|pool| {
+                (
+                    pool.load.label().to_owned(),
+                    pool.tokenizer.cache_stats().bytes,
+                )
+            })
+            .collect()
+    }
+
     /// Every pool's owner-index statistics, by pool label. An `events` pool's are its engines'.
     pub fn index_stats(&self) -> Vec<(String, IndexStats)> {
         self.pools

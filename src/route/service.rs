@@ -244,6 +244,12 @@ impl Service {
                 .map(|service| service.picker.index_stats())
                 .unwrap_or_default()
         }));
+        let weak = Arc::downgrade(&service);
+        service.metrics.watch_segment_cache(Arc::new(move || {
+            weak.upgrade()
+                .map(|service| service.picker.segment_cache_bytes())
+                .unwrap_or_default()
+        }));
         service
     }
 

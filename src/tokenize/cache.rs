@@ -70,6 +70,9 @@ pub struct CacheStats {
     pub hits: u64,
     /// Segments that were tokenized (and then cached).
     pub misses: u64,
+    /// Bytes the cached tokens and texts take (4 per unit of the budget), not counting the maps' own
+    /// overhead.
+    pub bytes: u64,
 }
 
 pub(super) struct SegmentCache {
@@ -176,9 +179,15 @@ impl SegmentCache {
     }
 
     pub(super) fn stats(&self) -> CacheStats {
+        let units: usize = self
+            .shards
+            .iter()
+            .map(|shard| shard.lock().unwrap_or_else(PoisonError::into_inner).tokens)
+            .sum();
         CacheStats {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
+            bytes: u64::try_from(units).unwrap_or(u64::MAX).saturating_mul(4),
         }
     }
 

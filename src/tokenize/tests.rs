@@ -421,7 +421,15 @@ fn the_segment_cache_forgets_the_least_recently_used_segment() {
     for text in ["first", "first", "second", "first"] {
         pool.tokens_for_text(text).unwrap();
     }
-    assert_eq!(pool.cache_stats(), CacheStats { hits: 1, misses: 3 });
+    // One entry left, "first": two 4-byte pseudo-tokens and its five bytes of text, 4 units of 4 bytes.
+    assert_eq!(
+        pool.cache_stats(),
+        CacheStats {
+            hits: 1,
+            misses: 3,
+            bytes: 16
+        }
+    );
 }
 
 #[test]
