@@ -37,9 +37,11 @@ pub struct OverloadConfig {
 impl OverloadConfig {
     /// Envoy's own default (200 ms) is shorter than tokenizing a prompt of a few MiB takes.
     pub const DEFAULT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(2);
-    /// A queue longer than what the decision slots clear within the deadline only turns into
-    /// `deadline` sheds later; 128 bounds the bodies a queue holds while the deadline does the rest.
-    pub const DEFAULT_MAX_QUEUED_DECISIONS: usize = 128;
+    /// A backstop, not the working limit: what the slots cannot clear within the deadline is shed as
+    /// `deadline` on arrival, and the queued bodies count against `max_buffered_bytes`. 1024 absorbs a
+    /// burst of a few hundred ordinary requests arriving at once (about 1 ms of decision each), which a
+    /// cap near the slot count would shed although every one of them would have made its deadline.
+    pub const DEFAULT_MAX_QUEUED_DECISIONS: usize = 1024;
     /// 32 bodies at the default `max_body_bytes` (8 MiB): a few hundred ordinary prompts in flight, and
     /// a ceiling a pod's memory limit can be sized from.
     pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 256 << 20;
