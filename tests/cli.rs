@@ -11,11 +11,12 @@ mod support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use tonic_health::pb::HealthCheckRequest;
 
+use support::Server;
 use support::engine::{FakeEngine, Mode, refused_addr, vllm_metrics};
 use support::http_get;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -155,16 +156,6 @@ fn a_missing_config_file_is_a_config_error() {
     let output = check(Path::new("/nonexistent/cachepick.yaml"), &[]);
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("/nonexistent/cachepick.yaml"));
-}
-
-/// A `serve` process, killed if the test fails before stopping it.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]

@@ -14,7 +14,7 @@ mod support;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -23,17 +23,8 @@ use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
 use cachepick::protocol::{EXT_PROC_SERVICE, LIVENESS, READINESS};
 use cachepick_rig::client::{Client, Verdict};
+use support::Server;
 use support::engine::{FakeEngine, Mode, vllm_metrics};
-
-/// A `serve` process, killed if the test fails before it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Starts `cachepick serve` on `text` and returns it with its log lines and its gRPC address.
 fn start(text: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>, SocketAddr) {

@@ -14,22 +14,13 @@ mod support;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use support::Server;
 use support::engine::{FakeEngine, Mode, vllm_metrics};
 use support::http_get;
-
-/// A `serve` process, killed if the test fails before it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A directory laid out as the kubelet mounts a ConfigMap: `cachepick.yaml` → `..data/cachepick.yaml`,
 /// `..data` → a timestamped directory, replaced by an atomic rename of a new symlink.

@@ -5,7 +5,19 @@
 pub mod engine;
 
 use std::io::{Read, Write};
+use std::process::Child;
 use std::time::Duration;
+
+/// A `serve` process, killed if the test fails before it ends.
+#[allow(dead_code)] // only the test binaries that run the real binary hold one
+pub struct Server(pub Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 
 /// A plain HTTP/1.1 GET over a fresh connection, blocking; returns the whole response.
 #[allow(dead_code)] // not every test binary that includes the folder asks over HTTP
