@@ -1,6 +1,6 @@
 //! `cachepick replay` end to end through the real binary: a tiny Mooncake trace over ext_proc, a tiny
-//! burst scenario through the real Envoy, and picker replicas behind one Envoy with a crashed worker, so
-//! the tool cannot rot.
+//! burst scenario through the real Envoy, picker replicas behind one Envoy with a crashed worker, and the
+//! real `smg` and `vllm-router` as front arms beside cachepick's, so the tool cannot rot.
 
 #![allow(
     clippy::unwrap_used,
@@ -11,6 +11,8 @@
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/peers.rs"]
+mod peers;
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -319,4 +321,149 @@ fn more_than_one_replica_without_envoy_is_refused_saying_why() {
         stderr.contains("--replicas 2 needs --via envoy"),
         "{stderr}"
     );
+}
+
+/// Runs `cachepick replay` and returns its status, stdout and stderr, whatever the outcome.
+fn replay_status(args: &[&str]) -> (bool, String, String) {
+    let output = Command::new(cachepick_rig::cachepick_binary())
+        .arg("replay")
+        .args(args)
+        .output()
+        .expect("cachepick runs");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
+    let bin = peers::bin_dir();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let trace = dir.path().join("tiny.jsonl");
+    std::fs::write(&trace, tiny_trace()).expect("trace written");
+    let out = dir.path().join("out");
+    // The peers' metrics listeners default to 0.0.0.0:29000; every port here is a loopback one.
+    let front = |program: &str, subcommand: &str, policy: &str| {
+        format!(
+            "{}{subcommand} --worker-urls {{workers}} --host {{host}} --port {{port}} --policy {policy} \
+             --prometheus-host {{host}} --prometheus-port {{metrics_port}}",
+            bin.join(program).display()
+        )
+    };
+    let smg_cache = front("smg", " launch", "cache_aware");
+    let smg_rr = front("smg", " launch", "round_robin");
+    let vllm = front("vllm-router", "", "cache_aware");
+    let (stdout, _) = replay(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policies",
+        "gate_floor",
+        "--load",
+        "2",
+        "--front",
+        &smg_cache,
+        "--front",
+        &smg_rr,
+        "--front",
+        &vllm,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let report = report(&out);
+    // The fleet ran twice as slowly as the trace assumes: the trace's speed-up of 8, times 2.
+    assert_eq!(report["fleet"]["load"].as_f64(), Some(2.0), "{report}");
+    assert_eq!(
+        report["fleet"]["time_scale"].as_f64(),
+        Some(0.25),
+        "{report}"
+    );
+    let arms = report["policies"].as_array().expect("arms");
+    let labels: Vec<&str> = arms.iter().map(|a| a["arm"].as_str().unwrap()).collect();
+    assert_eq!(
+        labels,
+        [
+            "gate_floor",
+            "smg/cache_aware",
+            "smg/round_robin",
+            "vllm-router/cache_aware"
+        ],
+        "{stdout}"
+    );
+    for arm in arms {
+        let label = arm["arm"].as_str().unwrap();
+        assert!(
+            stdout.contains(&format!("| {label} | 30 |")),
+            "{label}:\n{stdout}"
+        );
+        assert_eq!(arm["requests"], 30, "{label}: {arm}");
+        assert_eq!(
+            arm["ok"], 30,
+            "{label}: every request streamed to the end: {arm}"
+        );
+        // Worker share comes from the workers' own `x-served-by`, whoever routed.
+        assert_eq!(
+            sum_of_counts(&arm["worker_requests"], "worker_requests"),
+            30,
+            "{label}: {arm}"
+        );
+        assert!(arm["prompt_tokens"].as_u64().unwrap() > 0, "{label}: {arm}");
+        let utilisation = &arm["utilisation"];
+        assert!(
+            utilisation["readings"].as_u64().unwrap() > 0,
+            "{label}: {arm}"
+        );
+        let slots = utilisation["slots"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&slots), "{label}: {arm}");
+        let front = arm["front"].as_str();
+        if label == "gate_floor" {
+            assert!(front.is_none(), "{arm}");
+            assert!(
+                arm["reasons"].get("none").is_none(),
+                "cachepick decided: {arm}"
+            );
+        } else {
+            assert!(front.unwrap().contains("--policy"), "{arm}");
+            // No cachepick decision reached a worker: the front routed alone.
+            assert_eq!(arm["reasons"]["none"], 30, "{label}: {arm}");
+        }
+    }
+    // Round robin over 4 workers: 8, 8, 7, 7 requests, as the workers counted them.
+    let rr = &arms[2];
+    let share = rr["worker_share"].as_f64().unwrap();
+    assert!(share < 1.1, "smg round_robin is not even: {rr}");
+    // The conversations extend each other's prompts, so a cache-aware router finds prefixes.
+    assert!(arms[1]["hit_rate"].as_f64().unwrap() > 0.0, "{}", arms[1]);
+}
+
+#[test]
+fn a_front_that_cannot_start_fails_the_replay_with_the_reason() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let trace = dir.path().join("tiny.jsonl");
+    std::fs::write(&trace, tiny_trace()).expect("trace written");
+    let out = dir.path().join("out");
+    let (ok, stdout, stderr) = replay_status(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policies",
+        "none",
+        "--front",
+        "sh -c 'echo no such router >&2; exit 3' {workers} {port}",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok, "a missing row must fail the run:\n{stdout}\n{stderr}");
+    let all = format!("{stdout}{stderr}");
+    assert!(
+        all.contains("exited") && all.contains("before it answered"),
+        "{all}"
+    );
+    let (ok, _, stderr) = replay_status(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--front",
+        "smg launch --worker-urls {workers}",
+    ]);
+    assert!(!ok && stderr.contains("{port}"), "{stderr}");
 }

@@ -152,9 +152,25 @@ struct ReplayArgs {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Comma-separated policies (round_robin, least_load, balance_threshold, affinity, gate, gate_floor,
-    /// gate_floor_pressure_only, gate_floor_min_match_1block); default: the scenario's list.
+    /// gate_floor_pressure_only, gate_floor_min_match_1block); default: the scenario's list, or
+    /// gate_floor,gate,affinity beside --front arms; `none` runs only the fronts.
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
+    /// Another router as one more arm, on a fresh fleet like every arm: a command template run with
+    /// `sh -c`, where {workers} is the workers' URLs (space-separated; {workers_csv}: comma-separated),
+    /// {port} the port it must listen on, {metrics_port} a spare port, {host} 127.0.0.1. Repeatable.
+    /// Example: 'smg launch --worker-urls {workers} --host {host} --port {port} --policy cache_aware
+    /// --prometheus-host {host} --prometheus-port {metrics_port}'.
+    #[arg(long, value_name = "TEMPLATE")]
+    front: Vec<String>,
+    /// A router already running at [NAME=]http://IP:PORT, as one more arm; it must front the fleet,
+    /// so --config must fix the workers' ports (`base_port`). Repeatable.
+    #[arg(long, value_name = "URL")]
+    front_url: Vec<String>,
+    /// Run the fleet X times slower than the trace assumes, arrivals unchanged: below 1 the fleet has
+    /// room, above 1 queues form. Every arm reports the fleet's slot use and queueing.
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    load: f64,
     /// Divide arrival times by X (default 8 for a trace, 4 for burst); the default fleet also runs its
     /// model X times faster.
     #[arg(long, value_name = "X")]
@@ -533,6 +549,21 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
         .collect();
     options.speedup = args.speedup;
     options.limit = args.limit;
+    options.load = args.load;
+    for template in &args.front {
+        let taken = labels(&options.fronts);
+        options
+            .fronts
+            .push(cachepick_rig::replay::front::Front::command(
+                template, &taken,
+            )?);
+    }
+    for url in &args.front_url {
+        let taken = labels(&options.fronts);
+        options
+            .fronts
+            .push(cachepick_rig::replay::front::Front::url(url, &taken)?);
+    }
     // More than one replica implies Envoy (the replicas sit behind it); an explicit `--via direct`
     // with replicas is refused by the replay, saying why.
     options.via = match args.via.as_deref() {
@@ -566,7 +597,24 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
         println!("skipped {}: {}", skipped.policy, skipped.error);
     }
     println!("report: {}", replay.out_dir.join("report.json").display());
+    // A row that is missing is a failed comparison, not a smaller one.
+    if !replay.skipped.is_empty() {
+        anyhow::bail!(
+            "{} arm(s) could not run: {}",
+            replay.skipped.len(),
+            replay
+                .skipped
+                .iter()
+                .map(|skipped| skipped.policy.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     Ok(())
+}
+
+fn labels(fronts: &[cachepick_rig::replay::front::Front]) -> Vec<String> {
+    fronts.iter().map(|front| front.label.clone()).collect()
 }
 
 async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {

@@ -105,7 +105,7 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
                 "envoy: listener http://{}, admin http://{}",
                 envoy.listen, envoy.admin
             );
-            Route::Envoy(envoy.listen)
+            Route::Proxy(envoy.listen)
         }
         None => Route::Direct(PickerClient::connect(stage.picker.listen()).await?),
     };

@@ -18,10 +18,11 @@ use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, RE
 
 use crate::client::{Client as PickerClient, Verdict};
 
-/// Where requests go: through Envoy, or to the picker over ext_proc and then to the chosen worker.
+/// Where requests go: to an HTTP router in front of the workers (Envoy with cachepick, or another
+/// router under comparison), or to the picker over ext_proc and then to the chosen worker.
 #[derive(Clone)]
 pub enum Route {
-    Envoy(SocketAddr),
+    Proxy(SocketAddr),
     Direct(PickerClient),
 }
 
@@ -134,7 +135,7 @@ async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: 
     };
     let started = Instant::now();
     let (addr, headers) = match route {
-        Route::Envoy(addr) => (addr, Vec::new()),
+        Route::Proxy(addr) => (addr, Vec::new()),
         Route::Direct(client) => match client.decide(PATH, body.as_bytes()).await {
             Ok(Verdict::Route {
                 endpoints,

@@ -9,12 +9,19 @@
 //! per owner-index mode ([`IndexMode`], `--index`) and per number of picker replicas (`--replicas`,
 //! several pickers behind one Envoy that round-robins them, each learning its own index). A run can
 //! also crash a worker mid-replay ([`fault`]) and count the picker's stale credits after the restart.
+//!
+//! A *front* arm puts another router in front of the same fresh fleet instead of cachepick ([`front`]:
+//! `smg`, vllm-router, …), measured the same way, so the router an operator runs today has a row in the
+//! same table. `--load X` runs the fleet X times slower than the trace assumes, arrivals unchanged, and
+//! every arm reports how busy the fleet was ([`utilisation`]).
 
 pub mod drive;
 pub mod fault;
+pub mod front;
 pub mod report;
 pub mod svg;
 pub mod trace;
+pub mod utilisation;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -30,6 +37,7 @@ use crate::nz;
 use crate::stage::{Stage, StageError, on_free_ports};
 use drive::Route;
 use fault::{Crash, FaultReport};
+use front::{Front, FrontError};
 use report::{PolicyReport, Skipped};
 use trace::{Item, PromptBuilder};
 
@@ -84,6 +92,11 @@ pub struct ReplayOptions {
     pub index_modes: Vec<IndexMode>,
     /// Crash a worker mid-replay in every arm and report stale credits.
     pub crash: Option<Crash>,
+    /// Other routers, one arm each after the policies' arms ([`front`]).
+    pub fronts: Vec<Front>,
+    /// The fleet runs this many times slower than the trace assumes (its time scale is multiplied by
+    /// it); arrivals are unchanged. Above 1 the same trace offers the fleet more load.
+    pub load: f64,
     /// Print progress lines.
     pub verbose: bool,
 }
@@ -111,6 +124,8 @@ impl ReplayOptions {
             replicas: vec![1],
             index_modes: vec![IndexMode::Approximate],
             crash: None,
+            fronts: Vec::new(),
+            load: 1.0,
             verbose: true,
         }
     }
@@ -154,6 +169,11 @@ pub const DEFAULT_TRACE_POLICIES: [&str; 8] = [
     "gate_floor_pressure_only",
     "gate_floor_min_match_1block",
 ];
+/// What `--policies` runs when empty and other routers are compared ([`ReplayOptions::fronts`]):
+/// cachepick with the gate and floor, with the gate alone, and with pure affinity.
+pub const DEFAULT_FRONT_POLICIES: [&str; 3] = ["gate_floor", "gate", "affinity"];
+/// In `--policies`, runs no cachepick arm: only the fronts.
+pub const NO_POLICIES: &str = "none";
 pub const DEFAULT_BURST_POLICIES: [&str; 4] = [
     "gate",
     "gate_floor",
@@ -185,6 +205,10 @@ pub enum ReplayError {
     UnknownPolicy(String, String),
     #[error("--speedup must be a positive number, got {0}")]
     Speedup(f64),
+    #[error("--load must be a positive number, got {0}")]
+    Load(f64),
+    #[error(transparent)]
+    Front(#[from] FrontError),
     #[error("the picker did not become ready: {0}")]
     Picker(String),
     #[error("Envoy: {0}")]
@@ -221,6 +245,8 @@ pub struct FleetSummary {
     pub inter_token_latency_ms: f64,
     pub load_slowdown: f64,
     pub time_scale: f64,
+    /// `--load`: how many times slower than the trace assumes the fleet runs.
+    pub load: f64,
     pub seed: u64,
 }
 
@@ -336,6 +362,9 @@ struct Arm {
     yaml: String,
     index_mode: IndexMode,
     replicas: usize,
+    /// Another router instead of cachepick; `policy`, `yaml`, `index_mode` and `replicas` then do
+    /// not apply.
+    front: Option<Front>,
 }
 
 /// Every arm, policy by policy: the policy's name, then `/<mode>` when the run compares modes or uses a
@@ -362,6 +391,7 @@ fn arms(names: &[String], sim: &SimConfig, modes: &[IndexMode], replicas: &[usiz
                     yaml: yaml.clone(),
                     index_mode,
                     replicas: count,
+                    front: None,
                 });
             }
         }
@@ -376,7 +406,10 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     if !(speedup.is_finite() && speedup > 0.0) {
         return Err(ReplayError::Speedup(speedup));
     }
-    let sim = match &options.sim_config {
+    if !(options.load.is_finite() && options.load > 0.0) {
+        return Err(ReplayError::Load(options.load));
+    }
+    let mut sim = match &options.sim_config {
         Some(path) => cachepick_sim::decode::load(path, &SimOverrides::default())?,
         None => {
             let mut sim = default_fleet(&options.scenario, speedup);
@@ -384,6 +417,16 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             sim
         }
     };
+    sim.params.time_scale *= options.load;
+    let fixed_ports = sim.base_port.is_some();
+    if !fixed_ports
+        && options
+            .fronts
+            .iter()
+            .any(|front| matches!(front.target, front::Target::Url(_)))
+    {
+        return Err(FrontError::UrlNeedsFixedPorts.into());
+    }
     let mut items: Vec<Item> = match &options.scenario {
         Scenario::Trace(path) => trace::load_mooncake(path, options.limit)?,
         Scenario::Burst => trace::burst(options.seed, options.duration_scale),
@@ -391,8 +434,12 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     if let Some(limit) = options.limit {
         items.truncate(limit);
     }
-    let names: Vec<String> = if options.policies.is_empty() {
-        let defaults: &[&str] = if burst {
+    let names: Vec<String> = if options.policies.iter().any(|name| name == NO_POLICIES) {
+        Vec::new()
+    } else if options.policies.is_empty() {
+        let defaults: &[&str] = if !options.fronts.is_empty() {
+            &DEFAULT_FRONT_POLICIES
+        } else if burst {
             &DEFAULT_BURST_POLICIES
         } else {
             &DEFAULT_TRACE_POLICIES
@@ -433,9 +480,17 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             });
         }
     }
-    let arms = arms(&names, &sim, &modes, &replicas);
+    let mut arms = arms(&names, &sim, &modes, &replicas);
+    arms.extend(options.fronts.iter().map(|front| Arm {
+        label: front.label.clone(),
+        policy: front.label.clone(),
+        yaml: String::new(),
+        index_mode: IndexMode::Approximate,
+        replicas: 1,
+        front: Some(front.clone()),
+    }));
     let envoy_path = match options.via {
-        Via::Envoy => Some(
+        Via::Envoy if !names.is_empty() => Some(
             crate::envoy::find_envoy(options.envoy.as_deref()).ok_or_else(|| {
                 ReplayError::Envoy(
                     "not found (pass --envoy, set CACHEPICK_ENVOY, or run scripts/provision-envoy)"
@@ -443,7 +498,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
                 )
             })?,
         ),
-        Via::Direct => None,
+        Via::Envoy | Via::Direct => None,
     };
     let first = items.first().map_or(0, |item| item.timestamp_ms);
     let span_ms = items.last().map_or(0, |item| item.timestamp_ms) - first;
@@ -463,10 +518,11 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     if options.verbose {
         println!(
             "replay {scenario_name}: {} requests over {:.0} s of trace time, speed-up {speedup} \
-             ({replay_s:.0} s per arm), via {:?}; fleet: {} {} workers, {} KV blocks of {} tokens and {} \
-             running each, time scale {}",
+             ({replay_s:.0} s per arm), load {}, via {:?}; fleet: {} {} workers, {} KV blocks of {} tokens \
+             and {} running each, time scale {}",
             items.len(),
             span_ms as f64 / 1000.0,
+            options.load,
             options.via,
             sim.workers,
             sim.engine.as_str(),
@@ -517,7 +573,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             Ok(report) => {
                 if options.verbose {
                     println!(
-                        "  {name:<28} {} requests in {:.0} s: hit {}, TTFT p50 {} ms, errors {}, rejected {}, dropped {}",
+                        "  {name:<28} {} requests in {:.0} s: hit {}, TTFT p50 {} ms, errors {}, rejected {}, dropped {}, slots busy {}",
                         report.requests,
                         report.wall_s,
                         report
@@ -530,6 +586,9 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
                         report.errors,
                         report.rejections,
                         report.dropped,
+                        report
+                            .utilisation
+                            .map_or("-".to_owned(), |u| format!("{:.0}%", u.slots * 100.0)),
                     );
                 }
                 reports.push(report);
@@ -592,6 +651,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             inter_token_latency_ms: sim.params.inter_token_latency.as_secs_f64() * 1e3,
             load_slowdown: sim.params.load_slowdown,
             time_scale: sim.params.time_scale,
+            load: options.load,
             seed: sim.seed,
         },
         index_modes: modes,
@@ -618,6 +678,16 @@ async fn run_arm(
     phases: &[&str],
     bucket: Duration,
 ) -> Result<PolicyReport, ReplayError> {
+    // The arrival window, over which the fleet's load is read.
+    let first = items.first().map_or(0, |item| item.timestamp_ms);
+    let last = items.last().map_or(0, |item| item.timestamp_ms);
+    let window = Duration::from_secs_f64((last - first) as f64 / 1000.0 / speedup);
+    if let Some(front) = &arm.front {
+        return run_front(
+            options, sim, items, prompts, speedup, arm, front, phases, bucket, window,
+        )
+        .await;
+    }
     let mut sim = sim.clone();
     if arm.index_mode == IndexMode::Events {
         enable_sim_events(&mut sim);
@@ -632,7 +702,7 @@ async fn run_arm(
         stage = stage.with_envoy(path).await?;
     }
     let route = match &stage.envoy {
-        Some(envoy) => Route::Envoy(envoy.listen),
+        Some(envoy) => Route::Proxy(envoy.listen),
         None => Route::Direct(
             PickerClient::connect(stage.picker.listen())
                 .await
@@ -647,7 +717,7 @@ async fn run_arm(
             None => None,
         }
     };
-    let (samples, crashed) = tokio::join!(
+    let (samples, crashed, utilisation) = tokio::join!(
         drive::drive(
             &route,
             items,
@@ -656,7 +726,8 @@ async fn run_arm(
             speedup,
             options.max_in_flight,
         ),
-        crashing
+        crashing,
+        utilisation::watch(&stage.fleet, window, READ_LOAD_EVERY),
     );
     let wall = started.elapsed();
     let workers = drive::per_worker(&samples, &stage.fleet.endpoints());
@@ -689,6 +760,58 @@ async fn run_arm(
     report.replicas = arm.replicas;
     report.replica_decisions = replica_decisions;
     report.fault = fault;
+    report.utilisation = utilisation;
+    Ok(report)
+}
+
+/// How often the fleet's slots and queues are read during an arm.
+const READ_LOAD_EVERY: Duration = Duration::from_millis(100);
+
+/// A front arm: a fresh fleet, the other router in front of it, the same workload.
+#[allow(clippy::too_many_arguments)]
+async fn run_front(
+    options: &ReplayOptions,
+    sim: &SimConfig,
+    items: &[Item],
+    prompts: &PromptBuilder,
+    speedup: f64,
+    arm: &Arm,
+    front: &Front,
+    phases: &[&str],
+    bucket: Duration,
+    window: Duration,
+) -> Result<PolicyReport, ReplayError> {
+    let fleet = cachepick_sim::fleet::Fleet::start(sim)
+        .await
+        .map_err(StageError::from)?;
+    let running =
+        front::Running::start(front, &fleet.endpoints(), &sim.model, &options.out).await?;
+    let route = Route::Proxy(running.addr);
+    let started = Instant::now();
+    let (samples, utilisation) = tokio::join!(
+        drive::drive(
+            &route,
+            items,
+            prompts,
+            &sim.model,
+            speedup,
+            options.max_in_flight,
+        ),
+        utilisation::watch(&fleet, window, READ_LOAD_EVERY),
+    );
+    let wall = started.elapsed();
+    let workers = drive::per_worker(&samples, &fleet.endpoints());
+    drop(running);
+    drop(fleet);
+    let command = match &front.target {
+        front::Target::Command(template) => template.clone(),
+        front::Target::Url(addr) => format!("http://{addr}"),
+    };
+    let mut report = PolicyReport::new(&arm.policy, "", &samples, workers, phases, bucket, wall);
+    report.arm = arm.label.clone();
+    report.index_mode = "-".to_owned();
+    report.front = Some(command);
+    report.utilisation = utilisation;
     Ok(report)
 }
 

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use super::drive::{End, Sample};
 use super::fault::FaultReport;
+use super::utilisation::Utilisation;
 
 /// Percentiles in milliseconds.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -57,8 +58,13 @@ pub struct PolicyReport {
     /// The fault arm's stale credits, when the run crashed a worker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fault: Option<FaultReport>,
-    /// The `policy:` section the picker ran with.
+    /// The `policy:` section the picker ran with (empty for a front).
     pub policy_yaml: String,
+    /// The other router this arm ran instead of cachepick: its command template or URL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub front: Option<String>,
+    /// How busy the fleet was over the arrival window, read from the engines.
+    pub utilisation: Option<Utilisation>,
     pub requests: usize,
     pub ok: usize,
     pub errors: usize,
@@ -192,6 +198,8 @@ impl PolicyReport {
             replica_decisions: Vec::new(),
             fault: None,
             policy_yaml: policy_yaml.to_owned(),
+            front: None,
+            utilisation: None,
             requests: samples.len(),
             ok: count(End::Ok),
             errors: count(End::Error),
@@ -269,14 +277,17 @@ pub fn table(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| {} | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share |",
+        "| {} | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share | slots busy | queued |",
         first_column(reports)
     );
-    let _ = writeln!(out, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
+    let _ = writeln!(
+        out,
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+    );
     for r in reports {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.arm,
             r.requests,
             r.errors,
@@ -290,6 +301,8 @@ pub fn table(reports: &[PolicyReport]) -> String {
             millis(r.e2e_ms.p99),
             r.worker_share
                 .map_or_else(|| "-".to_owned(), |v| format!("{v:.2}")),
+            pct(r.utilisation.map(|u| u.slots)),
+            pct(r.utilisation.map(|u| u.queued)),
         );
     }
     out

@@ -1,0 +1,387 @@
+//! Another router in front of the simulated fleet instead of cachepick: the router an operator runs
+//! today (the SGLang model gateway `smg`, vllm-router, …), so its rows sit in the same table as
+//! cachepick's. It is either started per arm from a command template, on the arm's fresh fleet, or
+//! already running at a URL (then the fleet must be on the fixed ports it was given).
+//!
+//! The replay drives a front exactly as it drives Envoy: the same requests, the same client, the same
+//! fresh fleet and seed, hit rate from the workers' `usage`, TTFT at the client, worker share from the
+//! workers' `x-served-by`. Nothing in a front's row comes from the front itself.
+
+use std::fs::File;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a started front may take to answer its first request.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+/// After the first answer, time for a router that registers its workers one by one (smg does, in
+/// background jobs) to finish before the workload starts.
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// One front arm.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Front {
+    /// The arm's row label: `smg/cache_aware` for `smg launch … --policy cache_aware`.
+    pub label: String,
+    pub target: Target,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// A command template, run with `sh -c` once per arm with its placeholders filled ([`expand`]).
+    Command(String),
+    /// A router already running at this address, which must already know the fleet's workers.
+    Url(SocketAddr),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrontError {
+    #[error(
+        "--front `{0}` names no `{{port}}`: the template must put the router on the port the replay gives it"
+    )]
+    NoPort(String),
+    #[error(
+        "--front `{0}` names no `{{workers}}` or `{{workers_csv}}`: the router must be told the fleet's \
+         workers, which are new for every arm"
+    )]
+    NoWorkers(String),
+    #[error(
+        "--front-url `{0}`: expected [NAME=]http://IP:PORT (a loopback router that already fronts the fleet)"
+    )]
+    BadUrl(String),
+    #[error(
+        "--front-url needs the fleet on fixed ports: give --config a simulator file with `base_port`, and \
+         point the router at those workers"
+    )]
+    UrlNeedsFixedPorts,
+    #[error("cannot start `{command}`: {source}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("cannot write the front's log {path}: {source}")]
+    Log {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("`{command}` exited ({status}) before it answered; its output is in {log}")]
+    Exited {
+        command: String,
+        status: std::process::ExitStatus,
+        log: PathBuf,
+    },
+    #[error("{label} at {addr} did not answer a completion within {within:?}: {last}{log}")]
+    NotReady {
+        label: String,
+        addr: SocketAddr,
+        within: Duration,
+        last: String,
+        log: String,
+    },
+    #[error("no free port for the front: {0}")]
+    Port(std::io::Error),
+}
+
+impl Front {
+    /// A command-template front. The label is the program's name, then `/<policy>` when the command
+    /// passes `--policy`; `taken` labels get `#2`, `#3`, … so every row stays distinct.
+    pub fn command(template: &str, taken: &[String]) -> Result<Front, FrontError> {
+        if !template.contains("{port}") {
+            return Err(FrontError::NoPort(template.to_owned()));
+        }
+        if !template.contains("{workers}") && !template.contains("{workers_csv}") {
+            return Err(FrontError::NoWorkers(template.to_owned()));
+        }
+        Ok(Front {
+            label: distinct(command_label(template), taken),
+            target: Target::Command(template.to_owned()),
+        })
+    }
+
+    /// A running front: `[NAME=]http://IP:PORT`; the label is NAME, else `front@IP:PORT`.
+    pub fn url(spec: &str, taken: &[String]) -> Result<Front, FrontError> {
+        let bad = || FrontError::BadUrl(spec.to_owned());
+        let (name, url) = match spec.split_once('=') {
+            Some((name, url)) if !name.contains("://") && !name.is_empty() => {
+                (Some(name.to_owned()), url)
+            }
+            _ => (None, spec),
+        };
+        let rest = url.strip_prefix("http://").ok_or_else(bad)?;
+        let addr: SocketAddr = rest.trim_end_matches('/').parse().map_err(|_| bad())?;
+        let label = name.unwrap_or_else(|| format!("front@{addr}"));
+        Ok(Front {
+            label: distinct(label, taken),
+            target: Target::Url(addr),
+        })
+    }
+}
+
+/// `smg launch --worker-urls {workers} --port {port} --policy cache_aware` → `smg/cache_aware`.
+fn command_label(template: &str) -> String {
+    let words: Vec<&str> = template.split_whitespace().collect();
+    let program = words
+        .iter()
+        .find(|word| !word.contains('='))
+        .map_or("front", |word| word.rsplit('/').next().unwrap_or(word));
+    let policy = words.iter().enumerate().find_map(|(index, word)| {
+        if let Some(value) = word.strip_prefix("--policy=") {
+            Some(value)
+        } else if *word == "--policy" {
+            words.get(index + 1).copied()
+        } else {
+            None
+        }
+    });
+    match policy {
+        Some(policy) => format!("{program}/{policy}"),
+        None => program.to_owned(),
+    }
+}
+
+fn distinct(label: String, taken: &[String]) -> String {
+    if !taken.contains(&label) {
+        return label;
+    }
+    (2..)
+        .map(|n| format!("{label}#{n}"))
+        .find(|candidate| !taken.contains(candidate))
+        .unwrap_or(label)
+}
+
+/// The template with its placeholders filled: `{workers}` the workers' URLs separated by spaces,
+/// `{workers_csv}` by commas, `{port}` and `{metrics_port}` free loopback ports, `{host}` 127.0.0.1.
+/// Other braces (a JSON argument, say) are left alone.
+pub fn expand(template: &str, workers: &[SocketAddr], port: u16, metrics_port: u16) -> String {
+    let urls: Vec<String> = workers
+        .iter()
+        .map(|addr| format!("http://{addr}"))
+        .collect();
+    template
+        .replace("{workers_csv}", &urls.join(","))
+        .replace("{workers}", &urls.join(" "))
+        .replace("{metrics_port}", &metrics_port.to_string())
+        .replace("{port}", &port.to_string())
+        .replace("{host}", "127.0.0.1")
+}
+
+/// A front the arm started, killed (with anything it started) when dropped.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub label: String,
+    child: Option<Child>,
+    log: Option<PathBuf>,
+}
+
+impl Running {
+    /// Starts `front` for `workers` (a command front), its output in `dir/<label>.log`, or adopts a
+    /// running one; then waits until it answers a completion for `model`.
+    pub async fn start(
+        front: &Front,
+        workers: &[SocketAddr],
+        model: &str,
+        dir: &Path,
+    ) -> Result<Running, FrontError> {
+        let mut running = match &front.target {
+            Target::Url(addr) => Running {
+                addr: *addr,
+                label: front.label.clone(),
+                child: None,
+                log: None,
+            },
+            Target::Command(template) => {
+                let addr = crate::free_port().map_err(FrontError::Port)?;
+                let metrics = crate::free_port().map_err(FrontError::Port)?;
+                let command = expand(template, workers, addr.port(), metrics.port());
+                std::fs::create_dir_all(dir).map_err(|source| FrontError::Log {
+                    path: dir.to_owned(),
+                    source,
+                })?;
+                let log = dir.join(format!("{}.log", file_name(&front.label)));
+                let out = File::create(&log).map_err(|source| FrontError::Log {
+                    path: log.clone(),
+                    source,
+                })?;
+                let err = out.try_clone().map_err(|source| FrontError::Log {
+                    path: log.clone(),
+                    source,
+                })?;
+                // `exec` makes the router the child itself; its own process group lets the drop take
+                // anything it starts with it.
+                let child = {
+                    use std::os::unix::process::CommandExt as _;
+                    Command::new("sh")
+                        .arg("-c")
+                        .arg(format!("exec {command}"))
+                        .stdin(Stdio::null())
+                        .stdout(out)
+                        .stderr(err)
+                        .process_group(0)
+                        .spawn()
+                        .map_err(|source| FrontError::Spawn {
+                            command: command.clone(),
+                            source,
+                        })?
+                };
+                Running {
+                    addr,
+                    label: front.label.clone(),
+                    child: Some(child),
+                    log: Some(log),
+                }
+            }
+        };
+        running.ready(model).await?;
+        Ok(running)
+    }
+
+    /// Sends small completions until one is answered 200, then lets the router settle.
+    async fn ready(&mut self, model: &str) -> Result<(), FrontError> {
+        let started = Instant::now();
+        let mut last = "no answer yet".to_owned();
+        let mut attempt = 0u32;
+        while started.elapsed() < READY_WITHIN {
+            if let Some(child) = &mut self.child
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(FrontError::Exited {
+                    command: self.label.clone(),
+                    status,
+                    log: self.log.clone().unwrap_or_default(),
+                });
+            }
+            attempt += 1;
+            let body = serde_json::json!({
+                "model": model,
+                "prompt": format!("cachepick replay readiness probe {attempt}"),
+                "max_tokens": 1,
+            })
+            .to_string();
+            match crate::http_exchange(
+                http::Method::POST,
+                self.addr,
+                "/v1/completions",
+                &body,
+                Duration::from_secs(5),
+            )
+            .await
+            {
+                Some((200, _)) => {
+                    tokio::time::sleep(SETTLE).await;
+                    return Ok(());
+                }
+                Some((status, text)) => {
+                    last = format!(
+                        "HTTP {status}: {}",
+                        text.chars().take(200).collect::<String>()
+                    );
+                }
+                None => last = "no answer".to_owned(),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        Err(FrontError::NotReady {
+            label: self.label.clone(),
+            addr: self.addr,
+            within: READY_WITHIN,
+            last,
+            log: self.log.as_ref().map_or_else(String::new, |log| {
+                format!(" (its output: {})", log.display())
+            }),
+        })
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // The whole group: a router may start helpers of its own.
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `smg/cache_aware#2` → `smg_cache_aware_2`.
+fn file_name(label: &str) -> String {
+    label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_front_is_labelled_by_program_and_policy_and_kept_distinct() {
+        let smg =
+            "/opt/peers/bin/smg launch --worker-urls {workers} --port {port} --policy cache_aware";
+        let front = Front::command(smg, &[]).expect("valid");
+        assert_eq!(front.label, "smg/cache_aware");
+        let again = Front::command(smg, std::slice::from_ref(&front.label)).expect("valid");
+        assert_eq!(again.label, "smg/cache_aware#2");
+        let plain = Front::command("vllm-router --worker-urls {workers} --port={port}", &[]);
+        assert_eq!(plain.expect("valid").label, "vllm-router");
+        let eq = Front::command(
+            "smg launch --policy=round_robin --port {port} {workers}",
+            &[],
+        );
+        assert_eq!(eq.expect("valid").label, "smg/round_robin");
+    }
+
+    #[test]
+    fn a_template_without_port_or_workers_is_refused_saying_why() {
+        let no_port = Front::command("smg launch --worker-urls {workers}", &[]);
+        assert!(matches!(no_port, Err(FrontError::NoPort(_))), "{no_port:?}");
+        let no_workers = Front::command("smg launch --port {port}", &[]);
+        assert!(
+            matches!(no_workers, Err(FrontError::NoWorkers(_))),
+            "{no_workers:?}"
+        );
+    }
+
+    #[test]
+    fn placeholders_are_filled_and_other_braces_left_alone() {
+        let workers: Vec<SocketAddr> = vec![
+            "127.0.0.1:8001".parse().expect("addr"),
+            "127.0.0.1:8002".parse().expect("addr"),
+        ];
+        let text = expand(
+            "r --worker-urls {workers} --csv {workers_csv} --host {host} --port {port} \
+             --prometheus-port {metrics_port} --json '{\"a\":1}'",
+            &workers,
+            9000,
+            9001,
+        );
+        assert_eq!(
+            text,
+            "r --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 --csv \
+             http://127.0.0.1:8001,http://127.0.0.1:8002 --host 127.0.0.1 --port 9000 \
+             --prometheus-port 9001 --json '{\"a\":1}'"
+        );
+    }
+
+    #[test]
+    fn a_url_front_takes_an_optional_name() {
+        let named = Front::url("smg=http://127.0.0.1:9000/", &[]).expect("valid");
+        assert_eq!(named.label, "smg");
+        assert_eq!(
+            named.target,
+            Target::Url("127.0.0.1:9000".parse().expect("addr"))
+        );
+        let bare = Front::url("http://127.0.0.1:9000", &[]).expect("valid");
+        assert_eq!(bare.label, "front@127.0.0.1:9000");
+        assert!(matches!(
+            Front::url("localhost:9000", &[]),
+            Err(FrontError::BadUrl(_))
+        ));
+    }
+}

@@ -1,0 +1,100 @@
+//! How busy the fleet was during an arm, read from the simulated engines themselves (not from any
+//! router's view of them), so a cachepick row and a peer router's row are measured alike.
+//!
+//! Every `every`, every rank of every worker is read: the share of its running slots in use, and
+//! whether requests wait in its queue. Over the arrival window this says whether a run was below,
+//! near or above the fleet's capacity: a fleet whose slots are mostly busy and whose queues are
+//! rarely empty is saturated, whatever its routing.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use cachepick_sim::fleet::Fleet;
+
+/// The fleet's load over one arm.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Utilisation {
+    /// Mean over readings and ranks of running requests ÷ running slots (`max_running`), in [0, 1].
+    pub slots: f64,
+    /// Share of readings, over ranks, where the rank had a request waiting in its queue.
+    pub queued: f64,
+    /// Mean requests waiting per rank.
+    pub mean_waiting: f64,
+    /// Readings taken (one per rank per tick).
+    pub readings: u64,
+}
+
+/// Reads the fleet every `every` for `window`, then returns what it saw; `None` if no rank was read.
+pub async fn watch(fleet: &Fleet, window: Duration, every: Duration) -> Option<Utilisation> {
+    let mut sum = Sums::default();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let deadline = tokio::time::Instant::now() + window;
+    loop {
+        tick.tick().await;
+        for worker in fleet.workers() {
+            for rank in worker.stats() {
+                sum.add(rank.running, rank.max_running, rank.waiting);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+    }
+    sum.finish()
+}
+
+#[derive(Default)]
+struct Sums {
+    slots: f64,
+    queued: u64,
+    waiting: u64,
+    readings: u64,
+}
+
+impl Sums {
+    fn add(&mut self, running: u64, max_running: u64, waiting: u64) {
+        if max_running > 0 {
+            self.slots += (running as f64 / max_running as f64).min(1.0);
+        }
+        self.queued += u64::from(waiting > 0);
+        self.waiting += waiting;
+        self.readings += 1;
+    }
+
+    fn finish(self) -> Option<Utilisation> {
+        (self.readings > 0).then(|| {
+            let n = self.readings as f64;
+            Utilisation {
+                slots: self.slots / n,
+                queued: self.queued as f64 / n,
+                mean_waiting: self.waiting as f64 / n,
+                readings: self.readings,
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readings_average_slot_use_and_queueing() {
+        let mut sums = Sums::default();
+        sums.add(8, 8, 3);
+        sums.add(4, 8, 0);
+        sums.add(0, 8, 0);
+        sums.add(12, 8, 1); // beyond max_running after a shrink: counted as full
+        let u = sums.finish().expect("readings");
+        assert_eq!(u.readings, 4);
+        assert!(
+            (u.slots - (1.0 + 0.5 + 0.0 + 1.0) / 4.0).abs() < 1e-9,
+            "{u:?}"
+        );
+        assert!((u.queued - 0.5).abs() < 1e-9, "{u:?}");
+        assert!((u.mean_waiting - 1.0).abs() < 1e-9, "{u:?}");
+        assert_eq!(Sums::default().finish(), None);
+    }
+}
