@@ -169,6 +169,8 @@ pub fn expand(template: &str, workers: &[SocketAddr], port: u16, metrics_port: u
 /// A front the arm started, killed (with anything it started) when dropped.
 pub struct Running {
     pub addr: SocketAddr,
+    /// Where the router's own metrics are, when its template put them on `{metrics_port}`.
+    pub metrics: Option<SocketAddr>,
     pub label: String,
     child: Option<Child>,
     log: Option<PathBuf>,
@@ -186,6 +188,7 @@ impl Running {
         let mut running = match &front.target {
             Target::Url(addr) => Running {
                 addr: *addr,
+                metrics: None,
                 label: front.label.clone(),
                 child: None,
                 log: None,
@@ -226,6 +229,7 @@ impl Running {
                 };
                 Running {
                     addr,
+                    metrics: template.contains("{metrics_port}").then_some(metrics),
                     label: front.label.clone(),
                     child: Some(child),
                     log: Some(log),
@@ -234,6 +238,26 @@ impl Running {
         };
         running.ready(model).await?;
         Ok(running)
+    }
+
+    /// The router's own routing counters after the run, as evidence beside the row: the non-comment
+    /// lines of its `/metrics` that name decisions, routing or cache hits; empty when it has none.
+    pub async fn routing_counters(&self) -> Vec<String> {
+        let Some(metrics) = self.metrics else {
+            return Vec::new();
+        };
+        let Some((200, text)) = crate::http_exchange(
+            http::Method::GET,
+            metrics,
+            "/metrics",
+            "",
+            Duration::from_secs(5),
+        )
+        .await
+        else {
+            return Vec::new();
+        };
+        routing_lines(&text)
     }
 
     /// Sends small completions until one is answered 200, then lets the router settle.
@@ -308,6 +332,21 @@ impl Drop for Running {
     }
 }
 
+/// The lines of a Prometheus exposition about routing decisions and cache matches, at most 40.
+fn routing_lines(exposition: &str) -> Vec<String> {
+    const WORDS: [&str; 5] = ["decision", "routing", "cache_hit", "cache_miss", "policy"];
+    exposition
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter(|line| {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            WORDS.iter().any(|word| name.contains(word))
+        })
+        .take(40)
+        .map(str::to_owned)
+        .collect()
+}
+
 /// `smg/cache_aware#2` → `smg_cache_aware_2`.
 fn file_name(label: &str) -> String {
     label
@@ -366,6 +405,19 @@ mod tests {
             "r --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 --csv \
              http://127.0.0.1:8001,http://127.0.0.1:8002 --host 127.0.0.1 --port 9000 \
              --prometheus-port 9001 --json '{\"a\":1}'"
+        );
+    }
+
+    #[test]
+    fn routing_counters_are_picked_out_of_a_routers_exposition() {
+        let text = "# HELP x\nvllm_router_prefix_routing_decisions_total{outcome=\"missing_tokens\"} 12\n\
+            vllm_router_requests_total 12\nsmg_router_cache_hits_total 3\n";
+        assert_eq!(
+            routing_lines(text),
+            [
+                "vllm_router_prefix_routing_decisions_total{outcome=\"missing_tokens\"} 12",
+                "smg_router_cache_hits_total 3"
+            ]
         );
     }
 

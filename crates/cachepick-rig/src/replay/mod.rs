@@ -620,6 +620,13 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     table.push_str("\ndecision reasons:\n");
     table.push_str(&report::reasons(&reports));
+    let counters = report::front_counters(&reports);
+    if !counters.is_empty() {
+        table.push_str(
+            "\nthe other routers' own routing counters (their /metrics after the run):\n",
+        );
+        table.push_str(&counters);
+    }
     let per_replica = report::replica_decisions(&reports);
     if !per_replica.is_empty() {
         table.push_str("\ndecisions per picker replica:\n");
@@ -801,6 +808,7 @@ async fn run_front(
     );
     let wall = started.elapsed();
     let workers = drive::per_worker(&samples, &fleet.endpoints());
+    let counters = running.routing_counters().await;
     drop(running);
     drop(fleet);
     let command = match &front.target {
@@ -811,6 +819,7 @@ async fn run_front(
     report.arm = arm.label.clone();
     report.index_mode = "-".to_owned();
     report.front = Some(command);
+    report.front_counters = counters;
     report.utilisation = utilisation;
     Ok(report)
 }

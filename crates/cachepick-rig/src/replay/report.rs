@@ -63,6 +63,10 @@ pub struct PolicyReport {
     /// The other router this arm ran instead of cachepick: its command template or URL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub front: Option<String>,
+    /// The front's own routing counters after the run (its `/metrics`, when the template put it on
+    /// `{metrics_port}`): what it says it decided, beside what the workers saw.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub front_counters: Vec<String>,
     /// How busy the fleet was over the arrival window, read from the engines.
     pub utilisation: Option<Utilisation>,
     pub requests: usize,
@@ -199,6 +203,7 @@ impl PolicyReport {
             fault: None,
             policy_yaml: policy_yaml.to_owned(),
             front: None,
+            front_counters: Vec::new(),
             utilisation: None,
             requests: samples.len(),
             ok: count(End::Ok),
@@ -355,6 +360,15 @@ pub fn reasons(reports: &[PolicyReport]) -> String {
             .map(|(reason, count)| format!("{reason} {count}"))
             .collect();
         let _ = writeln!(out, "- {}: {}", r.arm, text.join(", "));
+    }
+    out
+}
+
+/// Each front's own routing counters, one line per front arm that has some.
+pub fn front_counters(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    for r in reports.iter().filter(|r| !r.front_counters.is_empty()) {
+        let _ = writeln!(out, "- {}: {}", r.arm, r.front_counters.join("; "));
     }
     out
 }
