@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use cachepick::envoy_config::BodyMode;
+use cachepick_sim::config::{KvEventsConfig, KvEventsFormat};
 use gateway::Gateway;
 use sim_client::{DEADLINE, MODEL, PromSample, prom_samples};
 
@@ -396,7 +397,14 @@ fn sample_names(samples: &[PromSample]) -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_and_the_rules_read_only_series_a_live_picker_and_envoy_export() {
-    let stack = Gateway::start(2, |_| {}, Some(BodyMode::Buffered)).await;
+    // The workers publish KV events and the pool runs in `events` mode, so the exposition promtool
+    // checks holds the KV event streams' families too.
+    let stack = Gateway::start(
+        2,
+        |sim| sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::VllmMap)),
+        Some(BodyMode::Buffered),
+    )
+    .await;
     // Decisions through Envoy: cachepick counts them, Envoy counts them per reason's virtual cluster.
     for index in 0..6 {
         let reply = stack
@@ -414,7 +422,14 @@ async fn the_dashboard_and_the_rules_read_only_series_a_live_picker_and_envoy_ex
     let picker_names = sample_names(&prom_samples(&picker));
     let envoy_names = sample_names(&prom_samples(&envoy));
 
-    // promtool's linter accepts cachepick's exposition as it is after traffic.
+    // promtool's linter accepts cachepick's exposition as it is after traffic, the KV event streams'
+    // families included.
+    assert!(
+        picker_names
+            .iter()
+            .any(|name| name.starts_with("cachepick_kv_events_")),
+        "no KV event stream series in:\n{picker}"
+    );
     let checked = run_promtool(Path::new("."), &["check", "metrics"], Some(&picker));
     assert_promtool_ok(&checked, "check metrics (cachepick's /metrics)");
 

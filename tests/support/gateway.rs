@@ -46,7 +46,8 @@ pub struct Gateway {
 
 impl Gateway {
     /// `workers` simulated vLLM workers (byte tokenizer, 16-token blocks, no jitter), tuned by `tune`,
-    /// cachepick over them, and Envoy in `mode` when given.
+    /// cachepick over them (its pool in `events` mode when `tune` turns the workers' KV events on), and
+    /// Envoy in `mode` when given.
     pub async fn start(
         workers: u32,
         tune: impl FnOnce(&mut SimConfig),
@@ -62,7 +63,15 @@ impl Gateway {
             .await
             .expect("the fleet starts");
 
-        let generated = fleet.cachepick_config();
+        let mut generated = fleet.cachepick_config();
+        if sim.kv_events.is_some() {
+            assert!(generated.contains("\n    workers:\n"), "{generated}");
+            generated = generated.replacen(
+                "\n    workers:\n",
+                "\n    index:\n      mode: events\n    workers:\n",
+                1,
+            );
+        }
         let overrides = Overrides {
             listen: Some(loopback(envoy::free_port())),
             metrics_listen: Some(loopback(envoy::free_port())),
