@@ -17,11 +17,13 @@ use prometheus::{
 };
 
 mod discovery;
+mod gie;
 mod kv_events;
 mod overload;
 mod security;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
+use gie::GiePoolGauges;
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
 pub use overload::{OverloadMetrics, RefusedCommit};
@@ -127,6 +129,8 @@ struct LoadGauges {
     workers_stale: IntGaugeVec,
     /// `cachepick_workers{pool,state}`: workers in each lifecycle state.
     workers: IntGaugeVec,
+    /// The Gateway API Inference Extension's `inference_pool_*{name}` gauges (`gie.rs`).
+    gie: GiePoolGauges,
     pools: Mutex<Vec<Arc<PoolLoad>>>,
 }
 
@@ -187,6 +191,7 @@ impl Metrics {
                 ),
                 &["pool", "state"],
             )?,
+            gie: GiePoolGauges::new()?,
             pools: Mutex::new(Vec::new()),
         });
         let index = Arc::new(IndexGauges {
@@ -547,8 +552,10 @@ impl LoadGauges {
             return Vec::new();
         };
         self.reading_age.reset();
+        self.gie.reset();
         for pool in pools.iter() {
             let snapshot = pool.snapshot();
+            self.gie.set(pool.label(), &snapshot, now);
             let mut fresh = 0_i64;
             for worker in snapshot.workers() {
                 let Some(reading) = &worker.reading else {
@@ -585,6 +592,7 @@ impl LoadGauges {
         families.extend(self.workers_fresh.collect());
         families.extend(self.workers_stale.collect());
         families.extend(self.workers.collect());
+        families.extend(self.gie.collect());
         families
     }
 }
@@ -636,6 +644,7 @@ impl Collector for SharedCollector {
         descs.extend(gauges.workers_fresh.desc());
         descs.extend(gauges.workers_stale.desc());
         descs.extend(gauges.workers.desc());
+        descs.extend(gauges.gie.desc());
         descs
     }
 
