@@ -116,9 +116,10 @@ def main():
     parser.add_argument("--cachepick", default=os.path.join(ROOT, "target/release/cachepick"))
     parser.add_argument("--trace", default=os.path.join(ROOT, "../shared/traces/mooncake-synthetic.jsonl"))
     parser.add_argument("--limit", type=int, default=1000, help="requests of the trace")
-    parser.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 3.0])
-    parser.add_argument("--burst-loads", type=lambda s: [float(x) for x in s.split(",")], default=None,
-                        help="loads for the burst scenario (default: --loads)")
+    parser.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0],
+                        help="loads for the trace (default 1,2: about a third of the slots busy, and queues)")
+    parser.add_argument("--burst-loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0],
+                        help="loads for the burst scenario (default 0.5,1: the burst within capacity, and beyond it)")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
     parser.add_argument("--scenarios", default="trace,burst")
     parser.add_argument("--out", default=os.path.join(ROOT, "target/peer-comparison"))
@@ -132,7 +133,7 @@ def main():
                           "args": ["--trace", args.trace, "--limit", str(args.limit)], "loads": args.loads})
     if "burst" in wanted:
         scenarios.append({"name": "burst", "title": "Burst scenario", "args": ["--scenario", "burst"],
-                          "loads": args.burst_loads or args.loads})
+                          "loads": args.burst_loads})
     os.makedirs(args.out, exist_ok=True)
     if not args.summarise_only:
         bin_dir = subprocess.run([os.path.join(ROOT, "scripts/provision-peers")], check=True,
