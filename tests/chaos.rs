@@ -20,6 +20,8 @@
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/provision.rs"]
+mod provision;
 
 use std::time::Duration;
 

@@ -21,6 +21,8 @@
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/provision.rs"]
+mod provision;
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;

@@ -15,6 +15,8 @@
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/provision.rs"]
+mod provision;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;

@@ -21,6 +21,8 @@
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/provision.rs"]
+mod provision;
 #[path = "support/sim_client.rs"]
 mod sim_client;
 

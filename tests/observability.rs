@@ -19,6 +19,8 @@
 mod envoy;
 #[path = "support/gateway.rs"]
 mod gateway;
+#[path = "support/provision.rs"]
+mod provision;
 #[path = "support/sim_client.rs"]
 mod sim_client;
 
@@ -57,24 +59,11 @@ fn promtool() -> PathBuf {
     static PROMTOOL: OnceLock<PathBuf> = OnceLock::new();
     PROMTOOL
         .get_or_init(|| {
-            let script = repo("scripts/provision-promtool");
-            let output = Command::new(&script)
-                .stdin(Stdio::null())
-                .output()
-                .unwrap_or_else(|error| panic!("cannot run {}: {error}", script.display()));
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            assert!(
-                output.status.success(),
-                "{} failed ({}); the observability tests cannot run without promtool:\n{stderr}",
-                script.display(),
-                output.status
+            let path = provision::script(
+                "provision-promtool",
+                "the observability tests cannot run without promtool",
             );
-            let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-            assert!(
-                path.is_absolute() && path.is_file(),
-                "{} printed {path:?}, not an executable; stderr:\n{stderr}",
-                script.display()
-            );
+            assert!(path.is_file(), "{} is not an executable", path.display());
             path
         })
         .clone()

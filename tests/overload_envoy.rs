@@ -16,6 +16,8 @@
 mod envoy;
 #[path = "support/picker.rs"]
 mod picker;
+#[path = "support/provision.rs"]
+mod provision;
 #[path = "support/sim_client.rs"]
 mod sim_client;
 

@@ -13,6 +13,8 @@
 mod envoy;
 #[path = "support/peers.rs"]
 mod peers;
+#[path = "support/provision.rs"]
+mod provision;
 
 use std::fmt::Write as _;
 use std::path::Path;

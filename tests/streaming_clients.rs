@@ -23,6 +23,8 @@
 mod envoy;
 #[path = "support/gateway.rs"]
 mod gateway;
+#[path = "support/provision.rs"]
+mod provision;
 #[path = "support/sim_client.rs"]
 mod sim_client;
 

@@ -19,6 +19,8 @@
 mod envoy;
 #[path = "support/pki.rs"]
 mod pki;
+#[path = "support/provision.rs"]
+mod provision;
 #[path = "support/sim_client.rs"]
 mod sim_client;
 

