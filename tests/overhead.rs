@@ -1,7 +1,7 @@
 //! The four-arm overhead bench (`cachepick overhead`) with a handful of requests per cell, against a
-//! real Envoy 1.40: behaviour only, never timing. Every arm answers every size and mode; only arm (d)'s
-//! requests reach the worker with cachepick's decision; the no-op server of arm (c) sees the messages
-//! its mode sends, and nothing else decides for it. Envoy is provisioned (`envoy::binary()`), never
+//! real Envoy 1.40: behaviour only, never timing. Every arm answers every size and mode (buffered,
+//! duplex, streamed); only arm (d)'s requests reach the worker with cachepick's decision; the no-op
+//! server of arm (c) sees the messages its mode sends, and nothing else decides for it. Envoy is provisioned (`envoy::binary()`), never
 //! skipped.
 
 #![allow(
@@ -28,8 +28,8 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
     };
     let report = run(&options).await.expect("the bench runs");
 
-    // (a) and (b) once per size, (c) and (d) per size and mode.
-    assert_eq!(report.cells.len(), OverheadOptions::SIZES.len() * 6);
+    // (a) and (b) once per size, (c) and (d) per size and mode (buffered, duplex, streamed).
+    assert_eq!(report.cells.len(), OverheadOptions::SIZES.len() * 8);
     for cell in &report.cells {
         assert_eq!(cell.requests, 4, "{cell:?}");
         assert_eq!(cell.ok, 4, "every request answered 200: {cell:?}");
@@ -43,7 +43,7 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
     }
     assert_eq!(
         report.comparisons.len(),
-        OverheadOptions::SIZES.len() * 2,
+        OverheadOptions::SIZES.len() * 3,
         "one comparison per size and mode"
     );
 
@@ -73,9 +73,9 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
         "an HTTP/1.1 client sends no trailers: {duplex:?}"
     );
 
-    // Every arm's requests reached the one worker: measured, warm-up and the probes of six cells.
+    // Every arm's requests reached the one worker: measured, warm-up and the probes of every cell.
     assert!(report.worker_served >= (report.cells.len() as u64) * 5);
-    let modes: Vec<String> = [BodyMode::Buffered, BodyMode::Duplex]
+    let modes: Vec<String> = [BodyMode::Buffered, BodyMode::Duplex, BodyMode::Streamed]
         .iter()
         .map(ToString::to_string)
         .collect();

@@ -124,12 +124,17 @@ struct OverheadArgs {
         default_value = "1,4,45,200"
     )]
     sizes: Vec<usize>,
-    /// Body modes of the ext_proc arms, comma-separated: buffered, duplex.
-    #[arg(long, value_delimiter = ',', default_value = "buffered,duplex")]
+    /// Body modes of the ext_proc arms, comma-separated: buffered, duplex, streamed.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "buffered,duplex,streamed"
+    )]
     modes: Vec<cachepick::envoy_config::BodyMode>,
-    /// generated: the bootstraps `cachepick envoy-config` writes; skip-request-headers: the ext_proc
-    /// arms with request_header_mode SKIP and the path and headers as request_attributes (the
-    /// round-trip experiment in BENCHMARKS.md).
+    /// generated: the bootstraps `cachepick envoy-config` writes. The round-trip experiments of
+    /// BENCHMARKS.md change the ext_proc arms: skip-request-headers (request_header_mode SKIP, the path
+    /// and headers as request_attributes); streamed-no-wait (request_body_mode STREAMED with
+    /// send_body_without_waiting_for_header_response; use with --modes buffered).
     #[arg(long, default_value = "generated")]
     variant: cachepick_rig::overhead::Variant,
     /// The Envoy binary (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, then PATH).

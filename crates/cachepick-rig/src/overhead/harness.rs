@@ -93,6 +93,11 @@ pub enum Variant {
     /// (`request.path`, `request.headers`) instead: Envoy would send the body without a headers round
     /// trip first.
     SkipRequestHeaders,
+    /// `request_body_mode: STREAMED` with `send_body_without_waiting_for_header_response: true`
+    /// (request trailers skipped): Envoy sends the body's chunks without waiting for the headers
+    /// answer, which a body-deciding processor holds until the last chunk. Derived from whichever
+    /// mode's bootstrap; run it with `--modes buffered`.
+    StreamedNoWait,
 }
 
 impl Variant {
@@ -100,6 +105,7 @@ impl Variant {
         match self {
             Variant::Generated => "generated",
             Variant::SkipRequestHeaders => "skip-request-headers",
+            Variant::StreamedNoWait => "streamed-no-wait",
         }
     }
 }
@@ -108,10 +114,16 @@ impl std::str::FromStr for Variant {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        [Variant::Generated, Variant::SkipRequestHeaders]
-            .into_iter()
-            .find(|variant| variant.as_str() == text)
-            .ok_or_else(|| format!("expected generated or skip-request-headers, got `{text}`"))
+        [
+            Variant::Generated,
+            Variant::SkipRequestHeaders,
+            Variant::StreamedNoWait,
+        ]
+        .into_iter()
+        .find(|variant| variant.as_str() == text)
+        .ok_or_else(|| {
+            format!("expected generated, skip-request-headers or streamed-no-wait, got `{text}`")
+        })
     }
 }
 
@@ -168,7 +180,8 @@ impl Rig {
         let config = picker_config(worker.addr())?;
         let mut picker = Picker::spawn(config.clone());
         picker.ready(READY_WITHIN).await?;
-        let noop = NoopServer::start(crate::free_port().map_err(OverheadError::Io)?)
+        let probe = variant != Variant::Generated;
+        let noop = NoopServer::start(crate::free_port().map_err(OverheadError::Io)?, probe)
             .await
             .map_err(OverheadError::Io)?;
         let mut client = HttpClient::builder(TokioExecutor::new());
@@ -239,11 +252,13 @@ impl Rig {
     pub fn noop_received(&self, mode: BodyMode) -> Received {
         self.noop.received(match mode {
             BodyMode::Duplex => Some(BodySendMode::FullDuplexStreamed),
+            BodyMode::Streamed => Some(BodySendMode::Streamed),
             BodyMode::Buffered | BodyMode::OriginalDst => Some(BodySendMode::Buffered),
         })
     }
 
-    /// The picker's decision and rejection counters (`/metrics` lines), empty if it does not answer.
+    /// The picker's decision and rejection counters and its decision time's sum and count (`/metrics`
+    /// lines), empty if it does not answer.
     pub async fn picker_decisions(&self) -> Vec<String> {
         let metrics = crate::http_exchange(
             http::Method::GET,
@@ -259,11 +274,18 @@ impl Rig {
                     .filter(|line| {
                         line.starts_with("cachepick_decisions_total")
                             || line.starts_with("cachepick_rejections_total")
+                            || line.starts_with("cachepick_decision_seconds_sum")
+                            || line.starts_with("cachepick_decision_seconds_count")
                     })
                     .map(str::to_owned)
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// What the no-op server received from STREAMED streams (the `streamed-no-wait` variant).
+    pub fn noop_received_streamed(&self) -> Received {
+        self.noop.received(Some(BodySendMode::Streamed))
     }
 
     /// Generation requests the worker answered.
@@ -487,31 +509,45 @@ fn point_cluster(root: &mut Value, name: &str, addr: SocketAddr) -> Result<(), S
 
 /// The ext_proc filter's changes `variant` asks for.
 fn apply(root: &mut Value, variant: Variant) -> Result<(), String> {
-    match variant {
-        Variant::Generated => Ok(()),
-        Variant::SkipRequestHeaders => {
-            let mut changed = 0;
-            for list in http_filters(root) {
-                for filter in list.iter_mut().filter(|filter| is_ext_proc(filter)) {
-                    let Some(Value::Mapping(config)) = filter.get_mut("typed_config") else {
-                        continue;
-                    };
-                    if let Some(Value::Mapping(mode)) = config.get_mut("processing_mode") {
-                        mode.insert("request_header_mode".into(), "SKIP".into());
-                    }
+    if variant == Variant::Generated {
+        return Ok(());
+    }
+    let mut changed = 0;
+    for list in http_filters(root) {
+        for filter in list.iter_mut().filter(|filter| is_ext_proc(filter)) {
+            let Some(Value::Mapping(config)) = filter.get_mut("typed_config") else {
+                continue;
+            };
+            let set_mode = |config: &mut serde_yaml::Mapping, key: &str, value: &str| {
+                if let Some(Value::Mapping(mode)) = config.get_mut("processing_mode") {
+                    mode.insert(key.into(), value.into());
+                }
+            };
+            match variant {
+                Variant::Generated => {}
+                Variant::SkipRequestHeaders => {
+                    set_mode(config, "request_header_mode", "SKIP");
                     config.insert(
                         "request_attributes".into(),
                         Value::Sequence(vec!["request.path".into(), "request.headers".into()]),
                     );
-                    changed += 1;
+                }
+                Variant::StreamedNoWait => {
+                    set_mode(config, "request_body_mode", "STREAMED");
+                    set_mode(config, "request_trailer_mode", "SKIP");
+                    config.insert(
+                        "send_body_without_waiting_for_header_response".into(),
+                        true.into(),
+                    );
                 }
             }
-            if changed == 0 {
-                return Err("the bootstrap has no ext_proc filter".to_owned());
-            }
-            Ok(())
+            changed += 1;
         }
     }
+    if changed == 0 {
+        return Err("the bootstrap has no ext_proc filter".to_owned());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

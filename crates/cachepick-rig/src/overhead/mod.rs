@@ -7,7 +7,8 @@
 //!   ([`noop`]), in the same process style as cachepick;
 //! - (d) Envoy + cachepick (`cachepick envoy-config`'s bootstrap),
 //!
-//! (c) and (d) in each body mode (BUFFERED, FULL_DUPLEX_STREAMED), at each body size. The client is
+//! (c) and (d) in each body mode (BUFFERED, FULL_DUPLEX_STREAMED, STREAMED without waiting for the
+//! headers answer), at each body size. The client is
 //! sequential (one request at a time, so no queueing enters a latency), and the cells take turns, a
 //! batch of requests each, so that whatever else the machine does falls on every arm alike. Warm-up
 //! requests are not counted. The figure that matters is (d) − (c): cachepick's own work beyond the
@@ -44,7 +45,7 @@ pub enum OverheadError {
     Stage(#[from] StageError),
     #[error("{0}")]
     Io(std::io::Error),
-    #[error("the bench measures the buffered and duplex modes, not {0}")]
+    #[error("the bench measures the buffered, duplex and streamed modes, not {0}")]
     Mode(BodyMode),
     #[error("this run has no cell {0}")]
     NoSuchCell(String),
@@ -89,7 +90,7 @@ impl OverheadOptions {
     pub fn new() -> OverheadOptions {
         OverheadOptions {
             sizes: Self::SIZES.to_vec(),
-            modes: vec![BodyMode::Buffered, BodyMode::Duplex],
+            modes: vec![BodyMode::Buffered, BodyMode::Duplex, BodyMode::Streamed],
             requests: 1_000,
             warmup: 100,
             batch: 10,
@@ -125,8 +126,9 @@ pub struct OverheadReport {
     /// Each ext_proc arm's Envoy's own account of its filter (`http.ingress_http.ext_proc.*`, non-zero
     /// counters), at the end of the run.
     pub ext_proc_stats: Vec<ExtProcStats>,
-    /// The picker's `cachepick_decisions_total` and `cachepick_rejections_total` series at the end of
-    /// the run (every mode, warm-up and probes included).
+    /// The picker's `cachepick_decisions_total` and `cachepick_rejections_total` series and the sum and
+    /// count of `cachepick_decision_seconds` (body received → answer sent) at the end of the run (every
+    /// mode, warm-up and probes included).
     pub picker_decisions: Vec<String>,
     #[serde(skip)]
     pub table: String,
@@ -144,6 +146,7 @@ pub async fn run(options: &OverheadOptions) -> Result<OverheadReport, OverheadEr
     let noop_received = NoopReceived {
         buffered: rig.noop_received(BodyMode::Buffered),
         duplex: rig.noop_received(BodyMode::Duplex),
+        streamed: rig.noop_received_streamed(),
     };
     let worker_served = rig.worker_served();
     let ext_proc_stats = ext_proc_stats(&rig).await;

@@ -9,10 +9,12 @@
 //! a buffered body, trailers; a FULL_DUPLEX_STREAMED chunk is sent straight back (`streamed_response`),
 //! the least that mode allows, since Envoy forwards only the body the processor returns.
 //!
-//! One exception, for the round-trip experiment (`Variant::SkipRequestHeaders`): when Envoy skips the
-//! request headers, the buffered body's answer sets [`PROBE_HEADER`] (cachepick's decision header) to
-//! `probe`, as cachepick's answer would set its decision there, so the run shows whether a header set in
-//! the body phase still reaches the worker.
+//! With `probe` (the round-trip experiments' variants, `Variant`), it answers as a processor that
+//! decides on the body has to, and sets [`PROBE_HEADER`] (cachepick's decision header) to `probe` where
+//! cachepick would set its decision, so the run shows whether that header still reaches the worker:
+//! when Envoy skips the request headers, the buffered body's answer carries it; in STREAMED mode with
+//! `send_body_without_waiting_for_header_response`, the headers answer is held until the last chunk has
+//! arrived and carries it, followed by one CONTINUE per chunk.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -87,6 +89,7 @@ impl Counts {
 struct Tally {
     buffered: Counts,
     duplex: Counts,
+    streamed: Counts,
     other: Counts,
 }
 
@@ -95,6 +98,7 @@ impl Tally {
         match mode {
             Some(BodySendMode::Buffered) => &self.buffered,
             Some(BodySendMode::FullDuplexStreamed) => &self.duplex,
+            Some(BodySendMode::Streamed) => &self.streamed,
             _ => &self.other,
         }
     }
@@ -109,8 +113,8 @@ pub struct NoopServer {
 }
 
 impl NoopServer {
-    /// Serves on `addr` (loopback, a concrete port) on the current runtime.
-    pub async fn start(addr: SocketAddr) -> std::io::Result<NoopServer> {
+    /// Serves on `addr` (loopback, a concrete port) on the current runtime; `probe` as the module says.
+    pub async fn start(addr: SocketAddr, probe: bool) -> std::io::Result<NoopServer> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let tally = Arc::new(Tally::default());
@@ -120,6 +124,7 @@ impl NoopServer {
             .await;
         let processor = ExternalProcessorServer::new(Noop {
             tally: Arc::clone(&tally),
+            probe,
         })
         .max_decoding_message_size(MAX_MESSAGE);
         let incoming =
@@ -152,12 +157,17 @@ impl NoopServer {
 
     /// Request headers and body messages received in every mode.
     pub fn total_messages(&self) -> u64 {
-        [&self.tally.buffered, &self.tally.duplex, &self.tally.other]
-            .iter()
-            .map(|counts| {
-                counts.headers.load(Ordering::Relaxed) + counts.bodies.load(Ordering::Relaxed)
-            })
-            .sum()
+        [
+            &self.tally.buffered,
+            &self.tally.duplex,
+            &self.tally.streamed,
+            &self.tally.other,
+        ]
+        .iter()
+        .map(|counts| {
+            counts.headers.load(Ordering::Relaxed) + counts.bodies.load(Ordering::Relaxed)
+        })
+        .sum()
     }
 
     /// What the streams in `mode` sent so far (`None`: streams that named no buffered or duplex mode).
@@ -177,6 +187,7 @@ impl Drop for NoopServer {
 
 struct Noop {
     tally: Arc<Tally>,
+    probe: bool,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -192,20 +203,29 @@ impl ExternalProcessor for Noop {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let inbound = request.into_inner();
         let (sender, receiver) = mpsc::channel(8);
-        tokio::spawn(drive(Arc::clone(&self.tally), inbound, sender));
+        tokio::spawn(drive(Arc::clone(&self.tally), self.probe, inbound, sender));
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
     }
 }
 
 /// Answers each message of one stream as it comes; ends the stream (cleanly, as cachepick does) once
 /// the request is complete.
-async fn drive(tally: Arc<Tally>, mut inbound: Streaming<ProcessingRequest>, out: Sender) {
+async fn drive(
+    tally: Arc<Tally>,
+    probe_on: bool,
+    mut inbound: Streaming<ProcessingRequest>,
+    out: Sender,
+) {
     let mut mode = None;
+    let mut no_wait = false;
     let mut counted = false;
     let mut saw_headers = false;
+    // STREAMED without waiting: the headers answer held back, and the chunks it waits for.
+    let mut held: Option<usize> = None;
     while let Ok(Some(message)) = inbound.message().await {
         if let Some(config) = &message.protocol_config {
             mode = BodySendMode::try_from(config.request_body_mode).ok();
+            no_wait = config.send_body_without_waiting_for_header_response;
         }
         let counts = tally.of(mode);
         if !counted {
@@ -218,84 +238,129 @@ async fn drive(tally: Arc<Tally>, mut inbound: Streaming<ProcessingRequest>, out
         let Some(request) = message.request else {
             continue;
         };
-        let (response, done) = match request {
+        let (responses, done) = match request {
             processing_request::Request::RequestHeaders(headers) => {
                 saw_headers = true;
                 counts.headers.fetch_add(1, Ordering::Relaxed);
+                if probe_on
+                    && mode == Some(BodySendMode::Streamed)
+                    && no_wait
+                    && !headers.end_of_stream
+                {
+                    held = Some(0);
+                    continue;
+                }
                 (
-                    processing_response::Response::RequestHeaders(HeadersResponse::default()),
+                    vec![processing_response::Response::RequestHeaders(
+                        HeadersResponse::default(),
+                    )],
                     headers.end_of_stream,
                 )
             }
             processing_request::Request::RequestBody(body) => {
                 counts.bodies.fetch_add(1, Ordering::Relaxed);
                 let ends = body.end_of_stream || body.end_of_stream_without_message;
-                if mode == Some(BodySendMode::FullDuplexStreamed) {
-                    let echo = BodyMutation {
-                        mutation: Some(body_mutation::Mutation::StreamedResponse(
-                            StreamedBodyResponse {
-                                body: body.body,
-                                end_of_stream: ends,
-                                ..StreamedBodyResponse::default()
+                match (mode, held.as_mut()) {
+                    (_, Some(chunks)) => {
+                        *chunks += 1;
+                        if !ends {
+                            continue;
+                        }
+                        // The body is whole: the held headers answer (with the probe, as a decision
+                        // would be), then one CONTINUE per chunk, in order.
+                        let mut responses = vec![processing_response::Response::RequestHeaders(
+                            HeadersResponse {
+                                response: Some(probe()),
                             },
-                        )),
-                    };
-                    let common = CommonResponse {
-                        body_mutation: Some(echo),
-                        ..CommonResponse::default()
-                    };
-                    (
-                        processing_response::Response::RequestBody(BodyResponse {
-                            response: Some(common),
-                        }),
-                        ends,
-                    )
-                } else {
-                    // BUFFERED: the whole body in this one message, whatever end_of_stream says
-                    // (false when trailers follow).
-                    let response = if saw_headers {
-                        BodyResponse::default()
-                    } else {
-                        probe()
-                    };
-                    (
-                        processing_response::Response::RequestBody(response),
-                        mode == Some(BodySendMode::Buffered) || ends,
-                    )
+                        )];
+                        responses.extend((0..*chunks).map(|_| {
+                            processing_response::Response::RequestBody(BodyResponse::default())
+                        }));
+                        (responses, true)
+                    }
+                    (Some(BodySendMode::FullDuplexStreamed), None) => {
+                        let echo = BodyMutation {
+                            mutation: Some(body_mutation::Mutation::StreamedResponse(
+                                StreamedBodyResponse {
+                                    body: body.body,
+                                    end_of_stream: ends,
+                                    ..StreamedBodyResponse::default()
+                                },
+                            )),
+                        };
+                        let common = CommonResponse {
+                            body_mutation: Some(echo),
+                            ..CommonResponse::default()
+                        };
+                        (
+                            vec![processing_response::Response::RequestBody(BodyResponse {
+                                response: Some(common),
+                            })],
+                            ends,
+                        )
+                    }
+                    (_, None) => {
+                        // BUFFERED: the whole body in this one message, whatever end_of_stream says
+                        // (false when trailers follow).
+                        let response = if saw_headers || !probe_on {
+                            BodyResponse::default()
+                        } else {
+                            BodyResponse {
+                                response: Some(probe()),
+                            }
+                        };
+                        (
+                            vec![processing_response::Response::RequestBody(response)],
+                            mode == Some(BodySendMode::Buffered) || ends,
+                        )
+                    }
                 }
             }
             processing_request::Request::RequestTrailers(_) => {
                 counts.trailers.fetch_add(1, Ordering::Relaxed);
                 (
-                    processing_response::Response::RequestTrailers(TrailersResponse::default()),
+                    vec![processing_response::Response::RequestTrailers(
+                        TrailersResponse::default(),
+                    )],
                     true,
                 )
             }
             processing_request::Request::ResponseHeaders(_) => (
-                processing_response::Response::ResponseHeaders(HeadersResponse::default()),
+                vec![processing_response::Response::ResponseHeaders(
+                    HeadersResponse::default(),
+                )],
                 false,
             ),
             processing_request::Request::ResponseBody(_) => (
-                processing_response::Response::ResponseBody(BodyResponse::default()),
+                vec![processing_response::Response::ResponseBody(
+                    BodyResponse::default(),
+                )],
                 false,
             ),
             processing_request::Request::ResponseTrailers(_) => (
-                processing_response::Response::ResponseTrailers(TrailersResponse::default()),
+                vec![processing_response::Response::ResponseTrailers(
+                    TrailersResponse::default(),
+                )],
                 false,
             ),
         };
-        let answer = ProcessingResponse {
-            response: Some(response),
-            ..ProcessingResponse::default()
-        };
-        if out.send(Ok(answer)).await.is_err() || done {
+        for response in responses {
+            let answer = ProcessingResponse {
+                response: Some(response),
+                ..ProcessingResponse::default()
+            };
+            if out.send(Ok(answer)).await.is_err() {
+                return;
+            }
+        }
+        if done {
             return;
         }
     }
 }
 
-/// A body answer that sets [`PROBE_HEADER`] as cachepick sets its headers (`raw_value`, overwrite).
-fn probe() -> BodyResponse {
+/// A common answer that sets [`PROBE_HEADER`] as cachepick sets its headers (`raw_value`, overwrite).
+fn probe() -> CommonResponse {
     let header = HeaderValueOption {
         header: Some(HeaderValue {
             key: PROBE_HEADER.to_owned(),
@@ -305,13 +370,11 @@ fn probe() -> BodyResponse {
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd.into(),
         ..HeaderValueOption::default()
     };
-    BodyResponse {
-        response: Some(CommonResponse {
-            header_mutation: Some(HeaderMutation {
-                set_headers: vec![header],
-                remove_headers: Vec::new(),
-            }),
-            ..CommonResponse::default()
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: vec![header],
+            remove_headers: Vec::new(),
         }),
+        ..CommonResponse::default()
     }
 }

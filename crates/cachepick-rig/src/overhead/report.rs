@@ -145,6 +145,8 @@ pub fn compare(size: usize, mode: &str, cells: &[CellReport]) -> Option<Comparis
 pub struct NoopReceived {
     pub buffered: Received,
     pub duplex: Received,
+    /// STREAMED streams (the `streamed-no-wait` variant only).
+    pub streamed: Received,
 }
 
 /// `1 KB`, `45 KB`, `200 KB`, or bytes.
