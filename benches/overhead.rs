@@ -1,5 +1,5 @@
 //! Per-request latency through Envoy + a no-op ext_proc server (arm c) and Envoy + cachepick (arm d),
-//! at 4 KB and 200 KB, in both body modes: the medians of `cachepick overhead`'s two ext_proc arms,
+//! at 4 KB and 200 KB, in each body mode (buffered, duplex, streamed): the medians of `cachepick overhead`'s two ext_proc arms,
 //! on the same harness (`cachepick_rig::overhead::Rig`: one worker, one picker, one no-op server, a real
 //! Envoy per arm and mode, all on loopback). `cachepick overhead` gives the p99 and the other arms.
 //!
@@ -31,7 +31,7 @@ fn bench_overhead(c: &mut Criterion) {
         panic!("Envoy is not installed: run scripts/provision-envoy or set CACHEPICK_ENVOY")
     });
     let runtime = Runtime::new().unwrap();
-    let modes = [BodyMode::Buffered, BodyMode::Duplex];
+    let modes = [BodyMode::Buffered, BodyMode::Duplex, BodyMode::Streamed];
     let rig = runtime
         .block_on(Rig::start(&envoy, &modes, Variant::Generated))
         .expect("the overhead rig starts");
