@@ -151,7 +151,7 @@ pub struct NoopReceived {
 
 /// `1 KB`, `45 KB`, `200 KB`, or bytes.
 pub fn size_label(size: usize) -> String {
-    if size % 1_024 == 0 {
+    if size.is_multiple_of(1_024) {
         format!("{} KB", size / 1_024)
     } else {
         format!("{size} B")
