@@ -318,13 +318,23 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
                 assert_eq!(str_of(&processing["request_body_mode"]), "BUFFERED");
                 assert_eq!(str_of(&processing["request_trailer_mode"]), "SKIP");
                 assert_eq!(str_of(&ext_proc["message_timeout"]), "2s");
+                assert!(ext_proc["send_body_without_waiting_for_header_response"].is_null());
+            }
+            BodyMode::Streamed => {
+                assert_eq!(str_of(&processing["request_body_mode"]), "STREAMED");
+                assert_eq!(str_of(&processing["request_trailer_mode"]), "SEND");
+                assert_eq!(str_of(&ext_proc["message_timeout"]), "2s");
+                assert_eq!(
+                    ext_proc["send_body_without_waiting_for_header_response"].as_bool(),
+                    Some(true)
+                );
             }
         }
 
         // Upstream: the prefill-capable workers of every pool (never the decode-only one), steered by
         // override_host; or ORIGINAL_DST on the header.
         match mode {
-            BodyMode::Buffered | BodyMode::Duplex => {
+            BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => {
                 assert_eq!(str_of(&route["route"]["cluster"]), "workers");
                 let workers = cluster(&bootstrap, "workers").expect("the workers cluster");
                 // The endpoints come from cachepick's EDS (tests/eds.rs runs it against Envoy), over
@@ -745,10 +755,13 @@ fn the_cli_exits_2_on_a_bad_config_or_mode() {
         "--config",
         example.to_str().unwrap(),
         "--mode",
-        "streamed",
+        "streaming",
     ]);
     assert_eq!(output.status.code(), Some(2), "{output:?}");
-    assert!(String::from_utf8_lossy(&output.stderr).contains("buffered, duplex or original-dst"));
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .contains("buffered, duplex, streamed or original-dst")
+    );
 }
 
 // ---------------------------------------------------------------------------------------------------

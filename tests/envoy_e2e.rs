@@ -497,7 +497,8 @@ fn routed(stack: &Stack, reply: &Reply) -> Routed {
     }
 }
 
-/// Runs the scenario `$scenario(mode)` as two tests, `$scenario::buffered` and `$scenario::duplex`.
+/// Runs the scenario `$scenario(mode)` as three tests, `$scenario::buffered`, `$scenario::duplex` and
+/// `$scenario::streamed`.
 macro_rules! in_both_body_modes {
     ($scenario:ident) => {
         mod $scenario {
@@ -511,6 +512,11 @@ macro_rules! in_both_body_modes {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn duplex() {
                 super::$scenario(BodyMode::Duplex).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn streamed() {
+                super::$scenario(BodyMode::Streamed).await;
             }
         }
     };
@@ -907,6 +913,23 @@ async fn a_five_megabyte_prompt_reaches_the_worker_whole_in_duplex_mode() {
         max_body_bytes: Some(8 << 20),
         tune: room_for_huge_prompts,
         ..Setup::new(BodyMode::Duplex)
+    })
+    .await;
+    let body = completion(&text("big", PROMPT_BYTES));
+    assert!(body.len() > PROMPT_BYTES && body.len() < 8 << 20);
+    let reply = stack.complete(body).await;
+    assert_served_whole(&stack, &reply, PROMPT_BYTES);
+}
+
+/// Streamed mode: Envoy queues the chunks it has sent (up to the route's limit) until cachepick,
+/// which answers the headers only once the body is whole, lets each through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_five_megabyte_prompt_reaches_the_worker_whole_in_streamed_mode() {
+    const PROMPT_BYTES: usize = 5_000_000;
+    let stack = Stack::start(Setup {
+        max_body_bytes: Some(8 << 20),
+        tune: room_for_huge_prompts,
+        ..Setup::new(BodyMode::Streamed)
     })
     .await;
     let body = completion(&text("big", PROMPT_BYTES));

@@ -226,9 +226,10 @@ async fn panic_is_served_by_the_fallback(mode: BodyMode) {
     assert_eq!(metric_sum(&text, "cachepick_decisions_total", &[]), 0.0);
     // Buffered: a gRPC error, which Envoy fails open on. Duplex: Envoy has streamed the body to
     // cachepick and would answer a gRPC error with a 500, so cachepick continues the request without a
-    // destination instead (and Envoy sees no error at all).
+    // destination instead (and Envoy sees no error at all). Streamed: cachepick owes the headers answer,
+    // so it continues the request the same way, letting the chunks through.
     let failed_open = match mode {
-        BodyMode::Duplex => 0,
+        BodyMode::Duplex | BodyMode::Streamed => 0,
         _ => 1,
     };
     assert_eq!(
@@ -250,6 +251,11 @@ async fn a_panic_in_a_decision_is_served_by_envoys_fallback_buffered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_in_a_decision_is_served_by_envoys_fallback_duplex() {
     panic_is_served_by_the_fallback(BodyMode::Duplex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_a_decision_is_served_by_envoys_fallback_streamed() {
+    panic_is_served_by_the_fallback(BodyMode::Streamed).await;
 }
 
 /// The decision deadline of the overload run: Envoy's `message_timeout` is 1 s.

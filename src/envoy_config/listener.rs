@@ -61,6 +61,12 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
              to least-request over the same workers once the health check marks the picker down (a body \
              already streaming to a picker that dies gets a 500: Envoy cannot fail open mid-body)."
         }
+        BodyMode::Streamed => {
+            "Mode streamed: the body streams to cachepick (STREAMED) without waiting for cachepick's answer \
+             to the headers, which cachepick gives once the body is whole and which names the worker; Envoy \
+             keeps the body, so nothing is echoed. One round trip fewer than buffered, no echo as in duplex. \
+             A picker outage falls back to least-request over the same workers."
+        }
         BodyMode::OriginalDst => {
             "Mode original-dst: Envoy connects to whatever ip:port cachepick names (the GIE gateway form). \
              Envoy does not know the fleet, so a picker outage means 503s: prefer buffered or duplex."
@@ -222,6 +228,15 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
                 "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
             ],
         ),
+        BodyMode::Streamed => out.comment(
+            16,
+            &[
+                "cachepick's max_body_bytes: Envoy holds the body's chunks until cachepick has answered (up to",
+                "this many bytes, it overrides the listener's 1 MiB for this route's requests); cachepick refuses a",
+                "body over the limit itself (413). It is also the retry buffer: a larger body (possible only while",
+                "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
+            ],
+        ),
         BodyMode::Duplex => out.comment(
             16,
             &[
@@ -351,6 +366,14 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     out.line(indent, "grpc_service:");
     out.line(indent + 2, "envoy_grpc: {cluster_name: cachepick}");
     match mode {
+        BodyMode::Streamed => out.comment(
+            indent,
+            &[
+                "Fail open: if cachepick is down, errs or times out, the request continues without the routing header",
+                "and override_host falls back to least-request: Envoy still holds the body in this mode, so it can",
+                "fail open at any point. With `false` every request would fail (500, or 504 on a timeout).",
+            ],
+        ),
         BodyMode::Buffered => out.comment(
             indent,
             &[
@@ -388,13 +411,22 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
                 "blocking thread pool, so a long tokenization does not stall other streams.",
             ],
         ),
-        BodyMode::Buffered | BodyMode::OriginalDst => {
+        BodyMode::Buffered | BodyMode::OriginalDst | BodyMode::Streamed => {
             out.comment(
                 indent,
                 &[
                     "Per message. Envoy's default, 200 ms, is less than tokenizing a prompt of a few MiB can take.",
                 ],
             );
+            if mode == BodyMode::Streamed {
+                out.comment(
+                    indent,
+                    &[
+                        "In streamed mode the headers message's timer runs from the headers to cachepick's answer, so it",
+                        "also covers the body's upload: a client slower than this fails open (routed by least-request).",
+                    ],
+                );
+            }
             out.line(
                 indent,
                 &format!("message_timeout: {}", duration(message_timeout)),
@@ -413,6 +445,18 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     out.line(indent + 2, "response_header_mode: SKIP");
     let (body_mode, trailer_mode) = match mode {
         BodyMode::Buffered | BodyMode::OriginalDst => ("BUFFERED", "SKIP"),
+        BodyMode::Streamed => {
+            out.comment(
+                indent + 2,
+                &[
+                    "Chunks go to cachepick as they arrive (send_body_without_waiting_for_header_response below) and",
+                    "stay queued in Envoy until cachepick answers each with CONTINUE. Request trailers are sent, so a",
+                    "body that ends with trailers still ends for cachepick. The upstream gets the body with",
+                    "transfer-encoding: chunked (Envoy drops content-length, since the body may change).",
+                ],
+            );
+            ("STREAMED", "SEND")
+        }
         BodyMode::Duplex => {
             out.comment(
                 indent + 2,
@@ -428,6 +472,19 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     out.line(indent + 2, &format!("request_trailer_mode: {trailer_mode}"));
     out.line(indent + 2, "response_body_mode: NONE");
     out.line(indent + 2, "response_trailer_mode: SKIP");
+    if mode == BodyMode::Streamed {
+        out.comment(
+            indent,
+            &[
+                "Envoy sends the body without waiting for cachepick's headers response: the round trip buffered",
+                "mode spends waiting for it is saved.",
+            ],
+        );
+        out.line(
+            indent,
+            "send_body_without_waiting_for_header_response: true",
+        );
+    }
     out.comment(
         indent,
         &[&format!(

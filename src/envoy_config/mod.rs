@@ -105,6 +105,12 @@ pub enum BodyMode {
     /// `FULL_DUPLEX_STREAMED`: the body streams to cachepick, which buffers it and streams it back, so
     /// Envoy holds no copy; `override_host` steers. The Endpoint Picker Protocol's required mode.
     Duplex,
+    /// `STREAMED` with `send_body_without_waiting_for_header_response`: the body's chunks go to cachepick
+    /// without waiting for its headers response, which cachepick holds until the body is whole and
+    /// which carries the decision; Envoy keeps the body and cachepick answers each chunk with CONTINUE.
+    /// Saves buffered mode's wait for the headers response, and duplex mode's echo of the body;
+    /// `override_host` steers.
+    Streamed,
     /// Buffered body, but an `ORIGINAL_DST` cluster that connects to whatever address the header names
     /// (the GIE gateway form). Envoy does not know the fleet, so there is no fallback: without a picker
     /// answer the request gets 503.
@@ -112,13 +118,19 @@ pub enum BodyMode {
 }
 
 impl BodyMode {
-    pub const ALL: [BodyMode; 3] = [BodyMode::Buffered, BodyMode::Duplex, BodyMode::OriginalDst];
+    pub const ALL: [BodyMode; 4] = [
+        BodyMode::Buffered,
+        BodyMode::Duplex,
+        BodyMode::Streamed,
+        BodyMode::OriginalDst,
+    ];
 
     /// The `--mode` value.
     pub fn as_str(self) -> &'static str {
         match self {
             BodyMode::Buffered => "buffered",
             BodyMode::Duplex => "duplex",
+            BodyMode::Streamed => "streamed",
             BodyMode::OriginalDst => "original-dst",
         }
     }
@@ -128,6 +140,7 @@ impl BodyMode {
         match self {
             BodyMode::Buffered => "envoy.yaml",
             BodyMode::Duplex => "envoy-duplex.yaml",
+            BodyMode::Streamed => "envoy-streamed.yaml",
             BodyMode::OriginalDst => "envoy-original-dst.yaml",
         }
     }
@@ -146,7 +159,9 @@ impl FromStr for BodyMode {
         BodyMode::ALL
             .into_iter()
             .find(|mode| mode.as_str() == text)
-            .ok_or_else(|| format!("expected buffered, duplex or original-dst, got `{text}`"))
+            .ok_or_else(|| {
+                format!("expected buffered, duplex, streamed or original-dst, got `{text}`")
+            })
     }
 }
 
@@ -302,7 +317,9 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
     listener(&mut out, config, options);
     out.line(2, "clusters:");
     match options.mode {
-        BodyMode::Buffered | BodyMode::Duplex => workers_cluster(&mut out, config),
+        BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => {
+            workers_cluster(&mut out, config)
+        }
         BodyMode::OriginalDst => original_dst_cluster(&mut out, config),
     }
     picker_cluster(&mut out, options);
@@ -320,7 +337,7 @@ fn uses_eds(config: &Config, mode: BodyMode) -> bool {
 /// Name of the cluster the route sends requests to.
 fn upstream_cluster(mode: BodyMode) -> &'static str {
     match mode {
-        BodyMode::Buffered | BodyMode::Duplex => WORKERS_CLUSTER,
+        BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => WORKERS_CLUSTER,
         BodyMode::OriginalDst => "workers_original_dst",
     }
 }
@@ -350,7 +367,7 @@ mod tests {
         for mode in BodyMode::ALL {
             assert_eq!(mode.as_str().parse::<BodyMode>(), Ok(mode));
         }
-        assert!("streamed".parse::<BodyMode>().is_err());
+        assert!("streaming".parse::<BodyMode>().is_err());
     }
 
     #[test]

@@ -6,7 +6,11 @@
 //! - BUFFERED body: the whole body arrives in one message; the answer is the body response, whose
 //!   header mutation carries the destination;
 //! - FULL_DUPLEX_STREAMED body: chunks are buffered to the end of the stream; the (delayed) headers
-//!   response carries the destination and the body is re-emitted as `streamed_response` chunks.
+//!   response carries the destination and the body is re-emitted as `streamed_response` chunks;
+//! - STREAMED body with `send_body_without_waiting_for_header_response`: chunks are buffered to the end
+//!   of the stream as in duplex mode, the delayed headers response carries the destination, and each
+//!   chunk is answered with CONTINUE (Envoy holds the body itself, so nothing is echoed). Envoy sends
+//!   the body without waiting for the headers response, which saves BUFFERED mode's round trip.
 //!
 //! Once the answer is sent the server ends the stream cleanly: Envoy proceeds with what it was told and
 //! later resets its side, which is normal and not counted as an error.
@@ -128,7 +132,9 @@ struct Exchange {
     /// Body messages received (a duplex request with trailers may have none).
     chunks: usize,
     body_mode: Option<BodySendMode>,
-    /// The headers response is owed (duplex: it is sent with the decision).
+    /// Envoy sends the body without waiting for the headers response (`protocol_config`).
+    no_wait: bool,
+    /// The headers response is owed (duplex and streamed: it is sent with the decision).
     headers_pending: bool,
     /// The fault injected into the decision (`x-fault-injection`).
     #[cfg(feature = "fault-injection")]
@@ -136,6 +142,28 @@ struct Exchange {
 }
 
 impl Exchange {
+    /// Whether the body goes back to Envoy through cachepick (FULL_DUPLEX_STREAMED), rather than being
+    /// held by Envoy and answered with CONTINUE (STREAMED).
+    fn echoes(&self) -> bool {
+        self.body_mode == Some(BodySendMode::FullDuplexStreamed)
+    }
+
+    /// The answers to the body chunks held so far, when the request continues: the body itself in
+    /// duplex mode (`ends`: it ends the stream), one CONTINUE per chunk in streamed mode.
+    fn release_body(&self, body: &[u8], chunks: usize, ends: bool) -> Vec<ProcessingResponse> {
+        if self.echoes() {
+            streamed_body(body, ends)
+        } else {
+            (0..chunks)
+                .map(|_| {
+                    response(processing_response::Response::RequestBody(
+                        BodyResponse::default(),
+                    ))
+                })
+                .collect()
+        }
+    }
+
     fn new(share: BodyShare) -> Exchange {
         Exchange {
             path: String::new(),
@@ -149,6 +177,7 @@ impl Exchange {
             share,
             chunks: 0,
             body_mode: None,
+            no_wait: false,
             headers_pending: false,
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -202,6 +231,7 @@ async fn drive(
         };
         if let Some(config) = &message.protocol_config {
             exchange.body_mode = BodySendMode::try_from(config.request_body_mode).ok();
+            exchange.no_wait = config.send_body_without_waiting_for_header_response;
         }
         let Some(request) = message.request else {
             continue;
@@ -423,14 +453,20 @@ fn on_headers(
             exchange.headers_pending = true;
             Step::Wait
         }
+        // The chunks come without waiting for the headers response, which carries the decision.
+        Some(BodySendMode::Streamed) if exchange.no_wait => {
+            exchange.headers_pending = true;
+            Step::Wait
+        }
         Some(BodySendMode::Buffered) | None => {
             Step::Reply(vec![headers_response(HeaderMutation {
                 set_headers: Vec::new(),
                 remove_headers: exchange.spoofed.clone(),
             })])
         }
-        // STREAMED, BUFFERED_PARTIAL or NONE: the body never arrives whole before Envoy picks the host,
-        // so no decision could take effect. Fail loudly rather than route blind.
+        // STREAMED waiting for the headers response, BUFFERED_PARTIAL or NONE: the body never arrives
+        // whole before Envoy picks the host, so no decision could take effect. Fail loudly rather than
+        // route blind.
         Some(mode) => Step::Refuse(service.refuse(
             RefusalReason::UnsupportedBodyMode,
             format!(
@@ -446,8 +482,8 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     let duplex = exchange.headers_pending;
     let ends = body.end_of_stream || body.end_of_stream_without_message;
     if exchange.forwarding {
-        // Shed mid-body: each chunk goes straight back to Envoy, and nothing is held.
-        let responses = streamed_body(&body.body, ends);
+        // Shed mid-body: each chunk goes straight back to Envoy (or is let through), nothing is held.
+        let responses = exchange.release_body(&body.body, 1, ends);
         return if ends {
             Step::Finish(responses)
         } else {
@@ -466,8 +502,8 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
         if !duplex {
             return Step::Shed(ShedReason::BodyBudget);
         }
-        // Duplex: the body is cachepick's to give back, so the request continues without a
-        // destination; what was held goes back now and the rest is echoed as it comes.
+        // Duplex or streamed: the headers response is cachepick's to give, so the request continues
+        // without a destination; what was held goes back (or through) now, and the rest as it comes.
         service.metrics().overload.shed(ShedReason::BodyBudget);
         exchange.forwarding = true;
         let mut held = std::mem::take(&mut exchange.body);
@@ -477,7 +513,7 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
             set_headers: Vec::new(),
             remove_headers: exchange.spoofed.clone(),
         })];
-        responses.extend(streamed_body(&held, ends));
+        responses.extend(exchange.release_body(&held, exchange.chunks + 1, ends));
         return if ends {
             Step::Finish(responses)
         } else {
@@ -634,10 +670,15 @@ async fn decide(
         (Answer::Shed(reason), ..) => return Decided::Shed(*reason),
         (Answer::Route(routed), Ending::Headers, _) => vec![routed_in_headers(exchange, routed)],
         (Answer::Route(routed), _, true) => {
-            // Duplex order: the delayed headers response, the body, then the trailers if they ended it.
+            // Duplex and streamed order: the delayed headers response, the body (echoed or let
+            // through), then the trailers if they ended it.
             let mut responses = vec![routed_in_headers(exchange, routed)];
             if exchange.chunks > 0 {
-                responses.extend(streamed_body(&exchange.whole, ending == Ending::Body));
+                responses.extend(exchange.release_body(
+                    &exchange.whole,
+                    exchange.chunks,
+                    ending == Ending::Body,
+                ));
             }
             if ending == Ending::Trailers {
                 responses.push(response(processing_response::Response::RequestTrailers(
@@ -718,17 +759,21 @@ fn inject_panic() {
     panic!("fault injected by {FAULT_HEADER}: panic");
 }
 
-/// A duplex request given up on after its body arrived, continued without a destination: the delayed
-/// headers response with only the removal of client-sent routing headers, the body streamed back, and
-/// the trailers response if they ended it. Envoy's `override_host` then uses the cluster's own load
-/// balancing.
+/// A duplex or streamed request given up on after its body arrived, continued without a destination:
+/// the delayed headers response with only the removal of client-sent routing headers, the body streamed
+/// back (or let through), and the trailers response if they ended it. Envoy's `override_host` then uses
+/// the cluster's own load balancing.
 fn unrouted(exchange: &Exchange, ending: Ending) -> Vec<ProcessingResponse> {
     let mut responses = vec![headers_response(HeaderMutation {
         set_headers: Vec::new(),
         remove_headers: exchange.spoofed.clone(),
     })];
     if exchange.chunks > 0 {
-        responses.extend(streamed_body(&exchange.whole, ending == Ending::Body));
+        responses.extend(exchange.release_body(
+            &exchange.whole,
+            exchange.chunks,
+            ending == Ending::Body,
+        ));
     }
     if ending == Ending::Trailers {
         responses.push(response(processing_response::Response::RequestTrailers(

@@ -98,6 +98,54 @@ enum Command {
     /// every request that was not served, with its cause. Exits 1 if a request a live worker could have
     /// served was lost. With --soak: steady traffic alone, the picker's memory sampled.
     Chaos(ChaosArgs),
+    /// What a request pays through Envoy and cachepick: the same requests to one worker directly (a),
+    /// through Envoy (b), Envoy + a no-op ext_proc server (c) and Envoy + cachepick (d), interleaved in
+    /// one run, per body size and mode; p50/p90/p99 and the differences, (d) − (c) being cachepick's own.
+    Overhead(OverheadArgs),
+}
+
+/// `cachepick overhead`.
+#[derive(Args)]
+struct OverheadArgs {
+    /// Measured requests per size, arm and mode (warm-up excluded).
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    requests: usize,
+    /// Requests per size, arm and mode sent first and not counted.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    warmup: usize,
+    /// Requests an arm sends before the next arm's turn.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    batch: usize,
+    /// Body sizes in KiB, comma-separated.
+    #[arg(
+        long,
+        value_name = "KB",
+        value_delimiter = ',',
+        default_value = "1,4,45,200"
+    )]
+    sizes: Vec<usize>,
+    /// Body modes of the ext_proc arms, comma-separated: buffered, duplex, streamed.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "buffered,duplex,streamed"
+    )]
+    modes: Vec<cachepick::envoy_config::BodyMode>,
+    /// generated: the bootstraps `cachepick envoy-config` writes. The round-trip experiments of
+    /// BENCHMARKS.md change the ext_proc arms: skip-request-headers (request_header_mode SKIP, the path
+    /// and headers as request_attributes); streamed-no-wait (request_body_mode STREAMED with
+    /// send_body_without_waiting_for_header_response; use with --modes buffered).
+    #[arg(long, default_value = "generated")]
+    variant: cachepick_rig::overhead::Variant,
+    /// The Envoy binary (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, then PATH).
+    #[arg(long, value_name = "PATH")]
+    envoy: Option<PathBuf>,
+    /// Seed of the bodies' text.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output directory for report.json and table.md.
+    #[arg(long, value_name = "DIR", default_value = "target/overhead")]
+    out: PathBuf,
 }
 
 /// `cachepick chaos`.
@@ -398,6 +446,7 @@ fn main() -> ExitCode {
             run("cachepick replay", replay(&args))
         }
         Command::Chaos(args) => run("cachepick chaos", chaos(&args)),
+        Command::Overhead(args) => run("cachepick overhead", overhead(&args)),
         Command::Check(args) => with_config(&args, |config| {
             print!("{}", config.to_yaml());
             ExitCode::SUCCESS
@@ -650,6 +699,32 @@ async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {
             report.good.lost_servable
         );
     }
+    Ok(())
+}
+
+async fn overhead(args: &OverheadArgs) -> anyhow::Result<()> {
+    let options = cachepick_rig::overhead::OverheadOptions {
+        sizes: args
+            .sizes
+            .iter()
+            .map(|kib| kib.saturating_mul(1024))
+            .collect(),
+        modes: args.modes.clone(),
+        requests: args.requests,
+        warmup: args.warmup,
+        batch: args.batch,
+        envoy: args.envoy.clone(),
+        variant: args.variant,
+        seed: args.seed,
+        out: Some(args.out.clone()),
+    };
+    let report = cachepick_rig::overhead::run(&options).await?;
+    println!("{}", report.table);
+    println!(
+        "load average before: {}; after: {}",
+        report.load_before, report.load_after
+    );
+    println!("report: {}", args.out.join("report.json").display());
     Ok(())
 }
 

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use cachepick::config::Config;
@@ -45,26 +46,47 @@ impl Envoy {
         pickers: &[SocketAddr],
         access_log: Option<&Path>,
     ) -> Result<Envoy, String> {
+        Envoy::start_rendered(path, access_log, |listen, admin| {
+            Ok(cachepick::envoy_config::render(
+                config,
+                &EnvoyOptions {
+                    mode: BodyMode::Buffered,
+                    listen,
+                    admin,
+                    pickers: pickers.to_vec(),
+                    ..EnvoyOptions::for_config(config)
+                },
+            ))
+        })
+        .await
+    }
+
+    /// Starts the Envoy at `path` on the bootstrap `bootstrap` writes for a listener and an admin
+    /// address on fresh loopback ports (the overhead bench derives its arms' bootstraps from the
+    /// generated one this way), with the access log of [`start_logged`](Self::start_logged) when `log`
+    /// names one.
+    pub async fn start_rendered(
+        path: &Path,
+        access_log: Option<&Path>,
+        bootstrap: impl FnOnce(SocketAddr, SocketAddr) -> Result<String, String>,
+    ) -> Result<Envoy, String> {
         let listen = crate::free_port().map_err(|error| error.to_string())?;
         let admin = crate::free_port().map_err(|error| error.to_string())?;
-        let mut yaml = cachepick::envoy_config::render(
-            config,
-            &EnvoyOptions {
-                mode: BodyMode::Buffered,
-                listen,
-                admin,
-                pickers: pickers.to_vec(),
-                ..EnvoyOptions::for_config(config)
-            },
-        );
+        let mut yaml = bootstrap(listen, admin)?;
         if let Some(log) = access_log {
             yaml = with_access_log(&yaml, log)?;
         }
+        // Several Envoys of one process (the overhead bench runs five) each need their own directory
+        // and shared-memory base id: a per-process count tells them apart.
+        static STARTED: AtomicU32 = AtomicU32::new(0);
+        let nth = STARTED.fetch_add(1, Ordering::Relaxed) % 1000;
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |since| since.subsec_nanos());
-        let dir =
-            std::env::temp_dir().join(format!("cachepick-replay-{}-{nanos}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "cachepick-replay-{}-{nanos}-{nth}",
+            std::process::id()
+        ));
         std::fs::create_dir_all(&dir).map_err(|error| error.to_string())?;
         let file = dir.join("envoy.yaml");
         std::fs::write(&file, yaml).map_err(|error| error.to_string())?;
@@ -79,7 +101,7 @@ impl Envoy {
             .args(["--concurrency", "2", "-l", "warning", "--log-path"])
             .arg(&log)
             .arg("--base-id")
-            .arg(((std::process::id() as u64) * 1000 + u64::from(nanos % 1000)).to_string())
+            .arg((u64::from(std::process::id()) * 1000 + u64::from(nth)).to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

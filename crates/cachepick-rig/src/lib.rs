@@ -6,6 +6,8 @@
 //!   memory over a steady run.
 //! - [`client`]: an ext_proc client that asks a picker for a decision the way Envoy does.
 //! - [`envoy`]: finding the Envoy binary and running it with the configuration cachepick generates.
+//! - [`overhead`]: `cachepick overhead` — the same requests to one worker directly, through Envoy,
+//!   Envoy + a no-op ext_proc server and Envoy + cachepick, side by side; what cachepick's own work costs.
 //! - [`replay`]: `cachepick replay` — a Mooncake trace or the burst scenario, once per routing policy on
 //!   a fresh simulated fleet; prefix-hit rate, TTFT, balance and reasons as a table, JSON and SVG.
 //! - [`demo`]: `cachepick demo` — one replay of the burst workload with the fleet's policy, through
@@ -20,6 +22,7 @@ pub mod chaos;
 pub mod client;
 pub mod demo;
 pub mod envoy;
+pub mod overhead;
 pub mod replay;
 pub mod stage;
 
