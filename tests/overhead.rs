@@ -13,6 +13,8 @@
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/provision.rs"]
+mod provision;
 
 use cachepick::envoy_config::BodyMode;
 use cachepick_rig::overhead::{Arm, OverheadOptions, run};
