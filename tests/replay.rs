@@ -435,8 +435,16 @@ fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
     let rr = &arms[2];
     let share = rr["worker_share"].as_f64().unwrap();
     assert!(share < 1.1, "smg round_robin is not even: {rr}");
-    // The conversations extend each other's prompts, so a cache-aware router finds prefixes.
+    // The conversations extend each other's prompts, so a cache-aware router finds prefixes: smg in the
+    // text, vllm-router in the token ids it asks the workers to render.
     assert!(arms[1]["hit_rate"].as_f64().unwrap() > 0.0, "{}", arms[1]);
+    let vllm_router = &arms[3];
+    assert!(
+        vllm_router["hit_rate"].as_f64().unwrap() > 0.0,
+        "{vllm_router}"
+    );
+    let counters = vllm_router["front_counters"].to_string();
+    assert!(counters.contains("prefix_hit"), "{vllm_router}");
 }
 
 #[test]

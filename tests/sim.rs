@@ -699,6 +699,53 @@ async fn discovery_endpoints_answer_like_the_engines() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_render_endpoints_give_the_token_ids_the_engine_counts() {
+    let vllm = fleet(Engine::Vllm, 1, |_| {}).await;
+    let sglang = fleet(Engine::Sglang, 1, |_| {}).await;
+    let (vllm, sglang) = (worker(&vllm, 0).addr(), worker(&sglang, 0).addr());
+    let client = Client::new();
+    let text = json!({"model": MODEL, "prompt": "a render of this prompt", "max_tokens": 1});
+    let rendered = client
+        .post(vllm, "/v1/completions/render", &text)
+        .await
+        .json();
+    // Completions: one rendered prompt per prompt, in a list, as vLLM answers.
+    let ids = rendered[0]["token_ids"]
+        .as_array()
+        .expect("token ids")
+        .len();
+    let usage = client.post(vllm, "/v1/completions", &text).await.json();
+    assert_eq!(usage["usage"]["prompt_tokens"], ids, "{rendered} {usage}");
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1});
+    let rendered = client
+        .post(vllm, "/v1/chat/completions/render", &chat)
+        .await
+        .json();
+    let ids = rendered["token_ids"].as_array().expect("token ids").len();
+    let usage = client
+        .post(vllm, "/v1/chat/completions", &chat)
+        .await
+        .json();
+    assert_eq!(usage["usage"]["prompt_tokens"], ids, "{rendered} {usage}");
+    let other = json!({"model": "other", "prompt": "x"});
+    assert_eq!(
+        client
+            .post(vllm, "/v1/completions/render", &other)
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+    // SGLang has no render endpoint.
+    assert_eq!(
+        client
+            .post(sglang, "/v1/completions/render", &text)
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+}
+
 // === 7. admin controls ===
 
 async fn set_metrics(client: &Client, addr: SocketAddr, control: Value) {

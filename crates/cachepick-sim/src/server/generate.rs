@@ -177,6 +177,47 @@ fn refused(refusal: Refusal) -> Response<Body> {
     }
 }
 
+/// vLLM's render endpoints (`POST /v1/completions/render`, `/v1/chat/completions/render`, which vLLM
+/// serves with `--enable-scale-out`): the prompt's token ids exactly as [`generate`] would compute them,
+/// without generating. Routers that route on token ids ask a worker for them (vllm-router's
+/// `cache_aware` does before every request). Completions answer a list with one rendered prompt per
+/// prompt, chat a single object, as vLLM does.
+pub(super) fn render(shared: &Shared, api: Api, body: &Bytes) -> Response<Body> {
+    let request = match wire::parse(api, body) {
+        Ok(request) => request,
+        Err(problem) => {
+            let status = StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::BAD_REQUEST);
+            return error(status, &problem.to_string());
+        }
+    };
+    if let Some(model) = request.model.as_deref()
+        && model != shared.spec.model
+    {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{model}` does not exist."),
+        );
+    }
+    let token_ids = match tokens(&shared.spec.tokenizer, &request.prompt) {
+        Ok(prompt) => prompt,
+        Err(message) => return error(StatusCode::BAD_REQUEST, &message),
+    };
+    let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
+    let prefix = if api == Api::Chat { "chatcmpl" } else { "cmpl" };
+    let rendered = serde_json::json!({
+        "request_id": format!("{prefix}-render-{id}"),
+        "token_ids": token_ids,
+        "sampling_params": {"max_tokens": request.max_tokens},
+        "model": shared.spec.model,
+    });
+    let answer = if api == Api::Chat {
+        rendered
+    } else {
+        serde_json::Value::Array(vec![rendered])
+    };
+    json(StatusCode::OK, answer.to_string().into_bytes())
+}
+
 /// The prompt's tokens as the engine sees them: a chat rendered by the template and tokenized whole
 /// without added special tokens; a text prompt tokenized whole with them; token ids as given.
 fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {

@@ -629,6 +629,15 @@ async fn route(
                 Err(response) => response,
             }
         }
+        (&Method::POST, "/v1/chat/completions/render" | "/v1/completions/render")
+            if engine == Engine::Vllm =>
+        {
+            let api = Api::from_path(path.trim_end_matches("/render")).unwrap_or(Api::Chat);
+            match read_body(request).await {
+                Ok(body) => generate::render(&shared, api, &body),
+                Err(response) => response,
+            }
+        }
         (&Method::GET, "/metrics") => metrics(&shared, &incarnation, Scrape::Metrics).await,
         (&Method::GET, "/v1/loads") if engine == Engine::Sglang => {
             metrics(&shared, &incarnation, Scrape::Loads).await
