@@ -48,6 +48,29 @@ def run(args, scenario, load, seed, bin_dir):
     return out
 
 
+def rerun_front(args, out, prefix, bin_dir):
+    """Measures one front again in an existing run (same scenario, load and seed, a fresh fleet) and puts
+    its arm in place of the old one in the run's report.json, marked `rerun`."""
+    report_path = os.path.join(out, "report.json")
+    with open(report_path) as f:
+        report = json.load(f)
+    template = next(t for t in fronts(bin_dir) if os.path.basename(t.split()[0]) == prefix)
+    again = os.path.join(out, f"rerun-{prefix}")
+    scenario_args = (["--scenario", "burst"] if report["scenario"] == "burst"
+                     else ["--trace", report["scenario"], "--limit", str(report["requests"])])
+    command = [args.cachepick, "replay", *scenario_args, "--policies", "none",
+               "--load", str(report["fleet"]["load"]), "--seed", str(report["fleet"]["seed"]),
+               "--out", again, "--front", template]
+    print("$", " ".join(command[:11]), "… (1 front)", flush=True)
+    subprocess.run(command, check=True)
+    with open(os.path.join(again, "report.json")) as f:
+        fresh = json.load(f)["policies"][0]
+    fresh["rerun"] = True
+    report["policies"] = [fresh if arm["arm"] == fresh["arm"] else arm for arm in report["policies"]]
+    with open(report_path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def figures(arm):
     u = arm.get("utilisation") or {}
     return {
@@ -125,6 +148,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "target/peer-comparison"))
     parser.add_argument("--again", action="store_true", help="re-run runs whose report exists")
     parser.add_argument("--summarise-only", action="store_true")
+    parser.add_argument("--rerun-front", metavar="PROGRAM",
+                        help="measure only this router's arm again in every existing run (smg, vllm-router)")
     args = parser.parse_args()
     wanted = args.scenarios.split(",")
     scenarios = []
@@ -141,7 +166,9 @@ def main():
         for scenario in scenarios:
             for load in scenario["loads"]:
                 for seed in args.seeds:
-                    run(args, scenario, load, seed, bin_dir)
+                    out = run(args, scenario, load, seed, bin_dir)
+                    if args.rerun_front:
+                        rerun_front(args, out, args.rerun_front, bin_dir)
     # One table per scenario and load that has runs.
     args.loads = sorted({load for scenario in scenarios for load in scenario["loads"]})
     summarise(args, scenarios)

@@ -16,7 +16,8 @@
 //!   discovery documents (`/v1/models`, `/version`, `/server_info`, `/model_info`).
 //! - [`kv_events`]: the KV cache events the ranks publish over ZeroMQ (PUB live, ROUTER replay), in
 //!   the layout of vLLM ≤ 0.23, vLLM ≥ 0.24 or SGLang, from the events the model records.
-//! - [`server`]: one worker's HTTP server: request lifecycle, admin controls, crash and restart.
+//! - [`server`]: one worker's HTTP server: request lifecycle, vLLM's render endpoints (a prompt's token
+//!   ids), admin controls, crash and restart.
 //! - [`fleet`]: N workers on loopback, the cachepick config that fronts them, and the fleet control.
 //!
 //! This crate does not depend on cachepick (Cargo enforces it): it parses bodies, hashes blocks and
