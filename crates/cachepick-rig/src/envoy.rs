@@ -173,6 +173,25 @@ pub fn with_access_log(yaml: &str, log: &Path) -> Result<String, String> {
     logger.insert("typed_config".into(), Value::Mapping(typed));
     let logger = Value::Sequence(vec![Value::Mapping(logger)]);
     let mut placed = 0;
+    for filter in network_filters(&mut root) {
+        let is_hcm = filter.get("name").and_then(Value::as_str)
+            == Some("envoy.filters.network.http_connection_manager");
+        if let (true, Some(Value::Mapping(config))) = (is_hcm, filter.get_mut("typed_config")) {
+            config.insert("access_log".into(), logger.clone());
+            placed += 1;
+        }
+    }
+    if placed == 0 {
+        return Err("the bootstrap has no HTTP connection manager to log".to_owned());
+    }
+    serde_yaml::to_string(&root).map_err(|error| error.to_string())
+}
+
+/// Every network filter of every static listener's filter chains in a bootstrap: where the rig edits
+/// what `cachepick envoy-config` wrote (an access log here, the ext_proc filter in the overhead bench).
+pub(crate) fn network_filters(root: &mut serde_yaml::Value) -> Vec<&mut serde_yaml::Value> {
+    use serde_yaml::Value;
+    let mut found = Vec::new();
     let listeners = root
         .get_mut("static_resources")
         .and_then(|resources| resources.get_mut("listeners"))
@@ -183,22 +202,10 @@ pub fn with_access_log(yaml: &str, log: &Path) -> Result<String, String> {
             .and_then(Value::as_sequence_mut);
         for chain in chains.into_iter().flatten() {
             let filters = chain.get_mut("filters").and_then(Value::as_sequence_mut);
-            for filter in filters.into_iter().flatten() {
-                let is_hcm = filter.get("name").and_then(Value::as_str)
-                    == Some("envoy.filters.network.http_connection_manager");
-                if let (true, Some(Value::Mapping(config))) =
-                    (is_hcm, filter.get_mut("typed_config"))
-                {
-                    config.insert("access_log".into(), logger.clone());
-                    placed += 1;
-                }
-            }
+            found.extend(filters.into_iter().flatten());
         }
     }
-    if placed == 0 {
-        return Err("the bootstrap has no HTTP connection manager to log".to_owned());
-    }
-    serde_yaml::to_string(&root).map_err(|error| error.to_string())
+    found
 }
 
 impl Envoy {

@@ -441,29 +441,15 @@ fn bootstrap(yaml: &str, arm: Arm, noop: SocketAddr, variant: Variant) -> Result
 
 /// Every HTTP filter list of the bootstrap.
 fn http_filters(root: &mut Value) -> Vec<&mut Vec<Value>> {
-    let mut lists = Vec::new();
-    let listeners = root
-        .get_mut("static_resources")
-        .and_then(|resources| resources.get_mut("listeners"))
-        .and_then(Value::as_sequence_mut);
-    for listener in listeners.into_iter().flatten() {
-        let chains = listener
-            .get_mut("filter_chains")
-            .and_then(Value::as_sequence_mut);
-        for chain in chains.into_iter().flatten() {
-            let filters = chain.get_mut("filters").and_then(Value::as_sequence_mut);
-            for filter in filters.into_iter().flatten() {
-                if let Some(list) = filter
-                    .get_mut("typed_config")
-                    .and_then(|config| config.get_mut("http_filters"))
-                    .and_then(Value::as_sequence_mut)
-                {
-                    lists.push(list);
-                }
-            }
-        }
-    }
-    lists
+    crate::envoy::network_filters(root)
+        .into_iter()
+        .filter_map(|filter| {
+            filter
+                .get_mut("typed_config")
+                .and_then(|config| config.get_mut("http_filters"))
+                .and_then(Value::as_sequence_mut)
+        })
+        .collect()
 }
 
 fn is_ext_proc(filter: &Value) -> bool {
