@@ -1290,10 +1290,10 @@ proptest! {
         };
         let top_mode = top.mode.unwrap_or_default();
         let pool_mode = own.mode.unwrap_or(top_mode);
-        let gate_fits = |limit: Option<u64>, floor: Option<u64>| match (limit, floor) {
-            (None, Some(_)) => false,
-            (Some(limit), Some(floor)) => floor <= limit,
-            _ => true,
+        // The gate is on by default: a floor given without a limit is judged against the default
+        // limit, and an absent floor takes a default that never exceeds the limit.
+        let gate_fits = |limit: Option<u64>, floor: Option<u64>| {
+            floor.is_none_or(|floor| floor <= limit.unwrap_or(QueueGate::DEFAULT_LIMIT))
         };
         let top_gate = top_mode != ModeKind::CacheAware || gate_fits(top.limit, top.floor);
         let own_gate = pool_mode != ModeKind::CacheAware
