@@ -1,13 +1,14 @@
-//! Per-request latency through Envoy + a no-op ext_proc server (arm c) and Envoy + cachepick (arm d),
-//! at 4 KB and 200 KB, in each body mode (buffered, duplex, streamed): the medians of `cachepick overhead`'s two ext_proc arms,
-//! on the same harness (`cachepick_rig::overhead::Rig`: one worker, one picker, one no-op server, a real
-//! Envoy per arm and mode, all on loopback). `cachepick overhead` gives the p99 and the other arms.
+//! Per-request latency through Envoy + a no-op ext_proc server (arm c), Envoy + the no-op server that
+//! answers with a routing decision made in advance (arm c′) and Envoy + cachepick (arm d), at 4 KB and
+//! 200 KB, in each body mode (buffered, duplex, streamed): the medians of `cachepick overhead`'s
+//! ext_proc arms, on the same harness (`cachepick_rig::overhead::Rig`: one worker, one picker, the
+//! no-op servers, a real Envoy per arm and mode, all on loopback). `cachepick overhead` gives the p99 and the other arms.
 //!
 //! Run: `cargo bench --bench overhead` (Envoy from `CACHEPICK_ENVOY`, `target/envoy-1.40.0/bin/envoy`
 //! or `PATH`; `scripts/provision-envoy` installs it). Each request is a new chat turn on a shared
 //! prefix, sequential, timed from sending to the answer's last byte; a body's construction is outside
-//! the timing. The difference d − c between the two medians of a size and mode is cachepick's own work
-//! (targets in `BENCHMARKS.md`: ≤ 0.1 ms at 4 KB, ≤ 1 ms at 200 KB).
+//! the timing. The difference d − c between the medians of a size and mode is cachepick's own work
+//! (targets in `BENCHMARKS.md`: ≤ 0.1 ms at 4 KB, ≤ 1 ms at 200 KB); d − c′ is its computing alone.
 
 #![allow(
     clippy::unwrap_used,
@@ -40,13 +41,14 @@ fn bench_overhead(c: &mut Criterion) {
         let bodies = Bodies::new(MODEL, size, 1);
         let mut group = c.benchmark_group(format!("overhead/{name}"));
         for mode in modes {
-            for arm in [Arm::Noop, Arm::Cachepick] {
+            for arm in [Arm::Noop, Arm::Routing, Arm::Cachepick] {
                 let cell = Cell {
                     arm,
                     mode: Some(mode),
                 };
                 let label = match arm {
                     Arm::Noop => "c_noop_ext_proc",
+                    Arm::Routing => "c2_noop_that_routes",
                     _ => "d_cachepick",
                 };
                 group.bench_function(format!("{label}/{mode}"), |b| {
@@ -59,7 +61,7 @@ fn bench_overhead(c: &mut Criterion) {
                             assert_eq!(sample.status, 200, "{}", cell.name());
                             assert_eq!(
                                 sample.decision.is_some(),
-                                arm == Arm::Cachepick,
+                                arm != Arm::Noop,
                                 "{}",
                                 cell.name()
                             );

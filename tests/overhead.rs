@@ -1,7 +1,8 @@
-//! The four-arm overhead bench (`cachepick overhead`) with a handful of requests per cell, against a
-//! real Envoy 1.40: behaviour only, never timing. Every arm answers every size and mode (buffered,
-//! duplex, streamed); only arm (d)'s requests reach the worker with cachepick's decision; the no-op
-//! server of arm (c) sees the messages its mode sends, and nothing else decides for it. Envoy is provisioned (`envoy::binary()`), never
+//! The overhead bench (`cachepick overhead`) with a handful of requests per cell, against a real Envoy
+//! 1.40: behaviour only, never timing. Every arm answers every size and mode (buffered, duplex,
+//! streamed); only arm (d)'s requests reach the worker with cachepick's decision, and only arm (c′)'s
+//! with the decision its server made in advance; the no-op server of arm (c) sees the messages its
+//! mode sends, and nothing else decides for it. Envoy is provisioned (`envoy::binary()`), never
 //! skipped.
 
 #![allow(
@@ -30,8 +31,8 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
     };
     let report = run(&options).await.expect("the bench runs");
 
-    // (a) and (b) once per size, (c) and (d) per size and mode (buffered, duplex, streamed).
-    assert_eq!(report.cells.len(), OverheadOptions::SIZES.len() * 8);
+    // (a) and (b) once per size, (c), (c′) and (d) per size and mode (buffered, duplex, streamed).
+    assert_eq!(report.cells.len(), OverheadOptions::SIZES.len() * 11);
     for cell in &report.cells {
         assert_eq!(cell.requests, 4, "{cell:?}");
         assert_eq!(cell.ok, 4, "every request answered 200: {cell:?}");
@@ -40,6 +41,11 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
             cell.decided, expected,
             "only cachepick's arm carries a decision: {cell:?}"
         );
+        let expected = if cell.arm == Arm::Routing { 4 } else { 0 };
+        assert_eq!(
+            cell.routed_in_advance, expected,
+            "only arm (c′) carries the decision made in advance: {cell:?}"
+        );
         assert!(cell.latency_ms.p50 > 0.0 && cell.latency_ms.p99 >= cell.latency_ms.p50);
         assert_eq!(cell.mode.is_some(), cell.arm.has_mode(), "{cell:?}");
     }
@@ -47,6 +53,13 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
         report.comparisons.len(),
         OverheadOptions::SIZES.len() * 3,
         "one comparison per size and mode"
+    );
+    assert!(
+        report
+            .comparisons
+            .iter()
+            .all(|row| row.routing.is_some() && row.cachepick_minus_routing.is_some()),
+        "every row splits d − c at (c′)"
     );
 
     // Per size: warm-up and measured requests, plus the one readiness probe that reached the server.
@@ -74,6 +87,23 @@ async fn every_arm_answers_every_size_and_mode_and_only_cachepicks_arm_decides()
         duplex.trailers, 0,
         "an HTTP/1.1 client sends no trailers: {duplex:?}"
     );
+
+    // Arm (c′)'s server answers in cachepick's shape: the headers answer held in duplex and streamed
+    // mode until the body is whole, which Envoy sends without waiting only because the generated
+    // bootstraps ask it to; one stream per request in every mode, no trailers.
+    let routing = report
+        .routing_received
+        .expect("the generated bootstrap has arm (c′)");
+    for (mode, received) in [
+        ("buffered", routing.buffered),
+        ("duplex", routing.duplex),
+        ("streamed", routing.streamed),
+    ] {
+        assert_eq!(received.streams, per_mode + 1, "{mode}: {received:?}");
+        assert_eq!(received.headers, received.streams, "{mode}: {received:?}");
+        assert!(received.bodies >= received.streams, "{mode}: {received:?}");
+        assert_eq!(received.trailers, 0, "{mode}: {received:?}");
+    }
 
     // Every arm's requests reached the one worker: measured, warm-up and the probes of every cell.
     assert!(report.worker_served >= (report.cells.len() as u64) * 5);

@@ -99,8 +99,10 @@ enum Command {
     /// served was lost. With --soak: steady traffic alone, the picker's memory sampled.
     Chaos(ChaosArgs),
     /// What a request pays through Envoy and cachepick: the same requests to one worker directly (a),
-    /// through Envoy (b), Envoy + a no-op ext_proc server (c) and Envoy + cachepick (d), interleaved in
-    /// one run, per body size and mode; p50/p90/p99 and the differences, (d) − (c) being cachepick's own.
+    /// through Envoy (b), Envoy + a no-op ext_proc server (c), Envoy + the no-op server answering with a
+    /// routing decision made in advance (c′) and Envoy + cachepick (d), interleaved in one run, per body
+    /// size and mode; p50/p90/p99 and the differences, (d) − (c) being cachepick's own, (d) − (c′) its
+    /// computing.
     Overhead(OverheadArgs),
 }
 

@@ -7,7 +7,8 @@
 //! says: (b) is the generated bootstrap without the ext_proc filter (the same listener, header
 //! stripping, route and workers cluster, which then falls back to least-request over the one worker);
 //! (c) is the generated bootstrap of its mode with the ext_proc cluster's endpoint moved to the no-op
-//! server; (d) is the generated bootstrap of its mode as is. The workers cluster is fed by cachepick's
+//! server, and (c′) the same moved to the no-op server that answers as cachepick with a decision made
+//! in advance; (d) is the generated bootstrap of its mode as is. The workers cluster is fed by cachepick's
 //! EDS in every arm.
 
 use std::net::SocketAddr;
@@ -29,7 +30,7 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_
 
 use super::OverheadError;
 use super::bodies::CHAT_PATH;
-use super::noop::{NoopServer, Received};
+use super::noop::{NoopServer, Received, Reply};
 use super::worker::Worker;
 use crate::envoy::Envoy;
 use crate::stage::{Picker, READY_WITHIN, on_free_ports};
@@ -39,7 +40,7 @@ pub const MODEL: &str = "overhead-model";
 /// How long one request may take before the bench calls it failed.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The four ways a request reaches the worker.
+/// The ways a request reaches the worker: the four, and (c′) between (c) and (d).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Arm {
@@ -49,20 +50,29 @@ pub enum Arm {
     Envoy,
     /// (c) through Envoy and the no-op ext_proc server.
     Noop,
+    /// (c′) through Envoy and the no-op server that answers with cachepick's decision, made in advance.
+    Routing,
     /// (d) through Envoy and cachepick.
     Cachepick,
 }
 
 impl Arm {
-    pub const ALL: [Arm; 4] = [Arm::Direct, Arm::Envoy, Arm::Noop, Arm::Cachepick];
+    pub const ALL: [Arm; 5] = [
+        Arm::Direct,
+        Arm::Envoy,
+        Arm::Noop,
+        Arm::Routing,
+        Arm::Cachepick,
+    ];
 
-    /// `a` to `d`, as the report names them.
-    pub fn letter(self) -> char {
+    /// `a` to `d`, and `c′`, as the report names them.
+    pub fn letter(self) -> &'static str {
         match self {
-            Arm::Direct => 'a',
-            Arm::Envoy => 'b',
-            Arm::Noop => 'c',
-            Arm::Cachepick => 'd',
+            Arm::Direct => "a",
+            Arm::Envoy => "b",
+            Arm::Noop => "c",
+            Arm::Routing => "c′",
+            Arm::Cachepick => "d",
         }
     }
 
@@ -71,13 +81,14 @@ impl Arm {
             Arm::Direct => "worker directly",
             Arm::Envoy => "Envoy, no ext_proc",
             Arm::Noop => "Envoy + no-op ext_proc",
+            Arm::Routing => "Envoy + no-op ext_proc that routes",
             Arm::Cachepick => "Envoy + cachepick",
         }
     }
 
     /// Whether the arm goes through ext_proc, so its bootstrap depends on the body mode.
     pub fn has_mode(self) -> bool {
-        matches!(self, Arm::Noop | Arm::Cachepick)
+        matches!(self, Arm::Noop | Arm::Routing | Arm::Cachepick)
     }
 }
 
@@ -153,19 +164,21 @@ pub struct Sample {
     pub decision: Option<String>,
 }
 
-/// Worker, picker, no-op server and Envoys; dropping it stops them all.
+/// Worker, picker, no-op servers and Envoys; dropping it stops them all.
 pub struct Rig {
     worker: Worker,
     picker: Picker,
     noop: NoopServer,
+    /// Arm (c′)'s server; only with the generated bootstrap (the variants are about the protocol).
+    routing: Option<NoopServer>,
     envoys: Vec<(Cell, Envoy)>,
     client: HttpClient<HttpConnector, Full<Bytes>>,
     variant: Variant,
 }
 
 impl Rig {
-    /// Starts everything, the Envoys from the binary at `envoy`, for the body `modes` (buffered and/or
-    /// duplex), and waits until every cell answers: (d) with a decision.
+    /// Starts everything, the Envoys from the binary at `envoy`, for the body `modes`, and waits until
+    /// every cell answers: (c′) and (d) with a decision.
     pub async fn start(
         envoy: &Path,
         modes: &[BodyMode],
@@ -180,28 +193,47 @@ impl Rig {
         let config = picker_config(worker.addr())?;
         let mut picker = Picker::spawn(config.clone());
         picker.ready(READY_WITHIN).await?;
-        let probe = variant != Variant::Generated;
-        let noop = NoopServer::start(crate::free_port().map_err(OverheadError::Io)?, probe)
+        let reply = if variant == Variant::Generated {
+            Reply::Continue
+        } else {
+            Reply::Probe
+        };
+        let noop = NoopServer::start(crate::free_port().map_err(OverheadError::Io)?, reply)
             .await
             .map_err(OverheadError::Io)?;
+        let routing = if variant == Variant::Generated {
+            let at = crate::free_port().map_err(OverheadError::Io)?;
+            Some(
+                NoopServer::start(at, Reply::Route(worker.addr()))
+                    .await
+                    .map_err(OverheadError::Io)?,
+            )
+        } else {
+            None
+        };
         let mut client = HttpClient::builder(TokioExecutor::new());
         client.pool_idle_timeout(Duration::from_secs(300));
         let mut rig = Rig {
             worker,
             picker,
             noop,
+            routing,
             envoys: Vec::new(),
             client: client.build_http(),
             variant,
         };
         let picker_at = picker_address(rig.picker.listen());
         let noop_at = rig.noop.addr();
+        let routing_at = rig.routing.as_ref().map(NoopServer::addr);
         let mut cells = vec![Cell {
             arm: Arm::Envoy,
             mode: None,
         }];
         for mode in modes {
-            for arm in [Arm::Noop, Arm::Cachepick] {
+            for arm in [Arm::Noop, Arm::Routing, Arm::Cachepick] {
+                if arm == Arm::Routing && routing_at.is_none() {
+                    continue;
+                }
                 cells.push(Cell {
                     arm,
                     mode: Some(*mode),
@@ -219,7 +251,11 @@ impl Rig {
                     pickers: vec![picker_at],
                     ..EnvoyOptions::for_config(config)
                 };
-                bootstrap(&render(config, &options), cell.arm, noop_at, variant)
+                let server = match cell.arm {
+                    Arm::Routing => routing_at.unwrap_or(noop_at),
+                    _ => noop_at,
+                };
+                bootstrap(&render(config, &options), cell.arm, server, variant)
             })
         }))
         .await;
@@ -234,7 +270,7 @@ impl Rig {
         Ok(rig)
     }
 
-    /// Every cell this rig serves: (a), (b), then (c) and (d) per mode.
+    /// Every cell this rig serves: (a), (b), then (c), (c′) and (d) per mode.
     pub fn cells(&self) -> Vec<Cell> {
         let mut cells = vec![Cell {
             arm: Arm::Direct,
@@ -281,6 +317,18 @@ impl Rig {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// What arm (c′)'s server received from the streams in `mode` (none without that arm).
+    pub fn routing_received(&self, mode: BodyMode) -> Option<Received> {
+        let mode = match mode {
+            BodyMode::Duplex => BodySendMode::FullDuplexStreamed,
+            BodyMode::Streamed => BodySendMode::Streamed,
+            BodyMode::Buffered | BodyMode::OriginalDst => BodySendMode::Buffered,
+        };
+        self.routing
+            .as_ref()
+            .map(|server| server.received(Some(mode)))
     }
 
     /// What the no-op server received from STREAMED streams (the `streamed-no-wait` variant).
@@ -358,6 +406,7 @@ impl Rig {
         for cell in self.cells() {
             loop {
                 let asked = self.noop.total_messages();
+                let routed_before = self.routing.as_ref().map_or(0, NoopServer::total_messages);
                 let sample = self.send(cell, body.clone()).await;
                 // A request Envoy sent past an ext_proc server it does not yet think healthy (failing
                 // open) is answered 200 too: (c) counts once the no-op server saw it.
@@ -372,6 +421,12 @@ impl Rig {
                             && match cell.arm {
                                 Arm::Cachepick => sample.decision.is_some(),
                                 Arm::Noop => self.noop.total_messages() > asked,
+                                Arm::Routing => {
+                                    sample.decision.as_deref() == Some(super::noop::ROUTE_LABEL)
+                                        && self.routing.as_ref().is_some_and(|server| {
+                                            server.total_messages() > routed_before
+                                        })
+                                }
                                 Arm::Direct | Arm::Envoy => true,
                             }
                     }
@@ -392,18 +447,20 @@ impl Rig {
         Ok(())
     }
 
-    /// Stops the Envoys, then the picker, the no-op server and the worker.
+    /// Stops the Envoys, then the picker, the no-op servers and the worker.
     pub async fn stop(self) -> Result<(), OverheadError> {
         let Rig {
             worker,
             picker,
             noop,
+            routing,
             envoys,
             ..
         } = self;
         drop(envoys);
         let stopped = picker.stop().await;
         drop(noop);
+        drop(routing);
         drop(worker);
         Ok(stopped?)
     }
@@ -430,7 +487,7 @@ fn bootstrap(yaml: &str, arm: Arm, noop: SocketAddr, variant: Variant) -> Result
     match arm {
         Arm::Direct => return Err("the direct arm has no Envoy".to_owned()),
         Arm::Envoy => remove_ext_proc(&mut root)?,
-        Arm::Noop => {
+        Arm::Noop | Arm::Routing => {
             point_cluster(&mut root, "cachepick", noop)?;
             apply(&mut root, variant)?;
         }

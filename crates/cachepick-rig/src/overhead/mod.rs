@@ -1,18 +1,21 @@
 //! `cachepick overhead`: what a request pays to go through Envoy and cachepick, measured side by side
-//! in one run. The same client sends the same kind of request to the same worker four ways:
+//! in one run. The same client sends the same kind of request to the same worker five ways:
 //!
 //! - (a) the worker directly;
 //! - (b) Envoy alone (the generated bootstrap without its ext_proc filter);
 //! - (c) Envoy + a no-op ext_proc server that answers every message with CONTINUE
 //!   ([`noop`]), in the same process style as cachepick;
+//! - (c′) Envoy + the no-op server answering as cachepick answers, with a decision made in advance
+//!   (the same headers and metadata, held as long): what Envoy does with a routing answer;
 //! - (d) Envoy + cachepick (`cachepick envoy-config`'s bootstrap),
 //!
-//! (c) and (d) in each body mode (BUFFERED, FULL_DUPLEX_STREAMED, STREAMED without waiting for the
+//! (c), (c′) and (d) in each body mode (BUFFERED, FULL_DUPLEX_STREAMED, STREAMED without waiting for the
 //! headers answer), at each body size. The client is
 //! sequential (one request at a time, so no queueing enters a latency), and the cells take turns, a
 //! batch of requests each, so that whatever else the machine does falls on every arm alike. Warm-up
 //! requests are not counted. The figure that matters is (d) − (c): cachepick's own work beyond the
-//! ext_proc protocol.
+//! ext_proc protocol, which (c′) splits into Envoy applying a routing answer (c′ − c) and cachepick's
+//! computing (d − c′).
 //!
 //! The harness ([`harness::Rig`]) is what `tests/overhead.rs` and `benches/overhead.rs` use too.
 
@@ -121,6 +124,8 @@ pub struct OverheadReport {
     pub cells: Vec<CellReport>,
     pub comparisons: Vec<Comparison>,
     pub noop_received: NoopReceived,
+    /// What arm (c′)'s server received (the generated bootstrap only).
+    pub routing_received: Option<NoopReceived>,
     /// Generation requests the worker answered (every arm, warm-up and probes included).
     pub worker_served: u64,
     /// Each ext_proc arm's Envoy's own account of its filter (`http.ingress_http.ext_proc.*`, non-zero
@@ -148,6 +153,13 @@ pub async fn run(options: &OverheadOptions) -> Result<OverheadReport, OverheadEr
         duplex: rig.noop_received(BodyMode::Duplex),
         streamed: rig.noop_received_streamed(),
     };
+    let routing_received = rig
+        .routing_received(BodyMode::Buffered)
+        .map(|buffered| NoopReceived {
+            buffered,
+            duplex: rig.routing_received(BodyMode::Duplex).unwrap_or_default(),
+            streamed: rig.routing_received(BodyMode::Streamed).unwrap_or_default(),
+        });
     let worker_served = rig.worker_served();
     let ext_proc_stats = ext_proc_stats(&rig).await;
     let picker_decisions = rig.picker_decisions().await;
@@ -175,6 +187,7 @@ pub async fn run(options: &OverheadOptions) -> Result<OverheadReport, OverheadEr
         cells,
         comparisons,
         noop_received,
+        routing_received,
         worker_served,
         ext_proc_stats,
         picker_decisions,

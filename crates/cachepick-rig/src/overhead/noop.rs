@@ -1,5 +1,7 @@
-//! The overhead bench's no-op ext_proc server: the ext_proc protocol with nothing decided, so that arm
-//! (c) costs what the protocol costs and arm (d) minus arm (c) is cachepick's own work.
+//! The overhead bench's no-op ext_proc servers: the ext_proc protocol with nothing decided, so that arm
+//! (c) costs what the protocol costs and arm (d) minus arm (c) is cachepick's own work; and arm (c′),
+//! the same server answering as cachepick answers with a decision made in advance, so that (d) minus
+//! (c′) is cachepick's computing alone and (c′) minus (c) what Envoy does with a routing answer.
 //!
 //! It is built as cachepick's server is (`src/extproc/mod.rs`): tonic on the same tokio runtime, gRPC
 //! health (`envoy.service.ext_proc.v3.ExternalProcessor` SERVING, which the generated Envoy cluster
@@ -9,13 +11,21 @@
 //! a buffered body, trailers; a FULL_DUPLEX_STREAMED chunk is sent straight back (`streamed_response`),
 //! the least that mode allows, since Envoy forwards only the body the processor returns.
 //!
-//! With `probe` (the round-trip experiments' variants, `Variant`), it answers as a processor that
-//! decides on the body has to, and sets [`PROBE_HEADER`] (cachepick's decision header) to `probe` where
-//! cachepick would set its decision, so the run shows whether that header still reaches the worker:
-//! when Envoy skips the request headers, the buffered body's answer carries it; in STREAMED mode with
-//! `send_body_without_waiting_for_header_response`, the headers answer is held until the last chunk has
-//! arrived and carries it, followed by one CONTINUE per chunk.
+//! With [`Reply::Probe`] (the round-trip experiments' variants, `Variant`), it answers as a processor
+//! that decides on the body has to, and sets [`PROBE_HEADER`] (cachepick's decision header) to `probe`
+//! where cachepick would set its decision, so the run shows whether that header still reaches the
+//! worker: when Envoy skips the request headers, the buffered body's answer carries it; in STREAMED
+//! mode with `send_body_without_waiting_for_header_response`, the headers answer is held until the last
+//! chunk has arrived and carries it, followed by one CONTINUE per chunk.
+//!
+//! With [`Reply::Route`] (arm (c′)) it answers in cachepick's shape (`src/extproc/process.rs`): in
+//! BUFFERED mode CONTINUE to the headers and the decision on the body's answer; in FULL_DUPLEX_STREAMED
+//! and STREAMED mode the headers answer held until the body is whole, then the decision on it, then the
+//! body echoed in cachepick's chunks (duplex) or one CONTINUE per chunk (streamed). The decision is
+//! cachepick's four headers and its `envoy.lb` metadata naming the one worker, with
+//! [`ROUTE_LABEL`] as the decision: what Envoy must apply is the same, only nothing was computed.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -34,6 +44,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation, processing_request,
     processing_response,
 };
+use envoy_types::pb::google::protobuf::{Struct, Value, value};
 use futures_util::Stream;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
@@ -43,6 +54,19 @@ use tonic::{Request, Response, Status, Streaming};
 
 /// The header the probe sets: the one cachepick's decision travels in, which the worker echoes.
 pub const PROBE_HEADER: &str = cachepick::extproc::DECISION_HEADER;
+/// The decision [`Reply::Route`] sends, where cachepick sends a reason such as `cache_miss`.
+pub const ROUTE_LABEL: &str = "noop_route";
+
+/// What a server answers where a processor that decides on the body puts its decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// Nothing: CONTINUE to every message as it arrives (arm (c)).
+    Continue,
+    /// [`PROBE_HEADER`] set to `probe` (the round-trip experiments).
+    Probe,
+    /// cachepick's answer, decided in advance, routing to this worker (arm (c′)).
+    Route(SocketAddr),
+}
 
 /// gRPC health service name Envoy's ext_proc cluster checks.
 const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -113,8 +137,8 @@ pub struct NoopServer {
 }
 
 impl NoopServer {
-    /// Serves on `addr` (loopback, a concrete port) on the current runtime; `probe` as the module says.
-    pub async fn start(addr: SocketAddr, probe: bool) -> std::io::Result<NoopServer> {
+    /// Serves on `addr` (loopback, a concrete port) on the current runtime, answering as `reply` says.
+    pub async fn start(addr: SocketAddr, reply: Reply) -> std::io::Result<NoopServer> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let tally = Arc::new(Tally::default());
@@ -124,7 +148,7 @@ impl NoopServer {
             .await;
         let processor = ExternalProcessorServer::new(Noop {
             tally: Arc::clone(&tally),
-            probe,
+            reply,
         })
         .max_decoding_message_size(MAX_MESSAGE);
         let incoming =
@@ -187,7 +211,7 @@ impl Drop for NoopServer {
 
 struct Noop {
     tally: Arc<Tally>,
-    probe: bool,
+    reply: Reply,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -203,16 +227,16 @@ impl ExternalProcessor for Noop {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let inbound = request.into_inner();
         let (sender, receiver) = mpsc::channel(8);
-        tokio::spawn(drive(Arc::clone(&self.tally), self.probe, inbound, sender));
+        tokio::spawn(drive(Arc::clone(&self.tally), self.reply, inbound, sender));
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
     }
 }
 
-/// Answers each message of one stream as it comes; ends the stream (cleanly, as cachepick does) once
-/// the request is complete.
+/// Answers each message of one stream as it comes (or, deciding, holds the headers answer as the
+/// module says); ends the stream (cleanly, as cachepick does) once the request is complete.
 async fn drive(
     tally: Arc<Tally>,
-    probe_on: bool,
+    reply: Reply,
     mut inbound: Streaming<ProcessingRequest>,
     out: Sender,
 ) {
@@ -220,8 +244,8 @@ async fn drive(
     let mut no_wait = false;
     let mut counted = false;
     let mut saw_headers = false;
-    // STREAMED without waiting: the headers answer held back, and the chunks it waits for.
-    let mut held: Option<usize> = None;
+    // The headers answer held back: the chunks it waits for, and (duplex) their bytes to echo.
+    let mut held: Option<(usize, Vec<u8>)> = None;
     while let Ok(Some(message)) = inbound.message().await {
         if let Some(config) = &message.protocol_config {
             mode = BodySendMode::try_from(config.request_body_mode).ok();
@@ -242,114 +266,110 @@ async fn drive(
             processing_request::Request::RequestHeaders(headers) => {
                 saw_headers = true;
                 counts.headers.fetch_add(1, Ordering::Relaxed);
-                if probe_on
-                    && mode == Some(BodySendMode::Streamed)
-                    && no_wait
-                    && !headers.end_of_stream
-                {
-                    held = Some(0);
+                let streamed_no_wait = mode == Some(BodySendMode::Streamed) && no_wait;
+                let duplex = mode == Some(BodySendMode::FullDuplexStreamed);
+                let hold = match reply {
+                    Reply::Continue => false,
+                    Reply::Probe => streamed_no_wait,
+                    Reply::Route(_) => streamed_no_wait || duplex,
+                };
+                if hold && !headers.end_of_stream {
+                    held = Some((0, Vec::new()));
                     continue;
                 }
                 (
-                    vec![processing_response::Response::RequestHeaders(
+                    vec![answer(processing_response::Response::RequestHeaders(
                         HeadersResponse::default(),
-                    )],
+                    ))],
                     headers.end_of_stream,
                 )
             }
             processing_request::Request::RequestBody(body) => {
                 counts.bodies.fetch_add(1, Ordering::Relaxed);
                 let ends = body.end_of_stream || body.end_of_stream_without_message;
-                match (mode, held.as_mut()) {
-                    (_, Some(chunks)) => {
+                let duplex = mode == Some(BodySendMode::FullDuplexStreamed);
+                match held.as_mut() {
+                    Some((chunks, bytes)) => {
                         *chunks += 1;
+                        if duplex {
+                            bytes.extend_from_slice(&body.body);
+                        }
                         if !ends {
                             continue;
                         }
-                        // The body is whole: the held headers answer (with the probe, as a decision
-                        // would be), then one CONTINUE per chunk, in order.
-                        let mut responses = vec![processing_response::Response::RequestHeaders(
-                            HeadersResponse {
-                                response: Some(probe()),
-                            },
-                        )];
-                        responses.extend((0..*chunks).map(|_| {
-                            processing_response::Response::RequestBody(BodyResponse::default())
-                        }));
+                        // The body is whole: the held headers answer with the decision, then the
+                        // body echoed (duplex) or one CONTINUE per chunk, in order.
+                        let mut responses = vec![decision(reply, |common| {
+                            processing_response::Response::RequestHeaders(HeadersResponse {
+                                response: Some(common),
+                            })
+                        })];
+                        if duplex {
+                            responses.extend(echo(bytes));
+                        } else {
+                            responses.extend((0..*chunks).map(|_| {
+                                answer(processing_response::Response::RequestBody(
+                                    BodyResponse::default(),
+                                ))
+                            }));
+                        }
                         (responses, true)
                     }
-                    (Some(BodySendMode::FullDuplexStreamed), None) => {
-                        let echo = BodyMutation {
-                            mutation: Some(body_mutation::Mutation::StreamedResponse(
-                                StreamedBodyResponse {
-                                    body: body.body,
-                                    end_of_stream: ends,
-                                    ..StreamedBodyResponse::default()
-                                },
-                            )),
-                        };
-                        let common = CommonResponse {
-                            body_mutation: Some(echo),
-                            ..CommonResponse::default()
-                        };
-                        (
-                            vec![processing_response::Response::RequestBody(BodyResponse {
-                                response: Some(common),
-                            })],
-                            ends,
-                        )
-                    }
-                    (_, None) => {
+                    None if duplex => (echo(&body.body), ends),
+                    None => {
                         // BUFFERED: the whole body in this one message, whatever end_of_stream says
-                        // (false when trailers follow).
-                        let response = if saw_headers || !probe_on {
-                            BodyResponse::default()
-                        } else {
-                            BodyResponse {
-                                response: Some(probe()),
-                            }
+                        // (false when trailers follow). The probe decides here only when the headers
+                        // were skipped; cachepick (and so the routing reply) always does.
+                        let body_decides = match reply {
+                            Reply::Continue => false,
+                            Reply::Probe => !saw_headers,
+                            Reply::Route(_) => true,
                         };
-                        (
-                            vec![processing_response::Response::RequestBody(response)],
-                            mode == Some(BodySendMode::Buffered) || ends,
-                        )
+                        let response = if body_decides {
+                            decision(reply, |common| {
+                                processing_response::Response::RequestBody(BodyResponse {
+                                    response: Some(common),
+                                })
+                            })
+                        } else {
+                            answer(processing_response::Response::RequestBody(
+                                BodyResponse::default(),
+                            ))
+                        };
+                        (vec![response], mode == Some(BodySendMode::Buffered) || ends)
                     }
                 }
             }
             processing_request::Request::RequestTrailers(_) => {
                 counts.trailers.fetch_add(1, Ordering::Relaxed);
                 (
-                    vec![processing_response::Response::RequestTrailers(
+                    vec![answer(processing_response::Response::RequestTrailers(
                         TrailersResponse::default(),
-                    )],
+                    ))],
                     true,
                 )
             }
             processing_request::Request::ResponseHeaders(_) => (
-                vec![processing_response::Response::ResponseHeaders(
+                vec![answer(processing_response::Response::ResponseHeaders(
                     HeadersResponse::default(),
-                )],
+                ))],
                 false,
             ),
             processing_request::Request::ResponseBody(_) => (
-                vec![processing_response::Response::ResponseBody(
+                vec![answer(processing_response::Response::ResponseBody(
                     BodyResponse::default(),
-                )],
+                ))],
                 false,
             ),
             processing_request::Request::ResponseTrailers(_) => (
-                vec![processing_response::Response::ResponseTrailers(
+                vec![answer(processing_response::Response::ResponseTrailers(
                     TrailersResponse::default(),
-                )],
+                ))],
                 false,
             ),
         };
         for response in responses {
-            let answer = ProcessingResponse {
-                response: Some(response),
-                ..ProcessingResponse::default()
-            };
-            if out.send(Ok(answer)).await.is_err() {
+            if out.send(Ok(response)).await.is_err() {
                 return;
             }
         }
@@ -359,20 +379,121 @@ async fn drive(
     }
 }
 
-/// A common answer that sets [`PROBE_HEADER`] as cachepick sets its headers (`raw_value`, overwrite).
-fn probe() -> CommonResponse {
-    let header = HeaderValueOption {
+fn answer(response: processing_response::Response) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(response),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// The duplex body sent back: in cachepick's chunks, the last ending the stream (an empty body is one
+/// empty chunk).
+fn echo(body: &[u8]) -> Vec<ProcessingResponse> {
+    let chunks: Vec<&[u8]> = if body.is_empty() {
+        vec![&[]]
+    } else {
+        body.chunks(cachepick::extproc::MAX_STREAMED_CHUNK)
+            .collect()
+    };
+    let last = chunks.len().saturating_sub(1);
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(index, chunk)| {
+            let echoed = BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body: chunk.to_vec(),
+                        end_of_stream: index == last,
+                        ..StreamedBodyResponse::default()
+                    },
+                )),
+            };
+            answer(processing_response::Response::RequestBody(BodyResponse {
+                response: Some(CommonResponse {
+                    body_mutation: Some(echoed),
+                    ..CommonResponse::default()
+                }),
+            }))
+        })
+        .collect()
+}
+
+/// The answer that carries `reply`'s decision, built by `wrap` from its common response.
+fn decision(
+    reply: Reply,
+    wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
+) -> ProcessingResponse {
+    match reply {
+        Reply::Continue => answer(wrap(CommonResponse::default())),
+        Reply::Probe => answer(wrap(probe())),
+        Reply::Route(worker) => route(worker, wrap),
+    }
+}
+
+/// cachepick's routing answer, decided in advance: its four headers and the `envoy.lb` metadata.
+fn route(
+    worker: SocketAddr,
+    wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
+) -> ProcessingResponse {
+    use cachepick::extproc::{
+        DECISION_HEADER, DESTINATION, LB_NAMESPACE, PREFIX_TOKENS_HEADER, SELECTED_HEADER,
+    };
+    let worker = worker.to_string();
+    let set_headers = [
+        (DESTINATION, worker.as_str()),
+        (SELECTED_HEADER, worker.as_str()),
+        (DECISION_HEADER, ROUTE_LABEL),
+        (PREFIX_TOKENS_HEADER, "0"),
+    ]
+    .into_iter()
+    .map(|(key, value)| header(key, value))
+    .collect();
+    let common = CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers,
+            remove_headers: Vec::new(),
+        }),
+        ..CommonResponse::default()
+    };
+    let string = |text: String| Value {
+        kind: Some(value::Kind::StringValue(text)),
+    };
+    let namespace = Struct {
+        fields: HashMap::from([(DESTINATION.to_owned(), string(worker))]),
+    };
+    ProcessingResponse {
+        response: Some(wrap(common)),
+        dynamic_metadata: Some(Struct {
+            fields: HashMap::from([(
+                LB_NAMESPACE.to_owned(),
+                Value {
+                    kind: Some(value::Kind::StructValue(namespace)),
+                },
+            )]),
+        }),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// A header set as cachepick sets its headers (`raw_value`, overwrite).
+fn header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
         header: Some(HeaderValue {
-            key: PROBE_HEADER.to_owned(),
-            raw_value: b"probe".to_vec(),
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
             ..HeaderValue::default()
         }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd.into(),
         ..HeaderValueOption::default()
-    };
+    }
+}
+
+/// A common answer that sets [`PROBE_HEADER`] to `probe`.
+fn probe() -> CommonResponse {
     CommonResponse {
         header_mutation: Some(HeaderMutation {
-            set_headers: vec![header],
+            set_headers: vec![header(PROBE_HEADER, "probe")],
             remove_headers: Vec::new(),
         }),
         ..CommonResponse::default()

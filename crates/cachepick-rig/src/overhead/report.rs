@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::harness::{Arm, Cell, Sample};
-use super::noop::Received;
+use super::noop::{ROUTE_LABEL, Received};
 
 /// Latency percentiles of one cell, in milliseconds (nearest rank).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
@@ -59,6 +59,8 @@ pub struct CellReport {
     pub ok: usize,
     /// Of those, carrying cachepick's decision as the worker received it.
     pub decided: usize,
+    /// Of those, carrying the decision arm (c′) made in advance ([`ROUTE_LABEL`]).
+    pub routed_in_advance: usize,
     pub latency_ms: Percentiles,
 }
 
@@ -73,14 +75,23 @@ impl CellReport {
             ok: samples.iter().filter(|sample| sample.status == 200).count(),
             decided: samples
                 .iter()
-                .filter(|sample| sample.decision.is_some())
+                .filter(|sample| {
+                    sample
+                        .decision
+                        .as_deref()
+                        .is_some_and(|label| label != ROUTE_LABEL)
+                })
+                .count(),
+            routed_in_advance: samples
+                .iter()
+                .filter(|sample| sample.decision.as_deref() == Some(ROUTE_LABEL))
                 .count(),
             latency_ms: Percentiles::of(&latencies),
         }
     }
 }
 
-/// The four arms of one size and mode side by side, and what each step adds.
+/// The arms of one size and mode side by side, and what each step adds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Comparison {
     pub size: usize,
@@ -88,6 +99,8 @@ pub struct Comparison {
     pub direct: Percentiles,
     pub envoy: Percentiles,
     pub noop: Percentiles,
+    /// (c′), where the run had it (not in the round-trip variants).
+    pub routing: Option<Percentiles>,
     pub cachepick: Percentiles,
     /// (b) − (a): Envoy itself.
     pub envoy_minus_direct: Percentiles,
@@ -95,6 +108,10 @@ pub struct Comparison {
     pub noop_minus_envoy: Percentiles,
     /// (d) − (c): cachepick's own work.
     pub cachepick_minus_noop: Percentiles,
+    /// (c′) − (c): Envoy applying a routing answer (and the headers answer held until the body is whole).
+    pub routing_minus_noop: Option<Percentiles>,
+    /// (d) − (c′): cachepick's computing.
+    pub cachepick_minus_routing: Option<Percentiles>,
     /// The target for (d) − (c) at p50 at this size, where there is one (ms).
     pub target_p50_ms: Option<f64>,
 }
@@ -108,7 +125,7 @@ pub fn target_p50_ms(size: usize) -> Option<f64> {
     }
 }
 
-/// Each mode's row from the cells of one size (`None` if an arm is missing).
+/// Each mode's row from the cells of one size (`None` if one of the issue's four arms is missing).
 pub fn compare(size: usize, mode: &str, cells: &[CellReport]) -> Option<Comparison> {
     let find = |arm: Arm| {
         cells
@@ -126,16 +143,20 @@ pub fn compare(size: usize, mode: &str, cells: &[CellReport]) -> Option<Comparis
         find(Arm::Noop)?,
         find(Arm::Cachepick)?,
     );
+    let routing = find(Arm::Routing);
     Some(Comparison {
         size,
         mode: mode.to_owned(),
         direct,
         envoy,
         noop,
+        routing,
         cachepick,
         envoy_minus_direct: envoy.minus(direct),
         noop_minus_envoy: noop.minus(envoy),
         cachepick_minus_noop: cachepick.minus(noop),
+        routing_minus_noop: routing.map(|routing| routing.minus(noop)),
+        cachepick_minus_routing: routing.map(|routing| cachepick.minus(routing)),
         target_p50_ms: target_p50_ms(size),
     })
 }
@@ -161,13 +182,13 @@ pub fn size_label(size: usize) -> String {
 /// The cells as a Markdown table: requests, p50, p90, p99.
 pub fn cells_table(cells: &[CellReport]) -> String {
     let mut out = String::from(
-        "| size | arm | mode | requests | 200 | decided | p50 ms | p90 ms | p99 ms |\n\
-         |---|---|---|---:|---:|---:|---:|---:|---:|\n",
+        "| size | arm | mode | requests | 200 | decided | routed in advance | p50 ms | p90 ms | p99 ms |\n\
+         |---|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for cell in cells {
         let _ = writeln!(
             out,
-            "| {} | ({}) {} | {} | {} | {} | {} | {:.3} | {:.3} | {:.3} |",
+            "| {} | ({}) {} | {} | {} | {} | {} | {} | {:.3} | {:.3} | {:.3} |",
             size_label(cell.size),
             cell.arm.letter(),
             cell.arm.label(),
@@ -175,6 +196,7 @@ pub fn cells_table(cells: &[CellReport]) -> String {
             cell.requests,
             cell.ok,
             cell.decided,
+            cell.routed_in_advance,
             cell.latency_ms.p50,
             cell.latency_ms.p90,
             cell.latency_ms.p99,
@@ -187,9 +209,12 @@ pub fn cells_table(cells: &[CellReport]) -> String {
 pub fn comparison_table(rows: &[Comparison]) -> String {
     let pair = |p: Percentiles| format!("{:.3} / {:.3}", p.p50, p.p99);
     let diff = |p: Percentiles| format!("{:+.3} / {:+.3}", p.p50, p.p99);
+    let maybe = |p: Option<Percentiles>, show: &dyn Fn(Percentiles) -> String| {
+        p.map_or_else(|| "—".to_owned(), show)
+    };
     let mut out = String::from(
-        "| size | mode | (a) direct | (b) Envoy | (c) + no-op | (d) + cachepick | b − a | c − b | **d − c** | d − c p50 target |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---|\n",
+        "| size | mode | (a) direct | (b) Envoy | (c) + no-op | (c′) + no-op that routes | (d) + cachepick | b − a | c − b | c′ − c | d − c′ | **d − c** | d − c p50 target |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
     );
     for row in rows {
         let target = match row.target_p50_ms {
@@ -199,15 +224,18 @@ pub fn comparison_table(rows: &[Comparison]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | **{}** | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | **{}** | {} |",
             size_label(row.size),
             row.mode,
             pair(row.direct),
             pair(row.envoy),
             pair(row.noop),
+            maybe(row.routing, &pair),
             pair(row.cachepick),
             diff(row.envoy_minus_direct),
             diff(row.noop_minus_envoy),
+            maybe(row.routing_minus_noop, &diff),
+            maybe(row.cachepick_minus_routing, &diff),
             diff(row.cachepick_minus_noop),
             target,
         );
@@ -241,22 +269,36 @@ mod tests {
             requests: 1,
             ok: 1,
             decided: 0,
+            routed_in_advance: 0,
             latency_ms: Percentiles::of(&[Duration::from_millis(ms)]),
         };
         let cells = [
             cell(Arm::Direct, None, 1),
             cell(Arm::Envoy, None, 3),
             cell(Arm::Noop, Some("buffered"), 6),
+            cell(Arm::Routing, Some("buffered"), 7),
             cell(Arm::Cachepick, Some("buffered"), 10),
             cell(Arm::Noop, Some("duplex"), 100),
+            cell(Arm::Noop, Some("streamed"), 5),
+            cell(Arm::Cachepick, Some("streamed"), 8),
         ];
         let row = compare(4_096, "buffered", &cells).expect("every arm");
         assert_eq!(row.envoy_minus_direct.p50, 2.0);
         assert_eq!(row.noop_minus_envoy.p50, 3.0);
         assert_eq!(row.cachepick_minus_noop.p99, 4.0);
+        assert_eq!(row.routing_minus_noop.map(|p| p.p50), Some(1.0));
+        assert_eq!(row.cachepick_minus_routing.map(|p| p.p50), Some(3.0));
         assert_eq!(row.target_p50_ms, Some(0.1));
-        assert!(comparison_table(&[row]).contains("**missed**"));
+        let table = comparison_table(&[row]);
+        assert!(
+            table.contains("**missed**") && table.contains("+3.000 / +3.000"),
+            "{table}"
+        );
         assert!(compare(4_096, "duplex", &cells).is_none());
+        // Without (c′) (the round-trip variants) the row stands, its (c′) columns empty.
+        let without = compare(4_096, "streamed", &cells).expect("the four arms");
+        assert_eq!(without.routing_minus_noop, None);
+        assert!(comparison_table(&[without]).contains("| — | — |"));
         assert_eq!(size_label(204_800), "200 KB");
     }
 }
