@@ -477,3 +477,126 @@ fn a_front_that_cannot_start_fails_the_replay_with_the_reason() {
     ]);
     assert!(!ok && stderr.contains("{port}"), "{stderr}");
 }
+
+/// Kills the router it holds when the test ends, whichever way.
+struct Router(std::process::Child);
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback port `p` with `p + 1` free too, for a two-worker fleet on `base_port: p`.
+fn two_free_ports() -> u16 {
+    for _ in 0..50 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let port = first.local_addr().expect("its address").port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no two consecutive free loopback ports in 50 tries");
+}
+
+/// `--front-url`: a router the operator already runs, started here before the replay and pointed at
+/// the fixed ports the fleet will take; the replay drives it like any arm. Without fixed ports the
+/// replay refuses, saying why.
+#[test]
+fn a_router_already_running_is_replayed_with_front_url() {
+    let bin = peers::bin_dir();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let trace = dir.path().join("tiny.jsonl");
+    std::fs::write(&trace, tiny_trace()).expect("trace written");
+    let out = dir.path().join("out");
+
+    let (ok, _, stderr) = replay_status(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--front-url",
+        "vllm-router=http://127.0.0.1:9",
+    ]);
+    assert!(!ok && stderr.contains("base_port"), "{stderr}");
+
+    let base = two_free_ports();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let sim = dir.path().join("fleet.yaml");
+    std::fs::write(
+        &sim,
+        format!(
+            "engine: vllm\nworkers: 2\nbase_port: {base}\nmax_running: 16\ntime_scale: 0.125\n"
+        ),
+    )
+    .expect("fleet config written");
+    // vllm-router waits for its workers (checked every second here) before it listens: it starts
+    // first, and the replay's readiness probe waits for it once the fleet is up.
+    let log = std::fs::File::create(dir.path().join("vllm-router.log")).expect("log file");
+    let router = Router(
+        Command::new(bin.join("vllm-router"))
+            .args(["--worker-urls"])
+            .arg(format!("http://127.0.0.1:{base}"))
+            .arg(format!("http://127.0.0.1:{}", base + 1))
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--policy",
+                "round_robin",
+                "--worker-startup-check-interval",
+                "1",
+            ])
+            .args(["--prometheus-host", "127.0.0.1", "--prometheus-port"])
+            .arg(metrics.to_string())
+            .stdout(log.try_clone().expect("log file"))
+            .stderr(log)
+            .spawn()
+            .expect("vllm-router starts"),
+    );
+    let url = format!("vllm-router=http://127.0.0.1:{port}");
+    let (ok, stdout, stderr) = replay_status(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--config",
+        sim.to_str().unwrap(),
+        "--policies",
+        "none",
+        "--front-url",
+        &url,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let router_log =
+        std::fs::read_to_string(dir.path().join("vllm-router.log")).unwrap_or_default();
+    drop(router);
+    assert!(ok, "{stdout}\n{stderr}\nvllm-router's log:\n{router_log}");
+    let report = report(&out);
+    let arms = report["policies"].as_array().expect("arms");
+    assert_eq!(arms.len(), 1, "{report}");
+    let arm = &arms[0];
+    assert_eq!(arm["arm"], "vllm-router", "{arm}");
+    assert_eq!(arm["front"], format!("http://127.0.0.1:{port}"), "{arm}");
+    assert!(stdout.contains("| vllm-router | 30 |"), "{stdout}");
+    assert_eq!(arm["ok"], 30, "every request streamed to the end: {arm}");
+    // The two workers on the fixed ports served all of it, as they counted it, evenly.
+    let served = arm["worker_requests"].as_object().expect("worker_requests");
+    assert_eq!(served.len(), 2, "{arm}");
+    assert!(
+        served
+            .keys()
+            .all(|worker| worker.ends_with(&format!(":{base}"))
+                || worker.ends_with(&format!(":{}", base + 1))),
+        "{arm}"
+    );
+    assert_eq!(
+        sum_of_counts(&arm["worker_requests"], "worker_requests"),
+        30
+    );
+    assert!(arm["worker_share"].as_f64().unwrap() < 1.1, "{arm}");
+    assert_eq!(arm["reasons"]["none"], 30, "the front routed alone: {arm}");
+}
