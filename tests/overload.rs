@@ -21,7 +21,9 @@ mod sim_client;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    ProcessingRequest, ProcessingResponse, processing_response,
+};
 use http::{Method, StatusCode};
 use tonic::transport::Endpoint;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
@@ -31,7 +33,7 @@ use cachepick::protocol::SHED_METADATA;
 use picker::{
     CHAT, DEADLINE, ExtProcStream, Harness, body, bounded, chat, common, duplex_headers, headers,
     http, immediate, metadata_destination, post_headers, refusal_of, route_of, set_headers,
-    streamed_chunk,
+    streamed_chunk, streamed_headers,
 };
 use sim_client::{metric, metric_sum};
 
@@ -354,6 +356,35 @@ async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
     assert!(streamed_chunk(&last).end_of_stream);
     duplex.expect_clean_end().await;
 
+    // A streamed body over the budget: Envoy holds the body but waits for cachepick's headers answer,
+    // so the request continues without a destination, the held chunk and each later one let through
+    // with a CONTINUE that carries no body.
+    let mut streamed = send(&harness, vec![streamed_headers(CHAT), body(&chunk, false)]).await;
+    let headers_response = streamed.next_headers_response().await;
+    let mutation = common(&headers_response)
+        .and_then(|common| common.header_mutation.as_ref())
+        .expect("a header mutation");
+    assert!(set_headers(mutation).is_empty(), "{mutation:?}");
+    assert!(metadata_destination(&headers_response).is_none());
+    for what in ["the held chunk let through", "the last chunk let through"] {
+        if what == "the last chunk let through" {
+            streamed.send(body(b"{}", true)).await;
+        }
+        let response = streamed.next_response(what).await;
+        assert!(
+            matches!(
+                response.response,
+                Some(processing_response::Response::RequestBody(_))
+            ),
+            "{what}: {response:?}"
+        );
+        assert!(
+            common(&response).is_none_or(|common| common.body_mutation.is_none()),
+            "{what}: Envoy holds the body; nothing is echoed: {response:?}"
+        );
+    }
+    streamed.expect_clean_end().await;
+
     // The first goes on: its body ends and it is decided. 60 KiB of spaces before a JSON body is still
     // JSON: the request is routed.
     first.send(body(&chat(3, 400), true)).await;
@@ -364,7 +395,7 @@ async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
     harness
         .wait_metrics("the budget given back", |text| {
             metric(text, "cachepick_buffered_body_bytes", &[]) == 0.0
-                && metric(text, "cachepick_shed_total", &[("reason", "body_budget")]) == 2.0
+                && metric(text, "cachepick_shed_total", &[("reason", "body_budget")]) == 3.0
         })
         .await;
     harness.stop().await;

@@ -436,6 +436,16 @@ pub fn duplex_headers(path: &str, extra: &[(&str, &str)]) -> ProcessingRequest {
     )
 }
 
+/// A POST's request-headers message in STREAMED mode with `send_body_without_waiting_for_header_response`
+/// (`cachepick envoy-config --mode streamed`): the body's chunks follow without waiting for the answer.
+pub fn streamed_headers(path: &str) -> ProcessingRequest {
+    let mut message = headers("POST", path, &[], false, BodySendMode::Streamed, None);
+    if let Some(config) = message.protocol_config.as_mut() {
+        config.send_body_without_waiting_for_header_response = true;
+    }
+    message
+}
+
 /// A request-body message.
 pub fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
