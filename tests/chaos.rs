@@ -25,12 +25,24 @@ mod provision;
 
 use std::time::Duration;
 
+use cachepick::envoy_config::BodyMode;
 use cachepick_rig::chaos::classify::Cause;
 use cachepick_rig::chaos::schedule::Fault;
 use cachepick_rig::chaos::{ChaosOptions, Mode};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_chaos_run_loses_no_request_a_live_worker_could_have_served() {
+    short_chaos_run(BodyMode::Buffered).await;
+}
+
+/// The same run behind the streamed bootstrap (`cachepick envoy-config --mode streamed`), where Envoy
+/// sends the body without waiting for cachepick's headers answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_chaos_run_loses_no_request_a_live_worker_could_have_served_streamed() {
+    short_chaos_run(BodyMode::Streamed).await;
+}
+
+async fn short_chaos_run(body_mode: BodyMode) {
     let out = tempfile::tempdir().expect("a temporary directory");
     let mut options = ChaosOptions::new(
         Mode::Chaos,
@@ -38,6 +50,7 @@ async fn a_short_chaos_run_loses_no_request_a_live_worker_could_have_served() {
         8.0,
         cachepick_rig::cachepick_binary(),
     );
+    options.body_mode = body_mode;
     options.envoy = Some(envoy::binary());
     options.out = out.path().to_owned();
     options.seed = 14;

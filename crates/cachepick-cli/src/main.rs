@@ -168,6 +168,9 @@ struct ChaosArgs {
     /// Slowloris connections to Envoy's listener.
     #[arg(long, value_name = "N", default_value_t = 50)]
     slowloris: usize,
+    /// Envoy's ext_proc body mode, as `cachepick envoy-config --mode` writes it.
+    #[arg(long, default_value_t = cachepick::envoy_config::BodyMode::Buffered)]
+    mode: cachepick::envoy_config::BodyMode,
     /// No faults: steady traffic, the picker's RSS sampled every second; reports its growth after
     /// --warmup.
     #[arg(long)]
@@ -683,6 +686,7 @@ async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {
     options.seed = args.seed;
     options.envoy = args.envoy.clone();
     options.crowd.slowloris = args.slowloris;
+    options.body_mode = args.mode;
     options.warmup = seconds(args.warmup, "warmup")?;
     options.out = args.out.clone().unwrap_or_else(|| {
         PathBuf::from(if args.soak {

@@ -26,31 +26,33 @@ impl Envoy {
         config: &Config,
         pickers: &[SocketAddr],
     ) -> Result<Envoy, String> {
-        Envoy::start_with(path, config, pickers, None).await
+        Envoy::start_with(path, config, pickers, BodyMode::Buffered, None).await
     }
 
-    /// [`start`](Self::start), with an access log of one JSON line per request written to `log`
-    /// ([`with_access_log`]) and flushed every 200 ms.
+    /// [`start`](Self::start) with the bootstrap of body `mode`, and an access log of one JSON line
+    /// per request written to `log` ([`with_access_log`]) and flushed every 200 ms.
     pub async fn start_logged(
         path: &Path,
         config: &Config,
         pickers: &[SocketAddr],
+        mode: BodyMode,
         log: &Path,
     ) -> Result<Envoy, String> {
-        Envoy::start_with(path, config, pickers, Some(log)).await
+        Envoy::start_with(path, config, pickers, mode, Some(log)).await
     }
 
     async fn start_with(
         path: &Path,
         config: &Config,
         pickers: &[SocketAddr],
+        mode: BodyMode,
         access_log: Option<&Path>,
     ) -> Result<Envoy, String> {
         Envoy::start_rendered(path, access_log, |listen, admin| {
             Ok(cachepick::envoy_config::render(
                 config,
                 &EnvoyOptions {
-                    mode: BodyMode::Buffered,
+                    mode,
                     listen,
                     admin,
                     pickers: pickers.to_vec(),

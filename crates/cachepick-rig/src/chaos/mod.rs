@@ -4,7 +4,7 @@
 //!
 //! The stage: a simulated fleet, the real `cachepick serve` binary as a child process (so it can be
 //! SIGKILLed and started again on the same ports: [`child`]), and Envoy with the bootstrap
-//! `cachepick envoy-config` generates (buffered mode; `failure_mode_allow: true`, the picker's gRPC
+//! `cachepick envoy-config` generates (buffered mode unless `--mode` says otherwise; `failure_mode_allow: true`, the picker's gRPC
 //! health check, the workers from the picker's EDS) plus a JSON access log. Good traffic — a seeded
 //! conversation mix ([`traffic`]) — flows at a steady rate while a schedule of faults fires
 //! ([`schedule`]): workers crash and restart, their metrics hang or turn to garbage, the picker is killed
@@ -33,6 +33,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use cachepick::config::{self, Config, Overrides};
+use cachepick::envoy_config::BodyMode;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 
@@ -81,6 +82,8 @@ pub enum Mode {
 #[derive(Clone, Debug)]
 pub struct ChaosOptions {
     pub mode: Mode,
+    /// The ext_proc body mode of Envoy's bootstrap (buffered, duplex or streamed).
+    pub body_mode: BodyMode,
     /// How long good traffic flows (faults fire within it).
     pub length: Duration,
     /// Good requests per second.
@@ -112,6 +115,7 @@ impl ChaosOptions {
     pub fn new(mode: Mode, length: Duration, rate: f64, picker: PathBuf) -> ChaosOptions {
         ChaosOptions {
             mode,
+            body_mode: BodyMode::Buffered,
             length,
             rate,
             workers: 4,
@@ -258,12 +262,18 @@ pub async fn run(options: &ChaosOptions) -> Result<ChaosReport, ChaosError> {
     let access_log = out.join("envoy-access.log");
     let _ = std::fs::remove_file(&access_log);
     let pickers = [cachepick::envoy_config::picker_address(listen)];
-    let envoy = Envoy::start_logged(&envoy_path, &config, &pickers, &access_log)
-        .await
-        .map_err(|message| ChaosError::Envoy {
-            path: envoy_path.display().to_string(),
-            message,
-        })?;
+    let envoy = Envoy::start_logged(
+        &envoy_path,
+        &config,
+        &pickers,
+        options.body_mode,
+        &access_log,
+    )
+    .await
+    .map_err(|message| ChaosError::Envoy {
+        path: envoy_path.display().to_string(),
+        message,
+    })?;
     let workers: Vec<String> = fleet.endpoints().iter().map(ToString::to_string).collect();
     let shared = Arc::new(Shared {
         fleet,
@@ -277,11 +287,12 @@ pub async fn run(options: &ChaosOptions) -> Result<ChaosReport, ChaosError> {
     });
     if options.verbose {
         println!(
-            "chaos ({:?}): {} workers, picker {} (pid {:?}), Envoy on {}; {:.0} s at {} requests/s, seed {}",
+            "chaos ({:?}): {} workers, picker {} (pid {:?}), Envoy ({}) on {}; {:.0} s at {} requests/s, seed {}",
             options.mode,
             options.workers,
             listen,
             lock(&shared.picker).pid(),
+            options.body_mode,
             envoy.listen,
             options.length.as_secs_f64(),
             options.rate,
@@ -455,6 +466,7 @@ pub async fn run(options: &ChaosOptions) -> Result<ChaosReport, ChaosError> {
 
     let mut report = ChaosReport {
         mode: options.mode,
+        body_mode: options.body_mode.to_string(),
         length: options.length,
         rate: options.rate,
         seed: options.seed,

@@ -108,6 +108,8 @@ pub struct Rss {
 #[derive(Clone, Debug, Serialize)]
 pub struct ChaosReport {
     pub mode: Mode,
+    /// Envoy's ext_proc body mode (`buffered`, `duplex`, `streamed`).
+    pub body_mode: String,
     #[serde(rename = "length_s", serialize_with = "seconds")]
     pub length: Duration,
     pub rate: f64,
@@ -322,8 +324,9 @@ pub fn table(report: &ChaosReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "cachepick chaos ({:?}): {:.0} s at {} requests/s, {} workers, seed {}\n",
+        "cachepick chaos ({:?}, Envoy {}): {:.0} s at {} requests/s, {} workers, seed {}\n",
         report.mode,
+        report.body_mode,
         report.length.as_secs_f64(),
         report.rate,
         report.workers,
