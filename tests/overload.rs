@@ -304,6 +304,15 @@ async fn a_panic_in_a_decision_fails_open_with_a_grpc_error_not_a_5xx() {
     harness.stop().await;
 }
 
+/// A headers answer that continues the request without a destination: no header set, no metadata.
+fn assert_no_destination(headers_response: &ProcessingResponse) {
+    let mutation = common(headers_response)
+        .and_then(|common| common.header_mutation.as_ref())
+        .expect("a header mutation");
+    assert!(set_headers(mutation).is_empty(), "{mutation:?}");
+    assert!(metadata_destination(headers_response).is_none());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
     let harness = Harness::start(
@@ -341,12 +350,7 @@ async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
         vec![duplex_headers(CHAT, &[]), body(&chunk, false)],
     )
     .await;
-    let headers_response = duplex.next_headers_response().await;
-    let mutation = common(&headers_response)
-        .and_then(|common| common.header_mutation.as_ref())
-        .expect("a header mutation");
-    assert!(set_headers(mutation).is_empty(), "{mutation:?}");
-    assert!(metadata_destination(&headers_response).is_none());
+    assert_no_destination(&duplex.next_headers_response().await);
     let echoed = duplex.next_response("the held chunk echoed").await;
     assert_eq!(streamed_chunk(&echoed).body.len(), 60 << 10);
     assert!(!streamed_chunk(&echoed).end_of_stream);
@@ -360,12 +364,7 @@ async fn a_body_over_the_global_budget_is_shed_and_the_budget_comes_back() {
     // so the request continues without a destination, the held chunk and each later one let through
     // with a CONTINUE that carries no body.
     let mut streamed = send(&harness, vec![streamed_headers(CHAT), body(&chunk, false)]).await;
-    let headers_response = streamed.next_headers_response().await;
-    let mutation = common(&headers_response)
-        .and_then(|common| common.header_mutation.as_ref())
-        .expect("a header mutation");
-    assert!(set_headers(mutation).is_empty(), "{mutation:?}");
-    assert!(metadata_destination(&headers_response).is_none());
+    assert_no_destination(&streamed.next_headers_response().await);
     for what in ["the held chunk let through", "the last chunk let through"] {
         if what == "the last chunk let through" {
             streamed.send(body(b"{}", true)).await;
