@@ -1443,7 +1443,8 @@ async fn trickle(
 /// The connection manager's receive-side deadlines bound only receiving the request. A response that
 /// streams for longer than request_timeout is not cut (Envoy disarms it once the request has gone
 /// upstream), while a client that trickles its body gets 408 and one that trickles its headers is cut
-/// off. Shown with both deadlines shortened to 1 s.
+/// off. Shown with the deadlines shortened to 2 s (request) and 1 s (headers): apart, so that a client
+/// trickling its headers meets the headers deadline first, rather than racing the two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receive_deadlines_cut_slow_clients_but_not_long_responses() {
     let worker = streaming_worker(7, Duration::from_millis(500)).await;
@@ -1459,7 +1460,7 @@ async fn receive_deadlines_cut_slow_clients_but_not_long_responses() {
     };
     let generated = envoy_config::render(&config, &options);
     let shortened = generated
-        .replace("request_timeout: 60s\n", "request_timeout: 1s\n")
+        .replace("request_timeout: 60s\n", "request_timeout: 2s\n")
         .replace(
             "request_headers_timeout: 10s\n",
             "request_headers_timeout: 1s\n",
@@ -1471,7 +1472,7 @@ async fn receive_deadlines_cut_slow_clients_but_not_long_responses() {
     );
     let envoy = envoy::Envoy::start(&shortened).await;
 
-    // A 3 s stream, three times request_timeout, arrives whole.
+    // A 3 s stream, longer than request_timeout, arrives whole.
     let request = Request::post(format!(
         "http://{}/v1/chat/completions",
         envoy.listener_addr()
@@ -1499,7 +1500,7 @@ async fn receive_deadlines_cut_slow_clients_but_not_long_responses() {
     assert_eq!(text.matches("data: ").count(), 7, "{text}");
     assert!(text.ends_with("data: 6\n\n"), "{text}");
 
-    // A body that trickles in over 3 s: 408 after about 1 s, and the worker never sees it.
+    // A body that trickles in over 3 s: 408 after about 2 s, and the worker never sees it.
     let (answer, took) = trickle(
         envoy.listener_addr(),
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{",
