@@ -51,22 +51,10 @@ pub(super) async fn generate(
     api: Api,
     body: Bytes,
 ) -> Response<Body> {
-    let request = match wire::parse(api, &body) {
+    let request = match read(&shared, api, &body) {
         Ok(request) => request,
-        Err(problem) => {
-            let status = StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::BAD_REQUEST);
-            return error(status, &problem.to_string());
-        }
+        Err((status, message)) => return error(status, &message),
     };
-    if let Some(model) = request.model.as_deref()
-        && model != shared.spec.model
-        && api != Api::Generate
-    {
-        return error(
-            StatusCode::NOT_FOUND,
-            &format!("The model `{model}` does not exist."),
-        );
-    }
     let params = shared.params.load_full();
     if params.failure_rate > 0.0 && lock(&shared.rng).random::<f64>() < params.failure_rate {
         if let Some(mut rank) = incarnation.rank(0) {
@@ -177,27 +165,36 @@ fn refused(refusal: Refusal) -> Response<Body> {
     }
 }
 
+/// The request's body parsed for `api`, or the status and message the engine refuses it with: 4xx for
+/// a body it would not take, 404 for another model than the one served (SGLang's `/generate` names none
+/// it checks).
+fn read(shared: &Shared, api: Api, body: &[u8]) -> Result<SimRequest, (StatusCode, String)> {
+    let request = wire::parse(api, body).map_err(|problem| {
+        let status = StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::BAD_REQUEST);
+        (status, problem.to_string())
+    })?;
+    if let Some(model) = request.model.as_deref()
+        && model != shared.spec.model
+        && api != Api::Generate
+    {
+        return Err((
+            StatusCode::NOT_FOUND,
+            format!("The model `{model}` does not exist."),
+        ));
+    }
+    Ok(request)
+}
+
 /// vLLM's render endpoints (`POST /v1/completions/render`, `/v1/chat/completions/render`, which vLLM
 /// serves with `--enable-scale-out`): the prompt's token ids exactly as [`generate`] would compute them,
 /// without generating. Routers that route on token ids ask a worker for them (vllm-router's
 /// `cache_aware` does before every request). Completions answer a list with one rendered prompt per
 /// prompt, chat a single object, as vLLM does.
 pub(super) fn render(shared: &Shared, api: Api, body: &Bytes) -> Response<Body> {
-    let request = match wire::parse(api, body) {
+    let request = match read(shared, api, body) {
         Ok(request) => request,
-        Err(problem) => {
-            let status = StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::BAD_REQUEST);
-            return error(status, &problem.to_string());
-        }
+        Err((status, message)) => return error(status, &message),
     };
-    if let Some(model) = request.model.as_deref()
-        && model != shared.spec.model
-    {
-        return error(
-            StatusCode::NOT_FOUND,
-            &format!("The model `{model}` does not exist."),
-        );
-    }
     let token_ids = match tokens(&shared.spec.tokenizer, &request.prompt) {
         Ok(prompt) => prompt,
         Err(message) => return error(StatusCode::BAD_REQUEST, &message),
