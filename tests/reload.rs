@@ -111,6 +111,21 @@ fn drain(lines: &mpsc::Receiver<String>) -> String {
     out
 }
 
+/// The log lines `serve` printed since the last call, waiting up to 5 s until every one of `expected`
+/// is among them: the log arrives through a pipe and a reader thread, so a reload's count can be up
+/// before its line has come through.
+fn logged(lines: &mpsc::Receiver<String>, expected: &[&str]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut out = String::new();
+    loop {
+        out.push_str(&drain(lines));
+        if expected.iter().all(|text| out.contains(text)) || Instant::now() > deadline {
+            return out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn start(path: &Path) -> (Server, mpsc::Receiver<String>, String) {
     let child = Command::new(cachepick_rig::cachepick_binary())
         .args(["serve", "--config", path.to_str().unwrap()])
@@ -171,7 +186,7 @@ async fn a_reloaded_file_changes_workers_live_and_a_bad_one_changes_nothing() {
             workers(&metrics).contains(&(b2.clone(), "healthy".to_owned()))
         });
         assert_eq!(reloads(&metrics, "applied"), 1);
-        assert!(drain(&lines).contains("configuration reloaded"));
+        assert!(logged(&lines, &["configuration reloaded"]).contains("configuration reloaded"));
 
         // An invalid file: every problem with its line in the log, nothing changed.
         map.update(&format!(
@@ -181,14 +196,14 @@ async fn a_reloaded_file_changes_workers_live_and_a_bad_one_changes_nothing() {
         until(Duration::from_secs(5), "counted invalid", || {
             reloads(&metrics, "invalid") == 1
         });
-        std::thread::sleep(Duration::from_millis(300));
-        let log = drain(&lines);
-        for expected in [
+        let expected = [
             "invalid; nothing changed",
             "policy.worker_queue_limit (line 4)",
             "pools[0].workers[1].bogus (line 11)",
             "pools[0].workers[2].endpoint (line 12)",
-        ] {
+        ];
+        let log = logged(&lines, &expected);
+        for expected in expected {
             assert!(log.contains(expected), "missing {expected:?} in:\n{log}");
         }
         let now = workers(&metrics);
@@ -207,8 +222,7 @@ async fn a_reloaded_file_changes_workers_live_and_a_bad_one_changes_nothing() {
         until(Duration::from_secs(5), "counted needs_restart", || {
             reloads(&metrics, "needs_restart") == 1
         });
-        std::thread::sleep(Duration::from_millis(300));
-        let log = drain(&lines);
+        let log = logged(&lines, &["listen changed (restart to apply it)"]);
         assert!(
             log.contains("listen changed (restart to apply it)"),
             "{log}"
@@ -232,7 +246,7 @@ async fn a_reloaded_file_changes_workers_live_and_a_bad_one_changes_nothing() {
         until(Duration::from_secs(5), "SIGHUP reloads", || {
             reloads(&metrics, "applied") == applied + 1
         });
-        assert!(drain(&lines).contains("trigger=\"SIGHUP\""));
+        assert!(logged(&lines, &["trigger=\"SIGHUP\""]).contains("trigger=\"SIGHUP\""));
         drop(server);
     })
     .await
