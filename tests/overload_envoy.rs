@@ -37,7 +37,7 @@ use cachepick_rig::client::Verdict;
 use cachepick_rig::stage::{Picker, READY_WITHIN, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
+use cachepick_sim::{Engine, SimConfig, SimParams, Timing};
 use picker::{CHAT, DEADLINE, bounded, chat};
 use sim_client::{Client, Reply, metric, metric_sum};
 
@@ -124,7 +124,12 @@ struct Stack {
 
 impl Stack {
     async fn start(mode: BodyMode, head: &str, tokenizer: TokenizerConfig) -> Stack {
+        // The workers are not what this measures: the slots model at a thousand times real time serves
+        // hundreds of requests at once at the cost of a timer each, where the step model would run a
+        // step every few microseconds for them.
         let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
+        sim.timing = Timing::Slots;
+        sim.params = SimParams::slots();
         sim.tokenizer = tokenizer;
         sim.params.jitter = 0.0;
         sim.params.time_scale = 0.001;

@@ -74,16 +74,16 @@ fn python() -> PathBuf {
         .clone()
 }
 
-/// Three workers decoding in real time, `INTER_TOKEN` apart, behind cachepick and Envoy in `mode`.
+/// Three workers decoding `INTER_TOKEN` apart, behind cachepick and Envoy in `mode`: the default
+/// model slowed until one request's decode step (about 7.2 ms on its GPU) takes that long.
 async fn stack(mode: BodyMode) -> Gateway {
     Gateway::start(
         3,
         |sim| {
-            sim.params.time_scale = 1.0;
-            sim.params.prefill_overhead = Duration::from_millis(5);
-            sim.params.prefill_per_token = Duration::from_micros(1);
-            sim.params.inter_token_latency = INTER_TOKEN;
-            sim.params.load_slowdown = 1.0;
+            let mut alone = cachepick_sim::step::StepWork::default();
+            alone.decode(60);
+            sim.params.time_scale =
+                INTER_TOKEN.as_secs_f64() / sim.params.profile.step_time(&alone);
         },
         Some(mode),
     )

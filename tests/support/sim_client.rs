@@ -604,11 +604,13 @@ impl Client {
     }
 
     /// Waits until `count` requests are running or waiting on the worker.
+    /// Waits until the worker holds `count` requests, running or waiting (under the step model's
+    /// SGLang a prefill under way is in neither reported count, so the held count is read).
     pub async fn wait_accounted(&self, addr: SocketAddr, count: u64) -> State {
         self.wait_state(
             addr,
             &format!("{count} requests running or waiting"),
-            |state| state.running() + state.waiting() == count,
+            |state| state.field("requests") == count,
         )
         .await
     }

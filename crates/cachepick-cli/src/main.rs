@@ -334,6 +334,13 @@ struct SimArgs {
     /// `kv_events` on; its other keys still apply).
     #[arg(long, value_name = "FORMAT", value_parser = parse_kv_events)]
     kv_events: Option<cachepick_sim::KvEventsFormat>,
+    /// Timing model: step (the default: one token budget per engine step, priced by a GPU profile) or
+    /// slots (the earlier per-request model) (overrides `timing`).
+    #[arg(long, value_parser = parse_timing)]
+    timing: Option<cachepick_sim::Timing>,
+    /// The step model's GPU profile by name (overrides `profile`); `llama31-8b-h100-bf16` by default.
+    #[arg(long, value_name = "NAME")]
+    profile: Option<String>,
     /// Write a cachepick configuration fronting the fleet to FILE.
     #[arg(long, value_name = "FILE")]
     emit_config: Option<PathBuf>,
@@ -348,6 +355,13 @@ fn parse_engine(text: &str) -> Result<cachepick_sim::Engine, String> {
         "sglang" => Ok(cachepick_sim::Engine::Sglang),
         other => Err(format!("expected vllm or sglang, got `{other}`")),
     }
+}
+
+fn parse_timing(text: &str) -> Result<cachepick_sim::Timing, String> {
+    cachepick_sim::Timing::ALL
+        .into_iter()
+        .find(|timing| timing.as_str() == text)
+        .ok_or_else(|| format!("expected step or slots, got `{text}`"))
 }
 
 fn parse_kv_events(text: &str) -> Result<cachepick_sim::KvEventsFormat, String> {
@@ -368,6 +382,8 @@ impl SimArgs {
             time_scale: self.time_scale,
             dp_size: self.dp_size,
             kv_events: self.kv_events,
+            timing: self.timing,
+            profile: self.profile.clone(),
         };
         match &self.config {
             Some(path) => cachepick_sim::decode::load(path, &overrides),

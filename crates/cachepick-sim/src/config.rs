@@ -8,6 +8,8 @@ use std::time::Duration;
 
 pub use cachepick_tokenizer::{TiktokenEncoding, TokenizerConfig};
 
+pub use crate::step::{Profile, SchedulePolicy};
+
 /// The engine a simulated worker imitates: its metric names, endpoints and wire formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Engine {
@@ -22,6 +24,28 @@ impl Engine {
         match self {
             Engine::Vllm => "vllm",
             Engine::Sglang => "sglang",
+        }
+    }
+}
+
+/// How a simulated rank's time is modelled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Timing {
+    /// One GPU running one step at a time over one token budget ([`crate::step`]): the default.
+    #[default]
+    Step,
+    /// The earlier model, kept so its figures can be reproduced: every admitted request its own
+    /// prefill and token gaps, slowed by the running count ([`crate::timing`], [`crate::model`]).
+    Slots,
+}
+
+impl Timing {
+    pub const ALL: [Timing; 2] = [Timing::Step, Timing::Slots];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Timing::Step => "step",
+            Timing::Slots => "slots",
         }
     }
 }
@@ -45,6 +69,8 @@ pub struct SimConfig {
     pub chat_template: Option<PathBuf>,
     /// Data-parallel ranks per worker, each with its own KV cache and queue.
     pub dp_size: NonZeroU32,
+    /// The timing model; fixed for the fleet's life.
+    pub timing: Timing,
     /// The model parameters that can also be changed at run time through `/admin/config`.
     pub params: SimParams,
     /// KV cache events published over ZeroMQ as the engine does; `None` publishes nothing.
@@ -72,7 +98,8 @@ impl SimConfig {
             tokenizer: TokenizerConfig::default(),
             chat_template: None,
             dp_size: NonZeroU32::MIN,
-            params: SimParams::default(),
+            timing: Timing::Step,
+            params: SimParams::step(engine, &Profile::default()),
             kv_events: None,
         }
     }
@@ -160,13 +187,15 @@ impl KvEventsConfig {
     }
 }
 
-/// One worker's model parameters (per data-parallel rank where it matters). Defaults resemble an 8B
-/// model on one data-center GPU; every value is a knob, not a claim about a specific engine.
+/// One worker's model parameters (per data-parallel rank where it matters). Under the step model the
+/// defaults are a named profile's (Llama-3.1-8B on one H100 unless another is chosen) and the engine's
+/// own defaults for that GPU; under the slots model they are the earlier knobs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimParams {
     /// KV blocks per rank.
     pub kv_blocks: NonZeroU32,
-    /// Requests a rank runs at once (continuous batching); the rest wait in FIFO order.
+    /// Requests a rank runs at once (vLLM's `max_num_seqs`, SGLang's `max_running_requests`; under the
+    /// slots model its running slots); the rest wait in FIFO order.
     pub max_running: NonZeroU32,
     /// Waiting requests a rank accepts before answering 503; `None` is unbounded.
     pub max_queue: Option<u32>,
@@ -174,14 +203,23 @@ pub struct SimParams {
     pub max_model_len: NonZeroU32,
     /// Output tokens when the request sets no `max_tokens`.
     pub default_max_tokens: NonZeroU32,
-    /// Fixed cost of a prefill step.
+    /// Step model: the GPU's coefficients.
+    pub profile: Profile,
+    /// Step model: tokens one step computes (vLLM's `max_num_batched_tokens`, SGLang's
+    /// `chunked_prefill_size`).
+    pub batch_tokens: NonZeroU32,
+    /// Step model, SGLang: new input tokens per prefill batch (`max_prefill_tokens`).
+    pub max_prefill_tokens: NonZeroU32,
+    /// Step model, SGLang: the waiting queue's order (`schedule_policy`).
+    pub schedule_policy: SchedulePolicy,
+    /// Slots model: fixed cost of a prefill step.
     pub prefill_overhead: Duration,
-    /// Prefill cost per uncached prompt token: cache hits shorten time to first token through this.
+    /// Slots model: prefill cost per uncached prompt token.
     pub prefill_per_token: Duration,
-    /// Time between two output tokens.
+    /// Slots model: time between two output tokens.
     pub inter_token_latency: Duration,
-    /// Slow-down factor of every step when the rank runs `max_running` requests; it grows linearly from
-    /// 1 with one request running. 1 disables it.
+    /// Slots model: slow-down factor of every step when the rank runs `max_running` requests; it grows
+    /// linearly from 1 with one request running. 1 disables it.
     pub load_slowdown: f64,
     /// Relative standard deviation of every duration, in [0, 0.5]; 0 is exact.
     pub jitter: f64,
@@ -191,15 +229,45 @@ pub struct SimParams {
     pub failure_rate: f64,
 }
 
-impl Default for SimParams {
-    fn default() -> Self {
+impl SimParams {
+    /// The step model's defaults for `engine` on `profile`'s GPU: its KV pool, and the engine's own
+    /// batch defaults there (vLLM's `get_batch_defaults`, SGLang's `chunked_prefill_size` and
+    /// `max_running_requests` rules).
+    pub fn step(engine: Engine, profile: &Profile) -> SimParams {
         let nz = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+        let slots = SimParams::slots();
+        let (batch_tokens, max_running) = match engine {
+            Engine::Vllm => (profile.vllm_batch_tokens, profile.vllm_max_seqs),
+            Engine::Sglang => (
+                profile.sglang_chunk,
+                sglang_max_running(profile.kv_blocks, slots.max_model_len.get()),
+            ),
+        };
+        SimParams {
+            kv_blocks: nz(profile.kv_blocks),
+            max_running: nz(max_running),
+            profile: profile.clone(),
+            batch_tokens: nz(batch_tokens),
+            max_prefill_tokens: nz(profile.sglang_max_prefill),
+            ..slots
+        }
+    }
+
+    /// The slots model's defaults: knobs that resemble an 8B model on one data-center GPU, not a claim
+    /// about a specific engine.
+    pub fn slots() -> SimParams {
+        let nz = |n: u32| NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+        let profile = Profile::default();
         SimParams {
             kv_blocks: nz(8192),
             max_running: nz(64),
             max_queue: None,
             max_model_len: nz(131_072),
             default_max_tokens: nz(64),
+            batch_tokens: nz(profile.vllm_batch_tokens),
+            max_prefill_tokens: nz(profile.sglang_max_prefill),
+            schedule_policy: SchedulePolicy::Fcfs,
+            profile,
             prefill_overhead: Duration::from_millis(10),
             prefill_per_token: Duration::from_micros(100),
             inter_token_latency: Duration::from_millis(20),
@@ -208,5 +276,28 @@ impl Default for SimParams {
             time_scale: 1.0,
             failure_rate: 0.0,
         }
+    }
+
+    /// The defaults of `timing` for `engine`.
+    pub fn defaults(timing: Timing, engine: Engine) -> SimParams {
+        match timing {
+            Timing::Step => SimParams::step(engine, &Profile::default()),
+            Timing::Slots => SimParams::slots(),
+        }
+    }
+}
+
+/// SGLang's default `max_running_requests`: `min(max(kv_tokens / context_len × 512, 2048), 4096)`
+/// (`model_runner.py`), with 16-token blocks.
+pub fn sglang_max_running(kv_blocks: u32, context_len: u32) -> u32 {
+    let tokens = f64::from(kv_blocks) * 16.0;
+    let by_memory = (tokens / f64::from(context_len.max(1)) * 512.0) as u32;
+    by_memory.clamp(2048, 4096)
+}
+
+impl Default for SimParams {
+    /// The step model's defaults for vLLM on the default profile.
+    fn default() -> Self {
+        SimParams::step(Engine::Vllm, &Profile::default())
     }
 }

@@ -14,9 +14,12 @@ use cachepick_decode::{
 };
 use cachepick_tokenizer::{decode_chat_template, decode_tokenizer};
 
-use crate::config::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams};
+use crate::config::{
+    Engine, KvEventsConfig, KvEventsFormat, Profile, SchedulePolicy, SimConfig, SimParams, Timing,
+};
 
 const SIM_KEYS: &[&str] = &[
+    "timing",
     "engine",
     "model",
     "workers",
@@ -42,9 +45,40 @@ const PARAM_KEYS: &[&str] = &[
     "prefill_per_token",
     "inter_token_latency",
     "load_slowdown",
+    "profile",
+    "batch_tokens",
+    "max_prefill_tokens",
+    "schedule_policy",
     "jitter",
     "time_scale",
     "failure_rate",
+];
+/// The keys only the slots model reads.
+const SLOTS_KEYS: &[&str] = &[
+    "prefill_overhead",
+    "prefill_per_token",
+    "inter_token_latency",
+    "load_slowdown",
+];
+/// The keys only the step model reads, and of them those only its SGLang scheduler reads.
+const STEP_KEYS: &[&str] = &[
+    "profile",
+    "batch_tokens",
+    "max_prefill_tokens",
+    "schedule_policy",
+];
+const SGLANG_STEP_KEYS: &[&str] = &["max_prefill_tokens", "schedule_policy"];
+/// The keys of a `profile:` mapping: the named profile it starts from and any coefficient replaced.
+const PROFILE_KEYS: &[&str] = &[
+    "base",
+    "step_overhead_ms",
+    "weight_read_ms",
+    "per_token_us",
+    "blend",
+    "attention_pair_ns",
+    "kv_read_ns",
+    "per_sequence_us",
+    "front_ms",
 ];
 
 /// Values given as `cachepick sim` flags; each replaces the file's value and is validated like it.
@@ -67,6 +101,10 @@ pub struct SimOverrides {
     /// `--kv-events FORMAT`: publish KV cache events in this format; the file's other `kv_events`
     /// settings (or their defaults) apply.
     pub kv_events: Option<KvEventsFormat>,
+    /// `--timing`
+    pub timing: Option<Timing>,
+    /// `--profile NAME`
+    pub profile: Option<String>,
 }
 
 /// Reads and validates a simulator file (`cachepick sim --config`), with `overrides` applied.
@@ -87,13 +125,20 @@ pub fn parse(
     })
 }
 
-/// Validates a change of model parameters (a JSON or YAML mapping of `SimParams` keys); keys not given
-/// keep their value in `base`.
-pub fn parse_params(source: &str, base: &SimParams) -> Result<SimParams, ConfigError> {
+/// Validates a change of model parameters (a JSON or YAML mapping of `SimParams` keys) for a worker of
+/// `engine` under `timing`; keys not given keep their value in `base`.
+pub fn parse_params(
+    source: &str,
+    base: &SimParams,
+    timing: Timing,
+    engine: Engine,
+) -> Result<SimParams, ConfigError> {
     cachepick_decode::decode(source, "the request body", |root, problems| {
         let mut decoder = Decoder { problems };
         let map = decoder.mapping(root, &Place::root(root.line), PARAM_KEYS)?;
-        decoder.params(&map, base, None)
+        decoder.model_keys(&map, timing, engine);
+        let profile = decoder.profile(&map, &base.profile, None)?;
+        decoder.params(&map, base, profile, None)
     })
 }
 
@@ -122,7 +167,6 @@ impl Decoder<'_> {
     fn sim(&mut self, root: &Node, overrides: &SimOverrides) -> Res<SimConfig> {
         let keys: Vec<&str> = SIM_KEYS.iter().chain(PARAM_KEYS).copied().collect();
         let map = self.mapping(root, &Place::root(root.line), &keys)?;
-        let defaults = SimParams::default();
 
         let engine = self.opt(&map, "engine", |v, node, at| {
             v.keyword(node, at, &Engine::ALL, Engine::as_str)
@@ -193,7 +237,29 @@ impl Decoder<'_> {
             }
         });
 
-        let params = self.params(&map, &defaults, overrides.time_scale);
+        let timing = self.opt(&map, "timing", |v, node, at| {
+            v.keyword(node, at, &Timing::ALL, Timing::as_str)
+        });
+        let timing = with_default(
+            overridden(timing, overrides.timing, "--timing"),
+            Timing::Step,
+        );
+        let engine_kind = engine.as_ref().ok().copied().unwrap_or(Engine::Vllm);
+        if let Ok(timing) = &timing {
+            self.model_keys(&map, timing.value, engine_kind);
+        }
+        let profile = self.profile(&map, &Profile::default(), overrides.profile.as_deref());
+        let params = match (&timing, profile) {
+            (Ok(timing), Ok(profile)) => {
+                let defaults = match timing.value {
+                    Timing::Step => SimParams::step(engine_kind, &profile),
+                    Timing::Slots => SimParams::slots(),
+                };
+                self.params(&map, &defaults, profile, overrides.time_scale)
+            }
+            (_, Err(reported)) => Err(reported),
+            (Err(reported), _) => Err(*reported),
+        };
         let kv_events = self.kv_events(&map, overrides.kv_events, engine.ok());
 
         Ok(SimConfig {
@@ -207,6 +273,7 @@ impl Decoder<'_> {
             tokenizer: tokenizer?,
             chat_template: chat_template?,
             dp_size: dp_size?.value,
+            timing: timing?.value,
             params: params?,
             kv_events: kv_events?,
         })
@@ -281,6 +348,7 @@ impl Decoder<'_> {
         &mut self,
         map: &Map,
         base: &SimParams,
+        profile: Profile,
         time_scale_flag: Option<f64>,
     ) -> Res<SimParams> {
         let kv_blocks = self.positive_u32(map, "kv_blocks", base.kv_blocks.get());
@@ -320,6 +388,13 @@ impl Decoder<'_> {
         });
         let failure_rate = self.opt(map, "failure_rate", Self::number);
         let failure_rate = self.check(with_default(failure_rate, base.failure_rate), ratio(1.0));
+        let batch_tokens = self.positive_u32(map, "batch_tokens", base.batch_tokens.get());
+        let max_prefill_tokens =
+            self.positive_u32(map, "max_prefill_tokens", base.max_prefill_tokens.get());
+        let schedule_policy = self.opt(map, "schedule_policy", |v, node, at| {
+            v.keyword(node, at, &SchedulePolicy::ALL, SchedulePolicy::as_str)
+        });
+        let schedule_policy = with_default(schedule_policy, base.schedule_policy);
 
         Ok(SimParams {
             kv_blocks: kv_blocks?,
@@ -331,9 +406,121 @@ impl Decoder<'_> {
             prefill_per_token: prefill_per_token?,
             inter_token_latency: inter_token_latency?,
             load_slowdown: load_slowdown?.value,
+            profile,
+            batch_tokens: batch_tokens?,
+            max_prefill_tokens: max_prefill_tokens?,
+            schedule_policy: schedule_policy?.value,
             jitter: jitter?.value,
             time_scale: time_scale?.value,
             failure_rate: failure_rate?.value,
+        })
+    }
+
+    /// Refuses the keys the chosen timing model (or engine) does not read: a knob that silently does
+    /// nothing would mislead whoever set it.
+    fn model_keys(&mut self, map: &Map, timing: Timing, engine: Engine) {
+        let (ignored, why): (&[&str], &str) = match timing {
+            Timing::Step => (
+                SLOTS_KEYS,
+                "is read by `timing: slots` only; the step model prices every step from `profile`",
+            ),
+            Timing::Slots => (STEP_KEYS, "is read by `timing: step` only"),
+        };
+        for key in ignored {
+            if let Some((_, at)) = map.get(key) {
+                self.report(Phase::Value, at.origin(), format!("`{key}` {why}"));
+            }
+        }
+        if timing == Timing::Step && engine == Engine::Vllm {
+            for key in SGLANG_STEP_KEYS {
+                if let Some((_, at)) = map.get(key) {
+                    self.report(
+                        Phase::Value,
+                        at.origin(),
+                        format!("`{key}` is read by the SGLang scheduler only (engine: sglang)"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// `profile:`: a named profile, or a mapping of one (`base`) with coefficients replaced; the flag
+    /// names a profile and replaces the file's.
+    fn profile(&mut self, map: &Map, base: &Profile, flag: Option<&str>) -> Res<Profile> {
+        let named = |v: &mut Self, name: &str, at: &Place| -> Res<Profile> {
+            Profile::by_name(name).ok_or_else(|| {
+                v.report(
+                    Phase::Value,
+                    at.origin(),
+                    format!(
+                        "unknown profile `{name}`; known: {}",
+                        Profile::names().join(", ")
+                    ),
+                )
+            })
+        };
+        if let Some(name) = flag {
+            return Profile::by_name(name).ok_or_else(|| {
+                self.report(
+                    Phase::Value,
+                    cachepick_decode::Origin::Flag("--profile"),
+                    format!(
+                        "unknown profile `{name}`; known: {}",
+                        Profile::names().join(", ")
+                    ),
+                )
+            });
+        }
+        let Some((node, at)) = map.get("profile") else {
+            return Ok(base.clone());
+        };
+        if let cachepick_decode::Kind::Scalar { text, .. } = &node.kind {
+            return named(self, text, &at);
+        }
+        let section = self.mapping(node, &at, PROFILE_KEYS)?;
+        let start = match section.get("base") {
+            Some((node, at)) => {
+                let name = self.text(node, &at, "a profile name")?;
+                named(self, name, &at)?
+            }
+            None => base.clone(),
+        };
+        let coefficient = |v: &mut Self, key: &str, scale: f64, default: f64| -> Res<f64> {
+            let given = v.opt(&section, key, Self::number);
+            let value = v.check(with_default(given, default / scale), |value| {
+                if value.is_finite() && value >= 0.0 {
+                    Ok(value * scale)
+                } else {
+                    Err("must be a number at least 0".to_owned())
+                }
+            });
+            value.map(|value| value.value)
+        };
+        let step_overhead = coefficient(self, "step_overhead_ms", 1e-3, start.step_overhead);
+        let weight_read = coefficient(self, "weight_read_ms", 1e-3, start.weight_read);
+        let per_token = coefficient(self, "per_token_us", 1e-6, start.per_token);
+        let attention_pair = coefficient(self, "attention_pair_ns", 1e-9, start.attention_pair);
+        let kv_read = coefficient(self, "kv_read_ns", 1e-9, start.kv_read);
+        let per_sequence = coefficient(self, "per_sequence_us", 1e-6, start.per_sequence);
+        let front = coefficient(self, "front_ms", 1e-3, start.front);
+        let blend = self.opt(&section, "blend", Self::number);
+        let blend = self.check(with_default(blend, start.blend), |value| {
+            if value.is_finite() && (0.5..=8.0).contains(&value) {
+                Ok(value)
+            } else {
+                Err("must be between 0.5 and 8".to_owned())
+            }
+        });
+        Ok(Profile {
+            step_overhead: step_overhead?,
+            weight_read: weight_read?,
+            per_token: per_token?,
+            blend: blend?.value,
+            attention_pair: attention_pair?,
+            kv_read: kv_read?,
+            per_sequence: per_sequence?,
+            front: front?,
+            ..start
         })
     }
 
@@ -376,9 +563,11 @@ mod tests {
         let config = parse("", "cli", &flags).unwrap();
         let mut expected = SimConfig::new(Engine::Sglang, NonZeroU32::new(3).unwrap());
         assert_eq!(config, expected);
+        expected.timing = Timing::Slots;
+        expected.params = SimParams::slots();
         expected.params.prefill_per_token = Duration::from_micros(50);
         expected.params.max_queue = Some(10);
-        let file = "engine: vllm\nprefill_per_token: 0.05ms\nmax_queue: 10\n";
+        let file = "engine: vllm\ntiming: slots\nprefill_per_token: 0.05ms\nmax_queue: 10\n";
         let config = parse(file, "sim.yaml", &flags).unwrap();
         assert_eq!(config.engine, Engine::Sglang, "the flag beats the file");
         assert_eq!(config.params, expected.params);
@@ -408,20 +597,27 @@ mod tests {
     fn a_parameter_change_keeps_what_it_does_not_name() {
         let base = SimParams {
             max_queue: Some(4),
-            ..SimParams::default()
+            ..SimParams::slots()
         };
         let changed = parse_params(
             "{\"max_running\": 8, \"inter_token_latency\": \"5ms\"}",
             &base,
+            Timing::Slots,
+            Engine::Vllm,
         )
         .unwrap();
         assert_eq!(changed.max_running.get(), 8);
         assert_eq!(changed.inter_token_latency, Duration::from_millis(5));
         assert_eq!(changed.max_queue, Some(4));
         assert_eq!(changed.kv_blocks, base.kv_blocks);
-        let message = parse_params("{\"engine\": \"vllm\", \"max_running\": 0}", &base)
-            .unwrap_err()
-            .to_string();
+        let message = parse_params(
+            "{\"engine\": \"vllm\", \"max_running\": 0}",
+            &base,
+            Timing::Slots,
+            Engine::Vllm,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             message.contains("engine (line 1): unknown key"),
             "{message}"

@@ -71,6 +71,7 @@ impl Fleet {
                 model: config.model.clone(),
                 dp_size: config.dp_size.get(),
                 block_size: config.block_size,
+                timing: config.timing,
                 seed: config.seed.wrapping_add(u64::from(index)),
                 tokenizer: Arc::clone(&tokenizer),
                 tokenizer_name: tokenizer_name(&config.tokenizer),

@@ -9,8 +9,12 @@
 //!   blocks, pinned blocks of running requests) and its scheduler (at most `max_running` running, FIFO
 //!   queue), and the cache events an engine would publish for it. Pure and synchronous: no clock, no
 //!   I/O.
-//! - [`timing`]: how long prefill and each output token take, from the parameters, the load and a
-//!   seeded random source. Pure.
+//! - [`step`]: the step model, the default timing: per rank one engine loop whose steps share one
+//!   token budget (vLLM V1's and SGLang's schedulers), each step priced by a calibrated GPU profile,
+//!   KV blocks allocated per chunk with preemption, and the oracle's TTFT prediction. Pure.
+//! - [`timing`]: the slots model (`timing: slots`), kept to reproduce earlier figures: how long each
+//!   admitted request's own prefill and output tokens take, from the parameters and the running count.
+//!   Pure.
 //! - [`wire`]: the OpenAI and SGLang request bodies the workers accept and the JSON and SSE they answer.
 //! - [`expo`]: the engine's `/metrics` exposition (vLLM or SGLang names), SGLang's `/v1/loads`, and the
 //!   discovery documents (`/v1/models`, `/version`, `/server_info`, `/model_info`).
@@ -35,8 +39,9 @@ pub mod kv_events;
 pub mod model;
 pub mod server;
 pub mod stats;
+pub mod step;
 pub mod timing;
 pub mod wire;
 
-pub use config::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams};
+pub use config::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams, Timing};
 pub use decode::SimOverrides;

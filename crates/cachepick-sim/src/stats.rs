@@ -9,8 +9,15 @@ pub struct RankStats {
     pub running: u64,
     /// Requests in the FIFO queue.
     pub waiting: u64,
-    /// Uncached prompt tokens of the waiting requests, as far as the cache knows now.
+    /// Every request the rank holds, running or waiting. Equal to `running + waiting` but where the
+    /// engine reports fewer (SGLang's `running` is its decode batch alone, so a prefill under way is
+    /// in neither count).
+    pub requests: u64,
+    /// Uncached prompt tokens of the waiting requests, as far as the cache knows now (under the step
+    /// model's SGLang, plus the prefill under way, as SGLang counts its chunked request).
     pub waiting_uncached_tokens: u64,
+    /// Every token of the waiting requests, cached or not (SGLang's `num_total_tokens` adds them).
+    pub waiting_tokens: u64,
     /// KV blocks occupied: held by running requests (pinned) plus blocks cached for reuse.
     pub kv_used_blocks: u64,
     /// KV blocks pinned by running requests: what engines report as used. vLLM's block pool and
@@ -22,6 +29,16 @@ pub struct RankStats {
     pub max_running: u64,
     /// Counters since start (or restart).
     pub counters: RankCounters,
+    /// Model seconds the rank's GPU spent running steps (the step model; 0 under the slots model).
+    pub busy_seconds: f64,
+    /// Steps run (the step model).
+    pub steps: u64,
+    /// Wall seconds the rank's engine loop gave up because it fell too far behind its clock: nonzero
+    /// means the machine could not keep the model's pace, and the run's timings are suspect.
+    pub lagged_seconds: f64,
+    /// Hit share of the latest prefill batch, SGLang's `cache_hit_rate` gauge; `None` reports the
+    /// cumulative share instead (the slots model).
+    pub last_prefill_hit_rate: Option<f64>,
     /// Latency histograms since start (or restart); bucket bounds in `LATENCY_BUCKETS`.
     pub ttft: Histogram,
     pub e2e: Histogram,
@@ -61,6 +78,9 @@ pub struct RankCounters {
     pub rejected: u64,
     /// Cached blocks evicted to make room.
     pub evicted_blocks: u64,
+    /// Running requests that lost their KV to make room (vLLM's recompute preemption, SGLang's
+    /// retraction) and went back to the queue.
+    pub preemptions: u64,
 }
 
 /// Upper bounds (seconds) of the latency histograms, as vLLM's TTFT buckets.
@@ -120,6 +140,7 @@ pub fn sample_ranks(n: u32) -> Vec<RankStats> {
                 running: 3 + r,
                 waiting: 7 * r + 1,
                 waiting_uncached_tokens: 1000 + r,
+                waiting_tokens: 1500 + 3 * r,
                 kv_used_blocks: 300 + 17 * r,
                 kv_pinned_blocks: 100,
                 kv_total_blocks: 8192,
@@ -134,6 +155,7 @@ pub fn sample_ranks(n: u32) -> Vec<RankStats> {
                     aborted: r,
                     rejected: 0,
                     evicted_blocks: 0,
+                    preemptions: 2 * r,
                 },
                 process_start_time: 1_764_500_000.25,
                 ..RankStats::default()

@@ -51,10 +51,10 @@ pub fn token_gap(params: &SimParams, running: u64, rng: &mut impl rand::Rng) -> 
     scale(params.inter_token_latency, factor)
 }
 
-/// `max(0.05, 1 + jitter × z)` with z approximately standard normal (Irwin–Hall: the sum of 12
+/// The factor one duration is multiplied by: `max(0.05, 1 + jitter × z)` with z approximately standard normal (Irwin–Hall: the sum of 12
 /// uniforms minus 6) clamped to ±3. No jitter draws nothing, so exact runs leave the random stream
 /// untouched.
-fn jitter_factor(jitter: f64, rng: &mut impl rand::Rng) -> f64 {
+pub fn jitter_factor(jitter: f64, rng: &mut impl rand::Rng) -> f64 {
     if !(jitter.is_finite() && jitter > 0.0) {
         return 1.0;
     }

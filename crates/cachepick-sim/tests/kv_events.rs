@@ -25,7 +25,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
+use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig, SimParams, Timing};
 
 const WAIT: Duration = Duration::from_secs(5);
 const TOPIC: &str = "kv@sim";
@@ -41,9 +41,13 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
         .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
 }
 
-/// One worker of `format`'s engine, block size 4, `kv_blocks` blocks, fast.
+/// One worker of `format`'s engine, block size 4, `kv_blocks` blocks, fast, under the slots model: a
+/// request's blocks are stored (and room evicted) as it is admitted, so each request is one batch. The
+/// step model's batches are per step ([`the_step_model_publishes_each_steps_blocks_when_it_ends`]).
 fn config(format: KvEventsFormat, kv_blocks: u32) -> SimConfig {
     let mut config = SimConfig::new(format.engine(), nz(1));
+    config.timing = Timing::Slots;
+    config.params = SimParams::slots();
     config.tokenizer = TokenizerConfig::Bytes;
     config.block_size = nz(BLOCK);
     config.params.kv_blocks = nz(kv_blocks);
@@ -747,4 +751,87 @@ async fn the_kv_events_control_needs_events_on() {
     let state: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(state["kv_events"]["format"], "vllm_map");
     assert_eq!(state["ranks"][0]["kv_events"]["drop_next"], 2);
+}
+
+/// Under the step model a batch is one step's changes, published when the step ends: a prompt longer
+/// than the budget is stored chunk by chunk, each chunk's blocks chained to the previous chunk's, and
+/// room is evicted only when a step needs it (a decode's new block included), least recently released
+/// first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_model_publishes_each_steps_blocks_when_it_ends() {
+    let mut config = SimConfig::new(Engine::Vllm, nz(1));
+    config.tokenizer = TokenizerConfig::Bytes;
+    config.block_size = nz(BLOCK);
+    config.params.kv_blocks = nz(8);
+    config.params.batch_tokens = nz(8);
+    config.params.time_scale = 0.01;
+    config.kv_events = Some(KvEventsConfig::new(KvEventsFormat::VllmMap));
+    let fleet = start(&config).await;
+    let worker = fleet.worker(0).unwrap();
+    let addr = worker.addr();
+    let rank = worker.kv_events().unwrap().ranks[0].clone();
+    let mut live = subscribe(rank.live).await;
+
+    // 12 tokens at 8 a step: two prefill steps, two batches; one output token, no decode step.
+    let first = tokens(0, 12);
+    complete(addr, &first).await;
+    let (_, seq, payload) = next_live(&mut live).await;
+    assert_eq!(seq, 0);
+    let chunk = batch(&payload, KvEventsFormat::VllmMap, 0);
+    let [
+        Event::Stored {
+            hashes: head,
+            parent: None,
+            tokens: ids,
+        },
+    ] = chunk.as_slice()
+    else {
+        panic!("the first chunk's two blocks: {chunk:?}");
+    };
+    assert_eq!((head.len(), ids.as_slice()), (2, &first[..8]));
+    let (_, seq, payload) = next_live(&mut live).await;
+    assert_eq!(seq, 1);
+    let chunk = batch(&payload, KvEventsFormat::VllmMap, 0);
+    let [
+        Event::Stored {
+            hashes: tail,
+            parent,
+            tokens: ids,
+        },
+    ] = chunk.as_slice()
+    else {
+        panic!("the second chunk's block: {chunk:?}");
+    };
+    assert_eq!(tail.len(), 1);
+    assert_eq!(*parent, head.last().copied(), "chained to the first chunk");
+    assert_eq!(ids.as_slice(), &first[8..]);
+    quiet(&mut live).await;
+
+    // 28 more tokens need 7 blocks of the 8, two chunks after the first: the first prompt's tail two
+    // blocks are evicted once the steps that need the room come.
+    let second = tokens(100, 28);
+    complete(addr, &second).await;
+    let (_, _, payload) = next_live(&mut live).await;
+    let events = batch(&payload, KvEventsFormat::VllmMap, 0);
+    assert!(
+        matches!(events.first(), Some(Event::Stored { tokens, .. }) if *tokens == second[..8]),
+        "{events:?}"
+    );
+    let mut removed: Vec<u64> = Vec::new();
+    let mut stored = stored_hashes(&events);
+    for _ in 0..4 {
+        let (_, _, payload) = next_live(&mut live).await;
+        let events = batch(&payload, KvEventsFormat::VllmMap, 0);
+        for event in &events {
+            if let Event::Removed { hashes } = event {
+                removed.extend(hashes.iter().copied());
+            }
+        }
+        stored.extend(stored_hashes(&events));
+        if stored.len() == 7 {
+            break;
+        }
+    }
+    assert_eq!(stored.len(), 7, "the second prompt's full blocks");
+    assert_eq!(removed, [tail[0], head[1]], "least recently released first");
 }

@@ -158,8 +158,12 @@ fn write_num(out: &mut String, value: Num) {
     };
 }
 
-/// Prefix-cache hit rate in [0, 1]: hit over queried tokens, 0 before any lookup.
+/// SGLang's `cache_hit_rate`: the latest prefill batch's share under the step model, else the share of
+/// every lookup so far; in [0, 1], 0 before any lookup.
 fn hit_rate(rank: &RankStats) -> f64 {
+    if let Some(latest) = rank.last_prefill_hit_rate {
+        return latest.clamp(0.0, 1.0);
+    }
     let counters = &rank.counters;
     if counters.prefix_queried_tokens == 0 {
         0.0
@@ -248,7 +252,12 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             Num::Float(1.0),
         );
     }
-    let counters: [Series; 4] = [
+    let counters: [Series; 5] = [
+        (
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemption from the engine.",
+            |r| Num::Int(r.counters.preemptions),
+        ),
         (
             "vllm:prefix_cache_queries_total",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -436,8 +445,7 @@ struct Load {
     num_waiting_reqs: u64,
     num_waiting_uncached_tokens: u64,
     num_used_tokens: u64,
-    /// SGLang's single load figure: KV tokens in use plus the tokens waiting for prefill. The simulator
-    /// counts the waiting requests' uncached tokens, the part that will need new KV.
+    /// SGLang's single load figure: KV tokens in use plus every token of the waiting requests.
     num_total_tokens: u64,
     max_total_num_tokens: u64,
     max_running_requests: u64,
@@ -461,7 +469,7 @@ pub fn render_loads(ranks: &[RankStats]) -> Vec<u8> {
             num_waiting_reqs: rank.waiting,
             num_waiting_uncached_tokens: rank.waiting_uncached_tokens,
             num_used_tokens: used_tokens(rank),
-            num_total_tokens: used_tokens(rank).saturating_add(rank.waiting_uncached_tokens),
+            num_total_tokens: used_tokens(rank).saturating_add(rank.waiting_tokens),
             max_total_num_tokens: total_tokens(rank),
             max_running_requests: rank.max_running,
             token_usage: rank.kv_usage(),

@@ -361,11 +361,18 @@ impl RankModel {
                 pending.prompt_len.saturating_sub(self.tokens(hit))
             })
             .fold(0u64, u64::saturating_add);
+        let waiting_tokens = self
+            .queue
+            .values()
+            .map(|pending| pending.prompt_len)
+            .fold(0u64, u64::saturating_add);
         RankStats {
             rank: self.rank,
             running: self.running(),
             waiting: self.waiting(),
+            requests: self.running().saturating_add(self.waiting()),
             waiting_uncached_tokens,
+            waiting_tokens,
             kv_used_blocks: self.used_blocks(),
             kv_pinned_blocks: self.pinned_blocks(),
             kv_total_blocks: u64::from(self.kv_blocks.get()),

@@ -193,7 +193,12 @@ pub(super) async fn admin(
         (&Method::POST, "/admin/config") => {
             let source = String::from_utf8_lossy(body);
             let current = shared.params.load_full();
-            match crate::decode::parse_params(&source, &current) {
+            match crate::decode::parse_params(
+                &source,
+                &current,
+                shared.spec.timing,
+                shared.spec.engine,
+            ) {
                 Ok(params) => {
                     apply_params(shared, incarnation, params);
                     state(shared, incarnation)
@@ -296,9 +301,9 @@ fn state(shared: &Shared, incarnation: &Incarnation) -> Response<Body> {
 fn apply_params(shared: &Shared, incarnation: &Incarnation, params: SimParams) {
     for rank in &incarnation.ranks {
         let mut rank = lock(rank);
-        let admitted =
-            rank.model
-                .set_limits(params.kv_blocks, params.max_running, params.max_queue);
+        let admitted = rank
+            .engine
+            .set_params(shared.spec.engine, shared.spec.block_size, &params);
         rank.publish_events();
         rank.wake(admitted);
     }
@@ -328,6 +333,7 @@ fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
                 "rank": rank.rank,
                 "running": rank.running,
                 "waiting": rank.waiting,
+                "requests": rank.requests,
                 "waiting_uncached_tokens": rank.waiting_uncached_tokens,
                 "kv_used_blocks": rank.kv_used_blocks,
                 "kv_pinned_blocks": rank.kv_pinned_blocks,
@@ -342,6 +348,10 @@ fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
                 "aborted": rank.counters.aborted,
                 "rejected": rank.counters.rejected,
                 "evicted_blocks": rank.counters.evicted_blocks,
+                "preemptions": rank.counters.preemptions,
+                "busy_seconds": rank.busy_seconds,
+                "steps": rank.steps,
+                "lagged_seconds": rank.lagged_seconds,
             })
         })
         .collect();
@@ -349,6 +359,7 @@ fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
         "id": shared.id,
         "index": shared.spec.index,
         "engine": shared.spec.engine.as_str(),
+        "timing": shared.spec.timing.as_str(),
         "model": shared.spec.model,
         "paused": *shared.paused.borrow(),
         "metrics_mode": controls.metrics,
@@ -370,7 +381,22 @@ fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
 
 fn params_json(params: &SimParams) -> serde_json::Value {
     let ms = |duration: Duration| duration.as_secs_f64() * 1000.0;
+    let profile = &params.profile;
     serde_json::json!({
+        "profile": {
+            "name": profile.name,
+            "step_overhead_ms": profile.step_overhead * 1e3,
+            "weight_read_ms": profile.weight_read * 1e3,
+            "per_token_us": profile.per_token * 1e6,
+            "blend": profile.blend,
+            "attention_pair_ns": profile.attention_pair * 1e9,
+            "kv_read_ns": profile.kv_read * 1e9,
+            "per_sequence_us": profile.per_sequence * 1e6,
+            "front_ms": profile.front * 1e3,
+        },
+        "batch_tokens": params.batch_tokens,
+        "max_prefill_tokens": params.max_prefill_tokens,
+        "schedule_policy": params.schedule_policy.as_str(),
         "kv_blocks": params.kv_blocks,
         "max_running": params.max_running,
         "max_queue": params.max_queue,

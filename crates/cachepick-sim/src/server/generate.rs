@@ -1,11 +1,12 @@
 //! Generating an answer: parse, tokenize, submit to the least-loaded rank, wait for admission under a
-//! [`Ticket`], then prefill and decode at the pace [`timing`] sets, answered whole (JSON) or as
-//! it is produced (SSE).
+//! [`Ticket`], then prefill and decode — at the pace of the rank's engine loop (the step model), or at
+//! the pace [`timing`] sets for the request itself (the slots model) — answered whole (JSON) or as it
+//! is produced (SSE).
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -15,13 +16,15 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tokio::sync::oneshot;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use cachepick_tokenizer::{ChatTurn, Tokenizer};
 
-use super::{Body, Incarnation, Rank, Shared, error, json, lock};
-use crate::model::{Admission, Refusal, RequestId, Submit};
+use super::engine::{Progress, Submitted};
+use super::{Body, Incarnation, Rank, Shared, error, json, lock, sleep_unpaused};
+use crate::config::Timing;
+use crate::model::{Refusal, RequestId};
 use crate::timing;
 use crate::wire::{self, Api, Outcome, Prompt, SimRequest};
 
@@ -37,8 +40,7 @@ struct Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(mut rank) = self.incarnation.rank(self.rank) {
-            rank.waiters.remove(&self.id);
-            let admitted = rank.model.finish(self.id, self.completed, self.generated);
+            let admitted = rank.engine.end(self.id, self.completed, self.generated);
             rank.publish_events();
             rank.wake(admitted);
         }
@@ -58,7 +60,7 @@ pub(super) async fn generate(
     let params = shared.params.load_full();
     if params.failure_rate > 0.0 && lock(&shared.rng).random::<f64>() < params.failure_rate {
         if let Some(mut rank) = incarnation.rank(0) {
-            rank.model.count_rejected();
+            rank.engine.count_rejected();
         }
         return error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -88,19 +90,21 @@ pub(super) async fn generate(
 
     let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
     let received = Instant::now();
-    let (ticket, admission, rank_index) = {
+    if shared.spec.timing == Timing::Step {
+        // The API server parses and tokenizes before the scheduler sees the request; a paused engine
+        // does not stop it.
+        let front = Duration::try_from_secs_f64(params.profile.front * params.time_scale)
+            .unwrap_or(Duration::ZERO);
+        tokio::time::sleep_until(received + front).await;
+    }
+    let (ticket, submitted, rank_index) = {
         let Some((rank_index, mut rank)) = incarnation.least_loaded() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "no engine rank");
         };
-        let submitted = rank.model.submit(id, &prompt, output);
+        let submitted = rank.engine.submit(id, &prompt, output, received);
         rank.publish_events();
-        let admission = match submitted {
-            Ok(Submit::Admitted(admission)) => Ok(admission),
-            Ok(Submit::Queued { .. }) => {
-                let (sender, receiver) = oneshot::channel();
-                rank.waiters.insert(id, sender);
-                Err(receiver)
-            }
+        let submitted = match submitted {
+            Ok(submitted) => submitted,
             Err(refusal) => return refused(refusal),
         };
         let ticket = Ticket {
@@ -110,14 +114,38 @@ pub(super) async fn generate(
             completed: false,
             generated: 0,
         };
-        (ticket, admission, rank_index)
+        (ticket, submitted, rank_index)
     };
-    let admission = match admission {
-        Ok(admission) => admission,
-        Err(receiver) => match receiver.await {
-            Ok(admission) => admission,
-            Err(_) => return error(StatusCode::SERVICE_UNAVAILABLE, "the engine restarted"),
+    let restarted = || error(StatusCode::SERVICE_UNAVAILABLE, "the engine restarted");
+    let rng = SmallRng::seed_from_u64(shared.spec.seed ^ id.rotate_left(17));
+    let (cached_tokens, pace) = match submitted {
+        Submitted::Admitted(admission) => (
+            admission.cached_tokens,
+            Pace::Slots {
+                uncached: admission.uncached_tokens,
+                rng,
+            },
+        ),
+        Submitted::Queued(receiver) => match receiver.await {
+            Ok(admission) => (
+                admission.cached_tokens,
+                Pace::Slots {
+                    uncached: admission.uncached_tokens,
+                    rng,
+                },
+            ),
+            Err(_) => return restarted(),
         },
+        Submitted::Stepping(mut progress) => {
+            let cached = progress
+                .wait_for(|progress| progress.cached.is_some() || progress.done)
+                .await
+                .map(|progress| progress.cached.unwrap_or(0));
+            match cached {
+                Ok(cached) => (cached, Pace::Step { progress, seen: 0 }),
+                Err(_) => return restarted(),
+            }
+        }
     };
 
     let run = Run {
@@ -130,15 +158,15 @@ pub(super) async fn generate(
             .map_or(0, |since| since.as_secs()),
         prompt_tokens: u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         output,
-        admission,
+        cached_tokens,
         received,
         ticket,
-        rng: SmallRng::seed_from_u64(shared.spec.seed ^ id.rotate_left(17)),
+        pace,
     };
     let headers = ResponseHeaders {
         served_by: shared.id.clone(),
         rank: (shared.spec.dp_size > 1).then_some(rank_index),
-        cached: admission.cached_tokens,
+        cached: cached_tokens,
     };
     if request.stream {
         stream_response(run, request, headers)
@@ -153,6 +181,17 @@ fn api_prefix(api: Api) -> &'static str {
         Api::Completion => "cmpl",
         Api::Generate => "gen",
     }
+}
+
+/// What paces a running request's tokens.
+enum Pace {
+    /// The slots model: its own prefill of `uncached` tokens and token gaps, drawn from `rng`.
+    Slots { uncached: u32, rng: SmallRng },
+    /// The step model: whatever its rank's engine loop reports; `seen` tokens were already taken.
+    Step {
+        progress: watch::Receiver<Progress>,
+        seen: u32,
+    },
 }
 
 fn refused(refusal: Refusal) -> Response<Body> {
@@ -217,7 +256,7 @@ pub(super) fn render(shared: &Shared, api: Api, body: &Bytes) -> Response<Body> 
 
 /// The prompt's tokens as the engine sees them: a chat rendered by the template and tokenized whole
 /// without added special tokens; a text prompt tokenized whole with them; token ids as given.
-fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
+pub(super) fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
     match prompt {
         Prompt::Tokens(tokens) => Ok(tokens.clone()),
         Prompt::Text(text) => tokenizer
@@ -274,10 +313,10 @@ struct Run {
     created: u64,
     prompt_tokens: u32,
     output: u32,
-    admission: Admission,
+    cached_tokens: u32,
     received: Instant,
     ticket: Ticket,
-    rng: SmallRng,
+    pace: Pace,
 }
 
 impl Run {
@@ -285,58 +324,60 @@ impl Run {
         self.ticket
             .incarnation
             .rank(self.ticket.rank)
-            .map_or(1, |rank| rank.model.running())
+            .map_or(1, |rank| rank.engine.running())
     }
 
-    /// Sleeps until `until` without counting time spent paused: a pause during the sleep pushes the
-    /// end back by its length, as a stopped engine makes no progress. Returns the end it slept to.
-    async fn sleep_unpaused(&self, mut until: Instant) -> Instant {
-        let mut paused = self.shared.paused.subscribe();
-        loop {
-            if *paused.borrow_and_update() {
-                let since = Instant::now();
-                if paused.wait_for(|paused| !paused).await.is_err() {
-                    return until;
-                }
-                until += since.elapsed();
-                continue;
-            }
-            tokio::select! {
-                () = tokio::time::sleep_until(until) => return until,
-                changed = paused.changed() => {
-                    if changed.is_err() {
-                        tokio::time::sleep_until(until).await;
-                        return until;
-                    }
-                }
-            }
-        }
-    }
-
+    /// Waits for the first output token: the slots model's own prefill (which records the TTFT), or
+    /// the step at whose end the engine emits it.
     async fn prefill(&mut self) {
+        if let Pace::Step { progress, seen } = &mut self.pace {
+            if let Ok(now) = progress
+                .wait_for(|progress| progress.generated > 0 || progress.done)
+                .await
+            {
+                *seen = now.generated.min(1);
+            }
+            return;
+        }
         let params = self.shared.params.load_full();
         let running = self.running();
-        let duration = timing::prefill(
-            &params,
-            self.admission.uncached_tokens,
-            running,
-            &mut self.rng,
-        );
-        self.sleep_unpaused(Instant::now() + duration).await;
+        let Pace::Slots { uncached, rng } = &mut self.pace else {
+            return;
+        };
+        let duration = timing::prefill(&params, *uncached, running, rng);
+        sleep_unpaused(&self.shared, Instant::now() + duration).await;
         self.observe(|rank, seconds| rank.ttft.observe(seconds));
     }
 
-    /// Sleeps until the next token is due and returns how many tokens are due by then (at least one);
-    /// `deadline` advances by each token's gap, so timer granularity never slows the stream down.
+    /// Waits until at least one more token is due and returns how many are (at most `remaining`). The
+    /// slots model sleeps its gaps, `deadline` advancing by each so timer granularity never slows the
+    /// stream; the step model takes every token the engine produced since the last call.
     async fn next_tokens(&mut self, deadline: &mut Instant, remaining: u32) -> u32 {
+        if let Pace::Step { progress, seen } = &mut self.pace {
+            let before = *seen;
+            return match progress
+                .wait_for(|progress| progress.generated > before || progress.done)
+                .await
+            {
+                Ok(now) if now.generated > before => {
+                    *seen = now.generated;
+                    (now.generated - before).min(remaining)
+                }
+                // Done, or the engine is gone: nothing more will come.
+                _ => remaining,
+            };
+        }
         let params = self.shared.params.load_full();
         let running = self.running();
-        let gap = timing::token_gap(&params, running, &mut self.rng);
-        *deadline = self.sleep_unpaused(*deadline + gap).await;
+        let Pace::Slots { rng, .. } = &mut self.pace else {
+            return remaining;
+        };
+        let gap = timing::token_gap(&params, running, rng);
+        *deadline = sleep_unpaused(&self.shared, *deadline + gap).await;
         let now = Instant::now();
         let mut due = 1;
         while due < remaining {
-            let gap = timing::token_gap(&params, running, &mut self.rng);
+            let gap = timing::token_gap(&params, running, rng);
             if *deadline + gap > now {
                 break;
             }
@@ -361,7 +402,10 @@ impl Run {
     fn finish(&mut self) {
         self.ticket.completed = true;
         self.ticket.generated = self.output;
-        self.observe(|rank, seconds| rank.e2e.observe(seconds));
+        // The step model's engine loop records the end-to-end latency when the request leaves it.
+        if matches!(self.pace, Pace::Slots { .. }) {
+            self.observe(|rank, seconds| rank.e2e.observe(seconds));
+        }
     }
 
     fn outcome<'a>(&'a self, text: &'a str, completion_tokens: u32) -> Outcome<'a> {
@@ -372,7 +416,7 @@ impl Run {
             text,
             prompt_tokens: self.prompt_tokens,
             completion_tokens,
-            cached_tokens: self.admission.cached_tokens,
+            cached_tokens: self.cached_tokens,
             finish_reason: "length",
         }
     }

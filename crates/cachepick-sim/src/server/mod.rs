@@ -16,7 +16,6 @@
 //! Here: the worker's life (start, kill, restart), the accept loop and the routing. A request's
 //! generation is in `generate`, the admin controls and the metrics modes they set in `admin`.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -40,16 +39,19 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use cachepick_tokenizer::Tokenizer;
 
-use crate::config::{Engine, KvEventsConfig, SimParams};
+use crate::config::{Engine, KvEventsConfig, SimParams, Timing};
 use crate::expo::{self, Identity};
 use crate::kv_events::publisher::{self, PublisherSpec, RankListeners, RankStream};
 use crate::kv_events::{KvEventEndpoints, RankEventEndpoints};
-use crate::model::{Admission, RankModel, RequestId};
+use crate::model::Admission;
 use crate::stats::{Histogram, RankStats};
 use crate::wire::{self, Api};
 
 mod admin;
+mod engine;
 mod generate;
+
+use engine::RankEngine;
 
 pub use admin::{FakeMetrics, MetricsMode};
 
@@ -70,6 +72,7 @@ pub struct WorkerSpec {
     pub model: String,
     pub dp_size: u32,
     pub block_size: std::num::NonZeroU32,
+    pub timing: Timing,
     pub seed: u64,
     pub tokenizer: Arc<Tokenizer>,
     /// How `/server_info` names the tokenizer.
@@ -89,10 +92,9 @@ pub struct KvEventsSpec {
     pub replay_port: Option<u16>,
 }
 
-/// One rank: its model, the requests waiting for admission, and its latency histograms.
+/// One rank: its engine, and its latency histograms.
 struct Rank {
-    model: RankModel,
-    waiters: HashMap<RequestId, oneshot::Sender<Admission>>,
+    engine: RankEngine,
     ttft: Histogram,
     e2e: Histogram,
     /// The rank's KV event stream, when events are on.
@@ -104,25 +106,20 @@ impl Rank {
     /// nothing). Called under the rank's lock right after every model call that can change the cache.
     fn publish_events(&mut self) {
         if let Some(stream) = &mut self.events {
-            let events = self.model.take_events();
+            let events = self.engine.take_events();
             if !events.is_empty() {
                 stream.push(events);
             }
         }
     }
 
-    /// Wakes the requests the model admitted.
+    /// Wakes the requests the slots model admitted.
     fn wake(&mut self, admitted: Vec<Admission>) {
-        for admission in admitted {
-            if let Some(waiter) = self.waiters.remove(&admission.id) {
-                // A waiter that is gone has already told the model (its ticket's drop), so nothing leaks.
-                let _ = waiter.send(admission);
-            }
-        }
+        self.engine.wake(admitted);
     }
 
     fn stats(&self) -> RankStats {
-        let mut stats = self.model.stats();
+        let mut stats = self.engine.stats();
         stats.ttft = self.ttft.clone();
         stats.e2e = self.e2e.clone();
         stats
@@ -147,18 +144,12 @@ impl Incarnation {
         let mut streams = streams.into_iter();
         let ranks = (0..spec.dp_size)
             .map(|rank| {
-                let mut model = RankModel::new(
-                    rank,
-                    spec.block_size,
-                    params.kv_blocks,
-                    params.max_running,
-                    params.max_queue,
-                );
+                let mut engine =
+                    RankEngine::new(rank, spec.engine, spec.timing, spec.block_size, params);
                 let events = streams.next();
-                model.record_events(events.is_some());
+                engine.record_events(events.is_some());
                 Mutex::new(Rank {
-                    model,
-                    waiters: HashMap::new(),
+                    engine,
                     ttft: Histogram::default(),
                     e2e: Histogram::default(),
                     events,
@@ -180,7 +171,7 @@ impl Incarnation {
         let chosen = guards
             .iter()
             .enumerate()
-            .min_by_key(|(_, rank)| (rank.model.waiting(), rank.model.running()))
+            .min_by_key(|(_, rank)| (rank.engine.waiting(), rank.engine.running()))
             .map(|(index, _)| index)?;
         guards
             .into_iter()
@@ -214,6 +205,8 @@ enum Life {
         stop: oneshot::Sender<()>,
         /// The ranks' KV event publishers; aborting one closes its sockets and loses its ring.
         publishers: Vec<JoinHandle<()>>,
+        /// The ranks' engine loops (the step model), which die with the run.
+        loops: Vec<JoinHandle<()>>,
     },
     Down,
 }
@@ -336,18 +329,58 @@ impl Worker {
     pub fn params(&self) -> SimParams {
         SimParams::clone(&self.shared.params.load())
     }
+
+    /// What every rank holds of a completion whose prompt is `text`, and how long the model predicts it
+    /// would take there to a first token: the true state, which only an oracle in the same process can
+    /// read (`cachepick replay`'s limit). Empty under the slots model, for a worker that is down, or a
+    /// prompt the tokenizer refuses.
+    pub fn outlook(&self, text: &str) -> Vec<RankOutlook> {
+        let Some(incarnation) = current(&self.shared) else {
+            return Vec::new();
+        };
+        let prompt = wire::Prompt::Text(text.to_owned());
+        let Ok(tokens) = generate::tokens(&self.shared.spec.tokenizer, &prompt) else {
+            return Vec::new();
+        };
+        let params = self.shared.params.load();
+        (0u32..)
+            .zip(&incarnation.ranks)
+            .filter_map(|(rank, state)| {
+                let state = lock(state);
+                let seconds = state.engine.predict_ttft(&tokens, &params)?;
+                Some(RankOutlook {
+                    rank,
+                    cached_tokens: state.engine.cached_tokens(&tokens),
+                    predicted_ttft: seconds + params.profile.front,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One rank's share of a prompt and the model's prediction for it ([`Worker::outlook`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RankOutlook {
+    pub rank: u32,
+    /// Prompt tokens its cache holds.
+    pub cached_tokens: u32,
+    /// Model seconds to the first token, the API server's front included.
+    pub predicted_ttft: f64,
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         // No await in a drop: the port closes once the runtime drops the aborted task.
         if let Life::Up {
-            server, publishers, ..
+            server,
+            publishers,
+            loops,
+            ..
         } = std::mem::replace(&mut *lock(&self.shared.life), Life::Down)
         {
             server.abort();
-            for publisher in publishers {
-                publisher.abort();
+            for task in publishers.into_iter().chain(loops) {
+                task.abort();
             }
         }
     }
@@ -462,6 +495,18 @@ fn launch(shared: &Arc<Shared>, listener: TcpListener, kv_listeners: Vec<RankLis
         Arc::clone(&incarnation),
         stopped,
     ));
+    let loops = match shared.spec.timing {
+        Timing::Step => (0..incarnation.ranks.len())
+            .map(|rank| {
+                tokio::spawn(engine::run(
+                    Arc::clone(shared),
+                    Arc::clone(&incarnation),
+                    rank,
+                ))
+            })
+            .collect(),
+        Timing::Slots => Vec::new(),
+    };
     let previous = std::mem::replace(
         &mut *lock(&shared.life),
         Life::Up {
@@ -469,15 +514,19 @@ fn launch(shared: &Arc<Shared>, listener: TcpListener, kv_listeners: Vec<RankLis
             server,
             stop,
             publishers,
+            loops,
         },
     );
     if let Life::Up {
-        server, publishers, ..
+        server,
+        publishers,
+        loops,
+        ..
     } = previous
     {
         server.abort();
-        for publisher in publishers {
-            publisher.abort();
+        for task in publishers.into_iter().chain(loops) {
+            task.abort();
         }
     }
 }
@@ -501,9 +550,14 @@ async fn kill(shared: &Shared) {
         server,
         stop,
         publishers,
+        loops,
         ..
     } = previous
     {
+        // A dead engine computes nothing more.
+        for task in &loops {
+            task.abort();
+        }
         // The loop returns after every connection task is gone and drops the listener on the way
         // out: once it is joined, the port is closed and no stream survives.
         let _ = stop.send(());
@@ -538,6 +592,31 @@ async fn restart(shared: &Arc<Shared>) -> Result<(), StartError> {
     };
     launch(shared, listener, kv_listeners);
     Ok(())
+}
+
+/// Sleeps until `until` without counting time spent paused: a pause during the sleep pushes the end
+/// back by its length, as a stopped engine makes no progress. Returns the end it slept to.
+async fn sleep_unpaused(shared: &Shared, mut until: tokio::time::Instant) -> tokio::time::Instant {
+    let mut paused = shared.paused.subscribe();
+    loop {
+        if *paused.borrow_and_update() {
+            let since = tokio::time::Instant::now();
+            if paused.wait_for(|paused| !paused).await.is_err() {
+                return until;
+            }
+            until += since.elapsed();
+            continue;
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until(until) => return until,
+            changed = paused.changed() => {
+                if changed.is_err() {
+                    tokio::time::sleep_until(until).await;
+                    return until;
+                }
+            }
+        }
+    }
 }
 
 /// The pause after a failed accept (the fleet's control listener uses it too).
@@ -678,7 +757,7 @@ fn reset_prefix_cache(incarnation: &Incarnation) -> Response<Body> {
     let mut busy = Vec::new();
     for (index, rank) in incarnation.ranks.iter().enumerate() {
         let mut rank = lock(rank);
-        if !rank.model.reset_prefix_cache() {
+        if !rank.engine.reset_prefix_cache() {
             busy.push(index);
         }
         rank.publish_events();

@@ -1,0 +1,373 @@
+//! A rank's engine under either timing model, and the step model's engine loop.
+//!
+//! Under the slots model ([`crate::model`]) each request paces itself: admission wakes it, then it
+//! sleeps its own prefill and token gaps. Under the step model ([`crate::step`]) one loop per rank is
+//! the GPU: it forms a step, sleeps the step's duration, applies it, and tells each request what it got
+//! through a `watch` channel (cached tokens at admission, tokens so far, done), so a request waits on
+//! the engine instead of on a timer. Steps are timed against an ideal clock: the next step of a busy
+//! rank starts when the previous one was due to end, not when the loop woke, so the timer's granularity
+//! never slows the modelled GPU; a loop that falls further behind than [`MAX_LAG`] (a starved machine)
+//! starts again from now and counts the time it lost.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use tokio::sync::{Notify, oneshot, watch};
+use tokio::time::Instant;
+
+use super::{Incarnation, Rank, Shared, sleep_unpaused};
+use crate::config::{Engine, SimParams, Timing};
+use crate::model::{Admission, CacheEvent, RankModel, RequestId};
+use crate::stats::RankStats;
+use crate::step::{Emission, StepLimits, StepRank};
+use crate::timing;
+
+/// How far behind its ideal clock a step loop may fall before it gives the time up.
+const MAX_LAG: Duration = Duration::from_millis(50);
+
+/// What a step-model request has been given so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Progress {
+    /// Prompt tokens the cache held when it was admitted; `None` while it waits.
+    pub cached: Option<u32>,
+    /// Output tokens produced.
+    pub generated: u32,
+    /// It produced everything it asked for.
+    pub done: bool,
+}
+
+/// The engine loop's end of one request.
+pub(super) struct Handle {
+    progress: watch::Sender<Progress>,
+    received: Instant,
+}
+
+/// A rank's engine: the model and the requests waiting on it.
+pub(super) enum RankEngine {
+    Slots {
+        model: RankModel,
+        /// Requests queued for admission.
+        waiters: HashMap<RequestId, oneshot::Sender<Admission>>,
+    },
+    Step {
+        model: StepRank,
+        requests: HashMap<RequestId, Handle>,
+        /// Wakes the loop of an idle rank.
+        wake: Arc<Notify>,
+        /// Wall seconds the loop gave up after falling behind.
+        lagged: f64,
+    },
+}
+
+/// How a submission went.
+pub(super) enum Submitted {
+    /// Slots model: admitted at once.
+    Admitted(Admission),
+    /// Slots model: queued; the admission comes on this channel.
+    Queued(oneshot::Receiver<Admission>),
+    /// Step model: waiting for a step to admit it.
+    Stepping(watch::Receiver<Progress>),
+}
+
+impl RankEngine {
+    pub fn new(
+        spec_rank: u32,
+        engine: Engine,
+        timing: Timing,
+        block_size: std::num::NonZeroU32,
+        params: &SimParams,
+    ) -> RankEngine {
+        match timing {
+            Timing::Slots => RankEngine::Slots {
+                model: RankModel::new(
+                    spec_rank,
+                    block_size,
+                    params.kv_blocks,
+                    params.max_running,
+                    params.max_queue,
+                ),
+                waiters: HashMap::new(),
+            },
+            Timing::Step => RankEngine::Step {
+                model: StepRank::new(spec_rank, step_limits(engine, block_size, params)),
+                requests: HashMap::new(),
+                wake: Arc::new(Notify::new()),
+                lagged: 0.0,
+            },
+        }
+    }
+
+    pub fn record_events(&mut self, on: bool) {
+        match self {
+            RankEngine::Slots { model, .. } => model.record_events(on),
+            RankEngine::Step { model, .. } => model.record_events(on),
+        }
+    }
+
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        match self {
+            RankEngine::Slots { model, .. } => model.take_events(),
+            RankEngine::Step { model, .. } => model.take_events(),
+        }
+    }
+
+    pub fn running(&self) -> u64 {
+        match self {
+            RankEngine::Slots { model, .. } => model.running(),
+            RankEngine::Step { model, .. } => model.running(),
+        }
+    }
+
+    pub fn waiting(&self) -> u64 {
+        match self {
+            RankEngine::Slots { model, .. } => model.waiting(),
+            RankEngine::Step { model, .. } => model.waiting(),
+        }
+    }
+
+    pub fn stats(&self) -> RankStats {
+        match self {
+            RankEngine::Slots { model, .. } => model.stats(),
+            RankEngine::Step { model, lagged, .. } => RankStats {
+                lagged_seconds: *lagged,
+                ..model.stats()
+            },
+        }
+    }
+
+    pub fn count_rejected(&mut self) {
+        match self {
+            RankEngine::Slots { model, .. } => model.count_rejected(),
+            RankEngine::Step { model, .. } => model.count_rejected(),
+        }
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        match self {
+            RankEngine::Slots { model, .. } => model.reset_prefix_cache(),
+            RankEngine::Step { model, .. } => model.reset_prefix_cache(),
+        }
+    }
+
+    /// Submits a request; `Err` is the model's refusal.
+    pub fn submit(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        output: u32,
+        received: Instant,
+    ) -> Result<Submitted, crate::model::Refusal> {
+        match self {
+            RankEngine::Slots { model, waiters } => match model.submit(id, prompt, output)? {
+                crate::model::Submit::Admitted(admission) => Ok(Submitted::Admitted(admission)),
+                crate::model::Submit::Queued { .. } => {
+                    let (sender, receiver) = oneshot::channel();
+                    waiters.insert(id, sender);
+                    Ok(Submitted::Queued(receiver))
+                }
+            },
+            RankEngine::Step {
+                model,
+                requests,
+                wake,
+                ..
+            } => {
+                model.submit(id, prompt, output)?;
+                let (progress, receiver) = watch::channel(Progress::default());
+                requests.insert(id, Handle { progress, received });
+                wake.notify_one();
+                Ok(Submitted::Stepping(receiver))
+            }
+        }
+    }
+
+    /// The request ended on its client's side (its ticket dropped): `completed` and `generated` say
+    /// how, for the slots model; the step model knows. Returns the slots model's admissions.
+    pub fn end(&mut self, id: RequestId, completed: bool, generated: u32) -> Vec<Admission> {
+        match self {
+            RankEngine::Slots { model, waiters } => {
+                waiters.remove(&id);
+                model.finish(id, completed, generated)
+            }
+            RankEngine::Step {
+                model,
+                requests,
+                wake,
+                ..
+            } => {
+                requests.remove(&id);
+                if model.abort(id) {
+                    wake.notify_one();
+                }
+                Vec::new()
+            }
+        }
+    }
+
+    /// New parameters: limits at once (the slots model may admit), timings from the next step.
+    pub fn set_params(
+        &mut self,
+        engine: Engine,
+        block_size: std::num::NonZeroU32,
+        params: &SimParams,
+    ) -> Vec<Admission> {
+        match self {
+            RankEngine::Slots { model, .. } => {
+                model.set_limits(params.kv_blocks, params.max_running, params.max_queue)
+            }
+            RankEngine::Step { model, wake, .. } => {
+                model.set_limits(step_limits(engine, block_size, params));
+                wake.notify_one();
+                Vec::new()
+            }
+        }
+    }
+
+    /// Wakes the slots model's admitted requests.
+    pub fn wake(&mut self, admitted: Vec<Admission>) {
+        if let RankEngine::Slots { waiters, .. } = self {
+            for admission in admitted {
+                if let Some(waiter) = waiters.remove(&admission.id) {
+                    // A waiter that is gone has already told the model (its ticket's drop).
+                    let _ = waiter.send(admission);
+                }
+            }
+        }
+    }
+
+    /// Model seconds until a request with this prompt would emit its first token here (the step
+    /// model's prediction; `None` under the slots model).
+    pub fn predict_ttft(&self, prompt: &[u32], params: &SimParams) -> Option<f64> {
+        match self {
+            RankEngine::Slots { .. } => None,
+            RankEngine::Step { model, .. } => Some(model.predict_ttft(prompt, &params.profile)),
+        }
+    }
+
+    pub fn cached_tokens(&self, prompt: &[u32]) -> u32 {
+        match self {
+            RankEngine::Slots { model, .. } => model.cached_tokens(prompt),
+            RankEngine::Step { model, .. } => model.cached_tokens(prompt),
+        }
+    }
+}
+
+/// The step scheduler's limits from the worker's parameters.
+pub(super) fn step_limits(
+    engine: Engine,
+    block_size: std::num::NonZeroU32,
+    params: &SimParams,
+) -> StepLimits {
+    StepLimits {
+        engine,
+        block_size,
+        kv_blocks: params.kv_blocks,
+        max_running: params.max_running,
+        max_queue: params.max_queue,
+        batch_tokens: params.batch_tokens,
+        max_prefill_tokens: params.max_prefill_tokens,
+        policy: params.schedule_policy,
+    }
+}
+
+/// The engine loop of step rank `index`: runs until its incarnation's tasks are aborted.
+pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, index: usize) {
+    let Some(wake) = incarnation.rank(index).and_then(|rank| match &rank.engine {
+        RankEngine::Step { wake, .. } => Some(Arc::clone(wake)),
+        RankEngine::Slots { .. } => None,
+    }) else {
+        return;
+    };
+    let seed = shared.spec.seed ^ (index as u64).wrapping_mul(0xA076_1D64_78BD_642F);
+    let mut rng = SmallRng::seed_from_u64(seed);
+    // When the previous step was due to end, while the rank stays busy.
+    let mut clock: Option<Instant> = None;
+    loop {
+        let params = shared.params.load_full();
+        let Some((step, seconds)) = incarnation.rank(index).and_then(|mut rank| {
+            let RankEngine::Step {
+                model, requests, ..
+            } = &mut rank.engine
+            else {
+                return None;
+            };
+            let step = model.schedule();
+            for (id, cached) in &step.admitted {
+                if let Some(handle) = requests.get(id) {
+                    handle
+                        .progress
+                        .send_modify(|progress| progress.cached = Some(*cached));
+                }
+            }
+            let seconds = params.profile.step_time(&step.work);
+            Some((step, seconds))
+        }) else {
+            return;
+        };
+        if step.is_empty() {
+            clock = None;
+            wake.notified().await;
+            continue;
+        }
+        let now = Instant::now();
+        let start = match clock {
+            Some(due) if now.saturating_duration_since(due) <= MAX_LAG => due,
+            Some(due) => {
+                let lost = now.saturating_duration_since(due).as_secs_f64();
+                if let Some(mut rank) = incarnation.rank(index)
+                    && let RankEngine::Step { lagged, .. } = &mut rank.engine
+                {
+                    *lagged += lost;
+                }
+                now
+            }
+            None => now,
+        };
+        let factor = timing::jitter_factor(params.jitter, &mut rng) * params.time_scale;
+        let wall = Duration::try_from_secs_f64(seconds * factor).unwrap_or(Duration::MAX);
+        let due = start.checked_add(wall).unwrap_or(start);
+        let behind = due <= Instant::now();
+        let end = sleep_unpaused(&shared, due).await;
+        if behind {
+            // Catching up runs steps back to back: let the rank's requests and connections run too.
+            tokio::task::yield_now().await;
+        }
+        clock = Some(end);
+        let Some(mut rank) = incarnation.rank(index) else {
+            return;
+        };
+        let Rank {
+            engine, ttft, e2e, ..
+        } = &mut *rank;
+        if let RankEngine::Step {
+            model, requests, ..
+        } = engine
+        {
+            for emission in model.complete(&step, seconds) {
+                match emission {
+                    Emission::Token { id, generated } => {
+                        if let Some(handle) = requests.get(&id) {
+                            if generated == 1 {
+                                ttft.observe(handle.received.elapsed().as_secs_f64());
+                            }
+                            handle
+                                .progress
+                                .send_modify(|progress| progress.generated = generated);
+                        }
+                    }
+                    Emission::Finished { id } => {
+                        if let Some(handle) = requests.remove(&id) {
+                            e2e.observe(handle.received.elapsed().as_secs_f64());
+                            handle.progress.send_modify(|progress| progress.done = true);
+                        }
+                    }
+                }
+            }
+        }
+        rank.publish_events();
+        drop(rank);
+    }
+}

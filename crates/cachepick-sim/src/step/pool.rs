@@ -1,0 +1,272 @@
+//! One rank's KV block pool under the step model: cached blocks by chained hash with the number of
+//! requests that pin them, the unpinned ones in LRU order (free, but reusable until evicted), and the
+//! anonymous blocks requests hold that are not cached (a prompt's partial last block, output blocks).
+//!
+//! As in vLLM's block pool, a cached block nobody pins counts as free: an allocation takes truly free
+//! blocks first and evicts the least recently released cached ones for the rest. A request holds its
+//! blocks in sequence order, so the cached (hashed) ones are always a prefix of what it holds: the
+//! prompt's full blocks, then the anonymous rest.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+use hashlink::LinkedHashSet;
+
+use crate::model::CacheEvent;
+
+/// What an allocation for one request needs to know of it.
+pub(crate) struct Holder<'a> {
+    /// The chained hashes of the prompt's full blocks.
+    pub hashes: &'a [u64],
+    /// The tokens of those blocks, when events are recorded (empty otherwise).
+    pub tokens: &'a [u32],
+    /// Blocks it holds now (the first `min(held, hashes.len())` are cached ones).
+    pub held: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct BlockPool {
+    block_size: NonZeroU32,
+    capacity: u64,
+    refs: HashMap<u64, u32>,
+    lru: LinkedHashSet<u64>,
+    anonymous: u64,
+    events: Option<Vec<CacheEvent>>,
+    pub evicted: u64,
+}
+
+impl BlockPool {
+    pub fn new(block_size: NonZeroU32, capacity: NonZeroU32) -> BlockPool {
+        BlockPool {
+            block_size,
+            capacity: u64::from(capacity.get()),
+            refs: HashMap::new(),
+            lru: LinkedHashSet::new(),
+            anonymous: 0,
+            events: None,
+            evicted: 0,
+        }
+    }
+
+    pub fn block_size(&self) -> u64 {
+        u64::from(self.block_size.get())
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn record_events(&mut self, on: bool) {
+        if on != self.events.is_some() {
+            self.events = on.then(Vec::new);
+        }
+    }
+
+    pub fn recording(&self) -> bool {
+        self.events.is_some()
+    }
+
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Blocks that cannot be handed out: pinned cached blocks and anonymous ones.
+    pub fn pinned(&self) -> u64 {
+        len_u64(self.refs.len().saturating_sub(self.lru.len())).saturating_add(self.anonymous)
+    }
+
+    /// Blocks holding something: cached (pinned or not) and anonymous.
+    pub fn used(&self) -> u64 {
+        len_u64(self.refs.len()).saturating_add(self.anonymous)
+    }
+
+    /// Blocks an allocation could get now: truly free plus evictable.
+    pub fn free(&self) -> u64 {
+        self.capacity.saturating_sub(self.pinned())
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.block_size())
+    }
+
+    /// Leading blocks of `hashes` in the cache, at most `cap`.
+    pub fn hit_blocks(&self, hashes: &[u64], cap: u64) -> u64 {
+        let cap = usize::try_from(cap).unwrap_or(usize::MAX);
+        len_u64(
+            hashes
+                .iter()
+                .take(cap)
+                .take_while(|hash| self.refs.contains_key(hash))
+                .count(),
+        )
+    }
+
+    /// Makes `holder` hold enough blocks for `tokens` tokens: the missing ones, cached blocks pinned
+    /// where they exist (another request may have just computed them), new ones taken from the free
+    /// space, evicting for the rest. All or nothing: false, and nothing changed, when they do not fit.
+    /// Returns the blocks it holds afterwards.
+    pub fn grow(&mut self, holder: &Holder<'_>, tokens: u64) -> Option<u64> {
+        let want = self.blocks_for(tokens);
+        if want <= holder.held {
+            return Some(holder.held);
+        }
+        let cached = len_u64(holder.hashes.len());
+        let first = usize::try_from(holder.held.min(cached)).unwrap_or(usize::MAX);
+        let last = usize::try_from(want.min(cached)).unwrap_or(usize::MAX);
+        let new_hashed = holder.hashes.get(first..last).unwrap_or_default();
+        let anonymous = want.saturating_sub(cached.max(holder.held));
+        // Of the hashed blocks, the ones already cached are pinned, not allocated; pinning one the
+        // LRU holds takes it out of what eviction may reclaim.
+        let mut fresh = 0u64;
+        let mut from_lru = 0u64;
+        for hash in new_hashed {
+            match self.refs.get(hash) {
+                Some(0) => from_lru += 1,
+                Some(_) => {}
+                None => fresh += 1,
+            }
+        }
+        let needed = fresh.saturating_add(anonymous);
+        let reclaimable = len_u64(self.lru.len()).saturating_sub(from_lru);
+        if self.used().saturating_add(needed) > self.capacity.saturating_add(reclaimable) {
+            return None;
+        }
+        let mut inserted = Vec::new();
+        for (offset, hash) in new_hashed.iter().enumerate() {
+            if let Some(count) = self.refs.get_mut(hash) {
+                if *count == 0 {
+                    self.lru.remove(hash);
+                }
+                *count = count.saturating_add(1);
+            } else {
+                inserted.push(first.saturating_add(offset));
+            }
+        }
+        while self.used().saturating_add(needed) > self.capacity && self.evict_one() {}
+        let mut stored = Vec::new();
+        for index in inserted {
+            let Some(hash) = holder.hashes.get(index) else {
+                continue;
+            };
+            // A block repeated within the prompt is inserted once, by its first occurrence.
+            let count = self.refs.entry(*hash).or_insert(0);
+            if *count == 0 {
+                stored.push(index);
+            }
+            *count = count.saturating_add(1);
+        }
+        self.anonymous = self.anonymous.saturating_add(anonymous);
+        self.record_stored(holder, &stored);
+        Some(want)
+    }
+
+    /// Releases every block `holder` holds: cached ones tail first (so a prompt's tail is evicted
+    /// before its head), anonymous ones freed.
+    pub fn release(&mut self, hashes: &[u64], held: u64) {
+        let cached = usize::try_from(held.min(len_u64(hashes.len()))).unwrap_or(usize::MAX);
+        for hash in hashes.get(..cached).unwrap_or_default().iter().rev() {
+            if let Some(count) = self.refs.get_mut(hash) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    self.lru.insert(*hash);
+                }
+            }
+        }
+        let anonymous = held.saturating_sub(len_u64(cached));
+        self.anonymous = self.anonymous.saturating_sub(anonymous);
+        self.trim();
+    }
+
+    /// A new capacity; evicts unpinned blocks down to it.
+    pub fn set_capacity(&mut self, capacity: NonZeroU32) {
+        self.capacity = u64::from(capacity.get());
+        self.trim();
+    }
+
+    /// Drops every cached block nobody pins; false (and nothing dropped) while any is pinned.
+    pub fn reset(&mut self) -> bool {
+        if self.pinned() > 0 {
+            return false;
+        }
+        self.refs.clear();
+        self.lru.clear();
+        if let Some(events) = &mut self.events {
+            events.push(CacheEvent::AllCleared);
+        }
+        true
+    }
+
+    fn trim(&mut self) {
+        while self.used() > self.capacity && self.evict_one() {}
+    }
+
+    fn evict_one(&mut self) -> bool {
+        let Some(hash) = self.lru.pop_front() else {
+            return false;
+        };
+        self.refs.remove(&hash);
+        self.evicted = self.evicted.saturating_add(1);
+        if let Some(events) = &mut self.events {
+            match events.last_mut() {
+                Some(CacheEvent::Removed { hashes }) => hashes.push(hash),
+                _ => events.push(CacheEvent::Removed { hashes: vec![hash] }),
+            }
+        }
+        true
+    }
+
+    /// One `Stored` per run of consecutive newly cached blocks (`stored` ascending indices).
+    fn record_stored(&mut self, holder: &Holder<'_>, stored: &[usize]) {
+        let Some(events) = &mut self.events else {
+            return;
+        };
+        let size = usize::try_from(self.block_size.get()).unwrap_or(usize::MAX);
+        let mut rest = stored;
+        while let Some((&start, _)) = rest.split_first() {
+            let run = rest
+                .iter()
+                .enumerate()
+                .take_while(|(offset, index)| **index == start.saturating_add(*offset))
+                .count();
+            let end = start.saturating_add(run);
+            events.push(CacheEvent::Stored {
+                hashes: holder.hashes.get(start..end).unwrap_or_default().to_vec(),
+                parent: start
+                    .checked_sub(1)
+                    .and_then(|before| holder.hashes.get(before))
+                    .copied(),
+                tokens: holder
+                    .tokens
+                    .get(start.saturating_mul(size)..end.saturating_mul(size))
+                    .unwrap_or_default()
+                    .to_vec(),
+            });
+            rest = rest.get(run..).unwrap_or_default();
+        }
+    }
+
+    #[cfg(test)]
+    pub fn check(&self) {
+        let zero = self.refs.values().filter(|count| **count == 0).count();
+        assert_eq!(zero, self.lru.len());
+        for hash in self.lru.iter() {
+            assert_eq!(self.refs.get(hash), Some(&0));
+        }
+        assert!(self.pinned() <= self.capacity.max(self.pinned()));
+    }
+
+    #[cfg(test)]
+    pub fn pins(&self) -> u64 {
+        self.refs.values().map(|count| u64::from(*count)).sum()
+    }
+
+    #[cfg(test)]
+    pub fn anonymous(&self) -> u64 {
+        self.anonymous
+    }
+}
+
+pub(crate) fn len_u64(len: usize) -> u64 {
+    u64::try_from(len).unwrap_or(u64::MAX)
+}

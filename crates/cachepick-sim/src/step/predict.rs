@@ -1,0 +1,126 @@
+//! What the model predicts a new request's time to first token would be on a rank, from the rank's true
+//! state: the routing limit's (`cachepick replay`'s oracle arm) view, which no router in front of a real
+//! engine has. It is the step model run forward without new arrivals: the prefill work already ahead (the
+//! waiting requests' uncached tokens, in their order, then the prefills under way) and then this request's
+//! uncached tokens go through the token budget step by step, beside the decodes running (each a token per
+//! step in vLLM; none in SGLang's prefill steps), each step priced by the profile. A prompt whose KV
+//! does not fit after the work ahead waits for running requests to finish: it is charged their longest
+//! remaining decode.
+
+use crate::config::Engine;
+
+use super::pool::len_u64;
+use super::profile::{Profile, StepWork};
+use super::{Seq, StepRank};
+
+/// One prefill ahead in the budget: tokens left and where they start.
+#[derive(Clone, Copy)]
+struct Segment {
+    tokens: u64,
+    start: u64,
+    /// Context the request decodes over once its prompt is done.
+    context: u64,
+}
+
+/// Steps simulated at most per prediction: past this the rank is hopeless anyway.
+const MAX_STEPS: usize = 100_000;
+
+impl StepRank {
+    /// Model seconds from now until a request with this prompt would emit its first token here, given
+    /// `profile`; the front (HTTP, tokenization) and the step in flight are not included.
+    pub fn predict_ttft(&self, prompt: &[u32], profile: &Profile) -> f64 {
+        let cached = u64::from(self.cached_tokens(prompt));
+        let prompt_len = len_u64(prompt.len());
+        let mut queue: Vec<Segment> = Vec::new();
+        let mut decodes = 0u64;
+        let mut context = 0u64;
+        for seq in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            if seq.decoding() {
+                decodes += 1;
+                context = context.saturating_add(seq.num_tokens());
+            } else {
+                queue.push(Segment {
+                    tokens: seq.pending(),
+                    start: seq.computed,
+                    context: seq.num_tokens(),
+                });
+            }
+        }
+        let mut ahead_blocks = 0u64;
+        for seq in self.waiting.iter().filter_map(|id| self.seqs.get(id)) {
+            let hit = self.hit_of(seq);
+            let segment = Segment {
+                tokens: seq.num_tokens().saturating_sub(hit).max(1),
+                start: hit,
+                context: seq.num_tokens(),
+            };
+            ahead_blocks = ahead_blocks.saturating_add(self.pool.blocks_for(segment.tokens));
+            queue.push(segment);
+        }
+        let mine = prompt_len.saturating_sub(cached).max(1);
+        queue.push(Segment {
+            tokens: mine,
+            start: cached,
+            context: prompt_len,
+        });
+        let mine_blocks = self.pool.blocks_for(mine);
+        let mut seconds = 0.0;
+        if ahead_blocks.saturating_add(mine_blocks) > self.pool.free() {
+            // Room comes only as running requests finish: wait for the longest of them.
+            let longest = self
+                .running
+                .iter()
+                .filter_map(|id| self.seqs.get(id))
+                .map(|seq| seq.max_tokens.saturating_sub(seq.generated))
+                .max()
+                .unwrap_or(0);
+            let mut decode = StepWork::default();
+            for _ in 0..decodes.max(1) {
+                decode.decode(context / decodes.max(1));
+            }
+            seconds += f64::from(longest) * profile.step_time(&decode);
+        }
+        let budget = u64::from(self.limits.batch_tokens.get());
+        let prefill_only = self.limits.engine == Engine::Sglang;
+        let mut front = 0;
+        for _ in 0..MAX_STEPS {
+            let mut work = StepWork::default();
+            let mut left = budget;
+            if !prefill_only {
+                for _ in 0..decodes {
+                    work.decode(context / decodes.max(1));
+                }
+                left = left.saturating_sub(decodes).max(1);
+            }
+            let mut finished_mine = false;
+            while left > 0 {
+                let Some(segment) = queue.get_mut(front) else {
+                    break;
+                };
+                let take = segment.tokens.min(left);
+                work.chunk(take, segment.start);
+                segment.tokens -= take;
+                segment.start = segment.start.saturating_add(take);
+                left -= take;
+                if segment.tokens == 0 {
+                    decodes += 1;
+                    context = context.saturating_add(segment.context);
+                    front += 1;
+                    finished_mine = front == queue.len();
+                }
+            }
+            seconds += profile.step_time(&work);
+            if finished_mine || front >= queue.len() {
+                return seconds;
+            }
+        }
+        seconds
+    }
+
+    fn hit_of(&self, seq: &Seq) -> u64 {
+        let cap = self.hit_cap(seq.num_tokens(), seq.hashes.len());
+        self.pool
+            .hit_blocks(&seq.hashes, cap)
+            .saturating_mul(self.pool.block_size())
+    }
+}
