@@ -109,19 +109,33 @@ fn a_tiny_trace_replays_over_ext_proc_for_two_policies() {
     assert!(stdout.contains("| gate |"), "{stdout}");
     assert!(stdout.contains("| gate_floor |"), "{stdout}");
     assert!(stdout.contains("decision reasons"), "{stdout}");
+    // The limit beside them: the oracle's row, every row's TTFT p90 as a multiple of its, and the
+    // trace's ideal hit rate.
+    assert!(stdout.contains("| oracle |"), "{stdout}");
+    assert!(stdout.contains("TTFT p90 ÷ oracle"), "{stdout}");
+    assert!(stdout.contains("ideal prefix-hit rate"), "{stdout}");
 
     let report = report(&out);
     assert_eq!(report["requests"], 30);
     assert_eq!(report["via"], "direct");
+    assert_eq!(report["fleet"]["timing"], "step");
+    let ideal = report["ideal_hit_rate"].as_f64().expect("ideal hit rate");
     let policies = report["policies"].as_array().expect("policies");
-    assert_eq!(policies.len(), 2);
+    assert_eq!(policies.len(), 3);
+    assert_eq!(policies[2]["arm"], "oracle");
+    assert_eq!(policies[2]["reasons"]["oracle"], 30, "{}", policies[2]);
     for policy in policies {
         let name = policy["policy"].as_str().expect("name");
         assert_eq!(policy["requests"], 30, "{name}");
         assert_eq!(policy["ok"], 30, "{name}: {policy}");
-        // Later turns extend earlier ones: the workers report cache hits.
+        // Later turns extend earlier ones: the workers report cache hits, never more than the ideal.
         let hit = policy["hit_rate"].as_f64().expect("hit rate");
-        assert!(hit > 0.2 && hit < 1.0, "{name}: hit rate {hit}");
+        assert!(
+            hit > 0.2 && hit <= ideal,
+            "{name}: hit rate {hit} (ideal {ideal})"
+        );
+        let busy = policy["utilisation"]["busy"].as_f64().expect("busy share");
+        assert!(busy > 0.0 && busy <= 1.0, "{name}: busy {busy}");
         for key in ["p50", "p90", "p99"] {
             assert!(
                 policy["ttft_ms"][key].as_f64().is_some(),
@@ -214,6 +228,8 @@ fn two_replicas_share_the_decisions_through_envoy_and_the_crash_is_reported() {
         "0.6",
         "--restart-after",
         "0.2",
+        // The crash is the pickers' arms' own; the oracle has no picker to fool.
+        "--no-oracle",
         "--envoy",
         envoy.to_str().expect("utf-8 path"),
         "--out",
@@ -357,6 +373,13 @@ fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
     let smg_cache = front("smg", " launch", "cache_aware");
     let smg_rr = front("smg", " launch", "round_robin");
     let vllm = front("vllm-router", "", "cache_aware");
+    // vllm-router's kv_aware reads the workers' KV events: each worker's sockets, its flag repeated
+    // per worker, and the model they serve.
+    let vllm_kv = format!(
+        "{} --kv-event-block-size 16 --kv-event-model {{model}} {{kv_events:--kv-event-source}} \
+         {{kv_events_replay:--kv-event-replay-source}}",
+        front("vllm-router", "", "kv_aware")
+    );
     let (stdout, _) = replay(&[
         "--trace",
         trace.to_str().unwrap(),
@@ -370,6 +393,8 @@ fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
         &smg_rr,
         "--front",
         &vllm,
+        "--front",
+        &vllm_kv,
         "--out",
         out.to_str().unwrap(),
     ]);
@@ -389,7 +414,9 @@ fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
             "gate_floor",
             "smg/cache_aware",
             "smg/round_robin",
-            "vllm-router/cache_aware"
+            "vllm-router/cache_aware",
+            "vllm-router/kv_aware",
+            "oracle"
         ],
         "{stdout}"
     );
@@ -416,14 +443,14 @@ fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
             utilisation["readings"].as_u64().unwrap() > 0,
             "{label}: {arm}"
         );
-        let slots = utilisation["slots"].as_f64().unwrap();
-        assert!((0.0..=1.0).contains(&slots), "{label}: {arm}");
+        let busy = utilisation["busy"].as_f64().unwrap();
+        assert!(busy > 0.0 && busy <= 1.0, "{label}: {arm}");
         let front = arm["front"].as_str();
-        if label == "gate_floor" {
+        if label == "gate_floor" || label == "oracle" {
             assert!(front.is_none(), "{arm}");
             assert!(
                 arm["reasons"].get("none").is_none(),
-                "cachepick decided: {arm}"
+                "cachepick or the oracle decided: {arm}"
             );
         } else {
             assert!(front.unwrap().contains("--policy"), "{arm}");
@@ -445,6 +472,9 @@ fn smg_and_vllm_router_rows_sit_beside_cachepicks_in_one_table() {
     );
     let counters = vllm_router["front_counters"].to_string();
     assert!(counters.contains("prefix_hit"), "{vllm_router}");
+    // kv_aware found prefixes too, from the events alone.
+    let kv_aware = &arms[4];
+    assert!(kv_aware["hit_rate"].as_f64().unwrap() > 0.0, "{kv_aware}");
 }
 
 #[test]
@@ -577,7 +607,9 @@ fn a_router_already_running_is_replayed_with_front_url() {
     assert!(ok, "{stdout}\n{stderr}\nvllm-router's log:\n{router_log}");
     let report = report(&out);
     let arms = report["policies"].as_array().expect("arms");
-    assert_eq!(arms.len(), 1, "{report}");
+    // The router, then the oracle on a fleet of its own on the same fixed ports.
+    assert_eq!(arms.len(), 2, "{report}");
+    assert_eq!(arms[1]["arm"], "oracle", "{report}");
     let arm = &arms[0];
     assert_eq!(arm["arm"], "vllm-router", "{arm}");
     assert_eq!(arm["front"], format!("http://127.0.0.1:{port}"), "{arm}");

@@ -198,8 +198,10 @@ struct ReplayArgs {
         conflicts_with = "scenario"
     )]
     trace: Option<PathBuf>,
-    /// A synthetic scenario instead of a trace: `burst` (steady, a burst well above capacity, steady).
-    #[arg(long, value_parser = ["burst"])]
+    /// A synthetic scenario instead of a trace: `burst` (steady, a burst well above capacity, steady) or
+    /// `agents` (prefill-heavy: 3k–100k-token system prompts reused across multi-turn sessions,
+    /// outputs of at most 256 tokens).
+    #[arg(long, value_parser = ["burst", "agents"])]
     scenario: Option<String>,
     /// Simulator YAML describing the fleet (as `cachepick sim --config`); default: 4 vLLM workers.
     #[arg(long, value_name = "FILE")]
@@ -211,7 +213,10 @@ struct ReplayArgs {
     policies: Vec<String>,
     /// Another router as one more arm, on a fresh fleet like every arm: a command template run with
     /// `sh -c`, where {workers} is the workers' URLs (space-separated; {workers_csv}: comma-separated),
-    /// {port} the port it must listen on, {metrics_port} a spare port, {host} 127.0.0.1. Repeatable.
+    /// {port} the port it must listen on, {metrics_port} a spare port, {host} 127.0.0.1, {kv_events}
+    /// each worker's KV event endpoints as URL=tcp://… (space-separated; {kv_events:FLAG} puts FLAG
+    /// before each, {kv_events_replay} the replay sockets; naming them turns the fleet's events on).
+    /// Repeatable.
     /// Example: 'smg launch --worker-urls {workers} --host {host} --port {port} --policy cache_aware
     /// --prometheus-host {host} --prometheus-port {metrics_port}'.
     #[arg(long, value_name = "TEMPLATE")]
@@ -221,7 +226,7 @@ struct ReplayArgs {
     #[arg(long, value_name = "URL")]
     front_url: Vec<String>,
     /// Run the fleet X times slower than the trace assumes, arrivals unchanged: below 1 the fleet has
-    /// room, above 1 queues form. Every arm reports the fleet's slot use and queueing.
+    /// room, above 1 queues form. Every arm reports how busy the engines were and their queueing.
     #[arg(long, value_name = "X", default_value_t = 1.0)]
     load: f64,
     /// Divide arrival times by X (default 8 for a trace, 4 for burst); the default fleet also runs its
@@ -272,9 +277,18 @@ struct ReplayArgs {
     /// Seed of the fleet and of the synthetic scenario.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Burst scenario: multiplies the length of every phase.
+    /// Synthetic scenarios: multiplies the workload's length (the burst's phases, the span over which
+    /// agent sessions start).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     duration_scale: f64,
+    /// The default fleet's timing model: step (one token budget per engine step, priced by a GPU
+    /// profile) or slots (the earlier per-request model, to reproduce earlier figures). A --config
+    /// file names its own.
+    #[arg(long, value_parser = parse_timing, default_value = "step")]
+    timing: cachepick_sim::Timing,
+    /// Leave out the oracle's arm (the routing limit, run last under the step model).
+    #[arg(long)]
+    no_oracle: bool,
 }
 
 /// `cachepick demo`.
@@ -605,9 +619,14 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
-    let scenario = match &args.trace {
-        Some(path) => cachepick_rig::replay::Scenario::Trace(path.clone()),
-        None => cachepick_rig::replay::Scenario::Burst,
+    let scenario = match (&args.trace, args.scenario.as_deref()) {
+        (Some(path), _) => cachepick_rig::replay::Scenario::Trace(path.clone()),
+        (None, name) => {
+            let name = name.unwrap_or("burst");
+            cachepick_rig::replay::Scenario::named(name).ok_or_else(|| {
+                cachepick_rig::replay::ReplayError::UnknownScenario(name.to_owned())
+            })?
+        }
     };
     let mut options = cachepick_rig::replay::ReplayOptions::new(scenario);
     options.sim_config = args.config.clone();
@@ -661,6 +680,8 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     }
     options.seed = args.seed;
     options.duration_scale = args.duration_scale;
+    options.timing = args.timing;
+    options.oracle = !args.no_oracle;
     let replay = cachepick_rig::replay::run(&options).await?;
     println!("\n{}", replay.table);
     for skipped in &replay.skipped {

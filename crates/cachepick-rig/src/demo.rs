@@ -57,7 +57,7 @@ const POLICY: &str = "gate_floor";
 
 /// Runs the demo and prints its report to stdout.
 pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
-    let mut sim = default_fleet(&Scenario::Burst, SPEEDUP);
+    let mut sim = default_fleet(&Scenario::Burst, SPEEDUP, cachepick_sim::Timing::Step);
     sim.engine = options.engine;
     sim.workers = nz(options.workers.max(1));
     sim.seed = options.seed;

@@ -22,7 +22,7 @@ use tokio::net::TcpListener;
 
 use cachepick_tokenizer::{TokenizeError, Tokenizer};
 
-use crate::config::{SimConfig, TokenizerConfig};
+use crate::config::{SimConfig, Timing, TokenizerConfig};
 use crate::server::{KvEventsSpec, StartError, Worker, WorkerSpec};
 
 /// Why the fleet could not start.
@@ -47,6 +47,7 @@ pub enum FleetError {
 pub struct Fleet {
     config: SimConfig,
     workers: Vec<Worker>,
+    tokenizer: Arc<Tokenizer>,
 }
 
 impl Fleet {
@@ -86,7 +87,21 @@ impl Fleet {
         Ok(Fleet {
             config: config.clone(),
             workers,
+            tokenizer,
         })
+    }
+
+    /// Stops every worker and waits until its ports are closed, so a fleet started next on the same
+    /// fixed ports can bind them (dropping a fleet closes them soon after, not at once).
+    pub async fn stop(self) {
+        for worker in &self.workers {
+            worker.kill().await;
+        }
+    }
+
+    /// A completion's text prompt as the workers tokenize it.
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+        crate::server::tokens(&self.tokenizer, &crate::wire::Prompt::Text(text.to_owned()))
     }
 
     pub fn workers(&self) -> &[Worker] {
@@ -113,6 +128,16 @@ impl Fleet {
     /// writing it).
     pub fn cachepick_config(&self) -> String {
         let config = &self.config;
+        let gate = match config.timing {
+            // A step-model rank's waiting queue is its prefill backlog beyond one step's budget,
+            // whatever its running limit: cachepick's own defaults (4 waiting, floor 2) fit it.
+            Timing::Step => (4, 2),
+            // A queue of a quarter of the running slots is where waiting starts to dominate TTFT.
+            Timing::Slots => (
+                (config.params.max_running.get() / 4).max(1),
+                (config.params.max_running.get() / 8).max(1),
+            ),
+        };
         let mut out = String::new();
         let _ = writeln!(
             out,
@@ -135,9 +160,8 @@ impl Fleet {
             config.workers,
             config.engine.as_str(),
             config.model,
-            // A queue of a quarter of the running slots is where waiting starts to dominate TTFT.
-            (config.params.max_running.get() / 4).max(1),
-            (config.params.max_running.get() / 8).max(1),
+            gate.0,
+            gate.1,
             yaml_string(&config.model),
             config.engine.as_str(),
             config.block_size,

@@ -13,17 +13,20 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 
+use super::oracle::Oracle;
 use super::trace::{Item, PromptBuilder};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
 
 use crate::client::{Client as PickerClient, Verdict};
 
 /// Where requests go: to an HTTP router in front of the workers (Envoy with cachepick, or another
-/// router under comparison), or to the picker over ext_proc and then to the chosen worker.
+/// router under comparison), to the picker over ext_proc and then to the chosen worker, or to the
+/// worker the oracle chooses from the fleet's true state.
 #[derive(Clone)]
 pub enum Route {
     Proxy(SocketAddr),
     Direct(PickerClient),
+    Oracle(Arc<Oracle>),
 }
 
 /// How one request ended.
@@ -98,9 +101,10 @@ pub async fn drive(
             });
             continue;
         };
+        let prompt = prompts.prompt(item);
         let body = serde_json::json!({
             "model": model,
-            "prompt": prompts.prompt(item),
+            "prompt": prompt,
             "max_tokens": item.output_length,
             "stream": true,
             "stream_options": {"include_usage": true},
@@ -110,7 +114,7 @@ pub async fn drive(
         let route = route.clone();
         let phase = item.phase;
         tasks.push(tokio::spawn(async move {
-            let mut sample = one(&http, route, body).await;
+            let mut sample = one(&http, route, body, &prompt).await;
             sample.index = index;
             sample.phase = phase;
             sample.at = at;
@@ -127,8 +131,13 @@ pub async fn drive(
     samples
 }
 
-/// Sends one streaming completion and reads it to the end, within [`REQUEST_DEADLINE`].
-async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: String) -> Sample {
+/// Sends one streaming completion of `prompt` and reads it to the end, within [`REQUEST_DEADLINE`].
+async fn one(
+    http: &HttpClient<HttpConnector, Full<Bytes>>,
+    route: Route,
+    body: String,
+    prompt: &str,
+) -> Sample {
     let mut sample = Sample {
         end: End::Error,
         ..Sample::default()
@@ -136,6 +145,25 @@ async fn one(http: &HttpClient<HttpConnector, Full<Bytes>>, route: Route, body: 
     let started = Instant::now();
     let (addr, headers) = match route {
         Route::Proxy(addr) => (addr, Vec::new()),
+        Route::Oracle(oracle) => {
+            // The prediction reads every rank's state under its lock: off the runtime's workers.
+            let prompt = prompt.to_owned();
+            let choice = tokio::task::spawn_blocking(move || oracle.choose(&prompt))
+                .await
+                .ok()
+                .flatten();
+            let Some(choice) = choice else {
+                sample.reason = "the oracle had no prediction".to_owned();
+                return sample;
+            };
+            (
+                choice.worker,
+                vec![
+                    (DECISION_HEADER, super::oracle::LABEL.to_owned()),
+                    (PREFIX_TOKENS_HEADER, choice.cached_tokens.to_string()),
+                ],
+            )
+        }
         Route::Direct(client) => match client.decide(PATH, body.as_bytes()).await {
             Ok(Verdict::Route {
                 endpoints,

@@ -150,20 +150,95 @@ fn distinct(label: String, taken: &[String]) -> String {
         .unwrap_or(label)
 }
 
+/// Where each worker publishes its KV cache events, as a router is told them: one
+/// `http://WORKER=tcp://RANK0[,tcp://RANK1…]` entry per worker, for the live sockets and (with replay
+/// on) the replay sockets. Empty when the fleet publishes none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KvSources {
+    pub live: Vec<String>,
+    pub replay: Vec<String>,
+}
+
+impl KvSources {
+    /// The fleet's event endpoints, worker by worker.
+    pub fn of(fleet: &cachepick_sim::fleet::Fleet) -> KvSources {
+        let mut sources = KvSources::default();
+        for worker in fleet.workers() {
+            let Some(events) = worker.kv_events() else {
+                continue;
+            };
+            let join = |addrs: Vec<String>| format!("http://{}={}", worker.addr(), addrs.join(","));
+            sources.live.push(join(
+                events
+                    .ranks
+                    .iter()
+                    .map(|rank| format!("tcp://{}", rank.live))
+                    .collect(),
+            ));
+            let replay: Vec<String> = events
+                .ranks
+                .iter()
+                .filter_map(|rank| rank.replay.map(|addr| format!("tcp://{addr}")))
+                .collect();
+            if replay.len() == events.ranks.len() {
+                sources.replay.push(join(replay));
+            }
+        }
+        sources
+    }
+}
+
+/// Whether a template names the workers' KV event endpoints, so its arm's fleet must publish them.
+pub fn wants_kv_events(template: &str) -> bool {
+    template.contains("{kv_events")
+}
+
 /// The template with its placeholders filled: `{workers}` the workers' URLs separated by spaces,
-/// `{workers_csv}` by commas, `{port}` and `{metrics_port}` free loopback ports, `{host}` 127.0.0.1.
-/// Other braces (a JSON argument, say) are left alone.
-pub fn expand(template: &str, workers: &[SocketAddr], port: u16, metrics_port: u16) -> String {
+/// `{workers_csv}` by commas, `{port}` and `{metrics_port}` free loopback ports, `{host}` 127.0.0.1,
+/// `{model}` the model the workers serve;
+/// `{kv_events}` and `{kv_events_replay}` the workers' event endpoints ([`KvSources`]) separated by
+/// spaces, and `{kv_events:FLAG}` / `{kv_events_replay:FLAG}` the same with `FLAG` before each entry,
+/// for a router whose flag repeats once per worker (vllm-router's `--kv-event-source`). Other braces
+/// (a JSON argument, say) are left alone.
+pub fn expand(
+    template: &str,
+    workers: &[SocketAddr],
+    port: u16,
+    metrics_port: u16,
+    kv: &KvSources,
+    model: &str,
+) -> String {
     let urls: Vec<String> = workers
         .iter()
         .map(|addr| format!("http://{addr}"))
         .collect();
-    template
+    let mut text = template
         .replace("{workers_csv}", &urls.join(","))
         .replace("{workers}", &urls.join(" "))
         .replace("{metrics_port}", &metrics_port.to_string())
         .replace("{port}", &port.to_string())
         .replace("{host}", "127.0.0.1")
+        .replace("{model}", model)
+        .replace("{kv_events}", &kv.live.join(" "))
+        .replace("{kv_events_replay}", &kv.replay.join(" "));
+    for (name, entries) in [
+        ("{kv_events_replay:", &kv.replay),
+        ("{kv_events:", &kv.live),
+    ] {
+        while let Some(start) = text.find(name) {
+            let rest = &text[start + name.len()..];
+            let Some(end) = rest.find('}') else {
+                break;
+            };
+            let flag = &rest[..end];
+            let repeated: Vec<String> = entries
+                .iter()
+                .map(|entry| format!("{flag} {entry}"))
+                .collect();
+            text.replace_range(start..start + name.len() + end + 1, &repeated.join(" "));
+        }
+    }
+    text
 }
 
 /// A front the arm started, killed (with anything it started) when dropped.
@@ -177,11 +252,12 @@ pub struct Running {
 }
 
 impl Running {
-    /// Starts `front` for `workers` (a command front), its output in `dir/<label>.log`, or adopts a
-    /// running one; then waits until it answers a completion for `model`.
+    /// Starts `front` for `workers` (a command front) whose KV events are at `kv`, its output in
+    /// `dir/<label>.log`, or adopts a running one; then waits until it answers a completion for `model`.
     pub async fn start(
         front: &Front,
         workers: &[SocketAddr],
+        kv: &KvSources,
         model: &str,
         dir: &Path,
     ) -> Result<Running, FrontError> {
@@ -196,7 +272,7 @@ impl Running {
             Target::Command(template) => {
                 let addr = crate::free_port().map_err(FrontError::Port)?;
                 let metrics = crate::free_port().map_err(FrontError::Port)?;
-                let command = expand(template, workers, addr.port(), metrics.port());
+                let command = expand(template, workers, addr.port(), metrics.port(), kv, model);
                 std::fs::create_dir_all(dir).map_err(|source| FrontError::Log {
                     path: dir.to_owned(),
                     source,
@@ -393,12 +469,21 @@ mod tests {
             "127.0.0.1:8001".parse().expect("addr"),
             "127.0.0.1:8002".parse().expect("addr"),
         ];
+        let kv = KvSources {
+            live: vec![
+                "http://127.0.0.1:8001=tcp://127.0.0.1:5001".to_owned(),
+                "http://127.0.0.1:8002=tcp://127.0.0.1:5003,tcp://127.0.0.1:5004".to_owned(),
+            ],
+            replay: vec!["http://127.0.0.1:8001=tcp://127.0.0.1:5002".to_owned()],
+        };
         let text = expand(
             "r --worker-urls {workers} --csv {workers_csv} --host {host} --port {port} \
              --prometheus-port {metrics_port} --json '{\"a\":1}'",
             &workers,
             9000,
             9001,
+            &kv,
+            "m",
         );
         assert_eq!(
             text,
@@ -406,6 +491,22 @@ mod tests {
              http://127.0.0.1:8001,http://127.0.0.1:8002 --host 127.0.0.1 --port 9000 \
              --prometheus-port 9001 --json '{\"a\":1}'"
         );
+        let events = expand(
+            "r --model {model} {kv_events:--kv-event-source} {kv_events_replay:--kv-event-replay-source} | {kv_events}",
+            &workers,
+            9000,
+            9001,
+            &kv,
+            "sim-model",
+        );
+        assert_eq!(
+            events,
+            "r --model sim-model --kv-event-source http://127.0.0.1:8001=tcp://127.0.0.1:5001 --kv-event-source \
+             http://127.0.0.1:8002=tcp://127.0.0.1:5003,tcp://127.0.0.1:5004 --kv-event-replay-source \
+             http://127.0.0.1:8001=tcp://127.0.0.1:5002 | http://127.0.0.1:8001=tcp://127.0.0.1:5001 \
+             http://127.0.0.1:8002=tcp://127.0.0.1:5003,tcp://127.0.0.1:5004"
+        );
+        assert!(wants_kv_events("x {kv_events:--f}") && !wants_kv_events("x {workers}"));
     }
 
     #[test]

@@ -134,6 +134,31 @@ fn hit_rate(samples: &[&Sample]) -> Option<f64> {
 }
 
 impl PolicyReport {
+    /// The one line a run prints as the arm ends.
+    pub fn summary(&self) -> String {
+        let lagged = self
+            .utilisation
+            .filter(|u| u.lagged_s > 0.0)
+            .map_or_else(String::new, |u| {
+                format!(
+                    ", the simulator fell {:.2} s behind (timings suspect)",
+                    u.lagged_s
+                )
+            });
+        format!(
+            "{} requests in {:.0} s: hit {}, TTFT p50 {} ms, p90 {} ms, errors {}, rejected {}, dropped {}, busy {}{lagged}",
+            self.requests,
+            self.wall_s,
+            pct(self.hit_rate),
+            millis(self.ttft_ms.p50),
+            millis(self.ttft_ms.p90),
+            self.errors,
+            self.rejections,
+            self.dropped,
+            pct(self.utilisation.map(|u| u.busy.unwrap_or(u.slots))),
+        )
+    }
+
     /// `phases`: the names of the workload's phases; `bucket`: the timeline's bucket width.
     pub fn new(
         policy: &str,
@@ -277,20 +302,28 @@ fn millis(value: Option<f64>) -> String {
     value.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"))
 }
 
-/// The comparison table, one row per arm, as Markdown (readable in a terminal too).
+/// The comparison table, one row per arm, as Markdown (readable in a terminal too). `busy` is the
+/// share of the window the engines spent in steps (the step model) or of their running slots in use
+/// (the slots model); with an oracle row, every row's TTFT p90 is also given as a multiple of the
+/// oracle's.
 pub fn table(reports: &[PolicyReport]) -> String {
+    let oracle = reports
+        .iter()
+        .find(|report| report.arm == super::oracle::LABEL)
+        .and_then(|report| report.ttft_ms.p90);
     let mut out = String::new();
-    let _ = writeln!(
+    let _ = write!(
         out,
-        "| {} | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share | slots busy | queued |",
+        "| {} | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share | busy | queued |",
         first_column(reports)
     );
-    let _ = writeln!(
-        out,
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
-    );
+    out.push_str(if oracle.is_some() {
+        " TTFT p90 ÷ oracle |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+    } else {
+        "\n|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+    });
     for r in reports {
-        let _ = writeln!(
+        let _ = write!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.arm,
@@ -306,9 +339,18 @@ pub fn table(reports: &[PolicyReport]) -> String {
             millis(r.e2e_ms.p99),
             r.worker_share
                 .map_or_else(|| "-".to_owned(), |v| format!("{v:.2}")),
-            pct(r.utilisation.map(|u| u.slots)),
+            pct(r.utilisation.map(|u| u.busy.unwrap_or(u.slots))),
             pct(r.utilisation.map(|u| u.queued)),
         );
+        if let Some(oracle) = oracle {
+            let ratio = r
+                .ttft_ms
+                .p90
+                .filter(|_| oracle > 0.0)
+                .map_or_else(|| "-".to_owned(), |p90| format!("{:.2}", p90 / oracle));
+            let _ = write!(out, " {ratio} |");
+        }
+        out.push('\n');
     }
     out
 }

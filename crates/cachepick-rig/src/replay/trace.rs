@@ -268,15 +268,47 @@ impl PromptBuilder {
     }
 }
 
+/// The hit rate of a perfect router with an unbounded cache on `items`: every block seen in an earlier
+/// request hits, as far as the engine may hit (never the last prompt token). Σ hit ÷ Σ prompt tokens.
+pub fn ideal_hit_rate(items: &[Item]) -> f64 {
+    let mut seen = std::collections::HashSet::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for item in items {
+        let input = u64::from(item.input_length);
+        let mut covered = 0u64;
+        let mut prefix = true;
+        for &id in &item.hash_ids {
+            let tokens = (input - covered.min(input)).min(TRACE_BLOCK_TOKENS as u64);
+            // A block's id names its whole prefix, so a block hits only after every earlier one did.
+            prefix = prefix && seen.contains(&id);
+            if prefix {
+                hit += tokens;
+            }
+            covered += tokens;
+        }
+        // At least one token is computed.
+        if prefix && input > 0 {
+            hit -= 1;
+        }
+        seen.extend(item.hash_ids.iter().copied());
+        total += input;
+    }
+    if total == 0 {
+        0.0
+    } else {
+        hit as f64 / total as f64
+    }
+}
+
 /// A small deterministic generator (xorshift64*).
-struct XorShift(u64);
+pub(crate) struct XorShift(u64);
 
 impl XorShift {
-    fn new(seed: u64) -> XorShift {
+    pub(crate) fn new(seed: u64) -> XorShift {
         XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -284,11 +316,12 @@ impl XorShift {
     }
 
     /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         (self.next() >> 11) as f64 / (1_u64 << 53) as f64
     }
 
-    fn weighted_group(&mut self, groups: u64) -> u64 {
+    /// Group `g` of `groups` with weight `1 / (g + 1)`.
+    pub(crate) fn weighted_group(&mut self, groups: u64) -> u64 {
         let total: f64 = (1..=groups).map(|g| 1.0 / g as f64).sum();
         let mut left = self.unit() * total;
         for group in 0..groups {
@@ -344,6 +377,23 @@ mod tests {
         assert_eq!(items[0].timestamp_ms, 1);
         assert_eq!(items[0].output_length, 1);
         assert_eq!(parse_mooncake(text, "t", Some(1)).expect("parses").len(), 1);
+    }
+
+    #[test]
+    fn the_ideal_hit_rate_counts_every_block_seen_before_in_prefix_order() {
+        // Two full blocks seen, then a third request that shares the first only: 512 + 2 × 512 − 1
+        // hit of 3 × 1024 + 10.
+        let items = [
+            item(&[1, 2], 1024),
+            item(&[1, 2], 1024),
+            item(&[1, 3], 1034),
+        ];
+        let hit = 1023.0 + 512.0;
+        assert!((ideal_hit_rate(&items) - hit / 3082.0).abs() < 1e-12);
+        // A block seen after a miss does not hit: its prefix differs.
+        let items = [item(&[1, 2], 1024), item(&[9, 2], 1024)];
+        assert_eq!(ideal_hit_rate(&items), 0.0);
+        assert_eq!(ideal_hit_rate(&[]), 0.0);
     }
 
     #[test]

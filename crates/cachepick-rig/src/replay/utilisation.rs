@@ -4,12 +4,15 @@
 //! Every `every`, every rank of every worker is read: the share of its running slots in use, and
 //! whether requests wait in its queue. Over the arrival window this says whether a run was below,
 //! near or above the fleet's capacity: a fleet whose slots are mostly busy and whose queues are
-//! rarely empty is saturated, whatever its routing.
+//! rarely empty is saturated, whatever its routing. Under the step model a rank's running limit is the
+//! engine's (a thousand sequences), so what tells load is how much of the window its GPU spent in
+//! steps ([`Utilisation::busy`]), from the model time each rank counts.
 
 use std::time::Duration;
 
 use serde::Serialize;
 
+use cachepick_sim::Timing;
 use cachepick_sim::fleet::Fleet;
 
 /// The fleet's load over one arm.
@@ -23,11 +26,33 @@ pub struct Utilisation {
     pub mean_waiting: f64,
     /// Readings taken (one per rank per tick).
     pub readings: u64,
+    /// Step model: the share of the window the ranks' GPUs spent running steps, in [0, 1]; `None`
+    /// under the slots model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub busy: Option<f64>,
+    /// Wall seconds the ranks' engine loops gave up because the machine could not keep the model's
+    /// pace, summed over ranks: above zero, the arm's timings are suspect.
+    pub lagged_s: f64,
 }
 
 /// Reads the fleet every `every` for `window`, then returns what it saw; `None` if no rank was read.
 pub async fn watch(fleet: &Fleet, window: Duration, every: Duration) -> Option<Utilisation> {
     let mut sum = Sums::default();
+    let clock = |fleet: &Fleet| -> (f64, f64, u64) {
+        fleet
+            .workers()
+            .iter()
+            .flat_map(|worker| worker.stats())
+            .fold((0.0, 0.0, 0), |(busy, lagged, ranks), rank| {
+                (
+                    busy + rank.busy_seconds,
+                    lagged + rank.lagged_seconds,
+                    ranks + 1,
+                )
+            })
+    };
+    let (busy_before, lagged_before, _) = clock(fleet);
+    let started = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let deadline = tokio::time::Instant::now() + window;
@@ -42,7 +67,15 @@ pub async fn watch(fleet: &Fleet, window: Duration, every: Duration) -> Option<U
             break;
         }
     }
-    sum.finish()
+    let (busy_after, lagged_after, ranks) = clock(fleet);
+    let wall = started.elapsed().as_secs_f64() * ranks as f64;
+    let busy = (fleet.config().timing == Timing::Step && wall > 0.0)
+        .then(|| ((busy_after - busy_before) * fleet.config().params.time_scale / wall).min(1.0));
+    sum.finish().map(|utilisation| Utilisation {
+        busy,
+        lagged_s: lagged_after - lagged_before,
+        ..utilisation
+    })
 }
 
 #[derive(Default)]
@@ -71,6 +104,8 @@ impl Sums {
                 queued: self.queued as f64 / n,
                 mean_waiting: self.waiting as f64 / n,
                 readings: self.readings,
+                busy: None,
+                lagged_s: 0.0,
             }
         })
     }

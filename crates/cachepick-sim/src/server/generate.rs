@@ -256,7 +256,7 @@ pub(super) fn render(shared: &Shared, api: Api, body: &Bytes) -> Response<Body> 
 
 /// The prompt's tokens as the engine sees them: a chat rendered by the template and tokenized whole
 /// without added special tokens; a text prompt tokenized whole with them; token ids as given.
-pub(super) fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
+pub(crate) fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>, String> {
     match prompt {
         Prompt::Tokens(tokens) => Ok(tokens.clone()),
         Prompt::Text(text) => tokenizer

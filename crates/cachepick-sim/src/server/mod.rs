@@ -54,6 +54,7 @@ mod generate;
 use engine::RankEngine;
 
 pub use admin::{FakeMetrics, MetricsMode};
+pub(crate) use generate::tokens;
 
 use admin::{Controls, Scrape, admin, metrics};
 use generate::generate;
@@ -330,16 +331,11 @@ impl Worker {
         SimParams::clone(&self.shared.params.load())
     }
 
-    /// What every rank holds of a completion whose prompt is `text`, and how long the model predicts it
-    /// would take there to a first token: the true state, which only an oracle in the same process can
-    /// read (`cachepick replay`'s limit). Empty under the slots model, for a worker that is down, or a
-    /// prompt the tokenizer refuses.
-    pub fn outlook(&self, text: &str) -> Vec<RankOutlook> {
+    /// What every rank holds of a prompt of these token ids, and how long the model predicts it would
+    /// take there to a first token: the true state, which only an oracle in the same process can read
+    /// (`cachepick replay`'s limit). Empty under the slots model and for a worker that is down.
+    pub fn outlook(&self, tokens: &[u32]) -> Vec<RankOutlook> {
         let Some(incarnation) = current(&self.shared) else {
-            return Vec::new();
-        };
-        let prompt = wire::Prompt::Text(text.to_owned());
-        let Ok(tokens) = generate::tokens(&self.shared.spec.tokenizer, &prompt) else {
             return Vec::new();
         };
         let params = self.shared.params.load();
@@ -347,10 +343,10 @@ impl Worker {
             .zip(&incarnation.ranks)
             .filter_map(|(rank, state)| {
                 let state = lock(state);
-                let seconds = state.engine.predict_ttft(&tokens, &params)?;
+                let seconds = state.engine.predict_ttft(tokens, &params)?;
                 Some(RankOutlook {
                     rank,
-                    cached_tokens: state.engine.cached_tokens(&tokens),
+                    cached_tokens: state.engine.cached_tokens(tokens),
                     predicted_ttft: seconds + params.profile.front,
                 })
             })

@@ -1,0 +1,321 @@
+//! What a replay runs: the cachepick policies it knows by name and the `policy:` section each applies
+//! to the fleet's generated configuration, the index mode written into it, and the arms a run is made
+//! of (policy × index mode × replicas, then the other routers, then the oracle).
+
+use std::fmt::Write as _;
+
+use cachepick::config::{self, Config};
+use cachepick_sim::{KvEventsConfig, KvEventsFormat, SimConfig, Timing};
+
+use super::IndexMode;
+use super::front::Front;
+use crate::stage::{StageError, on_free_ports};
+
+/// Every policy the tool knows, by name: the `policy:` section it applies. `{limit}`, `{floor}` and
+/// `{block}` are filled from the fleet as `cachepick sim --emit-config` sizes them ([`gate_limits`]) and
+/// the KV block size in tokens.
+pub const POLICIES: [(&str, &str); 8] = [
+    ("round_robin", "mode: round_robin"),
+    ("least_load", "mode: least_load"),
+    ("balance_threshold", "mode: balance_threshold"),
+    // Pure prefix affinity: the cache-aware mode with its queue gate turned off.
+    ("affinity", "mode: cache_aware\nworker_queue_limit: null"),
+    (
+        "gate",
+        "worker_queue_limit: {limit}\nsaturation_queue_floor: null",
+    ),
+    (
+        "gate_floor",
+        "worker_queue_limit: {limit}\nsaturation_queue_floor: {floor}",
+    ),
+    (
+        "gate_floor_pressure_only",
+        "worker_queue_limit: {limit}\nsaturation_queue_floor: {floor}\npin_depth_ratio: 0",
+    ),
+    (
+        "gate_floor_min_match_1block",
+        "worker_queue_limit: {limit}\nsaturation_queue_floor: {floor}\nmin_match_tokens: {block}",
+    ),
+];
+
+/// What `--policies` runs when empty.
+pub const DEFAULT_TRACE_POLICIES: [&str; 8] = [
+    "round_robin",
+    "least_load",
+    "balance_threshold",
+    "affinity",
+    "gate",
+    "gate_floor",
+    "gate_floor_pressure_only",
+    "gate_floor_min_match_1block",
+];
+/// What `--policies` runs when empty and other routers are compared ([`ReplayOptions::fronts`]):
+/// cachepick with the gate and floor, with the gate alone, and with pure affinity.
+pub const DEFAULT_FRONT_POLICIES: [&str; 3] = ["gate_floor", "gate", "affinity"];
+/// In `--policies`, runs no cachepick arm: only the fronts.
+pub const NO_POLICIES: &str = "none";
+pub const DEFAULT_BURST_POLICIES: [&str; 4] = [
+    "gate",
+    "gate_floor",
+    "gate_floor_pressure_only",
+    "gate_floor_min_match_1block",
+];
+
+/// The `policy:` section of `name` for `sim`'s fleet, or `None` for an unknown name.
+pub fn policy_yaml(name: &str, sim: &SimConfig) -> Option<String> {
+    let (_, template) = POLICIES.iter().find(|(known, _)| *known == name)?;
+    let (limit, floor) = gate_limits(sim);
+    Some(
+        template
+            .replace("{limit}", &limit.to_string())
+            .replace("{floor}", &floor.to_string())
+            .replace("{block}", &sim.block_size.to_string()),
+    )
+}
+
+/// The queue gate's limit and the saturation floor for `sim`'s fleet, as the simulator's emitted
+/// configuration sets them: under the step model cachepick's own defaults (4 and 2 waiting per rank),
+/// since a rank's waiting queue is the prefill backlog beyond one step's budget whatever its running
+/// limit; under the slots model a quarter and an eighth of the running slots, where waiting starts to
+/// dominate a request's TTFT.
+pub fn gate_limits(sim: &SimConfig) -> (u32, u32) {
+    match sim.timing {
+        Timing::Step => (4, 2),
+        Timing::Slots => {
+            let running = sim.params.max_running.get();
+            ((running / 4).max(1), (running / 8).max(1))
+        }
+    }
+}
+
+/// Applies the `policy:` section `policy` to the generated cachepick configuration `generated`, on fresh
+/// loopback ports, and validates the result.
+pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, StageError> {
+    apply_arm(generated, policy, IndexMode::Approximate)
+}
+
+/// [`apply_policy`], with every pool's owner index in `mode`: `index: {mode: <mode>}` in each pool,
+/// written only when the mode is not `approximate` (the default, and until the product knows the key,
+/// an unknown one that validation refuses).
+pub fn apply_arm(generated: &str, policy: &str, mode: IndexMode) -> Result<Config, StageError> {
+    on_free_ports(
+        &arm_text(generated, policy, mode)?,
+        "the replay configuration",
+        config::Overrides::default(),
+    )
+}
+
+/// The text [`apply_arm`] validates: `generated` with the `policy:` section and every pool's index mode.
+pub fn arm_text(generated: &str, policy: &str, mode: IndexMode) -> Result<String, StageError> {
+    let invalid = |what: &str, error: serde_yaml::Error| {
+        StageError::Compose(format!("{what} is not YAML: {error}"))
+    };
+    let mut root: serde_yaml::Value = serde_yaml::from_str(generated)
+        .map_err(|error| invalid("the generated configuration", error))?;
+    let section: serde_yaml::Value =
+        serde_yaml::from_str(policy).map_err(|error| invalid("the policy section", error))?;
+    if let serde_yaml::Value::Mapping(map) = &mut root {
+        map.insert("policy".into(), section);
+        if mode != IndexMode::Approximate
+            && let Some(serde_yaml::Value::Sequence(pools)) = map.get_mut("pools")
+        {
+            for pool in pools {
+                if let serde_yaml::Value::Mapping(pool) = pool {
+                    let mut index = serde_yaml::Mapping::new();
+                    index.insert("mode".into(), mode.as_str().into());
+                    pool.insert("index".into(), index.into());
+                }
+            }
+        }
+    }
+    serde_yaml::to_string(&root).map_err(|error| invalid("the configuration", error))
+}
+
+/// THE one place that turns the simulator's KV event publisher on, for an `events` arm's fleet.
+///
+/// The workers publish in their engine's current format (a fleet configuration that chose one keeps
+/// it), and `Fleet::cachepick_config()` then names every worker's `kv_events:` sockets itself.
+pub fn enable_sim_events(sim: &mut SimConfig) {
+    if sim.kv_events.is_none() {
+        sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::default_for(sim.engine)));
+    }
+}
+
+/// One arm of the run: a policy with an index mode and a number of picker replicas, another router, or
+/// the oracle.
+#[derive(Clone, Debug)]
+pub(super) struct Arm {
+    pub label: String,
+    pub policy: String,
+    pub yaml: String,
+    pub index_mode: IndexMode,
+    pub replicas: usize,
+    pub kind: ArmKind,
+}
+
+/// Who routes an arm's requests.
+#[derive(Clone, Debug)]
+pub(super) enum ArmKind {
+    /// cachepick, with the arm's policy, index mode and replicas.
+    Picker,
+    /// Another router ([`front`](super::front)); the policy fields do not apply.
+    Front(Front),
+    /// The routing limit ([`oracle`](super::oracle)); the policy fields do not apply.
+    Oracle,
+}
+
+impl Arm {
+    /// A front's arm.
+    pub fn front(front: &Front) -> Arm {
+        Arm {
+            label: front.label.clone(),
+            policy: front.label.clone(),
+            yaml: String::new(),
+            index_mode: IndexMode::Approximate,
+            replicas: 1,
+            kind: ArmKind::Front(front.clone()),
+        }
+    }
+
+    /// The oracle's arm.
+    pub fn oracle() -> Arm {
+        Arm {
+            label: super::oracle::LABEL.to_owned(),
+            policy: super::oracle::LABEL.to_owned(),
+            yaml: String::new(),
+            index_mode: IndexMode::Approximate,
+            replicas: 1,
+            kind: ArmKind::Oracle,
+        }
+    }
+}
+
+/// Every arm, policy by policy: the policy's name, then `/<mode>` when the run compares modes or uses a
+/// non-default one, then `/x<n>` when it uses more than one replica anywhere.
+pub(super) fn arms(
+    names: &[String],
+    sim: &SimConfig,
+    modes: &[IndexMode],
+    replicas: &[usize],
+) -> Vec<Arm> {
+    let show_mode = modes != [IndexMode::Approximate];
+    let show_replicas = replicas != [1];
+    let mut arms = Vec::new();
+    for name in names {
+        let yaml = policy_yaml(name, sim).unwrap_or_default();
+        for &index_mode in modes {
+            for &count in replicas {
+                let mut label = name.clone();
+                if show_mode {
+                    label.push('/');
+                    label.push_str(index_mode.as_str());
+                }
+                if show_replicas {
+                    let _ = write!(label, "/x{count}");
+                }
+                arms.push(Arm {
+                    label,
+                    policy: name.clone(),
+                    yaml: yaml.clone(),
+                    index_mode,
+                    replicas: count,
+                    kind: ArmKind::Picker,
+                });
+            }
+        }
+    }
+    arms
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::{Scenario, default_fleet};
+    use cachepick_sim::Engine;
+
+    fn sim() -> SimConfig {
+        default_fleet(&Scenario::Burst, 4.0, Timing::Step)
+    }
+
+    fn labels(modes: &[IndexMode], replicas: &[usize]) -> Vec<String> {
+        let names = ["gate".to_owned(), "gate_floor".to_owned()];
+        arms(&names, &sim(), modes, replicas)
+            .into_iter()
+            .map(|arm| arm.label)
+            .collect()
+    }
+
+    #[test]
+    fn arms_are_named_after_their_policy_unless_the_run_compares_more() {
+        use IndexMode::{Approximate, Events};
+        assert_eq!(labels(&[Approximate], &[1]), ["gate", "gate_floor"]);
+        assert_eq!(
+            labels(&[Approximate, Events], &[3]),
+            [
+                "gate/approximate/x3",
+                "gate/events/x3",
+                "gate_floor/approximate/x3",
+                "gate_floor/events/x3"
+            ]
+        );
+        assert_eq!(
+            labels(&[Approximate], &[1, 2]),
+            ["gate/x1", "gate/x2", "gate_floor/x1", "gate_floor/x2"]
+        );
+        assert_eq!(
+            labels(&[Events], &[1]),
+            ["gate/events", "gate_floor/events"]
+        );
+        assert_eq!("events".parse(), Ok(Events));
+        assert!("exact".parse::<IndexMode>().is_err());
+    }
+
+    const GENERATED: &str = "listen: 127.0.0.1:9002\npools:\n  - model: a\n    engine: vllm\n    workers:\n      - endpoint: 127.0.0.1:8001\n  - model: b\n    engine: vllm\n    workers:\n      - endpoint: 127.0.0.1:8002\n";
+
+    #[test]
+    fn the_index_mode_is_written_into_every_pool_only_when_not_approximate() {
+        let pools = |mode| -> Vec<serde_yaml::Value> {
+            let text = arm_text(GENERATED, "mode: round_robin", mode).expect("composed");
+            let root: serde_yaml::Value = serde_yaml::from_str(&text).expect("YAML");
+            assert_eq!(root["policy"]["mode"].as_str(), Some("round_robin"));
+            root["pools"].as_sequence().cloned().expect("pools")
+        };
+        let events = pools(IndexMode::Events);
+        assert_eq!(events.len(), 2);
+        for pool in &events {
+            assert_eq!(pool["index"]["mode"].as_str(), Some("events"), "{pool:?}");
+        }
+        for pool in &pools(IndexMode::Approximate) {
+            assert!(pool.get("index").is_none(), "{pool:?}");
+        }
+        let approximate = apply_arm(GENERATED, "mode: round_robin", IndexMode::Approximate);
+        assert!(approximate.is_ok(), "{approximate:?}");
+        // Until the product knows `pools[].index`, the key is an unknown one, and says where it is.
+        match apply_arm(GENERATED, "mode: round_robin", IndexMode::Events) {
+            Ok(config) => assert_eq!(config.pools.len(), 2),
+            Err(error) => assert!(error.to_string().contains("index"), "{error}"),
+        }
+    }
+
+    #[test]
+    fn the_gate_is_cachepicks_default_under_the_step_model_and_a_share_of_the_slots_under_slots() {
+        assert_eq!(gate_limits(&sim()), (4, 2));
+        assert_eq!(
+            policy_yaml("gate_floor", &sim()).as_deref(),
+            Some("worker_queue_limit: 4\nsaturation_queue_floor: 2")
+        );
+        let slots = default_fleet(&Scenario::Burst, 4.0, Timing::Slots);
+        assert_eq!(slots.params.max_running.get(), 8);
+        assert_eq!(gate_limits(&slots), (2, 1));
+    }
+
+    #[test]
+    fn events_mode_turns_on_the_engines_own_event_format() {
+        let mut vllm = sim();
+        enable_sim_events(&mut vllm);
+        assert_eq!(
+            vllm.kv_events.map(|events| events.format),
+            Some(KvEventsFormat::default_for(Engine::Vllm))
+        );
+    }
+}

@@ -1,0 +1,253 @@
+//! One arm on a fresh fleet: cachepick (its stage, over ext_proc or through Envoy), another router in
+//! front, or the oracle; the same workload driven open-loop, the fleet's load watched, and the arm's
+//! report.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cachepick_sim::SimConfig;
+use cachepick_sim::fleet::Fleet;
+
+use super::arms::{Arm, ArmKind, apply_arm, enable_sim_events};
+use super::drive::{self, Route, Sample};
+use super::fault::{self, FaultReport};
+use super::front::{self, Front, KvSources};
+use super::oracle::Oracle;
+use super::report::PolicyReport;
+use super::trace::{Item, PromptBuilder};
+use super::{IndexMode, ReplayError, ReplayOptions, utilisation};
+use crate::client::Client as PickerClient;
+use crate::stage::{Stage, StageError};
+
+/// How often the fleet's slots and queues are read during an arm.
+const READ_LOAD_EVERY: Duration = Duration::from_millis(100);
+
+/// What every arm of one replay shares.
+pub(super) struct Workload<'a> {
+    pub options: &'a ReplayOptions,
+    pub sim: &'a SimConfig,
+    pub items: &'a [Item],
+    pub prompts: &'a PromptBuilder,
+    pub speedup: f64,
+    pub envoy: Option<&'a Path>,
+    pub phases: &'a [&'a str],
+    pub bucket: Duration,
+}
+
+impl Workload<'_> {
+    /// The arrival window, over which the fleet's load is read.
+    fn window(&self) -> Duration {
+        let first = self.items.first().map_or(0, |item| item.timestamp_ms);
+        let last = self.items.last().map_or(0, |item| item.timestamp_ms);
+        Duration::from_secs_f64(last.saturating_sub(first) as f64 / 1000.0 / self.speedup)
+    }
+
+    /// Runs `arm` and reports it.
+    pub async fn run(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
+        match &arm.kind {
+            ArmKind::Picker => self.picker(arm).await,
+            ArmKind::Front(front) => self.front(arm, front).await,
+            ArmKind::Oracle => self.oracle(arm).await,
+        }
+    }
+
+    /// Drives the workload along `route` while watching `fleet`; the samples, the wall time and the
+    /// fleet's load.
+    async fn drive(
+        &self,
+        route: &Route,
+        fleet: &Fleet,
+    ) -> (Vec<Sample>, Duration, Option<utilisation::Utilisation>) {
+        let started = Instant::now();
+        let (samples, utilisation) = tokio::join!(
+            drive::drive(
+                route,
+                self.items,
+                self.prompts,
+                &self.sim.model,
+                self.speedup,
+                self.options.max_in_flight,
+            ),
+            utilisation::watch(fleet, self.window(), READ_LOAD_EVERY),
+        );
+        (samples, started.elapsed(), utilisation)
+    }
+
+    fn report(
+        &self,
+        arm: &Arm,
+        yaml: &str,
+        samples: &[Sample],
+        fleet: &Fleet,
+        wall: Duration,
+    ) -> PolicyReport {
+        let workers = drive::per_worker(samples, &fleet.endpoints());
+        let mut report = PolicyReport::new(
+            &arm.policy,
+            yaml,
+            samples,
+            workers,
+            self.phases,
+            self.bucket,
+            wall,
+        );
+        report.arm = arm.label.clone();
+        report
+    }
+
+    /// cachepick with the arm's policy, index mode and replicas.
+    async fn picker(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
+        let mut sim = self.sim.clone();
+        if arm.index_mode == IndexMode::Events {
+            enable_sim_events(&mut sim);
+        }
+        let mut stage = Stage::start(&sim, |generated| {
+            apply_arm(generated, &arm.yaml, arm.index_mode)
+        })
+        .await?
+        .with_replicas(arm.replicas)
+        .await?;
+        if let Some(path) = self.envoy {
+            stage = stage.with_envoy(path).await?;
+        }
+        let route = match &stage.envoy {
+            Some(envoy) => Route::Proxy(envoy.listen),
+            None => Route::Direct(
+                PickerClient::connect(stage.picker.listen())
+                    .await
+                    .map_err(|error| ReplayError::Picker(error.to_string()))?,
+            ),
+        };
+        let start = tokio::time::Instant::now();
+        let crashing = async {
+            match &self.options.crash {
+                Some(crash) => Some(fault::crash(&stage.fleet, crash, start).await),
+                None => None,
+            }
+        };
+        let ((samples, wall, utilisation), crashed) =
+            tokio::join!(self.drive(&route, &stage.fleet), crashing);
+        let mut replica_decisions = Vec::new();
+        for picker in stage.pickers() {
+            replica_decisions.push(decisions(picker.metrics_listen()).await);
+        }
+        let fault = self
+            .options
+            .crash
+            .as_ref()
+            .zip(crashed)
+            .map(|(crash, crashed)| {
+                let worker = stage
+                    .fleet
+                    .worker(crash.worker)
+                    .map_or_else(String::new, |worker| worker.addr().to_string());
+                match crashed {
+                    Ok(times) => FaultReport::new(crash, worker, times, &samples),
+                    Err(error) => FaultReport::failed(crash, worker, error),
+                }
+            });
+        let mut report = self.report(arm, &arm.yaml, &samples, &stage.fleet, wall);
+        stage.stop().await?;
+        report.index_mode = arm.index_mode.as_str().to_owned();
+        report.replicas = arm.replicas;
+        report.replica_decisions = replica_decisions;
+        report.fault = fault;
+        report.utilisation = utilisation;
+        Ok(report)
+    }
+
+    /// Another router in front of a fresh fleet; a template that names the workers' KV event
+    /// endpoints gets a fleet that publishes them.
+    async fn front(&self, arm: &Arm, front: &Front) -> Result<PolicyReport, ReplayError> {
+        let mut sim = self.sim.clone();
+        if let front::Target::Command(template) = &front.target
+            && front::wants_kv_events(template)
+        {
+            enable_sim_events(&mut sim);
+        }
+        let fleet = Fleet::start(&sim).await.map_err(StageError::from)?;
+        let running = match front::Running::start(
+            front,
+            &fleet.endpoints(),
+            &KvSources::of(&fleet),
+            &sim.model,
+            &self.options.out,
+        )
+        .await
+        {
+            Ok(running) => running,
+            Err(error) => {
+                fleet.stop().await;
+                return Err(error.into());
+            }
+        };
+        let (samples, wall, utilisation) = self.drive(&Route::Proxy(running.addr), &fleet).await;
+        let counters = running.routing_counters().await;
+        let mut report = self.report(arm, "", &samples, &fleet, wall);
+        drop(running);
+        fleet.stop().await;
+        report.index_mode = "-".to_owned();
+        report.front = Some(match &front.target {
+            front::Target::Command(template) => template.clone(),
+            front::Target::Url(addr) => format!("http://{addr}"),
+        });
+        report.front_counters = counters;
+        report.utilisation = utilisation;
+        Ok(report)
+    }
+
+    /// The oracle on a fresh fleet it reads in process.
+    async fn oracle(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
+        let fleet = Arc::new(Fleet::start(self.sim).await.map_err(StageError::from)?);
+        let route = Route::Oracle(Arc::new(Oracle::new(Arc::clone(&fleet))));
+        let (samples, wall, utilisation) = self.drive(&route, &fleet).await;
+        let mut report = self.report(arm, "", &samples, &fleet, wall);
+        drop(route);
+        if let Ok(fleet) = Arc::try_unwrap(fleet) {
+            fleet.stop().await;
+        }
+        report.index_mode = "-".to_owned();
+        report.utilisation = utilisation;
+        Ok(report)
+    }
+}
+
+/// The decisions a picker made: `cachepick_decisions_total` over every pool and reason, from its
+/// `/metrics`; `None` when they cannot be read.
+async fn decisions(metrics: std::net::SocketAddr) -> Option<u64> {
+    let (status, text) = crate::http_exchange(
+        http::Method::GET,
+        metrics,
+        "/metrics",
+        "",
+        Duration::from_secs(5),
+    )
+    .await?;
+    (status == 200).then(|| decision_total(&text))
+}
+
+/// Σ `cachepick_decisions_total{…}` in a Prometheus exposition.
+fn decision_total(exposition: &str) -> u64 {
+    exposition
+        .lines()
+        .filter(|line| line.starts_with("cachepick_decisions_total{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|value| value as u64)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pickers_decisions_are_summed_over_pools_and_reasons() {
+        let exposition = "# HELP cachepick_decisions_total decisions\n\
+            cachepick_decisions_total{pool=\"a\",reason=\"cache_hit\"} 7\n\
+            cachepick_decisions_total{pool=\"a\",reason=\"cache_miss\"} 3\n\
+            cachepick_decisions_total{pool=\"b\",reason=\"cache_hit\"} 0\n\
+            cachepick_rejections_total{pool=\"a\",reason=\"no_workers\"} 5\n";
+        assert_eq!(decision_total(exposition), 10);
+    }
+}
