@@ -3,7 +3,9 @@
 //!
 //! Each of the 1,600 client slots loops: a streaming `/v1/completions` with a 1,024-token prompt and
 //! `max_tokens` 200, read to `[DONE]`. The model has no load slow-down and no jitter, so every stream's
-//! modelled decode time is exactly 199 × the inter-token latency; the bench reports how far the
+//! modelled decode time is exactly 199 × the inter-token latency (the slots model, `timing: slots`, whose
+//! requests pace themselves; the step model's pace is measured by the full-trace replay in
+//! BENCHMARKS.md); the bench reports how far the
 //! delivered streams are from the model (decode-time ratio), TTFT against the modelled prefill, the
 //! token rate, and the CPU the simulator and the client used.
 //!
@@ -148,7 +150,7 @@ fn main() {
     std::fs::write(
         &config,
         format!(
-            "engine: vllm\nworkers: {workers}\ntokenizer: {{kind: bytes}}\nkv_blocks: 65536\n\
+            "engine: vllm\ntiming: slots\nworkers: {workers}\ntokenizer: {{kind: bytes}}\nkv_blocks: 65536\n\
              max_running: 256\ninter_token_latency: {itl_ms}ms\nprefill_overhead: 10ms\n\
              prefill_per_token: 0.02ms\nload_slowdown: 1\njitter: 0\n"
         ),

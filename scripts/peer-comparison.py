@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""The peer comparison in BENCHMARKS.md: cachepick (gate + floor, gate, affinity; through a real Envoy)
-against smg (cache_aware, round_robin) and vllm-router (cache_aware), on the Mooncake trace and the burst
-scenario, at two loads, over several seeds. Every run is one `cachepick replay`; this script only runs
-them and puts their report.json files side by side (mean over seeds, with the range).
+"""The peer comparison in BENCHMARKS.md, on the simulator's step model: cachepick (gate + floor, gate,
+affinity; through a real Envoy; gate + floor also with the engines' KV events, at one and three picker
+replicas) against smg (cache_aware, round_robin) and vllm-router (cache_aware, kv_aware on the KV events),
+beside the oracle (the routing limit), on the Mooncake trace, the burst scenario and the prefill-heavy
+agents scenario, at a load below the knee, at the knee and above it, over several seeds. Every run is two
+`cachepick replay`s (the main arms, then the events arms); this script only runs them and puts their
+report.json files side by side (mean over seeds, with the range).
 
     scripts/peer-comparison.py --cachepick target/release/cachepick --out target/peer-comparison
 
 The routers come from `scripts/provision-peers` (pinned versions). Re-aggregate without running:
-`--summarise-only`.
+`--summarise-only`. TTFTs are given in the modelled GPU's time: the client's wall time divided by the
+fleet's time scale.
 """
 
 import argparse
@@ -26,25 +30,35 @@ def fronts(bin_dir):
               "--prometheus-host {host} --prometheus-port {metrics_port}")
     smg = os.path.join(bin_dir, "smg")
     vllm = os.path.join(bin_dir, "vllm-router")
+    events = ("--kv-event-block-size 16 --kv-event-model {model} {kv_events:--kv-event-source} "
+              "{kv_events_replay:--kv-event-replay-source}")
     return [
         f"{smg} launch {common} --policy cache_aware --log-level warn",
         f"{smg} launch {common} --policy round_robin --log-level warn",
         f"{vllm} {common} --policy cache_aware --log-level warning",
+        f"{vllm} {common} --policy kv_aware {events} --log-level warning",
     ]
+
+
+def replay(args, scenario, load, seed, out, extra):
+    report = os.path.join(out, "report.json")
+    if os.path.exists(report) and not args.again:
+        return
+    command = [args.cachepick, "replay", *scenario["args"], "--via", "envoy", "--load", str(load),
+               "--seed", str(seed), "--out", out, *extra]
+    print("$", " ".join(command[:14]), "…", flush=True)
+    subprocess.run(command, check=True)
 
 
 def run(args, scenario, load, seed, bin_dir):
     out = os.path.join(args.out, f"{scenario['name']}-load{load}-seed{seed}")
-    report = os.path.join(out, "report.json")
-    if os.path.exists(report) and not args.again:
-        return out
-    command = [args.cachepick, "replay", *scenario["args"], "--via", "envoy",
-               "--policies", "gate_floor,gate,affinity", "--load", str(load), "--seed", str(seed),
-               "--out", out]
+    main = ["--policies", "gate_floor,gate,affinity"]
     for front in fronts(bin_dir):
-        command += ["--front", front]
-    print("$", " ".join(command[:12]), "… (3 fronts)", flush=True)
-    subprocess.run(command, check=True)
+        main += ["--front", front]
+    replay(args, scenario, load, seed, out, main)
+    # The KV event arms: gate + floor on the engines' events, one picker and three behind one Envoy.
+    replay(args, scenario, load, seed, os.path.join(out, "events"),
+           ["--policies", "gate_floor", "--index", "events", "--replicas", "1,3", "--no-oracle"])
     return out
 
 
@@ -54,33 +68,39 @@ def rerun_front(args, out, prefix, bin_dir):
     report_path = os.path.join(out, "report.json")
     with open(report_path) as f:
         report = json.load(f)
-    template = next(t for t in fronts(bin_dir) if os.path.basename(t.split()[0]) == prefix)
     again = os.path.join(out, f"rerun-{prefix}")
-    scenario_args = (["--scenario", "burst"] if report["scenario"] == "burst"
+    scenario_args = (["--scenario", report["scenario"]] if report["scenario"] in ("burst", "agents")
                      else ["--trace", report["scenario"], "--limit", str(report["requests"])])
-    command = [args.cachepick, "replay", *scenario_args, "--policies", "none",
-               "--load", str(report["fleet"]["load"]), "--seed", str(report["fleet"]["seed"]),
-               "--out", again, "--front", template]
-    print("$", " ".join(command[:11]), "… (1 front)", flush=True)
-    subprocess.run(command, check=True)
-    with open(os.path.join(again, "report.json")) as f:
-        fresh = json.load(f)["policies"][0]
-    fresh["rerun"] = True
-    report["policies"] = [fresh if arm["arm"] == fresh["arm"] else arm for arm in report["policies"]]
+    for template in fronts(bin_dir):
+        if os.path.basename(template.split()[0]) != prefix:
+            continue
+        command = [args.cachepick, "replay", *scenario_args, "--policies", "none", "--no-oracle",
+                   "--load", str(report["fleet"]["load"]), "--seed", str(report["fleet"]["seed"]),
+                   "--out", again, "--front", template]
+        print("$", " ".join(command[:12]), "… (1 front)", flush=True)
+        subprocess.run(command, check=True)
+        with open(os.path.join(again, "report.json")) as f:
+            fresh = json.load(f)["policies"][0]
+        fresh["rerun"] = True
+        report["policies"] = [fresh if arm["arm"] == fresh["arm"] else arm
+                              for arm in report["policies"]]
     with open(report_path, "w") as f:
         json.dump(report, f, indent=1)
 
 
-def figures(arm):
+def figures(arm, scale):
     u = arm.get("utilisation") or {}
+    model = lambda ms: None if ms is None else ms / scale
     return {
         "hit": arm["hit_rate"] * 100 if arm["hit_rate"] is not None else None,
-        "ttft_p50": arm["ttft_ms"]["p50"],
-        "ttft_p99": arm["ttft_ms"]["p99"],
-        "e2e_p50": arm["e2e_ms"]["p50"],
+        "ttft_p50": model(arm["ttft_ms"]["p50"]),
+        "ttft_p90": model(arm["ttft_ms"]["p90"]),
+        "ttft_p99": model(arm["ttft_ms"]["p99"]),
+        "e2e_p50": model(arm["e2e_ms"]["p50"]),
         "share": arm["worker_share"],
-        "slots": u.get("slots", 0) * 100,
+        "busy": (u.get("busy") if u.get("busy") is not None else u.get("slots", 0)) * 100,
         "queued": u.get("queued", 0) * 100,
+        "lagged": u.get("lagged_s", 0),
         "failed": arm["errors"] + arm["rejections"] + arm["dropped"],
     }
 
@@ -95,37 +115,103 @@ def cell(values, digits):
     return f"{mean:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
+LABELS = {
+    "gate_floor": "cachepick gate + floor",
+    "gate": "cachepick gate",
+    "affinity": "cachepick affinity",
+    "gate_floor/events/x1": "cachepick gate + floor, events ×1",
+    "gate_floor/events/x3": "cachepick gate + floor, events ×3",
+}
+
+
+def arms_of(run_dir):
+    """Every arm of one run (the main replay and the events replay), in table order, with the time
+    scale of its fleet."""
+    arms = []
+    scale = None
+    for path in (os.path.join(run_dir, "report.json"), os.path.join(run_dir, "events", "report.json")):
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            report = json.load(f)
+        scale = report["fleet"]["time_scale"]
+        arms += report["policies"]
+    # cachepick's rows first, the events rows right after gate + floor, the oracle last.
+    order = ["gate_floor", "gate_floor/events/x1", "gate_floor/events/x3", "gate", "affinity"]
+    arms.sort(key=lambda a: (a["arm"] == "oracle",
+                             order.index(a["arm"]) if a["arm"] in order else len(order)))
+    return arms, scale
+
+
+def ranking(data, name):
+    """cachepick gate + floor against every other router on TTFT p90: the ratio of the means, and
+    whether the seeds' ranges overlap (noise)."""
+    ours = data.get("gate_floor")
+    if not ours:
+        return []
+    lines = []
+    mine = [f["ttft_p90"] for f in ours if f["ttft_p90"] is not None]
+    for other, per_seed in data.items():
+        if other in ("gate_floor", "oracle"):
+            continue
+        theirs = [f["ttft_p90"] for f in per_seed if f["ttft_p90"] is not None]
+        if not mine or not theirs:
+            continue
+        ratio = statistics.fmean(theirs) / statistics.fmean(mine)
+        overlap = max(min(mine), min(theirs)) <= min(max(mine), max(theirs))
+        verdict = ("within noise" if overlap else "cachepick better" if ratio > 1 else "cachepick worse")
+        lines.append(f"{LABELS.get(other, other)} {ratio:.2f}× cachepick's TTFT p90 ({verdict})")
+    return lines
+
+
 def summarise(args, scenarios):
     lines = []
     data = {}
     for scenario in scenarios:
-        for load in args.loads:
+        for load in scenario["loads"]:
             runs = []
             for seed in args.seeds:
-                path = os.path.join(args.out, f"{scenario['name']}-load{load}-seed{seed}", "report.json")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        runs.append(json.load(f))
+                run_dir = os.path.join(args.out, f"{scenario['name']}-load{load}-seed{seed}")
+                arms, scale = arms_of(run_dir)
+                if arms:
+                    runs.append((seed, arms, scale))
             if not runs:
                 continue
-            arms = [arm["arm"] for arm in runs[0]["policies"]]
-            lines.append(f"\n#### {scenario['title']}, load {load} "
-                         f"({len(runs)} seed{'s' if len(runs) > 1 else ''}: "
-                         f"{', '.join(str(r['fleet']['seed']) for r in runs)})\n")
-            lines.append("| router | prefix hit % | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | worker share "
-                         "| slots busy % | queued % | failed |")
-            lines.append("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+            names = [arm["arm"] for arm in runs[0][1]]
+            scales = sorted({scale for _, _, scale in runs})
+            lines.append(f"\n#### {scenario['title']}, load {load} ({len(runs)} seed"
+                         f"{'s' if len(runs) > 1 else ''}: {', '.join(str(s) for s, _, _ in runs)}; "
+                         f"time scale {', '.join(str(s) for s in scales)})\n")
+            lines.append("| router | prefix hit % | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms "
+                         "| worker share | busy % | queued % | failed | TTFT p90 ÷ oracle |")
+            lines.append("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
             key = f"{scenario['name']}-load{load}"
             data[key] = {}
-            for name in arms:
-                per_seed = [figures(next(a for a in r["policies"] if a["arm"] == name)) for r in runs]
+            for name in names:
+                per_seed = []
+                for _, arms, scale in runs:
+                    arm = next((a for a in arms if a["arm"] == name), None)
+                    if arm is not None:
+                        per_seed.append(figures(arm, scale))
                 data[key][name] = per_seed
+            oracle = [f["ttft_p90"] for f in data[key].get("oracle", []) if f["ttft_p90"]]
+            for name in names:
+                per_seed = data[key][name]
                 col = lambda k, d: cell([f[k] for f in per_seed], d)
-                label = {"gate_floor": "cachepick gate + floor", "gate": "cachepick gate",
-                         "affinity": "cachepick affinity"}.get(name, name)
-                lines.append(f"| {label} | {col('hit', 1)} | {col('ttft_p50', 0)} | {col('ttft_p99', 0)} "
-                             f"| {col('e2e_p50', 0)} | {col('share', 2)} | {col('slots', 0)} "
-                             f"| {col('queued', 0)} | {sum(f['failed'] for f in per_seed)} |")
+                ratio = "-"
+                if oracle:
+                    ratios = [f["ttft_p90"] / o for f, o in zip(per_seed, oracle) if f["ttft_p90"]]
+                    ratio = cell(ratios, 2)
+                failed = sum(f["failed"] for f in per_seed)
+                lagged = max((f["lagged"] for f in per_seed), default=0)
+                note = f" (sim lag {lagged:.1f} s)" if lagged > 0.5 else ""
+                lines.append(f"| {LABELS.get(name, name)} | {col('hit', 1)} | {col('ttft_p50', 0)} "
+                             f"| {col('ttft_p90', 0)} | {col('ttft_p99', 0)} | {col('e2e_p50', 0)} "
+                             f"| {col('share', 2)} | {col('busy', 0)} | {col('queued', 0)} "
+                             f"| {failed}{note} | {ratio} |")
+            ranks = ranking(data[key], key)
+            if ranks:
+                lines.append("\nTTFT p90 against cachepick gate + floor: " + "; ".join(ranks) + ".")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "comparison.md"), "w") as f:
         f.write(text)
@@ -134,22 +220,29 @@ def summarise(args, scenarios):
     print(text)
 
 
+def floats(text):
+    return [float(x) for x in text.split(",")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cachepick", default=os.path.join(ROOT, "target/release/cachepick"))
     parser.add_argument("--trace", default=os.path.join(ROOT, "../shared/traces/mooncake-synthetic.jsonl"))
     parser.add_argument("--limit", type=int, default=1000, help="requests of the trace")
-    parser.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0],
-                        help="loads for the trace (default 1,2: about a third of the slots busy, and queues)")
-    parser.add_argument("--burst-loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0],
-                        help="loads for the burst scenario (default 0.5,1: the burst within capacity, and beyond it)")
+    # The knees were found by a scan of round robin's TTFT p90 over loads (BENCHMARKS.md).
+    parser.add_argument("--loads", type=floats, default=[0.5, 1.0, 1.5],
+                        help="loads for the trace: below the knee, at it, above")
+    parser.add_argument("--burst-loads", type=floats, default=[2.0, 4.0, 8.0],
+                        help="loads for the burst scenario: below the knee, at it, above")
+    parser.add_argument("--agents-loads", type=floats, default=[1.0, 2.0, 3.0],
+                        help="loads for the agents scenario: below the knee, at it, above")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
-    parser.add_argument("--scenarios", default="trace,burst")
+    parser.add_argument("--scenarios", default="trace,burst,agents")
     parser.add_argument("--out", default=os.path.join(ROOT, "target/peer-comparison"))
     parser.add_argument("--again", action="store_true", help="re-run runs whose report exists")
     parser.add_argument("--summarise-only", action="store_true")
     parser.add_argument("--rerun-front", metavar="PROGRAM",
-                        help="measure only this router's arm again in every existing run (smg, vllm-router)")
+                        help="measure only this router's arms again in every existing run (smg, vllm-router)")
     args = parser.parse_args()
     wanted = args.scenarios.split(",")
     scenarios = []
@@ -159,6 +252,9 @@ def main():
     if "burst" in wanted:
         scenarios.append({"name": "burst", "title": "Burst scenario", "args": ["--scenario", "burst"],
                           "loads": args.burst_loads})
+    if "agents" in wanted:
+        scenarios.append({"name": "agents", "title": "Agents scenario (prefill-heavy)",
+                          "args": ["--scenario", "agents"], "loads": args.agents_loads})
     os.makedirs(args.out, exist_ok=True)
     if not args.summarise_only:
         bin_dir = subprocess.run([os.path.join(ROOT, "scripts/provision-peers")], check=True,
@@ -169,8 +265,6 @@ def main():
                     out = run(args, scenario, load, seed, bin_dir)
                     if args.rerun_front:
                         rerun_front(args, out, args.rerun_front, bin_dir)
-    # One table per scenario and load that has runs.
-    args.loads = sorted({load for scenario in scenarios for load in scenario["loads"]})
     summarise(args, scenarios)
 
 

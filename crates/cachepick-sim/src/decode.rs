@@ -629,6 +629,123 @@ mod tests {
     }
 
     #[test]
+    fn the_step_model_is_the_default_and_each_model_refuses_the_others_knobs() {
+        let sglang = SimOverrides {
+            engine: Some(Engine::Sglang),
+            ..SimOverrides::default()
+        };
+        let config = parse("", "cli", &sglang).unwrap();
+        assert_eq!(config.timing, Timing::Step);
+        assert_eq!(
+            config.params,
+            SimParams::step(Engine::Sglang, &Profile::default())
+        );
+        assert_eq!(config.params.kv_blocks.get(), 29_205);
+        assert_eq!(config.params.batch_tokens.get(), 8192);
+
+        let file = "engine: vllm\ninter_token_latency: 5ms\nload_slowdown: 1\nschedule_policy: lpm\n\
+                    max_prefill_tokens: 4096\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        for expected in [
+            "inter_token_latency (line 2): `inter_token_latency` is read by `timing: slots` only",
+            "load_slowdown (line 3): `load_slowdown` is read by `timing: slots` only",
+            "schedule_policy (line 4): `schedule_policy` is read by the SGLang scheduler only",
+            "max_prefill_tokens (line 5): `max_prefill_tokens` is read by the SGLang scheduler only",
+        ] {
+            assert!(
+                problems.iter().any(|problem| problem.contains(expected)),
+                "{expected:?} not in {problems:#?}"
+            );
+        }
+        assert_eq!(problems.len(), 4, "{problems:#?}");
+        let file =
+            "engine: vllm\ntiming: slots\nprofile: llama31-8b-a100-bf16\nbatch_tokens: 512\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        assert_eq!(problems.len(), 2, "{problems:#?}");
+        assert!(
+            problems[0].contains("`profile` is read by `timing: step` only"),
+            "{problems:#?}"
+        );
+
+        // The flag beats the file, and the slots model gets its own defaults.
+        let slots = SimOverrides {
+            timing: Some(Timing::Slots),
+            ..SimOverrides::default()
+        };
+        let config = parse("engine: vllm\nkv_blocks: 100\n", "sim.yaml", &slots).unwrap();
+        assert_eq!(config.timing, Timing::Slots);
+        assert_eq!(config.params.max_running, SimParams::slots().max_running);
+        assert_eq!(config.params.kv_blocks.get(), 100);
+    }
+
+    #[test]
+    fn a_profile_is_named_or_a_named_one_with_coefficients_replaced() {
+        let vllm = SimOverrides {
+            engine: Some(Engine::Vllm),
+            ..SimOverrides::default()
+        };
+        let config = parse("profile: llama31-8b-a100-bf16\n", "sim.yaml", &vllm).unwrap();
+        assert_eq!(config.params.profile, Profile::llama31_8b_a100());
+        // vLLM's A100 defaults come with it.
+        assert_eq!(config.params.batch_tokens.get(), 2048);
+        assert_eq!(config.params.max_running.get(), 256);
+        let file = "profile:\n  base: llama31-70b-h100-tp4\n  weight_read_ms: 12.5\n  attention_pair_ns: 0.9\n\
+                    batch_tokens: 4096\n";
+        let config = parse(file, "sim.yaml", &vllm).unwrap();
+        let profile = &config.params.profile;
+        assert_eq!(profile.name, "llama31-70b-h100-tp4");
+        assert!((profile.weight_read - 12.5e-3).abs() < 1e-12);
+        assert!((profile.attention_pair - 0.9e-9).abs() < 1e-18);
+        assert_eq!(profile.per_token, Profile::llama31_70b_h100_tp4().per_token);
+        assert_eq!(config.params.kv_blocks.get(), 128_273);
+        assert_eq!(config.params.batch_tokens.get(), 4096);
+        let flag = SimOverrides {
+            profile: Some("llama31-8b-a100-bf16".to_owned()),
+            ..vllm.clone()
+        };
+        assert_eq!(
+            parse(file, "sim.yaml", &flag).unwrap().params.profile,
+            Profile::llama31_8b_a100(),
+            "the flag names the profile the file's mapping would have changed"
+        );
+
+        let file =
+            "engine: vllm\nprofile:\n  base: h200\n  per_token_us: -1\n  blend: 20\n  bogus: 1\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        for expected in [
+            "profile.base (line 3): unknown profile `h200`; known: llama31-8b-h100-bf16",
+            "profile.bogus (line 6): unknown key",
+        ] {
+            assert!(
+                problems.iter().any(|problem| problem.contains(expected)),
+                "{expected:?} not in {problems:#?}"
+            );
+        }
+        let file = "engine: vllm\nprofile:\n  per_token_us: -1\n  blend: 20\n";
+        let problems = sim_problems(file, &SimOverrides::default());
+        assert_eq!(problems.len(), 2, "{problems:#?}");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("profile.per_token_us (line 3): must be a number at least 0"))
+        );
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("profile.blend (line 4): must be between 0.5 and 8"))
+        );
+        let unknown = SimOverrides {
+            profile: Some("tpu".to_owned()),
+            ..vllm
+        };
+        let problems = sim_problems("", &unknown);
+        assert!(
+            problems[0].contains("--profile: unknown profile `tpu`"),
+            "{problems:#?}"
+        );
+    }
+
+    #[test]
     fn kv_events_are_off_unless_configured_or_flagged() {
         let vllm = SimOverrides {
             engine: Some(Engine::Vllm),

@@ -240,10 +240,17 @@ impl RankEngine {
 
     /// Model seconds until a request with this prompt would emit its first token here (the step
     /// model's prediction; `None` under the slots model).
-    pub fn predict_ttft(&self, prompt: &[u32], params: &SimParams) -> Option<f64> {
+    pub fn predict_ttft(
+        &self,
+        prompt: &[u32],
+        in_flight: &[&[u32]],
+        params: &SimParams,
+    ) -> Option<f64> {
         match self {
             RankEngine::Slots { .. } => None,
-            RankEngine::Step { model, .. } => Some(model.predict_ttft(prompt, &params.profile)),
+            RankEngine::Step { model, .. } => {
+                Some(model.predict_ttft(prompt, in_flight, &params.profile))
+            }
         }
     }
 

@@ -332,9 +332,10 @@ impl Worker {
     }
 
     /// What every rank holds of a prompt of these token ids, and how long the model predicts it would
-    /// take there to a first token: the true state, which only an oracle in the same process can read
-    /// (`cachepick replay`'s limit). Empty under the slots model and for a worker that is down.
-    pub fn outlook(&self, tokens: &[u32]) -> Vec<RankOutlook> {
+    /// take there to a first token behind the prompts `in_flight` to this worker (sent, not yet in a
+    /// queue): the true state, which only an oracle in the same process can read (`cachepick replay`'s
+    /// limit). Empty under the slots model and for a worker that is down.
+    pub fn outlook(&self, tokens: &[u32], in_flight: &[&[u32]]) -> Vec<RankOutlook> {
         let Some(incarnation) = current(&self.shared) else {
             return Vec::new();
         };
@@ -343,7 +344,7 @@ impl Worker {
             .zip(&incarnation.ranks)
             .filter_map(|(rank, state)| {
                 let state = lock(state);
-                let seconds = state.engine.predict_ttft(tokens, &params)?;
+                let seconds = state.engine.predict_ttft(tokens, in_flight, &params)?;
                 Some(RankOutlook {
                     rank,
                     cached_tokens: state.engine.cached_tokens(tokens),
@@ -351,6 +352,16 @@ impl Worker {
                 })
             })
             .collect()
+    }
+}
+
+impl Worker {
+    /// Wall time from sending a request to its arrival in a rank's queue: the API server's front, as
+    /// the model sets it now.
+    pub fn front_delay(&self) -> Duration {
+        let params = self.shared.params.load();
+        Duration::try_from_secs_f64(params.profile.front * params.time_scale)
+            .unwrap_or(Duration::ZERO)
     }
 }
 

@@ -27,10 +27,40 @@ const MAX_STEPS: usize = 100_000;
 
 impl StepRank {
     /// Model seconds from now until a request with this prompt would emit its first token here, given
-    /// `profile`; the front (HTTP, tokenization) and the step in flight are not included.
-    pub fn predict_ttft(&self, prompt: &[u32], profile: &Profile) -> f64 {
-        let cached = u64::from(self.cached_tokens(prompt));
-        let prompt_len = len_u64(prompt.len());
+    /// `profile`, behind the prompts `in_flight` to the rank; the front (HTTP, tokenization) and the
+    /// step in flight are not included.
+    pub fn predict_ttft(&self, prompt: &[u32], in_flight: &[&[u32]], profile: &Profile) -> f64 {
+        let block = usize::try_from(self.pool.block_size()).unwrap_or(1);
+        let mut earlier: Vec<Vec<u64>> = Vec::new();
+        // Tokens a prompt would find: the cache's, or a prompt sent before it.
+        let mut lookup = |prompt: &[u32]| -> (u64, u64) {
+            let hashes: Vec<u64> =
+                crate::model::block_hashes(prompt, self.limits.block_size).collect();
+            let prompt_len = len_u64(prompt.len());
+            let cap = self.hit_cap(prompt_len, hashes.len());
+            let cached = self.pool.hit_blocks(&hashes, cap);
+            let shared = earlier
+                .iter()
+                .map(|other| {
+                    len_u64(
+                        other
+                            .iter()
+                            .zip(&hashes)
+                            .take_while(|(a, b)| a == b)
+                            .count(),
+                    )
+                })
+                .max()
+                .unwrap_or(0)
+                .min(cap);
+            earlier.push(hashes);
+            (
+                cached.max(shared).saturating_mul(len_u64(block)),
+                prompt_len,
+            )
+        };
+        let sent: Vec<(u64, u64)> = in_flight.iter().map(|prompt| lookup(prompt)).collect();
+        let (cached, prompt_len) = lookup(prompt);
         let mut queue: Vec<Segment> = Vec::new();
         let mut decodes = 0u64;
         let mut context = 0u64;
@@ -53,6 +83,15 @@ impl StepRank {
                 tokens: seq.num_tokens().saturating_sub(hit).max(1),
                 start: hit,
                 context: seq.num_tokens(),
+            };
+            ahead_blocks = ahead_blocks.saturating_add(self.pool.blocks_for(segment.tokens));
+            queue.push(segment);
+        }
+        for (hit, len) in sent {
+            let segment = Segment {
+                tokens: len.saturating_sub(hit).max(1),
+                start: hit,
+                context: len,
             };
             ahead_blocks = ahead_blocks.saturating_add(self.pool.blocks_for(segment.tokens));
             queue.push(segment);

@@ -695,20 +695,43 @@ fn the_prediction_follows_the_work_ahead_and_the_cache() {
     // An idle rank: a lone prompt's TTFT, as the model would run it.
     close(
         "idle",
-        rank.predict_ttft(&prompt, &profile),
+        rank.predict_ttft(&prompt, &[], &profile),
         lone_ttft(&profile, 8192),
         0.01,
     );
     drive(&mut rank, &profile, vec![at(0.0, 1, prompt.clone(), 1)]);
     // Cached: one block's work.
-    close("cached", rank.predict_ttft(&prompt, &profile), 7.3e-3, 0.15);
+    close(
+        "cached",
+        rank.predict_ttft(&prompt, &[], &profile),
+        7.3e-3,
+        0.15,
+    );
     // Behind 16 waiting 8k misses: about their TTFTs plus its own.
     for i in 0..16 {
         rank.submit(100 + i, &tokens(1_000_000 + i as u32 * 10_000, 8192), 1)
             .unwrap();
     }
-    let behind = rank.predict_ttft(&tokens(3_000_000, 8192), &profile);
+    let behind = rank.predict_ttft(&tokens(3_000_000, 8192), &[], &profile);
     close("behind 16 misses", behind, 17.0 * 0.211, 0.15);
+    // Prompts sent and not yet arrived count ahead too, and one that shares this prompt's prefix
+    // leaves only the rest to compute: an 8k miss sent before it, then this one with its 8k head.
+    let idle = rank_on(Engine::Vllm, &profile);
+    let sent = tokens(4_000_000, 8192);
+    let extended: Vec<u32> = sent
+        .iter()
+        .copied()
+        .chain(tokens(5_000_000, 1024))
+        .collect();
+    let alone = idle.predict_ttft(&extended, &[], &profile);
+    let after = idle.predict_ttft(&extended, &[&sent], &profile);
+    close(
+        "after an in-flight 8k miss it extends",
+        after,
+        0.211 + 0.035,
+        0.25,
+    );
+    assert!(after < alone + 0.1, "{after} against {alone}");
 }
 
 proptest! {
