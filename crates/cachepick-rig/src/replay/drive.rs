@@ -161,6 +161,7 @@ async fn one(
                 vec![
                     (DECISION_HEADER, super::oracle::LABEL.to_owned()),
                     (PREFIX_TOKENS_HEADER, choice.cached_tokens.to_string()),
+                    (cachepick_sim::server::DISPATCH_TAG, choice.tag.to_string()),
                 ],
             )
         }

@@ -226,11 +226,13 @@ pub fn expand(
         ("{kv_events:", &kv.live),
     ] {
         while let Some(start) = text.find(name) {
-            let rest = &text[start + name.len()..];
-            let Some(end) = rest.find('}') else {
+            let Some((flag, _)) = text
+                .get(start + name.len()..)
+                .and_then(|rest| rest.split_once('}'))
+            else {
                 break;
             };
-            let flag = &rest[..end];
+            let end = flag.len();
             let repeated: Vec<String> = entries
                 .iter()
                 .map(|entry| format!("{flag} {entry}"))

@@ -6,9 +6,10 @@
 //! other row is read as a ratio to it.
 //!
 //! It knows what it sent, too: a request it dispatched is not in a rank's queue until the worker's API
-//! server has parsed it (the profile's front), so until then the oracle counts it ahead of the next
-//! ones it sends to that worker, as it will be — without this, a burst of arrivals within one front
-//! would all see the same idle worker and pile onto it.
+//! server has parsed it (the profile's front), so until the worker says it is queued (each dispatch is
+//! tagged, [`cachepick_sim::server::DISPATCH_TAG`]) the oracle counts it ahead of the next ones it
+//! sends to that worker, as it will be — without this, a burst of arrivals within one front would all
+//! see the same idle worker and pile onto it.
 //!
 //! Greedy per request, like every router here: it does not plan for the requests after this one. A tie
 //! (two idle ranks) goes to the one holding more of the prompt, then to the lower worker index.
@@ -19,8 +20,17 @@ use std::time::{Duration, Instant};
 
 use cachepick_sim::fleet::Fleet;
 
-/// Beyond the modelled front, the loopback HTTP exchange before the worker starts its front.
-const SEND_MARGIN: Duration = Duration::from_millis(2);
+/// A dispatch the worker never reported (its worker crashed, its connection failed) stops counting
+/// after this long.
+const FORGET_AFTER: Duration = Duration::from_secs(30);
+
+/// One dispatch not yet in its worker's queue.
+struct Sent {
+    worker: usize,
+    tag: u64,
+    at: Instant,
+    tokens: Vec<u32>,
+}
 
 /// The oracle's row label.
 pub const LABEL: &str = "oracle";
@@ -28,15 +38,16 @@ pub const LABEL: &str = "oracle";
 /// The oracle over one arm's fleet.
 pub struct Oracle {
     fleet: Arc<Fleet>,
-    /// Requests sent and not yet in their worker's queue: the worker's index, when they will be, and
-    /// their tokens.
-    in_flight: Mutex<Vec<(usize, Instant, Vec<u32>)>>,
+    /// Requests sent and not yet in their worker's queue, and the next tag.
+    in_flight: Mutex<(Vec<Sent>, u64)>,
 }
 
 /// Where the oracle sends a request, and what it predicted.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Choice {
     pub worker: SocketAddr,
+    /// The tag to send the request with ([`cachepick_sim::server::DISPATCH_TAG`]).
+    pub tag: u64,
     pub cached_tokens: u32,
     /// Model seconds to the first token.
     pub predicted_ttft: f64,
@@ -46,7 +57,7 @@ impl Oracle {
     pub fn new(fleet: Arc<Fleet>) -> Oracle {
         Oracle {
             fleet,
-            in_flight: Mutex::new(Vec::new()),
+            in_flight: Mutex::new((Vec::new(), 0)),
         }
     }
 
@@ -56,12 +67,25 @@ impl Oracle {
     pub fn choose(&self, text: &str) -> Option<Choice> {
         let tokens = self.fleet.tokenize(text).ok()?;
         // One decision at a time, so two requests sent together see each other.
-        let mut in_flight = self
+        let mut guard = self
             .in_flight
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let (in_flight, next_tag) = &mut *guard;
         let now = Instant::now();
-        in_flight.retain(|(_, arrives, _)| *arrives > now);
+        for (index, worker) in self.fleet.workers().iter().enumerate() {
+            let tags: Vec<u64> = in_flight
+                .iter()
+                .filter(|sent| sent.worker == index)
+                .map(|sent| sent.tag)
+                .collect();
+            let arrived = worker.take_arrived(&tags);
+            in_flight.retain(|sent| {
+                !(sent.worker == index && arrived.contains(&sent.tag))
+                    && now.duration_since(sent.at) < FORGET_AFTER
+            });
+        }
+        let tag = *next_tag;
         let (index, choice) = self
             .fleet
             .workers()
@@ -70,8 +94,8 @@ impl Oracle {
             .flat_map(|(index, worker)| {
                 let sent: Vec<&[u32]> = in_flight
                     .iter()
-                    .filter(|(to, _, _)| *to == index)
-                    .map(|(_, _, tokens)| tokens.as_slice())
+                    .filter(|sent| sent.worker == index)
+                    .map(|sent| sent.tokens.as_slice())
                     .collect();
                 let addr = worker.addr();
                 worker.outlook(&tokens, &sent).into_iter().map(move |rank| {
@@ -79,6 +103,7 @@ impl Oracle {
                         index,
                         Choice {
                             worker: addr,
+                            tag,
                             cached_tokens: rank.cached_tokens,
                             predicted_ttft: rank.predicted_ttft,
                         },
@@ -90,12 +115,13 @@ impl Oracle {
                     .total_cmp(&b.predicted_ttft)
                     .then(b.cached_tokens.cmp(&a.cached_tokens))
             })?;
-        let arrives = self
-            .fleet
-            .worker(index)
-            .map_or(Duration::ZERO, |worker| worker.front_delay())
-            + SEND_MARGIN;
-        in_flight.push((index, now + arrives, tokens));
+        *next_tag = next_tag.wrapping_add(1);
+        in_flight.push(Sent {
+            worker: index,
+            tag,
+            at: now,
+            tokens,
+        });
         Some(choice)
     }
 }

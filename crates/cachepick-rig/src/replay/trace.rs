@@ -287,8 +287,8 @@ pub fn ideal_hit_rate(items: &[Item]) -> f64 {
             covered += tokens;
         }
         // At least one token is computed.
-        if prefix && input > 0 {
-            hit -= 1;
+        if prefix && covered > 0 {
+            hit = hit.saturating_sub(1);
         }
         seen.extend(item.hash_ids.iter().copied());
         total += input;
@@ -394,6 +394,8 @@ mod tests {
         let items = [item(&[1, 2], 1024), item(&[9, 2], 1024)];
         assert_eq!(ideal_hit_rate(&items), 0.0);
         assert_eq!(ideal_hit_rate(&[]), 0.0);
+        // A line without ids (the parser takes it) hits nothing.
+        assert_eq!(ideal_hit_rate(&[item(&[], 10), item(&[], 10)]), 0.0);
     }
 
     #[test]

@@ -374,7 +374,7 @@ pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, inde
                 }
             }
         }
-        rank.publish_events();
+        rank.flush_events();
         drop(rank);
     }
 }

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use cachepick_tokenizer::{ChatTurn, Tokenizer};
 
 use super::engine::{Progress, Submitted};
-use super::{Body, Incarnation, Rank, Shared, error, json, lock, sleep_unpaused};
+use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, sleep_unpaused};
 use crate::config::Timing;
 use crate::model::{Refusal, RequestId};
 use crate::timing;
@@ -52,6 +52,7 @@ pub(super) async fn generate(
     incarnation: Arc<Incarnation>,
     api: Api,
     body: Bytes,
+    mut arrival: Arrival,
 ) -> Response<Body> {
     let request = match read(&shared, api, &body) {
         Ok(request) => request,
@@ -103,6 +104,7 @@ pub(super) async fn generate(
         };
         let submitted = rank.engine.submit(id, &prompt, output, received);
         rank.publish_events();
+        arrival.arrived();
         let submitted = match submitted {
             Ok(submitted) => submitted,
             Err(refusal) => return refused(refusal),

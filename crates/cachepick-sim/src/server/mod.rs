@@ -64,6 +64,32 @@ type Body = BoxBody<Bytes, Infallible>;
 /// Request bodies larger than this are refused with 413 before they are parsed.
 const MAX_REQUEST_BYTES: usize = 64 << 20;
 
+/// The header a request's sender may tag it with, so the sender can later ask the worker whether the
+/// request has reached a rank's queue ([`Worker::take_arrived`]): the replay's oracle uses it to know
+/// which of its dispatches it still has to count as in flight.
+pub const DISPATCH_TAG: &str = "x-sim-dispatch-tag";
+
+/// A tagged request on its way to a rank: marked arrived once it is queued, refused or failed (on
+/// drop at the latest), so its sender stops counting it as in flight.
+pub(super) struct Arrival {
+    shared: Arc<Shared>,
+    tag: Option<u64>,
+}
+
+impl Arrival {
+    pub(super) fn arrived(&mut self) {
+        if let Some(tag) = self.tag.take() {
+            lock(&self.shared.arrived).insert(tag);
+        }
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        self.arrived();
+    }
+}
+
 /// What a worker is and serves; fixed for its life.
 #[derive(Clone)]
 pub struct WorkerSpec {
@@ -103,9 +129,18 @@ struct Rank {
 }
 
 impl Rank {
-    /// Publishes what the last model call changed in the cache as one batch (nothing when it changed
-    /// nothing). Called under the rank's lock right after every model call that can change the cache.
+    /// Publishes what the last slots-model call changed in the cache as one batch (nothing when it
+    /// changed nothing). Called under the rank's lock right after every model call that can change the
+    /// cache. A step model's changes wait for its step to end ([`Rank::flush_events`]).
     fn publish_events(&mut self) {
+        if matches!(self.engine, RankEngine::Slots { .. }) {
+            self.flush_events();
+        }
+    }
+
+    /// Publishes every cache change recorded so far as one batch: the step model's engine loop at the
+    /// end of each step, and a prefix-cache reset.
+    fn flush_events(&mut self) {
         if let Some(stream) = &mut self.events {
             let events = self.engine.take_events();
             if !events.is_empty() {
@@ -230,6 +265,8 @@ struct Shared {
     kv_publisher: Option<Arc<PublisherSpec>>,
     /// The last run's start time, so a restart's is always later even if the clock steps back.
     last_start: Mutex<f64>,
+    /// Tags of tagged requests that have reached a rank (or ended) and that their sender has not taken.
+    arrived: Mutex<std::collections::HashSet<u64>>,
 }
 
 /// A simulated worker. Dropping it stops its server.
@@ -288,6 +325,7 @@ impl Worker {
             kv_events,
             kv_publisher,
             last_start: Mutex::new(0.0),
+            arrived: Mutex::new(std::collections::HashSet::new()),
             spec,
         });
         launch(&shared, listener, kv_listeners);
@@ -356,12 +394,14 @@ impl Worker {
 }
 
 impl Worker {
-    /// Wall time from sending a request to its arrival in a rank's queue: the API server's front, as
-    /// the model sets it now.
-    pub fn front_delay(&self) -> Duration {
-        let params = self.shared.params.load();
-        Duration::try_from_secs_f64(params.profile.front * params.time_scale)
-            .unwrap_or(Duration::ZERO)
+    /// Of `tags` (sent in [`DISPATCH_TAG`]), those whose requests have reached a rank's queue or
+    /// ended; they are forgotten as they are returned.
+    pub fn take_arrived(&self, tags: &[u64]) -> Vec<u64> {
+        let mut arrived = lock(&self.shared.arrived);
+        tags.iter()
+            .copied()
+            .filter(|tag| arrived.remove(tag))
+            .collect()
     }
 }
 
@@ -710,8 +750,18 @@ async fn route(
     match (request.method(), path.as_str()) {
         (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/generate") => {
             let api = Api::from_path(&path).unwrap_or(Api::Chat);
+            let tag = request
+                .headers()
+                .get(DISPATCH_TAG)
+                .and_then(|value| value.to_str().ok()?.parse().ok());
             match read_body(request).await {
-                Ok(body) => generate(shared, incarnation, api, body).await,
+                Ok(body) => {
+                    let arrival = Arrival {
+                        shared: Arc::clone(&shared),
+                        tag,
+                    };
+                    generate(Arc::clone(&shared), incarnation, api, body, arrival).await
+                }
                 Err(response) => response,
             }
         }
@@ -767,7 +817,7 @@ fn reset_prefix_cache(incarnation: &Incarnation) -> Response<Body> {
         if !rank.engine.reset_prefix_cache() {
             busy.push(index);
         }
-        rank.publish_events();
+        rank.flush_events();
     }
     if busy.is_empty() {
         text(StatusCode::OK, String::new())

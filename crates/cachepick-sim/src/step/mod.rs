@@ -41,7 +41,7 @@ use crate::stats::{RankCounters, RankStats};
 
 pub use profile::{Profile, StepWork};
 
-use pool::{BlockPool, Holder, len_u64};
+use pool::{BlockPool, Hold, Holder, len_u64};
 
 /// SGLang's `schedule_policy`: the order in which waiting requests are considered.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -96,8 +96,8 @@ struct Seq {
     /// Tokens whose KV exists (vLLM's `num_computed_tokens`).
     computed: u64,
     generated: u32,
-    /// Blocks it holds; the first `min(held, hashes.len())` are its prompt's cached blocks.
-    held: u64,
+    /// The blocks it holds.
+    hold: Hold,
     /// Tokens the cache held at its first admission: the `cached_tokens` of its usage.
     cached: Option<u32>,
 }
@@ -122,7 +122,7 @@ impl Seq {
         Holder {
             hashes: &self.hashes,
             tokens: &self.tokens,
-            held: self.held,
+            hold: self.hold,
         }
     }
 }
@@ -229,9 +229,16 @@ impl StepRank {
             return Err(self.refuse(Refusal::DuplicateId { id }));
         }
         let prompt_len = len_u64(prompt.len());
-        let needed_blocks = self
-            .pool
-            .blocks_for(prompt_len.saturating_add(u64::from(max_tokens)));
+        let output = u64::from(max_tokens);
+        let needed_blocks = match self.limits.engine {
+            Engine::Vllm => self.pool.blocks_for(prompt_len.saturating_add(output)),
+            // SGLang admits only what its prompt and clipped output leave room beside, even alone.
+            Engine::Sglang => self.pool.blocks_for(
+                prompt_len
+                    .saturating_add(output.min(SGLANG_CLIP_MAX_NEW_TOKENS))
+                    .saturating_add(1),
+            ),
+        };
         if needed_blocks > self.pool.capacity() {
             return Err(self.refuse(Refusal::TooLong {
                 needed_blocks,
@@ -261,7 +268,7 @@ impl StepRank {
                 tokens,
                 computed: 0,
                 generated: 0,
-                held: 0,
+                hold: Hold::default(),
                 cached: None,
             },
         );
@@ -277,12 +284,9 @@ impl StepRank {
         };
         self.running.retain(|other| *other != id);
         self.waiting.retain(|other| *other != id);
-        self.pool.release(&seq.hashes, seq.held);
+        self.pool.release(&seq.hashes, seq.hold);
+        // Its tokens were counted as each step produced them.
         self.counters.aborted = self.counters.aborted.saturating_add(1);
-        self.counters.generation_tokens = self
-            .counters
-            .generation_tokens
-            .saturating_add(u64::from(seq.generated));
         true
     }
 
@@ -325,7 +329,7 @@ impl StepRank {
                 && let Some(seq) = self.seqs.remove(id)
             {
                 self.running.retain(|other| other != id);
-                self.pool.release(&seq.hashes, seq.held);
+                self.pool.release(&seq.hashes, seq.hold);
                 self.counters.finished_length = self.counters.finished_length.saturating_add(1);
             }
         }
@@ -344,7 +348,7 @@ impl StepRank {
 
     /// Drops every cached block, only while no request holds blocks; returns whether it did.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        !self.seqs.values().any(|seq| seq.held > 0) && self.pool.reset()
+        !self.seqs.values().any(|seq| seq.hold.blocks > 0) && self.pool.reset()
     }
 
     /// Whether a step could be formed now (something runs, or waits and might start).

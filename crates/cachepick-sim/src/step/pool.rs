@@ -5,7 +5,10 @@
 //! As in vLLM's block pool, a cached block nobody pins counts as free: an allocation takes truly free
 //! blocks first and evicts the least recently released cached ones for the rest. A request holds its
 //! blocks in sequence order, so the cached (hashed) ones are always a prefix of what it holds: the
-//! prompt's full blocks, then the anonymous rest.
+//! prompt's blocks that are fully computed, then the anonymous rest (a block its chunk only began, its
+//! prompt's partial last block, its output blocks). As in vLLM, a block is cached once the chunk that
+//! fills it is scheduled, never before: a prefill cut short by an abort or a preemption leaves no
+//! half-computed block for another request to hit.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -14,14 +17,22 @@ use hashlink::LinkedHashSet;
 
 use crate::model::CacheEvent;
 
+/// The blocks one request holds: `blocks` in all, of which the first `cached` are its prompt's cached
+/// blocks (`hashes[..cached]`) and the rest anonymous.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Hold {
+    pub blocks: u64,
+    pub cached: u64,
+}
+
 /// What an allocation for one request needs to know of it.
 pub(crate) struct Holder<'a> {
     /// The chained hashes of the prompt's full blocks.
     pub hashes: &'a [u64],
     /// The tokens of those blocks, when events are recorded (empty otherwise).
     pub tokens: &'a [u32],
-    /// Blocks it holds now (the first `min(held, hashes.len())` are cached ones).
-    pub held: u64,
+    /// What it holds now.
+    pub hold: Hold,
 }
 
 #[derive(Debug)]
@@ -102,45 +113,65 @@ impl BlockPool {
         )
     }
 
-    /// Makes `holder` hold enough blocks for `tokens` tokens: the missing ones, cached blocks pinned
-    /// where they exist (another request may have just computed them), new ones taken from the free
-    /// space, evicting for the rest. All or nothing: false, and nothing changed, when they do not fit.
-    /// Returns the blocks it holds afterwards.
-    pub fn grow(&mut self, holder: &Holder<'_>, tokens: u64) -> Option<u64> {
-        let want = self.blocks_for(tokens);
-        if want <= holder.held {
-            return Some(holder.held);
+    /// Makes `holder` hold enough blocks for `tokens` computed tokens: the blocks those tokens fill are
+    /// cached (pinned where another request already cached them, inserted otherwise, an anonymous
+    /// block it filled turned into a cached one), the block they only begin and any beyond the
+    /// prompt's full blocks anonymous; new blocks come from the free space, evicting for the rest. All
+    /// or nothing: `None`, and nothing changed, when they do not fit. Returns what it holds afterwards.
+    pub fn grow(&mut self, holder: &Holder<'_>, tokens: u64) -> Option<Hold> {
+        let Hold {
+            blocks: held,
+            cached,
+        } = holder.hold;
+        let want = self.blocks_for(tokens).max(held);
+        let full = (tokens / self.block_size())
+            .min(len_u64(holder.hashes.len()))
+            .max(cached);
+        if want == held && full == cached {
+            return Some(holder.hold);
         }
-        let cached = len_u64(holder.hashes.len());
-        let first = usize::try_from(holder.held.min(cached)).unwrap_or(usize::MAX);
-        let last = usize::try_from(want.min(cached)).unwrap_or(usize::MAX);
-        let new_hashed = holder.hashes.get(first..last).unwrap_or_default();
-        let anonymous = want.saturating_sub(cached.max(holder.held));
-        // Of the hashed blocks, the ones already cached are pinned, not allocated; pinning one the
-        // LRU holds takes it out of what eviction may reclaim.
+        let start = usize::try_from(cached).unwrap_or(usize::MAX);
+        let end = usize::try_from(full).unwrap_or(usize::MAX);
+        let newly_cached = holder.hashes.get(start..end).unwrap_or_default();
+        // Each newly cached block is either one it held anonymously (turned, below `held`) or a new one.
         let mut fresh = 0u64;
+        let mut freed = 0u64;
         let mut from_lru = 0u64;
-        for hash in new_hashed {
+        for (offset, hash) in newly_cached.iter().enumerate() {
+            let turned = len_u64(start.saturating_add(offset)) < held;
             match self.refs.get(hash) {
-                Some(0) => from_lru += 1,
-                Some(_) => {}
-                None => fresh += 1,
+                // Someone cached it meanwhile: pin theirs, and an anonymous copy of it is freed.
+                Some(count) => {
+                    from_lru += u64::from(*count == 0);
+                    freed += u64::from(turned);
+                }
+                None => fresh += u64::from(!turned),
             }
         }
+        let anonymous = want.saturating_sub(held.max(full));
         let needed = fresh.saturating_add(anonymous);
         let reclaimable = len_u64(self.lru.len()).saturating_sub(from_lru);
-        if self.used().saturating_add(needed) > self.capacity.saturating_add(reclaimable) {
+        if self.used().saturating_add(needed)
+            > self
+                .capacity
+                .saturating_add(reclaimable)
+                .saturating_add(freed)
+        {
             return None;
         }
         let mut inserted = Vec::new();
-        for (offset, hash) in new_hashed.iter().enumerate() {
+        for (offset, hash) in newly_cached.iter().enumerate() {
+            let index = start.saturating_add(offset);
             if let Some(count) = self.refs.get_mut(hash) {
                 if *count == 0 {
                     self.lru.remove(hash);
                 }
                 *count = count.saturating_add(1);
+                if len_u64(index) < held {
+                    self.anonymous = self.anonymous.saturating_sub(1);
+                }
             } else {
-                inserted.push(first.saturating_add(offset));
+                inserted.push(index);
             }
         }
         while self.used().saturating_add(needed) > self.capacity && self.evict_one() {}
@@ -153,19 +184,28 @@ impl BlockPool {
             let count = self.refs.entry(*hash).or_insert(0);
             if *count == 0 {
                 stored.push(index);
+                if len_u64(index) < held {
+                    // The anonymous block it filled is the cached one now.
+                    self.anonymous = self.anonymous.saturating_sub(1);
+                }
+            } else if len_u64(index) < held {
+                self.anonymous = self.anonymous.saturating_sub(1);
             }
             *count = count.saturating_add(1);
         }
         self.anonymous = self.anonymous.saturating_add(anonymous);
         self.record_stored(holder, &stored);
-        Some(want)
+        Some(Hold {
+            blocks: want,
+            cached: full,
+        })
     }
 
-    /// Releases every block `holder` holds: cached ones tail first (so a prompt's tail is evicted
+    /// Releases every block a request holds: cached ones tail first (so a prompt's tail is evicted
     /// before its head), anonymous ones freed.
-    pub fn release(&mut self, hashes: &[u64], held: u64) {
-        let cached = usize::try_from(held.min(len_u64(hashes.len()))).unwrap_or(usize::MAX);
-        for hash in hashes.get(..cached).unwrap_or_default().iter().rev() {
+    pub fn release(&mut self, hashes: &[u64], hold: Hold) {
+        let cached = usize::try_from(hold.cached).unwrap_or(usize::MAX);
+        for hash in hashes.get(..cached).unwrap_or(hashes).iter().rev() {
             if let Some(count) = self.refs.get_mut(hash) {
                 *count = count.saturating_sub(1);
                 if *count == 0 {
@@ -173,8 +213,9 @@ impl BlockPool {
                 }
             }
         }
-        let anonymous = held.saturating_sub(len_u64(cached));
-        self.anonymous = self.anonymous.saturating_sub(anonymous);
+        self.anonymous = self
+            .anonymous
+            .saturating_sub(hold.blocks.saturating_sub(hold.cached));
         self.trim();
     }
 

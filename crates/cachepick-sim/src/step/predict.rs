@@ -1,7 +1,7 @@
 //! What the model predicts a new request's time to first token would be on a rank, from the rank's true
 //! state: the routing limit's (`cachepick replay`'s oracle arm) view, which no router in front of a real
 //! engine has. It is the step model run forward without new arrivals: the prefill work already ahead (the
-//! waiting requests' uncached tokens, in their order, then the prefills under way) and then this request's
+//! prefills under way, then the waiting requests' uncached tokens in their order) and then this request's
 //! uncached tokens go through the token budget step by step, beside the decodes running (each a token per
 //! step in vLLM; none in SGLang's prefill steps), each step priced by the profile. A prompt whose KV
 //! does not fit after the work ahead waits for running requests to finish: it is charged their longest

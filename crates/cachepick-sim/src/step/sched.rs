@@ -1,9 +1,10 @@
 //! The two engines' step schedulers over a [`StepRank`]. Each forms one [`Step`]: the tokens every
 //! scheduled request computes, the requests it admitted and the work's shape for the profile.
 
+use crate::config::Engine;
 use crate::model::RequestId;
 
-use super::pool::len_u64;
+use super::pool::{Hold, len_u64};
 use super::{
     LPM_MAX_WAITING, SGLANG_CLIP_MAX_NEW_TOKENS, SGLANG_INIT_NEW_TOKEN_RATIO,
     SGLANG_MIN_NEW_TOKEN_RATIO, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS, SGLANG_RETRACT_DECODE_STEPS,
@@ -31,9 +32,9 @@ pub(super) fn vllm(rank: &mut StepRank) -> Step {
             let Some(seq) = rank.seqs.get(&id) else {
                 break 'running;
             };
-            if let Some(held) = rank.pool.grow(&seq.holder(), target) {
+            if let Some(hold) = rank.pool.grow(&seq.holder(), target) {
                 if let Some(seq) = rank.seqs.get_mut(&id) {
-                    seq.held = held;
+                    seq.hold = hold;
                     record(&mut step, id, seq, tokens);
                 }
                 break;
@@ -73,13 +74,22 @@ pub(super) fn vllm(rank: &mut StepRank) -> Step {
     step
 }
 
-/// SGLang's `get_next_batch_to_run`: a prefill batch when one can be formed, else the decode batch.
+/// SGLang's `get_next_batch_to_run`: a prefill batch when one can be formed, else the decode batch; a
+/// decode that retracted every decoder leaves room a prefill can use at once.
 pub(super) fn sglang(rank: &mut StepRank) -> Step {
+    if rank.running.is_empty() {
+        // Idle, SGLang's scheduler resets its estimate (`self_check_during_idle`).
+        rank.sglang.new_token_ratio = SGLANG_INIT_NEW_TOKEN_RATIO;
+    }
     let step = sglang_prefill(rank);
     if !step.is_empty() {
         return step;
     }
-    sglang_decode(rank)
+    let (step, retracted) = sglang_decode(rank);
+    if step.is_empty() && retracted {
+        return sglang_prefill(rank);
+    }
+    step
 }
 
 /// The chunked request continued, then waiting requests (in `fcfs` or `lpm` order) while the chunk
@@ -89,11 +99,13 @@ fn sglang_prefill(rank: &mut StepRank) -> Step {
     let block = rank.pool.block_size();
     let mut chunk = u64::from(rank.limits.batch_tokens.get());
     let mut input = u64::from(rank.limits.max_prefill_tokens.get());
-    // What the running requests are assumed to still need, scaled by the ratio (`PrefillAdder`).
+    // What the decode batch is assumed to still need, scaled by the ratio (`PrefillAdder`); the chunked
+    // request is charged below, as `add_chunked_req` charges it.
     let reserved: f64 = rank
         .running
         .iter()
         .filter_map(|id| rank.seqs.get(id))
+        .filter(|seq| seq.decoding())
         .map(|seq| {
             let left = u64::from(seq.max_tokens.saturating_sub(seq.generated));
             left.min(SGLANG_CLIP_MAX_NEW_TOKENS) as f64 * rank.sglang.new_token_ratio
@@ -118,16 +130,23 @@ fn sglang_prefill(rank: &mut StepRank) -> Step {
         if tokens == 0 {
             break;
         }
-        let Some(held) = rank
+        let Some(hold) = rank
             .pool
             .grow(&seq.holder(), seq.computed.saturating_add(tokens))
         else {
             break;
         };
+        let mut future = 0;
         if let Some(seq) = rank.seqs.get_mut(&id) {
-            seq.held = held;
+            seq.hold = hold;
             record(&mut step, id, seq, tokens);
+            // Its output counts only once this chunk finishes its prompt.
+            if tokens == seq.pending() {
+                future = u64::from(seq.max_tokens.saturating_sub(seq.generated))
+                    .min(SGLANG_CLIP_MAX_NEW_TOKENS);
+            }
         }
+        total -= tokens.saturating_add(future) as f64;
         chunk = chunk.saturating_sub(tokens);
         input = input.saturating_sub(tokens);
         new_tokens = new_tokens.saturating_add(tokens);
@@ -190,8 +209,9 @@ fn sglang_order(rank: &StepRank) -> Vec<RequestId> {
 }
 
 /// Every decoding request takes one token; when their KV does not fit, the request with the fewest
-/// outputs (the longest input among those) is retracted to the queue until it does.
-fn sglang_decode(rank: &mut StepRank) -> Step {
+/// outputs (the longest input among those) is retracted to the queue until it does. Returns the step
+/// and whether anything was retracted.
+fn sglang_decode(rank: &mut StepRank) -> (Step, bool) {
     let mut step = Step::default();
     let mut retracted = false;
     loop {
@@ -203,7 +223,7 @@ fn sglang_decode(rank: &mut StepRank) -> Step {
             .map(|seq| {
                 rank.pool
                     .blocks_for(seq.computed.saturating_add(1))
-                    .saturating_sub(seq.held)
+                    .saturating_sub(seq.hold.blocks)
             })
             .sum();
         if needed <= rank.pool.free() {
@@ -233,14 +253,14 @@ fn sglang_decode(rank: &mut StepRank) -> Step {
         let Some(seq) = rank.seqs.get(&id) else {
             continue;
         };
-        let Some(held) = rank
+        let Some(hold) = rank
             .pool
             .grow(&seq.holder(), seq.computed.saturating_add(1))
         else {
             continue;
         };
         if let Some(seq) = rank.seqs.get_mut(&id) {
-            seq.held = held;
+            seq.hold = hold;
             record(&mut step, id, seq, 1);
         }
     }
@@ -264,7 +284,7 @@ fn sglang_decode(rank: &mut StepRank) -> Step {
             / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS;
         *ratio = (*ratio - decay).max(SGLANG_MIN_NEW_TOKEN_RATIO);
     }
-    step
+    (step, retracted)
 }
 
 /// A request's first chunk started.
@@ -284,12 +304,12 @@ fn admit(rank: &mut StepRank, id: RequestId, budget: u64) -> Option<Admitted> {
     let cached = hit(rank, seq);
     let tokens = seq.num_tokens().saturating_sub(cached).min(budget);
     let holder = super::Holder {
-        held: 0,
+        hold: Hold::default(),
         ..seq.holder()
     };
-    let held = rank.pool.grow(&holder, cached.saturating_add(tokens))?;
+    let hold = rank.pool.grow(&holder, cached.saturating_add(tokens))?;
     let seq = rank.seqs.get_mut(&id)?;
-    seq.held = held;
+    seq.hold = hold;
     seq.computed = cached;
     let first_lookup = if seq.cached.is_none() {
         let cached = u32::try_from(cached).unwrap_or(u32::MAX);
@@ -320,15 +340,19 @@ fn hit(rank: &StepRank, seq: &Seq) -> u64 {
 }
 
 /// Recompute preemption (vLLM) or retraction (SGLang): the request loses its KV, keeps its outputs,
-/// and waits at the front of the queue to compute them again.
+/// and waits to compute them again — at the front of the queue in vLLM (`prepend_request`), at its back
+/// in SGLang (`_add_request_to_queue`).
 fn preempt(rank: &mut StepRank, id: RequestId) {
     let Some(seq) = rank.seqs.get_mut(&id) else {
         return;
     };
-    rank.pool.release(&seq.hashes, seq.held);
-    seq.held = 0;
+    rank.pool.release(&seq.hashes, seq.hold);
+    seq.hold = Hold::default();
     seq.computed = 0;
-    rank.waiting.push_front(id);
+    match rank.limits.engine {
+        Engine::Vllm => rank.waiting.push_front(id),
+        Engine::Sglang => rank.waiting.push_back(id),
+    }
     rank.counters.preemptions = rank.counters.preemptions.saturating_add(1);
 }
 

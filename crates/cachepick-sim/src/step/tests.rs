@@ -6,6 +6,7 @@ use std::num::NonZeroU32;
 
 use proptest::prelude::*;
 
+use super::pool::Hold;
 use super::*;
 use crate::config::{SimParams, sglang_max_running};
 
@@ -123,12 +124,8 @@ fn drive(rank: &mut StepRank, profile: &Profile, mut arrivals: Vec<Arrival>) -> 
 /// The invariants that hold after every step.
 fn check(rank: &StepRank) {
     rank.pool.check();
-    let held: u64 = rank.seqs.values().map(|seq| seq.held).sum();
-    let cached_held: u64 = rank
-        .seqs
-        .values()
-        .map(|seq| seq.held.min(seq.hashes.len() as u64))
-        .sum();
+    let held: u64 = rank.seqs.values().map(|seq| seq.hold.blocks).sum();
+    let cached_held: u64 = rank.seqs.values().map(|seq| seq.hold.cached).sum();
     assert_eq!(
         rank.pool.pins(),
         cached_held,
@@ -139,12 +136,21 @@ fn check(rank: &StepRank) {
     assert_eq!(rank.pool.pinned() + rank.pool.free(), rank.pool.capacity());
     assert!(rank.running.len() <= rank.limits.max_running.get() as usize);
     for id in rank.waiting.iter() {
-        assert_eq!(rank.seqs[id].held, 0, "a waiting request holds no blocks");
+        assert_eq!(
+            rank.seqs[id].hold.blocks, 0,
+            "a waiting request holds no blocks"
+        );
         assert!(!rank.running.contains(id));
     }
     for seq in rank.seqs.values() {
         assert!(seq.computed <= seq.num_tokens());
-        assert!(seq.computed <= seq.held * 16);
+        assert!(seq.computed <= seq.hold.blocks * 16);
+        assert!(seq.hold.cached <= seq.hold.blocks.min(seq.hashes.len() as u64));
+        // Only fully computed blocks are cached (checked between steps, when every chunk is applied).
+        assert!(
+            seq.hold.cached * 16 <= seq.computed,
+            "a half-computed block is cached"
+        );
     }
 }
 
@@ -437,7 +443,7 @@ fn vllm_preempts_the_newest_request_when_decode_runs_out_of_blocks() {
             preempted_at = Some(step_index);
             // The newest was preempted, to the front of the queue, holding nothing.
             assert_eq!(rank.waiting.front(), Some(&2));
-            assert_eq!(rank.seqs[&2].held, 0);
+            assert_eq!(rank.seqs[&2].hold.blocks, 0);
             assert_eq!(rank.seqs[&2].computed, 0);
             assert!(rank.seqs[&2].generated > 0, "it keeps its outputs");
         }
@@ -732,6 +738,126 @@ fn the_prediction_follows_the_work_ahead_and_the_cache() {
         0.25,
     );
     assert!(after < alone + 0.1, "{after} against {alone}");
+}
+
+#[test]
+fn a_block_is_cached_only_once_its_chunk_fills_it() {
+    let profile = h100();
+    let params = SimParams {
+        batch_tokens: nz(24),
+        ..SimParams::step(Engine::Vllm, &profile)
+    };
+    let mut rank = StepRank::new(0, limits(Engine::Vllm, &params));
+    rank.record_events(true);
+    let prompt = tokens(0, 48);
+    rank.submit(1, &prompt, 4).unwrap();
+    // 24 tokens: the first block full, the second half done and not cached.
+    let step = rank.schedule();
+    rank.complete(&step, 0.01);
+    assert_eq!(
+        rank.seqs[&1].hold,
+        Hold {
+            blocks: 2,
+            cached: 1
+        }
+    );
+    let stored: usize = rank
+        .take_events()
+        .iter()
+        .map(|event| match event {
+            CacheEvent::Stored { hashes, .. } => hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(stored, 1);
+    // Cut short by its client: another request with the same prompt finds the one full block.
+    assert!(rank.abort(1));
+    check(&rank);
+    assert_eq!(rank.cached_tokens(&prompt), 16);
+    // Run to the end, the first request's blocks fill as its chunks do.
+    rank.submit(2, &prompt, 4).unwrap();
+    let step = rank.schedule();
+    assert_eq!(step.admitted, vec![(2, 16)]);
+    rank.complete(&step, 0.01);
+    assert_eq!(
+        rank.seqs[&2].hold,
+        Hold {
+            blocks: 3,
+            cached: 2
+        }
+    );
+    drive(&mut rank, &profile, Vec::new());
+    // A 48-token prompt's hit stops one block short of its end (its last token is computed).
+    assert_eq!(rank.cached_tokens(&prompt), 32);
+}
+
+#[test]
+fn an_abort_counts_the_tokens_produced_once() {
+    let profile = h100();
+    let mut rank = rank_on(Engine::Vllm, &profile);
+    rank.submit(1, &tokens(0, 100), 50).unwrap();
+    for _ in 0..5 {
+        let step = rank.schedule();
+        rank.complete(&step, 0.01);
+    }
+    assert_eq!(rank.counters.generation_tokens, 5);
+    assert!(rank.abort(1));
+    assert_eq!(rank.counters.generation_tokens, 5);
+}
+
+#[test]
+fn sglang_retracts_to_the_back_of_the_queue_and_resets_its_ratio_when_idle() {
+    let profile = h100();
+    let params = SimParams {
+        kv_blocks: nz(64),
+        ..SimParams::step(Engine::Sglang, &profile)
+    };
+    let mut rank = StepRank::new(0, limits(Engine::Sglang, &params));
+    for id in 0..4 {
+        rank.submit(id, &tokens(id as u32 * 1000, 16), 400).unwrap();
+    }
+    let mut retracted = None;
+    let mut lowest = SGLANG_INIT_NEW_TOKEN_RATIO;
+    for _ in 0..2000 {
+        let before = rank.counters.preemptions;
+        let step = rank.schedule();
+        lowest = lowest.min(rank.sglang.new_token_ratio);
+        if rank.counters.preemptions > before && retracted.is_none() {
+            let back = *rank.waiting.back().unwrap();
+            assert!(
+                rank.seqs[&back].generated > 0,
+                "the retracted one is last in line"
+            );
+            retracted = Some(back);
+        }
+        if step.is_empty() {
+            break;
+        }
+        rank.complete(&step, 0.01);
+    }
+    assert!(retracted.is_some());
+    assert_eq!(rank.counters.finished_length, 4);
+    // Its estimate decayed while it decoded, and is back where it starts once the rank is idle.
+    assert!(lowest < SGLANG_INIT_NEW_TOKEN_RATIO, "{lowest}");
+    assert_eq!(rank.sglang.new_token_ratio, SGLANG_INIT_NEW_TOKEN_RATIO);
+}
+
+#[test]
+fn sglang_refuses_what_its_reservation_could_never_admit() {
+    let profile = h100();
+    let params = SimParams {
+        kv_blocks: nz(10),
+        ..SimParams::step(Engine::Sglang, &profile)
+    };
+    let mut rank = StepRank::new(0, limits(Engine::Sglang, &params));
+    // 160 tokens of KV: 96 prompt + 64 output would fill it exactly, which the reservation refuses.
+    assert!(matches!(
+        rank.submit(1, &tokens(0, 96), 64),
+        Err(Refusal::TooLong { .. })
+    ));
+    rank.submit(2, &tokens(0, 96), 63).unwrap();
+    drive(&mut rank, &profile, Vec::new());
+    assert_eq!(rank.counters.finished_length, 1);
 }
 
 proptest! {
