@@ -199,6 +199,42 @@ fn a_tiny_burst_replays_through_envoy() {
     svg(&out.join("burst_timeline.svg"));
 }
 
+/// The prefill-heavy agents scenario, shortened: sessions whose long system prompts and growing
+/// histories the cache-aware rows keep hitting, far beyond round robin, with the oracle beside them.
+#[test]
+fn a_short_agents_replay_keeps_its_long_prefixes_cached() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let (stdout, _) = replay(&[
+        "--scenario",
+        "agents",
+        "--duration-scale",
+        "0.05",
+        "--policies",
+        "round_robin,gate_floor",
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert!(stdout.contains("| oracle |"), "{stdout}");
+    let report = report(&out);
+    assert_eq!(report["scenario"], "agents");
+    let ideal = report["ideal_hit_rate"].as_f64().expect("ideal");
+    assert!(ideal > 0.6, "{report}");
+    let arms = report["policies"].as_array().expect("arms");
+    let hit = |name: &str| {
+        let arm = arms.iter().find(|arm| arm["arm"] == name).expect(name);
+        assert_eq!(arm["ok"], arm["requests"], "{arm}");
+        // Prompts of thousands of tokens: long prompts in every row.
+        assert!(arm["prompt_tokens"].as_u64().unwrap() > 3_000 * 5, "{arm}");
+        arm["hit_rate"].as_f64().expect("hit rate")
+    };
+    let (rr, cachepick, oracle) = (hit("round_robin"), hit("gate_floor"), hit("oracle"));
+    assert!(
+        cachepick > rr && oracle > rr && cachepick <= ideal,
+        "round robin {rr}, gate_floor {cachepick}, oracle {oracle}, ideal {ideal}"
+    );
+}
+
 /// Two picker replicas behind one real Envoy, both index modes, and a worker crash: Envoy round-robins
 /// the requests' ext_proc streams over the replicas (each replica's `/metrics` counts its decisions),
 /// both index modes run (the events arm on the simulator's KV event streams), and the fault arm's

@@ -5,10 +5,10 @@
 //! # Layout
 //! - [`config`], [`decode`]: the simulator's own file (`cachepick sim --config`) and `/admin/config`
 //!   changes, decoded with the shared walker (`cachepick-decode`).
-//! - [`model`]: one data-parallel rank's KV block cache (chained block hashes, LRU of unreferenced
-//!   blocks, pinned blocks of running requests) and its scheduler (at most `max_running` running, FIFO
-//!   queue), and the cache events an engine would publish for it. Pure and synchronous: no clock, no
-//!   I/O.
+//! - [`cache`]: one data-parallel rank's KV block cache, the same under both timing models (chained
+//!   block hashes, LRU of unreferenced blocks, pinned and anonymous blocks of running requests), and
+//!   the cache events an engine would publish for it. Pure and synchronous: no clock, no I/O.
+//! - [`model`]: the slots model's rank: the cache with at most `max_running` running and a FIFO queue.
 //! - [`step`]: the step model, the default timing: per rank one engine loop whose steps share one
 //!   token budget (vLLM V1's and SGLang's schedulers), each step priced by a calibrated GPU profile,
 //!   KV blocks allocated per chunk with preemption, and the oracle's TTFT prediction. Pure.
@@ -31,6 +31,7 @@
 //! with (`cachepick-decode`); and it tokenizes the whole rendered prompt at once, as engines do, not
 //! segment by segment as the picker does.
 
+pub mod cache;
 pub mod config;
 pub mod decode;
 pub mod expo;

@@ -4,8 +4,8 @@
 
 use rmpv::Value;
 
+use crate::cache::CacheEvent;
 use crate::config::KvEventsFormat;
-use crate::model::CacheEvent;
 
 /// `medium` of every event: the simulator has no offload tiers.
 const MEDIUM: &str = "GPU";

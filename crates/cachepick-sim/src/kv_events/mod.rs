@@ -22,7 +22,7 @@
 //!   block_size, nil (lora_id), "GPU"]`, `["BlockRemoved", [hash i64, ...], "GPU"]`,
 //!   `["AllBlocksCleared"]`.
 //!
-//! The hashes are the simulator's own chained FNV-1a block hashes ([`crate::model::block_hashes`]):
+//! The hashes are the simulator's own chained FNV-1a block hashes ([`crate::cache::block_hashes`]):
 //! an engine's hashes are opaque to a subscriber too, which must key blocks by their tokens.
 //!
 //! # Replay

@@ -15,8 +15,8 @@ use zeromq::{
 };
 
 use super::{END_SEQ, encode_batch};
+use crate::cache::CacheEvent;
 use crate::config::{KvEventsConfig, KvEventsFormat};
-use crate::model::CacheEvent;
 
 /// Batches a rank may have waiting for its publisher; beyond it a batch is dropped (and counted).
 const QUEUE_BATCHES: usize = 4096;

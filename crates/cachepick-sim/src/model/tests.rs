@@ -3,6 +3,7 @@ use std::collections::BTreeSet;
 use proptest::prelude::*;
 
 use super::*;
+use crate::cache::{FNV_OFFSET, Hold, Holder, ROOT_PARENT, fnv1a};
 
 fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).unwrap()
@@ -44,40 +45,51 @@ fn hashes(prompt: &[u32]) -> Vec<u64> {
 /// Checks the state invariants that hold after every operation.
 fn check_invariants(model: &RankModel) {
     // The LRU holds exactly the unreferenced cached blocks.
-    let zero = model.refs.values().filter(|count| **count == 0).count();
-    assert_eq!(zero, model.lru.len());
-    for hash in model.lru.iter() {
-        assert_eq!(model.refs.get(hash), Some(&0));
-    }
+    model.pool.check();
     // Reference counts are the running requests' pins; anonymous blocks are theirs too.
-    let pins: u64 = model.running.values().map(|a| a.hashes.len() as u64).sum();
-    let refs: u64 = model.refs.values().map(|c| u64::from(*c)).sum();
-    assert_eq!(pins, refs);
-    let anonymous: u64 = model.running.values().map(|a| a.anonymous).sum();
-    assert_eq!(anonymous, model.anonymous);
+    let pins: u64 = model.running.values().map(|a| a.hold.cached).sum();
+    assert_eq!(pins, model.pool.pins());
+    let anonymous: u64 = model
+        .running
+        .values()
+        .map(|a| a.hold.blocks - a.hold.cached)
+        .sum();
+    assert_eq!(anonymous, model.pool.anonymous());
     for active in model.running.values() {
+        // Every full prompt block is cached while the request runs.
+        assert_eq!(active.hold.cached, active.hashes.len() as u64);
         for hash in &active.hashes {
-            assert!(model.refs.get(hash).is_some_and(|c| *c > 0));
+            assert!(model.pool.refcount(*hash).is_some_and(|c| c > 0));
         }
     }
-    for id in model.queue.keys() {
+    for (id, pending) in model.queue.iter() {
         assert!(!model.running.contains_key(id));
+        assert_eq!(
+            pending.hold,
+            Hold::default(),
+            "a waiting request holds nothing"
+        );
     }
     // Over capacity only while everything cached is pinned (after a shrink).
     let stats = model.stats();
-    assert!(stats.kv_used_blocks <= stats.kv_total_blocks || model.lru.is_empty());
+    assert!(
+        stats.kv_used_blocks <= stats.kv_total_blocks
+            || stats.kv_used_blocks == stats.kv_pinned_blocks
+    );
     assert!(stats.kv_pinned_blocks <= stats.kv_used_blocks);
     assert_eq!(stats.running, model.running.len() as u64);
     assert_eq!(stats.waiting, model.queue.len() as u64);
-    assert_eq!(
-        stats.kv_used_blocks,
-        model.refs.len() as u64 + model.anonymous
-    );
-    // Work conserving: a head that could start would have started.
+    // Work conserving: a head that could start would have started (its blocks exceed the room).
     if let Some((_, head)) = model.queue.front()
         && model.running() < model.running_limit()
     {
-        assert!(!model.fits(&model.plan(head), head));
+        let holder = Holder {
+            hashes: &head.hashes,
+            tokens: &head.tokens,
+            hold: Hold::default(),
+        };
+        let mut probe = model.pool.clone();
+        assert!(probe.grow(&holder, head.prompt_len + head.output).is_none());
     }
 }
 
@@ -223,7 +235,7 @@ fn eviction_is_lru_and_tail_first() {
 
     let ha = hashes(&a);
     admitted(model.submit(3, &tokens(200, 4), 0));
-    assert!(!model.refs.contains_key(&ha[2]));
+    assert!(model.pool.refcount(ha[2]).is_none());
     assert_eq!(model.cached_tokens(&probe(&a)), 8);
     admitted(model.submit(4, &tokens(300, 4), 0));
     assert_eq!(model.cached_tokens(&probe(&a)), 4);
@@ -248,7 +260,7 @@ fn hit_refreshes_recency() {
     serve(&mut model, 3, &a);
     admitted(model.submit(4, &tokens(200, 4), 0));
     let hb = hashes(&b);
-    assert!(!model.refs.contains_key(&hb[2]));
+    assert!(model.pool.refcount(hb[2]).is_none());
     assert_eq!(model.cached_tokens(&[a.clone(), vec![1]].concat()), 12);
 }
 
@@ -265,7 +277,7 @@ fn pinned_blocks_survive_pressure_and_the_head_blocks_the_queue() {
     // Fits in one block but waits behind the head.
     queued(model.submit(3, &tokens(200, 1), 0), 1);
     for hash in hashes(&r) {
-        assert_eq!(model.refs.get(&hash), Some(&1));
+        assert_eq!(model.pool.refcount(hash), Some(1));
     }
     assert_eq!(model.stats().counters.evicted_blocks, 0);
     // A request sharing the pinned prefix would hit it (but it waits: the queue is not empty).
@@ -474,7 +486,7 @@ fn a_rank_that_does_not_record_keeps_no_events() {
     serve(&mut model, 1, &tokens(0, 12));
     serve(&mut model, 2, &tokens(100, 12));
     assert!(model.take_events().is_empty());
-    assert!(model.events.is_none());
+    assert!(!model.pool.recording());
 }
 
 /// The hash of the block `tokens` whose parent is `parent`, as `block_hashes` chains it.
@@ -658,7 +670,7 @@ proptest! {
             check_invariants(&model);
             // A subscriber that applies every event sees exactly the cached blocks.
             follow(&mut view, model.take_events(), block_size);
-            prop_assert_eq!(&view, &model.refs.keys().copied().collect::<BTreeSet<u64>>());
+            prop_assert_eq!(&view, &model.pool.cached().collect::<BTreeSet<u64>>());
             let stats = model.stats();
             for admission in &admissions {
                 // FIFO: ids are submitted in increasing order, so admissions are too.

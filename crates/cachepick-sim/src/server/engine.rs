@@ -19,8 +19,9 @@ use tokio::sync::{Notify, oneshot, watch};
 use tokio::time::Instant;
 
 use super::{Incarnation, Rank, Shared, sleep_unpaused};
+use crate::cache::CacheEvent;
 use crate::config::{Engine, SimParams, Timing};
-use crate::model::{Admission, CacheEvent, RankModel, RequestId};
+use crate::model::{Admission, RankModel, RequestId};
 use crate::stats::RankStats;
 use crate::step::{Emission, StepLimits, StepRank};
 use crate::timing;

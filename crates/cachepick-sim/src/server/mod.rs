@@ -1,8 +1,11 @@
 //! One simulated worker: an HTTP/1.1 server on loopback that serves the engine's API, metrics,
-//! discovery and admin endpoints over per-rank [`RankModel`]s.
+//! discovery and admin endpoints over per-rank engines ([`crate::step::StepRank`] under the step model,
+//! [`crate::model::RankModel`] under the slots model).
 //!
-//! A request's life: parse → (injected failure) → tokenize the whole prompt → pick the least-loaded rank
-//! → submit to its model (admitted, queued, or refused) → wait for admission → prefill → decode → finish.
+//! A request's life: parse → (injected failure) → tokenize the whole prompt → the API server's front →
+//! pick the least-loaded rank → submit to its engine (queued, or refused) → wait for admission → prefill
+//! → decode → finish; under the step model the rank's engine loop admits, prefills and decodes it step by
+//! step.
 //! Everything after submission holds a `Ticket` (in `generate`), whose drop tells the model the
 //! request ended, so a client that goes away mid-queue or mid-stream frees its slot exactly as an engine
 //! aborts a request. A streamed response is generated inside its body, on the connection's task:
@@ -10,17 +13,20 @@
 //! drops its sockets.
 //!
 //! With KV cache events on, every rank also has a publisher task ([`crate::kv_events`]) that lives and
-//! dies with the incarnation: the model records each call's cache changes, the rank takes them under its
-//! lock right after the call and hands them to its publisher as one numbered batch, without waiting.
+//! dies with the incarnation: the model records its cache changes, and the rank hands them to its
+//! publisher as one numbered batch, without waiting — after each slots-model call, at the end of each
+//! step under the step model.
 //!
-//! Here: the worker's life (start, kill, restart), the accept loop and the routing. A request's
-//! generation is in `generate`, the admin controls and the metrics modes they set in `admin`.
+//! Here: the worker, its ranks and the routing, and what an in-process observer (the replay's oracle)
+//! may read of it. The worker's life (start, kill, restart) is in `life`, a rank's engine and the step
+//! loop in `engine`, a request's generation in `generate`, the admin controls and the metrics modes
+//! they set in `admin`.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -41,8 +47,8 @@ use cachepick_tokenizer::Tokenizer;
 
 use crate::config::{Engine, KvEventsConfig, SimParams, Timing};
 use crate::expo::{self, Identity};
-use crate::kv_events::publisher::{self, PublisherSpec, RankListeners, RankStream};
-use crate::kv_events::{KvEventEndpoints, RankEventEndpoints};
+use crate::kv_events::KvEventEndpoints;
+use crate::kv_events::publisher::{PublisherSpec, RankStream};
 use crate::model::Admission;
 use crate::stats::{Histogram, RankStats};
 use crate::wire::{self, Api};
@@ -50,6 +56,7 @@ use crate::wire::{self, Api};
 mod admin;
 mod engine;
 mod generate;
+mod life;
 
 use engine::RankEngine;
 
@@ -58,6 +65,7 @@ pub(crate) use generate::tokens;
 
 use admin::{Controls, Scrape, admin, metrics};
 use generate::generate;
+use life::{bind_kv_events, kill, launch, restart};
 
 type Body = BoxBody<Bytes, Infallible>;
 
@@ -438,207 +446,6 @@ fn current(shared: &Shared) -> Option<Arc<Incarnation>> {
         Life::Up { incarnation, .. } => Some(Arc::clone(incarnation)),
         Life::Down => None,
     }
-}
-
-/// Binds a worker's KV event ports: per rank a PUB listener and, with replay, a ROUTER listener, each
-/// kind on consecutive ports from rank 0's.
-fn bind_kv_events(
-    spec: &WorkerSpec,
-    events: &KvEventsSpec,
-) -> Result<(KvEventEndpoints, Vec<RankListeners>), StartError> {
-    let host = spec.addr.ip();
-    let error = |what: &str| {
-        let what = what.to_owned();
-        move |source| StartError::KvEvents { what, source }
-    };
-    let live =
-        publisher::bind_ports(host, events.live_port, spec.dp_size).map_err(error("live"))?;
-    let replay = if events.config.replay {
-        publisher::bind_ports(host, events.replay_port, spec.dp_size)
-            .map_err(error("replay"))?
-            .into_iter()
-            .map(Some)
-            .collect()
-    } else {
-        std::iter::repeat_with(|| None)
-            .take(live.len())
-            .collect::<Vec<_>>()
-    };
-    let mut ranks = Vec::new();
-    let mut listeners = Vec::new();
-    for ((rank, live), replay) in (0u32..).zip(live).zip(replay) {
-        ranks.push(RankEventEndpoints {
-            rank,
-            live: live.local_addr().map_err(error("live"))?,
-            replay: replay
-                .as_ref()
-                .map(std::net::TcpListener::local_addr)
-                .transpose()
-                .map_err(error("replay"))?,
-        });
-        listeners.push(RankListeners { live, replay });
-    }
-    let endpoints = KvEventEndpoints {
-        format: events.config.format,
-        topic: events.config.topic.clone(),
-        ranks,
-    };
-    Ok((endpoints, listeners))
-}
-
-/// Binds the KV event ports of `endpoints` again, after a restart.
-async fn rebind_kv_events(endpoints: &KvEventEndpoints) -> Result<Vec<RankListeners>, StartError> {
-    let mut listeners = Vec::new();
-    for rank in &endpoints.ranks {
-        let live = publisher::rebind(rank.live)
-            .await
-            .map_err(|source| StartError::KvEvents {
-                what: format!("live {}", rank.live),
-                source,
-            })?;
-        let replay = match rank.replay {
-            Some(addr) => {
-                Some(
-                    publisher::rebind(addr)
-                        .await
-                        .map_err(|source| StartError::KvEvents {
-                            what: format!("replay {addr}"),
-                            source,
-                        })?,
-                )
-            }
-            None => None,
-        };
-        listeners.push(RankListeners { live, replay });
-    }
-    Ok(listeners)
-}
-
-fn launch(shared: &Arc<Shared>, listener: TcpListener, kv_listeners: Vec<RankListeners>) {
-    let mut streams = Vec::new();
-    let mut publishers = Vec::new();
-    if let Some(spec) = &shared.kv_publisher {
-        for (rank, listeners) in (0u32..).zip(kv_listeners) {
-            let (stream, batches) = RankStream::new();
-            streams.push(stream);
-            publishers.push(tokio::spawn(publisher::run(
-                Arc::clone(spec),
-                rank,
-                listeners,
-                batches,
-            )));
-        }
-    }
-    let incarnation = Arc::new(Incarnation::new(
-        &shared.spec,
-        &shared.params.load(),
-        streams,
-        start_time(shared),
-    ));
-    let (stop, stopped) = oneshot::channel();
-    let server = tokio::spawn(accept_loop(
-        listener,
-        Arc::clone(shared),
-        Arc::clone(&incarnation),
-        stopped,
-    ));
-    let loops = match shared.spec.timing {
-        Timing::Step => (0..incarnation.ranks.len())
-            .map(|rank| {
-                tokio::spawn(engine::run(
-                    Arc::clone(shared),
-                    Arc::clone(&incarnation),
-                    rank,
-                ))
-            })
-            .collect(),
-        Timing::Slots => Vec::new(),
-    };
-    let previous = std::mem::replace(
-        &mut *lock(&shared.life),
-        Life::Up {
-            incarnation,
-            server,
-            stop,
-            publishers,
-            loops,
-        },
-    );
-    if let Life::Up {
-        server,
-        publishers,
-        loops,
-        ..
-    } = previous
-    {
-        server.abort();
-        for task in publishers.into_iter().chain(loops) {
-            task.abort();
-        }
-    }
-}
-
-/// Now, in seconds since the Unix epoch with sub-second precision (a restart within the same second
-/// still shows), and always after the previous run's start.
-fn start_time(shared: &Shared) -> f64 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |since| since.as_secs_f64());
-    let mut last = lock(&shared.last_start);
-    // A microsecond is far above an f64's resolution at today's epoch (about 0.24 µs).
-    let started = now.max(*last + 1e-6);
-    *last = started;
-    started
-}
-
-async fn kill(shared: &Shared) {
-    let previous = std::mem::replace(&mut *lock(&shared.life), Life::Down);
-    if let Life::Up {
-        server,
-        stop,
-        publishers,
-        loops,
-        ..
-    } = previous
-    {
-        // A dead engine computes nothing more.
-        for task in &loops {
-            task.abort();
-        }
-        // The loop returns after every connection task is gone and drops the listener on the way
-        // out: once it is joined, the port is closed and no stream survives.
-        let _ = stop.send(());
-        let _ = server.await;
-        // A dead engine's event sockets close with it, and its ring is gone.
-        for publisher in publishers {
-            publisher.abort();
-            let _ = publisher.await;
-        }
-    }
-}
-
-async fn restart(shared: &Arc<Shared>) -> Result<(), StartError> {
-    kill(shared).await;
-    let addr = shared.spec.addr;
-    // The aborted accept loop releases the port when its task is dropped, which happens on the
-    // runtime shortly after `abort`; retry briefly rather than fail on that race.
-    let mut attempts = 0;
-    let listener = loop {
-        match TcpListener::bind(addr).await {
-            Ok(listener) => break listener,
-            Err(source) if attempts >= 50 => return Err(StartError::Bind { addr, source }),
-            Err(_) => {
-                attempts += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    let kv_listeners = match &shared.kv_events {
-        Some(endpoints) => rebind_kv_events(endpoints).await?,
-        None => Vec::new(),
-    };
-    launch(shared, listener, kv_listeners);
-    Ok(())
 }
 
 /// Sleeps until `until` without counting time spent paused: a pause during the sleep pushes the end

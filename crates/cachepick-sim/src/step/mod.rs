@@ -26,7 +26,6 @@
 pub mod predict;
 pub mod profile;
 
-mod pool;
 mod sched;
 
 #[cfg(test)]
@@ -35,13 +34,12 @@ mod tests;
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU32;
 
+use crate::cache::{BlockPool, CacheEvent, Hold, Holder, block_hashes, len_u64};
 use crate::config::Engine;
-use crate::model::{CacheEvent, Refusal, RequestId, block_hashes};
+use crate::model::{Refusal, RequestId};
 use crate::stats::{RankCounters, RankStats};
 
 pub use profile::{Profile, StepWork};
-
-use pool::{BlockPool, Hold, Holder, len_u64};
 
 /// SGLang's `schedule_policy`: the order in which waiting requests are considered.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

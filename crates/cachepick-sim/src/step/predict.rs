@@ -9,9 +9,9 @@
 
 use crate::config::Engine;
 
-use super::pool::len_u64;
 use super::profile::{Profile, StepWork};
 use super::{Seq, StepRank};
+use crate::cache::len_u64;
 
 /// One prefill ahead in the budget: tokens left and where they start.
 #[derive(Clone, Copy)]
@@ -35,7 +35,7 @@ impl StepRank {
         // Tokens a prompt would find: the cache's, or a prompt sent before it.
         let mut lookup = |prompt: &[u32]| -> (u64, u64) {
             let hashes: Vec<u64> =
-                crate::model::block_hashes(prompt, self.limits.block_size).collect();
+                crate::cache::block_hashes(prompt, self.limits.block_size).collect();
             let prompt_len = len_u64(prompt.len());
             let cap = self.hit_cap(prompt_len, hashes.len());
             let cached = self.pool.hit_blocks(&hashes, cap);

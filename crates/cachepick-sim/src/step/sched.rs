@@ -4,12 +4,12 @@
 use crate::config::Engine;
 use crate::model::RequestId;
 
-use super::pool::{Hold, len_u64};
 use super::{
     LPM_MAX_WAITING, SGLANG_CLIP_MAX_NEW_TOKENS, SGLANG_INIT_NEW_TOKEN_RATIO,
     SGLANG_MIN_NEW_TOKEN_RATIO, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS, SGLANG_RETRACT_DECODE_STEPS,
     SchedulePolicy, Seq, Step, StepRank,
 };
+use crate::cache::{Hold, len_u64};
 
 /// vLLM V1's `schedule()`: running first, preempting the newest on a KV shortfall, then waiting
 /// requests if nothing was preempted.

@@ -6,8 +6,8 @@ use std::num::NonZeroU32;
 
 use proptest::prelude::*;
 
-use super::pool::Hold;
 use super::*;
+use crate::cache::Hold;
 use crate::config::{SimParams, sglang_max_running};
 
 fn nz(n: u32) -> NonZeroU32 {

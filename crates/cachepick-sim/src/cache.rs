@@ -1,32 +1,83 @@
-//! One rank's KV block pool under the step model: cached blocks by chained hash with the number of
-//! requests that pin them, the unpinned ones in LRU order (free, but reusable until evicted), and the
-//! anonymous blocks requests hold that are not cached (a prompt's partial last block, output blocks).
+//! One rank's KV block cache, the same under both timing models: the chained hashes that name a
+//! prompt's full blocks, the cached blocks by hash with the number of requests that pin them, the
+//! unpinned ones in LRU order (free, but reusable until evicted), the anonymous blocks requests hold
+//! that are not cached (a prompt's partial last block, output blocks, a block a chunk only began), and
+//! the KV cache events an engine would publish for what changed.
 //!
 //! As in vLLM's block pool, a cached block nobody pins counts as free: an allocation takes truly free
 //! blocks first and evicts the least recently released cached ones for the rest. A request holds its
-//! blocks in sequence order, so the cached (hashed) ones are always a prefix of what it holds: the
-//! prompt's blocks that are fully computed, then the anonymous rest (a block its chunk only began, its
-//! prompt's partial last block, its output blocks). As in vLLM, a block is cached once the chunk that
-//! fills it is scheduled, never before: a prefill cut short by an abort or a preemption leaves no
-//! half-computed block for another request to hit.
+//! blocks in sequence order, so the cached ones are always a prefix of what it holds. A block is cached
+//! once the tokens that fill it are allocated for computation, never before: a prefill cut short by an
+//! abort or a preemption leaves no half-computed block for another request to hit. The slots model
+//! ([`crate::model`]) allocates a request's whole prompt and output at admission, the step model
+//! ([`crate::step`]) chunk by chunk.
+//!
+//! The simulator hashes on its own (64-bit FNV-1a), sharing no code with the picker it is meant to test.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 
 use hashlink::LinkedHashSet;
 
-use crate::model::CacheEvent;
+/// FNV-1a 64-bit offset basis.
+pub(crate) const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+/// FNV-1a 64-bit prime.
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+/// Parent hash of every prompt's first block ("sim-root" in ASCII), so the first block's hash depends
+/// on a fixed seed just like every later block depends on its parent.
+pub(crate) const ROOT_PARENT: u64 = 0x7369_6d2d_726f_6f74;
+
+/// A change of the KV cache, as an engine reports it in its KV cache events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Consecutive full blocks entered the cache: `hashes[i]` covers
+    /// `tokens[i * block_size..(i + 1) * block_size]`; `parent` is the hash of the block before the
+    /// first one (`None` for a prompt's first block).
+    Stored {
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+    },
+    /// Blocks were evicted, in eviction order.
+    Removed { hashes: Vec<u64> },
+    /// The whole prefix cache was dropped.
+    AllCleared,
+}
+
+/// The chained hashes of `prompt`'s full blocks, first block first: each names the whole prefix up
+/// to the end of its block. A trailing partial block has no hash.
+pub fn block_hashes(prompt: &[u32], block_size: NonZeroU32) -> impl Iterator<Item = u64> + '_ {
+    let size = usize::try_from(block_size.get()).unwrap_or(usize::MAX);
+    prompt
+        .chunks_exact(size)
+        .scan(ROOT_PARENT, |parent, block| {
+            let mut hash = fnv1a(FNV_OFFSET, &parent.to_le_bytes());
+            for token in block {
+                hash = fnv1a(hash, &token.to_le_bytes());
+            }
+            *parent = hash;
+            Some(hash)
+        })
+}
+
+pub(crate) fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for byte in bytes {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(FNV_PRIME);
+    }
+    hash
+}
 
 /// The blocks one request holds: `blocks` in all, of which the first `cached` are its prompt's cached
 /// blocks (`hashes[..cached]`) and the rest anonymous.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Hold {
+pub struct Hold {
     pub blocks: u64,
     pub cached: u64,
 }
 
 /// What an allocation for one request needs to know of it.
-pub(crate) struct Holder<'a> {
+pub struct Holder<'a> {
     /// The chained hashes of the prompt's full blocks.
     pub hashes: &'a [u64],
     /// The tokens of those blocks, when events are recorded (empty otherwise).
@@ -35,14 +86,15 @@ pub(crate) struct Holder<'a> {
     pub hold: Hold,
 }
 
-#[derive(Debug)]
-pub(crate) struct BlockPool {
+#[derive(Clone, Debug)]
+pub struct BlockPool {
     block_size: NonZeroU32,
     capacity: u64,
     refs: HashMap<u64, u32>,
     lru: LinkedHashSet<u64>,
     anonymous: u64,
     events: Option<Vec<CacheEvent>>,
+    /// Cached blocks evicted to make room, since the rank started.
     pub evicted: u64,
 }
 
@@ -305,6 +357,18 @@ impl BlockPool {
     #[cfg(test)]
     pub fn anonymous(&self) -> u64 {
         self.anonymous
+    }
+
+    /// Requests pinning the cached block `hash`; `None` when it is not cached.
+    #[cfg(test)]
+    pub fn refcount(&self, hash: u64) -> Option<u32> {
+        self.refs.get(&hash).copied()
+    }
+
+    /// Every cached block's hash.
+    #[cfg(test)]
+    pub fn cached(&self) -> impl Iterator<Item = u64> + '_ {
+        self.refs.keys().copied()
     }
 }
 
