@@ -1086,6 +1086,24 @@ async fn an_abandoned_stream_counts_the_tokens_it_produced() {
     );
 }
 
+/// Pauses the worker at `addr` after `after` for `length`; the handle yields when the pause began.
+fn pause_during(
+    client: &Client,
+    addr: SocketAddr,
+    after: Duration,
+    length: Duration,
+) -> tokio::task::JoinHandle<Instant> {
+    let client = client.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(after).await;
+        client.pause(addr).await;
+        let paused = Instant::now();
+        tokio::time::sleep(length).await;
+        client.resume(addr).await;
+        paused
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pausing_freezes_a_streams_clock() {
     // 60 tokens at 10 ms: 600 ms of decode. Paused at 100 ms for 300 ms, the stream should resume at
@@ -1094,15 +1112,12 @@ async fn pausing_freezes_a_streams_clock() {
     let addr = worker(&fleet, 0).addr();
     let client = Client::new();
     let opened = open_long_stream(&client, addr, 60).await;
-    let pauser = {
-        let client = client.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            client.pause(addr).await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            client.resume(addr).await;
-        })
-    };
+    let pauser = pause_during(
+        &client,
+        addr,
+        Duration::from_millis(100),
+        Duration::from_millis(300),
+    );
     let stream = opened.read().await;
     pauser.await.unwrap();
     assert!(stream.done());
@@ -1127,17 +1142,12 @@ async fn pausing_stops_the_step_models_engine() {
     let addr = worker(&fleet, 0).addr();
     let client = Client::new();
     let opened = open_long_stream(&client, addr, 60).await;
-    let pauser = {
-        let client = client.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            client.pause(addr).await;
-            let paused = Instant::now();
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            client.resume(addr).await;
-            paused
-        })
-    };
+    let pauser = pause_during(
+        &client,
+        addr,
+        Duration::from_millis(100),
+        Duration::from_millis(300),
+    );
     let stream = opened.read().await;
     let paused = pauser.await.unwrap();
     assert!(stream.done());

@@ -93,7 +93,7 @@ impl RankEngine {
                 waiters: HashMap::new(),
             },
             Timing::Step => RankEngine::Step {
-                model: StepRank::new(spec_rank, step_limits(engine, block_size, params)),
+                model: StepRank::new(spec_rank, StepLimits::of(engine, block_size, params)),
                 requests: HashMap::new(),
                 wake: Arc::new(Notify::new()),
                 lagged: 0.0,
@@ -220,7 +220,7 @@ impl RankEngine {
                 model.set_limits(params.kv_blocks, params.max_running, params.max_queue)
             }
             RankEngine::Step { model, wake, .. } => {
-                model.set_limits(step_limits(engine, block_size, params));
+                model.set_limits(StepLimits::of(engine, block_size, params));
                 wake.notify_one();
                 Vec::new()
             }
@@ -260,24 +260,6 @@ impl RankEngine {
             RankEngine::Slots { model, .. } => model.cached_tokens(prompt),
             RankEngine::Step { model, .. } => model.cached_tokens(prompt),
         }
-    }
-}
-
-/// The step scheduler's limits from the worker's parameters.
-pub(super) fn step_limits(
-    engine: Engine,
-    block_size: std::num::NonZeroU32,
-    params: &SimParams,
-) -> StepLimits {
-    StepLimits {
-        engine,
-        block_size,
-        kv_blocks: params.kv_blocks,
-        max_running: params.max_running,
-        max_queue: params.max_queue,
-        batch_tokens: params.batch_tokens,
-        max_prefill_tokens: params.max_prefill_tokens,
-        policy: params.schedule_policy,
     }
 }
 

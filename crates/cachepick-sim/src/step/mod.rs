@@ -82,6 +82,26 @@ pub struct StepLimits {
     pub policy: SchedulePolicy,
 }
 
+impl StepLimits {
+    /// The limits `params` set for a rank of `engine` with blocks of `block_size` tokens.
+    pub fn of(
+        engine: Engine,
+        block_size: NonZeroU32,
+        params: &crate::config::SimParams,
+    ) -> StepLimits {
+        StepLimits {
+            engine,
+            block_size,
+            kv_blocks: params.kv_blocks,
+            max_running: params.max_running,
+            max_queue: params.max_queue,
+            batch_tokens: params.batch_tokens,
+            max_prefill_tokens: params.max_prefill_tokens,
+            policy: params.schedule_policy,
+        }
+    }
+}
+
 /// One request on the rank.
 #[derive(Debug)]
 struct Seq {

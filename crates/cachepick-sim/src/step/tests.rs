@@ -21,16 +21,7 @@ fn rank_on(engine: Engine, profile: &Profile) -> StepRank {
 }
 
 fn limits(engine: Engine, params: &SimParams) -> StepLimits {
-    StepLimits {
-        engine,
-        block_size: nz(16),
-        kv_blocks: params.kv_blocks,
-        max_running: params.max_running,
-        max_queue: params.max_queue,
-        batch_tokens: params.batch_tokens,
-        max_prefill_tokens: params.max_prefill_tokens,
-        policy: params.schedule_policy,
-    }
+    StepLimits::of(engine, nz(16), params)
 }
 
 /// `len` tokens from `start`, distinct from other ranges.
