@@ -38,42 +38,52 @@ pub struct Utilisation {
 /// Reads the fleet every `every` for `window`, then returns what it saw; `None` if no rank was read.
 pub async fn watch(fleet: &Fleet, window: Duration, every: Duration) -> Option<Utilisation> {
     let mut sum = Sums::default();
-    let clock = |fleet: &Fleet| -> (f64, f64, u64) {
-        fleet
-            .workers()
-            .iter()
-            .flat_map(|worker| worker.stats())
-            .fold((0.0, 0.0, 0), |(busy, lagged, ranks), rank| {
-                (
-                    busy + rank.busy_seconds,
-                    lagged + rank.lagged_seconds,
-                    ranks + 1,
-                )
-            })
+    // Each rank's model-time counters as last read; a restarted worker's start again from zero, so
+    // they are summed reading by reading, not as one difference over the window.
+    let mut last: Vec<(f64, f64)> = Vec::new();
+    let mut busy = 0.0;
+    let mut lagged = 0.0;
+    let mut ranks = 0;
+    let mut read = |sum: &mut Sums, count: bool| {
+        let mut index = 0;
+        for worker in fleet.workers() {
+            for rank in worker.stats() {
+                if count {
+                    sum.add(rank.running, rank.max_running, rank.waiting);
+                }
+                let now = (rank.busy_seconds, rank.lagged_seconds);
+                if let Some(before) = last.get_mut(index) {
+                    let grew =
+                        |now: f64, before: f64| if now >= before { now - before } else { now };
+                    busy += grew(now.0, before.0);
+                    lagged += grew(now.1, before.1);
+                    *before = now;
+                } else {
+                    last.push(now);
+                }
+                index += 1;
+            }
+        }
+        ranks = ranks.max(index);
     };
-    let (busy_before, lagged_before, _) = clock(fleet);
+    read(&mut sum, false);
     let started = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let deadline = tokio::time::Instant::now() + window;
     loop {
         tick.tick().await;
-        for worker in fleet.workers() {
-            for rank in worker.stats() {
-                sum.add(rank.running, rank.max_running, rank.waiting);
-            }
-        }
+        read(&mut sum, true);
         if tokio::time::Instant::now() >= deadline {
             break;
         }
     }
-    let (busy_after, lagged_after, ranks) = clock(fleet);
     let wall = started.elapsed().as_secs_f64() * ranks as f64;
     let busy = (fleet.config().timing == Timing::Step && wall > 0.0)
-        .then(|| ((busy_after - busy_before) * fleet.config().params.time_scale / wall).min(1.0));
+        .then(|| (busy * fleet.config().params.time_scale / wall).min(1.0));
     sum.finish().map(|utilisation| Utilisation {
         busy,
-        lagged_s: lagged_after - lagged_before,
+        lagged_s: lagged,
         ..utilisation
     })
 }
