@@ -164,6 +164,35 @@ def ranking(data, name):
     return lines
 
 
+def ranking_table(data, scenarios):
+    """One line per workload and load: every other row's TTFT p90 as a multiple of cachepick gate +
+    floor's (above 1: cachepick better), marked where the seeds' ranges do not overlap."""
+    keys = [f"{s['name']}-load{load}" for s in scenarios for load in s["loads"]]
+    keys = [k for k in keys if k in data and data[k].get("gate_floor")]
+    if not keys:
+        return []
+    others = [name for name in data[keys[0]] if name != "gate_floor"]
+    lines = ["\n#### Ranking: each row's TTFT p90 ÷ cachepick gate + floor's (mean over seeds)\n",
+             "**bold**: cachepick better, ranges over seeds apart; *italic*: cachepick worse, ranges apart; "
+             "plain: within noise.\n",
+             "| workload, load | " + " | ".join(LABELS.get(o, o) for o in others) + " |",
+             "|---|" + "--:|" * len(others)]
+    for key in keys:
+        mine = [f["ttft_p90"] for f in data[key]["gate_floor"] if f["ttft_p90"] is not None]
+        cells = []
+        for other in others:
+            theirs = [f["ttft_p90"] for f in data[key].get(other, []) if f["ttft_p90"] is not None]
+            if not mine or not theirs:
+                cells.append("-")
+                continue
+            ratio = statistics.fmean(theirs) / statistics.fmean(mine)
+            apart = max(min(mine), min(theirs)) > min(max(mine), max(theirs))
+            text = f"{ratio:.2f}"
+            cells.append(text if not apart else f"**{text}**" if ratio > 1 else f"*{text}*")
+        lines.append(f"| {key.replace('-load', ', ')} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summarise(args, scenarios):
     lines = []
     data = {}
@@ -212,6 +241,7 @@ def summarise(args, scenarios):
             ranks = ranking(data[key], key)
             if ranks:
                 lines.append("\nTTFT p90 against cachepick gate + floor: " + "; ".join(ranks) + ".")
+    lines += ranking_table(data, scenarios)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "comparison.md"), "w") as f:
         f.write(text)
