@@ -2,8 +2,10 @@
 //! first token, from the simulator's true state read in the same process — every rank's cached prefix
 //! of the prompt, its queued prefill work, its running decodes and its free KV
 //! ([`cachepick_sim::server::Worker::outlook`]). No router in front of real engines can know this; it is
-//! not a product policy but the ceiling any router could reach on the same fleet and workload, so every
-//! other row is read as a ratio to it.
+//! not a product policy but the yardstick on the same fleet and workload, so every other row is read as
+//! a ratio to it. It is not a strict bound: it minimises each request's own TTFT and does not price the
+//! evictions a cold prefill causes, so past a workload's knee rules that stay with the prefix owner beat
+//! it (BENCHMARKS.md).
 //!
 //! It knows what it sent, too: a request it dispatched is not in a rank's queue until the worker's API
 //! server has parsed it (the profile's front), so until the worker says it is queued (each dispatch is
