@@ -16,7 +16,13 @@ fn nz(n: u32) -> NonZeroU32 {
 
 /// The rank an engine runs on `profile`'s GPU with its defaults, block size 16.
 fn rank_on(engine: Engine, profile: &Profile) -> StepRank {
-    let params = SimParams::step(engine, profile);
+    rank_with(engine, profile, |_| {})
+}
+
+/// A rank on `profile`'s defaults with the parameters `tune` changes.
+fn rank_with(engine: Engine, profile: &Profile, tune: impl FnOnce(&mut SimParams)) -> StepRank {
+    let mut params = SimParams::step(engine, profile);
+    tune(&mut params);
     StepRank::new(0, limits(engine, &params))
 }
 
@@ -414,11 +420,9 @@ fn every_named_profile_is_found_by_its_name() {
 #[test]
 fn vllm_preempts_the_newest_request_when_decode_runs_out_of_blocks() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(20),
-        ..SimParams::step(Engine::Vllm, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Vllm, &params));
+    let mut rank = rank_with(Engine::Vllm, &profile, |p| {
+        p.kv_blocks = nz(20);
+    });
     // Two requests of 6 prompt blocks each fit (12 of 20); their outputs grow until the older one
     // needs a block the newer one holds.
     rank.submit(1, &tokens(0, 96), 80).unwrap();
@@ -454,11 +458,9 @@ fn vllm_preempts_the_newest_request_when_decode_runs_out_of_blocks() {
 #[test]
 fn vllm_admits_nothing_new_in_a_step_that_preempted() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(13),
-        ..SimParams::step(Engine::Vllm, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Vllm, &params));
+    let mut rank = rank_with(Engine::Vllm, &profile, |p| {
+        p.kv_blocks = nz(13);
+    });
     rank.submit(1, &tokens(0, 96), 40).unwrap();
     rank.submit(2, &tokens(1000, 96), 40).unwrap();
     for _ in 0..200 {
@@ -516,11 +518,9 @@ fn sglang_runs_prefill_steps_in_which_decoders_get_no_token() {
 #[test]
 fn sglang_reserves_future_output_and_retracts_when_decode_runs_dry() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(64),
-        ..SimParams::step(Engine::Sglang, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Sglang, &params));
+    let mut rank = rank_with(Engine::Sglang, &profile, |p| {
+        p.kv_blocks = nz(64);
+    });
     // 1,024 tokens of KV; each request asks 16 prompt + 400 output tokens. A new request reserves its
     // whole output, so two start, not three.
     for id in 0..4 {
@@ -541,12 +541,10 @@ fn sglang_reserves_future_output_and_retracts_when_decode_runs_dry() {
 #[test]
 fn sglang_lpm_takes_the_longest_cached_prefix_first() {
     let profile = h100();
-    let params = SimParams {
-        schedule_policy: SchedulePolicy::Lpm,
-        batch_tokens: nz(600),
-        ..SimParams::step(Engine::Sglang, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Sglang, &params));
+    let mut rank = rank_with(Engine::Sglang, &profile, |p| {
+        p.schedule_policy = SchedulePolicy::Lpm;
+        p.batch_tokens = nz(600);
+    });
     let shared = tokens(0, 512);
     drive(&mut rank, &profile, vec![at(0.0, 1, shared.clone(), 1)]);
     let cold = tokens(50_000, 560);
@@ -610,11 +608,9 @@ fn a_request_in_the_same_step_hits_blocks_another_is_computing() {
 #[test]
 fn events_name_the_blocks_a_step_computes_and_the_ones_eviction_drops() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(8),
-        ..SimParams::step(Engine::Vllm, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Vllm, &params));
+    let mut rank = rank_with(Engine::Vllm, &profile, |p| {
+        p.kv_blocks = nz(8);
+    });
     rank.record_events(true);
     let first = tokens(0, 64);
     rank.submit(1, &first, 1).unwrap();
@@ -650,12 +646,10 @@ fn events_name_the_blocks_a_step_computes_and_the_ones_eviction_drops() {
 #[test]
 fn a_request_that_could_never_fit_is_refused_and_a_full_queue_too() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(10),
-        max_queue: Some(1),
-        ..SimParams::step(Engine::Vllm, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Vllm, &params));
+    let mut rank = rank_with(Engine::Vllm, &profile, |p| {
+        p.kv_blocks = nz(10);
+        p.max_queue = Some(1);
+    });
     assert!(matches!(
         rank.submit(1, &tokens(0, 160), 1),
         Err(Refusal::TooLong { .. })
@@ -734,11 +728,9 @@ fn the_prediction_follows_the_work_ahead_and_the_cache() {
 #[test]
 fn a_block_is_cached_only_once_its_chunk_fills_it() {
     let profile = h100();
-    let params = SimParams {
-        batch_tokens: nz(24),
-        ..SimParams::step(Engine::Vllm, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Vllm, &params));
+    let mut rank = rank_with(Engine::Vllm, &profile, |p| {
+        p.batch_tokens = nz(24);
+    });
     rank.record_events(true);
     let prompt = tokens(0, 48);
     rank.submit(1, &prompt, 4).unwrap();
@@ -799,11 +791,9 @@ fn an_abort_counts_the_tokens_produced_once() {
 #[test]
 fn sglang_retracts_to_the_back_of_the_queue_and_resets_its_ratio_when_idle() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(64),
-        ..SimParams::step(Engine::Sglang, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Sglang, &params));
+    let mut rank = rank_with(Engine::Sglang, &profile, |p| {
+        p.kv_blocks = nz(64);
+    });
     for id in 0..4 {
         rank.submit(id, &tokens(id as u32 * 1000, 16), 400).unwrap();
     }
@@ -836,11 +826,9 @@ fn sglang_retracts_to_the_back_of_the_queue_and_resets_its_ratio_when_idle() {
 #[test]
 fn sglang_refuses_what_its_reservation_could_never_admit() {
     let profile = h100();
-    let params = SimParams {
-        kv_blocks: nz(10),
-        ..SimParams::step(Engine::Sglang, &profile)
-    };
-    let mut rank = StepRank::new(0, limits(Engine::Sglang, &params));
+    let mut rank = rank_with(Engine::Sglang, &profile, |p| {
+        p.kv_blocks = nz(10);
+    });
     // 160 tokens of KV: 96 prompt + 64 output would fill it exactly, which the reservation refuses.
     assert!(matches!(
         rank.submit(1, &tokens(0, 96), 64),
@@ -865,13 +853,11 @@ proptest! {
     ) {
         let engine = if sglang { Engine::Sglang } else { Engine::Vllm };
         let profile = h100();
-        let params = SimParams {
-            kv_blocks: nz(kv_blocks),
-            batch_tokens: nz(budget),
-            max_prefill_tokens: nz(budget),
-            ..SimParams::step(engine, &profile)
-        };
-        let mut rank = StepRank::new(0, limits(engine, &params));
+        let mut rank = rank_with(engine, &profile, |p| {
+            p.kv_blocks = nz(kv_blocks);
+            p.batch_tokens = nz(budget);
+            p.max_prefill_tokens = nz(budget);
+        });
         let arrivals: Vec<Arrival> = requests
             .iter()
             .enumerate()
