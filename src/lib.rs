@@ -16,6 +16,8 @@
 //! - [`route`]: the request path — body → pool → tokens → block hashes → owners → decision → commit on
 //!   one load snapshot — and the service that answers each request (route or refuse) in domain terms.
 //! - [`protocol`]: the names cachepick speaks on the wire — headers, metadata keys, health services.
+//! - [`connections`]: a listener's open connections, their streams and idleness, and the room made at
+//!   the cap by closing the one idle longest; [`health`]: readiness shared by both listeners.
 //! - [`extproc`]: the gRPC server on `listen`; the only module that sees protobuf types.
 //! - [`metrics_server`]: the HTTP server on `metrics_listen`: `/metrics` and the `/debug/*` endpoints.
 //! - [`envoy_config`]: `cachepick envoy-config` — the Envoy bootstrap generated from the configuration.
@@ -30,10 +32,12 @@
 pub mod app;
 pub mod auth;
 pub mod config;
+pub mod connections;
 pub mod discovery;
 pub mod envoy_config;
 pub mod events;
 pub mod extproc;
+pub mod health;
 pub mod load;
 pub mod metrics;
 pub mod metrics_server;

@@ -1,6 +1,10 @@
 //! The HTTP endpoint on `metrics_listen`: Prometheus `/metrics` and the debug endpoints.
 //!
 //! - `GET /metrics`: the text exposition of every cachepick metric.
+//! - `GET /livez`: 200 while the process serves; `GET /readyz`: 200 while the picker is ready (the gRPC
+//!   `readiness` service's status), 503 otherwise. The kubelet's probes use these: this listener's
+//!   bounds are its own, so clients that fill `listen` cannot make a probe fail, and they need no TLS
+//!   when `listen` has it.
 //! - `GET /debug/snapshot`: every pool's current load snapshot as cachepick sees it (JSON).
 //! - `POST /debug/explain?path=/v1/chat/completions`: how the posted body would be routed now, against
 //!   the live owner index and load, without routing it (JSON; the refusal's status and body otherwise).
@@ -22,12 +26,13 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use cachepick_decode::duration;
 
 use crate::auth::BearerToken;
 use crate::config::HttpLimits;
+use crate::connections::{CloseReason, Conn, Guarded, IdleLimits, Place, Registry};
+use crate::health::Readiness;
 use crate::metrics::{DebugListener, HttpRefusal, Metrics};
 use crate::protocol::error_json;
 
@@ -67,6 +72,8 @@ pub struct Access {
     /// When set, `/debug/*` requires `authorization: Bearer <token>`; `/metrics` stays open.
     pub token: Option<BearerToken>,
     pub limits: HttpLimits,
+    /// What `/readyz` answers.
+    pub readiness: Readiness,
 }
 
 /// What every connection's service reads.
@@ -75,15 +82,18 @@ struct Shared {
     debug: Option<Arc<dyn DebugSource>>,
     token: Option<BearerToken>,
     limits: HttpLimits,
+    readiness: Readiness,
 }
 
 /// Serves `/metrics` (and, with a debug source, `/debug/*`) on `listener` until `shutdown` resolves.
 ///
 /// HTTP/1.1 only (Prometheus, curl and the CLI speak it): HTTP/2 has no header-read timeout to bound an
-/// idle or slow client with. At most `limits.max_connections` connections are open at once; one more is
-/// accepted and closed at once rather than left in the kernel's backlog, so a client over the cap fails
-/// fast instead of timing out, and the connection costs this process a file descriptor for an instant
-/// only. Every connection is bounded in time: its headers by `header_read_timeout` (which also closes an
+/// idle or slow client with. At most `limits.max_connections` connections are open at once. At the cap,
+/// the connection that has waited longest for a request's headers is closed to make room (slow clients
+/// holding every place would otherwise refuse every scrape and probe), so a newcomer that sends its
+/// request at once is served; only when every connection has a request in progress is the newcomer
+/// accepted and closed at once rather than left in the kernel's backlog (it fails fast instead of timing
+/// out, and costs a file descriptor for an instant). Every connection is bounded in time: its headers by `header_read_timeout` (which also closes an
 /// idle keep-alive connection), each request by `request_timeout` (a body trickled slowly included), and
 /// the connection as a whole by `connection_lifetime`.
 pub async fn serve(
@@ -96,14 +106,16 @@ pub async fn serve(
         debug,
         token,
         limits,
+        readiness,
     } = access;
     let shared = Arc::new(Shared {
         metrics,
         debug,
         token,
         limits,
+        readiness,
     });
-    let slots = Arc::new(Semaphore::new(limits.max_connections.get()));
+    let registry = Registry::new(limits.max_connections.get());
     tokio::pin!(shutdown);
     let mut last_logged: Option<Instant> = None;
     loop {
@@ -126,27 +138,32 @@ pub async fn serve(
                 }
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+        let Some(place) = registry.try_admit() else {
             shared.metrics.http_refused(HttpRefusal::ConnectionCap);
             drop(stream);
             continue;
         };
-        tokio::spawn(connection(stream, slot, Arc::clone(&shared)));
+        tokio::spawn(connection(stream, place, Arc::clone(&shared)));
     }
 }
 
-/// One connection, within its bounds; `slot` is its place under the connection cap.
-async fn connection(stream: TcpStream, slot: OwnedSemaphorePermit, shared: Arc<Shared>) {
+/// One connection, within its bounds; `place` is its place under the connection cap.
+async fn connection(stream: TcpStream, place: Place, shared: Arc<Shared>) {
     let open = shared.metrics.http_connections().clone();
     open.inc();
     let limits = shared.limits;
+    let conn: Arc<Conn> = Arc::clone(place.conn());
     let service = service_fn({
         let shared = Arc::clone(&shared);
+        let conn = Arc::clone(&conn);
         move |request| {
             let shared = Arc::clone(&shared);
+            // From its headers to the end of its answer a request is in progress: the connection is
+            // not one to close at the cap.
+            let stream = conn.stream_opened();
             async move {
                 let answer = tokio::time::timeout(limits.request_timeout, route(request, &shared));
-                Ok::<_, Infallible>(match answer.await {
+                let response = match answer.await {
                     Ok(response) => response,
                     Err(_) => {
                         shared.metrics.http_refused(HttpRefusal::RequestTimeout);
@@ -163,7 +180,8 @@ async fn connection(stream: TcpStream, slot: OwnedSemaphorePermit, shared: Arc<S
                             .insert(header::CONNECTION, HeaderValue::from_static("close"));
                         response
                     }
-                })
+                };
+                Ok::<_, Infallible>(response.map(|body| Guarded::new(body, stream)))
             }
         }
     });
@@ -175,6 +193,13 @@ async fn connection(stream: TcpStream, slot: OwnedSemaphorePermit, shared: Arc<S
     tokio::pin!(connection);
     let ended = tokio::select! {
         ended = connection.as_mut() => ended,
+        reason = conn.closed_for(IdleLimits::default()) => {
+            // Only eviction ends a wait here: the header timeout is hyper's.
+            if reason == CloseReason::Evicted {
+                shared.metrics.http_refused(HttpRefusal::Evicted);
+            }
+            Ok(())
+        }
         () = tokio::time::sleep(limits.connection_lifetime) => {
             shared.metrics.http_refused(HttpRefusal::Lifetime);
             // The request in progress, if any, may finish; none follows it.
@@ -191,7 +216,7 @@ async fn connection(stream: TcpStream, slot: OwnedSemaphorePermit, shared: Arc<S
         tracing::debug!(%error, "metrics connection ended with an error");
     }
     open.dec();
-    drop(slot);
+    drop(place);
 }
 
 async fn route(request: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>> {
@@ -220,6 +245,26 @@ async fn route(request: Request<Incoming>, shared: &Shared) -> Response<Full<Byt
         return response;
     }
     match (path, debug) {
+        ("/livez", _) => {
+            if method == Method::GET {
+                respond(StatusCode::OK, TEXT, Bytes::from_static(b"live\n"))
+            } else {
+                not_allowed("GET")
+            }
+        }
+        ("/readyz", _) => {
+            if method != Method::GET {
+                not_allowed("GET")
+            } else if shared.readiness.is_ready() {
+                respond(StatusCode::OK, TEXT, Bytes::from_static(b"ready\n"))
+            } else {
+                respond(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    TEXT,
+                    Bytes::from_static(b"not ready\n"),
+                )
+            }
+        }
         ("/metrics", _) => {
             if method == Method::GET {
                 respond(StatusCode::OK, EXPOSITION, shared.metrics.render().into())
@@ -398,6 +443,7 @@ mod tests {
             debug,
             token: None,
             limits,
+            readiness: Readiness::default(),
         };
         tokio::spawn(serve(listener, metrics, access, std::future::pending()));
         addr

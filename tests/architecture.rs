@@ -191,7 +191,7 @@ fn the_simulator_crate_depends_on_no_product_crate() {
 /// upward arrow (the owner index reaching up to the policy for its own answer type, the scraper
 /// reaching up to the metrics), and so no cycle.
 const LAYERS: [&[&str]; 8] = [
-    &["worker", "protocol", "tls", "auth"],
+    &["worker", "protocol", "tls", "auth", "connections", "health"],
     &["config"],
     &["request", "tokenize", "prefix", "load", "discovery"],
     &["policy", "events"],

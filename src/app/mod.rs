@@ -18,6 +18,7 @@ use crate::discovery::dns::DnsSource;
 use crate::discovery::kubernetes::KubernetesSource;
 use crate::events::EventFeeds;
 use crate::extproc;
+use crate::health::Readiness;
 use crate::load::{PoolLoad, PoolView, ScrapeTlsClient, Scraper};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource, ExplainFuture};
@@ -171,6 +172,8 @@ pub async fn serve(
             stopped_future(),
         ));
     }
+    // Readiness as the gRPC health service decides it, for the HTTP probes on metrics_listen.
+    let readiness = Readiness::default();
     let debug = config
         .debug_on_metrics()
         .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
@@ -181,6 +184,7 @@ pub async fn serve(
             debug,
             token: security.token.clone(),
             limits: config.metrics_http,
+            readiness: readiness.clone(),
         },
         stopped_future(),
     ));
@@ -199,6 +203,7 @@ pub async fn serve(
         },
         overload: config.overload,
         freshness: config.load.freshness,
+        readiness,
     };
     // The scrapers, sources and the metrics listener keep running through the drain, so the picker
     // decides on fresh load until its last answer; they stop once the gRPC server has.

@@ -23,8 +23,13 @@ pub struct OverloadConfig {
     pub max_buffered_bytes: NonZeroUsize,
     /// HTTP/2 streams per connection (the SETTINGS Envoy obeys).
     pub max_concurrent_streams: NonZeroU32,
-    /// gRPC connections held open at once; more wait in the kernel's backlog until one closes.
+    /// gRPC connections held open at once; at the cap a newcomer takes the place of the connection
+    /// that has held no stream for longest, and waits only while every connection holds one.
     pub max_connections: NonZeroUsize,
+    /// A gRPC connection that has held no stream this long is closed (GOAWAY).
+    pub idle_timeout: Duration,
+    /// A gRPC connection that opens no stream this long after it was accepted is closed.
+    pub first_stream_timeout: Duration,
     /// The longest an ext_proc stream may take from its first message to its answer.
     pub stream_deadline: Duration,
     /// `/debug/explain` and the admin `Explain` together, per second (and the burst allowed).
@@ -51,6 +56,12 @@ impl OverloadConfig {
     /// Envoys (one connection per worker thread each), health checkers and operators: 256 is many
     /// gateways, and far below the file-descriptor limit.
     pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+    /// Envoy's ext_proc and health-check connections carry a stream every request or every second; a
+    /// minute without one is a connection nobody uses, and Envoy reconnects in one round trip.
+    pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+    /// Envoy, `grpc_health_probe` and the kubelet open their stream right after the HTTP/2 preface; the
+    /// same 10 s a TLS handshake is given.
+    pub const DEFAULT_FIRST_STREAM_TIMEOUT: Duration = Duration::from_secs(10);
     /// A stream is headers, a body, and an answer: 30 s covers an 8 MiB body at 300 KB/s.
     pub const DEFAULT_STREAM_DEADLINE: Duration = Duration::from_secs(30);
     /// Explain is for people and probes, not traffic.
@@ -80,6 +91,8 @@ impl Default for OverloadConfig {
                 .unwrap_or(NonZeroU32::MIN),
             max_connections: NonZeroUsize::new(Self::DEFAULT_MAX_CONNECTIONS)
                 .unwrap_or(NonZeroUsize::MIN),
+            idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
+            first_stream_timeout: Self::DEFAULT_FIRST_STREAM_TIMEOUT,
             stream_deadline: Self::DEFAULT_STREAM_DEADLINE,
             explain_rate: NonZeroU32::new(Self::DEFAULT_EXPLAIN_RATE).unwrap_or(NonZeroU32::MIN),
             shutdown_grace: Self::DEFAULT_SHUTDOWN_GRACE,

@@ -11,12 +11,14 @@
 //! the picker starts draining (SIGTERM/SIGINT): it keeps answering for `overload.shutdown_grace`, so
 //! Envoy's health check moves its traffic to other replicas first.
 //!
-//! The listener is bounded: HTTP/2 streams per connection, open connections (`limits.rs`), keepalive
-//! on both HTTP/2 and TCP (a peer that vanished is noticed and its streams freed).
+//! The listener is bounded: HTTP/2 streams per connection, open connections, connections without a
+//! stream (closed after `overload.idle_timeout`, or `first_stream_timeout` before their first; at the
+//! cap the one idle longest makes room: `listener.rs`), keepalive on both HTTP/2 and TCP (a peer that
+//! vanished is noticed and its streams freed).
 
 mod admin;
 pub mod eds;
-mod limits;
+mod listener;
 mod process;
 mod transport;
 
@@ -29,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 pub use process::{FAULT_INJECTION, MAX_STREAMED_CHUNK};
+pub use listener::CLOSE_GRACE;
 pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 use thiserror::Error;
@@ -40,6 +43,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::auth::BearerToken;
 use crate::config::OverloadConfig;
+use crate::health::Readiness;
 /// The wire names, defined in [`crate::protocol`]; re-exported here for the callers that speak
 /// ext_proc (tests, the demo, replay).
 pub use crate::protocol::{
@@ -84,10 +88,14 @@ pub struct ServeOptions {
     pub overload: OverloadConfig,
     /// A reading older than this is stale (`load.freshness`): readiness needs one that is not.
     pub freshness: Duration,
+    /// Where readiness is also published, for the HTTP probes on `metrics_listen`.
+    pub readiness: Readiness,
 }
 
-/// Readiness and the ext_proc service's health (what Envoy's health check asks) change together.
-async fn set_readiness(reporter: &HealthReporter, status: ServingStatus) {
+/// Readiness and the ext_proc service's health (what Envoy's health check asks) change together, and
+/// the HTTP probes' view with them.
+async fn set_readiness(reporter: &HealthReporter, readiness: &Readiness, status: ServingStatus) {
+    readiness.set(status == ServingStatus::Serving);
     for service in [READINESS, EXT_PROC_SERVICE] {
         reporter.set_service_status(service, status).await;
     }
@@ -97,6 +105,7 @@ async fn set_readiness(reporter: &HealthReporter, status: ServingStatus) {
 /// then SERVING exactly while some worker's reading is fresh; NOT_SERVING for good once `draining`.
 async fn follow_readiness(
     reporter: HealthReporter,
+    readiness: Readiness,
     service: Arc<Service>,
     freshness: Duration,
     mut draining: watch::Receiver<bool>,
@@ -121,12 +130,12 @@ async fn follow_readiness(
         if fresh != ready {
             ready = fresh;
             if ready {
-                set_readiness(&reporter, ServingStatus::Serving).await;
+                set_readiness(&reporter, &readiness, ServingStatus::Serving).await;
                 tracing::info!(
                     "ready: every pool has a scrape round and a worker's reading is fresh"
                 );
             } else {
-                set_readiness(&reporter, ServingStatus::NotServing).await;
+                set_readiness(&reporter, &readiness, ServingStatus::NotServing).await;
                 tracing::warn!(
                     "not ready: no worker has a fresh reading; Envoy routes by its own load balancing"
                 );
@@ -151,16 +160,18 @@ pub async fn serve(
         access,
         overload,
         freshness,
+        readiness,
     } = options;
     let Access { debug, token, tls } = access;
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status(LIVENESS, ServingStatus::Serving)
         .await;
-    set_readiness(&reporter, ServingStatus::NotServing).await;
+    set_readiness(&reporter, &readiness, ServingStatus::NotServing).await;
     let (drain, draining) = watch::channel(false);
-    let readiness = tokio::spawn(follow_readiness(
+    let follower_task = tokio::spawn(follow_readiness(
         reporter.clone(),
+        readiness.clone(),
         Arc::clone(&service),
         freshness,
         draining,
@@ -185,22 +196,27 @@ pub async fn serve(
         .filter(|_| debug)
         .map(|reflection| InterceptedService::new(reflection, guard));
     let grace = overload.shutdown_grace;
-    let router = tonic::transport::Server::builder()
-        .max_concurrent_streams(overload.max_concurrent_streams.get())
-        .http2_keepalive_interval(Some(HTTP2_KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE_TIMEOUT))
+    let mut routes = tonic::service::Routes::builder();
+    routes
         .add_service(health)
         .add_service(processor)
-        .add_service(eds::server(assignments))
-        .add_optional_service(admin)
-        .add_optional_service(reflection_v1)
-        .add_optional_service(reflection_v1alpha);
+        .add_service(eds::server(assignments));
+    if let Some(admin) = admin {
+        routes.add_service(admin);
+    }
+    if let Some(reflection) = reflection_v1 {
+        routes.add_service(reflection);
+    }
+    if let Some(reflection) = reflection_v1alpha {
+        routes.add_service(reflection);
+    }
+    let routes = routes.routes().prepare();
     let shutdown = async move {
         shutdown.await;
         // Withdraw readiness first and keep answering: Envoy's health check sees NOT_SERVING and
         // moves new requests to other replicas before this one stops.
         let _ = drain.send(true);
-        set_readiness(&reporter, ServingStatus::NotServing).await;
+        set_readiness(&reporter, &readiness, ServingStatus::NotServing).await;
         tracing::info!(
             grace_seconds = grace.as_secs_f64(),
             "draining: readiness withdrawn, answering until the grace ends"
@@ -210,31 +226,26 @@ pub async fn serve(
         // stream: stopping the roster's follower ends them (Envoy moves to another replica).
         drop(follower);
     };
-    let open = service.metrics().overload.connections.clone();
-    let max_connections = overload.max_connections.get();
-    let served = match tls {
+    let bounds = listener::Bounds::new(
+        &overload,
+        (HTTP2_KEEPALIVE_INTERVAL, HTTP2_KEEPALIVE_TIMEOUT),
+    );
+    match tls {
         None => {
             // TCP_NODELAY: an answer is one small frame; without it, Nagle holds that frame until
             // Envoy's delayed ACK (40 ms on Linux), which measured as a 40 ms stall on every decision.
             let incoming = tonic::transport::server::TcpIncoming::from(listener)
                 .with_nodelay(Some(true))
                 .with_keepalive(Some(TCP_KEEPALIVE));
-            let incoming = limits::limit_connections(incoming, max_connections, open);
-            router
-                .serve_with_incoming_shutdown(Box::pin(incoming), shutdown)
-                .await
+            listener::serve(incoming, routes, bounds, service, shutdown).await;
         }
         Some(tls) => {
             let refresh = tokio::spawn(transport::refresh(Arc::clone(&tls), Arc::clone(&service)));
             let incoming = transport::tls_incoming(listener, tls, Arc::clone(&service));
-            let incoming = limits::limit_connections(incoming, max_connections, open);
-            let served = router
-                .serve_with_incoming_shutdown(Box::pin(incoming), shutdown)
-                .await;
+            listener::serve(incoming, routes, bounds, Arc::clone(&service), shutdown).await;
             refresh.abort();
-            served
         }
-    };
-    readiness.abort();
-    Ok(served?)
+    }
+    follower_task.abort();
+    Ok(())
 }

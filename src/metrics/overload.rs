@@ -2,6 +2,7 @@
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 
+use crate::connections::CloseReason;
 use crate::protocol::ShedReason;
 
 /// Buckets of `cachepick_answer_seconds`: fine around the deadlines operators set (100 ms to a few
@@ -46,6 +47,8 @@ pub struct OverloadMetrics {
     pub buffered_bytes: IntGauge,
     /// `cachepick_grpc_connections`.
     pub connections: IntGauge,
+    /// `cachepick_grpc_connections_closed_total{reason}`.
+    pub connections_closed: IntCounterVec,
     /// `cachepick_explain_refused_total{reason}`.
     pub explain_refused: IntCounterVec,
     /// `cachepick_answer_seconds{outcome}`.
@@ -90,6 +93,19 @@ impl OverloadMetrics {
         for reason in ["rate", "busy"] {
             explain_refused.with_label_values(&[reason]);
         }
+        let connections_closed = IntCounterVec::new(
+            Opts::new(
+                "cachepick_grpc_connections_closed_total",
+                "gRPC connections cachepick closed (HTTP/2 GOAWAY) because they held no stream, by \
+                 reason: idle (none for overload.idle_timeout), first_stream (none within \
+                 overload.first_stream_timeout of the connection), evicted (at \
+                 overload.max_connections, to make room for a new connection: it was idle longest).",
+            ),
+            &["reason"],
+        )?;
+        for reason in CloseReason::ALL {
+            connections_closed.with_label_values(&[reason.as_str()]);
+        }
         Ok(OverloadMetrics {
             shed,
             commits_refused,
@@ -109,6 +125,7 @@ impl OverloadMetrics {
                 "cachepick_grpc_connections",
                 "Connections open on the gRPC listener (bounded by overload.max_connections).",
             )?,
+            connections_closed,
             explain_refused,
             answer_seconds: HistogramVec::new(
                 HistogramOpts::new(
@@ -130,6 +147,7 @@ impl OverloadMetrics {
         registry.register(Box::new(self.in_flight.clone()))?;
         registry.register(Box::new(self.buffered_bytes.clone()))?;
         registry.register(Box::new(self.connections.clone()))?;
+        registry.register(Box::new(self.connections_closed.clone()))?;
         registry.register(Box::new(self.explain_refused.clone()))?;
         registry.register(Box::new(self.answer_seconds.clone()))?;
         Ok(())
@@ -153,6 +171,13 @@ impl OverloadMetrics {
                 .with_label_values(&[outcome])
                 .observe(seconds.max(0.0));
         }
+    }
+
+    /// A gRPC connection closed by cachepick for `reason`.
+    pub fn connection_closed(&self, reason: CloseReason) {
+        self.connections_closed
+            .with_label_values(&[reason.as_str()])
+            .inc();
     }
 
     /// The current count of `cachepick_shed_total{reason}`.

@@ -7,8 +7,12 @@ use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 /// Why the HTTP listener on `metrics_listen` closed a connection it did not serve to the end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HttpRefusal {
-    /// `metrics_http.max_connections` were open: accepted and closed at once.
+    /// `metrics_http.max_connections` were open, each with a request in progress: accepted and closed
+    /// at once.
     ConnectionCap,
+    /// A newcomer at the cap took its place: of the connections waiting for a request's headers, it had
+    /// waited longest.
+    Evicted,
     /// The request headers did not arrive within `metrics_http.header_read_timeout` (also an idle
     /// keep-alive connection).
     HeaderTimeout,
@@ -19,8 +23,9 @@ pub enum HttpRefusal {
 }
 
 impl HttpRefusal {
-    pub const ALL: [HttpRefusal; 4] = [
+    pub const ALL: [HttpRefusal; 5] = [
         HttpRefusal::ConnectionCap,
+        HttpRefusal::Evicted,
         HttpRefusal::HeaderTimeout,
         HttpRefusal::RequestTimeout,
         HttpRefusal::Lifetime,
@@ -29,6 +34,7 @@ impl HttpRefusal {
     pub fn as_str(self) -> &'static str {
         match self {
             HttpRefusal::ConnectionCap => "connection_cap",
+            HttpRefusal::Evicted => "evicted",
             HttpRefusal::HeaderTimeout => "header_timeout",
             HttpRefusal::RequestTimeout => "request_timeout",
             HttpRefusal::Lifetime => "lifetime",
@@ -74,8 +80,10 @@ impl SecurityMetrics {
                 Opts::new(
                     "cachepick_metrics_http_refused_total",
                     "Connections the HTTP listener (metrics_listen) closed without serving them to the end: \
-                     connection_cap (accepted and closed at once), header_timeout (headers too slow, or idle \
-                     keep-alive), request_timeout (body or answer too slow), lifetime.",
+                     connection_cap (accepted and closed at once: every connection had a request in \
+                     progress), evicted (closed at the cap to make room: it had waited longest for a \
+                     request's headers), header_timeout (headers too slow, or idle keep-alive), \
+                     request_timeout (body or answer too slow), lifetime.",
                 ),
                 &["reason"],
             )?,

@@ -20,6 +20,8 @@ pub(super) const OVERLOAD_KEYS: &[&str] = &[
     "max_buffered_bytes",
     "max_concurrent_streams",
     "max_connections",
+    "idle_timeout",
+    "first_stream_timeout",
     "stream_deadline",
     "explain_rate",
     "shutdown_grace",
@@ -76,6 +78,17 @@ impl Validator<'_> {
             "max_connections",
             OverloadConfig::DEFAULT_MAX_CONNECTIONS,
         );
+        let idle = self.positive_duration(&map, "idle_timeout", defaults.idle_timeout);
+        // Unset, the first stream's wait is at most the idle timeout, so shortening that alone stays
+        // valid.
+        let first_stream = self
+            .positive_duration(&map, "first_stream_timeout", defaults.first_stream_timeout)
+            .map(|mut first| {
+                if let (Origin::Default, Ok(idle)) = (&first.at, &idle) {
+                    first.value = first.value.min(idle.value);
+                }
+                first
+            });
         // Unset, a stream may last at least one message_timeout, so raising that alone stays valid.
         let stream_deadline = self
             .positive_duration(&map, "stream_deadline", defaults.stream_deadline)
@@ -140,8 +153,21 @@ impl Validator<'_> {
             }
             _ => Ok(()),
         };
+        let first_fits = match (&first_stream, &idle) {
+            (Ok(first), Ok(idle)) if first.value > idle.value => {
+                let message = format!(
+                    "first_stream_timeout ({}) must be at most idle_timeout ({}): a connection that \
+                     never opened a stream is idle from its start",
+                    duration::format(first.value),
+                    duration::format(idle.value),
+                );
+                Err(self.report(Phase::Cross, blame(first, idle), message))
+            }
+            _ => Ok(()),
+        };
         stream_fits?;
         budget_fits?;
+        first_fits?;
         Ok(OverloadConfig {
             message_timeout: message_timeout?.value,
             decision_deadline: deadline?,
@@ -149,6 +175,8 @@ impl Validator<'_> {
             max_buffered_bytes: buffered?.value,
             max_concurrent_streams: streams?.value,
             max_connections: connections?,
+            idle_timeout: idle?.value,
+            first_stream_timeout: first_stream?.value,
             stream_deadline: stream_deadline?.value,
             explain_rate: rate?.value,
             shutdown_grace: grace?.value,
