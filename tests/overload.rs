@@ -424,7 +424,8 @@ async fn a_stream_past_its_deadline_is_answered_408() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listener_caps_streams_per_connection_and_connections() {
-    // The harness's own channel is one connection; the test opens one more, and a third must wait.
+    // The harness's own channel is one connection; the test opens one more; a third waits while both
+    // hold a stream.
     let harness = Harness::start(
         2,
         "overload: {max_concurrent_streams: 2, max_connections: 2}",
@@ -449,20 +450,53 @@ async fn the_listener_caps_streams_per_connection_and_connections() {
         metric(&harness.metrics().await, "cachepick_grpc_connections", &[]),
         2.0
     );
-    // A third connection is not accepted while two are open: its call waits.
+    // A third connection while both hold a stream (a Process stream on the harness's, a health Watch
+    // on the second) waits for a place: nothing idle can make room.
+    let mut on_first = send(&harness, vec![post_headers(CHAT)]).await;
+    on_first.next_headers_response().await;
+    let mut watch = bounded(
+        "a health Watch on the second connection",
+        DEADLINE,
+        HealthClient::new(second.clone()).watch(HealthCheckRequest {
+            service: String::new(),
+        }),
+    )
+    .await
+    .unwrap()
+    .into_inner();
+    bounded("the Watch's first status", DEADLINE, watch.message())
+        .await
+        .unwrap()
+        .unwrap();
     let third = endpoint.connect_lazy();
     let waiting = tokio::spawn(check(third));
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!waiting.is_finished(), "a third connection was served");
-    drop(second);
+    assert!(
+        !waiting.is_finished(),
+        "a third connection was served while both held a stream"
+    );
+    // The Watch ends: the second connection holds no stream, and is closed to make room at once.
+    drop(watch);
     bounded(
-        "the third connection is served once one closes",
+        "the third connection is served once one is idle",
         DEADLINE,
         waiting,
     )
     .await
     .unwrap()
     .unwrap();
+    let text = harness.metrics().await;
+    assert_eq!(metric(&text, "cachepick_grpc_connections", &[]), 2.0);
+    assert_eq!(
+        metric(
+            &text,
+            "cachepick_grpc_connections_closed_total",
+            &[("reason", "evicted")]
+        ),
+        1.0
+    );
+    drop(on_first);
+    drop(second);
 
     // Two streams open on one connection: a third stream waits for one of them to end.
     let mut first = send(&harness, vec![post_headers(CHAT)]).await;

@@ -5,7 +5,8 @@
 //!   token), never `/metrics` or ext_proc.
 //! - Slowloris on `metrics_listen` (more connections than `metrics_http.max_connections`, each
 //!   trickling its headers) does not stop ext_proc: decisions keep being answered while every slot is
-//!   held; the connections over the cap are closed at once; the slow ones are closed by
+//!   held; each connection over the cap takes the place of the one waiting longest for its headers,
+//!   which is closed at once; the slow ones left are closed by
 //!   `header_read_timeout` although they keep sending; `/metrics` answers again after them.
 //! - A body trickled to `/debug/explain` is cut by `request_timeout` with a 408.
 //!
@@ -195,8 +196,8 @@ async fn slowloris_on_the_metrics_listener_does_not_stop_ext_proc() {
     // No request to metrics_listen before the attack: every slot is the slow clients'.
     let client = harness.client().await;
 
-    // Every slot taken by a client that never finishes its headers, then more of them: the listener
-    // accepts those over the cap and closes them at once.
+    // Every slot taken by a client that never finishes its headers, then more of them: each one over the
+    // cap takes the place of the one that has waited longest, which is closed at once.
     let started = Instant::now();
     let mut slow = Vec::new();
     for _ in 0..CAP + OVER {
@@ -220,8 +221,9 @@ async fn slowloris_on_the_metrics_listener_does_not_stop_ext_proc() {
             == tonic_health::pb::health_check_response::ServingStatus::Serving
     );
 
-    // Every slow client is closed by the server although it keeps sending: those over the cap at once,
-    // the others by header_read_timeout (headers must be whole by then, however they trickle).
+    // Every slow client is closed by the server although it keeps sending: the oldest ones as newcomers
+    // took their places, the others by header_read_timeout (headers must be whole by then, however they
+    // trickle).
     for task in trickling {
         bounded("the slow connection is closed", DEADLINE, task)
             .await
@@ -239,10 +241,19 @@ async fn slowloris_on_the_metrics_listener_does_not_stop_ext_proc() {
         metric(
             &text,
             "cachepick_metrics_http_refused_total",
-            &[("reason", "connection_cap")]
+            &[("reason", "evicted")]
         ),
         OVER as f64,
-        "the connections over the cap were refused, the others held"
+        "each connection over the cap took an older one's place"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "cachepick_metrics_http_refused_total",
+            &[("reason", "connection_cap")]
+        ),
+        0.0,
+        "none was refused: there was always a connection waiting for its headers to close"
     );
     assert_eq!(
         metric(
