@@ -436,6 +436,14 @@ mod tests {
     }
 
     async fn start_with(debug: Option<Arc<dyn DebugSource>>, limits: HttpLimits) -> SocketAddr {
+        start_ready(debug, limits, Readiness::default()).await
+    }
+
+    async fn start_ready(
+        debug: Option<Arc<dyn DebugSource>>,
+        limits: HttpLimits,
+        readiness: Readiness,
+    ) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(Metrics::new().unwrap());
@@ -443,7 +451,7 @@ mod tests {
             debug,
             token: None,
             limits,
-            readiness: Readiness::default(),
+            readiness,
         };
         tokio::spawn(serve(listener, metrics, access, std::future::pending()));
         addr
@@ -518,6 +526,25 @@ mod tests {
 
         let reply = call(addr, Method::GET, "/nowhere", full(b"")).await;
         assert_eq!(reply.status, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn the_probes_follow_readiness() {
+        let readiness = Readiness::default();
+        let addr = start_ready(None, HttpLimits::default(), readiness.clone()).await;
+        let reply = call(addr, Method::GET, "/readyz", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        readiness.set(true);
+        assert_eq!(
+            call(addr, Method::GET, "/readyz", full(b"")).await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            call(addr, Method::GET, "/livez", full(b"")).await.status,
+            StatusCode::OK
+        );
+        let reply = call(addr, Method::POST, "/readyz", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::METHOD_NOT_ALLOWED);
     }
 
     #[tokio::test]

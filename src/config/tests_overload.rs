@@ -91,7 +91,8 @@ fn connection_timeouts_default_and_follow_a_shorter_idle_timeout() {
     assert_eq!(short.first_stream_timeout, Duration::from_secs(4));
     let problems = messages("overload: {idle_timeout: 0s, first_stream_timeout: 0s}\n").join("\n");
     assert!(
-        problems.contains("overload.idle_timeout") && problems.contains("overload.first_stream_timeout"),
+        problems.contains("overload.idle_timeout")
+            && problems.contains("overload.first_stream_timeout"),
         "{problems}"
     );
 }

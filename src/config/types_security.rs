@@ -24,7 +24,8 @@ pub struct ScrapeTls {
 /// needs too) or its memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HttpLimits {
-    /// Connections open at once; one more is accepted and closed at once.
+    /// Connections open at once; at the cap one more takes the place of the connection that has waited
+    /// longest for a request's headers, or is accepted and closed at once when every one is mid-request.
     pub max_connections: NonZeroUsize,
     /// A client has this long to send a request's headers, from the connection's start or the end of
     /// the previous response.

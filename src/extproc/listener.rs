@@ -29,9 +29,9 @@ use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 use tonic::body::Body;
+use tonic::codegen::Service as TowerService;
 use tonic::service::Routes;
 use tonic::transport::server::Connected;
-use tonic::codegen::Service as TowerService;
 
 use crate::config::OverloadConfig;
 use crate::connections::{CloseReason, Conn, Guarded, IdleLimits, Registry};
@@ -164,9 +164,7 @@ async fn connection<IO>(
         conn: Arc::clone(conn),
         info: io.connect_info(),
     };
-    let served = shared
-        .builder
-        .serve_connection(TokioIo::new(io), service);
+    let served = shared.builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(served);
     let ending = tokio::select! {
         ended = served.as_mut() => {

@@ -30,8 +30,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-pub use process::{FAULT_INJECTION, MAX_STREAMED_CHUNK};
 pub use listener::CLOSE_GRACE;
+pub use process::{FAULT_INJECTION, MAX_STREAMED_CHUNK};
 pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 use thiserror::Error;

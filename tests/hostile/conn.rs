@@ -285,7 +285,11 @@ async fn decision_on_a_new_connection(
 
 /// Keeps `count` idle connections open to `addr`, opening a new one whenever the server closes one,
 /// until `stop` is set.
-fn hold_idle_connections(addr: SocketAddr, count: usize, stop: Arc<AtomicBool>) -> Vec<JoinHandle<()>> {
+fn hold_idle_connections(
+    addr: SocketAddr,
+    count: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<JoinHandle<()>> {
     (0..count)
         .map(|_| {
             let stop = Arc::clone(&stop);
@@ -359,10 +363,7 @@ async fn a_cap_full_of_idle_http2_connections_locks_out_no_new_client() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let text = picker.metrics().await;
-    assert_eq!(
-        metric(&text, "cachepick_grpc_connections", &[]),
-        CAP as f64
-    );
+    assert_eq!(metric(&text, "cachepick_grpc_connections", &[]), CAP as f64);
     assert_eq!(
         metric(
             &text,
@@ -418,7 +419,10 @@ async fn connections_without_a_stream_are_closed_after_the_configured_times() {
         );
     }
     // The one that asked stays open until its idle timeout, counted from its stream's end.
-    assert!(!asked.closed.is_finished(), "closed before its idle timeout");
+    assert!(
+        !asked.closed.is_finished(),
+        "closed before its idle timeout"
+    );
     bounded(
         "a connection without a stream since its last is closed",
         IDLE + CLOSE_SLACK,
@@ -431,7 +435,10 @@ async fn connections_without_a_stream_are_closed_after_the_configured_times() {
         idle_for >= IDLE - Duration::from_millis(100),
         "closed {idle_for:?} after its last stream, before the idle timeout"
     );
-    eprintln!("first-stream closes by {:?}; the idle close {idle_for:?} after its stream", FIRST_STREAM);
+    eprintln!(
+        "first-stream closes by {:?}; the idle close {idle_for:?} after its stream",
+        FIRST_STREAM
+    );
     assert_eq!(picker.closed("first_stream").await, 8.0);
     assert_eq!(picker.closed("idle").await, 1.0);
     picker.until_open_connections(0).await;
@@ -457,7 +464,12 @@ async fn envoy_connecting_to_a_full_cap_gets_its_roster_and_routes() {
     };
     let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
     let deadline = Instant::now() + DEADLINE;
-    while envoy.stat("cluster.workers.membership_total").await.unwrap_or(0) < 2 {
+    while envoy
+        .stat("cluster.workers.membership_total")
+        .await
+        .unwrap_or(0)
+        < 2
+    {
         assert!(
             Instant::now() < deadline,
             "Envoy received no roster over EDS within {DEADLINE:?} while the cap was full:\n{}",
@@ -467,7 +479,12 @@ async fn envoy_connecting_to_a_full_cap_gets_its_roster_and_routes() {
     }
 
     let client = sim_client::Client::new();
-    let workers: Vec<String> = picker.fleet.endpoints().iter().map(ToString::to_string).collect();
+    let workers: Vec<String> = picker
+        .fleet
+        .endpoints()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
     let mut routed = 0;
     for seed in 0..10 {
         let reply = bounded(
@@ -498,10 +515,18 @@ async fn envoy_connecting_to_a_full_cap_gets_its_roster_and_routes() {
     let text = picker.metrics().await;
     let open = metric(&text, "cachepick_grpc_connections", &[]);
     stop.store(true, Ordering::Relaxed);
-    assert_eq!(routed, 10, "requests routed by cachepick through Envoy at a full cap");
-    assert!(open <= CAP as f64, "{open} connections open over a cap of {CAP}");
+    assert_eq!(
+        routed, 10,
+        "requests routed by cachepick through Envoy at a full cap"
+    );
+    assert!(
+        open <= CAP as f64,
+        "{open} connections open over a cap of {CAP}"
+    );
     for attacker in attackers {
-        bounded("an attacker stops", DEADLINE, attacker).await.unwrap();
+        bounded("an attacker stops", DEADLINE, attacker)
+            .await
+            .unwrap();
     }
     drop(envoy);
 }
@@ -541,7 +566,9 @@ fn slowloris(addr: SocketAddr, stop: Arc<AtomicBool>) -> JoinHandle<()> {
 /// One `GET path` on a new connection; its status, or why there was none.
 async fn get_once(addr: SocketAddr, path: &str, within: Duration) -> Result<StatusCode, String> {
     let attempt = async {
-        let stream = TcpStream::connect(addr).await.map_err(|error| error.to_string())?;
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|error| error.to_string())?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|error| error.to_string())?;
