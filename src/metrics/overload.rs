@@ -123,7 +123,9 @@ impl OverloadMetrics {
             )?,
             connections: IntGauge::new(
                 "cachepick_grpc_connections",
-                "Connections open on the gRPC listener (bounded by overload.max_connections).",
+                "Connections open on the gRPC listener: at most overload.max_connections, plus those \
+                 being closed to make room for a new one (at most as many again, each for about a \
+                 round trip).",
             )?,
             connections_closed,
             explain_refused,

@@ -7,7 +7,7 @@
 //! - such connections are closed once `first_stream_timeout` has passed, and a connection whose last
 //!   stream ended is closed once `idle_timeout` has (measured from that end, within [`CLOSE_SLACK`]);
 //! - a real Envoy 1.40, started (so connecting) while the cap is full and kept full, receives its roster
-//!   and routes every request;
+//!   and routes every request, and the connections open never exceed the cap plus those closing;
 //! - 64 slowloris connections on `metrics_listen` (the default cap), reconnecting whenever closed, leave
 //!   every one of 40 scrapes of `/metrics`, and `/readyz`, answered.
 //!
@@ -362,8 +362,8 @@ async fn a_cap_full_of_idle_http2_connections_locks_out_no_new_client() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    picker.until_open_connections(CAP).await;
     let text = picker.metrics().await;
-    assert_eq!(metric(&text, "cachepick_grpc_connections", &[]), CAP as f64);
     assert_eq!(
         metric(
             &text,
@@ -519,9 +519,10 @@ async fn envoy_connecting_to_a_full_cap_gets_its_roster_and_routes() {
         routed, 10,
         "requests routed by cachepick through Envoy at a full cap"
     );
+    // Those being closed to make room are counted until they end: at most as many again.
     assert!(
-        open <= CAP as f64,
-        "{open} connections open over a cap of {CAP}"
+        open <= 2.0 * CAP as f64,
+        "{open} connections open over a cap of {CAP} and as many closing"
     );
     for attacker in attackers {
         bounded("an attacker stops", DEADLINE, attacker)
