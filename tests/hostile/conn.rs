@@ -419,10 +419,6 @@ async fn connections_without_a_stream_are_closed_after_the_configured_times() {
         );
     }
     // The one that asked stays open until its idle timeout, counted from its stream's end.
-    assert!(
-        !asked.closed.is_finished(),
-        "closed before its idle timeout"
-    );
     bounded(
         "a connection without a stream since its last is closed",
         IDLE + CLOSE_SLACK,
