@@ -40,6 +40,8 @@ use crate::route::Service;
 /// How long a closing connection's peer has to finish the GOAWAY exchange (one round trip) once no
 /// stream is open.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// The pause after a failed accept.
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
 
 /// How the listener serves and bounds its connections.
 pub(super) struct Bounds {
@@ -109,8 +111,13 @@ pub(super) async fn serve<I, IO>(
                 next = incoming.next() => match next {
                     Some(Ok(io)) => io,
                     Some(Err(error)) => {
-                        tracing::debug!(%error, "accepting a gRPC connection failed");
-                        continue;
+                        // Out of file descriptors (EMFILE) and the like fail again at once: a pause
+                        // keeps the loop from spinning a core and flooding the log.
+                        tracing::warn!(%error, "accepting a gRPC connection failed");
+                        tokio::select! {
+                            () = &mut shutdown => break,
+                            () = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => continue,
+                        }
                     }
                     None => break,
                 },
