@@ -51,10 +51,13 @@ impl fmt::Debug for BearerToken {
 
 impl BearerToken {
     pub fn from_file(path: &Path) -> Result<BearerToken, AuthError> {
-        let bytes = cachepick_decode::file::read_regular(path, TOKEN_FILE_LIMIT).map_err(|source| AuthError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let bytes =
+            cachepick_decode::file::read_regular(path, TOKEN_FILE_LIMIT).map_err(|source| {
+                AuthError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         BearerToken::new(bytes.trim_ascii(), path)
     }
 

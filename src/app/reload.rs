@@ -216,17 +216,16 @@ impl FileReader {
         }
         let (sender, mut receiver) = oneshot::channel();
         let path = self.path.clone();
-        let spawned = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("config-read".to_owned())
             .spawn(move || {
                 let _ = sender.send(look(&path, known));
-            });
-        if let Err(error) = spawned {
-            return Err(error);
-        }
+            })?;
         match tokio::time::timeout(READ_TIMEOUT, &mut receiver).await {
             Ok(Ok(look)) => look,
-            Ok(Err(_)) => Err(io::Error::other("the reading thread ended without an answer")),
+            Ok(Err(_)) => Err(io::Error::other(
+                "the reading thread ended without an answer",
+            )),
             Err(_) => {
                 self.blocked = Some(receiver);
                 Err(io::Error::new(

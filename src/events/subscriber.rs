@@ -186,7 +186,8 @@ impl Subscriber {
     /// fails, and a new connection is a new catch-up.
     async fn connect(&self, live: SocketAddr) -> Result<Connection, StreamError> {
         let work = async {
-            let mut connection = Connection::connect(live, SocketType::Sub, MAX_MESSAGE_BYTES).await?;
+            let mut connection =
+                Connection::connect(live, SocketType::Sub, MAX_MESSAGE_BYTES).await?;
             connection.subscribe(self.topic.as_bytes()).await?;
             Ok::<_, ZmtpError>(connection)
         };
@@ -342,7 +343,7 @@ impl Subscriber {
     async fn try_heal(&mut self, from: u64, until: u64) -> Result<bool, StreamError> {
         let mut replay = self.open_replay(from).await?;
         let first = replay.next().await?;
-        if !first.as_ref().is_some_and(|(seq, _)| *seq == from) {
+        if first.as_ref().is_none_or(|(seq, _)| *seq != from) {
             return Ok(false);
         }
         self.apply_replay(from, Some(until), first, &mut replay)
@@ -384,7 +385,10 @@ impl Subscriber {
             }
             self.apply_payload(seq, &payload);
         }
-        self.applier.stream().replays.fetch_add(1, Ordering::Relaxed);
+        self.applier
+            .stream()
+            .replays
+            .fetch_add(1, Ordering::Relaxed);
         self.duplicates = Some((from, Instant::now() + DUPLICATE_WINDOW));
         Ok(())
     }
@@ -411,10 +415,9 @@ impl Subscriber {
             return Ok(Replay::empty(deadline));
         };
         let work = async {
-            let mut connection =
-                Connection::connect(replay, SocketType::Dealer, MAX_MESSAGE_BYTES)
-                    .await
-                    .map_err(|error| StreamError::Connect(replay, error.to_string()))?;
+            let mut connection = Connection::connect(replay, SocketType::Dealer, MAX_MESSAGE_BYTES)
+                .await
+                .map_err(|error| StreamError::Connect(replay, error.to_string()))?;
             connection
                 .send(&[b"", &from.to_be_bytes()])
                 .await
@@ -526,7 +529,8 @@ mod tests {
     }
 
     fn replayed(frames: &[&[u8]]) -> (i64, Vec<u8>) {
-        let (seq, payload) = replay_frames(&message(frames)).unwrap();
+        let message = message(frames);
+        let (seq, payload) = replay_frames(&message).unwrap();
         (seq, payload.to_vec())
     }
 
@@ -552,23 +556,11 @@ mod tests {
         let seq = 3_u64.to_be_bytes();
         let end = (-1_i64).to_be_bytes();
         // vLLM ≥ 0.26: the DEALER sees the empty delimiter, then topic, seq, payload.
-        assert_eq!(
-            replayed(&[b"", b"kv@a", &seq, b"p"]),
-            (3, b"p".to_vec())
-        );
+        assert_eq!(replayed(&[b"", b"kv@a", &seq, b"p"]), (3, b"p".to_vec()));
         // Older vLLM and SGLang: no topic.
-        assert_eq!(
-            replayed(&[b"", &seq, b"p"]),
-            (3, b"p".to_vec())
-        );
-        assert_eq!(
-            replayed(&[b"", &end, b""]),
-            (-1, b"".to_vec())
-        );
+        assert_eq!(replayed(&[b"", &seq, b"p"]), (3, b"p".to_vec()));
+        assert_eq!(replayed(&[b"", &end, b""]), (-1, b"".to_vec()));
         // An empty topic is skipped with the delimiter; the end marker with an empty topic too.
-        assert_eq!(
-            replayed(&[b"", b"", &end, b""]),
-            (-1, b"".to_vec())
-        );
+        assert_eq!(replayed(&[b"", b"", &end, b""]), (-1, b"".to_vec()));
     }
 }

@@ -424,7 +424,11 @@ async fn a_config_swapped_for_a_fifo_is_refused_and_reload_and_sigterm_keep_work
         until(Duration::from_secs(5), "SIGHUP counted", || {
             picker.reloads("invalid") == invalid + 1
         });
-        assert!(picker.log().contains("trigger=\"SIGHUP\""), "{}", picker.log());
+        assert!(
+            picker.log().contains("trigger=\"SIGHUP\""),
+            "{}",
+            picker.log()
+        );
 
         // A real edit afterwards applies.
         let staged = dir.path().join("staged.yaml");
@@ -484,13 +488,21 @@ fn dev_zero_and_a_200_mb_file_are_refused_as_configurations() {
         .set_len(200 * 1000 * 1000)
         .unwrap();
     for (path, reason) in [
-        (Path::new("/dev/zero"), "not a regular file (a character device)"),
+        (
+            Path::new("/dev/zero"),
+            "not a regular file (a character device)",
+        ),
         (big.as_path(), "200000000 bytes; the limit is 16 MiB"),
     ] {
         for command in ["check", "serve"] {
             let started = Instant::now();
             let output = run(&[command, "--config", path.to_str().unwrap()]);
-            assert_eq!(output.status.code(), Some(2), "{command} {}", path.display());
+            assert_eq!(
+                output.status.code(),
+                Some(2),
+                "{command} {}",
+                path.display()
+            );
             let message = stderr(&output);
             assert!(
                 message.contains(&format!(
@@ -530,13 +542,17 @@ fn check_refuses_what_serve_refuses_with_the_same_message_once() {
     let cases = [
         (
             "a missing tokenizer",
-            pool(&format!("    tokenizer: {{kind: huggingface, path: {missing}}}\n")),
+            pool(&format!(
+                "    tokenizer: {{kind: huggingface, path: {missing}}}\n"
+            )),
             format!("pool m: cannot read {missing}: No such file or directory"),
             "No such file or directory",
         ),
         (
             "an unparsable tokenizer",
-            pool(&format!("    tokenizer: {{kind: huggingface, path: {garbage}}}\n")),
+            pool(&format!(
+                "    tokenizer: {{kind: huggingface, path: {garbage}}}\n"
+            )),
             format!("pool m: {garbage} is not a usable tokenizer.json"),
             "is not a usable tokenizer.json",
         ),
@@ -564,7 +580,8 @@ fn check_refuses_what_serve_refuses_with_the_same_message_once() {
                 "listen: 127.0.0.1:19002\nmetrics_listen: 127.0.0.1:19002\n{}",
                 pool("")
             ),
-            "metrics_listen (127.0.0.1:19002) takes the port of listen (127.0.0.1:19002)".to_owned(),
+            "metrics_listen (127.0.0.1:19002) takes the port of listen (127.0.0.1:19002)"
+                .to_owned(),
             "takes the port of listen",
         ),
     ];
@@ -572,8 +589,18 @@ fn check_refuses_what_serve_refuses_with_the_same_message_once() {
         let path = file("cachepick.yaml", &text);
         let checked = run(&["check", "--config", &path]);
         let served = run(&["serve", "--config", &path]);
-        assert_eq!(checked.status.code(), Some(2), "check, {name}: {}", stderr(&checked));
-        assert_eq!(served.status.code(), Some(2), "serve, {name}: {}", stderr(&served));
+        assert_eq!(
+            checked.status.code(),
+            Some(2),
+            "check, {name}: {}",
+            stderr(&checked)
+        );
+        assert_eq!(
+            served.status.code(),
+            Some(2),
+            "serve, {name}: {}",
+            stderr(&served)
+        );
         assert!(
             checked.stdout.is_empty(),
             "check printed a configuration for {name}"

@@ -53,7 +53,9 @@ impl HostileEngine {
         std::thread::spawn(move || {
             for stream in live.incoming() {
                 let Ok(stream) = stream else { continue };
-                let n = live_counters.live_connections.fetch_add(1, Ordering::SeqCst);
+                let n = live_counters
+                    .live_connections
+                    .fetch_add(1, Ordering::SeqCst);
                 let counters = Arc::clone(&live_counters);
                 std::thread::spawn(move || {
                     let _ = if n == 0 {

@@ -108,7 +108,8 @@ mod tests {
 
     #[test]
     fn a_regular_file_within_the_limit_is_read_and_others_are_refused() {
-        let dir = std::env::temp_dir().join(format!("cachepick-decode-file-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("cachepick-decode-file-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("ok.yaml");
         std::fs::write(&path, "listen: x\n").unwrap();

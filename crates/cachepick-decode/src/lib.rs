@@ -50,9 +50,11 @@ pub fn decode_file<T>(
     path: &Path,
     schema: impl FnOnce(&Node, &mut Problems) -> Res<T>,
 ) -> Result<T, ConfigError> {
-    let source = file::read_regular_to_string(path, file::CONFIG_FILE_LIMIT).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
+    let source = file::read_regular_to_string(path, file::CONFIG_FILE_LIMIT).map_err(|source| {
+        ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        }
     })?;
     decode(&source, &path.display().to_string(), schema)
 }

@@ -42,9 +42,11 @@ impl Backend {
                 Ok((Backend::Tiktoken { bpe, special }, identity))
             }
             TokenizerConfig::HuggingFace { path } => {
-                let bytes = read_regular(path, TOKENIZER_FILE_LIMIT).map_err(|source| TokenizeError::Read {
-                    path: path.clone(),
-                    source,
+                let bytes = read_regular(path, TOKENIZER_FILE_LIMIT).map_err(|source| {
+                    TokenizeError::Read {
+                        path: path.clone(),
+                        source,
+                    }
                 })?;
                 let tokenizer = hugging_face(&bytes, path)?;
                 Ok((Backend::HuggingFace(Box::new(tokenizer)), xxh3_64(&bytes)))
