@@ -279,6 +279,71 @@ mod tests {
         assert_eq!(out.len(), 9 + 300);
     }
 
+    /// A publisher that completes the handshake, then writes `after` and keeps the connection open.
+    async fn peer(after: Vec<u8>) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut greeting = [0_u8; 64];
+            stream.read_exact(&mut greeting).await.unwrap();
+            let mut ours = [0_u8; 64];
+            ours[0] = 0xff;
+            ours[9] = 0x7f;
+            ours[10] = 3;
+            ours[12..16].copy_from_slice(b"NULL");
+            let mut out = ours.to_vec();
+            encode_frame(&mut out, FLAG_COMMAND, &ready(SocketType::Sub));
+            out.extend_from_slice(&after);
+            stream.write_all(&out).await.unwrap();
+            // Held open, never sending the body it declared: a reader that waited for it would hang.
+            let mut rest = Vec::new();
+            let _ = stream.read_to_end(&mut rest).await;
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_frame_over_the_limit_is_refused_from_its_header() {
+        let mut header = vec![FLAG_LONG];
+        header.extend_from_slice(&(1_u64 << 40).to_be_bytes());
+        let mut connection = Connection::connect(peer(header).await, SocketType::Sub, 1024)
+            .await
+            .unwrap();
+        assert!(matches!(
+            connection.recv().await,
+            Err(ZmtpError::FrameTooLarge { len, max: 1024 }) if len == 1 << 40
+        ));
+    }
+
+    #[tokio::test]
+    async fn frames_of_one_message_share_its_limit() {
+        let mut frames = Vec::new();
+        encode_frame(&mut frames, FLAG_MORE, &[1; 600]);
+        encode_frame(&mut frames, 0, &[2; 600]);
+        let mut connection = Connection::connect(peer(frames).await, SocketType::Sub, 1000)
+            .await
+            .unwrap();
+        let error = connection.recv().await.unwrap_err();
+        assert!(
+            matches!(error, ZmtpError::MessageTooLarge { max: 1000 }),
+            "{error}"
+        );
+        assert!(error.is_oversized());
+
+        let mut frames = Vec::new();
+        encode_frame(&mut frames, FLAG_COMMAND, b"\x04PING\x00\x00");
+        encode_frame(&mut frames, FLAG_MORE, b"topic");
+        encode_frame(&mut frames, 0, &[3; 300]);
+        let mut connection = Connection::connect(peer(frames).await, SocketType::Sub, 1000)
+            .await
+            .unwrap();
+        let message = connection.recv().await.unwrap();
+        assert_eq!(message.len(), 2);
+        assert_eq!(&message[0][..], b"topic");
+        assert_eq!(message[1].len(), 300);
+    }
+
     #[test]
     fn commands_are_named_by_their_length_prefix() {
         assert_eq!(command_name(&ready(SocketType::Sub)), Some(&b"READY"[..]));

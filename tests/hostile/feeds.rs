@@ -300,8 +300,11 @@ async fn an_oversized_kv_event_frame_and_a_flooding_replay_stay_within_a_memory_
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // The flood is abandoned at its 256 MiB budget (counted as refused) or, on a loaded machine, at
+    // the replay's 5 s deadline, whichever comes first; either way it failed and was read no further.
     let stream = picker.stream(0);
-    assert_eq!(stream["refused_replays"], 1, "{stream:#}");
+    assert!(stream["replay_failures"].as_u64() >= Some(1), "{stream:#}");
+    assert!(stream["refused_replays"].as_u64() <= Some(1), "{stream:#}");
     let replayed = hostile.counter(|c| &c.replay_bytes_sent);
     assert!(
         replayed <= (256 + 16) * MIB,
@@ -357,11 +360,12 @@ async fn an_oversized_kv_event_frame_and_a_flooding_replay_stay_within_a_memory_
     assert_eq!(refused, 1);
     let peak = picker.peak_rss();
     eprintln!(
-        "peak RSS {} MiB (at start {} MiB, now {} MiB); flood bytes read {} MiB; frame bytes read {} KiB",
+        "peak RSS {} MiB (at start {} MiB, now {} MiB); flood bytes read {} MiB (refused: {}); frame bytes read {} KiB",
         peak / MIB,
         baseline / MIB,
         picker.rss() / MIB,
         replayed / MIB,
+        stream["refused_replays"],
         frame_read / 1024
     );
     assert!(
