@@ -31,6 +31,9 @@ pub enum AuthError {
 /// Shorter tokens are guessable; `openssl rand -hex 32` gives 64.
 pub const MIN_TOKEN_BYTES: usize = 16;
 
+/// The largest token file read: a token is a header value, far shorter.
+const TOKEN_FILE_LIMIT: u64 = 64 << 10;
+
 /// The scheme prefix of the header value.
 const BEARER: &[u8] = b"Bearer ";
 
@@ -48,10 +51,13 @@ impl fmt::Debug for BearerToken {
 
 impl BearerToken {
     pub fn from_file(path: &Path) -> Result<BearerToken, AuthError> {
-        let bytes = std::fs::read(path).map_err(|source| AuthError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+        let bytes =
+            cachepick_decode::file::read_regular(path, TOKEN_FILE_LIMIT).map_err(|source| {
+                AuthError::Read {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         BearerToken::new(bytes.trim_ascii(), path)
     }
 

@@ -61,8 +61,11 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The largest PEM file read: a CA bundle of every public root is about 250 KiB.
+const PEM_FILE_LIMIT: u64 = 4 << 20;
+
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
+    cachepick_decode::file::read_regular(path, PEM_FILE_LIMIT).map_err(|source| TlsError::Read {
         path: path.to_owned(),
         source,
     })

@@ -1,5 +1,6 @@
-//! Hostile clients against the real `cachepick serve`, one module per attack surface: each asserts the
-//! bound the picker holds under its attack (issue 23). The modules live in `tests/hostile/`.
+//! Hostile clients, feeds and files against the real `cachepick serve`: each attack of issue 23 runs
+//! here and asserts the bound the picker holds under it. One module per attack surface, in
+//! `tests/hostile/`.
 
 #![allow(
     clippy::unwrap_used,
@@ -8,5 +9,9 @@
     clippy::panic
 )]
 
+mod support;
+
 #[path = "hostile/conn.rs"]
 mod conn;
+#[path = "hostile/feeds.rs"]
+mod feeds;

@@ -11,7 +11,6 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::auth::{AuthError, BearerToken};
 use crate::config::{Config, Discovery, IndexMode, PoolConfig};
 use crate::discovery::SourceStatus;
 use crate::discovery::dns::DnsSource;
@@ -27,10 +26,12 @@ use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
 pub use crate::route::Explanation;
 use crate::route::{ExplainError, Picker, PickerError, PoolReport, RequestError, Service};
-use crate::tls::{ServerTls, TlsError};
-pub use reload::{Reload, restart_only_changes};
+use crate::tls::TlsError;
+pub use reload::{READ_TIMEOUT, Reload, restart_only_changes};
+pub use startup::{Prepared, StartError, prepare};
 
 mod reload;
+mod startup;
 
 #[derive(Debug, Error)]
 pub enum AppError {
@@ -49,36 +50,17 @@ pub enum AppError {
     #[error("TLS: {0}")]
     Tls(#[from] TlsError),
     #[error(transparent)]
-    Auth(#[from] AuthError),
+    Start(#[from] StartError),
 }
 
-/// The files `tls`, `load.tls` and `debug_token_file` name, read once at start-up.
-struct Security {
-    tls: Option<Arc<ServerTls>>,
-    token: Option<BearerToken>,
-}
-
-impl Security {
-    fn load(config: &Config) -> Result<Security, AppError> {
-        let tls = config
-            .tls
-            .clone()
-            .map(ServerTls::load)
-            .transpose()?
-            .map(Arc::new);
-        let token = config
-            .debug_token_file
-            .as_deref()
-            .map(BearerToken::from_file)
-            .transpose()?;
-        for (key, addr) in config.exposed_debug() {
-            tracing::warn!(
-                %addr,
-                "debug_endpoints: true serves the debug endpoints on {key}, which is not loopback, to anyone \
-                 who can connect: set debug_token_file, or bind {key} to loopback"
-            );
-        }
-        Ok(Security { tls, token })
+/// Warns of debug endpoints that anyone who can connect may use.
+fn warn_exposed_debug(config: &Config) {
+    for (key, addr) in config.exposed_debug() {
+        tracing::warn!(
+            %addr,
+            "debug_endpoints: true serves the debug endpoints on {key}, which is not loopback, to anyone \
+             who can connect: set debug_token_file, or bind {key} to loopback"
+        );
     }
 }
 
@@ -89,30 +71,25 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), AppError> {
     Ok((listener, bound))
 }
 
-/// A scraper and its shared state for every pool of `config`; `load.tls`'s files are read here.
+/// A scraper and its shared state for every pool of `config`, scraping through `tls` when given.
 fn pools(
     config: &Config,
     metrics: &Arc<Metrics>,
-) -> Result<Vec<(Arc<PoolLoad>, Scraper)>, AppError> {
-    let tls = config
-        .load
-        .tls
-        .as_ref()
-        .map(ScrapeTlsClient::load)
-        .transpose()?;
-    Ok(config
+    tls: Option<&ScrapeTlsClient>,
+) -> Vec<(Arc<PoolLoad>, Scraper)> {
+    config
         .pools
         .iter()
         .map(|pool| {
             let load = PoolLoad::new(pool, &config.load);
             let scraper = Scraper::new(pool, &config.load, Arc::clone(&load), metrics.clone());
-            let scraper = match &tls {
+            let scraper = match tls {
                 Some(tls) => scraper.with_tls(tls),
                 None => scraper,
             };
             (load, scraper)
         })
-        .collect())
+        .collect()
 }
 
 /// Runs cachepick with `config` until `shutdown` resolves, its file's workers fixed.
@@ -130,8 +107,25 @@ pub async fn serve(
     reload: Option<Reload>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AppError> {
-    // The files first: a bad certificate or token stops the process before it listens.
-    let security = Security::load(config)?;
+    // The files first: a bad certificate, token or tokenizer stops the process before it listens.
+    let prepared = prepare(config)?;
+    serve_prepared(config, prepared, reload, shutdown).await
+}
+
+/// [`serve`] with the configuration's files already loaded by [`prepare`].
+pub async fn serve_prepared(
+    config: &Config,
+    prepared: Prepared,
+    reload: Option<Reload>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AppError> {
+    warn_exposed_debug(config);
+    let Prepared {
+        tls,
+        token,
+        scrape_tls,
+        tokenizers,
+    } = prepared;
     let (listener, bound) = bind(config.listen).await?;
     let (metrics_listener, metrics_bound) = bind(config.metrics_listen).await?;
     let metrics = Arc::new(Metrics::new()?);
@@ -143,10 +137,10 @@ pub async fn serve(
         }
     };
 
-    let pools = pools(config, &metrics)?;
+    let pools = pools(config, &metrics, scrape_tls.as_ref());
     let loads: Vec<Arc<PoolLoad>> = pools.iter().map(|(load, _)| Arc::clone(load)).collect();
-    // Loading every tokenizer and template up front makes a bad file a start-up error, not a 400 later.
-    let picker = Picker::new(config, &loads)?;
+    // Every tokenizer and template was loaded up front: a bad file is a start-up error, not a 400 later.
+    let picker = Picker::with_tokenizers(config, &loads, tokenizers);
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     let mut tasks = tokio::task::JoinSet::new();
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
@@ -182,7 +176,7 @@ pub async fn serve(
         Arc::clone(&metrics),
         metrics_server::Access {
             debug,
-            token: security.token.clone(),
+            token: token.clone(),
             limits: config.metrics_http,
             readiness: readiness.clone(),
         },
@@ -198,8 +192,8 @@ pub async fn serve(
     let options = extproc::ServeOptions {
         access: extproc::Access {
             debug: config.debug_on_listen(),
-            token: security.token,
-            tls: security.tls,
+            token,
+            tls,
         },
         overload: config.overload,
         freshness: config.load.freshness,
@@ -361,7 +355,13 @@ pub const EVENTS_LOOK: Duration = Duration::from_secs(1);
 /// read instead of a running scraper.
 async fn scraped(config: &Config, rounds: u32) -> Result<Vec<Arc<PoolLoad>>, AppError> {
     let metrics = Arc::new(Metrics::new()?);
-    let mut pools = pools(config, &metrics)?;
+    let tls = config
+        .load
+        .tls
+        .as_ref()
+        .map(ScrapeTlsClient::load)
+        .transpose()?;
+    let mut pools = pools(config, &metrics, tls.as_ref());
     discover_once(config, &mut pools).await;
     for round in 0..rounds {
         if round > 0 {

@@ -6,7 +6,12 @@
 //! content, rather than watching inotify events, sees every way a file is replaced: an edit in place,
 //! an editor's rename over it, and a Kubernetes ConfigMap update, which swaps the `..data` symlink of
 //! the mounted directory without touching the file's own path (an inotify watch on the file would
-//! miss it, and one on the directory must be re-armed after each swap). A read a second is nothing.
+//! miss it, and one on the directory must be re-armed after each swap). A look a second is one
+//! `stat`: the file is read only when what the path leads to, its size or its times changed.
+//!
+//! The file is read off the runtime, on a thread of its own, within [`READ_TIMEOUT`], and only a
+//! regular file of at most 16 MiB: a FIFO, a device or an oversized file put in its place is refused
+//! (logged once, counted as `invalid`), so SIGHUP, later edits and SIGTERM keep working.
 //!
 //! A new file is validated in full first. An invalid one changes nothing: every problem is logged
 //! with its line, and counted. A valid one that changes what only a restart can change (the listen
@@ -15,10 +20,12 @@
 //! pools' scrapers (which drain, join and keep everything else, including the owner index), and the
 //! policies are swapped for the next decisions.
 
-use std::path::PathBuf;
+use std::io;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::oneshot;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::config::{self, Config, Discovery, IndexMode, Overrides, PoolConfig, ReloadOutcome};
@@ -30,6 +37,9 @@ use crate::route::Service;
 
 /// The longest the file goes unread: pools scraped less often still see a change within this.
 pub const POLL: Duration = Duration::from_secs(1);
+/// The longest one look at the file may take. A read still blocked after it (a hung network file
+/// system) is left to its thread, and no other starts until it returns.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Where the running configuration came from, so it can be read again.
 #[derive(Clone, Debug)]
@@ -55,35 +65,61 @@ pub(super) async fn watch(
     targets: Targets,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let mut applied = tokio::fs::read(&reload.path)
-        .await
-        .map(|text| xxh3_64(&text))
-        .ok();
+    tokio::pin!(shutdown);
+    let mut file = FileReader::new(reload.path.clone());
+    let (mut seen, mut applied) = tokio::select! {
+        () = &mut shutdown => return,
+        read = file.read(None) => match read {
+            Ok(Look::Changed(stamp, text)) => (Some(stamp), Some(xxh3_64(text.as_bytes()))),
+            _ => (None, None),
+        },
+    };
+    // The last reason the file could not be read, so that a lasting one is logged once.
+    let mut unreadable: Option<String> = None;
     let mut hangup = hangups();
     let mut ticker = tokio::time::interval(current.load.scrape_interval.min(POLL));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(shutdown);
     loop {
         let asked = tokio::select! {
             () = &mut shutdown => return,
             _ = ticker.tick() => false,
             Some(()) = next_hangup(&mut hangup) => true,
         };
-        let Ok(text) = tokio::fs::read(&reload.path).await else {
-            if asked {
-                tracing::error!(path = %reload.path.display(), "SIGHUP: cannot read the configuration file; nothing changed");
-                targets.metrics.record_reload(ReloadOutcome::Invalid);
+        // SIGHUP reads the file even when it looks unchanged.
+        let look = tokio::select! {
+            () = &mut shutdown => return,
+            look = file.read(if asked { None } else { seen }) => look,
+        };
+        let text = match look {
+            Ok(Look::Unchanged) => continue,
+            Ok(Look::Changed(stamp, text)) => {
+                seen = Some(stamp);
+                unreadable = None;
+                text
             }
             // Mid-swap, or removed: the running configuration stands until a file is there again.
-            continue;
+            Err(error) if !asked && error.kind() == io::ErrorKind::NotFound => continue,
+            Err(error) => {
+                let reason = error.to_string();
+                if asked || unreadable.as_ref() != Some(&reason) {
+                    let trigger = if asked { "SIGHUP" } else { "file changed" };
+                    tracing::error!(path = %reload.path.display(), trigger, "cannot read the configuration file: {reason}; nothing changed");
+                    targets.metrics.record_reload(ReloadOutcome::Invalid);
+                }
+                unreadable = Some(reason);
+                seen = None;
+                continue;
+            }
         };
-        let hash = xxh3_64(&text);
+        let hash = xxh3_64(text.as_bytes());
         if !asked && applied == Some(hash) {
             continue;
         }
         applied = Some(hash);
         let trigger = if asked { "SIGHUP" } else { "file changed" };
-        let outcome = match config::load(&reload.path, &reload.overrides) {
+        let parsed = config::parse(&text, &reload.path.display().to_string(), &reload.overrides);
+        drop(text);
+        let outcome = match parsed {
             Err(error) => {
                 tracing::error!(path = %reload.path.display(), trigger, "the reloaded configuration is invalid; nothing changed:\n{error}");
                 for status in targets.sources.iter().flatten() {
@@ -108,6 +144,110 @@ pub(super) async fn watch(
         };
         targets.metrics.record_reload(outcome);
     }
+}
+
+/// What identifies a version of the file without reading it: the file the path leads to (a symlink
+/// swap changes it), its size and its modification and change times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    device: u64,
+    inode: u64,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    changed: (i64, i64),
+}
+
+impl Stamp {
+    fn of(metadata: &std::fs::Metadata) -> Stamp {
+        #[cfg(unix)]
+        let (device, inode, changed) = {
+            use std::os::unix::fs::MetadataExt;
+            (
+                metadata.dev(),
+                metadata.ino(),
+                (metadata.ctime(), metadata.ctime_nsec()),
+            )
+        };
+        #[cfg(not(unix))]
+        let (device, inode, changed) = (0, 0, (0, 0));
+        Stamp {
+            device,
+            inode,
+            len: metadata.len(),
+            modified: metadata.modified().ok(),
+            changed,
+        }
+    }
+}
+
+/// One look at the file.
+enum Look {
+    /// Its stamp is the one given: not read again.
+    Unchanged,
+    Changed(Stamp, String),
+}
+
+/// Reads the file off the runtime, on a thread of its own, within [`READ_TIMEOUT`]; only a regular
+/// file of at most [`CONFIG_FILE_LIMIT`](cachepick_decode::file::CONFIG_FILE_LIMIT) bytes.
+struct FileReader {
+    path: PathBuf,
+    /// A read that did not return in time: no other starts until it has.
+    blocked: Option<oneshot::Receiver<io::Result<Look>>>,
+}
+
+impl FileReader {
+    fn new(path: PathBuf) -> FileReader {
+        FileReader {
+            path,
+            blocked: None,
+        }
+    }
+
+    /// The file, unless its stamp is still `known`.
+    async fn read(&mut self, known: Option<Stamp>) -> io::Result<Look> {
+        if let Some(mut blocked) = self.blocked.take()
+            && let Err(oneshot::error::TryRecvError::Empty) = blocked.try_recv()
+        {
+            self.blocked = Some(blocked);
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "an earlier read of it has not returned",
+            ));
+        }
+        let (sender, mut receiver) = oneshot::channel();
+        let path = self.path.clone();
+        std::thread::Builder::new()
+            .name("config-read".to_owned())
+            .spawn(move || {
+                let _ = sender.send(look(&path, known));
+            })?;
+        match tokio::time::timeout(READ_TIMEOUT, &mut receiver).await {
+            Ok(Ok(look)) => look,
+            Ok(Err(_)) => Err(io::Error::other(
+                "the reading thread ended without an answer",
+            )),
+            Err(_) => {
+                self.blocked = Some(receiver);
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("reading it did not return within {READ_TIMEOUT:?}"),
+                ))
+            }
+        }
+    }
+}
+
+/// Runs on the reading thread: the file's stamp, and its text when the stamp is not `known`.
+fn look(path: &Path, known: Option<Stamp>) -> io::Result<Look> {
+    let stamp = Stamp::of(&std::fs::metadata(path)?);
+    if known == Some(stamp) {
+        return Ok(Look::Unchanged);
+    }
+    let text = cachepick_decode::file::read_regular_to_string(
+        path,
+        cachepick_decode::file::CONFIG_FILE_LIMIT,
+    )?;
+    Ok(Look::Changed(stamp, text))
 }
 
 /// Sends each file pool its workers and every pool its policy.

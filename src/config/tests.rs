@@ -1648,3 +1648,31 @@ fn the_salt_header_is_lower_cased_and_emitted() {
     let again = parse(&config.to_yaml(), "emitted.yaml", &Overrides::default()).unwrap();
     assert_eq!(again, config);
 }
+
+#[test]
+fn listen_and_metrics_listen_may_not_share_a_port() {
+    let pool = "pools:\n  - model: m\n    engine: vllm\n    workers: [{endpoint: 127.0.0.1:1}]\n";
+    for (listen, metrics) in [
+        ("127.0.0.1:9002", "127.0.0.1:9002"),
+        ("0.0.0.0:9002", "127.0.0.1:9002"),
+        ("127.0.0.1:9002", "0.0.0.0:9002"),
+    ] {
+        let source = format!("listen: {listen}\nmetrics_listen: {metrics}\n{pool}");
+        assert_eq!(
+            messages(&source, &NO_FLAGS),
+            [format!(
+                "metrics_listen (line 2): metrics_listen ({metrics}) takes the port of listen ({listen}): each server needs its own"
+            )],
+            "{source}"
+        );
+    }
+    // The system's choice (port 0), other ports, other addresses of one port are all fine.
+    for (listen, metrics) in [
+        ("127.0.0.1:0", "127.0.0.1:0"),
+        ("127.0.0.1:9002", "127.0.0.1:9090"),
+        ("127.0.0.1:9002", "127.0.0.2:9002"),
+    ] {
+        let source = format!("listen: {listen}\nmetrics_listen: {metrics}\n{pool}");
+        assert!(parse(&source, "test.yaml", &NO_FLAGS).is_ok(), "{source}");
+    }
+}

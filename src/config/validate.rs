@@ -231,6 +231,16 @@ impl Validator<'_> {
         let metrics_listen =
             overridden(metrics_listen, overrides.metrics_listen, "--metrics-listen");
         let metrics_listen = with_default(metrics_listen, Config::DEFAULT_METRICS_LISTEN);
+        let listeners_apart = match (&listen, &metrics_listen) {
+            (Ok(grpc), Ok(http)) if same_socket(grpc.value, http.value) => {
+                let message = format!(
+                    "metrics_listen ({}) takes the port of listen ({}): each server needs its own",
+                    http.value, grpc.value
+                );
+                Err(self.report(Phase::Cross, blame(http, grpc), message))
+            }
+            _ => Ok(()),
+        };
         let max_body_bytes =
             self.positive_size(&root, "max_body_bytes", Config::DEFAULT_MAX_BODY_BYTES);
         let debug_endpoints = self.opt(&root, "debug_endpoints", Self::boolean);
@@ -246,6 +256,7 @@ impl Validator<'_> {
         self.https_scrape = load.as_ref().map_or(true, |load| load.tls.is_some());
         let pools = self.pools(&root, &policy);
         let overload = self.overload(&root, overrides, &max_body_bytes);
+        listeners_apart?;
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -678,4 +689,13 @@ fn salt_header(name: String) -> Result<String, String> {
         ));
     }
     Ok(lower)
+}
+
+/// Whether two listeners would bind the same port: the same one (unless the system picks it, port 0),
+/// or one on every address of its family and the other on any address of it.
+fn same_socket(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    a.port() != 0
+        && a.port() == b.port()
+        && a.is_ipv4() == b.is_ipv4()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
 }

@@ -8,6 +8,7 @@
 //! - [`subscriber`]: one engine rank's stream over ZeroMQ: sequence tracking, replay, resets,
 //!   reconnection.
 //! - [`stream`]: each stream's state and counters, read by metrics and the debug endpoints.
+//! - [`zmtp`]: the ZeroMQ wire protocol, client side, with a byte limit on every frame.
 //! - [`EventFeeds`]: every stream of every `events` pool, started by `app`.
 //!
 //! The types here are the engines' vocabulary with the engines' hashes; nothing in them is keyed by
@@ -20,6 +21,7 @@ pub mod decode;
 mod feeds;
 pub mod stream;
 pub mod subscriber;
+pub mod zmtp;
 
 pub use feeds::{EventFeeds, PoolFeed};
 

@@ -120,6 +120,11 @@ pub struct Stream {
     pub(super) replays: AtomicU64,
     pub(super) replay_failures: AtomicU64,
     pub(super) duplicates: AtomicU64,
+    /// Live messages refused from their frame headers, over `MAX_MESSAGE_BYTES`
+    /// (see `subscriber`): each closes the connection.
+    pub(super) refused_frames: AtomicU64,
+    /// Replays abandoned for returning more than their budget.
+    pub(super) refused_replays: AtomicU64,
     resets: [AtomicU64; 4],
     /// Blocks held per tier, as stored minus removed (only GPU blocks make an owner).
     tiers: [AtomicI64; 4],
@@ -151,6 +156,8 @@ impl Stream {
             replays: AtomicU64::new(0),
             replay_failures: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
+            refused_frames: AtomicU64::new(0),
+            refused_replays: AtomicU64::new(0),
             resets: Default::default(),
             tiers: Default::default(),
             engine_block_size: AtomicU32::new(0),
@@ -231,6 +238,8 @@ impl Stream {
             replays: load(&self.replays),
             replay_failures: load(&self.replay_failures),
             duplicates: load(&self.duplicates),
+            refused_frames: load(&self.refused_frames),
+            refused_replays: load(&self.refused_replays),
             resets: ResetReason::ALL.map(|reason| {
                 (
                     reason,
@@ -294,6 +303,10 @@ pub struct StreamView {
     pub replays: u64,
     pub replay_failures: u64,
     pub duplicates: u64,
+    /// Live messages over the byte limit, refused before their body was read.
+    pub refused_frames: u64,
+    /// Replays abandoned over their batch or byte budget.
+    pub refused_replays: u64,
     pub resets: [(ResetReason, u64); 4],
     /// Blocks per tier the engine reports holding (stored minus removed since the subscription).
     pub tiers: [(Medium, u64); 4],

@@ -36,15 +36,13 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_channel::mpsc;
-use futures_util::StreamExt;
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::apply::Applier;
-use super::decode::{DecodeError, decode_batch};
+use super::decode::{DecodeError, MAX_PAYLOAD_BYTES, decode_batch};
 use super::stream::{ResetReason, StreamState};
+use super::zmtp::{Connection, SocketType, ZmtpError};
 
 /// The sequence number that ends a replay.
 const REPLAY_END: i64 = -1;
@@ -53,6 +51,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Batches one replay may return: vLLM's default ring holds 10,000.
 const MAX_REPLAYED: usize = 100_000;
+/// The most bytes one message may hold: a payload at the decoder's limit plus its topic and sequence
+/// frames. A frame over it is refused from its header, before its body is read (see `zmtp`).
+pub const MAX_MESSAGE_BYTES: usize = MAX_PAYLOAD_BYTES + (64 << 10);
+/// The most payload bytes one replay may return. A replay is applied batch by batch as it arrives,
+/// so this bounds its time and traffic, not its memory (one message at a time): 10,000 batches of
+/// 25 KiB, several times what vLLM's default ring holds of ordinary traffic.
+pub const MAX_REPLAY_BYTES: usize = 256 << 20;
 /// How long after a replay a live batch it already applied counts as a duplicate.
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
 /// Reconnection starts fast: a restarted engine is back within a second, and until the stream is
@@ -67,6 +72,8 @@ pub enum StreamError {
     Connect(SocketAddr, String),
     #[error("the stream broke: {0}")]
     Receive(String),
+    #[error("refused the stream's message: {0}")]
+    Oversized(ZmtpError),
     #[error("a message of {0} frames; expected [topic, seq, payload] or [seq, payload]")]
     Frames(usize),
     #[error("a sequence number of {0} bytes; expected 8")]
@@ -77,6 +84,26 @@ pub enum StreamError {
     ReplayTimeout(Duration),
     #[error("the replay returned more than {MAX_REPLAYED} batches")]
     ReplayTooLong,
+    #[error("the replay returned more than {MAX_REPLAY_BYTES} bytes")]
+    ReplayTooLarge,
+}
+
+impl StreamError {
+    fn received(error: ZmtpError) -> StreamError {
+        if error.is_oversized() {
+            StreamError::Oversized(error)
+        } else {
+            StreamError::Receive(error.to_string())
+        }
+    }
+
+    /// The peer sent more than the limits allow.
+    fn is_oversized(&self) -> bool {
+        matches!(
+            self,
+            StreamError::Oversized(_) | StreamError::ReplayTooLong | StreamError::ReplayTooLarge
+        )
+    }
 }
 
 /// One rank's subscriber.
@@ -116,7 +143,7 @@ impl Subscriber {
                 () = &mut shutdown => return,
             };
             match connected {
-                Ok((mut socket, mut events)) => {
+                Ok(mut connection) => {
                     backoff = BACKOFF_START;
                     self.applier
                         .stream()
@@ -124,7 +151,7 @@ impl Subscriber {
                     tracing::debug!(%live, "kv events: subscribed");
                     self.catch_up().await;
                     let broken = tokio::select! {
-                        broken = self.receive(&mut socket, &mut events) => broken,
+                        broken = self.receive(&mut connection) => broken,
                         () = &mut shutdown => return,
                     };
                     self.applier.suspend(true);
@@ -155,25 +182,20 @@ impl Subscriber {
         }
     }
 
-    /// A subscribed socket and its monitor, whose `Disconnected` is how a dead engine shows: the
-    /// socket itself would silently reconnect to a restarted one.
-    async fn connect(
-        &self,
-        live: SocketAddr,
-    ) -> Result<(SubSocket, mpsc::Receiver<SocketEvent>), StreamError> {
-        let mut socket = SubSocket::new();
-        let events = socket.monitor();
-        let endpoint = format!("tcp://{live}");
-        match tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(&endpoint)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => return Err(StreamError::Connect(live, error.to_string())),
-            Err(_) => return Err(StreamError::Connect(live, "timed out".to_owned())),
+    /// A subscribed connection. It never reconnects by itself: when the engine goes away a read
+    /// fails, and a new connection is a new catch-up.
+    async fn connect(&self, live: SocketAddr) -> Result<Connection, StreamError> {
+        let work = async {
+            let mut connection =
+                Connection::connect(live, SocketType::Sub, MAX_MESSAGE_BYTES).await?;
+            connection.subscribe(self.topic.as_bytes()).await?;
+            Ok::<_, ZmtpError>(connection)
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, work).await {
+            Ok(Ok(connection)) => Ok(connection),
+            Ok(Err(error)) => Err(StreamError::Connect(live, error.to_string())),
+            Err(_) => Err(StreamError::Connect(live, "timed out".to_owned())),
         }
-        socket
-            .subscribe(&self.topic)
-            .await
-            .map_err(|error| StreamError::Connect(live, error.to_string()))?;
-        Ok((socket, events))
     }
 
     /// After a (re)connection: whether the engine is the one whose batches were applied, and what
@@ -184,40 +206,38 @@ impl Subscriber {
             self.applier.suspend(false);
             return;
         }
+        if let Err(error) = self.try_catch_up().await {
+            self.count_replay_failure(&error);
+            tracing::debug!(%error, "kv events: catch-up replay failed");
+        }
+    }
+
+    async fn try_catch_up(&mut self) -> Result<(), StreamError> {
         let from = self.last.map_or(0, |(seq, _)| seq);
-        let batches = match self.replay(from).await {
-            Ok(batches) => batches,
-            Err(error) => {
-                self.applier
-                    .stream()
-                    .replay_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(%error, "kv events: catch-up replay failed");
-                return;
-            }
-        };
+        let mut replay = self.open_replay(from).await?;
+        let first = replay.next().await?;
         let Some((last_seq, fingerprint)) = self.last else {
             self.applier.suspend(false);
             // A first connection: nothing applied yet that could be wrong. The ring holds what the
             // engine published so far, so the next live batch is the one after it (0 if none): a
             // loss right after subscribing is then a gap like any other.
-            let first = batches.is_empty();
-            self.apply_replayed(from, batches);
-            if first {
+            let empty = first.is_none();
+            self.apply_replay(from, None, first, &mut replay).await?;
+            if empty {
                 self.expected = Some(0);
             }
-            return;
+            return Ok(());
         };
-        let same_engine = batches
-            .first()
+        let same_engine = first
+            .as_ref()
             .is_some_and(|(seq, payload)| *seq == last_seq && xxh3_64(payload) == fingerprint);
         if same_engine {
             self.applier.suspend(false);
-            let newer = batches.into_iter().skip(1).collect();
-            self.apply_replayed(last_seq.saturating_add(1), newer);
-            return;
+            return self
+                .apply_replay(last_seq.saturating_add(1), None, None, &mut replay)
+                .await;
         }
-        let later_ring = batches.first().is_some_and(|(seq, _)| *seq > last_seq);
+        let later_ring = first.as_ref().is_some_and(|(seq, _)| *seq > last_seq);
         tracing::info!(live = %self.applier.stream().live, "kv events: not the engine whose batches were applied; forgetting its blocks");
         self.applier.reset(if later_ring {
             ResetReason::Gap
@@ -227,40 +247,34 @@ impl Subscriber {
         self.applier.suspend(false);
         self.expected = None;
         self.last = None;
-        // What the new process published so far, from its first batch.
-        if !later_ring && batches.first().is_some_and(|(seq, _)| *seq > 0) {
-            match self.replay(0).await {
-                Ok(batches) => self.apply_replayed(0, batches),
-                Err(_) => {
-                    self.applier
-                        .stream()
-                        .replay_failures
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        } else if !later_ring {
-            self.apply_replayed(0, batches);
+        if later_ring {
+            return Ok(());
         }
+        // What the new process published so far, from its first batch.
+        if first.as_ref().is_some_and(|(seq, _)| *seq > 0) {
+            drop(replay);
+            let mut replay = self.open_replay(0).await?;
+            let first = replay.next().await?;
+            return self.apply_replay(0, None, first, &mut replay).await;
+        }
+        self.apply_replay(0, None, first, &mut replay).await
     }
 
-    /// Receives until the socket breaks.
-    async fn receive(
-        &mut self,
-        socket: &mut SubSocket,
-        events: &mut mpsc::Receiver<SocketEvent>,
-    ) -> StreamError {
+    /// Receives until the connection breaks or the publisher sends more than a message may hold.
+    async fn receive(&mut self, connection: &mut Connection) -> StreamError {
         loop {
-            let message = tokio::select! {
-                received = socket.recv() => match received {
-                    Ok(message) => message,
-                    Err(error) => return StreamError::Receive(error.to_string()),
-                },
-                event = events.next() => match event {
-                    Some(SocketEvent::Disconnected(_)) | None => {
-                        return StreamError::Receive("the publisher disconnected".to_owned());
+            let message = match connection.recv().await {
+                Ok(message) => message,
+                Err(error) => {
+                    let error = StreamError::received(error);
+                    if error.is_oversized() {
+                        self.applier
+                            .stream()
+                            .refused_frames
+                            .fetch_add(1, Ordering::Relaxed);
                     }
-                    Some(_) => continue,
-                },
+                    return error;
+                }
             };
             match live_frames(&message) {
                 Ok((seq, payload)) => self.on_batch(seq, payload).await,
@@ -314,37 +328,69 @@ impl Subscriber {
             self.count_gap_reset();
             return;
         }
-        match self.replay(from).await {
-            Ok(batches) if batches.first().is_some_and(|(seq, _)| *seq == from) => {
-                let wanted = batches
-                    .into_iter()
-                    .filter(|(seq, _)| *seq < until)
-                    .collect();
-                self.apply_replayed(from, wanted);
-            }
-            Ok(_) => self.count_gap_reset(),
+        match self.try_heal(from, until).await {
+            Ok(true) => {}
+            Ok(false) => self.count_gap_reset(),
             Err(error) => {
-                self.applier
-                    .stream()
-                    .replay_failures
-                    .fetch_add(1, Ordering::Relaxed);
+                self.count_replay_failure(&error);
                 tracing::debug!(%error, "kv events: replay failed");
                 self.count_gap_reset();
             }
         }
     }
 
+    /// Whether the replay started at `from` (and was applied up to `until`).
+    async fn try_heal(&mut self, from: u64, until: u64) -> Result<bool, StreamError> {
+        let mut replay = self.open_replay(from).await?;
+        let first = replay.next().await?;
+        if first.as_ref().is_none_or(|(seq, _)| *seq != from) {
+            return Ok(false);
+        }
+        self.apply_replay(from, Some(until), first, &mut replay)
+            .await?;
+        Ok(true)
+    }
+
     fn count_gap_reset(&mut self) {
         self.applier.reset(ResetReason::Gap);
     }
 
-    fn apply_replayed(&mut self, from: u64, batches: Vec<(u64, Bytes)>) {
-        let stream = self.applier.stream().clone();
-        stream.replays.fetch_add(1, Ordering::Relaxed);
-        for (seq, payload) in batches {
+    fn count_replay_failure(&self, error: &StreamError) {
+        let stream = self.applier.stream();
+        stream.replay_failures.fetch_add(1, Ordering::Relaxed);
+        if error.is_oversized() {
+            stream.refused_replays.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Applies `first` and the rest of `replay` as they arrive, those before `until` when given. A
+    /// replay that fails midway leaves what it applied; the callers reset the rank or let the next
+    /// live batch show the gap.
+    async fn apply_replay(
+        &mut self,
+        from: u64,
+        until: Option<u64>,
+        first: Option<(u64, Bytes)>,
+        replay: &mut Replay,
+    ) -> Result<(), StreamError> {
+        let wanted = |seq: u64| until.is_none_or(|until| seq < until);
+        if let Some((seq, payload)) = first
+            && wanted(seq)
+        {
             self.apply_payload(seq, &payload);
         }
+        while let Some((seq, payload)) = replay.next().await? {
+            if !wanted(seq) {
+                break;
+            }
+            self.apply_payload(seq, &payload);
+        }
+        self.applier
+            .stream()
+            .replays
+            .fetch_add(1, Ordering::Relaxed);
         self.duplicates = Some((from, Instant::now() + DUPLICATE_WINDOW));
+        Ok(())
     }
 
     fn apply_payload(&mut self, seq: u64, payload: &[u8]) {
@@ -362,63 +408,92 @@ impl Subscriber {
         self.expected = Some(seq.saturating_add(1));
     }
 
-    /// Every batch the engine's ring holds from `from` on, in order, undecoded.
-    async fn replay(&self, from: u64) -> Result<Vec<(u64, Bytes)>, StreamError> {
+    /// Asks the engine's ring for every batch from `from` on.
+    async fn open_replay(&self, from: u64) -> Result<Replay, StreamError> {
+        let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
         let Some(replay) = self.applier.stream().replay else {
-            return Ok(Vec::new());
+            return Ok(Replay::empty(deadline));
         };
         let work = async {
-            let mut socket = DealerSocket::new();
-            socket
-                .connect(&format!("tcp://{replay}"))
+            let mut connection = Connection::connect(replay, SocketType::Dealer, MAX_MESSAGE_BYTES)
                 .await
                 .map_err(|error| StreamError::Connect(replay, error.to_string()))?;
-            let request: Vec<bytes::Bytes> = vec![
-                bytes::Bytes::new(),
-                bytes::Bytes::copy_from_slice(&from.to_be_bytes()),
-            ];
-            let request = ZmqMessage::try_from(request).map_err(|_| StreamError::Frames(0))?;
-            socket
-                .send(request)
+            connection
+                .send(&[b"", &from.to_be_bytes()])
                 .await
                 .map_err(|error| StreamError::Receive(error.to_string()))?;
-            let mut batches = Vec::new();
-            loop {
-                let message = socket
-                    .recv()
-                    .await
-                    .map_err(|error| StreamError::Receive(error.to_string()))?;
-                let (seq, payload) = replay_frames(&message)?;
-                if seq == REPLAY_END {
-                    return Ok(batches);
-                }
-                if batches.len() >= MAX_REPLAYED {
-                    return Err(StreamError::ReplayTooLong);
-                }
-                // A negative number other than the end is nonsense; skip it.
-                if let Ok(seq) = u64::try_from(seq) {
-                    batches.push((seq, Bytes::copy_from_slice(payload)));
-                }
-            }
+            Ok(connection)
         };
-        match tokio::time::timeout(REPLAY_TIMEOUT, work).await {
-            Ok(result) => result,
+        match tokio::time::timeout_at(deadline, work).await {
+            Ok(Ok(connection)) => Ok(Replay {
+                connection: Some(connection),
+                deadline,
+                batches: 0,
+                bytes: 0,
+            }),
+            Ok(Err(error)) => Err(error),
             Err(_) => Err(StreamError::ReplayTimeout(REPLAY_TIMEOUT)),
         }
     }
 }
 
+/// One replay's answer, read batch by batch: at most [`MAX_REPLAYED`] batches and
+/// [`MAX_REPLAY_BYTES`] of payload, all within [`REPLAY_TIMEOUT`].
+struct Replay {
+    /// `None` once the end marker came (or there is no replay socket).
+    connection: Option<Connection>,
+    deadline: tokio::time::Instant,
+    batches: usize,
+    bytes: usize,
+}
+
+impl Replay {
+    fn empty(deadline: tokio::time::Instant) -> Replay {
+        Replay {
+            connection: None,
+            deadline,
+            batches: 0,
+            bytes: 0,
+        }
+    }
+
+    /// The next batch, undecoded; `None` at the end.
+    async fn next(&mut self) -> Result<Option<(u64, Bytes)>, StreamError> {
+        loop {
+            let Some(connection) = self.connection.as_mut() else {
+                return Ok(None);
+            };
+            let message = match tokio::time::timeout_at(self.deadline, connection.recv()).await {
+                Ok(Ok(message)) => message,
+                Ok(Err(error)) => return Err(StreamError::received(error)),
+                Err(_) => return Err(StreamError::ReplayTimeout(REPLAY_TIMEOUT)),
+            };
+            let (seq, payload) = replay_frames(&message)?;
+            if seq == REPLAY_END {
+                self.connection = None;
+                return Ok(None);
+            }
+            self.batches += 1;
+            self.bytes = self.bytes.saturating_add(payload.len());
+            if self.batches > MAX_REPLAYED {
+                return Err(StreamError::ReplayTooLong);
+            }
+            if self.bytes > MAX_REPLAY_BYTES {
+                return Err(StreamError::ReplayTooLarge);
+            }
+            // A negative number other than the end is nonsense; skip it.
+            if let Ok(seq) = u64::try_from(seq) {
+                return Ok(Some((seq, payload.clone())));
+            }
+        }
+    }
+}
+
 /// A live message's sequence number and payload: `[topic, seq, payload]`.
-pub fn live_frames(message: &ZmqMessage) -> Result<(u64, &[u8]), StreamError> {
-    let (seq, payload) = match (
-        message.len(),
-        message.get(0),
-        message.get(1),
-        message.get(2),
-    ) {
-        (3, Some(_topic), Some(seq), Some(payload)) => (seq, payload),
-        (2, Some(seq), Some(payload), None) => (seq, payload),
-        (frames, ..) => return Err(StreamError::Frames(frames)),
+pub fn live_frames(message: &[Bytes]) -> Result<(u64, &[u8]), StreamError> {
+    let (seq, payload) = match message {
+        [_, seq, payload] | [seq, payload] => (seq, payload),
+        frames => return Err(StreamError::Frames(frames.len())),
     };
     let seq = sequence(seq)?;
     Ok((seq as u64, payload))
@@ -426,14 +501,13 @@ pub fn live_frames(message: &ZmqMessage) -> Result<(u64, &[u8]), StreamError> {
 
 /// A replay reply's sequence number (-1 at the end) and payload: `[topic, seq, payload]` (vLLM ≥
 /// 0.26) or `[seq, payload]` (older vLLM, SGLang), after any empty delimiter frames.
-pub fn replay_frames(message: &ZmqMessage) -> Result<(i64, &[u8]), StreamError> {
-    let frames: Vec<&bytes::Bytes> = message
+pub fn replay_frames(message: &[Bytes]) -> Result<(i64, &Bytes), StreamError> {
+    let start = message
         .iter()
-        .skip_while(|frame| frame.is_empty())
-        .collect();
-    let (seq, payload) = match frames.as_slice() {
-        [_topic, seq, payload] => (*seq, *payload),
-        [seq, payload] => (*seq, *payload),
+        .position(|frame| !frame.is_empty())
+        .unwrap_or(message.len());
+    let (seq, payload) = match message.get(start..).unwrap_or_default() {
+        [_, seq, payload] | [seq, payload] => (seq, payload),
         other => return Err(StreamError::Frames(other.len())),
     };
     Ok((sequence(seq)?, payload))
@@ -450,9 +524,14 @@ fn sequence(frame: &[u8]) -> Result<i64, StreamError> {
 mod tests {
     use super::*;
 
-    fn message(frames: &[&[u8]]) -> ZmqMessage {
-        let frames: Vec<Bytes> = frames.iter().map(|f| Bytes::copy_from_slice(f)).collect();
-        ZmqMessage::try_from(frames).unwrap()
+    fn message(frames: &[&[u8]]) -> Vec<Bytes> {
+        frames.iter().map(|f| Bytes::copy_from_slice(f)).collect()
+    }
+
+    fn replayed(frames: &[&[u8]]) -> (i64, Vec<u8>) {
+        let message = message(frames);
+        let (seq, payload) = replay_frames(&message).unwrap();
+        (seq, payload.to_vec())
     }
 
     #[test]
@@ -477,23 +556,11 @@ mod tests {
         let seq = 3_u64.to_be_bytes();
         let end = (-1_i64).to_be_bytes();
         // vLLM ≥ 0.26: the DEALER sees the empty delimiter, then topic, seq, payload.
-        assert_eq!(
-            replay_frames(&message(&[b"", b"kv@a", &seq, b"p"])).unwrap(),
-            (3, &b"p"[..])
-        );
+        assert_eq!(replayed(&[b"", b"kv@a", &seq, b"p"]), (3, b"p".to_vec()));
         // Older vLLM and SGLang: no topic.
-        assert_eq!(
-            replay_frames(&message(&[b"", &seq, b"p"])).unwrap(),
-            (3, &b"p"[..])
-        );
-        assert_eq!(
-            replay_frames(&message(&[b"", &end, b""])).unwrap(),
-            (-1, &b""[..])
-        );
+        assert_eq!(replayed(&[b"", &seq, b"p"]), (3, b"p".to_vec()));
+        assert_eq!(replayed(&[b"", &end, b""]), (-1, b"".to_vec()));
         // An empty topic is skipped with the delimiter; the end marker with an empty topic too.
-        assert_eq!(
-            replay_frames(&message(&[b"", b"", &end, b""])).unwrap(),
-            (-1, &b""[..])
-        );
+        assert_eq!(replayed(&[b"", b"", &end, b""]), (-1, b"".to_vec()));
     }
 }

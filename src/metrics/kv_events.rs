@@ -33,6 +33,7 @@ struct Families {
     gaps: IntCounterVec,
     replays: IntCounterVec,
     resets: IntCounterVec,
+    refused: IntCounterVec,
     held: IntGaugeVec,
 }
 
@@ -110,6 +111,15 @@ impl Families {
                 ),
                 &with("reason"),
             )?,
+            refused: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_kv_events_refused_total",
+                    "What the stream refused for its size: a live message over the byte limit \
+                     (refused from its frame header, unread; the connection is closed and the stream \
+                     reconnects), a replay over its batch or byte budget (abandoned).",
+                ),
+                &with("what"),
+            )?,
             held: IntGaugeVec::new(
                 Opts::new(
                     "cachepick_kv_events_blocks_held",
@@ -120,7 +130,7 @@ impl Families {
         })
     }
 
-    fn collectors(&self) -> [&dyn Collector; 10] {
+    fn collectors(&self) -> [&dyn Collector; 11] {
         [
             &self.state,
             &self.last_seq,
@@ -131,6 +141,7 @@ impl Families {
             &self.gaps,
             &self.replays,
             &self.resets,
+            &self.refused,
             &self.held,
         ]
     }
@@ -244,6 +255,15 @@ fn record(families: &Families, pool: &str, view: &StreamView) {
         families
             .resets
             .with_label_values(&with(reason.as_str()))
+            .inc_by(count);
+    }
+    for (what, count) in [
+        ("live_message", view.refused_frames),
+        ("replay", view.refused_replays),
+    ] {
+        families
+            .refused
+            .with_label_values(&with(what))
             .inc_by(count);
     }
     for (tier, blocks) in view.tiers {

@@ -129,16 +129,32 @@ impl Picker {
     /// Loads every pool's tokenizer and creates empty owner indexes sized by the workers' capacities.
     /// `loads` are the pools' shared load states, in configuration order.
     pub fn new(config: &Config, loads: &[Arc<PoolLoad>]) -> Result<Self, PickerError> {
-        let pools = config
+        let tokenizers = config
             .pools
             .iter()
             .zip(loads)
             .map(|(pool, load)| {
-                let tokenizer =
-                    PoolTokenizer::new(pool).map_err(|source| PickerError::Tokenizer {
-                        pool: load.label().to_owned(),
-                        source,
-                    })?;
+                PoolTokenizer::new(pool).map_err(|source| PickerError::Tokenizer {
+                    pool: load.label().to_owned(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Picker::with_tokenizers(config, loads, tokenizers))
+    }
+
+    /// [`new`](Self::new) with the pools' tokenizers already loaded, in configuration order.
+    pub fn with_tokenizers(
+        config: &Config,
+        loads: &[Arc<PoolLoad>],
+        tokenizers: Vec<PoolTokenizer>,
+    ) -> Self {
+        let pools = config
+            .pools
+            .iter()
+            .zip(loads)
+            .zip(tokenizers)
+            .map(|((pool, load), tokenizer)| {
                 // One slot per worker the pool can hold; a slot nobody holds has no capacity, so
                 // nothing is recorded there until a worker joins (`PoolRoster::joined`).
                 let snapshot = load.snapshot();
@@ -156,21 +172,21 @@ impl Picker {
                         PoolIndex::Events(Arc::new(EventIndex::for_pool(pool, &capacities)))
                     }
                 };
-                Ok(PoolRoute {
+                PoolRoute {
                     policy: ArcSwap::from_pointee(pool.policy.clone()),
                     config: pool.clone(),
                     load: Arc::clone(load),
                     tokenizer,
                     index,
                     sequence: AtomicU64::new(0),
-                })
+                }
             })
-            .collect::<Result<_, PickerError>>()?;
-        Ok(Picker {
+            .collect();
+        Picker {
             pools,
             max_body_bytes: config.max_body_bytes.get(),
             salt_header: config.cache_salt_header.clone(),
-        })
+        }
     }
 
     /// Body → pool, tokens, block hashes and owners.

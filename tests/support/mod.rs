@@ -3,6 +3,7 @@
 //! The files in this folder panic, unwrap and index freely: every test file that includes one carries
 //! the `#![allow(clippy::unwrap_used, …)]` that covers them.
 pub mod engine;
+pub mod hostile_zmtp;
 
 use std::io::{Read, Write};
 use std::process::Child;

@@ -482,11 +482,12 @@ fn main() -> ExitCode {
         }
         Command::Chaos(args) => run("cachepick chaos", chaos(&args)),
         Command::Overhead(args) => run("cachepick overhead", overhead(&args)),
-        Command::Check(args) => with_config(&args, |config| {
+        // `check` runs every start-time check `serve` runs, with the same messages.
+        Command::Check(args) => with_prepared(&args, |config, _| {
             print!("{}", config.to_yaml());
             ExitCode::SUCCESS
         }),
-        Command::Serve(args) => with_config(&args, |config| {
+        Command::Serve(args) => with_prepared(&args, |config, prepared| {
             tracing_subscriber::fmt()
                 .with_env_filter(
                     tracing_subscriber::EnvFilter::try_from_default_env()
@@ -494,7 +495,13 @@ fn main() -> ExitCode {
                 )
                 .init();
             run("cachepick", async {
-                cachepick::app::serve(&config, Some(args.reload()), shutdown_signal()).await?;
+                cachepick::app::serve_prepared(
+                    &config,
+                    prepared,
+                    Some(args.reload()),
+                    shutdown_signal(),
+                )
+                .await?;
                 Ok(())
             })
         }),
@@ -564,6 +571,21 @@ fn with_config(args: &ConfigArgs, command: impl FnOnce(Config) -> ExitCode) -> E
         Ok(config) => command(config),
         Err(error) => bad_config(&error),
     }
+}
+
+/// [`with_config`], and the files the configuration names loaded as `serve` loads them: a problem
+/// with any of them exits 2, every problem listed.
+fn with_prepared(
+    args: &ConfigArgs,
+    command: impl FnOnce(Config, cachepick::app::Prepared) -> ExitCode,
+) -> ExitCode {
+    with_config(args, |config| match cachepick::app::prepare(&config) {
+        Ok(prepared) => command(config, prepared),
+        Err(error) => {
+            eprintln!("{error}");
+            ExitCode::from(EXIT_BAD_CONFIG)
+        }
+    })
 }
 
 fn bad_config(error: &config::ConfigError) -> ExitCode {

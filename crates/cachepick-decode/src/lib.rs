@@ -12,6 +12,7 @@
 
 pub mod decoder;
 pub mod duration;
+pub mod file;
 pub mod problem;
 pub mod size;
 pub mod tree;
@@ -43,14 +44,17 @@ pub fn decode<T>(
     }
 }
 
-/// Reads the file at `path` and decodes it with `schema`.
+/// Reads the file at `path` (a regular file of at most [`file::CONFIG_FILE_LIMIT`] bytes) and decodes
+/// it with `schema`.
 pub fn decode_file<T>(
     path: &Path,
     schema: impl FnOnce(&Node, &mut Problems) -> Res<T>,
 ) -> Result<T, ConfigError> {
-    let source = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
+    let source = file::read_regular_to_string(path, file::CONFIG_FILE_LIMIT).map_err(|source| {
+        ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        }
     })?;
     decode(&source, &path.display().to_string(), schema)
 }

@@ -3,12 +3,13 @@
 
 use std::collections::HashSet;
 use std::error::Error;
-use std::fs;
 use std::path::Path;
 use std::sync::OnceLock;
 
 use tiktoken_rs::CoreBPE;
 use xxhash_rust::xxh3::xxh3_64;
+
+use cachepick_decode::file::read_regular;
 
 use crate::config::{TiktokenEncoding, TokenizerConfig};
 use crate::{Mode, TokenizeError};
@@ -26,6 +27,9 @@ pub(crate) enum Backend {
     Bytes,
 }
 
+/// The largest `tokenizer.json` read: the largest published ones (Gemma's) hold about 35 MB.
+pub const TOKENIZER_FILE_LIMIT: u64 = 128 << 20;
+
 impl Backend {
     /// Loads the backend and returns it with a hash of its identity: the encoding's name, or the bytes
     /// of the `tokenizer.json`.
@@ -38,9 +42,11 @@ impl Backend {
                 Ok((Backend::Tiktoken { bpe, special }, identity))
             }
             TokenizerConfig::HuggingFace { path } => {
-                let bytes = fs::read(path).map_err(|source| TokenizeError::Read {
-                    path: path.clone(),
-                    source,
+                let bytes = read_regular(path, TOKENIZER_FILE_LIMIT).map_err(|source| {
+                    TokenizeError::Read {
+                        path: path.clone(),
+                        source,
+                    }
                 })?;
                 let tokenizer = hugging_face(&bytes, path)?;
                 Ok((Backend::HuggingFace(Box::new(tokenizer)), xxh3_64(&bytes)))

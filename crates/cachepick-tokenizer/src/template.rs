@@ -1,7 +1,6 @@
 //! Chat templates: loading one from a Jinja file or a Hugging Face `tokenizer_config.json`, rendering
 //! it the way transformers does, and finding the message contents in what it rendered.
 
-use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -10,7 +9,13 @@ use minijinja::value::{Serde, Value};
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Map, Value as Json};
 
+use cachepick_decode::file::read_regular_to_string;
+
 use crate::{ChatTurn, TokenizeError};
+
+/// The largest chat template or `tokenizer_config.json` read: those with every added token listed
+/// hold a few MB.
+pub const TEMPLATE_FILE_LIMIT: u64 = 32 << 20;
 
 /// The template rendered when the request has no tools, or the config names no tool-use template.
 const DEFAULT: &str = "default";
@@ -64,7 +69,7 @@ impl ChatTemplate {
             }
             Err(_) => {
                 let sibling = path.with_file_name(SIBLING_CONFIG);
-                let special = match fs::read_to_string(&sibling) {
+                let special = match read_regular_to_string(&sibling, TEMPLATE_FILE_LIMIT) {
                     Ok(config) => special_tokens(&config_object(&sibling, &config)?),
                     Err(err) if err.kind() == io::ErrorKind::NotFound => Vec::new(),
                     Err(source) => {
@@ -239,7 +244,7 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 }
 
 fn read(path: &Path) -> Result<String, TokenizeError> {
-    fs::read_to_string(path).map_err(|source| TokenizeError::Read {
+    read_regular_to_string(path, TEMPLATE_FILE_LIMIT).map_err(|source| TokenizeError::Read {
         path: path.to_path_buf(),
         source,
     })
