@@ -41,10 +41,14 @@ use std::time::Duration;
 use crate::config::{Config, Discovery, DnsDiscovery};
 
 mod clusters;
+mod cold_start;
 mod listener;
 mod yaml;
 
-use clusters::{original_dst_cluster, picker_cluster, workers_cluster, xds_cluster};
+pub use cold_start::{BOOTSTRAP_CLUSTER, ColdStart, FAIL_OPEN_CLUSTER};
+
+use clusters::{original_dst_cluster, picker_cluster, worker_limits, workers_cluster, xds_cluster};
+use cold_start::{bootstrap_cluster, fail_open_cluster};
 use listener::{admin, header, listener, node};
 use yaml::Yaml;
 
@@ -318,11 +322,16 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
     out.line(2, "clusters:");
     match options.mode {
         BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => {
-            workers_cluster(&mut out, config)
+            let cold = cold_start(config, options.mode);
+            workers_cluster(&mut out, config, cold.as_ref());
+            if let Some(cold) = &cold {
+                bootstrap_cluster(&mut out, cold, worker_limits);
+                fail_open_cluster(&mut out, clusters::MAX_RETRIES);
+            }
         }
         BodyMode::OriginalDst => original_dst_cluster(&mut out, config),
     }
-    picker_cluster(&mut out, options);
+    picker_cluster(&mut out, options, uses_eds(config, options.mode));
     if uses_eds(config, options.mode) {
         xds_cluster(&mut out, options);
     }
@@ -334,12 +343,26 @@ fn uses_eds(config: &Config, mode: BodyMode) -> bool {
     mode != BodyMode::OriginalDst && WorkersSource::of(config) == WorkersSource::Eds
 }
 
-/// Name of the cluster the route sends requests to.
+/// What the bootstrap serves from before cachepick's EDS has answered, when it subscribes to EDS and
+/// some pool's workers can be named without a picker.
+fn cold_start(config: &Config, mode: BodyMode) -> Option<ColdStart<'_>> {
+    uses_eds(config, mode)
+        .then(|| ColdStart::of(config))
+        .flatten()
+}
+
+/// Name of the cluster the route sends the requests cachepick answered to.
 fn upstream_cluster(mode: BodyMode) -> &'static str {
     match mode {
         BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => WORKERS_CLUSTER,
         BodyMode::OriginalDst => "workers_original_dst",
     }
+}
+
+/// The cluster the route sends the requests cachepick did not answer to, when it is not
+/// [`upstream_cluster`]: the cold-start aggregate.
+fn fail_open_route(config: &Config, mode: BodyMode) -> Option<&'static str> {
+    cold_start(config, mode).map(|_| FAIL_OPEN_CLUSTER)
 }
 
 #[cfg(test)]
