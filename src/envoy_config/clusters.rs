@@ -123,7 +123,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&Col
             ),
             "also writes) that is a member of this cluster; later ones serve retries. Addresses outside the cluster",
             "are skipped, so no header can send a request outside the fleet. No usable address (picker down) means",
-            "least-request over the workers (through workers_fail_open, when the route sends it there).",
+            "least-request over the workers.",
         ],
     );
     out.line(4, "load_balancing_policy:");

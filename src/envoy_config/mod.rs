@@ -449,6 +449,93 @@ mod tests {
         ));
     }
 
+    /// The section of `yaml` from `- name: <name>` to the next cluster.
+    fn cluster_section<'a>(yaml: &'a str, name: &str) -> Option<&'a str> {
+        yaml.split(&format!("  - name: {name}\n"))
+            .nth(1)
+            .and_then(|rest| rest.split("\n  - name: ").next())
+    }
+
+    #[test]
+    fn a_cold_start_serves_from_the_workers_the_file_names_unless_cachepick_answered() {
+        let yaml = render(&config(TWO), &EnvoyOptions::for_config(&config(TWO)));
+        let bootstrap = cluster_section(&yaml, BOOTSTRAP_CLUSTER).expect("the bootstrap cluster");
+        assert!(bootstrap.contains("type: STATIC\n"));
+        assert!(bootstrap.contains("port_value: 8001}") && bootstrap.contains("port_value: 8003}"));
+        // Decode-only workers never take a request, not even from a cold start.
+        assert!(!bootstrap.contains("port_value: 8002}"));
+        assert!(
+            bootstrap.contains("outlier_detection:") && bootstrap.contains("max_retries: 1024")
+        );
+        let aggregate = cluster_section(&yaml, FAIL_OPEN_CLUSTER).expect("the aggregate");
+        assert!(aggregate.contains("clusters: [workers, workers_bootstrap]"));
+        assert!(aggregate.contains("- {max_retries: 1024}\n"));
+        // Answered requests (cachepick's metadata, which no client sets) go where override_host steers;
+        // the others to the aggregate; the route is matched again after cachepick's answer.
+        let routes = yaml
+            .split("routes:\n")
+            .nth(1)
+            .and_then(|rest| rest.split("virtual_clusters:").next())
+            .expect("the routes");
+        let answered = routes
+            .find("cluster: workers\n")
+            .expect("the answered route");
+        let unanswered = routes
+            .find("cluster: workers_fail_open\n")
+            .expect("the other");
+        assert!(answered < unanswered);
+        assert!(routes.contains(
+            "- filter: envoy.lb\n                    path: [{key: x-gateway-destination-endpoint}]\n                    value: {present_match: true}\n"
+        ));
+        assert!(yaml.contains("route_cache_action: CLEAR\n"));
+        // The EDS subscription retries at most every 0.5 s, and the picker must pass twice after a failure:
+        // a picker that starts after Envoy has sent its roster before it decides.
+        assert!(yaml.contains("retry_back_off: {base_interval: 0.25s, max_interval: 0.5s}"));
+        let picker = cluster_section(&yaml, "cachepick").expect("the picker cluster");
+        assert!(picker.contains("healthy_threshold: 2\n"));
+
+        // dns: pools beside file pools: a STRICT_DNS bootstrap list with both.
+        let mixed = config(
+            "pools:\n  - model: a\n    engine: vllm\n    dns: {name: a.llm.svc, port: 8000, interval: 2s}\n  - model: b\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:8001\"}\n  - model: c\n    engine: vllm\n    kubernetes: {namespace: llm, selector: \"app=vllm\", ports: [8000]}\n",
+        );
+        let yaml = render(&mixed, &EnvoyOptions::for_config(&mixed));
+        let bootstrap = cluster_section(&yaml, BOOTSTRAP_CLUSTER).expect("the bootstrap cluster");
+        assert!(
+            !bootstrap.contains("type: STATIC") && bootstrap.contains("name: envoy.cluster.dns\n")
+        );
+        assert!(bootstrap.contains("dns_refresh_rate: 2s\n"));
+        assert!(bootstrap.contains("socket_address: {address: \"a.llm.svc\", port_value: 8000}"));
+        assert!(bootstrap.contains("socket_address: {address: \"127.0.0.1\", port_value: 8001}"));
+        assert!(bootstrap.contains("kubernetes pools have no workers here"));
+
+        // Nothing to name without a picker (Kubernetes only), or no EDS at all: one route, as before.
+        let kubernetes = config(
+            "pools:\n  - model: a\n    engine: vllm\n    kubernetes: {namespace: llm, selector: \"app=vllm\", ports: [8000]}\n",
+        );
+        let dns = config(
+            "pools:\n  - model: a\n    engine: vllm\n    dns: {name: a.llm.svc, port: 8000}\n",
+        );
+        for (config, mode) in [
+            (&kubernetes, BodyMode::Buffered),
+            (&dns, BodyMode::Duplex),
+            (&config(TWO), BodyMode::OriginalDst),
+        ] {
+            let yaml = render(
+                config,
+                &EnvoyOptions {
+                    mode,
+                    ..EnvoyOptions::for_config(config)
+                },
+            );
+            assert!(
+                !yaml.contains(&format!("- name: {BOOTSTRAP_CLUSTER}\n"))
+                    && !yaml.contains(&format!("cluster: {FAIL_OPEN_CLUSTER}\n")),
+                "{mode}"
+            );
+            assert!(!yaml.contains("route_cache_action"), "{mode}");
+        }
+    }
+
     #[test]
     fn the_output_is_deterministic_and_sized_from_the_config() {
         let config = config(TWO);

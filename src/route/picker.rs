@@ -25,7 +25,9 @@ use serde::Serialize;
 use thiserror::Error;
 
 use super::explain::Explanation;
-use crate::config::{Config, IndexMode, Mode, PolicyConfig, PoolConfig, WorkerConfig};
+use crate::config::{
+    Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,
+};
 use crate::events::EventFeeds;
 use crate::load::{PoolLoad, PoolSnapshot, RosterObserver};
 use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
@@ -123,6 +125,8 @@ pub struct Picker {
     max_body_bytes: usize,
     /// `cache_salt_header`: the request header that salts an `approximate` pool's prefix hashes.
     salt_header: Option<String>,
+    /// `unknown_subset`: what a subset hint naming no known worker gets.
+    unknown_subset: UnknownSubset,
 }
 
 impl Picker {
@@ -170,7 +174,13 @@ impl Picker {
             pools,
             max_body_bytes: config.max_body_bytes.get(),
             salt_header: config.cache_salt_header.clone(),
+            unknown_subset: config.unknown_subset,
         })
+    }
+
+    /// What a request gets when the proxy's subset hint names no worker of its pool (`unknown_subset`).
+    pub fn unknown_subset(&self) -> UnknownSubset {
+        self.unknown_subset
     }
 
     /// Body → pool, tokens, block hashes and owners.

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::admission::{Admission, AdmissionView, CommitGate};
 use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Picker, Pinned, Prepared, RequestError};
-use crate::config::OverloadConfig;
+use crate::config::{OverloadConfig, UnknownSubset};
 use crate::discovery::{SourceState, SourceStatus};
 use crate::events::EventFeeds;
 use crate::events::stream::StreamView;
@@ -328,7 +328,13 @@ impl Service {
             && allowed.is_empty()
             && !subset.is_empty()
         {
-            return self.unknown_subset(&pinned, subset, passthrough);
+            self.metrics.record_unknown_subset(&prepared.pool_label);
+            return match self.picker.unknown_subset() {
+                UnknownSubset::Refuse => {
+                    self.rejected(&prepared, RefusalReason::NoWorkers, Some(subset))
+                }
+                UnknownSubset::RouteWithin => self.unknown_subset(&pinned, subset, passthrough),
+            };
         }
         match pinned.decide(allowed.as_deref(), Instant::now(), &mut rand::rng()) {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, &decision),
@@ -428,9 +434,10 @@ impl Service {
         })
     }
 
-    /// The proxy allows only endpoints the pool does not know (yet): a gateway whose discovery is ahead
-    /// of cachepick's. Refusing would be a 503 that Envoy's fail-open cannot rescue, so the request goes
-    /// within the subset, to a random endpoint, the others as fallbacks: a miss, nothing committed.
+    /// The proxy allows only endpoints the pool does not know (yet), and `unknown_subset: route_within`
+    /// asks for a request anyway: a gateway whose discovery is ahead of cachepick's, where a refusal
+    /// would be a 503 that Envoy's fail-open cannot rescue. The request goes within the subset, to a
+    /// random endpoint, the others as fallbacks: a miss, nothing committed.
     fn unknown_subset(
         &self,
         pinned: &Pinned<'_>,
@@ -438,7 +445,6 @@ impl Service {
         passthrough: bool,
     ) -> Answer {
         let prepared = pinned.prepared();
-        self.metrics.record_unknown_subset(&prepared.pool_label);
         if self
             .sampled
             .fetch_add(1, Ordering::Relaxed)

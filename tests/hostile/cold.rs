@@ -207,7 +207,9 @@ async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
             let stats = envoy.stats().await;
             let lines: Vec<&str> = stats
                 .lines()
-                .filter(|line| line.contains("upstream_rq_total") || line.contains("membership_total"))
+                .filter(|line| {
+                    line.contains("upstream_rq_total") || line.contains("membership_total")
+                })
                 .collect();
             panic!(
                 "served by {:?}, not where cachepick said ({destination}):\n{}",
@@ -221,9 +223,15 @@ async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
         &stats,
         &format!("cluster.{BOOTSTRAP_CLUSTER}.upstream_rq_total"),
     );
-    assert!(
-        envoy::parse_stat(&stats, "cluster.workers.membership_total") == Some(3),
+    assert_eq!(
+        envoy::parse_stat(&stats, "cluster.workers.membership_total"),
+        Some(3),
         "{stats}"
+    );
+    assert_eq!(
+        envoy::parse_stat(&stats, "cluster.workers.update_rejected"),
+        Some(0),
+        "Envoy refused cachepick's roster"
     );
     eprintln!(
         "cold start: {COLD_REQUESTS} served with no picker; picker routed {took_over:?} after it started \
