@@ -62,6 +62,22 @@ impl RequestError {
         }
     }
 
+    /// What the client is told. A body error describes the client's own bytes. A tokenizer or template
+    /// error names the server's files and carries the template's exception text, so the client gets the
+    /// reason alone; the details go to the log (`Service` logs them).
+    pub fn client_message(&self) -> String {
+        match self {
+            RequestError::Body(error) => error.to_string(),
+            RequestError::Tokenize(TokenizeError::Tools(error)) => {
+                format!("the request's tools are not valid JSON: {error}")
+            }
+            RequestError::Tokenize(TokenizeError::Render { .. }) => {
+                "the pool's chat template cannot render this chat".to_owned()
+            }
+            RequestError::Tokenize(_) => "the prompt could not be tokenized".to_owned(),
+        }
+    }
+
     /// The HTTP status the client gets: `reason().status()`.
     pub fn status(&self) -> u16 {
         self.reason().status()

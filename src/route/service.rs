@@ -483,10 +483,23 @@ impl Service {
             .observe_decision_seconds(answer.pool().unwrap_or("none"), seconds);
     }
 
+    /// A request refused before its pool decided: the client gets [`RequestError::client_message`];
+    /// a tokenizer or template failure, whose details are the server's, is logged with them (1 in
+    /// [`LOG_SAMPLE`], so a client repeating it cannot flood the log; the metrics count every one).
     fn refuse_request(&self, error: &RequestError) -> Answer {
         let reason = error.reason();
-        tracing::debug!(reason = reason.as_str(), %error, "request refused");
-        Answer::Refuse(self.refuse(reason, error.to_string()))
+        if matches!(error, RequestError::Tokenize(_))
+            && self
+                .sampled
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(LOG_SAMPLE)
+        {
+            tracing::warn!(reason = reason.as_str(), %error,
+                "request refused: the client gets the reason only (logged 1 in 64)");
+        } else {
+            tracing::debug!(reason = reason.as_str(), %error, "request refused");
+        }
+        Answer::Refuse(self.refuse(reason, error.client_message()))
     }
 
     fn routed(&self, pinned: &Pinned<'_>, decision: Decision, gate: &CommitGate) -> Answer {

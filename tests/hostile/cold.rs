@@ -1,5 +1,7 @@
 //! Envoy before the picker (issue 23, item 4): an Envoy started while no picker answers serves from the
 //! workers its bootstrap names, and once a picker starts, routing takes over without a failed request.
+//! Also the other deployment-facing items of the same helper: what a template error tells the client
+//! (item 8).
 //!
 //! The stack: a simulated vLLM fleet (real HTTP servers, each answering with `x-served-by` and echoing
 //! the routing headers it received as `x-sim-echo-*`), a real Envoy 1.40 on the generated buffered
@@ -9,6 +11,7 @@ use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
@@ -237,4 +240,109 @@ async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
         "cold start: {COLD_REQUESTS} served with no picker; picker routed {took_over:?} after it started \
          ({unrouted_after_start} served unrouted meanwhile, none failed); bootstrap cluster served {bootstrap_after:?}"
     );
+}
+
+/// `cachepick serve` on `yaml`, with its log lines and its gRPC address (from the `listen=` line).
+fn serve(yaml: &str, dir: &tempfile::TempDir) -> (Serve, mpsc::Receiver<String>, SocketAddr) {
+    let path = dir.path().join("cachepick.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let mut child = Command::new(cachepick_rig::cachepick_binary())
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cachepick serve starts");
+    let (sender, receiver) = mpsc::channel();
+    let pipes: [Box<dyn std::io::Read + Send>; 2] = [
+        Box::new(child.stdout.take().unwrap()),
+        Box::new(child.stderr.take().unwrap()),
+    ];
+    for pipe in pipes {
+        let sender = sender.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    let serve = Serve(child);
+    let listen = loop {
+        let line = receiver
+            .recv_timeout(Duration::from_secs(30))
+            .expect("serve logs its addresses");
+        if let Some(rest) = line.split(" listen=").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    (serve, receiver, listen)
+}
+
+/// Issue 23, item 8: a chat the pool's template refuses (`raise_exception` on an unknown role) gets a
+/// 400 `untokenizable` whose body names neither the server's template file nor the template's exception
+/// text; the picker's log has both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_error_gives_the_client_the_reason_and_the_log_the_details() {
+    let template = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/tokenizer_config.json");
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\npools:\n  - model: m\n    engine: vllm\n    \
+         tokenizer: {{kind: bytes}}\n    chat_template: \"{}\"\n    workers:\n      - endpoint: \"127.0.0.1:1\"\n",
+        template.display()
+    );
+    let (_serve, log, listen) = serve(&yaml, &dir);
+    let client = bounded(
+        "connect",
+        DEADLINE,
+        cachepick_rig::client::Client::connect(listen),
+    )
+    .await
+    .unwrap();
+    let body = json!({"model": "m", "messages": [{"role": "villain", "content": "hello"}]});
+    let verdict = bounded(
+        "a decision",
+        DEADLINE,
+        client.decide(CHAT, body.to_string().as_bytes()),
+    )
+    .await
+    .unwrap();
+    let cachepick_rig::client::Verdict::Refuse {
+        status,
+        reason,
+        body,
+    } = verdict
+    else {
+        panic!("routed: {verdict:?}");
+    };
+    assert_eq!((status, reason.as_str()), (400, "untokenizable"));
+    let text = String::from_utf8(body).unwrap();
+    let answer: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["error"]["type"], "untokenizable", "{text}");
+    for secret in [
+        template.display().to_string(),
+        "tokenizer_config".to_owned(),
+        "unknown role".to_owned(),
+        "villain".to_owned(),
+    ] {
+        assert!(
+            !text.contains(&secret),
+            "the client learns {secret:?}: {text}"
+        );
+    }
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let line = log
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the picker logs the template's failure");
+        if line.contains("unknown role: villain") {
+            assert!(line.contains(&template.display().to_string()), "{line}");
+            break;
+        }
+    }
 }
