@@ -24,7 +24,7 @@ use crate::load::{PoolView, RosterObserver};
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
 use crate::protocol::{PASSTHROUGH, RefusalReason, ShedReason};
-use crate::request::{self, ApiPath, encoding};
+use crate::request::{self, ApiPath, charset, encoding};
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -343,9 +343,33 @@ impl Service {
         }
     }
 
-    /// The body with its content-encoding undone, within `max_body_bytes` of output; `None` when it
-    /// cannot be (counted, and the request is then routed by load: never refused for it).
+    /// The body with its content-encoding undone and its text as UTF-8 (`request::charset`: a
+    /// byte-order mark skipped, UTF-16 and UTF-32 transcoded, as the engines read them), within
+    /// `max_body_bytes` of output; `None` when it cannot be (the request is then routed by load: never
+    /// refused for it).
     fn decode<'b>(&self, content_encoding: Option<&str>, body: &'b [u8]) -> Option<Cow<'b, [u8]>> {
+        let limit = self.picker.max_body_bytes();
+        match self.decode_content(content_encoding, body)? {
+            Cow::Borrowed(body) => charset::to_utf8(body, limit),
+            Cow::Owned(body) => {
+                let text = match charset::to_utf8(&body, limit)? {
+                    // UTF-8 as decoded; after a byte-order mark, the rest of it.
+                    Cow::Borrowed(text) if text.len() == body.len() => None,
+                    Cow::Borrowed(text) => Some(text.to_vec()),
+                    Cow::Owned(text) => Some(text),
+                };
+                Some(Cow::Owned(text.unwrap_or(body)))
+            }
+        }
+    }
+
+    /// The body with its content-encoding undone, within `max_body_bytes` of output; `None` when it
+    /// cannot be (counted).
+    fn decode_content<'b>(
+        &self,
+        content_encoding: Option<&str>,
+        body: &'b [u8],
+    ) -> Option<Cow<'b, [u8]>> {
         let decoded = encoding::decode(content_encoding, body, self.picker.max_body_bytes());
         let label = || {
             content_encoding

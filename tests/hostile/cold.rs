@@ -346,3 +346,111 @@ async fn a_template_error_gives_the_client_the_reason_and_the_log_the_details() 
         }
     }
 }
+
+/// `text` in UTF-16 or UTF-32, either byte order, with or without a byte-order mark.
+fn encode_wide(text: &str, width: usize, little: bool, bom: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    let push = |out: &mut Vec<u8>, scalar: u32| match (width, little) {
+        (2, true) => out.extend((scalar as u16).to_le_bytes()),
+        (2, false) => out.extend((scalar as u16).to_be_bytes()),
+        (_, true) => out.extend(scalar.to_le_bytes()),
+        (_, false) => out.extend(scalar.to_be_bytes()),
+    };
+    if bom {
+        push(&mut out, 0xFEFF);
+    }
+    if width == 2 {
+        for unit in text.encode_utf16() {
+            push(&mut out, u32::from(unit));
+        }
+    } else {
+        for scalar in text.chars() {
+            push(&mut out, u32::from(scalar));
+        }
+    }
+    out
+}
+
+/// Issue 23, item 9: the encodings vLLM and SGLang accept (FastAPI parses with `json.loads(bytes)`,
+/// which skips a UTF-8 byte-order mark and detects UTF-16 and UTF-32) are routed, not refused, and read
+/// as the same text: the same chat in each of them hits the worker its UTF-8 form was routed to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_order_mark_and_utf16_bodies_route_as_their_text() {
+    let mut sim = SimConfig::new(Engine::Vllm, nz(3));
+    sim.tokenizer = TokenizerConfig::Bytes;
+    sim.block_size = nz(16);
+    sim.params.jitter = 0.0;
+    sim.params.time_scale = 0.01;
+    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
+        .await
+        .expect("the fleet starts");
+    let overrides = Overrides {
+        listen: Some(loopback(envoy::free_port())),
+        metrics_listen: Some(loopback(envoy::free_port())),
+        ..Overrides::default()
+    };
+    let mut config = config::parse(&fleet.cachepick_config(), "charset.yaml", &overrides).unwrap();
+    // The simulated workers hold a few hundred tokens each: an owner must match far fewer than 1,024.
+    for policy in config.policies_mut() {
+        if let Some(knobs) = policy.cache_aware_mut() {
+            knobs.min_match_tokens = 64;
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (_serve, _log, listen) = serve(&config.to_yaml(), &dir);
+    let client = bounded(
+        "connect",
+        DEADLINE,
+        cachepick_rig::client::Client::connect(listen),
+    )
+    .await
+    .unwrap();
+    let text = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": format!("Grüße, 世界 🌍 {}", "a long shared history. ".repeat(20))}],
+    })
+    .to_string();
+    let decide = |body: Vec<u8>| {
+        let client = &client;
+        async move {
+            bounded("a decision", DEADLINE, client.decide(CHAT, &body))
+                .await
+                .unwrap()
+        }
+    };
+    // The UTF-8 form, until its worker is its owner (the picker's first scrape round may still be on).
+    let deadline = Instant::now() + DEADLINE;
+    let owner = loop {
+        match decide(text.clone().into_bytes()).await {
+            cachepick_rig::client::Verdict::Route {
+                endpoints, reason, ..
+            } if reason == "cache_hit" => break endpoints[0],
+            cachepick_rig::client::Verdict::Route { .. } => {}
+            refused => panic!("the UTF-8 chat: {refused:?}"),
+        }
+        assert!(Instant::now() < deadline, "the UTF-8 chat never hits");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut bom = vec![0xEF, 0xBB, 0xBF];
+    bom.extend(text.as_bytes());
+    let bodies = [
+        ("utf-8 with a byte-order mark", bom),
+        ("utf-16le with a mark", encode_wide(&text, 2, true, true)),
+        ("utf-16le without", encode_wide(&text, 2, true, false)),
+        ("utf-16be with a mark", encode_wide(&text, 2, false, true)),
+        ("utf-32le with a mark", encode_wide(&text, 4, true, true)),
+        ("utf-32be without", encode_wide(&text, 4, false, false)),
+    ];
+    for (what, body) in bodies {
+        match decide(body).await {
+            cachepick_rig::client::Verdict::Route {
+                endpoints, reason, ..
+            } => assert_eq!(
+                (endpoints[0], reason.as_str()),
+                (owner, "cache_hit"),
+                "{what}"
+            ),
+            refused => panic!("{what}: {refused:?}"),
+        }
+    }
+}
