@@ -6,8 +6,8 @@
 //! serves from cachepick's roster whenever it has one and from the bootstrap's list otherwise.
 //!
 //! The aggregate cannot carry cachepick's steering: it hands its child clusters a load-balancer context
-//! without the request's stream info, and `override_host` needs it (it falls back to its fallback
-//! policy without it; `tests/hostile/cold.rs` shows it against the real Envoy). So the route splits on
+//! without the request's stream info, and `override_host` needs it (without it, it uses its fallback
+//! policy: a destination sent through the aggregate is ignored, as Envoy 1.40 shows). So the route splits on
 //! whether cachepick answered: a request with cachepick's destination in the `envoy.lb` dynamic
 //! metadata (which a client cannot set, unlike a header) goes to the EDS cluster, where
 //! `override_host` steers it; every other request — picker down, shed, timed out — goes to the

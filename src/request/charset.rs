@@ -82,10 +82,9 @@ pub fn to_utf8(body: &[u8], limit: usize) -> Option<Cow<'_, [u8]>> {
         Charset::Utf8Bom => return Some(Cow::Borrowed(units)),
         Charset::Utf16Le | Charset::Utf16Be => {
             let little = charset == Charset::Utf16Le;
-            let chunks = units.chunks_exact(2);
-            let truncated = !chunks.remainder().is_empty();
-            let code_units = chunks.map(|pair| {
-                let pair = [pair[0], pair[1]];
+            let (pairs, rest) = units.as_chunks::<2>();
+            let truncated = !rest.is_empty();
+            let code_units = pairs.iter().map(|&pair| {
                 if little {
                     u16::from_le_bytes(pair)
                 } else {
@@ -106,11 +105,10 @@ pub fn to_utf8(body: &[u8], limit: usize) -> Option<Cow<'_, [u8]>> {
         }
         Charset::Utf32Le | Charset::Utf32Be => {
             let little = charset == Charset::Utf32Le;
-            let chunks = units.chunks_exact(4);
-            let truncated = !chunks.remainder().is_empty();
-            let mut text = String::with_capacity((units.len() / 4).min(limit));
-            for quad in chunks {
-                let quad = [quad[0], quad[1], quad[2], quad[3]];
+            let (quads, rest) = units.as_chunks::<4>();
+            let truncated = !rest.is_empty();
+            let mut text = String::with_capacity(quads.len().min(limit));
+            for &quad in quads {
                 let scalar = if little {
                     u32::from_le_bytes(quad)
                 } else {

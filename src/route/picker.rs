@@ -374,7 +374,9 @@ impl Picker {
         body: &[u8],
         rng: &mut R,
     ) -> Result<Explanation, RequestError> {
-        let prepared = self.prepare(path, body)?;
+        // Read as the request service reads it: a byte-order mark skipped, UTF-16 and UTF-32 as text.
+        let text = crate::request::charset::to_utf8(body, self.max_body_bytes);
+        let prepared = self.prepare(path, text.as_deref().unwrap_or(body))?;
         // Looks at the next turn without taking it: explaining routes nothing.
         let outcome = match self.pin(&prepared) {
             Some(pinned) => pinned.decide_in_turn(None, Instant::now(), false, rng),
