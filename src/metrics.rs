@@ -305,8 +305,8 @@ impl Metrics {
                 Opts::new(
                     "cachepick_unknown_subset_total",
                     "Requests whose proxy subset hint named only endpoints the pool does not know (a gateway \
-                     ahead of cachepick's discovery): routed within the subset blind, as a cache_miss, \
-                     instead of refused.",
+                     ahead of cachepick's discovery): refused with 503 no_workers, or, under \
+                     unknown_subset: route_within, routed within the subset blind as a cache_miss.",
                 ),
                 &["pool"],
             )?,

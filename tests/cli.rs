@@ -315,6 +315,34 @@ async fn snapshot_shows_what_cachepick_sees_of_each_worker() {
     );
 }
 
+/// Every worker down: the snapshot still prints what it saw, and exits 3 (not 0, which says every pool
+/// has a worker with a fresh reading; not 1 or 2, which say the command or the file is broken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_exits_3_when_a_pool_has_no_fresh_worker() {
+    let down = refused_addr();
+    let config = write_config(&format!(
+        "load: {{scrape_interval: 200ms, scrape_timeout: 100ms, freshness: 1s}}\n\
+         pools:\n  - model: m\n    engine: vllm\n    workers:\n\
+         \x20     - endpoint: \"{down}\"\n      - endpoint: \"127.0.0.2:{}\"\n",
+        down.port()
+    ));
+    let path = config.path().to_str().unwrap().to_owned();
+    let output = tokio::task::spawn_blocking(move || cachepick(&["snapshot", "--config", &path]))
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(3), "stderr: {}", stderr(&output));
+    assert!(
+        stdout(&output).contains("cannot connect"),
+        "{}",
+        stdout(&output)
+    );
+    assert!(
+        stderr(&output).contains("no worker with a fresh reading in pool(s) m"),
+        "{}",
+        stderr(&output)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
     let engine = FakeEngine::start(Mode::Body("text/plain", vllm_metrics(&[(0, 0, 2, 0.1)]))).await;

@@ -100,7 +100,9 @@ fn config(picker: SocketAddr, workers: &[SocketAddr]) -> Config {
 }
 
 /// The generated buffered bootstrap on fresh loopback ports, minus the filter line that drops a
-/// client's destination header (the test steers with it, as the picker would).
+/// client's destination header (the test steers with it, as the picker would), and with the route of
+/// unanswered requests sent to the workers cluster too (that route's aggregate cannot steer; here every
+/// request is unanswered, since no picker answers ext_proc).
 fn bootstrap(config: &Config) -> String {
     let options = EnvoyOptions {
         mode: BodyMode::Buffered,
@@ -112,7 +114,13 @@ fn bootstrap(config: &Config) -> String {
     let strip = format!("                - remove: {DESTINATION}\n");
     assert!(yaml.contains(&strip), "the bootstrap drops {DESTINATION}");
     assert!(yaml.contains("type: EDS\n"), "the workers cluster is EDS");
+    let fail_open = format!("cluster: {}\n", envoy_config::FAIL_OPEN_CLUSTER);
+    assert!(
+        yaml.contains(&fail_open),
+        "the route of unanswered requests"
+    );
     yaml.replace(&strip, "")
+        .replace(&fail_open, &format!("cluster: {WORKERS_CLUSTER}\n"))
 }
 
 /// The hosts Envoy's workers cluster holds, from admin `/clusters` (`workers::ip:port::stat::value`).

@@ -25,6 +25,7 @@ mod sim_client;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
@@ -690,25 +691,24 @@ async fn the_subset_hint_restricts_the_choice() {
         }
     }
 
-    // Only endpoints the pool does not know (a gateway whose discovery is ahead of cachepick's): routed
-    // within the hint blind, as a miss, never outside it and never refused, since Envoy's fail-open
-    // cannot rescue a 503.
-    for (metadata, allowed) in [
-        (
-            subset_string("10.9.9.9:1,10.9.9.8:2"),
-            vec!["10.9.9.9:1", "10.9.9.8:2"],
-        ),
-        (subset_list(&["10.9.9.9:1".to_owned()]), vec!["10.9.9.9:1"]),
-    ] {
-        let route = route_of(&buffered(&harness, CHAT, &chat(400, 500), Some(metadata)).await);
-        let allowed: Vec<SocketAddr> = allowed.iter().map(|a| a.parse().unwrap()).collect();
-        assert!(!route.endpoints.is_empty());
-        assert!(
-            route.endpoints.iter().all(|e| allowed.contains(e)),
-            "{route:?} outside {allowed:?}"
+    // Only endpoints the pool does not know (a gateway whose discovery is ahead of cachepick's): by
+    // default 503 no_workers, as the Endpoint Picker Protocol requires when no endpoint of the hint is
+    // eligible; counted apart.
+    for metadata in unknown_hints().into_iter().map(|(metadata, _)| metadata) {
+        let answer = buffered(&harness, CHAT, &chat(400, 500), Some(metadata.clone())).await;
+        let refused = checked_refusal(&answer);
+        assert_eq!(
+            (refused.status, refused.reason.as_str()),
+            (503, "no_workers"),
+            "{metadata:?}: {refused:?}"
         );
-        assert_eq!(route.reason, "cache_miss", "{route:?}");
     }
+    let text = harness.metrics().await;
+    assert_eq!(
+        metric(&text, "cachepick_unknown_subset_total", &[]),
+        2.0,
+        "{text}"
+    );
 
     // No endpoint at all in the hint: 503, never a worker outside it.
     for metadata in [subset_string("garbage"), subset_string("")] {
@@ -720,6 +720,52 @@ async fn the_subset_hint_restricts_the_choice() {
             "{metadata:?}: {refused:?}"
         );
     }
+    harness.stop().await;
+}
+
+/// Hints naming only endpoints no pool knows, each with the endpoints it allows.
+fn unknown_hints() -> Vec<(Metadata, Vec<SocketAddr>)> {
+    vec![
+        (
+            subset_string("10.9.9.9:1,10.9.9.8:2"),
+            vec!["10.9.9.9:1".parse().unwrap(), "10.9.9.8:2".parse().unwrap()],
+        ),
+        (
+            subset_list(&["10.9.9.9:1".to_owned()]),
+            vec!["10.9.9.9:1".parse().unwrap()],
+        ),
+    ]
+}
+
+/// `unknown_subset: route_within`, for a gateway known to list pods before cachepick's discovery:
+/// such a hint is routed within itself blind, as a miss, never outside it; a hint with no endpoint at
+/// all is still a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_within_sends_an_unknown_hint_within_itself() {
+    let harness = Harness::start(2, "unknown_subset: route_within").await;
+    for (metadata, allowed) in unknown_hints() {
+        let route = route_of(&buffered(&harness, CHAT, &chat(400, 500), Some(metadata)).await);
+        assert!(!route.endpoints.is_empty());
+        assert!(
+            route.endpoints.iter().all(|e| allowed.contains(e)),
+            "{route:?} outside {allowed:?}"
+        );
+        assert_eq!(route.reason, "cache_miss", "{route:?}");
+    }
+    let answer = buffered(
+        &harness,
+        CHAT,
+        &chat(401, 500),
+        Some(subset_string("garbage")),
+    )
+    .await;
+    assert_eq!(refusal_of(&answer).status, 503);
+    let text = harness.metrics().await;
+    assert_eq!(
+        metric(&text, "cachepick_unknown_subset_total", &[]),
+        2.0,
+        "{text}"
+    );
     harness.stop().await;
 }
 

@@ -1,6 +1,6 @@
-//! Hostile clients, feeds and files against the real `cachepick serve`: each attack of issue 23 runs
-//! here and asserts the bound the picker holds under it. One module per attack surface, in
-//! `tests/hostile/`.
+//! Hostile clients, feeds, files and deployment states against the real `cachepick serve` (and a real
+//! Envoy where the attack goes through it): each attack of issue 23 runs here and asserts the bound
+//! RELIABILITY.md states. One module per attack surface, in `tests/hostile/`.
 
 #![allow(
     clippy::unwrap_used,
@@ -11,6 +11,15 @@
 
 mod support;
 
+#[path = "support/envoy.rs"]
+mod envoy;
+#[path = "support/provision.rs"]
+mod provision;
+#[path = "support/sim_client.rs"]
+mod sim_client;
+
+#[path = "hostile/cold.rs"]
+mod cold;
 #[path = "hostile/conn.rs"]
 mod conn;
 #[path = "hostile/feeds.rs"]

@@ -23,7 +23,7 @@ use cachepick_decode::{duration, size};
 
 use super::{
     Config, Discovery, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection, PolicyConfig,
-    PoolConfig, TokenizerConfig, WorkerConfig,
+    PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 
@@ -51,6 +51,7 @@ struct File<'c> {
     metrics_http: MetricsHttp,
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_salt_header: Option<&'c str>,
+    unknown_subset: UnknownSubset,
     policy: Policy,
     load: Load<'c>,
     overload: Overload,
@@ -365,6 +366,7 @@ impl<'c> From<&'c Config> for File<'c> {
             max_body_bytes: config.max_body_bytes.get().into(),
             debug_endpoints: config.debug_endpoints,
             cache_salt_header: config.cache_salt_header.as_deref(),
+            unknown_subset: config.unknown_subset,
             debug_token_file: config.debug_token_file.as_deref(),
             tls: config.tls.as_ref().map(|tls| ListenerTls {
                 cert_file: &tls.cert_file,

@@ -115,6 +115,17 @@ fn gated(limit: u64, floor: u64) -> PolicyConfig {
 }
 
 #[test]
+fn a_subset_hint_naming_no_known_worker_is_refused_unless_asked_otherwise() {
+    let default = parse(POOL, "test.yaml", &Overrides::default()).unwrap();
+    assert_eq!(default.unknown_subset, UnknownSubset::Refuse);
+    let source = format!("unknown_subset: route_within\n{POOL}");
+    let config = parse(&source, "test.yaml", &Overrides::default()).unwrap();
+    assert_eq!(config.unknown_subset, UnknownSubset::RouteWithin);
+    let again = parse(&config.to_yaml(), "effective.yaml", &Overrides::default()).unwrap();
+    assert_eq!(again.unknown_subset, UnknownSubset::RouteWithin);
+}
+
+#[test]
 fn the_full_example_is_accepted_with_its_values() {
     let config = parse(EXAMPLE, "example.yaml", &Overrides::default()).unwrap();
     let expected = Config {
@@ -126,6 +137,7 @@ fn the_full_example_is_accepted_with_its_values() {
         metrics_http: HttpLimits::default(),
         cache_salt_header: None,
         overload: OverloadConfig::default(),
+        unknown_subset: UnknownSubset::Refuse,
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),
@@ -753,6 +765,8 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "pools[0].default_cache_blocks (line 4)", "must be at least 1"),
             ("max_model_len 0", pool_with("max_model_len: 0"), &NO_FLAGS,
              "pools[0].max_model_len (line 4)", "must be at least 1"),
+            ("an unknown_subset answer that does not exist", format!("unknown_subset: route\n{POOL}"),
+             &NO_FLAGS, "unknown_subset (line 1)", "expected one of: refuse, route_within; got `route`"),
             ("a salt header with a space", format!("cache_salt_header: x tenant\n{POOL}"), &NO_FLAGS,
              "cache_salt_header (line 1)", "is not an HTTP header name"),
             ("a salt header cachepick owns", format!("cache_salt_header: X-Cachepick-Tenant\n{POOL}"),

@@ -42,6 +42,34 @@ pub struct Config {
     pub cache_salt_header: Option<String>,
     /// `overload:`: admission, deadlines, stream and memory bounds, and the shutdown grace.
     pub overload: super::OverloadConfig,
+    /// What a request gets when the proxy's subset hint names no worker cachepick knows.
+    pub unknown_subset: UnknownSubset,
+}
+
+/// `unknown_subset`: the answer to a request whose proxy subset hint names only endpoints the pool does
+/// not know (a gateway whose discovery is ahead of cachepick's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownSubset {
+    /// 503 `no_workers`, as the Endpoint Picker Protocol requires when no endpoint of the hint is
+    /// eligible: the gateway, not the picker, decides what happens next.
+    #[default]
+    Refuse,
+    /// Routed within the hint, to a random endpoint (the rest as fallbacks), as a `cache_miss`: for a
+    /// gateway known to list pods before cachepick's discovery does, where a 503 would fail requests a
+    /// worker can serve (Envoy's fail-open does not rescue a refusal).
+    RouteWithin,
+}
+
+impl UnknownSubset {
+    pub const ALL: [UnknownSubset; 2] = [UnknownSubset::Refuse, UnknownSubset::RouteWithin];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnknownSubset::Refuse => "refuse",
+            UnknownSubset::RouteWithin => "route_within",
+        }
+    }
 }
 
 impl Config {

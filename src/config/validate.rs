@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use super::{
     Config, Discovery, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides,
-    PolicyConfig, PoolConfig, TokenizerConfig, WorkerConfig, WorkerTemplate,
+    PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig, WorkerTemplate,
 };
 use crate::worker::{Engine, Role};
 use cachepick_decode::duration;
@@ -50,6 +50,7 @@ const ROOT_KEYS: &[&str] = &[
     "load",
     "pools",
     "overload",
+    "unknown_subset",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -256,6 +257,9 @@ impl Validator<'_> {
         self.https_scrape = load.as_ref().map_or(true, |load| load.tls.is_some());
         let pools = self.pools(&root, &policy);
         let overload = self.overload(&root, overrides, &max_body_bytes);
+        let unknown_subset = self.opt(&root, "unknown_subset", |v, node, at| {
+            v.keyword(node, at, &UnknownSubset::ALL, UnknownSubset::as_str)
+        });
         listeners_apart?;
         Ok(Config {
             listen: listen?.value,
@@ -270,6 +274,7 @@ impl Validator<'_> {
             metrics_http: metrics_http?,
             cache_salt_header: cache_salt_header?.map(|given| given.value),
             overload: overload?,
+            unknown_subset: unknown_subset?.map_or(UnknownSubset::default(), |given| given.value),
         })
     }
 

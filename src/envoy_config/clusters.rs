@@ -3,10 +3,14 @@
 
 use std::net::SocketAddr;
 
+use super::cold_start::{ColdStart, dns_cluster_type};
 use super::yaml::{Yaml, duration};
 use super::{EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, WORKERS_CLUSTER, WorkersSource, XDS_CLUSTER};
 use crate::config::{Config, DnsDiscovery};
 use crate::protocol::{DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SELECTED_HEADER};
+
+/// The concurrent retries a cluster of workers allows (Envoy's default is 3).
+pub(super) const MAX_RETRIES: u32 = 1024;
 
 /// Generous limits: Envoy's defaults (1024 connections, pending and active requests, 3 concurrent
 /// retries per cluster) are reached quickly when each request lasts a whole generation.
@@ -16,7 +20,9 @@ fn circuit_breakers(out: &mut Yaml, comment: &[&str]) {
     out.line(6, "thresholds:");
     out.line(
         6,
-        "- {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: 1024}",
+        &format!(
+            "- {{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: {MAX_RETRIES}}}"
+        ),
     );
 }
 
@@ -58,7 +64,7 @@ fn load_balancing_policy(out: &mut Yaml, indent: usize, name: &str, type_name: &
     out.type_url(indent + 6, type_name);
 }
 
-pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
+pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&ColdStart<'_>>) {
     out.line(2, &format!("- name: {WORKERS_CLUSTER}"));
     let source = WorkersSource::of(config);
     match &source {
@@ -105,7 +111,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config) {
         ],
     );
     match source {
-        WorkersSource::Eds => eds_config(out),
+        WorkersSource::Eds => eds_config(out, cold.is_some()),
         WorkersSource::Dns(names) => dns_config(out, &names),
     }
     outlier_detection(out);
@@ -196,7 +202,9 @@ pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
     out.line(6, &format!("http_header_name: {SELECTED_HEADER}"));
 }
 
-pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
+/// `eds_first`: a picker that answers must have sent its roster first (the EDS cluster is otherwise
+/// empty at a cold start), so its health check passes twice before the picker decides again.
+pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions, eds_first: bool) {
     out.line(2, "- name: cachepick");
     if options.pickers.len() > 1 {
         out.comment(
@@ -243,7 +251,19 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(6, "interval: 1s");
     out.line(6, "no_traffic_interval: 1s");
     out.line(6, "unhealthy_threshold: 2");
-    out.line(6, "healthy_threshold: 1");
+    if eds_first {
+        out.comment(
+            6,
+            &[
+                "Two passes after a failure (Envoy needs one only for its very first check): a picker that starts",
+                "after Envoy has sent its roster over EDS (retried every 0.5 s at most) before it decides.",
+            ],
+        );
+    }
+    out.line(
+        6,
+        &format!("healthy_threshold: {}", if eds_first { 2 } else { 1 }),
+    );
     out.line(
         6,
         &format!("grpc_health_check: {{service_name: {}}}", EXT_PROC_SERVICE),
@@ -255,8 +275,9 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions) {
     load_assignment(out, "cachepick", options.pickers.iter().copied());
 }
 
-/// `eds_cluster_config`: the workers' endpoints from cachepick's EDS over [`XDS_CLUSTER`].
-fn eds_config(out: &mut Yaml) {
+/// `eds_cluster_config`: the workers' endpoints from cachepick's EDS over [`XDS_CLUSTER`]; `cold` says
+/// whether the bootstrap also lists workers to serve from before the first answer.
+fn eds_config(out: &mut Yaml, cold: bool) {
     out.comment(
         4,
         &[
@@ -267,11 +288,17 @@ fn eds_config(out: &mut Yaml) {
                 "Envoy holds its listener back until the first answer, for at most initial_fetch_timeout ({}): a",
                 duration(EDS_INITIAL_FETCH_TIMEOUT)
             ),
-            "picker that is up answers at once, and with none up Envoy starts with no workers (503) instead of",
-            "waiting forever, and fills the cluster as soon as a picker answers; the subscription retries every",
-            "0.5 s to 5 s. An EDS cluster takes no static endpoints (Envoy ignores a load_assignment here), so",
-            "there is no fallback list before the first answer. Once Envoy has the roster it keeps it through a",
-            "picker outage: the least-request fallback then serves the last roster it was sent.",
+            "picker that is up answers at once; with none up Envoy starts with this cluster empty and fills it as",
+            "soon as a picker answers. An EDS cluster takes no static endpoints (Envoy ignores a load_assignment",
+            if cold {
+                "here): until then the requests are served from workers_bootstrap, through workers_fail_open."
+            } else {
+                "here), and no pool's workers can be listed without a picker: until then every request gets 503."
+            },
+            "Once Envoy has the roster it keeps it through a picker outage. The subscription retries every 0.25 s",
+            "to 0.5 s while no picker answers: a picker that starts after Envoy sends its roster before Envoy's",
+            "health check (two passes 1 s apart after a failure) lets it decide, so no decision names a worker",
+            "this cluster does not hold yet.",
         ],
     );
     out.line(4, "eds_cluster_config:");
@@ -294,60 +321,13 @@ fn eds_config(out: &mut Yaml) {
     out.line(14, &format!("cluster_name: {XDS_CLUSTER}"));
     out.line(
         14,
-        "retry_policy: {retry_back_off: {base_interval: 0.5s, max_interval: 5s}}",
+        "retry_policy: {retry_back_off: {base_interval: 0.25s, max_interval: 0.5s}}",
     );
 }
 
 /// `STRICT_DNS` on each pool's name and port, re-resolved as often as cachepick does.
 fn dns_config(out: &mut Yaml, names: &[&DnsDiscovery]) {
-    let interval = names
-        .iter()
-        .map(|dns| dns.interval)
-        .min()
-        .unwrap_or(DnsDiscovery::DEFAULT_INTERVAL);
-    out.comment(
-        4,
-        &[
-            "STRICT_DNS, in the DnsCluster form (the Cluster's own dns_* fields are deprecated): every address",
-            "each name resolves to is a worker, A and AAAA records alike (ALL), as for cachepick. Re-resolved every",
-            "pools[].dns.interval (the shortest, if the pools differ), as cachepick does, and regardless of the",
-            "records' TTL, which cachepick ignores too.",
-        ],
-    );
-    out.line(4, "cluster_type:");
-    out.line(6, "name: envoy.cluster.dns");
-    out.line(6, "typed_config:");
-    out.type_url(8, "envoy.extensions.clusters.dns.v3.DnsCluster");
-    out.line(8, &format!("dns_refresh_rate: {}", duration(interval)));
-    out.line(8, "respect_dns_ttl: false");
-    out.line(8, "dns_lookup_family: ALL");
-    let mut servers: Vec<SocketAddr> = names.iter().filter_map(|dns| dns.server).collect();
-    servers.sort_unstable();
-    servers.dedup();
-    if !servers.is_empty() {
-        out.comment(
-            8,
-            &["The DNS servers the pools name (pools[].dns.server), so Envoy asks what cachepick asks."],
-        );
-        out.line(8, "typed_dns_resolver_config:");
-        out.line(10, "name: envoy.network.dns_resolver.cares");
-        out.line(10, "typed_config:");
-        out.type_url(
-            12,
-            "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
-        );
-        out.line(12, "resolvers:");
-        for server in servers {
-            out.line(
-                12,
-                &format!(
-                    "- socket_address: {{address: \"{}\", port_value: {}}}",
-                    server.ip(),
-                    server.port()
-                ),
-            );
-        }
-    }
+    dns_cluster_type(out, names);
     out.line(4, "load_assignment:");
     out.line(6, &format!("cluster_name: {WORKERS_CLUSTER}"));
     out.line(6, "endpoints:");
@@ -363,6 +343,16 @@ fn dns_config(out: &mut Yaml, names: &[&DnsDiscovery]) {
             ),
         );
     }
+}
+
+/// The circuit breakers and outlier detection of a cluster of workers, without their explanations
+/// (the workers cluster above carries them).
+pub(super) fn worker_limits(out: &mut Yaml) {
+    circuit_breakers(
+        out,
+        &["Circuit breakers and outlier detection as on the workers cluster."],
+    );
+    outlier_detection_fields(out);
 }
 
 /// Outlier detection on the workers: a worker that stops accepting connections is ejected after a few
@@ -383,6 +373,11 @@ fn outlier_detection(out: &mut Yaml) {
             "retries past cachepick's list); cachepick itself moves off a worker whose scrapes fail.",
         ],
     );
+    outlier_detection_fields(out);
+}
+
+/// The `outlier_detection` section [`outlier_detection`] explains.
+pub(super) fn outlier_detection_fields(out: &mut Yaml) {
     out.line(4, "outlier_detection:");
     out.line(6, "split_external_local_origin_errors: true");
     out.line(6, "consecutive_local_origin_failure: 3");

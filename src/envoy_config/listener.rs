@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::yaml::{Yaml, duration, one_line};
 use super::{
     BodyMode, EXT_PROC_FILTER, EnvoyOptions, REQUEST_HEADERS_TIMEOUT, REQUEST_TIMEOUT,
-    picker_address, upstream_cluster,
+    fail_open_route, picker_address, upstream_cluster,
 };
 use crate::config::Config;
 use crate::policy::Reason;
@@ -206,89 +206,53 @@ pub(super) fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) 
         &format!("request_timeout: {}", duration(REQUEST_TIMEOUT)),
     );
     route_config(out, config, options);
-    http_filters(out, options);
+    http_filters(out, config, options);
 }
 
 fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
-    let limit = config.max_body_bytes.get();
     out.line(10, "route_config:");
     out.line(12, "name: llm");
     out.line(12, "virtual_hosts:");
     out.line(12, "- name: llm");
     out.line(14, "domains: [\"*\"]");
     out.line(14, "routes:");
-    out.line(14, "- match: {prefix: \"/\"}");
-    match options.mode {
-        BodyMode::Buffered | BodyMode::OriginalDst => out.comment(
-            16,
-            &[
-                "cachepick's max_body_bytes: Envoy buffers the whole request body for cachepick up to this many bytes",
-                "(it overrides the listener's 1 MiB for this route's requests), and answers 413 itself to an HTTP/1.1",
-                "body above it, as cachepick would. It is also the retry buffer: a larger body (possible only while",
-                "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
-            ],
-        ),
-        BodyMode::Streamed => out.comment(
-            16,
-            &[
-                "cachepick's max_body_bytes: Envoy holds the body's chunks until cachepick has answered (up to",
-                "this many bytes, it overrides the listener's 1 MiB for this route's requests); cachepick refuses a",
-                "body over the limit itself (413). It is also the retry buffer: a larger body (possible only while",
-                "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
-            ],
-        ),
-        BodyMode::Duplex => out.comment(
-            16,
-            &[
-                "cachepick's max_body_bytes. The body streams through cachepick, which refuses one over the limit",
-                "itself, so this bounds only what Envoy buffers for retries: a larger body (possible only while",
-                "failing open) is not kept, so if its first worker refuses it, Envoy answers 507.",
-            ],
-        ),
-    }
-    out.line(16, &format!("request_body_buffer_limit: {limit}"));
-    out.line(16, "route:");
-    out.line(18, &format!("cluster: {}", upstream_cluster(options.mode)));
-    out.comment(
-        18,
-        &[
-            "No deadline: a generation can run for minutes, and a non-streaming one sends nothing until it ends,",
-            "so neither the 15 s route timeout nor the 5 min stream idle timeout may apply.",
-        ],
-    );
-    out.line(18, "timeout: 0s");
-    out.line(18, "idle_timeout: 0s");
-    let fallbacks = config.most_fallbacks();
-    if options.mode != BodyMode::OriginalDst {
-        out.comment(
-            18,
-            &[
-                &format!(
-                    "cachepick lists the selected worker and up to {fallbacks} fallbacks (max_fallbacks); override_host takes"
-                ),
-                "the next listed address that is a member of the cluster on each retry, and once the list is used up",
-                "it hands the choice to least-request, which skips outlier-ejected workers",
-                &format!(
-                    "and, through previous_hosts, every worker already tried. Hence num_retries is {fallbacks} + 1: a worker"
-                ),
-                "dying between cachepick's decision and Envoy's connect costs one retry per dead listed worker, and one",
-                "more attempt goes wherever least-request finds room. Only failures that happened before the worker saw",
-                "the request are retried, so a generation never runs twice.",
-            ],
-        );
-        out.line(18, "retry_policy:");
-        out.line(
-            20,
-            "retry_on: connect-failure,refused-stream,reset-before-request",
-        );
-        out.line(20, &format!("num_retries: {}", fallbacks.saturating_add(1)));
-        out.line(20, "retry_host_predicate:");
-        out.typed_entry(
-            20,
-            "envoy.retry_host_predicates.previous_hosts",
-            "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate",
-        );
-        out.line(20, "host_selection_retry_max_attempts: 5");
+    match fail_open_route(config, options.mode) {
+        None => {
+            out.line(14, "- match: {prefix: \"/\"}");
+            route(out, config, options, upstream_cluster(options.mode), true);
+        }
+        Some(fail_open) => {
+            out.comment(
+                14,
+                &[
+                    &format!(
+                        "Two routes, on whether cachepick answered: its destination is in the {LB_NAMESPACE} dynamic metadata"
+                    ),
+                    &format!(
+                        "({DESTINATION}), which no client can set (a header would be matched before the filter below"
+                    ),
+                    "drops a client's copy). Envoy matches the route again after ext_proc has changed the headers.",
+                    &format!(
+                        "Answered: {} (cachepick's roster), steered by override_host. Not answered (picker down, shed, timed",
+                        upstream_cluster(options.mode)
+                    ),
+                    &format!(
+                        "out): {fail_open}, which serves from that roster too once Envoy has it, and from the workers this"
+                    ),
+                    "file names before (a cold start: Envoy up, no picker yet). The aggregate cannot steer (it gives",
+                    "override_host no request to read), hence the split.",
+                ],
+            );
+            out.line(14, "- match:");
+            out.line(18, "prefix: \"/\"");
+            out.line(18, "dynamic_metadata:");
+            out.line(18, &format!("- filter: {LB_NAMESPACE}"));
+            out.line(20, &format!("path: [{{key: {DESTINATION}}}]"));
+            out.line(20, "value: {present_match: true}");
+            route(out, config, options, upstream_cluster(options.mode), true);
+            out.line(14, "- match: {prefix: \"/\"}");
+            route(out, config, options, fail_open, false);
+        }
     }
     out.comment(
         14,
@@ -318,7 +282,90 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     }
 }
 
-fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
+/// One route's action to `cluster`: the body limit, no deadline, the retry policy; `explain` writes the
+/// comments (the second route refers to the first).
+fn route(out: &mut Yaml, config: &Config, options: &EnvoyOptions, cluster: &str, explain: bool) {
+    let limit = config.max_body_bytes.get();
+    match options.mode {
+        _ if !explain => out.comment(16, &["As the route above."]),
+        BodyMode::Buffered | BodyMode::OriginalDst => out.comment(
+            16,
+            &[
+                "cachepick's max_body_bytes: Envoy buffers the whole request body for cachepick up to this many bytes",
+                "(it overrides the listener's 1 MiB for this route's requests), and answers 413 itself to an HTTP/1.1",
+                "body above it, as cachepick would. It is also the retry buffer: a larger body (possible only while",
+                "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
+            ],
+        ),
+        BodyMode::Streamed => out.comment(
+            16,
+            &[
+                "cachepick's max_body_bytes: Envoy holds the body's chunks until cachepick has answered (up to",
+                "this many bytes, it overrides the listener's 1 MiB for this route's requests); cachepick refuses a",
+                "body over the limit itself (413). It is also the retry buffer: a larger body (possible only while",
+                "failing open) is not kept for retries, so if its first worker refuses it, Envoy answers 507.",
+            ],
+        ),
+        BodyMode::Duplex => out.comment(
+            16,
+            &[
+                "cachepick's max_body_bytes. The body streams through cachepick, which refuses one over the limit",
+                "itself, so this bounds only what Envoy buffers for retries: a larger body (possible only while",
+                "failing open) is not kept, so if its first worker refuses it, Envoy answers 507.",
+            ],
+        ),
+    }
+    out.line(16, &format!("request_body_buffer_limit: {limit}"));
+    out.line(16, "route:");
+    out.line(18, &format!("cluster: {cluster}"));
+    if explain {
+        out.comment(
+        18,
+        &[
+            "No deadline: a generation can run for minutes, and a non-streaming one sends nothing until it ends,",
+            "so neither the 15 s route timeout nor the 5 min stream idle timeout may apply.",
+        ],
+    );
+    }
+    out.line(18, "timeout: 0s");
+    out.line(18, "idle_timeout: 0s");
+    let fallbacks = config.most_fallbacks();
+    if options.mode != BodyMode::OriginalDst {
+        if explain {
+            out.comment(
+            18,
+            &[
+                &format!(
+                    "cachepick lists the selected worker and up to {fallbacks} fallbacks (max_fallbacks); override_host takes"
+                ),
+                "the next listed address that is a member of the cluster on each retry, and once the list is used up",
+                "it hands the choice to least-request, which skips outlier-ejected workers",
+                &format!(
+                    "and, through previous_hosts, every worker already tried. Hence num_retries is {fallbacks} + 1: a worker"
+                ),
+                "dying between cachepick's decision and Envoy's connect costs one retry per dead listed worker, and one",
+                "more attempt goes wherever least-request finds room. Only failures that happened before the worker saw",
+                "the request are retried, so a generation never runs twice.",
+            ],
+        );
+        }
+        out.line(18, "retry_policy:");
+        out.line(
+            20,
+            "retry_on: connect-failure,refused-stream,reset-before-request",
+        );
+        out.line(20, &format!("num_retries: {}", fallbacks.saturating_add(1)));
+        out.line(20, "retry_host_predicate:");
+        out.typed_entry(
+            20,
+            "envoy.retry_host_predicates.previous_hosts",
+            "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate",
+        );
+        out.line(20, "host_selection_retry_max_attempts: 5");
+    }
+}
+
+fn http_filters(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     out.line(10, "http_filters:");
     out.comment(
         10,
@@ -350,6 +397,16 @@ fn http_filters(out: &mut Yaml, options: &EnvoyOptions) {
     out.line(10, &format!("- name: {EXT_PROC_FILTER}"));
     out.line(12, "typed_config:");
     ext_proc_config(out, 14, options.mode, options.message_timeout);
+    if fail_open_route(config, options.mode).is_some() {
+        out.comment(
+            14,
+            &[
+                "Envoy matches the route again once cachepick has answered: the routes above split on its answer.",
+                "(DEFAULT would keep the route matched before cachepick answered, unless the answer asked.)",
+            ],
+        );
+        out.line(14, "route_cache_action: CLEAR");
+    }
     out.typed_entry(
         10,
         "envoy.filters.http.router",

@@ -41,10 +41,14 @@ use std::time::Duration;
 use crate::config::{Config, Discovery, DnsDiscovery};
 
 mod clusters;
+mod cold_start;
 mod listener;
 mod yaml;
 
-use clusters::{original_dst_cluster, picker_cluster, workers_cluster, xds_cluster};
+pub use cold_start::{BOOTSTRAP_CLUSTER, ColdStart, FAIL_OPEN_CLUSTER};
+
+use clusters::{original_dst_cluster, picker_cluster, worker_limits, workers_cluster, xds_cluster};
+use cold_start::{bootstrap_cluster, fail_open_cluster};
 use listener::{admin, header, listener, node};
 use yaml::Yaml;
 
@@ -318,11 +322,16 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
     out.line(2, "clusters:");
     match options.mode {
         BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => {
-            workers_cluster(&mut out, config)
+            let cold = cold_start(config, options.mode);
+            workers_cluster(&mut out, config, cold.as_ref());
+            if let Some(cold) = &cold {
+                bootstrap_cluster(&mut out, cold, worker_limits);
+                fail_open_cluster(&mut out, clusters::MAX_RETRIES);
+            }
         }
         BodyMode::OriginalDst => original_dst_cluster(&mut out, config),
     }
-    picker_cluster(&mut out, options);
+    picker_cluster(&mut out, options, uses_eds(config, options.mode));
     if uses_eds(config, options.mode) {
         xds_cluster(&mut out, options);
     }
@@ -334,12 +343,26 @@ fn uses_eds(config: &Config, mode: BodyMode) -> bool {
     mode != BodyMode::OriginalDst && WorkersSource::of(config) == WorkersSource::Eds
 }
 
-/// Name of the cluster the route sends requests to.
+/// What the bootstrap serves from before cachepick's EDS has answered, when it subscribes to EDS and
+/// some pool's workers can be named without a picker.
+fn cold_start(config: &Config, mode: BodyMode) -> Option<ColdStart<'_>> {
+    uses_eds(config, mode)
+        .then(|| ColdStart::of(config))
+        .flatten()
+}
+
+/// Name of the cluster the route sends the requests cachepick answered to.
 fn upstream_cluster(mode: BodyMode) -> &'static str {
     match mode {
         BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => WORKERS_CLUSTER,
         BodyMode::OriginalDst => "workers_original_dst",
     }
+}
+
+/// The cluster the route sends the requests cachepick did not answer to, when it is not
+/// [`upstream_cluster`]: the cold-start aggregate.
+fn fail_open_route(config: &Config, mode: BodyMode) -> Option<&'static str> {
+    cold_start(config, mode).map(|_| FAIL_OPEN_CLUSTER)
 }
 
 #[cfg(test)]
@@ -424,6 +447,93 @@ mod tests {
         assert!(comments.contains(
             "of cachepick's EDS, decode-only (cachepick never sends a request there, so the fallback must not): 127.0.0.1:8002."
         ));
+    }
+
+    /// The section of `yaml` from `- name: <name>` to the next cluster.
+    fn cluster_section<'a>(yaml: &'a str, name: &str) -> Option<&'a str> {
+        yaml.split(&format!("  - name: {name}\n"))
+            .nth(1)
+            .and_then(|rest| rest.split("\n  - name: ").next())
+    }
+
+    #[test]
+    fn a_cold_start_serves_from_the_workers_the_file_names_unless_cachepick_answered() {
+        let yaml = render(&config(TWO), &EnvoyOptions::for_config(&config(TWO)));
+        let bootstrap = cluster_section(&yaml, BOOTSTRAP_CLUSTER).expect("the bootstrap cluster");
+        assert!(bootstrap.contains("type: STATIC\n"));
+        assert!(bootstrap.contains("port_value: 8001}") && bootstrap.contains("port_value: 8003}"));
+        // Decode-only workers never take a request, not even from a cold start.
+        assert!(!bootstrap.contains("port_value: 8002}"));
+        assert!(
+            bootstrap.contains("outlier_detection:") && bootstrap.contains("max_retries: 1024")
+        );
+        let aggregate = cluster_section(&yaml, FAIL_OPEN_CLUSTER).expect("the aggregate");
+        assert!(aggregate.contains("clusters: [workers, workers_bootstrap]"));
+        assert!(aggregate.contains("- {max_retries: 1024}\n"));
+        // Answered requests (cachepick's metadata, which no client sets) go where override_host steers;
+        // the others to the aggregate; the route is matched again after cachepick's answer.
+        let routes = yaml
+            .split("routes:\n")
+            .nth(1)
+            .and_then(|rest| rest.split("virtual_clusters:").next())
+            .expect("the routes");
+        let answered = routes
+            .find("cluster: workers\n")
+            .expect("the answered route");
+        let unanswered = routes
+            .find("cluster: workers_fail_open\n")
+            .expect("the other");
+        assert!(answered < unanswered);
+        assert!(routes.contains(
+            "- filter: envoy.lb\n                    path: [{key: x-gateway-destination-endpoint}]\n                    value: {present_match: true}\n"
+        ));
+        assert!(yaml.contains("route_cache_action: CLEAR\n"));
+        // The EDS subscription retries at most every 0.5 s, and the picker must pass twice after a failure:
+        // a picker that starts after Envoy has sent its roster before it decides.
+        assert!(yaml.contains("retry_back_off: {base_interval: 0.25s, max_interval: 0.5s}"));
+        let picker = cluster_section(&yaml, "cachepick").expect("the picker cluster");
+        assert!(picker.contains("healthy_threshold: 2\n"));
+
+        // dns: pools beside file pools: a STRICT_DNS bootstrap list with both.
+        let mixed = config(
+            "pools:\n  - model: a\n    engine: vllm\n    dns: {name: a.llm.svc, port: 8000, interval: 2s}\n  - model: b\n    engine: vllm\n    workers:\n      - {endpoint: \"127.0.0.1:8001\"}\n  - model: c\n    engine: vllm\n    kubernetes: {namespace: llm, selector: \"app=vllm\", ports: [8000]}\n",
+        );
+        let yaml = render(&mixed, &EnvoyOptions::for_config(&mixed));
+        let bootstrap = cluster_section(&yaml, BOOTSTRAP_CLUSTER).expect("the bootstrap cluster");
+        assert!(
+            !bootstrap.contains("type: STATIC") && bootstrap.contains("name: envoy.cluster.dns\n")
+        );
+        assert!(bootstrap.contains("dns_refresh_rate: 2s\n"));
+        assert!(bootstrap.contains("socket_address: {address: \"a.llm.svc\", port_value: 8000}"));
+        assert!(bootstrap.contains("socket_address: {address: \"127.0.0.1\", port_value: 8001}"));
+        assert!(bootstrap.contains("kubernetes pools have no workers here"));
+
+        // Nothing to name without a picker (Kubernetes only), or no EDS at all: one route, as before.
+        let kubernetes = config(
+            "pools:\n  - model: a\n    engine: vllm\n    kubernetes: {namespace: llm, selector: \"app=vllm\", ports: [8000]}\n",
+        );
+        let dns = config(
+            "pools:\n  - model: a\n    engine: vllm\n    dns: {name: a.llm.svc, port: 8000}\n",
+        );
+        for (config, mode) in [
+            (&kubernetes, BodyMode::Buffered),
+            (&dns, BodyMode::Duplex),
+            (&config(TWO), BodyMode::OriginalDst),
+        ] {
+            let yaml = render(
+                config,
+                &EnvoyOptions {
+                    mode,
+                    ..EnvoyOptions::for_config(config)
+                },
+            );
+            assert!(
+                !yaml.contains(&format!("- name: {BOOTSTRAP_CLUSTER}\n"))
+                    && !yaml.contains(&format!("cluster: {FAIL_OPEN_CLUSTER}\n")),
+                "{mode}"
+            );
+            assert!(!yaml.contains("route_cache_action"), "{mode}");
+        }
     }
 
     #[test]

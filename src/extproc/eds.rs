@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::socket_address::PortSpecifier;
 use envoy_types::pb::envoy::config::core::v3::{Address, SocketAddress, address};
+use envoy_types::pb::envoy::config::endpoint::v3::cluster_load_assignment::Policy;
 use envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier;
 use envoy_types::pb::envoy::config::endpoint::v3::{
     ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints,
@@ -30,7 +31,7 @@ use envoy_types::pb::envoy::service::discovery::v3::{
 use envoy_types::pb::envoy::service::endpoint::v3::endpoint_discovery_service_server::{
     EndpointDiscoveryService, EndpointDiscoveryServiceServer,
 };
-use envoy_types::pb::google::protobuf::Any;
+use envoy_types::pb::google::protobuf::{Any, UInt32Value};
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -253,6 +254,14 @@ fn fingerprint(chosen: &[(&String, &Vec<SocketAddr>)]) -> String {
     format!("{hash:016x}")
 }
 
+/// The roster's overprovisioning factor, in percent: so high that a roster with any healthy worker takes
+/// all of the traffic of an aggregate cluster it leads. The generated bootstrap's fail-open route is
+/// such an aggregate, with the bootstrap's own list of workers behind the roster; Envoy's default (140)
+/// would spill requests to that list, which can be stale, as soon as outlier detection ejected more
+/// than about 30 % of the roster. Within the workers cluster alone (one priority) the factor changes
+/// nothing.
+const OVERPROVISIONING_PERCENT: u32 = 100_000;
+
 fn load_assignment(name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment {
     let lb_endpoints = endpoints
         .iter()
@@ -276,6 +285,12 @@ fn load_assignment(name: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignmen
             lb_endpoints,
             ..LocalityLbEndpoints::default()
         }],
+        policy: Some(Policy {
+            overprovisioning_factor: Some(UInt32Value {
+                value: OVERPROVISIONING_PERCENT,
+            }),
+            ..Policy::default()
+        }),
         ..ClusterLoadAssignment::default()
     }
 }

@@ -37,6 +37,7 @@
 //! use for `stream`, `max_tokens` or `sampling_params`, and a body the engine accepts (`"max_tokens":
 //! 100.0`, `"stream": "true"`) must not be refused by the picker in front of it. The engine validates them.
 mod body;
+pub mod charset;
 pub mod encoding;
 mod error;
 

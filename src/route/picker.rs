@@ -25,7 +25,9 @@ use serde::Serialize;
 use thiserror::Error;
 
 use super::explain::Explanation;
-use crate::config::{Config, IndexMode, Mode, PolicyConfig, PoolConfig, WorkerConfig};
+use crate::config::{
+    Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,
+};
 use crate::events::EventFeeds;
 use crate::load::{PoolLoad, PoolSnapshot, RosterObserver};
 use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
@@ -57,6 +59,22 @@ impl RequestError {
                 RefusalReason::Untokenizable
             }
             RequestError::Tokenize(_) => RefusalReason::TokenizerFailed,
+        }
+    }
+
+    /// What the client is told. A body error describes the client's own bytes. A tokenizer or template
+    /// error names the server's files and carries the template's exception text, so the client gets the
+    /// reason alone; the details go to the log (`Service` logs them).
+    pub fn client_message(&self) -> String {
+        match self {
+            RequestError::Body(error) => error.to_string(),
+            RequestError::Tokenize(TokenizeError::Tools(error)) => {
+                format!("the request's tools are not valid JSON: {error}")
+            }
+            RequestError::Tokenize(TokenizeError::Render { .. }) => {
+                "the pool's chat template cannot render this chat".to_owned()
+            }
+            RequestError::Tokenize(_) => "the prompt could not be tokenized".to_owned(),
         }
     }
 
@@ -123,6 +141,8 @@ pub struct Picker {
     max_body_bytes: usize,
     /// `cache_salt_header`: the request header that salts an `approximate` pool's prefix hashes.
     salt_header: Option<String>,
+    /// `unknown_subset`: what a subset hint naming no known worker gets.
+    unknown_subset: UnknownSubset,
 }
 
 impl Picker {
@@ -186,7 +206,13 @@ impl Picker {
             pools,
             max_body_bytes: config.max_body_bytes.get(),
             salt_header: config.cache_salt_header.clone(),
+            unknown_subset: config.unknown_subset,
         }
+    }
+
+    /// What a request gets when the proxy's subset hint names no worker of its pool (`unknown_subset`).
+    pub fn unknown_subset(&self) -> UnknownSubset {
+        self.unknown_subset
     }
 
     /// Body → pool, tokens, block hashes and owners.
@@ -364,7 +390,9 @@ impl Picker {
         body: &[u8],
         rng: &mut R,
     ) -> Result<Explanation, RequestError> {
-        let prepared = self.prepare(path, body)?;
+        // Read as the request service reads it: a byte-order mark skipped, UTF-16 and UTF-32 as text.
+        let text = crate::request::charset::to_utf8(body, self.max_body_bytes);
+        let prepared = self.prepare(path, text.as_deref().unwrap_or(body))?;
         // Looks at the next turn without taking it: explaining routes nothing.
         let outcome = match self.pin(&prepared) {
             Some(pinned) => pinned.decide_in_turn(None, Instant::now(), false, rng),

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::admission::{Admission, AdmissionView, CommitGate};
 use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Picker, Pinned, Prepared, RequestError};
-use crate::config::OverloadConfig;
+use crate::config::{OverloadConfig, UnknownSubset};
 use crate::discovery::{SourceState, SourceStatus};
 use crate::events::EventFeeds;
 use crate::events::stream::StreamView;
@@ -24,7 +24,7 @@ use crate::load::{PoolView, RosterObserver};
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
 use crate::protocol::{PASSTHROUGH, RefusalReason, ShedReason};
-use crate::request::{self, ApiPath, encoding};
+use crate::request::{self, ApiPath, charset, encoding};
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -328,7 +328,13 @@ impl Service {
             && allowed.is_empty()
             && !subset.is_empty()
         {
-            return self.unknown_subset(&pinned, subset, passthrough);
+            self.metrics.record_unknown_subset(&prepared.pool_label);
+            return match self.picker.unknown_subset() {
+                UnknownSubset::Refuse => {
+                    self.rejected(&prepared, RefusalReason::NoWorkers, Some(subset))
+                }
+                UnknownSubset::RouteWithin => self.unknown_subset(&pinned, subset, passthrough),
+            };
         }
         match pinned.decide(allowed.as_deref(), Instant::now(), &mut rand::rng()) {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, &decision),
@@ -337,9 +343,33 @@ impl Service {
         }
     }
 
-    /// The body with its content-encoding undone, within `max_body_bytes` of output; `None` when it
-    /// cannot be (counted, and the request is then routed by load: never refused for it).
+    /// The body with its content-encoding undone and its text as UTF-8 (`request::charset`: a
+    /// byte-order mark skipped, UTF-16 and UTF-32 transcoded, as the engines read them), within
+    /// `max_body_bytes` of output; `None` when it cannot be (the request is then routed by load: never
+    /// refused for it).
     fn decode<'b>(&self, content_encoding: Option<&str>, body: &'b [u8]) -> Option<Cow<'b, [u8]>> {
+        let limit = self.picker.max_body_bytes();
+        match self.decode_content(content_encoding, body)? {
+            Cow::Borrowed(body) => charset::to_utf8(body, limit),
+            Cow::Owned(body) => {
+                let text = match charset::to_utf8(&body, limit)? {
+                    // UTF-8 as decoded; after a byte-order mark, the rest of it.
+                    Cow::Borrowed(text) if text.len() == body.len() => None,
+                    Cow::Borrowed(text) => Some(text.to_vec()),
+                    Cow::Owned(text) => Some(text),
+                };
+                Some(Cow::Owned(text.unwrap_or(body)))
+            }
+        }
+    }
+
+    /// The body with its content-encoding undone, within `max_body_bytes` of output; `None` when it
+    /// cannot be (counted).
+    fn decode_content<'b>(
+        &self,
+        content_encoding: Option<&str>,
+        body: &'b [u8],
+    ) -> Option<Cow<'b, [u8]>> {
         let decoded = encoding::decode(content_encoding, body, self.picker.max_body_bytes());
         let label = || {
             content_encoding
@@ -428,9 +458,10 @@ impl Service {
         })
     }
 
-    /// The proxy allows only endpoints the pool does not know (yet): a gateway whose discovery is ahead
-    /// of cachepick's. Refusing would be a 503 that Envoy's fail-open cannot rescue, so the request goes
-    /// within the subset, to a random endpoint, the others as fallbacks: a miss, nothing committed.
+    /// The proxy allows only endpoints the pool does not know (yet), and `unknown_subset: route_within`
+    /// asks for a request anyway: a gateway whose discovery is ahead of cachepick's, where a refusal
+    /// would be a 503 that Envoy's fail-open cannot rescue. The request goes within the subset, to a
+    /// random endpoint, the others as fallbacks: a miss, nothing committed.
     fn unknown_subset(
         &self,
         pinned: &Pinned<'_>,
@@ -438,7 +469,6 @@ impl Service {
         passthrough: bool,
     ) -> Answer {
         let prepared = pinned.prepared();
-        self.metrics.record_unknown_subset(&prepared.pool_label);
         if self
             .sampled
             .fetch_add(1, Ordering::Relaxed)
@@ -477,10 +507,23 @@ impl Service {
             .observe_decision_seconds(answer.pool().unwrap_or("none"), seconds);
     }
 
+    /// A request refused before its pool decided: the client gets [`RequestError::client_message`];
+    /// a tokenizer or template failure, whose details are the server's, is logged with them (1 in
+    /// [`LOG_SAMPLE`], so a client repeating it cannot flood the log; the metrics count every one).
     fn refuse_request(&self, error: &RequestError) -> Answer {
         let reason = error.reason();
-        tracing::debug!(reason = reason.as_str(), %error, "request refused");
-        Answer::Refuse(self.refuse(reason, error.to_string()))
+        if matches!(error, RequestError::Tokenize(_))
+            && self
+                .sampled
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(LOG_SAMPLE)
+        {
+            tracing::warn!(reason = reason.as_str(), %error,
+                "request refused: the client gets the reason only (logged 1 in 64)");
+        } else {
+            tracing::debug!(reason = reason.as_str(), %error, "request refused");
+        }
+        Answer::Refuse(self.refuse(reason, error.client_message()))
     }
 
     fn routed(&self, pinned: &Pinned<'_>, decision: Decision, gate: &CommitGate) -> Answer {

@@ -44,6 +44,10 @@ enum Command {
         json: bool,
     },
     /// Scrape every worker and print what cachepick sees: each worker's reading, and fresh or why not.
+    ///
+    /// Exit status: 0 when every pool has a worker with a fresh reading; 3 when some pool has none
+    /// (all its workers down or unreadable: nothing of it would be routed); 2 for a bad configuration;
+    /// 1 when the snapshot cannot be taken.
     Snapshot {
         #[command(flatten)]
         config: ConfigArgs,
@@ -510,7 +514,20 @@ fn main() -> ExitCode {
             rounds,
             json,
         } => with_config(&config, |config| {
-            run("cachepick", snapshot(config, rounds, json))
+            let mut unserved = Vec::new();
+            let code = run("cachepick", async {
+                unserved = snapshot(config, rounds, json).await?;
+                Ok(())
+            });
+            if unserved.is_empty() {
+                code
+            } else {
+                eprintln!(
+                    "cachepick snapshot: no worker with a fresh reading in pool(s) {}",
+                    unserved.join(", ")
+                );
+                ExitCode::from(SNAPSHOT_UNSERVED)
+            }
         }),
         Command::Explain {
             config,
@@ -793,14 +810,24 @@ async fn overhead(args: &OverheadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn snapshot(config: Config, rounds: u32, json: bool) -> anyhow::Result<()> {
+/// `cachepick snapshot`'s exit status when some pool has no worker with a fresh reading: distinct from
+/// 1 (the command failed) and 2 (a bad configuration), so a probe or a script can tell "the fleet is
+/// down" from "the check is broken".
+const SNAPSHOT_UNSERVED: u8 = 3;
+
+/// Prints the snapshot; returns the pools with no worker whose reading is fresh.
+async fn snapshot(config: Config, rounds: u32, json: bool) -> anyhow::Result<Vec<String>> {
     let pools = cachepick::app::snapshot(&config, rounds.max(1)).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&pools)?);
     } else {
         print!("{}", cachepick::render::snapshot(&pools));
     }
-    Ok(())
+    Ok(pools
+        .iter()
+        .filter(|pool| !pool.view.workers.iter().any(|worker| worker.fresh))
+        .map(|pool| pool.view.pool.clone())
+        .collect())
 }
 
 async fn explain(config: Config, path: String, body: PathBuf, json: bool) -> anyhow::Result<()> {

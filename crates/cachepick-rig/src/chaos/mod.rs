@@ -56,11 +56,13 @@ const READY_WITHIN: Duration = Duration::from_secs(30);
 const MAX_BODY_BYTES: usize = 1024 * 1024;
 /// Envoy flushes its access log every 200 ms (`Envoy::start_logged`); wait this long for the last lines.
 const LOG_FLUSH: Duration = Duration::from_millis(800);
-/// Envoy counters the report keeps.
-const ENVOY_COUNTERS: [&str; 8] = [
+/// Envoy counters the report keeps. The requests the picker did not answer take the bootstrap's
+/// fail-open route, whose aggregate counts their retries.
+const ENVOY_COUNTERS: [&str; 9] = [
     "http.ingress_http.ext_proc.",
     "http.ingress_http.downstream_rq_",
     "cluster.workers.upstream_rq_retry",
+    "cluster.workers_fail_open.upstream_rq_retry",
     "cluster.workers.upstream_cx_connect_fail",
     "cluster.workers.outlier_detection.ejections_enforced_total",
     "cluster.cachepick.health_check.",
