@@ -42,14 +42,9 @@ use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 
-#[path = "../support/envoy.rs"]
-mod envoy;
-#[path = "../support/provision.rs"]
-mod provision;
-#[path = "../support/sim_client.rs"]
-mod sim_client;
+use super::{envoy, sim_client};
 
-use sim_client::{CHAT, DEADLINE, MODEL, bounded, metric};
+use self::sim_client::{CHAT, DEADLINE, MODEL, bounded, metric};
 
 /// A newcomer at a full cap connects and is answered within this (a decision takes milliseconds).
 const NEWCOMER_BOUND: Duration = Duration::from_secs(2);

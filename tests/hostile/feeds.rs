@@ -23,9 +23,8 @@ use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
 
-#[path = "../support/sim_client.rs"]
-mod sim_client;
-use sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, bounded, read_whole};
+use self::sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, bounded, read_whole};
+use super::sim_client;
 
 /// A running `cachepick serve` with its log lines and addresses.
 struct Picker {
