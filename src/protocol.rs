@@ -15,6 +15,12 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 
+/// The ext_proc response attribute with the address of the upstream host that served a request
+/// (`response_attributes`; cachepick's feedback reads it in the response phase).
+pub const UPSTREAM_ADDRESS_ATTRIBUTE: &str = "upstream.address";
+/// The ext_proc response attribute with the response's status (the `:status` header is read first).
+pub const RESPONSE_CODE_ATTRIBUTE: &str = "response.code";
+
 /// Every request header with this prefix is cachepick's to set: a client's copies never reach a worker.
 pub const OWNED_PREFIX: &str = "x-cachepick-";
 /// The decision's reason (or [`PASSTHROUGH`]); Envoy's virtual clusters match on it.

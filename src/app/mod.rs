@@ -198,6 +198,7 @@ pub async fn serve(
             tls: security.tls,
         },
         overload: config.overload,
+        feedback: config.feedback,
         freshness: config.load.freshness,
     };
     // The scrapers, sources and the metrics listener keep running through the drain, so the picker

@@ -126,6 +126,7 @@ fn the_full_example_is_accepted_with_its_values() {
         metrics_http: HttpLimits::default(),
         cache_salt_header: None,
         overload: OverloadConfig::default(),
+        feedback: FeedbackConfig::default(),
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),
@@ -216,6 +217,7 @@ fn the_full_example_is_accepted_with_its_values() {
                     speculative_ttl: Duration::from_millis(1500),
                     topic: "kv@".into(),
                     stream_grace: IndexConfig::DEFAULT_STREAM_GRACE,
+                    ..IndexConfig::default()
                 },
                 discovery: Discovery::Static,
                 template: WorkerTemplate {

@@ -32,6 +32,7 @@ use index::IndexDraft;
 use policy::Resolved;
 
 mod discovery;
+mod feedback;
 mod index;
 mod overload;
 mod policy;
@@ -50,6 +51,7 @@ const ROOT_KEYS: &[&str] = &[
     "load",
     "pools",
     "overload",
+    "feedback",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -246,6 +248,7 @@ impl Validator<'_> {
         self.https_scrape = load.as_ref().map_or(true, |load| load.tls.is_some());
         let pools = self.pools(&root, &policy);
         let overload = self.overload(&root, overrides, &max_body_bytes);
+        let feedback = self.feedback(&root);
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -259,6 +262,7 @@ impl Validator<'_> {
             metrics_http: metrics_http?,
             cache_salt_header: cache_salt_header?.map(|given| given.value),
             overload: overload?,
+            feedback: feedback?,
         })
     }
 

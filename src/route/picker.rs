@@ -24,6 +24,7 @@ use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 
+use super::credit::Credit;
 use super::explain::Explanation;
 use crate::config::{Config, IndexMode, Mode, PolicyConfig, PoolConfig, WorkerConfig};
 use crate::events::EventFeeds;
@@ -83,11 +84,11 @@ pub enum PickerError {
 }
 
 /// One pool's runtime: its configuration, load, tokenizer and owner index.
-struct PoolRoute {
-    config: PoolConfig,
-    load: Arc<PoolLoad>,
+pub(super) struct PoolRoute {
+    pub(super) config: PoolConfig,
+    pub(super) load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
-    index: PoolIndex,
+    pub(super) index: PoolIndex,
     /// The pool's policy; a reloaded file replaces it whole, and each decision reads one.
     policy: ArcSwap<PolicyConfig>,
     /// Decisions taken so far under `round_robin`: the next request's turn.
@@ -95,7 +96,7 @@ struct PoolRoute {
 }
 
 /// Where a pool learns who holds which prefix (`PoolConfig::index`).
-enum PoolIndex {
+pub(super) enum PoolIndex {
     /// From this picker's own decisions.
     Approximate(Arc<OwnerIndex>),
     /// From the engines' KV events, fed by `events::EventFeeds`, plus this picker's recent decisions.
@@ -110,6 +111,8 @@ pub struct Prepared {
     pub pool_label: String,
     pub model: Option<String>,
     pub prompt_tokens: u64,
+    /// The output the request asks for, when it says (`max_tokens` and kin).
+    pub max_output_tokens: Option<u64>,
     /// Chained hashes of the prompt's full blocks.
     pub block_hashes: Vec<u64>,
     /// Every worker holding at least one leading block, deepest first.
@@ -119,7 +122,9 @@ pub struct Prepared {
 /// The request path for every pool of a configuration.
 pub struct Picker {
     /// In configuration order: `Prepared::pool` indexes it.
-    pools: Vec<PoolRoute>,
+    pub(super) pools: Vec<PoolRoute>,
+    /// `feedback.enabled`: a commit returns its [`Credit`], for Envoy's report to settle.
+    feedback: bool,
     max_body_bytes: usize,
     /// `cache_salt_header`: the request header that salts an `approximate` pool's prefix hashes.
     salt_header: Option<String>,
@@ -170,6 +175,7 @@ impl Picker {
             pools,
             max_body_bytes: config.max_body_bytes.get(),
             salt_header: config.cache_salt_header.clone(),
+            feedback: config.feedback.enabled,
         })
     }
 
@@ -249,6 +255,7 @@ impl Picker {
             pool_label: pool.load.label().to_owned(),
             model: parsed.model.map(Cow::into_owned),
             prompt_tokens: tokens.len() as u64,
+            max_output_tokens: parsed.max_output_tokens,
             block_hashes: hashes,
             owners,
         })
@@ -275,6 +282,7 @@ impl Picker {
             pool_label: pool.load.label().to_owned(),
             model: model.map(str::to_owned),
             prompt_tokens: 0,
+            max_output_tokens: None,
             block_hashes: Vec::new(),
             owners: Vec::new(),
         })
@@ -288,6 +296,7 @@ impl Picker {
             pool,
             prepared,
             snapshot: pool.load.snapshot(),
+            feedback: self.feedback,
         })
     }
 
@@ -404,6 +413,7 @@ pub struct Pinned<'p> {
     pool: &'p PoolRoute,
     prepared: &'p Prepared,
     snapshot: Arc<PoolSnapshot>,
+    feedback: bool,
 }
 
 impl<'p> Pinned<'p> {
@@ -477,22 +487,29 @@ impl<'p> Pinned<'p> {
     }
 
     /// Records a routed request: its blocks now live on the selected worker, and one more request is in
-    /// flight there.
-    pub fn commit(&self, decision: &Decision) {
+    /// flight there. With `feedback` on, returns what was credited, for the response's report to
+    /// confirm, move or retract ([`Picker::settle`]); `None` when nothing was.
+    ///
+    /// Only what the engine will cache is recorded: nothing for a worker the roster no longer routes
+    /// to, nothing when the prompt and the output asked for exceed the pool's `max_model_len` (the
+    /// engine refuses the request), and at most `index.commit_share` of the worker's capacity.
+    pub fn commit(&self, decision: &Decision) -> Option<Credit> {
         // A worker the roster no longer routes to gets nothing recorded, so a decision cannot bring a
         // removed worker's blocks back.
         let pool = self.pool;
-        let Some(worker) = self
+        let worker = self
             .snapshot
             .worker(decision.selected)
-            .filter(|worker| worker.routable())
-        else {
-            return;
-        };
-        // A prompt beyond the engine's context is refused by the engine: its blocks will never be
-        // cached there, and recording them would evict prefixes that are.
-        if self.prepared.prompt_tokens > pool.config.max_model_len.get() {
-            return;
+            .filter(|worker| worker.routable())?;
+        // A prompt beyond the engine's context, or one whose requested output takes it beyond, is refused
+        // by the engine: its blocks will never be cached there, and recording them would evict
+        // prefixes that are.
+        let prepared = self.prepared;
+        let asked = prepared
+            .prompt_tokens
+            .saturating_add(prepared.max_output_tokens.unwrap_or(0));
+        if asked > pool.config.max_model_len.get() {
+            return None;
         }
         // The worker may have left since this request's snapshot, and its slot gone to another: what
         // was decided for the one must not be credited to the other.
@@ -501,13 +518,14 @@ impl<'p> Pinned<'p> {
             .worker(decision.selected)
             .is_none_or(|now| now.generation != worker.generation)
         {
-            return;
+            return None;
         }
+        let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
+        let chain = credited_chain(&pool.config, &prepared.block_hashes, capacity);
         match &pool.index {
             PoolIndex::Approximate(index) => {
-                let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
                 index.set_capacity(decision.selected, capacity);
-                index.insert(decision.selected, &self.prepared.block_hashes);
+                index.insert(decision.selected, chain);
             }
             // The engine's events will say what it really cached; until then, a guess. The engines'
             // capacities bound what their events can make the index hold.
@@ -521,14 +539,25 @@ impl<'p> Pinned<'p> {
                         index.set_capacity(worker.id, capacity);
                     }
                 }
-                index.speculate(
-                    decision.selected,
-                    &self.prepared.block_hashes,
-                    Instant::now(),
-                );
+                index.speculate(decision.selected, chain, Instant::now());
             }
         }
         pool.load.dispatches().record(decision.selected);
+        let held = prepared
+            .owners
+            .iter()
+            .find(|owner| owner.worker == decision.selected)
+            .map_or(0, |owner| {
+                owner.matched_tokens / u64::from(self.block_size().max(1))
+            });
+        self.feedback.then(|| Credit {
+            pool: prepared.pool,
+            worker: decision.selected,
+            generation: worker.generation,
+            endpoint: worker.endpoint,
+            held: usize::try_from(held).unwrap_or(usize::MAX).min(chain.len()),
+            chain: chain.to_vec(),
+        })
     }
 
     /// The selected worker's endpoint, then its fallbacks'.
@@ -629,10 +658,29 @@ fn untokenized_as_empty(
     }
 }
 
+/// The leading blocks of `hashes` one request may record: at most `index.commit_share` of the
+/// worker's `capacity`, at least one block. Ownership is prefix-closed, so the leading blocks are the
+/// ones a later request can match.
+pub(super) fn credited_chain<'h>(
+    pool: &PoolConfig,
+    hashes: &'h [u64],
+    capacity: usize,
+) -> &'h [u64] {
+    let share = pool.index.commit_share.get();
+    // `as` saturates; capacities are far below f64's exact integers.
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let most = ((capacity as f64) * share).floor() as usize;
+    hashes.get(..most.max(1)).unwrap_or(hashes)
+}
+
 /// A worker's capacity in our blocks: the engine's KV tokens divided by our block size, at most
 /// [`PoolConfig::MAX_REPORTED_CACHE_BLOCKS`] (a scrape is plaintext and may be garbled), else the pool's
 /// configured default.
-fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
+pub(super) fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
     let block: u64 = NonZeroU32::get(pool.block_size).into();
     max_total_tokens
         .map(|tokens| {
