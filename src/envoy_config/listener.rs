@@ -11,8 +11,8 @@ use super::{
 use crate::config::Config;
 use crate::policy::Reason;
 use crate::protocol::{
-    DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PASSTHROUGH, RESPONSE_CODE_ATTRIBUTE,
-    UPSTREAM_ADDRESS_ATTRIBUTE,
+    DECISION_HEADER, DESTINATION, FEEDBACK_METADATA, LB_NAMESPACE, OWNED_PREFIX, PASSTHROUGH,
+    RESPONSE_CODE_ATTRIBUTE, UPSTREAM_ADDRESS_ATTRIBUTE,
 };
 
 pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
@@ -374,6 +374,16 @@ fn ext_proc_config(
     );
     out.line(indent, "grpc_service:");
     out.line(indent + 2, "envoy_grpc: {cluster_name: cachepick}");
+    if feedback {
+        out.comment(
+            indent + 2,
+            &["Tells cachepick that this filter sends the response phase, so a routed request's stream waits for it."],
+        );
+        out.line(
+            indent + 2,
+            &format!("initial_metadata: [{{key: {FEEDBACK_METADATA}, value: served}}]"),
+        );
+    }
     match mode {
         BodyMode::Streamed => out.comment(
             indent,

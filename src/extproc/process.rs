@@ -98,11 +98,13 @@ impl ExternalProcessor for Processor {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // Only a stream whose filter says it reports the response waits for it (`served`).
+        let follow = self.follow.for_stream(request.metadata());
         let inbound = request.into_inner();
         // One answer in flight at a time is all a stream ever has, plus the duplex body chunks.
         let (sender, receiver) = mpsc::channel(8);
         let service = Arc::clone(&self.service);
-        let (stream_end, follow) = (Instant::now() + self.stream_deadline, self.follow.clone());
+        let stream_end = Instant::now() + self.stream_deadline;
         service.metrics().stream_opened();
         tokio::spawn(async move {
             let end = drive(&service, inbound, &sender, stream_end, &follow).await;

@@ -1,7 +1,9 @@
 //! The response phase of an ext_proc stream: Envoy's report of who served a routed request.
 //!
-//! With `feedback.enabled`, a stream whose answer committed a credit ([`Routed::credit`]) is not
-//! ended after the answer: it waits for Envoy's `response_headers` message (the generated filter sets
+//! With `feedback.enabled`, a stream whose answer committed a credit ([`Routed::credit`]), and whose
+//! filter announces its response phase (the gRPC metadata `x-cachepick-feedback`, which the generated
+//! filter sends as `initial_metadata`), is not ended after the answer: it waits for Envoy's
+//! `response_headers` message (the generated filter sets
 //! `response_header_mode: SEND` and `response_attributes: [upstream.address, response.code]`), answers
 //! it at once with an empty headers response (the response goes on unchanged), and hands the status
 //! and the upstream host to [`Service::settle`], which confirms, moves or retracts the credit. Then the
@@ -30,7 +32,8 @@ use crate::metrics::StreamEnd;
 use crate::route::{Answer, ServedReport, Service};
 
 use crate::protocol::{
-    RESPONSE_CODE_ATTRIBUTE as RESPONSE_CODE, UPSTREAM_ADDRESS_ATTRIBUTE as UPSTREAM_ADDRESS,
+    FEEDBACK_METADATA, RESPONSE_CODE_ATTRIBUTE as RESPONSE_CODE,
+    UPSTREAM_ADDRESS_ATTRIBUTE as UPSTREAM_ADDRESS,
 };
 
 /// How long a stream follows its request for the report, and the signal that ends every wait.
@@ -40,6 +43,21 @@ pub struct Follow {
     pub wait: Option<Duration>,
     /// Turns true once the picker's drain grace has passed.
     pub stopped: watch::Receiver<bool>,
+}
+
+impl Follow {
+    /// This stream's follow: the configured one when the stream's gRPC metadata carries
+    /// [`FEEDBACK_METADATA`] (the generated filter's `initial_metadata`: its response phase is on),
+    /// else none, so that a client that never sends the response phase (a hand-written filter that
+    /// skips it, the rig's client) sees every stream end at its answer, as without feedback.
+    pub fn for_stream(&self, metadata: &tonic::metadata::MetadataMap) -> Follow {
+        Follow {
+            wait: self
+                .wait
+                .filter(|_| metadata.get(FEEDBACK_METADATA).is_some()),
+            stopped: self.stopped.clone(),
+        }
+    }
 }
 
 type Sender = tokio::sync::mpsc::Sender<Result<ProcessingResponse, tonic::Status>>;

@@ -62,7 +62,7 @@ impl Drop for Serve {
     }
 }
 
-/// Two simulated workers, the real binary over `config`, and Envoy in buffered mode.
+/// Two simulated workers, the real binary over `config`, and Envoy in `mode`.
 struct Stack {
     _fleet: Fleet,
     _serve: Serve,
@@ -74,7 +74,7 @@ struct Stack {
 
 impl Stack {
     /// The fleet's configuration on free ports, changed by `edit`, served by the real binary.
-    async fn start(edit: impl FnOnce(&mut Config, &Fleet)) -> Stack {
+    async fn start(mode: BodyMode, edit: impl FnOnce(&mut Config, &Fleet)) -> Stack {
         let mut sim = SimConfig::new(Engine::Vllm, nz(2));
         sim.tokenizer = TokenizerConfig::Bytes;
         sim.block_size = nz(16);
@@ -108,7 +108,7 @@ impl Stack {
         let serve = Serve { child, _dir: dir };
         let gateway = loopback(envoy::free_port());
         let options = EnvoyOptions {
-            mode: BodyMode::Buffered,
+            mode,
             listen: gateway,
             admin: loopback(envoy::free_port()),
             ..EnvoyOptions::for_config(&config)
@@ -116,7 +116,9 @@ impl Stack {
         let bootstrap = envoy_config::render(&config, &options);
         assert!(
             bootstrap.contains("response_header_mode: SEND")
-                && bootstrap.contains("response_attributes: [upstream.address, response.code]"),
+                && bootstrap.contains("response_attributes: [upstream.address, response.code]")
+                && bootstrap
+                    .contains("initial_metadata: [{key: x-cachepick-feedback, value: served}]"),
             "the generated filter asks for the response report"
         );
         let envoy = envoy::Envoy::start(&bootstrap).await;
@@ -235,8 +237,10 @@ fn huge_prompt(seed: u64, max_tokens: u64) -> Value {
 async fn refused_requests_do_not_flush_the_owner_index() {
     // The picker's context is far above the engine's (131,072), so it cannot tell the refusal coming
     // for the first flood: only Envoy's report of the 400 keeps the index clean.
-    let stack =
-        Stack::start(|config, _| config.pools[0].max_model_len = nz(1_000_000_000).into()).await;
+    let stack = Stack::start(BodyMode::Buffered, |config: &mut Config, _: &Fleet| {
+        config.pools[0].max_model_len = nz(1_000_000_000).into();
+    })
+    .await;
     stack.wait_routed().await;
     let first = stack
         .send(Method::POST, CHAT, &chat(&["What is a cache?"]))
@@ -308,7 +312,8 @@ async fn a_request_envoy_retried_elsewhere_credits_the_worker_that_served_it() {
     // Worker 1's slot goes to an address that refuses connections but reports worker 1's metrics: to
     // the picker a healthy, idle worker; to Envoy a connect failure, retried on the next listed worker.
     let refusing = loopback(envoy::free_port());
-    let stack = Stack::start(|config, _| {
+    // Duplex: the response phase works with the body streamed through cachepick as well.
+    let stack = Stack::start(BodyMode::Duplex, |config, _| {
         config.pools[0].workers[1].endpoint = refusing;
     })
     .await;
