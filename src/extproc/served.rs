@@ -102,6 +102,7 @@ pub(super) async fn follow(
                 HeadersResponse::default(),
             ));
             let answered = out.send(Ok(reply)).await.is_ok();
+            tracing::trace!(attributes = ?message.attributes, "response phase");
             return report_of(&headers, &message.attributes).map(|report| (report, answered));
         }
     };

@@ -699,6 +699,7 @@ mod tests {
     use super::*;
     use crate::config::Overrides;
     use crate::policy::Reason;
+    use crate::route::{ServedReport, Settled};
 
     /// Pool `rr` runs round robin over three workers; pool `ca` inherits the top-level cache_aware.
     fn picker() -> Picker {
@@ -788,6 +789,139 @@ pools:
         let short = prompt(1600);
         route_as(&picker, &short, None);
         assert_eq!(route_as(&picker, &short, None).0, Reason::CacheHit);
+    }
+
+    /// Routes and commits `body` (a completion); the decision and its credit.
+    fn commit_of(picker: &Picker, body: &serde_json::Value) -> (Decision, Option<Credit>) {
+        let body = serde_json::to_vec(body).unwrap();
+        let prepared = picker.prepare("/v1/completions", &body).unwrap();
+        let pinned = picker.pin(&prepared).unwrap();
+        let mut rng = SmallRng::seed_from_u64(5);
+        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
+            panic!("rejected")
+        };
+        let credit = pinned.commit(&decision);
+        (decision, credit)
+    }
+
+    fn entries(picker: &Picker) -> usize {
+        picker.index_stats()[0].1.entries
+    }
+
+    #[test]
+    fn a_prompt_whose_requested_output_exceeds_the_context_is_never_learned() {
+        let picker = one_pool(
+            "",
+            "    max_model_len: 2000
+    block_size: 16
+",
+        );
+        let prompt = "y".repeat(1600);
+        let asked = |max_tokens: u64| serde_json::json!({"model": "ca", "prompt": prompt, "max_tokens": max_tokens});
+        let (_, credit) = commit_of(&picker, &asked(1_000_000_000));
+        assert!(credit.is_none());
+        assert_eq!(
+            entries(&picker),
+            0,
+            "the engine refuses it: nothing committed"
+        );
+        let (_, credit) = commit_of(&picker, &asked(16));
+        assert!(credit.is_some());
+        assert!(entries(&picker) > 0);
+    }
+
+    #[test]
+    fn one_request_records_at_most_its_share_of_the_workers_capacity() {
+        let picker = one_pool(
+            "",
+            "    block_size: 16
+    default_cache_blocks: 100
+    index: {commit_share: 0.2}
+",
+        );
+        let (decision, credit) = commit_of(
+            &picker,
+            &serde_json::json!({"model": "ca", "prompt": (1..4000).collect::<Vec<u32>>()}),
+        );
+        assert_eq!(credit.unwrap().blocks(), 20, "a fifth of 100 blocks");
+        assert_eq!(
+            picker.index_stats()[0].1.held[decision.selected.index()],
+            20
+        );
+    }
+
+    #[test]
+    fn the_report_confirms_moves_or_retracts_a_credit() {
+        let picker = one_pool(
+            "",
+            "    block_size: 16
+",
+        );
+        let body = |seed: u32| serde_json::json!({"model": "ca", "prompt": (seed..seed + 320).collect::<Vec<u32>>()});
+        let (_, owner) = commit_of(&picker, &body(1));
+        let owner = owner.unwrap();
+        let held = entries(&picker);
+        assert_eq!(held, 20);
+        // A refused request: what it added is taken back, what the owner held before stays.
+        let (_, refused) = commit_of(&picker, &body(1));
+        let refused = refused.unwrap();
+        assert_eq!(refused.endpoint(), owner.endpoint(), "a hit on the owner");
+        let report = |status, upstream| ServedReport { status, upstream };
+        assert_eq!(
+            picker.settle(&refused, report(400, Some(refused.endpoint()))),
+            Settled::Retracted
+        );
+        assert_eq!(entries(&picker), held, "the owner keeps what it held");
+        let (_, fresh) = commit_of(&picker, &body(5000));
+        let fresh = fresh.unwrap();
+        assert_eq!(entries(&picker), 2 * held);
+        assert_eq!(picker.settle(&fresh, report(503, None)), Settled::Retracted);
+        assert_eq!(entries(&picker), held, "a refused newcomer credits nobody");
+        // Served elsewhere: the worker that served holds it now, the selected one does not.
+        let (_, retried) = commit_of(&picker, &body(9000));
+        let retried = retried.unwrap();
+        let other: SocketAddr = if retried.endpoint().port() == 4 {
+            "127.0.0.1:5".parse().unwrap()
+        } else {
+            "127.0.0.1:4".parse().unwrap()
+        };
+        assert_eq!(
+            picker.settle(&retried, report(200, Some(other))),
+            Settled::Moved
+        );
+        let held_by = picker.index_stats()[0].1.held.clone();
+        let by_port = |port: u16| held_by[usize::from(port - 4)];
+        assert_eq!(by_port(other.port()), by_port(other.port()).max(20));
+        assert_eq!(entries(&picker), 2 * held);
+        let again = body(9000);
+        let (decision, _) = commit_of(&picker, &again);
+        assert_eq!(decision.reason, Reason::CacheHit);
+        assert_eq!(
+            picker
+                .pin(
+                    &picker
+                        .prepare("/v1/completions", &serde_json::to_vec(&again).unwrap())
+                        .unwrap()
+                )
+                .unwrap()
+                .endpoints(&decision)[0],
+            other
+        );
+        // Confirmed: served by the selected worker; blocks another report took away come back.
+        assert_eq!(
+            picker.settle(&owner, report(200, Some(owner.endpoint()))),
+            Settled::Confirmed
+        );
+        assert_eq!(picker.settle(&owner, report(200, None)), Settled::Confirmed);
+        // An address the pool does not know served it: nobody here holds it.
+        let (_, unknown) = commit_of(&picker, &body(20_000));
+        let before = entries(&picker);
+        let elsewhere = Some("10.9.9.9:80".parse().unwrap());
+        assert_eq!(
+            picker.settle(&unknown.unwrap(), report(200, elsewhere)),
+            Settled::Retracted
+        );
+        assert_eq!(entries(&picker), before - 20);
     }
 
     #[test]
