@@ -90,10 +90,10 @@ pub(super) async fn follow(
             };
             let processing_request::Request::ResponseHeaders(headers) = request else {
                 // Nothing else is configured after the answer; answered so Envoy never waits.
-                if let Some(reply) = other_reply(&request) {
-                    if out.send(Ok(reply)).await.is_err() {
-                        return None;
-                    }
+                if let Some(reply) = other_reply(&request)
+                    && out.send(Ok(reply)).await.is_err()
+                {
+                    return None;
                 }
                 continue;
             };

@@ -502,6 +502,10 @@ fn bootstrap(yaml: &str, arm: Arm, noop: SocketAddr, variant: Variant) -> Result
         Arm::Noop | Arm::Routing => {
             point_cluster(&mut root, "cachepick", noop)?;
             apply(&mut root, variant)?;
+            // The no-op servers speak the request phase only (in duplex mode a CONTINUE to the
+            // headers and then a clean close make Envoy 1.40 answer 500 when the response phase is
+            // on): cachepick's response report is part of what (d) − (c) measures.
+            skip_response_phase(&mut root);
         }
         Arm::Cachepick => apply(&mut root, variant)?,
     }
@@ -560,6 +564,24 @@ fn point_cluster(root: &mut Value, name: &str, addr: SocketAddr) -> Result<(), S
         cluster.insert("load_assignment".into(), endpoint);
     }
     Ok(())
+}
+
+/// Turns the ext_proc filters' response phase (cachepick's feedback) off.
+fn skip_response_phase(root: &mut Value) {
+    for list in http_filters(root) {
+        for filter in list.iter_mut().filter(|filter| is_ext_proc(filter)) {
+            let Some(Value::Mapping(config)) = filter.get_mut("typed_config") else {
+                continue;
+            };
+            config.remove("response_attributes");
+            if let Some(Value::Mapping(mode)) = config.get_mut("processing_mode") {
+                mode.insert("response_header_mode".into(), "SKIP".into());
+            }
+            if let Some(Value::Mapping(grpc)) = config.get_mut("grpc_service") {
+                grpc.remove("initial_metadata");
+            }
+        }
+    }
 }
 
 /// The ext_proc filter's changes `variant` asks for.
