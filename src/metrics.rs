@@ -92,6 +92,8 @@ pub struct Metrics {
     passthrough: IntCounterVec,
     /// `cachepick_unknown_subset_total{pool}`.
     unknown_subset: IntCounterVec,
+    /// `cachepick_feedback_total{pool,outcome}`.
+    feedback: IntCounterVec,
     /// `cachepick_compressed_bodies_total{encoding,outcome}`.
     compressed_bodies: IntCounterVec,
     /// `cachepick_prefix_match_ratio{pool}`.
@@ -292,6 +294,16 @@ impl Metrics {
                 ),
                 &["pool"],
             )?,
+            feedback: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_feedback_total",
+                    "Routed requests whose credit in the owner index Envoy's response report settled, by \
+                     outcome: confirmed (served by the selected worker), moved (Envoy retried it on another \
+                     worker, which is credited instead), retracted (a non-2xx status: nobody is credited) \
+                     or unreported (no report within feedback.wait: the credit stays).",
+                ),
+                &["pool", "outcome"],
+            )?,
             compressed_bodies: IntCounterVec::new(
                 Opts::new(
                     "cachepick_compressed_bodies_total",
@@ -360,6 +372,7 @@ impl Metrics {
         registry.register(Box::new(metrics.rejections.clone()))?;
         registry.register(Box::new(metrics.passthrough.clone()))?;
         registry.register(Box::new(metrics.unknown_subset.clone()))?;
+        registry.register(Box::new(metrics.feedback.clone()))?;
         registry.register(Box::new(metrics.compressed_bodies.clone()))?;
         registry.register(Box::new(metrics.match_ratio.clone()))?;
         registry.register(Box::new(metrics.diverted_blocks.clone()))?;
@@ -435,6 +448,12 @@ impl Metrics {
     /// A request without a prompt routed by load alone: `cachepick_passthrough_total{pool}` += 1.
     pub fn record_passthrough(&self, pool: &str) {
         self.passthrough.with_label_values(&[pool]).inc();
+    }
+
+    /// A routed request's credit settled by the response's report: `outcome` is `confirmed`, `moved`,
+    /// `retracted` or `unreported`.
+    pub fn record_feedback(&self, pool: &str, outcome: &str) {
+        self.feedback.with_label_values(&[pool, outcome]).inc();
     }
 
     /// One compressed body: `outcome` is `decoded` or why it was routed by load instead.

@@ -15,6 +15,15 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 
+/// The gRPC metadata (the ext_proc filter's `initial_metadata`) by which a filter announces that it sends
+/// the response phase: only such a stream waits for the report after its answer.
+pub const FEEDBACK_METADATA: &str = "x-cachepick-feedback";
+/// The ext_proc response attribute with the address of the upstream host that served a request
+/// (`response_attributes`; cachepick's feedback reads it in the response phase).
+pub const UPSTREAM_ADDRESS_ATTRIBUTE: &str = "upstream.address";
+/// The ext_proc response attribute with the response's status (the `:status` header is read first).
+pub const RESPONSE_CODE_ATTRIBUTE: &str = "response.code";
+
 /// Every request header with this prefix is cachepick's to set: a client's copies never reach a worker.
 pub const OWNED_PREFIX: &str = "x-cachepick-";
 /// The decision's reason (or [`PASSTHROUGH`]); Envoy's virtual clusters match on it.

@@ -303,7 +303,17 @@ fn generated_configs_validate_and_name_every_worker_and_every_reason() {
         );
         let processing = &ext_proc["processing_mode"];
         assert_eq!(str_of(&processing["request_header_mode"]), "SEND");
-        assert_eq!(str_of(&processing["response_header_mode"]), "SKIP");
+        // Feedback (on by default): the response headers go to cachepick with the served upstream,
+        // and the stream announces it; the body streams straight through.
+        assert_eq!(str_of(&processing["response_header_mode"]), "SEND");
+        assert_eq!(
+            str_of(&ext_proc["response_attributes"][0]),
+            "upstream.address"
+        );
+        assert_eq!(
+            str_of(&ext_proc["grpc_service"]["initial_metadata"][0]["key"]),
+            "x-cachepick-feedback"
+        );
         assert_eq!(str_of(&processing["response_body_mode"]), "NONE");
         match mode {
             BodyMode::Duplex => {

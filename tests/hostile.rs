@@ -24,3 +24,5 @@ mod cold;
 mod conn;
 #[path = "hostile/feeds.rs"]
 mod feeds;
+#[path = "hostile/served.rs"]
+mod served;

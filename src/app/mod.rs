@@ -196,6 +196,7 @@ pub async fn serve_prepared(
             tls,
         },
         overload: config.overload,
+        feedback: config.feedback,
         freshness: config.load.freshness,
         readiness,
     };

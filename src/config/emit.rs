@@ -55,7 +55,15 @@ struct File<'c> {
     policy: Policy,
     load: Load<'c>,
     overload: Overload,
+    feedback: Feedback,
     pools: Vec<Pool<'c>>,
+}
+
+/// `feedback`, every key written.
+#[derive(Serialize)]
+struct Feedback {
+    enabled: bool,
+    wait: String,
 }
 
 /// `tls` (the ext_proc listener).
@@ -324,6 +332,7 @@ struct Index<'c> {
     port: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
     replay_port: Option<u16>,
+    commit_share: f64,
 }
 
 #[derive(Serialize)]
@@ -397,6 +406,10 @@ impl<'c> From<&'c Config> for File<'c> {
                 }),
             },
             overload: Overload::from(&config.overload),
+            feedback: Feedback {
+                enabled: config.feedback.enabled,
+                wait: duration::format(config.feedback.wait),
+            },
             pools: config
                 .pools
                 .iter()
@@ -442,6 +455,7 @@ impl<'c> Pool<'c> {
                 topic: &pool.index.topic,
                 port: pool.template.kv_events_port,
                 replay_port: pool.template.kv_replay_port,
+                commit_share: pool.index.commit_share.get(),
             }),
             max_workers: pool.max_workers.get(),
             dns: match &pool.discovery {

@@ -138,6 +138,7 @@ fn the_full_example_is_accepted_with_its_values() {
         cache_salt_header: None,
         overload: OverloadConfig::default(),
         unknown_subset: UnknownSubset::Refuse,
+        feedback: FeedbackConfig::default(),
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),
@@ -228,6 +229,7 @@ fn the_full_example_is_accepted_with_its_values() {
                     speculative_ttl: Duration::from_millis(1500),
                     topic: "kv@".into(),
                     stream_grace: IndexConfig::DEFAULT_STREAM_GRACE,
+                    ..IndexConfig::default()
                 },
                 discovery: Discovery::Static,
                 template: WorkerTemplate {

@@ -44,6 +44,8 @@ pub struct Config {
     pub overload: super::OverloadConfig,
     /// What a request gets when the proxy's subset hint names no worker cachepick knows.
     pub unknown_subset: UnknownSubset,
+    /// `feedback:`: learning from what Envoy reports was served.
+    pub feedback: FeedbackConfig,
 }
 
 /// `unknown_subset`: the answer to a request whose proxy subset hint names only endpoints the pool does
@@ -68,6 +70,33 @@ impl UnknownSubset {
         match self {
             UnknownSubset::Refuse => "refuse",
             UnknownSubset::RouteWithin => "route_within",
+        }
+    }
+}
+
+/// `feedback:`: whether a routed request's credit in the owner index waits for Envoy's report of the
+/// response (its status and the upstream host that served it), and how long (see `route::credit`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FeedbackConfig {
+    /// The stream of a routed request stays open for the response phase, and `cachepick envoy-config`
+    /// asks Envoy for it (`response_header_mode: SEND` with `upstream.address`).
+    pub enabled: bool,
+    /// The longest a stream waits for the report; without one the credit stays as committed.
+    pub wait: Duration,
+}
+
+impl FeedbackConfig {
+    /// Response headers come once the engine starts answering: after the whole generation for a
+    /// request that does not stream. Ten minutes covers long generations; a slower one keeps its
+    /// credit, as without feedback.
+    pub const DEFAULT_WAIT: Duration = Duration::from_secs(600);
+}
+
+impl Default for FeedbackConfig {
+    fn default() -> Self {
+        FeedbackConfig {
+            enabled: true,
+            wait: Self::DEFAULT_WAIT,
         }
     }
 }
@@ -572,6 +601,9 @@ pub struct IndexConfig {
     pub topic: String,
     /// `events` mode: a worker whose stream has been down this long no longer counts as an owner.
     pub stream_grace: Duration,
+    /// The most of a worker's capacity one request's commit may record, in `(0, 1]`: its leading blocks
+    /// up to this share, so that one huge prompt cannot flush every other prefix a worker holds.
+    pub commit_share: DepthRatio,
 }
 
 impl IndexConfig {
@@ -580,6 +612,9 @@ impl IndexConfig {
     pub const DEFAULT_STREAM_GRACE: Duration = Duration::from_secs(10);
     /// vLLM's and SGLang's documented ports.
     pub const DEFAULT_LIVE_PORT: u16 = 5557;
+    /// A quarter: a prompt of the whole context on a worker that holds about four contexts, while three
+    /// quarters of what it held survive it.
+    pub const DEFAULT_COMMIT_SHARE: f64 = 0.25;
 }
 
 impl Default for IndexConfig {
@@ -589,6 +624,7 @@ impl Default for IndexConfig {
             speculative_ttl: Self::DEFAULT_SPECULATIVE_TTL,
             topic: String::new(),
             stream_grace: Self::DEFAULT_STREAM_GRACE,
+            commit_share: DepthRatio::new(Self::DEFAULT_COMMIT_SHARE).unwrap_or(DepthRatio::ZERO),
         }
     }
 }

@@ -32,6 +32,7 @@ use index::IndexDraft;
 use policy::Resolved;
 
 mod discovery;
+mod feedback;
 mod index;
 mod overload;
 mod policy;
@@ -51,6 +52,7 @@ const ROOT_KEYS: &[&str] = &[
     "pools",
     "overload",
     "unknown_subset",
+    "feedback",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -261,6 +263,7 @@ impl Validator<'_> {
             v.keyword(node, at, &UnknownSubset::ALL, UnknownSubset::as_str)
         });
         listeners_apart?;
+        let feedback = self.feedback(&root);
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -275,6 +278,7 @@ impl Validator<'_> {
             cache_salt_header: cache_salt_header?.map(|given| given.value),
             overload: overload?,
             unknown_subset: unknown_subset?.map_or(UnknownSubset::default(), |given| given.value),
+            feedback: feedback?,
         })
     }
 

@@ -10,7 +10,10 @@ use super::{
 };
 use crate::config::Config;
 use crate::policy::Reason;
-use crate::protocol::{DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PASSTHROUGH};
+use crate::protocol::{
+    DECISION_HEADER, DESTINATION, FEEDBACK_METADATA, LB_NAMESPACE, OWNED_PREFIX, PASSTHROUGH,
+    RESPONSE_CODE_ATTRIBUTE, UPSTREAM_ADDRESS_ATTRIBUTE,
+};
 
 pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     let source = options
@@ -366,6 +369,7 @@ fn route(out: &mut Yaml, config: &Config, options: &EnvoyOptions, cluster: &str,
 }
 
 fn http_filters(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
+    let feedback = config.feedback.enabled;
     out.line(10, "http_filters:");
     out.comment(
         10,
@@ -396,7 +400,7 @@ fn http_filters(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
     );
     out.line(10, &format!("- name: {EXT_PROC_FILTER}"));
     out.line(12, "typed_config:");
-    ext_proc_config(out, 14, options.mode, options.message_timeout);
+    ext_proc_config(out, 14, options.mode, options.message_timeout, feedback);
     if fail_open_route(config, options.mode).is_some() {
         out.comment(
             14,
@@ -415,13 +419,29 @@ fn http_filters(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
 }
 
 /// The ext_proc filter's `typed_config` body at `indent`, pointing at the `cachepick` cluster.
-fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeout: Duration) {
+fn ext_proc_config(
+    out: &mut Yaml,
+    indent: usize,
+    mode: BodyMode,
+    message_timeout: Duration,
+    feedback: bool,
+) {
     out.type_url(
         indent,
         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
     );
     out.line(indent, "grpc_service:");
     out.line(indent + 2, "envoy_grpc: {cluster_name: cachepick}");
+    if feedback {
+        out.comment(
+            indent + 2,
+            &["Tells cachepick that this filter sends the response phase, so a routed request's stream waits for it."],
+        );
+        out.line(
+            indent + 2,
+            &format!("initial_metadata: [{{key: {FEEDBACK_METADATA}, value: served}}]"),
+        );
+    }
     match mode {
         BodyMode::Streamed => out.comment(
             indent,
@@ -495,11 +515,28 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
         indent + 2,
         &[
             "Headers must be sent (not skipped): Envoy then holds them until cachepick has seen the body and answered,",
-            "and only then picks the upstream host. Nothing of the response is needed, so it streams straight through.",
+            "and only then picks the upstream host.",
         ],
     );
     out.line(indent + 2, "request_header_mode: SEND");
-    out.line(indent + 2, "response_header_mode: SKIP");
+    if feedback {
+        out.comment(
+            indent + 2,
+            &[
+                "The response headers go to cachepick (feedback.enabled), with the attributes below: the status and",
+                "the upstream host that served the request, so a refused request credits no worker and one Envoy",
+                "retried elsewhere credits the worker that served it. cachepick answers at once; the body streams",
+                "straight through.",
+            ],
+        );
+        out.line(indent + 2, "response_header_mode: SEND");
+    } else {
+        out.comment(
+            indent + 2,
+            &["Nothing of the response is needed (feedback.enabled is false), so it streams straight through."],
+        );
+        out.line(indent + 2, "response_header_mode: SKIP");
+    }
     let (body_mode, trailer_mode) = match mode {
         BodyMode::Buffered | BodyMode::OriginalDst => ("BUFFERED", "SKIP"),
         BodyMode::Streamed => {
@@ -529,6 +566,14 @@ fn ext_proc_config(out: &mut Yaml, indent: usize, mode: BodyMode, message_timeou
     out.line(indent + 2, &format!("request_trailer_mode: {trailer_mode}"));
     out.line(indent + 2, "response_body_mode: NONE");
     out.line(indent + 2, "response_trailer_mode: SKIP");
+    if feedback {
+        out.line(
+            indent,
+            &format!(
+                "response_attributes: [{UPSTREAM_ADDRESS_ATTRIBUTE}, {RESPONSE_CODE_ATTRIBUTE}]"
+            ),
+        );
+    }
     if mode == BodyMode::Streamed {
         out.comment(
             indent,

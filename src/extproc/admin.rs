@@ -284,6 +284,7 @@ mod tests {
             pool_label: "m".to_owned(),
             model: Some("m".to_owned()),
             prompt_tokens: 70,
+            max_output_tokens: None,
             block_hashes: vec![1, 2, 3, 4],
             owners: vec![
                 OwnerMatch {

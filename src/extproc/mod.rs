@@ -18,8 +18,10 @@
 
 mod admin;
 pub mod eds;
+mod lb;
 mod listener;
 mod process;
+mod served;
 mod transport;
 
 /// The generated `cachepick.v1` admin API (messages, server, client), for tests and Rust tools.
@@ -42,7 +44,7 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 use crate::auth::BearerToken;
-use crate::config::OverloadConfig;
+use crate::config::{FeedbackConfig, OverloadConfig};
 use crate::health::Readiness;
 /// The wire names, defined in [`crate::protocol`]; re-exported here for the callers that speak
 /// ext_proc (tests, the demo, replay).
@@ -86,6 +88,8 @@ pub struct ServeOptions {
     /// Who reaches what, and how (admin API, token, TLS).
     pub access: Access,
     pub overload: OverloadConfig,
+    /// Whether a routed request's stream waits for Envoy's response report, and how long.
+    pub feedback: FeedbackConfig,
     /// A reading older than this is stale (`load.freshness`): readiness needs one that is not.
     pub freshness: Duration,
     /// Where readiness is also published, for the HTTP probes on `metrics_listen`.
@@ -159,6 +163,7 @@ pub async fn serve(
     let ServeOptions {
         access,
         overload,
+        feedback,
         freshness,
         readiness,
     } = options;
@@ -181,9 +186,16 @@ pub async fn serve(
     let max_message = service.max_body_bytes().saturating_add(MESSAGE_OVERHEAD);
     // EDS for Envoy's workers cluster: the roster the picker routes over, pushed on every change.
     let (assignments, follower) = eds::follow(service.picker().loads().cloned().collect());
+    // Followers of the response phase let go once the drain's grace has passed (`served`).
+    let (stop_following, following) = watch::channel(false);
+    let follow = served::Follow {
+        wait: feedback.enabled.then_some(feedback.wait),
+        stopped: following,
+    };
     let processor = ExternalProcessorServer::new(process::Processor::new(
         Arc::clone(&service),
         overload.stream_deadline,
+        follow,
     ))
     .max_decoding_message_size(max_message);
     let guard = transport::guard(token, Arc::clone(&service));
@@ -222,6 +234,7 @@ pub async fn serve(
             "draining: readiness withdrawn, answering until the grace ends"
         );
         tokio::time::sleep(grace).await;
+        let _ = stop_following.send(true);
         // An EDS stream lasts as long as Envoy does, and the graceful shutdown waits for every
         // stream: stopping the roster's follower ends them (Envoy moves to another replica).
         drop(follower);

@@ -15,7 +15,6 @@
 //! Once the answer is sent the server ends the stream cleanly: Envoy proceeds with what it was told and
 //! later resets its side, which is normal and not counted as an error.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -33,18 +32,18 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, processing_response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::google::protobuf::{Struct, Value, value};
 use futures_util::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::lb;
+use super::served::{self, Follow};
 use crate::metrics::StreamEnd;
 use crate::protocol::{
-    DECISION_HEADER, DESTINATION, LB_NAMESPACE, OWNED_PREFIX, PREFIX_TOKENS_HEADER, REJECT_HEADER,
-    RefusalReason, SELECTED_HEADER, SHED_METADATA, SUBSET_KEY, SUBSET_NAMESPACE, ShedReason,
-    error_json,
+    DECISION_HEADER, DESTINATION, OWNED_PREFIX, PREFIX_TOKENS_HEADER, REJECT_HEADER, RefusalReason,
+    SELECTED_HEADER, SHED_METADATA, ShedReason, error_json,
 };
 use crate::route::admission::BodyShare;
 use crate::route::{Answer, CommitGate, Inbound, Refusal, Routed, Service};
@@ -75,13 +74,16 @@ pub struct Processor {
     service: Arc<Service>,
     /// The longest a stream may take from its first message to its answer.
     stream_deadline: Duration,
+    /// How a routed request's stream waits for its response report (`served`).
+    follow: Follow,
 }
 
 impl Processor {
-    pub fn new(service: Arc<Service>, stream_deadline: Duration) -> Processor {
+    pub fn new(service: Arc<Service>, stream_deadline: Duration, follow: Follow) -> Processor {
         Processor {
             service,
             stream_deadline,
+            follow,
         }
     }
 }
@@ -96,6 +98,8 @@ impl ExternalProcessor for Processor {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // Only a stream whose filter says it reports the response waits for it (`served`).
+        let follow = self.follow.for_stream(request.metadata());
         let inbound = request.into_inner();
         // One answer in flight at a time is all a stream ever has, plus the duplex body chunks.
         let (sender, receiver) = mpsc::channel(8);
@@ -103,7 +107,7 @@ impl ExternalProcessor for Processor {
         let stream_end = Instant::now() + self.stream_deadline;
         service.metrics().stream_opened();
         tokio::spawn(async move {
-            let end = drive(&service, inbound, &sender, stream_end).await;
+            let end = drive(&service, inbound, &sender, stream_end, &follow).await;
             service.metrics().stream_closed(end);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
@@ -113,6 +117,8 @@ impl ExternalProcessor for Processor {
 /// What the stream has learnt so far.
 struct Exchange {
     path: String,
+    /// `:method`: only a POST is learned from.
+    method: String,
     subset: Option<Vec<SocketAddr>>,
     /// Client-sent headers cachepick owns, to be removed.
     spoofed: Vec<String>,
@@ -167,6 +173,7 @@ impl Exchange {
     fn new(share: BodyShare) -> Exchange {
         Exchange {
             path: String::new(),
+            method: String::new(),
             subset: None,
             spoofed: Vec::new(),
             content_encoding: None,
@@ -193,6 +200,7 @@ async fn drive(
     mut inbound: Streaming<ProcessingRequest>,
     out: &Sender,
     stream_end: Instant,
+    follow: &Follow,
 ) -> StreamEnd {
     let mut exchange = Exchange::new(service.admission().budget().share());
     loop {
@@ -245,16 +253,8 @@ async fn drive(
             ),
             processing_request::Request::RequestBody(body) => on_body(service, &mut exchange, body),
             processing_request::Request::RequestTrailers(_) => on_trailers(&exchange),
-            // Response phases are configured off; answer whatever arrives so Envoy never waits.
-            processing_request::Request::ResponseHeaders(_) => Step::Reply(vec![response(
-                processing_response::Response::ResponseHeaders(HeadersResponse::default()),
-            )]),
-            processing_request::Request::ResponseBody(_) => Step::Reply(vec![response(
-                processing_response::Response::ResponseBody(BodyResponse::default()),
-            )]),
-            processing_request::Request::ResponseTrailers(_) => Step::Reply(vec![response(
-                processing_response::Response::ResponseTrailers(TrailersResponse::default()),
-            )]),
+            // The response comes before the answer only out of order; answered so Envoy never waits.
+            other => Step::Reply(served::other_reply(&other).into_iter().collect()),
         };
         let received = Instant::now();
         let (responses, answer) = match step {
@@ -316,11 +316,11 @@ async fn drive(
         for response in responses {
             sent = sent && out.send(Ok(response)).await.is_ok();
         }
-        return if sent {
-            StreamEnd::Answered
-        } else {
-            StreamEnd::Reset
-        };
+        if !sent {
+            return StreamEnd::Reset;
+        }
+        // A routed request's credit waits for the response's report; anything else ends here.
+        return served::follow(service, follow, &mut inbound, out, answer).await;
     }
 }
 
@@ -426,6 +426,8 @@ fn on_headers(
         if key == ":path" {
             // As sent, query string included: the service reads the API off it.
             exchange.path = String::from_utf8_lossy(&header.raw_value).into_owned();
+        } else if key == ":method" {
+            exchange.method = String::from_utf8_lossy(&header.raw_value).into_owned();
         } else if key == "content-encoding" {
             exchange.content_encoding =
                 Some(String::from_utf8_lossy(&header.raw_value).into_owned());
@@ -442,7 +444,7 @@ fn on_headers(
             }
         }
     }
-    exchange.subset = metadata.and_then(subset_hint);
+    exchange.subset = metadata.and_then(lb::subset_hint);
     if headers.end_of_stream {
         // No body follows (a GET): decide now, in the headers response.
         return Step::Decide(Ending::Headers);
@@ -611,6 +613,7 @@ async fn decide(
     let body = (ending != Ending::Headers).then(|| exchange.whole.clone());
     let request = Pending {
         path: exchange.path.clone(),
+        method: exchange.method.clone(),
         subset: exchange.subset.clone(),
         content_encoding: exchange.content_encoding.clone(),
         tenant: exchange.tenant.clone(),
@@ -687,7 +690,7 @@ async fn decide(
             }
             responses
         }
-        (Answer::Route(routed), _, false) => vec![with_metadata(
+        (Answer::Route(routed), _, false) => vec![lb::with_metadata(
             routed,
             response(processing_response::Response::RequestBody(BodyResponse {
                 response: Some(CommonResponse {
@@ -703,6 +706,7 @@ async fn decide(
 /// What a decision needs of the exchange, owned, so it can run on the blocking pool.
 struct Pending {
     path: String,
+    method: String,
     subset: Option<Vec<SocketAddr>>,
     content_encoding: Option<String>,
     tenant: Option<String>,
@@ -722,6 +726,8 @@ impl Pending {
         service.route_gated(
             &Inbound {
                 path: &self.path,
+                // Envoy always sends `:method`; a client of another kind may not.
+                method: Some(self.method.as_str()).filter(|method| !method.is_empty()),
                 body: self.body.as_deref(),
                 subset: self.subset.as_deref(),
                 content_encoding: self.content_encoding.as_deref(),
@@ -785,7 +791,7 @@ fn unrouted(exchange: &Exchange, ending: Ending) -> Vec<ProcessingResponse> {
 
 /// A routed answer as a headers response (header-only requests and duplex).
 fn routed_in_headers(exchange: &Exchange, routed: &Routed) -> ProcessingResponse {
-    with_metadata(routed, headers_response(mutation(exchange, routed)))
+    lb::with_metadata(routed, headers_response(mutation(exchange, routed)))
 }
 
 fn headers_response(mutation: HeaderMutation) -> ProcessingResponse {
@@ -873,25 +879,6 @@ fn header(key: &str, raw_value: Vec<u8>) -> HeaderValueOption {
     }
 }
 
-/// Adds `envoy.lb/x-gateway-destination-endpoint`, the same value as the header, to a routed answer.
-fn with_metadata(routed: &Routed, mut response: ProcessingResponse) -> ProcessingResponse {
-    let destination = Value {
-        kind: Some(value::Kind::StringValue(routed.destination())),
-    };
-    let namespace = Struct {
-        fields: HashMap::from([(DESTINATION.to_owned(), destination)]),
-    };
-    response.dynamic_metadata = Some(Struct {
-        fields: HashMap::from([(
-            LB_NAMESPACE.to_owned(),
-            Value {
-                kind: Some(value::Kind::StructValue(namespace)),
-            },
-        )]),
-    });
-    response
-}
-
 /// A refusal as Envoy's local reply — status, JSON body, content type and the reason header: the one
 /// place a [`Refusal`] becomes an `ImmediateResponse`.
 fn immediate(refusal: &Refusal) -> ProcessingResponse {
@@ -921,33 +908,6 @@ fn response(response: processing_response::Response) -> ProcessingResponse {
         response: Some(response),
         ..ProcessingResponse::default()
     }
-}
-
-/// The proxy's subset hint: a comma-separated string or a list of strings of `ip:port`. Entries that
-/// do not parse are skipped; a hint with none that parse allows nothing (so the request is a 503,
-/// never routed outside what the proxy allowed).
-fn subset_hint(metadata: &Metadata) -> Option<Vec<SocketAddr>> {
-    let hint = metadata.filter_metadata.get(SUBSET_NAMESPACE)?;
-    let value = hint.fields.get(SUBSET_KEY)?;
-    let mut endpoints = Vec::new();
-    let mut push = |text: &str| {
-        endpoints.extend(
-            text.split(',')
-                .filter_map(|entry| entry.trim().parse::<SocketAddr>().ok()),
-        );
-    };
-    match &value.kind {
-        Some(value::Kind::StringValue(text)) => push(text),
-        Some(value::Kind::ListValue(list)) => {
-            for item in &list.values {
-                if let Some(value::Kind::StringValue(text)) = &item.kind {
-                    push(text);
-                }
-            }
-        }
-        _ => {}
-    }
-    Some(endpoints)
 }
 
 /// Envoy resets the stream when the HTTP request ends; that is the normal end, not a failure.

@@ -47,6 +47,9 @@ pub(super) struct Draft<'a> {
     pub(super) text: Option<Prompt<'a>>,
     /// SGLang's `input_ids`, as [`Prompt::Tokens`].
     pub(super) input_ids: Option<Prompt<'a>>,
+    /// The output the request asks for: `max_tokens`, `max_completion_tokens` (chat, which wins), or
+    /// SGLang's `sampling_params.max_new_tokens` (see [`output`]).
+    pub(super) max_output_tokens: Option<u64>,
 }
 
 /// Reads `body` in one pass. With an `api`, the prompt members of the other APIs are skipped unread;
@@ -202,6 +205,7 @@ macro_rules! visitor_common {
 
 // Declared after the macros, which are in scope only below their definition.
 mod chat;
+mod output;
 mod prompt;
 
 /// Reads a value with a visitor through `deserialize_any`, so the visitor sees whatever type is there.
@@ -420,6 +424,18 @@ impl<'a> Visitor<'a> for BodyVisitor<'_> {
                 "input_ids" if reads(Api::Generate) => {
                     let ids = PromptVisitor::new("input_ids", Accepts::Tokens, faults);
                     draft.input_ids = map.next_value_seed(Any(ids))?;
+                }
+                "max_tokens" => {
+                    let asked = map.next_value_seed(Any(output::Count { faults }))?;
+                    draft.max_output_tokens = draft.max_output_tokens.max(asked);
+                }
+                "max_completion_tokens" => {
+                    let asked = map.next_value_seed(Any(output::Count { faults }))?;
+                    draft.max_output_tokens = draft.max_output_tokens.max(asked);
+                }
+                "sampling_params" if reads(Api::Generate) => {
+                    let asked = map.next_value_seed(Any(output::SamplingParams { faults }))?;
+                    draft.max_output_tokens = draft.max_output_tokens.max(asked);
                 }
                 _ => map.next_value_seed(Any(Skip {
                     enclosing: 1,

@@ -33,9 +33,11 @@
 //! prefix is the one that can be matched there, and batched prompts usually share their prefix (one
 //! few-shot template, many questions). The other prompts are skipped unread; the engine validates them.
 //!
-//! `cache_salt` is vLLM's, as given. Nothing else is read, so nothing else is type-checked: routing has no
-//! use for `stream`, `max_tokens` or `sampling_params`, and a body the engine accepts (`"max_tokens":
-//! 100.0`, `"stream": "true"`) must not be refused by the picker in front of it. The engine validates them.
+//! `cache_salt` is vLLM's, as given. The requested output (`max_tokens`, `max_completion_tokens`,
+//! `sampling_params.max_new_tokens`) is read leniently, never refused: a count the picker cannot read is
+//! none, since a body the engine accepts (`"max_tokens": 100.0`, `"stream": "true"`) must not be refused
+//! by the picker in front of it; it only tells the picker that the engine will refuse a request whose
+//! prompt and output exceed the model's context, so that it is not learned. Nothing else is read.
 mod body;
 pub mod charset;
 pub mod encoding;
@@ -110,6 +112,10 @@ pub struct ParsedRequest<'a> {
     pub prompt: Prompt<'a>,
     /// vLLM's `cache_salt`: requests with different salts share no cached prefix.
     pub cache_salt: Option<Cow<'a, str>>,
+    /// The output the request asks for (`max_tokens`, `max_completion_tokens`, SGLang's
+    /// `sampling_params.max_new_tokens`; the largest), read leniently: `None` when absent or not a
+    /// non-negative number. Routing reads it only to know the engine will refuse the request.
+    pub max_output_tokens: Option<u64>,
 }
 
 /// The prompt, as the API gave it.
@@ -236,6 +242,7 @@ impl<'a> ReadBody<'a> {
             model: draft.model,
             prompt,
             cache_salt: draft.cache_salt,
+            max_output_tokens: draft.max_output_tokens,
         })
     }
 }

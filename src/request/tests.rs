@@ -174,6 +174,44 @@ fn a_path_naming_no_api_is_read_by_the_body_shape() {
 }
 
 #[test]
+fn the_requested_output_is_read_leniently() {
+    #[rustfmt::skip]
+    let cases = [
+        (COMPLETIONS, r#"{"max_tokens":100,"prompt":"p"}"#, Some(100)),
+        (COMPLETIONS, r#"{"max_tokens":100.7,"prompt":"p"}"#, Some(100)),
+        (COMPLETIONS, r#"{"max_tokens":1e30,"prompt":"p"}"#, Some(u64::MAX)),
+        (COMPLETIONS, r#"{"max_tokens":-1,"prompt":"p"}"#, None),
+        (COMPLETIONS, r#"{"max_tokens":"9","prompt":"p"}"#, None),
+        (COMPLETIONS, r#"{"max_tokens":[1,{"a":2}],"prompt":"p"}"#, None),
+        (COMPLETIONS, r#"{"max_tokens":null,"prompt":"p"}"#, None),
+        (COMPLETIONS, r#"{"prompt":"p"}"#, None),
+        // The engine may honour either: the larger counts.
+        (CHAT, r#"{"max_tokens":5,"max_completion_tokens":9,"messages":[{"role":"user","content":"hi"}]}"#, Some(9)),
+        (CHAT, r#"{"max_completion_tokens":9,"max_tokens":50,"messages":[{"role":"user","content":"hi"}]}"#, Some(50)),
+        (GENERATE, r#"{"sampling_params":{"temperature":0,"max_new_tokens":7,"stop":["x"]},"text":"t"}"#, Some(7)),
+        (GENERATE, r#"{"sampling_params":{"max_new_tokens":"7"},"text":"t"}"#, None),
+        (GENERATE, r#"{"sampling_params":[],"text":"t"}"#, None),
+    ];
+    for (path, body, expected) in cases {
+        assert_eq!(
+            parsed(path, body).max_output_tokens,
+            expected,
+            "{path} {body}"
+        );
+    }
+    // Skipped within the depth bound like every other member.
+    let deep = format!(
+        r#"{{"prompt":"p","max_tokens":{}1{}}}"#,
+        "[".repeat(100),
+        "]".repeat(100)
+    );
+    assert!(matches!(
+        parse(COMPLETIONS, deep.as_bytes(), 1 << 20),
+        Err(BodyError::TooDeep { .. })
+    ));
+}
+
+#[test]
 fn members_routing_does_not_read_are_not_type_checked() {
     // What vLLM and SGLang accept, or validate themselves: the picker has no opinion on them.
     #[rustfmt::skip]

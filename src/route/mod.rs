@@ -9,18 +9,22 @@
 //! - [`admission`]: decision slots, the bounded queue in front of them, the decision deadline and the
 //!   [`CommitGate`] that keeps a late or cancelled decision from committing; explain's share and rate;
 //!   the global body budget.
+//! - [`credit`](Credit): a commit's credit kept until Envoy reports who served the request and with
+//!   what status, then confirmed, moved to the worker that served, or retracted ([`Picker::settle`]).
 //! - [`Explanation`]: what `cachepick explain` and the debug endpoints report (its text form is in
 //!   `crate::render`).
 //!
 //! Nothing here sees a protobuf type or a server: `extproc` translates answers to Envoy's, and `app`
 //! adapts the service to the debug endpoints.
 pub mod admission;
+mod credit;
 mod explain;
 mod picker;
 mod service;
 
 pub use crate::protocol::{RefusalReason, ShedReason};
 pub use admission::{Admission, AdmissionView, CommitGate};
+pub use credit::{Credit, ServedReport, Settled};
 pub use explain::Explanation;
 pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
 pub use service::{

@@ -24,6 +24,7 @@ use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 
+use super::credit::Credit;
 use super::explain::Explanation;
 use crate::config::{
     Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,
@@ -101,11 +102,11 @@ pub enum PickerError {
 }
 
 /// One pool's runtime: its configuration, load, tokenizer and owner index.
-struct PoolRoute {
-    config: PoolConfig,
-    load: Arc<PoolLoad>,
+pub(super) struct PoolRoute {
+    pub(super) config: PoolConfig,
+    pub(super) load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
-    index: PoolIndex,
+    pub(super) index: PoolIndex,
     /// The pool's policy; a reloaded file replaces it whole, and each decision reads one.
     policy: ArcSwap<PolicyConfig>,
     /// Decisions taken so far under `round_robin`: the next request's turn.
@@ -113,7 +114,7 @@ struct PoolRoute {
 }
 
 /// Where a pool learns who holds which prefix (`PoolConfig::index`).
-enum PoolIndex {
+pub(super) enum PoolIndex {
     /// From this picker's own decisions.
     Approximate(Arc<OwnerIndex>),
     /// From the engines' KV events, fed by `events::EventFeeds`, plus this picker's recent decisions.
@@ -128,6 +129,8 @@ pub struct Prepared {
     pub pool_label: String,
     pub model: Option<String>,
     pub prompt_tokens: u64,
+    /// The output the request asks for, when it says (`max_tokens` and kin).
+    pub max_output_tokens: Option<u64>,
     /// Chained hashes of the prompt's full blocks.
     pub block_hashes: Vec<u64>,
     /// Every worker holding at least one leading block, deepest first.
@@ -137,7 +140,9 @@ pub struct Prepared {
 /// The request path for every pool of a configuration.
 pub struct Picker {
     /// In configuration order: `Prepared::pool` indexes it.
-    pools: Vec<PoolRoute>,
+    pub(super) pools: Vec<PoolRoute>,
+    /// `feedback.enabled`: a commit returns its [`Credit`], for Envoy's report to settle.
+    feedback: bool,
     max_body_bytes: usize,
     /// `cache_salt_header`: the request header that salts an `approximate` pool's prefix hashes.
     salt_header: Option<String>,
@@ -207,6 +212,7 @@ impl Picker {
             max_body_bytes: config.max_body_bytes.get(),
             salt_header: config.cache_salt_header.clone(),
             unknown_subset: config.unknown_subset,
+            feedback: config.feedback.enabled,
         }
     }
 
@@ -291,6 +297,7 @@ impl Picker {
             pool_label: pool.load.label().to_owned(),
             model: parsed.model.map(Cow::into_owned),
             prompt_tokens: tokens.len() as u64,
+            max_output_tokens: parsed.max_output_tokens,
             block_hashes: hashes,
             owners,
         })
@@ -317,6 +324,7 @@ impl Picker {
             pool_label: pool.load.label().to_owned(),
             model: model.map(str::to_owned),
             prompt_tokens: 0,
+            max_output_tokens: None,
             block_hashes: Vec::new(),
             owners: Vec::new(),
         })
@@ -330,6 +338,7 @@ impl Picker {
             pool,
             prepared,
             snapshot: pool.load.snapshot(),
+            feedback: self.feedback,
         })
     }
 
@@ -448,6 +457,7 @@ pub struct Pinned<'p> {
     pool: &'p PoolRoute,
     prepared: &'p Prepared,
     snapshot: Arc<PoolSnapshot>,
+    feedback: bool,
 }
 
 impl<'p> Pinned<'p> {
@@ -521,22 +531,29 @@ impl<'p> Pinned<'p> {
     }
 
     /// Records a routed request: its blocks now live on the selected worker, and one more request is in
-    /// flight there.
-    pub fn commit(&self, decision: &Decision) {
+    /// flight there. With `feedback` on, returns what was credited, for the response's report to
+    /// confirm, move or retract ([`Picker::settle`]); `None` when nothing was.
+    ///
+    /// Only what the engine will cache is recorded: nothing for a worker the roster no longer routes
+    /// to, nothing when the prompt and the output asked for exceed the pool's `max_model_len` (the
+    /// engine refuses the request), and at most `index.commit_share` of the worker's capacity.
+    pub fn commit(&self, decision: &Decision) -> Option<Credit> {
         // A worker the roster no longer routes to gets nothing recorded, so a decision cannot bring a
         // removed worker's blocks back.
         let pool = self.pool;
-        let Some(worker) = self
+        let worker = self
             .snapshot
             .worker(decision.selected)
-            .filter(|worker| worker.routable())
-        else {
-            return;
-        };
-        // A prompt beyond the engine's context is refused by the engine: its blocks will never be
-        // cached there, and recording them would evict prefixes that are.
-        if self.prepared.prompt_tokens > pool.config.max_model_len.get() {
-            return;
+            .filter(|worker| worker.routable())?;
+        // A prompt beyond the engine's context, or one whose requested output takes it beyond, is refused
+        // by the engine: its blocks will never be cached there, and recording them would evict
+        // prefixes that are.
+        let prepared = self.prepared;
+        let asked = prepared
+            .prompt_tokens
+            .saturating_add(prepared.max_output_tokens.unwrap_or(0));
+        if asked > pool.config.max_model_len.get() {
+            return None;
         }
         // The worker may have left since this request's snapshot, and its slot gone to another: what
         // was decided for the one must not be credited to the other.
@@ -545,13 +562,14 @@ impl<'p> Pinned<'p> {
             .worker(decision.selected)
             .is_none_or(|now| now.generation != worker.generation)
         {
-            return;
+            return None;
         }
+        let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
+        let chain = credited_chain(&pool.config, &prepared.block_hashes, capacity);
         match &pool.index {
             PoolIndex::Approximate(index) => {
-                let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
                 index.set_capacity(decision.selected, capacity);
-                index.insert(decision.selected, &self.prepared.block_hashes);
+                index.insert(decision.selected, chain);
             }
             // The engine's events will say what it really cached; until then, a guess. The engines'
             // capacities bound what their events can make the index hold.
@@ -565,14 +583,25 @@ impl<'p> Pinned<'p> {
                         index.set_capacity(worker.id, capacity);
                     }
                 }
-                index.speculate(
-                    decision.selected,
-                    &self.prepared.block_hashes,
-                    Instant::now(),
-                );
+                index.speculate(decision.selected, chain, Instant::now());
             }
         }
         pool.load.dispatches().record(decision.selected);
+        let held = prepared
+            .owners
+            .iter()
+            .find(|owner| owner.worker == decision.selected)
+            .map_or(0, |owner| {
+                owner.matched_tokens / u64::from(self.block_size().max(1))
+            });
+        self.feedback.then(|| Credit {
+            pool: prepared.pool,
+            worker: decision.selected,
+            generation: worker.generation,
+            endpoint: worker.endpoint,
+            held: usize::try_from(held).unwrap_or(usize::MAX).min(chain.len()),
+            chain: chain.to_vec(),
+        })
     }
 
     /// The selected worker's endpoint, then its fallbacks'.
@@ -673,10 +702,29 @@ fn untokenized_as_empty(
     }
 }
 
+/// The leading blocks of `hashes` one request may record: at most `index.commit_share` of the
+/// worker's `capacity`, at least one block. Ownership is prefix-closed, so the leading blocks are the
+/// ones a later request can match.
+pub(super) fn credited_chain<'h>(
+    pool: &PoolConfig,
+    hashes: &'h [u64],
+    capacity: usize,
+) -> &'h [u64] {
+    let share = pool.index.commit_share.get();
+    // `as` saturates; capacities are far below f64's exact integers.
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let most = ((capacity as f64) * share).floor() as usize;
+    hashes.get(..most.max(1)).unwrap_or(hashes)
+}
+
 /// A worker's capacity in our blocks: the engine's KV tokens divided by our block size, at most
 /// [`PoolConfig::MAX_REPORTED_CACHE_BLOCKS`] (a scrape is plaintext and may be garbled), else the pool's
 /// configured default.
-fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
+pub(super) fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
     let block: u64 = NonZeroU32::get(pool.block_size).into();
     max_total_tokens
         .map(|tokens| {
@@ -695,6 +743,7 @@ mod tests {
     use super::*;
     use crate::config::Overrides;
     use crate::policy::Reason;
+    use crate::route::{ServedReport, Settled};
 
     /// Pool `rr` runs round robin over three workers; pool `ca` inherits the top-level cache_aware.
     fn picker() -> Picker {
@@ -784,6 +833,139 @@ pools:
         let short = prompt(1600);
         route_as(&picker, &short, None);
         assert_eq!(route_as(&picker, &short, None).0, Reason::CacheHit);
+    }
+
+    /// Routes and commits `body` (a completion); the decision and its credit.
+    fn commit_of(picker: &Picker, body: &serde_json::Value) -> (Decision, Option<Credit>) {
+        let body = serde_json::to_vec(body).unwrap();
+        let prepared = picker.prepare("/v1/completions", &body).unwrap();
+        let pinned = picker.pin(&prepared).unwrap();
+        let mut rng = SmallRng::seed_from_u64(5);
+        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
+            panic!("rejected")
+        };
+        let credit = pinned.commit(&decision);
+        (decision, credit)
+    }
+
+    fn entries(picker: &Picker) -> usize {
+        picker.index_stats()[0].1.entries
+    }
+
+    #[test]
+    fn a_prompt_whose_requested_output_exceeds_the_context_is_never_learned() {
+        let picker = one_pool(
+            "",
+            "    max_model_len: 2000
+    block_size: 16
+",
+        );
+        let prompt = "y".repeat(1600);
+        let asked = |max_tokens: u64| serde_json::json!({"model": "ca", "prompt": prompt, "max_tokens": max_tokens});
+        let (_, credit) = commit_of(&picker, &asked(1_000_000_000));
+        assert!(credit.is_none());
+        assert_eq!(
+            entries(&picker),
+            0,
+            "the engine refuses it: nothing committed"
+        );
+        let (_, credit) = commit_of(&picker, &asked(16));
+        assert!(credit.is_some());
+        assert!(entries(&picker) > 0);
+    }
+
+    #[test]
+    fn one_request_records_at_most_its_share_of_the_workers_capacity() {
+        let picker = one_pool(
+            "",
+            "    block_size: 16
+    default_cache_blocks: 100
+    index: {commit_share: 0.2}
+",
+        );
+        let (decision, credit) = commit_of(
+            &picker,
+            &serde_json::json!({"model": "ca", "prompt": (1..4000).collect::<Vec<u32>>()}),
+        );
+        assert_eq!(credit.unwrap().blocks(), 20, "a fifth of 100 blocks");
+        assert_eq!(
+            picker.index_stats()[0].1.held[decision.selected.index()],
+            20
+        );
+    }
+
+    #[test]
+    fn the_report_confirms_moves_or_retracts_a_credit() {
+        let picker = one_pool(
+            "",
+            "    block_size: 16
+",
+        );
+        let body = |seed: u32| serde_json::json!({"model": "ca", "prompt": (seed..seed + 320).collect::<Vec<u32>>()});
+        let (_, owner) = commit_of(&picker, &body(1));
+        let owner = owner.unwrap();
+        let held = entries(&picker);
+        assert_eq!(held, 20);
+        // A refused request: what it added is taken back, what the owner held before stays.
+        let (_, refused) = commit_of(&picker, &body(1));
+        let refused = refused.unwrap();
+        assert_eq!(refused.endpoint(), owner.endpoint(), "a hit on the owner");
+        let report = |status, upstream| ServedReport { status, upstream };
+        assert_eq!(
+            picker.settle(&refused, report(400, Some(refused.endpoint()))),
+            Settled::Retracted
+        );
+        assert_eq!(entries(&picker), held, "the owner keeps what it held");
+        let (_, fresh) = commit_of(&picker, &body(5000));
+        let fresh = fresh.unwrap();
+        assert_eq!(entries(&picker), 2 * held);
+        assert_eq!(picker.settle(&fresh, report(503, None)), Settled::Retracted);
+        assert_eq!(entries(&picker), held, "a refused newcomer credits nobody");
+        // Served elsewhere: the worker that served holds it now, the selected one does not.
+        let (_, retried) = commit_of(&picker, &body(9000));
+        let retried = retried.unwrap();
+        let other: SocketAddr = if retried.endpoint().port() == 4 {
+            "127.0.0.1:5".parse().unwrap()
+        } else {
+            "127.0.0.1:4".parse().unwrap()
+        };
+        assert_eq!(
+            picker.settle(&retried, report(200, Some(other))),
+            Settled::Moved
+        );
+        let held_by = picker.index_stats()[0].1.held.clone();
+        let by_port = |port: u16| held_by[usize::from(port - 4)];
+        assert_eq!(by_port(other.port()), by_port(other.port()).max(20));
+        assert_eq!(entries(&picker), 2 * held);
+        let again = body(9000);
+        let (decision, _) = commit_of(&picker, &again);
+        assert_eq!(decision.reason, Reason::CacheHit);
+        assert_eq!(
+            picker
+                .pin(
+                    &picker
+                        .prepare("/v1/completions", &serde_json::to_vec(&again).unwrap())
+                        .unwrap()
+                )
+                .unwrap()
+                .endpoints(&decision)[0],
+            other
+        );
+        // Confirmed: served by the selected worker; blocks another report took away come back.
+        assert_eq!(
+            picker.settle(&owner, report(200, Some(owner.endpoint()))),
+            Settled::Confirmed
+        );
+        assert_eq!(picker.settle(&owner, report(200, None)), Settled::Confirmed);
+        // An address the pool does not know served it: nobody here holds it.
+        let (_, unknown) = commit_of(&picker, &body(20_000));
+        let before = entries(&picker);
+        let elsewhere = Some("10.9.9.9:80".parse().unwrap());
+        assert_eq!(
+            picker.settle(&unknown.unwrap(), report(200, elsewhere)),
+            Settled::Retracted
+        );
+        assert_eq!(entries(&picker), before - 20);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::admission::{Admission, AdmissionView, CommitGate};
+use super::credit::{Credit, ServedReport, Settled};
 use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Picker, Pinned, Prepared, RequestError};
 use crate::config::{OverloadConfig, UnknownSubset};
@@ -35,6 +36,8 @@ const LOG_SAMPLE: u64 = 64;
 pub struct Inbound<'a> {
     /// `:path` as sent, query string included.
     pub path: &'a str,
+    /// `:method`, when the wire knows it: only a POST is read for a prompt and learned from.
+    pub method: Option<&'a str>,
     /// `None` for a request without one.
     pub body: Option<&'a [u8]>,
     /// The proxy's subset hint: the only endpoints the request may go to.
@@ -68,6 +71,9 @@ pub struct Routed {
     pub prompt_tokens: u64,
     /// No prompt: routed by load alone ([`PASSTHROUGH`]), not counted as a decision.
     pub passthrough: bool,
+    /// What the commit credited, for the response's report to settle (`feedback.enabled`).
+    #[serde(skip)]
+    pub credit: Option<Credit>,
 }
 
 impl Routed {
@@ -298,8 +304,15 @@ impl Service {
     pub fn route_gated(&self, inbound: &Inbound<'_>, gate: &CommitGate) -> Answer {
         let Inbound { body, subset, .. } = *inbound;
         let path = ApiPath::new(inbound.path);
+        // Only a POST makes an engine generate: a GET or DELETE with a chat body leaves nothing in its
+        // cache, so it is routed by load and never learned; OPTIONS and HEAD pass through too.
+        let generates = inbound.method.is_none_or(|method| method == "POST");
         let decoded = body.map(|body| self.decode(inbound.content_encoding, body));
         let prepared = match decoded {
+            _ if !generates => self
+                .picker
+                .prepare_passthrough(body.and_then(request::model_of).as_deref())
+                .map(|prepared| (prepared, true)),
             // A compressed body cachepick cannot read: routed by load, like a request without a prompt.
             Some(None) => self
                 .picker
@@ -455,6 +468,7 @@ impl Service {
             matched_tokens: 0,
             prompt_tokens: 0,
             passthrough: true,
+            credit: None,
         })
     }
 
@@ -498,7 +512,21 @@ impl Service {
             matched_tokens: 0,
             prompt_tokens: prepared.prompt_tokens,
             passthrough,
+            credit: None,
         })
+    }
+
+    /// Settles a routed request's credit by Envoy's report of its response (`None`: no report came),
+    /// counted under `cachepick_feedback_total`.
+    pub fn settle(&self, pool: &str, credit: &Credit, report: Option<ServedReport>) -> Settled {
+        let settled = match report {
+            Some(report) => self.picker.settle(credit, report),
+            None => Settled::Unreported,
+        };
+        self.metrics.record_feedback(pool, settled.as_str());
+        tracing::debug!(pool, outcome = settled.as_str(), report = ?report,
+            selected = %credit.endpoint(), "response reported");
+        settled
     }
 
     /// Body received → answer sent, measured by the wire.
@@ -534,7 +562,7 @@ impl Service {
             self.metrics.overload.commit_refused(refused);
             return Answer::Shed(refused.into());
         }
-        pinned.commit(&decision);
+        let credit = pinned.commit(&decision);
         let endpoints = pinned.endpoints(&decision);
         let block_size = pinned.block_size().max(1);
         let diverted_blocks = decision
@@ -555,6 +583,7 @@ impl Service {
             matched_tokens: decision.matched_tokens,
             prompt_tokens: prepared.prompt_tokens,
             passthrough: false,
+            credit,
         })
     }
 

@@ -140,7 +140,9 @@ struct OverheadArgs {
     /// generated: the bootstraps `cachepick envoy-config` writes. The round-trip experiments of
     /// BENCHMARKS.md change the ext_proc arms: skip-request-headers (request_header_mode SKIP, the path
     /// and headers as request_attributes); streamed-no-wait (request_body_mode STREAMED with
-    /// send_body_without_waiting_for_header_response; use with --modes buffered).
+    /// send_body_without_waiting_for_header_response; use with --modes buffered); no-feedback (the
+    /// generated bootstraps with cachepick's feedback off: no response phase, the cost of feedback
+    /// against generated).
     #[arg(long, default_value = "generated")]
     variant: cachepick_rig::overhead::Variant,
     /// The Envoy binary (default: CACHEPICK_ENVOY, target/envoy-1.40.0/bin/envoy, then PATH).

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::Validator;
-use crate::config::{IndexConfig, IndexMode, KvEventEndpoints};
+use crate::config::{DepthRatio, IndexConfig, IndexMode, KvEventEndpoints};
 use cachepick_decode::{Decode, Map, Node, Phase, Place, Res, Val, with_default};
 
 const INDEX_KEYS: &[&str] = &[
@@ -21,6 +21,7 @@ const INDEX_KEYS: &[&str] = &[
     "topic",
     "port",
     "replay_port",
+    "commit_share",
 ];
 const KV_EVENTS_KEYS: &[&str] = &["endpoint", "replay_endpoint"];
 const TCP_ENDPOINT: &str =
@@ -68,12 +69,19 @@ impl Validator<'_> {
         let port = self.opt(&map, "port", Self::port);
         let port = with_default(port, IndexConfig::DEFAULT_LIVE_PORT);
         let replay_port = self.opt(&map, "replay_port", Self::port);
+        let share = self.opt(&map, "commit_share", Self::number);
+        let share = self.check(with_default(share, defaults.commit_share.get()), |share| {
+            DepthRatio::new(share)
+                .filter(|share| share.get() > 0.0)
+                .ok_or_else(|| format!("must be above 0 and at most 1, got {share}"))
+        });
         Ok(IndexDraft {
             config: IndexConfig {
                 mode: with_default(mode, IndexMode::default())?.value,
                 speculative_ttl: ttl?.value,
                 topic: topic?.map(|topic| topic.value).unwrap_or_default(),
                 stream_grace: grace?.value,
+                commit_share: share?.value,
             },
             port: port?,
             replay_port: replay_port?,

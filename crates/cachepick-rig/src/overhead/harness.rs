@@ -109,6 +109,9 @@ pub enum Variant {
     /// answer, which a body-deciding processor holds until the last chunk. Derived from whichever
     /// mode's bootstrap; run it with `--modes buffered`.
     StreamedNoWait,
+    /// The generated bootstraps and cachepick with `feedback: {enabled: false}`: no response phase, so
+    /// the stream ends at the answer. Against `generated`, what the served-endpoint report costs.
+    NoFeedback,
 }
 
 impl Variant {
@@ -117,7 +120,14 @@ impl Variant {
             Variant::Generated => "generated",
             Variant::SkipRequestHeaders => "skip-request-headers",
             Variant::StreamedNoWait => "streamed-no-wait",
+            Variant::NoFeedback => "no-feedback",
         }
+    }
+
+    /// Whether the ext_proc protocol is the generated one (with or without the response phase): the
+    /// arms that answer as cachepick does then run.
+    fn generated(self) -> bool {
+        matches!(self, Variant::Generated | Variant::NoFeedback)
     }
 }
 
@@ -129,11 +139,14 @@ impl std::str::FromStr for Variant {
             Variant::Generated,
             Variant::SkipRequestHeaders,
             Variant::StreamedNoWait,
+            Variant::NoFeedback,
         ]
         .into_iter()
         .find(|variant| variant.as_str() == text)
         .ok_or_else(|| {
-            format!("expected generated, skip-request-headers or streamed-no-wait, got `{text}`")
+            format!(
+                "expected generated, skip-request-headers, streamed-no-wait or no-feedback, got `{text}`"
+            )
         })
     }
 }
@@ -190,10 +203,11 @@ impl Rig {
         let worker = Worker::start(crate::free_port().map_err(OverheadError::Io)?, MODEL)
             .await
             .map_err(OverheadError::Io)?;
-        let config = picker_config(worker.addr())?;
+        let mut config = picker_config(worker.addr())?;
+        config.feedback.enabled = variant != Variant::NoFeedback;
         let mut picker = Picker::spawn(config.clone());
         picker.ready(READY_WITHIN).await?;
-        let reply = if variant == Variant::Generated {
+        let reply = if variant.generated() {
             Reply::Continue
         } else {
             Reply::Probe
@@ -201,7 +215,7 @@ impl Rig {
         let noop = NoopServer::start(crate::free_port().map_err(OverheadError::Io)?, reply)
             .await
             .map_err(OverheadError::Io)?;
-        let routing = if variant == Variant::Generated {
+        let routing = if variant.generated() {
             let at = crate::free_port().map_err(OverheadError::Io)?;
             Some(
                 NoopServer::start(at, Reply::Route(worker.addr()))
@@ -413,9 +427,7 @@ impl Rig {
                 let ready = match &sample {
                     // The round-trip experiment's variants may not route at all; what they answer is
                     // the finding, so any answer will do.
-                    Ok(_) if cell.arm == Arm::Cachepick && self.variant != Variant::Generated => {
-                        true
-                    }
+                    Ok(_) if cell.arm == Arm::Cachepick && !self.variant.generated() => true,
                     Ok(sample) => {
                         sample.status == 200
                             && match cell.arm {
@@ -490,6 +502,10 @@ fn bootstrap(yaml: &str, arm: Arm, noop: SocketAddr, variant: Variant) -> Result
         Arm::Noop | Arm::Routing => {
             point_cluster(&mut root, "cachepick", noop)?;
             apply(&mut root, variant)?;
+            // The no-op servers speak the request phase only (in duplex mode a CONTINUE to the
+            // headers and then a clean close make Envoy 1.40 answer 500 when the response phase is
+            // on): cachepick's response report is part of what (d) − (c) measures.
+            skip_response_phase(&mut root);
         }
         Arm::Cachepick => apply(&mut root, variant)?,
     }
@@ -550,9 +566,27 @@ fn point_cluster(root: &mut Value, name: &str, addr: SocketAddr) -> Result<(), S
     Ok(())
 }
 
+/// Turns the ext_proc filters' response phase (cachepick's feedback) off.
+fn skip_response_phase(root: &mut Value) {
+    for list in http_filters(root) {
+        for filter in list.iter_mut().filter(|filter| is_ext_proc(filter)) {
+            let Some(Value::Mapping(config)) = filter.get_mut("typed_config") else {
+                continue;
+            };
+            config.remove("response_attributes");
+            if let Some(Value::Mapping(mode)) = config.get_mut("processing_mode") {
+                mode.insert("response_header_mode".into(), "SKIP".into());
+            }
+            if let Some(Value::Mapping(grpc)) = config.get_mut("grpc_service") {
+                grpc.remove("initial_metadata");
+            }
+        }
+    }
+}
+
 /// The ext_proc filter's changes `variant` asks for.
 fn apply(root: &mut Value, variant: Variant) -> Result<(), String> {
-    if variant == Variant::Generated {
+    if variant.generated() {
         return Ok(());
     }
     let mut changed = 0;
@@ -567,7 +601,7 @@ fn apply(root: &mut Value, variant: Variant) -> Result<(), String> {
                 }
             };
             match variant {
-                Variant::Generated => {}
+                Variant::Generated | Variant::NoFeedback => {}
                 Variant::SkipRequestHeaders => {
                     set_mode(config, "request_header_mode", "SKIP");
                     config.insert(

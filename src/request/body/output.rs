@@ -1,0 +1,140 @@
+//! The output a request asks for, read leniently: a count routing uses only to know that the engine
+//! will refuse the request (prompt + output beyond `max_model_len`), never to refuse it itself.
+//!
+//! A count is any JSON number: an integer as it is, a non-negative float truncated (vLLM accepts
+//! `100.0`), anything negative or of another type ignored (`None`) — the engine validates it, and a
+//! body it accepts must not be refused here. Where a body gives several (`max_tokens` and
+//! `max_completion_tokens`), the largest counts, since the engine may honour either.
+
+use std::fmt;
+
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+use super::{Any, Faults, Key, Skip};
+
+/// `max_tokens`, `max_completion_tokens`, `max_new_tokens`: a lenient count.
+pub(super) struct Count<'f> {
+    pub(super) faults: &'f Faults,
+}
+
+impl<'a> Visitor<'a> for Count<'_> {
+    type Value = Option<u64>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a token count")
+    }
+
+    fn visit_u64<E: de::Error>(self, count: u64) -> Result<Option<u64>, E> {
+        Ok(Some(count))
+    }
+
+    fn visit_i64<E: de::Error>(self, count: i64) -> Result<Option<u64>, E> {
+        Ok(u64::try_from(count).ok())
+    }
+
+    fn visit_f64<E: de::Error>(self, count: f64) -> Result<Option<u64>, E> {
+        // `as` saturates at u64::MAX and maps NaN to 0; a negative count is none.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Ok((count >= 0.0).then_some(count as u64))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, seq: A) -> Result<Option<u64>, A::Error> {
+        skip_seq(seq, self.faults)
+    }
+
+    fn visit_map<A: MapAccess<'a>>(self, map: A) -> Result<Option<u64>, A::Error> {
+        skip_map(map, self.faults)
+    }
+}
+
+/// SGLang's `sampling_params`: its `max_new_tokens`, everything else skipped within the depth bound.
+pub(super) struct SamplingParams<'f> {
+    pub(super) faults: &'f Faults,
+}
+
+impl<'a> Visitor<'a> for SamplingParams<'_> {
+    type Value = Option<u64>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("sampling parameters")
+    }
+
+    fn visit_map<A: MapAccess<'a>>(self, mut map: A) -> Result<Option<u64>, A::Error> {
+        let faults = self.faults;
+        let mut asked = None;
+        while let Some(key) = map.next_key_seed(Key)? {
+            if key == "max_new_tokens" {
+                asked = map.next_value_seed(Any(Count { faults }))?;
+            } else {
+                // The body is level 1, this object level 2.
+                map.next_value_seed(Any(Skip {
+                    enclosing: 2,
+                    faults,
+                }))?;
+            }
+        }
+        Ok(asked)
+    }
+
+    fn visit_seq<A: SeqAccess<'a>>(self, seq: A) -> Result<Option<u64>, A::Error> {
+        skip_seq(seq, self.faults)
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+}
+
+/// A list where a count was expected: skipped within the depth bound, no count.
+fn skip_seq<'a, A: SeqAccess<'a>>(mut seq: A, faults: &Faults) -> Result<Option<u64>, A::Error> {
+    let inner = Skip {
+        enclosing: 2,
+        faults,
+    };
+    while seq.next_element_seed(Any(inner))?.is_some() {}
+    Ok(None)
+}
+
+/// An object where a count was expected: skipped within the depth bound, no count.
+fn skip_map<'a, A: MapAccess<'a>>(mut map: A, faults: &Faults) -> Result<Option<u64>, A::Error> {
+    let inner = Skip {
+        enclosing: 2,
+        faults,
+    };
+    while map.next_key::<IgnoredAny>()?.is_some() {
+        map.next_value_seed(Any(inner))?;
+    }
+    Ok(None)
+}
