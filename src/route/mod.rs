@@ -22,7 +22,7 @@ mod service;
 pub use crate::protocol::{RefusalReason, ShedReason};
 pub use admission::{Admission, AdmissionView, CommitGate};
 pub use explain::Explanation;
-pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
+pub use picker::{Allowance, Picker, PickerError, Pinned, Prepared, RequestError};
 pub use service::{
     Answer, ExplainError, Inbound, PoolReport, Refusal, Routed, Service, SourceReport,
 };
