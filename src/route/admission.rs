@@ -609,7 +609,8 @@ mod tests {
     async fn a_dropped_waiter_leaves_the_queue() {
         let admission = admission(1, 4, 50, 1024);
         let _held = admission.admit(soon(1000), None).await.unwrap();
-        let waiting = tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000), None));
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000), None));
         assert!(waiting.await.is_err());
         assert_eq!(admission.view().queued, 0);
     }
@@ -629,7 +630,8 @@ mod tests {
         );
         assert_eq!(admission.view().queued, 0, "it never entered the queue");
         // With time for both, it waits.
-        let waiting = tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000), None));
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000), None));
         assert!(waiting.await.is_err());
     }
 

@@ -644,9 +644,13 @@ fn prompt_bytes(prompt: &Prompt<'_>) -> usize {
         Prompt::Chat { messages, tools } => messages
             .iter()
             .flat_map(|message| {
-                std::iter::once(message.role.len()).chain(message.content.iter().map(|part| part.len()))
+                std::iter::once(message.role.len())
+                    .chain(message.content.iter().map(|part| part.len()))
             })
-            .fold(tools.map_or(0, |tools| tools.get().len()), usize::saturating_add),
+            .fold(
+                tools.map_or(0, |tools| tools.get().len()),
+                usize::saturating_add,
+            ),
         Prompt::Text(text) => text.len(),
         Prompt::Tokens(_) => 0,
     }

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::admission::{Admission, AdmissionView, CommitGate};
+use super::admission::{Admission, AdmissionView, Admitted, CommitGate};
 use super::explain::{Explanation, WorkerTiers};
 use super::picker::{Allowance, Picker, Pinned, Prepared, RequestError};
 use crate::config::OverloadConfig;
@@ -268,6 +268,15 @@ impl Service {
     }
 
     /// Admission's state as the debug snapshot shows it.
+    /// A decision slot for a request with `body` (see [`Admission::admit`]).
+    pub async fn admit(
+        &self,
+        deadline: Instant,
+        body: Option<&[u8]>,
+    ) -> Result<Admitted, ShedReason> {
+        self.admission.admit(deadline, body).await
+    }
+
     pub fn admission_view(&self) -> AdmissionView {
         self.admission.view()
     }

@@ -126,7 +126,9 @@ impl Backend {
 
 /// The encoding, loaded on first use and shared by every pool in the process: loading `o200k_base`
 /// takes about 130 ms and its tables hold tens of megabytes.
-pub(crate) fn shared_encoding(encoding: TiktokenEncoding) -> Result<&'static CoreBPE, TokenizeError> {
+pub(crate) fn shared_encoding(
+    encoding: TiktokenEncoding,
+) -> Result<&'static CoreBPE, TokenizeError> {
     static O200K_BASE: OnceLock<CoreBPE> = OnceLock::new();
     static CL100K_BASE: OnceLock<CoreBPE> = OnceLock::new();
     static P50K_BASE: OnceLock<CoreBPE> = OnceLock::new();

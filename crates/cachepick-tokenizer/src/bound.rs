@@ -188,12 +188,24 @@ pub(crate) fn run_cuts(text: &str, stop: &Stop) -> Option<Vec<usize>> {
     // Where the current chunk of the current run starts.
     let mut chunk = 0;
     let mut checked = 0;
-    for (at, c) in text.char_indices() {
-        let is_white = c.is_whitespace();
+    let bytes = text.as_bytes();
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
+        // ASCII without decoding (its whitespace is `\t`..=`\r` and the space, as `char::is_whitespace`
+        // has it); anything else as the character it starts.
+        let (is_white, len) = if byte.is_ascii() {
+            (matches!(byte, b' ' | b'\t'..=b'\r'), 1)
+        } else {
+            let c = text.get(at..).and_then(|rest| rest.chars().next());
+            (
+                c.is_some_and(char::is_whitespace),
+                c.map_or(1, char::len_utf8),
+            )
+        };
         if white != Some(is_white) {
             white = Some(is_white);
             chunk = at;
-        } else if at + c.len_utf8() - chunk > RUN_BYTES {
+        } else if at + len - chunk > RUN_BYTES {
             cuts.push(at);
             chunk = at;
         }
@@ -203,6 +215,7 @@ pub(crate) fn run_cuts(text: &str, stop: &Stop) -> Option<Vec<usize>> {
                 return None;
             }
         }
+        at += len;
     }
     Some(cuts)
 }
@@ -216,7 +229,10 @@ mod tests {
         let text = "ééééé";
         let ranges: Vec<_> = chunks(text, 3).collect();
         assert_eq!(ranges, vec![(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]);
-        assert_eq!(chunks("abcdefg", 3).collect::<Vec<_>>(), [(0, 3), (3, 6), (6, 7)]);
+        assert_eq!(
+            chunks("abcdefg", 3).collect::<Vec<_>>(),
+            [(0, 3), (3, 6), (6, 7)]
+        );
         assert_eq!(chunks("", 3).count(), 0);
         // A character longer than the bound is a chunk of its own.
         assert_eq!(chunks("😀", 2).collect::<Vec<_>>(), [(0, 4)]);
@@ -233,6 +249,15 @@ mod tests {
         assert_eq!(cuts(&spaces), [1 + RUN_BYTES]);
         let exact = "a".repeat(RUN_BYTES);
         assert!(cuts(&exact).is_empty());
+        // Whitespace beyond ASCII breaks a run as a space does; a letter beyond ASCII does not.
+        let wide = format!(
+            "{}\u{3000}{}",
+            "é".repeat(RUN_BYTES / 2),
+            "é".repeat(RUN_BYTES / 2)
+        );
+        assert!(cuts(&wide).is_empty());
+        let vertical_tab = format!("{}\u{b}{}", "a".repeat(RUN_BYTES), "a".repeat(RUN_BYTES));
+        assert!(cuts(&vertical_tab).is_empty());
         let stopped = Stop::new(Some(Instant::now()), None);
         assert!(run_cuts(&"a".repeat(4 * STOP_CHECK_BYTES), &stopped).is_none());
     }

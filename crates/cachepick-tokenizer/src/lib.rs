@@ -20,6 +20,10 @@
 //! - **bytes**: each 4-byte chunk of the UTF-8 text packed into a little-endian `u32`, the last chunk
 //!   zero-padded. No vocabulary; deterministic; about one pseudo-token per real token for English.
 //!
+//! Every backend merges no pre-token longer than [`MAX_PIECE_BYTES`] whole and asks a [`Stop`] between
+//! bounded chunks of its work ([`Tokenizer::encode_within`]); text without such a piece tokenizes exactly
+//! as the library does. The `bound` module documents the cut, what it changes, and why.
+//!
 //! # Chat rendering
 //! With a chat template (`chat_template` in the pool's config: a Jinja file, or a Hugging Face
 //! `tokenizer_config.json` whose `chat_template` is a string or a list of `{name, template}`), it is
@@ -107,7 +111,9 @@ pub enum TokenizeError {
     Encode(#[source] Box<dyn Error + Send + Sync>),
     /// The [`Stop`] the encode was given stopped it: the decision's deadline passed, or its request
     /// went away.
-    #[error("tokenizing was stopped before the end: the decision's deadline passed or its request went away")]
+    #[error(
+        "tokenizing was stopped before the end: the decision's deadline passed or its request went away"
+    )]
     Interrupted,
 }
 

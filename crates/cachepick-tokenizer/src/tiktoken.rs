@@ -16,7 +16,8 @@ use crate::{Mode, TokenizeError};
 
 /// The split pattern of each bundled encoding, as `tiktoken_rs` builds it (a test holds them equal).
 pub(crate) fn pattern(encoding: TiktokenEncoding) -> &'static str {
-    const GPT2: &str = "'(?:[sdmt]|ll|ve|re)| ?\\p{L}++| ?\\p{N}++| ?[^\\s\\p{L}\\p{N}]++|\\s++$|\\s+(?!\\S)|\\s";
+    const GPT2: &str =
+        "'(?:[sdmt]|ll|ve|re)| ?\\p{L}++| ?\\p{N}++| ?[^\\s\\p{L}\\p{N}]++|\\s++$|\\s+(?!\\S)|\\s";
     const CL100K: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
     match encoding {
         TiktokenEncoding::O200kBase => tiktoken_rs::O200K_BASE_PAT_STR,
@@ -136,7 +137,10 @@ impl Tiktoken {
                 if stop.stopped() {
                     return Err(TokenizeError::Interrupted);
                 }
-                for piece in self.regex.find_iter(stretch.get(from..to).unwrap_or_default()) {
+                for piece in self
+                    .regex
+                    .find_iter(stretch.get(from..to).unwrap_or_default())
+                {
                     match piece {
                         Ok(piece) if piece.as_str().len() <= MAX_PIECE_BYTES => {}
                         _ => return Ok(true),
@@ -177,7 +181,8 @@ pub(crate) fn safe_cuts(text: &str, every: usize) -> impl Iterator<Item = usize>
             ) else {
                 continue;
             };
-            let punctuation_space = b".,;:!?".contains(before) && *here == b' ' && after.is_ascii_alphabetic();
+            let punctuation_space =
+                b".,;:!?".contains(before) && *here == b' ' && after.is_ascii_alphabetic();
             let newline_letter = *before == b'\n'
                 && text
                     .get(..at - 1)
@@ -208,14 +213,42 @@ mod tests {
             .collect()
     }
 
+    /// The pieces the scan sees, to hold the patterns to `CoreBPE`'s.
+    fn pieces<'t>(tiktoken: &Tiktoken, text: &'t str) -> Vec<&'t str> {
+        tiktoken
+            .regex
+            .find_iter(text)
+            .map(|piece| piece.unwrap().as_str())
+            .collect()
+    }
+
+    const _: () = assert!(crate::bound::RUN_BYTES * 2 + 4 <= MAX_PIECE_BYTES);
+
     const CORPUS: &str = include_str!("../../../tests/fixtures/tokenizer/corpus.txt");
 
     fn tricky() -> String {
         let mut text = String::from(CORPUS);
         for piece in [
-            "a\nB", "a\n\nB", "x \nY", "z\u{3000}\nW", "!\nQ", "!\n/x", "7\nq", "Mr. Smith",
-            "end.\tNext", "so, then", "what?! No", "it's. Done", "a:b", "tail.  Two", "é\nà",
-            "<|endoftext|>\nA", "done.<|endoftext|> B", "1. 2. three. Four", "\r\nCR", "q;\u{a0}x",
+            "a\nB",
+            "a\n\nB",
+            "x \nY",
+            "z\u{3000}\nW",
+            "!\nQ",
+            "!\n/x",
+            "7\nq",
+            "Mr. Smith",
+            "end.\tNext",
+            "so, then",
+            "what?! No",
+            "it's. Done",
+            "a:b",
+            "tail.  Two",
+            "é\nà",
+            "<|endoftext|>\nA",
+            "done.<|endoftext|> B",
+            "1. 2. three. Four",
+            "\r\nCR",
+            "q;\u{a0}x",
         ] {
             text.push_str(piece);
             text.push(' ');
@@ -252,16 +285,3 @@ mod tests {
         }
     }
 }
-
-/// Only for the tests: the pieces the scan sees, to hold the patterns to `CoreBPE`'s.
-#[cfg(test)]
-pub(crate) fn pieces<'t>(tiktoken: &Tiktoken, text: &'t str) -> Vec<&'t str> {
-    tiktoken
-        .regex
-        .find_iter(text)
-        .map(|piece| piece.unwrap().as_str())
-        .collect()
-}
-
-#[cfg(test)]
-const _: () = assert!(crate::bound::RUN_BYTES * 2 + 4 <= MAX_PIECE_BYTES);

@@ -11,9 +11,14 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use cachepick_tokenizer::{MAX_PIECE_BYTES, Mode, Stop, TiktokenEncoding, TokenizeError, Tokenizer, TokenizerConfig};
+use cachepick_tokenizer::{
+    MAX_PIECE_BYTES, Mode, Stop, TiktokenEncoding, TokenizeError, Tokenizer, TokenizerConfig,
+};
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/tokenizer");
+const FIXTURES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/tokenizer"
+);
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(FIXTURES).join(name)
@@ -30,13 +35,23 @@ fn english(bytes: usize) -> String {
     let mut text = String::with_capacity(bytes + 32);
     let mut state = 0x9e37_79b9_u64;
     while text.len() < bytes {
-        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
         let word = words[(state >> 33) as usize % words.len()];
         text.push_str(word);
-        text.push(if state % 11 == 0 { '\n' } else { ' ' });
+        text.push(if state.is_multiple_of(11) { '\n' } else { ' ' });
     }
-    text.truncate(text.floor_char_boundary(bytes));
+    text.truncate(floor(&text, bytes));
     text
+}
+
+/// The last character boundary of `text` at or before `at`.
+fn floor(text: &str, at: usize) -> usize {
+    (0..=at.min(text.len()))
+        .rev()
+        .find(|at| text.is_char_boundary(*at))
+        .unwrap_or(0)
 }
 
 /// Texts of about `bytes` that each are one pre-token (or one whitespace run) under the usual patterns.
@@ -44,7 +59,9 @@ fn pathological(bytes: usize) -> Vec<(&'static str, String)> {
     let mut state = 7_u64;
     let mixed: String = (0..bytes)
         .map(|_| {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
             char::from(b'a' + ((state >> 33) % 26) as u8)
         })
         .collect();
@@ -154,7 +171,7 @@ fn ordinary_text_tokenizes_exactly_as_the_library_does() {
                     reference(&case.config, &text, mode),
                     "{}: {:?}…",
                     case.name,
-                    &text[..text.floor_char_boundary(60)]
+                    &text[..floor(&text, 60)]
                 );
             }
         }
@@ -213,14 +230,20 @@ fn no_text_costs_more_than_a_small_multiple_of_ordinary_text() {
                 let _ = tokenizer.encode(&text, Mode::Segment);
             });
             let ratio = cost.as_secs_f64() / base.as_secs_f64();
-            report.push(format!("{} {name}: {ratio:.1}x ({cost:?} vs {base:?})", case.name));
+            report.push(format!(
+                "{} {name}: {ratio:.1}x ({cost:?} vs {base:?})",
+                case.name
+            ));
             if ratio > WORK_RATIO {
                 over.push(report.last().unwrap().clone());
             }
         }
     }
     eprintln!("{}", report.join("\n"));
-    assert!(over.is_empty(), "over {WORK_RATIO}x ordinary text: {over:#?}");
+    assert!(
+        over.is_empty(),
+        "over {WORK_RATIO}x ordinary text: {over:#?}"
+    );
 }
 
 #[test]
@@ -239,7 +262,9 @@ fn a_stop_interrupts_the_work_between_bounded_chunks() {
         );
         // A stop that never comes changes nothing.
         assert_eq!(
-            tokenizer.encode_within(&text, Mode::Segment, &Stop::never()).unwrap(),
+            tokenizer
+                .encode_within(&text, Mode::Segment, &Stop::never())
+                .unwrap(),
             tokenizer.encode(&text, Mode::Segment).unwrap()
         );
     }
