@@ -1083,7 +1083,9 @@ async fn requests_without_a_prompt_pass_through_and_are_not_decisions() {
 /// A prompt the tokenizer fails on is routed without prefix information, never refused with a 500.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_the_tokenizer_fails_on_is_routed_as_a_miss() {
-    // The bytes tokenizer cannot fail; o200k's regex backtracking gives up on a megabyte of spaces.
+    // The bytes tokenizer cannot fail. o200k's regex backtracking gave up on a megabyte of spaces; now
+    // the run is tokenized in cut windows (a run that long is never one piece), and is a miss all the
+    // same: routed by load, never refused.
     let tiktoken =
         Harness::start_with_tokenizer(2, "", cachepick_sim::config::TokenizerConfig::default())
             .await;

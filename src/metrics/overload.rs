@@ -116,7 +116,8 @@ impl OverloadMetrics {
             )?,
             buffered_bytes: IntGauge::new(
                 "cachepick_buffered_body_bytes",
-                "Request body bytes held by all ext_proc streams (bounded by overload.max_buffered_bytes).",
+                "Request body bytes held by all ext_proc streams, with the tokenizing charges of running \
+                 decisions (bounded by overload.max_buffered_bytes).",
             )?,
             connections: IntGauge::new(
                 "cachepick_grpc_connections",

@@ -656,7 +656,7 @@ fn prompt_bytes(prompt: &Prompt<'_>) -> usize {
     }
 }
 
-/// A prompt the tokenizer itself fails on (a regex backtracking limit on a megabyte of whitespace, say)
+/// A prompt the tokenizer itself fails on (a Hugging Face pre-tokenizer's regex backtracking limit, say)
 /// is still a servable request: it is routed without prefix information, as a miss, rather than refused.
 /// Failures that are the request's fault (a chat the template cannot render) stay errors.
 fn untokenized_as_empty(
