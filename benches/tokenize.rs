@@ -9,6 +9,11 @@
 //!   segments cached, `warm` finds all of them, and `new_turn` is the common case of a growing
 //!   conversation: nine cached turns and a last turn never seen before.
 //!
+//! - `pathological_1m`: each backend on 1 MiB text prompts that are one pre-token each (a repeated
+//!   letter, a repeated digit, a run of spaces, one long word of mixed letters, a repeated two-byte
+//!   letter) beside 1 MiB of English, uncached (too long for the segment cache). Pieces longer than
+//!   `MAX_PIECE_BYTES` are merged in chunks, so each costs a small multiple of the English.
+//!
 //! The English is sentences of the fixture corpus (`tests/fixtures/tokenizer/corpus.txt`) in a seeded
 //! random order. The Hugging Face tokenizer is the 714-token fixture unless `TOKENIZE_BENCH_HF` names a
 //! `tokenizer.json` (a real model's, for figures representative of a 100k+ vocabulary).
@@ -201,5 +206,38 @@ fn chat_8k(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, text_100k, chat_8k);
+/// 1 MiB texts: English, and texts that are one pre-token each.
+fn pathological_texts() -> Vec<(&'static str, String)> {
+    const BYTES: usize = 1 << 20;
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mixed: String = (0..BYTES)
+        .map(|_| char::from(b'a' + rng.random_range(0..26u8)))
+        .collect();
+    vec![
+        ("english", english(BYTES, 3)),
+        ("letter", "a".repeat(BYTES)),
+        ("digit", "7".repeat(BYTES)),
+        ("spaces", format!("x{}x", " ".repeat(BYTES - 2))),
+        ("mixed_word", mixed),
+        ("two_byte_letter", "é".repeat(BYTES / 2)),
+    ]
+}
+
+fn pathological_1m(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pathological_1m");
+    group.sample_size(10);
+    for backend in backends() {
+        let tokenizer = pool(&backend, 1);
+        for (name, text) in pathological_texts() {
+            group.throughput(Throughput::Bytes(text.len() as u64));
+            group.bench_function(format!("{}/{name}", backend.name), |b| {
+                // Prompts this long are never cached (longer than an eighth of a shard's budget).
+                b.iter(|| black_box(tokenizer.tokens_for_text(black_box(&text)).ok()))
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, text_100k, chat_8k, pathological_1m);
 criterion_main!(benches);

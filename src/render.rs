@@ -294,6 +294,8 @@ mod tests {
     fn admission_reads_as_one_line_and_its_counts() {
         let view = AdmissionView {
             decision_slots: 4,
+            heavy_slots: 2,
+            heavy_in_flight: 1,
             in_flight: 3,
             queued: 2,
             max_queued: 128,

@@ -1,6 +1,7 @@
 //! Hostile clients, feeds, files and deployment states against the real `cachepick serve` (and a real
 //! Envoy where the attack goes through it): each attack of issue 23 runs here and asserts the bound
-//! RELIABILITY.md states. One module per attack surface, in `tests/hostile/`.
+//! RELIABILITY.md states. One module per attack surface, in `tests/hostile/`; the shared support
+//! modules are declared once, here.
 
 #![allow(
     clippy::unwrap_used,
@@ -13,6 +14,8 @@ mod support;
 
 #[path = "support/envoy.rs"]
 mod envoy;
+#[path = "support/picker.rs"]
+mod picker;
 #[path = "support/provision.rs"]
 mod provision;
 #[path = "support/sim_client.rs"]
@@ -26,3 +29,5 @@ mod conn;
 mod feeds;
 #[path = "hostile/served.rs"]
 mod served;
+#[path = "hostile/tok.rs"]
+mod tok;

@@ -625,7 +625,7 @@ async fn decide(
         let service = Arc::clone(service);
         let gate = gate.clone();
         async move {
-            let admitted = service.admission().admit(commit_by).await?;
+            let admitted = service.admit(commit_by, request.body.as_deref()).await?;
             let decided = tokio::task::spawn_blocking(move || {
                 // The slot is held until the work ends, even when its answer was given up on.
                 let _admitted = admitted;

@@ -1,6 +1,8 @@
 //! `cachepick_shed_total`, the admission gauges and the answer-time histogram: what overload costs.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 use crate::connections::CloseReason;
 use crate::protocol::ShedReason;
@@ -10,6 +12,11 @@ use crate::protocol::ShedReason;
 const ANSWER_BUCKETS: [f64; 24] = [
     0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
     0.6, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 3.0, 5.0,
+];
+
+/// Buckets of `cachepick_decision_overrun_seconds`: how long past its deadline a slot stayed busy.
+const OVERRUN_BUCKETS: [f64; 12] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
 /// Why a commit was not made although a decision was.
@@ -53,6 +60,12 @@ pub struct OverloadMetrics {
     pub explain_refused: IntCounterVec,
     /// `cachepick_answer_seconds{outcome}`.
     pub answer_seconds: HistogramVec,
+    /// `cachepick_decision_overrun_seconds`.
+    pub overrun_seconds: Histogram,
+    /// `cachepick_tokenize_interrupted_total`.
+    pub tokenize_interrupted: IntCounter,
+    /// `cachepick_tokenize_over_budget_total`.
+    pub tokenize_over_budget: IntCounter,
 }
 
 impl OverloadMetrics {
@@ -119,7 +132,8 @@ impl OverloadMetrics {
             )?,
             buffered_bytes: IntGauge::new(
                 "cachepick_buffered_body_bytes",
-                "Request body bytes held by all ext_proc streams (bounded by overload.max_buffered_bytes).",
+                "Request body bytes held by all ext_proc streams, with the tokenizing charges of running \
+                 decisions (bounded by overload.max_buffered_bytes).",
             )?,
             connections: IntGauge::new(
                 "cachepick_grpc_connections",
@@ -139,6 +153,25 @@ impl OverloadMetrics {
                 .buckets(ANSWER_BUCKETS.to_vec()),
                 &["outcome"],
             )?,
+            overrun_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "cachepick_decision_overrun_seconds",
+                    "How long past its deadline a decision slot stayed busy, observed for each slot \
+                     released after its decision's deadline (tokenizing stops at the deadline, so this \
+                     stays within one bounded chunk of work).",
+                )
+                .buckets(OVERRUN_BUCKETS.to_vec()),
+            )?,
+            tokenize_interrupted: IntCounter::new(
+                "cachepick_tokenize_interrupted_total",
+                "Decisions whose tokenizing stopped part-way because their deadline passed or their \
+                 stream closed; the request is shed, its slot freed.",
+            )?,
+            tokenize_over_budget: IntCounter::new(
+                "cachepick_tokenize_over_budget_total",
+                "Prompts not tokenized because the memory tokenizing them would take did not fit in \
+                 overload.max_buffered_bytes beside the buffered bodies; each is routed by load, as a miss.",
+            )?,
         })
     }
 
@@ -152,6 +185,9 @@ impl OverloadMetrics {
         registry.register(Box::new(self.connections_closed.clone()))?;
         registry.register(Box::new(self.explain_refused.clone()))?;
         registry.register(Box::new(self.answer_seconds.clone()))?;
+        registry.register(Box::new(self.overrun_seconds.clone()))?;
+        registry.register(Box::new(self.tokenize_interrupted.clone()))?;
+        registry.register(Box::new(self.tokenize_over_budget.clone()))?;
         Ok(())
     }
 

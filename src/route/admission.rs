@@ -8,11 +8,19 @@
 //! - Every decision has a deadline: the moment it became owed plus `decision_deadline`, which is shorter
 //!   than Envoy's `message_timeout`. A request still queued at its deadline is shed (`deadline`); a
 //!   decision that finishes after it is not committed ([`CommitGate`]) and is shed too.
+//! - A body longer than [`HEAVY_BODY_BYTES`] is heavy: heavy decisions hold at most half the slots
+//!   (at least one), so prompts that are large, or built to be slow, never take every slot from the
+//!   ordinary ones. A heavy request waits for its share until its deadline, then is shed (`deadline`).
 //! - A stream the proxy closes while its request waits or is decided cancels it: it leaves the queue, and
 //!   a decision already running is not committed.
 //! - Explain (`/debug/explain`, the admin `Explain`) has its own smaller share of blocking threads and a
 //!   token bucket, so it can never take a slot from a decision.
-//! - Bodies held by all streams together are bounded ([`BodyBudget`]).
+//! - Bodies held by all streams together are bounded ([`BodyBudget`]), and so is the memory tokenizing
+//!   them takes: a decision charges its prompt's tokenizing to the same budget before it starts
+//!   ([`BodyBudget::charge`]), and a prompt that does not fit is routed by load without being tokenized.
+//! - A decision's tokenizing asks its [`CommitGate`] between bounded chunks of work and stops once the
+//!   gate closes, so a slot whose decision is past its deadline comes free within one chunk
+//!   (`cachepick_decision_overrun_seconds` measures how far past).
 //!
 //! Nothing here sees a protobuf type: the wire maps a [`ShedReason`] to its own error.
 
@@ -26,12 +34,20 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::OverloadConfig;
 use crate::metrics::{OverloadMetrics, RefusedCommit};
 use crate::protocol::ShedReason;
+use crate::tokenize::Stop;
+
+/// Bodies longer than this are heavy (see the module documentation): about 250k tokens of prose, more
+/// than most models' context.
+pub const HEAVY_BODY_BYTES: usize = 1 << 20;
 
 /// The admission of one picker: decision slots, the queue in front of them, the deadline, explain's
 /// share and rate, and the body budget.
 pub struct Admission {
     slots: usize,
     decisions: Arc<Semaphore>,
+    /// The share of the slots heavy decisions may hold.
+    heavy_slots: usize,
+    heavy: Arc<Semaphore>,
     /// The recent time per decision, in microseconds (see [`Admission::per_decision`]).
     per_decision: Arc<AtomicU64>,
     queued: AtomicUsize,
@@ -50,10 +66,13 @@ impl Admission {
         let slots = slots.max(1);
         // A quarter of the decision slots, at least one: explain is for people and probes.
         let explain_slots = (slots / 4).max(1);
+        let heavy_slots = (slots / 2).max(1);
         let rate = f64::from(overload.explain_rate.get());
         Admission {
             slots,
             decisions: Arc::new(Semaphore::new(slots)),
+            heavy_slots,
+            heavy: Arc::new(Semaphore::new(heavy_slots)),
             per_decision: Arc::new(AtomicU64::new(0)),
             queued: AtomicUsize::new(0),
             max_queued: overload.max_queued_decisions.get(),
@@ -102,18 +121,34 @@ impl Admission {
     /// `deadline` is when the decision must have committed; a request admitted (from the queue) with
     /// less time left than a decision takes is shed then and there, so its slot goes to one that can
     /// make it instead of to work that would be refused its commit.
-    pub async fn admit(&self, deadline: Instant) -> Result<Admitted, ShedReason> {
-        let in_time = |permit: OwnedSemaphorePermit| {
+    ///
+    /// A heavy `body` first waits, until `deadline`, for its share ([`HEAVY_BODY_BYTES`]).
+    pub async fn admit(
+        &self,
+        deadline: Instant,
+        body: Option<&[u8]>,
+    ) -> Result<Admitted, ShedReason> {
+        let heavy = match body {
+            Some(body) if body.len() > HEAVY_BODY_BYTES => {
+                let share = Arc::clone(&self.heavy).acquire_owned();
+                match tokio::time::timeout_at(deadline.into(), share).await {
+                    Ok(Ok(permit)) => Some(permit),
+                    Ok(Err(_)) | Err(_) => return Err(ShedReason::Deadline),
+                }
+            }
+            _ => None,
+        };
+        let in_time = |permit: OwnedSemaphorePermit, heavy| {
             if Instant::now() + self.per_decision() > deadline {
                 Err(ShedReason::Deadline)
             } else {
-                Ok(self.admitted(permit))
+                Ok(self.admitted(permit, heavy, deadline))
             }
         };
         // Taken without waiting when a slot is free: the queue is only for those that must wait. The
         // recent time per decision is an average, not this decision's: with a slot free it is tried.
         if let Ok(permit) = Arc::clone(&self.decisions).try_acquire_owned() {
-            return Ok(self.admitted(permit));
+            return Ok(self.admitted(permit, heavy, deadline));
         }
         let per_decision = self.per_decision();
         if !per_decision.is_zero() {
@@ -137,18 +172,25 @@ impl Admission {
         let _queued = Queued::enter(&self.queued, &self.metrics);
         let acquire = Arc::clone(&self.decisions).acquire_owned();
         match tokio::time::timeout_at(deadline.into(), acquire).await {
-            Ok(Ok(permit)) => in_time(permit),
+            Ok(Ok(permit)) => in_time(permit, heavy),
             // The semaphore is never closed; a slot that came free at the deadline is too late.
             Ok(_) | Err(_) => Err(ShedReason::Deadline),
         }
     }
 
-    fn admitted(&self, permit: OwnedSemaphorePermit) -> Admitted {
+    fn admitted(
+        &self,
+        permit: OwnedSemaphorePermit,
+        heavy: Option<OwnedSemaphorePermit>,
+        deadline: Instant,
+    ) -> Admitted {
         self.metrics.in_flight.inc();
         Admitted {
             _permit: permit,
+            _heavy: heavy,
             metrics: self.metrics.clone(),
             since: Instant::now(),
+            deadline,
             per_decision: Arc::clone(&self.per_decision),
         }
     }
@@ -206,6 +248,10 @@ impl Admission {
             .collect();
         AdmissionView {
             decision_slots: self.slots,
+            heavy_slots: self.heavy_slots,
+            heavy_in_flight: self
+                .heavy_slots
+                .saturating_sub(self.heavy.available_permits()),
             in_flight: self
                 .slots
                 .saturating_sub(self.decisions.available_permits()),
@@ -246,14 +292,22 @@ impl Drop for Queued<'_> {
 /// slow decision keeps counting against the slots until its thread is free again).
 pub struct Admitted {
     _permit: OwnedSemaphorePermit,
+    /// A heavy decision's place in its share.
+    _heavy: Option<OwnedSemaphorePermit>,
     metrics: OverloadMetrics,
     since: Instant,
+    /// When the decision must have committed; a slot released later is counted as overrun.
+    deadline: Instant,
     per_decision: Arc<AtomicU64>,
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
         self.metrics.in_flight.dec();
+        let overrun = Instant::now().saturating_duration_since(self.deadline);
+        if !overrun.is_zero() {
+            self.metrics.overrun_seconds.observe(overrun.as_secs_f64());
+        }
         let sample = u64::try_from(self.since.elapsed().as_micros()).unwrap_or(u64::MAX);
         // An eighth of each new sample: a burst of slow decisions moves it within a few dozen.
         let _ = self
@@ -296,6 +350,11 @@ impl CommitGate {
     /// The request is given up on (its stream closed, or the wire answered it shed): nothing commits.
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::Release);
+    }
+
+    /// The stop the decision's tokenizing asks: it closes with the gate.
+    pub fn stop(&self) -> Stop {
+        Stop::new(self.deadline, Some(Arc::clone(&self.cancelled)))
     }
 
     /// `Ok` if the decision may commit now.
@@ -396,6 +455,18 @@ impl BodyBudget {
         self.held.load(Ordering::Acquire)
     }
 
+    /// `bytes` of the budget for one decision's tokenizing, given back when the share drops; `None`
+    /// (counted in `cachepick_tokenize_over_budget_total`) when they do not fit beside what is held.
+    pub fn charge(self: &Arc<Self>, bytes: usize) -> Option<BodyShare> {
+        let mut share = self.share();
+        if share.grow(bytes) {
+            Some(share)
+        } else {
+            self.metrics.tokenize_over_budget.inc();
+            None
+        }
+    }
+
     /// An empty share of the budget for one stream.
     pub fn share(self: &Arc<Self>) -> BodyShare {
         BodyShare {
@@ -470,6 +541,9 @@ impl Drop for BodyShare {
 #[derive(Clone, Debug, Serialize)]
 pub struct AdmissionView {
     pub decision_slots: usize,
+    /// The share of the slots heavy bodies may hold, and how much of it is held.
+    pub heavy_slots: usize,
+    pub heavy_in_flight: usize,
     pub in_flight: usize,
     pub queued: usize,
     pub max_queued: usize,
@@ -510,8 +584,8 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_sheds_at_once_and_a_late_slot_sheds_at_the_deadline() {
         let admission = admission(1, 1, 50, 1024);
-        let held = admission.admit(soon(1000)).await.unwrap();
-        let waiting = admission.admit(soon(200));
+        let held = admission.admit(soon(1000), None).await.unwrap();
+        let waiting = admission.admit(soon(200), None);
         tokio::pin!(waiting);
         // Polled once, it takes the one queue place.
         assert!(
@@ -521,21 +595,22 @@ mod tests {
         );
         assert_eq!(admission.view().queued, 1);
         assert_eq!(
-            admission.admit(soon(1000)).await.err(),
+            admission.admit(soon(1000), None).await.err(),
             Some(ShedReason::QueueFull)
         );
         assert_eq!(waiting.await.err(), Some(ShedReason::Deadline));
         assert_eq!(admission.view().queued, 0);
         drop(held);
         assert_eq!(admission.view().in_flight, 0);
-        assert!(admission.admit(soon(1000)).await.is_ok());
+        assert!(admission.admit(soon(1000), None).await.is_ok());
     }
 
     #[tokio::test]
     async fn a_dropped_waiter_leaves_the_queue() {
         let admission = admission(1, 4, 50, 1024);
-        let _held = admission.admit(soon(1000)).await.unwrap();
-        let waiting = tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000)));
+        let _held = admission.admit(soon(1000), None).await.unwrap();
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000), None));
         assert!(waiting.await.is_err());
         assert_eq!(admission.view().queued, 0);
     }
@@ -543,20 +618,72 @@ mod tests {
     #[tokio::test]
     async fn a_request_the_queue_would_make_late_is_shed_on_arrival() {
         let admission = admission(1, 10, 50, 1024);
-        let first = admission.admit(soon(1000)).await.unwrap();
+        let first = admission.admit(soon(1000), None).await.unwrap();
         std::thread::sleep(Duration::from_millis(40));
         drop(first);
         assert!(admission.per_decision() >= Duration::from_millis(40));
-        let _held = admission.admit(soon(1000)).await.unwrap();
+        let _held = admission.admit(soon(1000), None).await.unwrap();
         // One decision ahead, then its own: about 80 ms, more than the 60 left.
         assert_eq!(
-            admission.admit(soon(60)).await.err(),
+            admission.admit(soon(60), None).await.err(),
             Some(ShedReason::Deadline)
         );
         assert_eq!(admission.view().queued, 0, "it never entered the queue");
         // With time for both, it waits.
-        let waiting = tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000)));
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(20), admission.admit(soon(1000), None));
         assert!(waiting.await.is_err());
+    }
+
+    #[tokio::test]
+    async fn heavy_bodies_hold_at_most_half_the_slots() {
+        let admission = admission(4, 8, 50, 1024);
+        let heavy = vec![b'a'; HEAVY_BODY_BYTES + 1];
+        let first = admission.admit(soon(1000), Some(&heavy)).await.unwrap();
+        let _second = admission.admit(soon(1000), Some(&heavy)).await.unwrap();
+        assert_eq!(admission.view().heavy_in_flight, 2);
+        // The third heavy body waits for the share until its deadline, though slots are free.
+        assert_eq!(
+            admission.admit(soon(30), Some(&heavy)).await.err(),
+            Some(ShedReason::Deadline)
+        );
+        // Ordinary bodies take the other two slots at once.
+        let light = admission.admit(soon(1000), Some(b"{}")).await.unwrap();
+        let _other = admission.admit(soon(1000), None).await.unwrap();
+        assert_eq!(admission.view().in_flight, 4);
+        drop(light);
+        drop(first);
+        assert!(admission.admit(soon(1000), Some(&heavy)).await.is_ok());
+    }
+
+    #[test]
+    fn a_slot_released_after_its_deadline_is_counted_as_overrun() {
+        let admission = admission(2, 1, 50, 1024);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let overrun = || admission.metrics().overrun_seconds.get_sample_count();
+        let in_time = runtime.block_on(admission.admit(soon(1000), None)).unwrap();
+        drop(in_time);
+        assert_eq!(overrun(), 0);
+        let late = runtime
+            .block_on(admission.admit(Instant::now(), None))
+            .unwrap();
+        drop(late);
+        assert_eq!(overrun(), 1);
+    }
+
+    #[test]
+    fn a_charge_that_does_not_fit_is_refused_and_counted() {
+        let admission = admission(1, 1, 50, 100);
+        let budget = admission.budget();
+        let held = budget.charge(80).unwrap();
+        assert!(budget.charge(30).is_none());
+        assert_eq!(admission.metrics().tokenize_over_budget.get(), 1);
+        drop(held);
+        assert!(budget.charge(100).is_some());
+        assert_eq!(budget.held(), 0);
     }
 
     #[test]
@@ -568,6 +695,14 @@ mod tests {
         let late = CommitGate::until(Instant::now());
         assert_eq!(late.check(), Err(RefusedCommit::Deadline));
         assert_eq!(CommitGate::open().check(), Ok(()));
+        // The tokenizer's stop closes with the gate.
+        let gate = CommitGate::until(soon(1000));
+        let stop = gate.stop();
+        assert!(!stop.stopped());
+        gate.cancel();
+        assert!(stop.stopped());
+        assert!(CommitGate::until(Instant::now()).stop().stopped());
+        assert!(!CommitGate::open().stop().stopped());
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub use crate::protocol::{RefusalReason, ShedReason};
 pub use admission::{Admission, AdmissionView, CommitGate};
 pub use credit::{Credit, ServedReport, Settled};
 pub use explain::Explanation;
-pub use picker::{Picker, PickerError, Pinned, Prepared, RequestError};
+pub use picker::{Allowance, Picker, PickerError, Pinned, Prepared, RequestError};
 pub use service::{
     Answer, ExplainError, Inbound, PoolReport, Refusal, Routed, Service, SourceReport,
 };

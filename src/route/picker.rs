@@ -25,6 +25,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use super::credit::Credit;
+use super::admission::BodyBudget;
 use super::explain::Explanation;
 use crate::config::{
     Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,
@@ -37,8 +38,16 @@ use crate::prefix::{
 };
 use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, BodyError, Prompt, ReadBody};
-use crate::tokenize::{ChatTurn, PoolTokenizer, TokenizeError};
+use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
 use crate::worker::WorkerId;
+
+/// What one decision's tokenizing may spend: the stop it asks between bounded chunks of work, and the
+/// budget its memory is charged to while it runs (none: uncharged, for tools and explain).
+#[derive(Clone, Debug, Default)]
+pub struct Allowance {
+    pub stop: Stop,
+    pub budget: Option<Arc<BodyBudget>>,
+}
 
 /// Why a request cannot be routed before the policy even runs.
 #[derive(Debug, Error)]
@@ -224,7 +233,7 @@ impl Picker {
     /// Body → pool, tokens, block hashes and owners.
     pub fn prepare(&self, path: &str, body: &[u8]) -> Result<Prepared, RequestError> {
         let read = request::read(ApiPath::new(path).api, body, self.max_body_bytes)?;
-        self.prepare_read(read, None)
+        self.prepare_read(read, None, &Allowance::default())
     }
 
     /// The request header whose value salts the prefix hashes, if one is configured.
@@ -232,17 +241,30 @@ impl Picker {
         self.salt_header.as_deref()
     }
 
-    /// [`Picker::prepare`] of a body already read; `tenant` is the value of the salt header.
+    /// [`Picker::prepare`] of a body already read; `tenant` is the value of the salt header. The
+    /// tokenizing stops when `allowance.stop` does ([`TokenizeError::Interrupted`]), and is skipped (the
+    /// prompt is routed as a miss) when its memory does not fit in `allowance.budget`.
     pub(super) fn prepare_read(
         &self,
         read: ReadBody<'_>,
         tenant: Option<&str>,
+        allowance: &Allowance,
     ) -> Result<Prepared, RequestError> {
         let parsed = read.into_request()?;
         let model = parsed.model.as_deref();
         let (pool_index, pool) = self.select_pool(model)?;
         let config = &pool.config;
+        let stop = &allowance.stop;
+        // Held until the tokens are hashed: tokenizing takes memory beyond the buffered body.
+        let charge = match (&allowance.budget, &parsed.prompt) {
+            (Some(budget), Prompt::Chat { .. } | Prompt::Text(_)) => {
+                let bytes = pool.tokenizer.memory_for(prompt_bytes(&parsed.prompt));
+                Some(budget.charge(bytes))
+            }
+            _ => None,
+        };
         let tokens: Cow<'_, [u32]> = match &parsed.prompt {
+            _ if matches!(charge, Some(None)) => Cow::Owned(Vec::new()),
             Prompt::Chat { messages, tools } => {
                 let turns: Vec<ChatTurn<'_>> = messages
                     .iter()
@@ -253,19 +275,21 @@ impl Picker {
                     .collect();
                 let tools = tools.map(|raw| raw.get());
                 Cow::Owned(untokenized_as_empty(match &pool.index {
-                    PoolIndex::Approximate(_) => pool.tokenizer.tokens_for_chat(&turns, tools),
+                    PoolIndex::Approximate(_) => {
+                        pool.tokenizer.tokens_for_chat_within(&turns, tools, stop)
+                    }
                     // The engine's own block tokens are matched here, so the prompt's tokens must be
                     // the engine's: the rendered chat tokenized whole, as the engine does. Segments
                     // can differ at their boundaries (see `tokenize`).
                     PoolIndex::Events(_) => pool
                         .tokenizer
                         .render_chat(&turns, tools)
-                        .and_then(|text| pool.tokenizer.encode_whole(&text, false)),
+                        .and_then(|text| pool.tokenizer.encode_whole_within(&text, false, stop)),
                 })?)
             }
-            Prompt::Text(text) => {
-                Cow::Owned(untokenized_as_empty(pool.tokenizer.tokens_for_text(text))?)
-            }
+            Prompt::Text(text) => Cow::Owned(untokenized_as_empty(
+                pool.tokenizer.tokens_for_text_within(text, stop),
+            )?),
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
         // The engines' events name no model, so in `events` mode every chain of the pool hangs off the
@@ -288,6 +312,9 @@ impl Picker {
         };
         let seed = prefix_seed(seed_model, salt.as_deref());
         let hashes = block_hashes(seed, &tokens, config.block_size);
+        let prompt_tokens = tokens.len() as u64;
+        drop(tokens);
+        drop(charge);
         let owners = match &pool.index {
             PoolIndex::Approximate(index) => index.matches(&hashes, config.block_size),
             PoolIndex::Events(index) => index.matches(&hashes, Instant::now()),
@@ -296,7 +323,7 @@ impl Picker {
             pool: pool_index,
             pool_label: pool.load.label().to_owned(),
             model: parsed.model.map(Cow::into_owned),
-            prompt_tokens: tokens.len() as u64,
+            prompt_tokens,
             max_output_tokens: parsed.max_output_tokens,
             block_hashes: hashes,
             owners,
@@ -683,7 +710,26 @@ fn no_workers() -> Outcome {
     })
 }
 
-/// A prompt the tokenizer itself fails on (a regex backtracking limit on a megabyte of whitespace, say)
+/// The bytes of text a prompt's tokenizing reads: its messages' roles and parts and its tools, or its
+/// text.
+fn prompt_bytes(prompt: &Prompt<'_>) -> usize {
+    match prompt {
+        Prompt::Chat { messages, tools } => messages
+            .iter()
+            .flat_map(|message| {
+                std::iter::once(message.role.len())
+                    .chain(message.content.iter().map(|part| part.len()))
+            })
+            .fold(
+                tools.map_or(0, |tools| tools.get().len()),
+                usize::saturating_add,
+            ),
+        Prompt::Text(text) => text.len(),
+        Prompt::Tokens(_) => 0,
+    }
+}
+
+/// A prompt the tokenizer itself fails on (a Hugging Face pre-tokenizer's regex backtracking limit, say)
 /// is still a servable request: it is routed without prefix information, as a miss, rather than refused.
 /// Failures that are the request's fault (a chat the template cannot render) stay errors.
 fn untokenized_as_empty(
@@ -801,7 +847,9 @@ pools:
     /// Routes `read`'s body as `tenant` and commits; (reason, matched tokens).
     fn route_as(picker: &Picker, body: &[u8], tenant: Option<&str>) -> (Reason, u64) {
         let read = request::read(Some(request::Api::Completions), body, 1 << 20).unwrap();
-        let prepared = picker.prepare_read(read, tenant).unwrap();
+        let prepared = picker
+            .prepare_read(read, tenant, &Allowance::default())
+            .unwrap();
         let pinned = picker.pin(&prepared).unwrap();
         let mut rng = SmallRng::seed_from_u64(3);
         let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {

@@ -13,10 +13,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::admission::{Admission, AdmissionView, CommitGate};
+use super::admission::{Admission, AdmissionView, Admitted, CommitGate};
 use super::credit::{Credit, ServedReport, Settled};
 use super::explain::{Explanation, WorkerTiers};
-use super::picker::{Picker, Pinned, Prepared, RequestError};
+use super::picker::{Allowance, Picker, Pinned, Prepared, RequestError};
 use crate::config::{OverloadConfig, UnknownSubset};
 use crate::discovery::{SourceState, SourceStatus};
 use crate::events::EventFeeds;
@@ -26,6 +26,7 @@ use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason, RejectReason};
 use crate::protocol::{PASSTHROUGH, RefusalReason, ShedReason};
 use crate::request::{self, ApiPath, charset, encoding};
+use crate::tokenize::TokenizeError;
 
 /// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
 /// fleet cannot flood the log; the metrics count every one.
@@ -273,6 +274,15 @@ impl Service {
     }
 
     /// Admission's state as the debug snapshot shows it.
+    /// A decision slot for a request with `body` (see [`Admission::admit`]).
+    pub async fn admit(
+        &self,
+        deadline: Instant,
+        body: Option<&[u8]>,
+    ) -> Result<Admitted, ShedReason> {
+        self.admission.admit(deadline, body).await
+    }
+
     pub fn admission_view(&self) -> AdmissionView {
         self.admission.view()
     }
@@ -318,7 +328,7 @@ impl Service {
                 .picker
                 .prepare_passthrough(None)
                 .map(|prepared| (prepared, true)),
-            Some(Some(body)) => self.prepare(path, &body, inbound.tenant),
+            Some(Some(body)) => self.prepare(path, &body, inbound.tenant, gate),
             None if path.api.is_some() => {
                 let message = format!("a request to {} needs a JSON body with a prompt", path.path);
                 return Answer::Refuse(self.refuse(RefusalReason::MissingBody, message));
@@ -330,6 +340,12 @@ impl Service {
         };
         let (prepared, passthrough) = match prepared {
             Ok(prepared) => prepared,
+            Err(RequestError::Tokenize(TokenizeError::Interrupted)) => {
+                // The gate closed while the prompt was tokenized: the slot is given back now, and the
+                // request is shed as it would have been at its commit.
+                self.metrics.overload.tokenize_interrupted.inc();
+                return Answer::Shed(gate.check().err().map_or(ShedReason::Deadline, Into::into));
+            }
             Err(error) => return self.refuse_request(&error),
         };
         let Some(pinned) = self.picker.pin(&prepared) else {
@@ -413,6 +429,7 @@ impl Service {
         path: ApiPath<'_>,
         body: &[u8],
         tenant: Option<&str>,
+        gate: &CommitGate,
     ) -> Result<(Prepared, bool), RequestError> {
         if path.api.is_none() {
             return self
@@ -421,8 +438,12 @@ impl Service {
                 .map(|prepared| (prepared, true));
         }
         let read = request::read(path.api, body, self.picker.max_body_bytes())?;
+        let allowance = Allowance {
+            stop: gate.stop(),
+            budget: Some(Arc::clone(self.admission.budget())),
+        };
         self.picker
-            .prepare_read(read, tenant)
+            .prepare_read(read, tenant, &allowance)
             .map(|prepared| (prepared, false))
     }
 

@@ -69,7 +69,7 @@ use std::sync::Arc;
 
 pub use cache::CacheStats;
 use cache::SegmentCache;
-pub use cachepick_tokenizer::{ChatTurn, Mode, TokenizeError, Tokenizer};
+pub use cachepick_tokenizer::{ChatTurn, MAX_PIECE_BYTES, Mode, Stop, TokenizeError, Tokenizer};
 
 use crate::config::{PoolConfig, TokenizerConfig};
 
@@ -107,8 +107,17 @@ impl PoolTokenizer {
 
     /// The tokens of a text prompt (`/v1/completions`, `/generate`), cached whole as one segment.
     pub fn tokens_for_text(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.tokens_for_text_within(text, &Stop::never())
+    }
+
+    /// [`tokens_for_text`](Self::tokens_for_text), stopped by `stop` (see [`Tokenizer::encode_within`]).
+    pub fn tokens_for_text_within(
+        &self,
+        text: &str,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let mut tokens = Vec::new();
-        self.push_segment(&mut tokens, Mode::Prompt, &[text])?;
+        self.push_segment(&mut tokens, Mode::Prompt, &[text], stop)?;
         Ok(tokens)
     }
 
@@ -119,9 +128,20 @@ impl PoolTokenizer {
         turns: &[ChatTurn<'_>],
         tools: Option<&str>,
     ) -> Result<Vec<u32>, TokenizeError> {
+        self.tokens_for_chat_within(turns, tools, &Stop::never())
+    }
+
+    /// [`tokens_for_chat`](Self::tokens_for_chat), stopped by `stop`, which is also asked between
+    /// segments.
+    pub fn tokens_for_chat_within(
+        &self,
+        turns: &[ChatTurn<'_>],
+        tools: Option<&str>,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let mut tokens = Vec::new();
         self.tokenizer.for_each_segment(turns, tools, |segment| {
-            self.push_segment(&mut tokens, Mode::Segment, segment)
+            self.push_segment(&mut tokens, Mode::Segment, segment, stop)
         })?;
         Ok(tokens)
     }
@@ -141,6 +161,22 @@ impl PoolTokenizer {
         self.tokenizer.encode_whole(text, add_special)
     }
 
+    /// [`encode_whole`](Self::encode_whole), stopped by `stop`.
+    pub fn encode_whole_within(
+        &self,
+        text: &str,
+        add_special: bool,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer.encode_whole_within(text, add_special, stop)
+    }
+
+    /// The most memory tokenizing a prompt of `bytes` takes, for charging it to the body budget
+    /// ([`Tokenizer::memory_per_byte`]).
+    pub fn memory_for(&self, bytes: usize) -> usize {
+        bytes.saturating_mul(self.tokenizer.memory_per_byte())
+    }
+
     /// Segment cache hits and misses since the tokenizer was built.
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.stats()
@@ -152,6 +188,7 @@ impl PoolTokenizer {
         tokens: &mut Vec<u32>,
         mode: Mode,
         pieces: &[&str],
+        stop: &Stop,
     ) -> Result<(), TokenizeError> {
         let key = self.cache.key(mode, pieces);
         let segment = match self.cache.get(key, pieces) {
@@ -165,7 +202,7 @@ impl PoolTokenizer {
                         joined.as_str()
                     }
                 };
-                let fresh: Arc<[u32]> = self.tokenizer.encode(text, mode)?.into();
+                let fresh: Arc<[u32]> = self.tokenizer.encode_within(text, mode, stop)?.into();
                 self.cache.insert(key, text, Arc::clone(&fresh));
                 fresh
             }

@@ -1,7 +1,6 @@
 //! The three ways a pool turns text into token ids: a bundled tiktoken encoding, a local Hugging Face
 //! `tokenizer.json`, or four bytes per pseudo-token.
 
-use std::collections::HashSet;
 use std::error::Error;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -11,19 +10,23 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use cachepick_decode::file::read_regular;
 
+use crate::bound::{Current, Interrupted, Stop};
 use crate::config::{TiktokenEncoding, TokenizerConfig};
+use crate::hf::HfTokenizer;
+use crate::tiktoken::Tiktoken;
 use crate::{Mode, TokenizeError};
 
 /// Bytes packed into one pseudo-token by the `bytes` backend.
 const BYTES_PER_TOKEN: usize = 4;
 
+/// Peak memory per byte of text while encoding, by backend (see `Tokenizer::memory_per_byte`).
+const TIKTOKEN_MEMORY_PER_BYTE: usize = 16;
+const HUGGING_FACE_MEMORY_PER_BYTE: usize = 64;
+const BYTES_MEMORY_PER_BYTE: usize = 4;
+
 pub(crate) enum Backend {
-    Tiktoken {
-        bpe: &'static CoreBPE,
-        /// Every special token of the encoding, recognised wherever it appears in the text.
-        special: HashSet<&'static str>,
-    },
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    Tiktoken(Box<Tiktoken>),
+    HuggingFace(Box<HfTokenizer>),
     Bytes,
 }
 
@@ -38,8 +41,8 @@ impl Backend {
             TokenizerConfig::Tiktoken { encoding } => {
                 let bpe = shared_encoding(*encoding)?;
                 let identity = xxh3_64(format!("tiktoken:{}", encoding.as_str()).as_bytes());
-                let special = bpe.special_tokens();
-                Ok((Backend::Tiktoken { bpe, special }, identity))
+                let tiktoken = Tiktoken::new(bpe, *encoding)?;
+                Ok((Backend::Tiktoken(Box::new(tiktoken)), identity))
             }
             TokenizerConfig::HuggingFace { path } => {
                 let bytes = read_regular(path, TOKENIZER_FILE_LIMIT).map_err(|source| {
@@ -55,24 +58,52 @@ impl Backend {
         }
     }
 
-    pub(crate) fn encode(&self, text: &str, mode: Mode) -> Result<Vec<u32>, TokenizeError> {
+    /// The tokens of `text`, with no piece longer than [`MAX_PIECE_BYTES`](crate::MAX_PIECE_BYTES)
+    /// merged whole, unless `stop` stops it first.
+    pub(crate) fn encode(
+        &self,
+        text: &str,
+        mode: Mode,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
         match self {
-            Backend::Tiktoken { bpe, special } => bpe
-                .encode(text, special)
-                .map(|(tokens, _)| tokens)
-                .map_err(|source| TokenizeError::Encode(source.into())),
-            Backend::HuggingFace(tokenizer) => tokenizer
-                .encode_fast(text, mode == Mode::Prompt)
-                .map(|encoding| encoding.get_ids().to_vec())
-                .map_err(TokenizeError::Encode),
+            Backend::Tiktoken(tiktoken) => tiktoken.encode(text, mode, stop),
+            Backend::HuggingFace(tokenizer) => {
+                if stop.stopped() {
+                    return Err(TokenizeError::Interrupted);
+                }
+                let _current = Current::set(stop);
+                tokenizer
+                    .encode_fast(text, mode == Mode::Prompt)
+                    .map(|encoding| encoding.get_ids().to_vec())
+                    .map_err(|source| {
+                        if source.downcast_ref::<Interrupted>().is_some() {
+                            TokenizeError::Interrupted
+                        } else {
+                            TokenizeError::Encode(source)
+                        }
+                    })
+            }
             Backend::Bytes => Ok(pack_bytes(text)),
+        }
+    }
+
+    /// See [`Tokenizer::memory_per_byte`](crate::Tokenizer::memory_per_byte).
+    pub(crate) fn memory_per_byte(&self) -> usize {
+        match self {
+            // A token of at most four bytes per byte, in a vector that may have doubled.
+            Backend::Tiktoken(_) => TIKTOKEN_MEMORY_PER_BYTE,
+            // The library's encoding keeps each token's string, offsets and masks beside its id.
+            Backend::HuggingFace(_) => HUGGING_FACE_MEMORY_PER_BYTE,
+            Backend::Bytes => BYTES_MEMORY_PER_BYTE,
         }
     }
 
     /// The text of `tokens`; the `bytes` backend drops its zero padding.
     pub(crate) fn decode(&self, tokens: &[u32]) -> Result<String, TokenizeError> {
         match self {
-            Backend::Tiktoken { bpe, .. } => bpe
+            Backend::Tiktoken(tiktoken) => tiktoken
+                .bpe
                 .decode(tokens)
                 .map_err(|source| TokenizeError::Encode(source.into())),
             Backend::HuggingFace(tokenizer) => tokenizer
@@ -93,9 +124,7 @@ impl Backend {
     #[cfg(test)]
     pub(crate) fn shares_tables_with(&self, other: &Backend) -> bool {
         match (self, other) {
-            (Backend::Tiktoken { bpe: a, .. }, Backend::Tiktoken { bpe: b, .. }) => {
-                std::ptr::eq(*a, *b)
-            }
+            (Backend::Tiktoken(a), Backend::Tiktoken(b)) => std::ptr::eq(a.bpe, b.bpe),
             _ => false,
         }
     }
@@ -103,7 +132,9 @@ impl Backend {
 
 /// The encoding, loaded on first use and shared by every pool in the process: loading `o200k_base`
 /// takes about 130 ms and its tables hold tens of megabytes.
-fn shared_encoding(encoding: TiktokenEncoding) -> Result<&'static CoreBPE, TokenizeError> {
+pub(crate) fn shared_encoding(
+    encoding: TiktokenEncoding,
+) -> Result<&'static CoreBPE, TokenizeError> {
     static O200K_BASE: OnceLock<CoreBPE> = OnceLock::new();
     static CL100K_BASE: OnceLock<CoreBPE> = OnceLock::new();
     static P50K_BASE: OnceLock<CoreBPE> = OnceLock::new();
@@ -136,12 +167,12 @@ where
     Ok(cell.get_or_init(|| bpe))
 }
 
-fn hugging_face(bytes: &[u8], path: &Path) -> Result<tokenizers::Tokenizer, TokenizeError> {
+fn hugging_face(bytes: &[u8], path: &Path) -> Result<HfTokenizer, TokenizeError> {
     let invalid = |source| TokenizeError::Tokenizer {
         path: path.to_path_buf(),
         source,
     };
-    let mut tokenizer = tokenizers::Tokenizer::from_bytes(bytes).map_err(invalid)?;
+    let mut tokenizer = HfTokenizer::from_bytes(bytes).map_err(invalid)?;
     // Some tokenizer.json files carry the truncation or padding of a training run; the engine applies
     // neither to a prompt, and a truncated prompt would hide its tail from the prefix index.
     tokenizer.with_truncation(None).map_err(invalid)?;

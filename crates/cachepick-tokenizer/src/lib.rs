@@ -20,6 +20,10 @@
 //! - **bytes**: each 4-byte chunk of the UTF-8 text packed into a little-endian `u32`, the last chunk
 //!   zero-padded. No vocabulary; deterministic; about one pseudo-token per real token for English.
 //!
+//! Every backend merges no pre-token longer than [`MAX_PIECE_BYTES`] whole and asks a [`Stop`] between
+//! bounded chunks of its work ([`Tokenizer::encode_within`]); text without such a piece tokenizes exactly
+//! as the library does. The `bound` module documents the cut, what it changes, and why.
+//!
 //! # Chat rendering
 //! With a chat template (`chat_template` in the pool's config: a Jinja file, or a Hugging Face
 //! `tokenizer_config.json` whose `chat_template` is a string or a list of `{name, template}`), it is
@@ -46,8 +50,11 @@
 //! ```
 //!
 mod backend;
+mod bound;
 mod config;
+mod hf;
 mod template;
+mod tiktoken;
 
 use std::borrow::Cow;
 use std::error::Error;
@@ -55,6 +62,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use backend::Backend;
+pub use bound::{MAX_PIECE_BYTES, Stop};
 pub use config::{TiktokenEncoding, TokenizerConfig, decode_chat_template, decode_tokenizer};
 use template::{ChatTemplate, joined_parts, split_skeleton};
 
@@ -101,6 +109,12 @@ pub enum TokenizeError {
     Tools(#[source] serde_json::Error),
     #[error("tokenizing failed: {0}")]
     Encode(#[source] Box<dyn Error + Send + Sync>),
+    /// The [`Stop`] the encode was given stopped it: the decision's deadline passed, or its request
+    /// went away.
+    #[error(
+        "tokenizing was stopped before the end: the decision's deadline passed or its request went away"
+    )]
+    Interrupted,
 }
 
 /// How a text is encoded. A cache of tokens must key on it, because it changes the tokens.
@@ -141,9 +155,28 @@ impl Tokenizer {
         self.identity
     }
 
-    /// The tokens of `text` encoded in `mode`.
+    /// The tokens of `text` encoded in `mode`. No pre-token longer than [`MAX_PIECE_BYTES`] is merged
+    /// whole (`bound` in the source documents the cut and what it changes).
     pub fn encode(&self, text: &str, mode: Mode) -> Result<Vec<u32>, TokenizeError> {
-        self.backend.encode(text, mode)
+        self.backend.encode(text, mode, &Stop::never())
+    }
+
+    /// [`encode`](Self::encode), asking `stop` between bounded chunks of the work:
+    /// [`TokenizeError::Interrupted`] once it says stop.
+    pub fn encode_within(
+        &self,
+        text: &str,
+        mode: Mode,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.backend.encode(text, mode, stop)
+    }
+
+    /// The most memory, in bytes per byte of text, that encoding a text takes at its peak (the output
+    /// and the backend's working state, with the prompt's copies around it), measured on the worst
+    /// texts found (one token per byte) with headroom. Callers charge it to a budget before encoding.
+    pub fn memory_per_byte(&self) -> usize {
+        self.backend.memory_per_byte()
     }
 
     /// The text of `tokens`, for reading what was tokenized (tests, explanations).
@@ -154,12 +187,23 @@ impl Tokenizer {
     /// The tokens of a whole text in one pass, as an engine tokenizes its prompt: `add_special` for a
     /// raw completion prompt, not for a rendered chat (whose template wrote its own special tokens).
     pub fn encode_whole(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_whole_within(text, add_special, &Stop::never())
+    }
+
+    /// [`encode_whole`](Self::encode_whole), asking `stop` as [`encode_within`](Self::encode_within)
+    /// does.
+    pub fn encode_whole_within(
+        &self,
+        text: &str,
+        add_special: bool,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let mode = if add_special {
             Mode::Prompt
         } else {
             Mode::Segment
         };
-        self.backend.encode(text, mode)
+        self.backend.encode(text, mode, stop)
     }
 
     /// The chat's text as the engine renders it: its messages with the generation prompt, and its
