@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use cachepick::envoy_config::BodyMode;
 use cachepick_rig::chaos::classify::Cause;
-use cachepick_rig::chaos::schedule::Fault;
+use cachepick_rig::chaos::schedule::{Fault, Malformed};
 use cachepick_rig::chaos::{ChaosOptions, Mode};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,11 +157,20 @@ async fn short_chaos_run(body_mode: BodyMode) {
         .filter(|fired| matches!(fired.step.fault, Fault::Malformed { .. }))
         .count();
     assert_eq!(report.malformed.len(), malformed_kinds, "{table}");
+    // One exception, Envoy's own: bytes that are not HTTP fail in Envoy's codec, and with the response
+    // phase on (served-endpoint feedback) the codec's 400 goes through the ext_proc filter, which opens
+    // its first stream then; with the picker killed, Envoy 1.40 closes that connection without the 400.
+    // No request is lost by it (there was none), so a garbage client while the picker is down may see a
+    // closed connection instead (RELIABILITY.md, "Hostile clients").
     for outcome in &report.malformed {
+        let closed_while_down = outcome.kind == Malformed::GarbageBytes
+            && outcome.picker_down
+            && outcome.status.is_none();
         assert!(
-            outcome
-                .status
-                .is_some_and(|status| (400..500).contains(&status)),
+            closed_while_down
+                || outcome
+                    .status
+                    .is_some_and(|status| (400..500).contains(&status)),
             "{outcome:?}\n{table}"
         );
     }

@@ -24,8 +24,8 @@ use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 
-use super::credit::Credit;
 use super::admission::BodyBudget;
+use super::credit::Credit;
 use super::explain::Explanation;
 use crate::config::{
     Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,

@@ -8,7 +8,7 @@
 //!   when the picker can tell from `max_model_len`).
 //! - A request Envoy retries elsewhere (the chosen worker refuses connections) credits the worker that
 //!   served it, so the conversation's next turn goes there.
-//! - GET and DELETE with chat bodies are routed by load and never learned.
+//! - GET and DELETE with chat bodies are routed by load and never learned; OPTIONS and HEAD pass through.
 
 #![allow(
     clippy::unwrap_used,
@@ -282,8 +282,23 @@ async fn refused_requests_do_not_flush_the_owner_index() {
             .await;
         assert_eq!(reply.header(ECHO_DECISION), Some("passthrough"), "{method}");
     }
+    // A CORS preflight and a HEAD carry no body: passed through by load, never refused.
+    for method in [Method::OPTIONS, Method::HEAD] {
+        let what = format!("{method} {CHAT} through Envoy");
+        let reply = bounded(
+            &what,
+            DEADLINE,
+            stack
+                .client
+                .try_exchange(method.clone(), stack.gateway, CHAT, None),
+        )
+        .await
+        .unwrap_or_else(|error| panic!("{what}: {error}"));
+        assert_ne!(reply.status, 400, "{what} was refused");
+        assert_eq!(reply.header(ECHO_DECISION), Some("passthrough"), "{what}");
+    }
     let text = stack.metrics().await;
-    assert_eq!(passthrough(&text), passed + 2.0);
+    assert_eq!(passthrough(&text), passed + 4.0);
     assert!(
         stack.entries().await <= before,
         "GET/DELETE bodies were learned"
