@@ -681,8 +681,32 @@ mod tests {
                 assert_eq!(old, new, "{:?}", old["name"]);
             }
         }
+        // The listeners differ in the ext_proc filter's response phase alone, which the no-op
+        // arm turns off.
+        let ext_proc = |root: &Value| -> Value {
+            root["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+                ["typed_config"]["http_filters"]
+                .as_sequence()
+                .expect("filters")
+                .iter()
+                .find(|filter| is_ext_proc(filter))
+                .expect("ext_proc")["typed_config"]
+                .clone()
+        };
         assert_eq!(
-            generated["static_resources"]["listeners"],
+            ext_proc(&generated)["processing_mode"]["response_header_mode"].as_str(),
+            Some("SEND")
+        );
+        assert_eq!(
+            ext_proc(&with_noop)["processing_mode"]["response_header_mode"].as_str(),
+            Some("SKIP")
+        );
+        assert!(ext_proc(&with_noop).get("response_attributes").is_none());
+        let mut expected = generated.clone();
+        skip_response_phase(&mut expected);
+        assert_ne!(expected, generated);
+        assert_eq!(
+            expected["static_resources"]["listeners"],
             with_noop["static_resources"]["listeners"]
         );
         let with_cachepick = bootstrap(&yaml, Arm::Cachepick, noop, Variant::Generated).expect("d");
