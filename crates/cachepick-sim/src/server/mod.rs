@@ -300,12 +300,10 @@ pub enum StartError {
 impl Worker {
     /// Binds `spec.addr` (port 0 takes a free one) and starts serving.
     pub async fn start(mut spec: WorkerSpec) -> Result<Worker, StartError> {
-        let listener = TcpListener::bind(spec.addr)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: spec.addr,
-                source,
-            })?;
+        let listener = life::bind_http(spec.addr).map_err(|source| StartError::Bind {
+            addr: spec.addr,
+            source,
+        })?;
         spec.addr = listener.local_addr().map_err(|source| StartError::Bind {
             addr: spec.addr,
             source,
