@@ -342,7 +342,11 @@ fn check_replicated_arm(arm: &serde_json::Value) {
         let served = window["served"].as_u64().expect("served");
         let credited = window["credited"].as_u64().expect("credited");
         let stale = window["stale"].as_u64().expect("stale");
-        assert!(stale <= credited && credited <= served, "{window}");
+        let in_flight = window["in_flight"].as_u64().expect("in_flight");
+        assert!(
+            in_flight <= stale && stale <= credited && credited <= served,
+            "{window}"
+        );
     }
 }
 

@@ -64,6 +64,9 @@ pub struct Sample {
     pub e2e: Option<Duration>,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// The trace's id of the prompt's first prefix block: requests that share it share their leading
+    /// tokens.
+    pub first_block: Option<u64>,
 }
 
 const PATH: &str = "/v1/completions";
@@ -97,6 +100,7 @@ pub async fn drive(
                 phase: item.phase,
                 at,
                 end: End::Dropped,
+                first_block: item.hash_ids.first().copied(),
                 ..Sample::default()
             });
             continue;
@@ -113,10 +117,12 @@ pub async fn drive(
         let http = http.clone();
         let route = route.clone();
         let phase = item.phase;
+        let first_block = item.hash_ids.first().copied();
         tasks.push(tokio::spawn(async move {
             let mut sample = one(&http, route, body, &prompt).await;
             sample.index = index;
             sample.phase = phase;
+            sample.first_block = first_block;
             sample.at = at;
             drop(permit);
             sample

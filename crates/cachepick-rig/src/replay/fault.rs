@@ -64,6 +64,12 @@ pub struct StaleWindow {
     pub credited: u64,
     /// Of those, the ones the worker served with 0 cached tokens: the credit was stale.
     pub stale: u64,
+    /// Of the stale ones, those the in-flight race explains: an earlier request with the same first
+    /// prefix block, sent to the same worker in the same process's life, had not had its first token
+    /// when this one was sent, so the engine could not have cached the prefix yet, whatever the index
+    /// knew. The rest (`stale - in_flight`) are credits for what the worker no longer held: evictions
+    /// the index could not see, or, after the restart, the old process's prefixes.
+    pub in_flight: u64,
 }
 
 /// The fault arm's figures for one arm of the replay.
@@ -77,6 +83,8 @@ pub struct FaultReport {
     pub windows: Vec<StaleWindow>,
     /// Stale credits after the restart, all windows together.
     pub stale_credits: u64,
+    /// Of those, the ones the in-flight race does not explain ([`StaleWindow::in_flight`]).
+    pub stale_not_in_flight: u64,
     /// When the crash could not be carried out as asked, why (the windows are then empty).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -91,9 +99,11 @@ impl FaultReport {
         samples: &[Sample],
     ) -> FaultReport {
         let windows = stale_credits(samples, &worker, times);
+        let after = || windows.iter().skip(1);
         FaultReport {
             worker_index: crash.worker,
-            stale_credits: windows.iter().skip(1).map(|window| window.stale).sum(),
+            stale_credits: after().map(|window| window.stale).sum(),
+            stale_not_in_flight: after().map(|window| window.stale - window.in_flight).sum(),
             worker,
             crash_at_s: times.crashed.as_secs_f64(),
             restart_at_s: times.restarted.as_secs_f64(),
@@ -111,6 +121,7 @@ impl FaultReport {
             restart_at_s: (crash.at + crash.restart_after).as_secs_f64(),
             windows: Vec::new(),
             stale_credits: 0,
+            stale_not_in_flight: 0,
             error: Some(error),
         }
     }
@@ -125,8 +136,8 @@ impl FaultReport {
             .iter()
             .map(|window| {
                 format!(
-                    "{} {} of {} credited ({} served)",
-                    window.window, window.stale, window.credited, window.served
+                    "{} {} of {} credited, {} of them in flight ({} served)",
+                    window.window, window.stale, window.credited, window.in_flight, window.served
                 )
             })
             .collect();
@@ -145,10 +156,25 @@ fn credited(sample: &Sample) -> bool {
     sample.reason == CACHE_HIT || sample.prefix_tokens.is_some_and(|tokens| tokens > 0)
 }
 
+/// Whether an earlier request with `stale`'s first prefix block, sent to the same worker at or after
+/// `since` (the process's start), was still without its first token when `stale` was sent.
+fn in_flight(samples: &[Sample], stale: &Sample, since: Duration) -> bool {
+    let Some(block) = stale.first_block else {
+        return false;
+    };
+    samples.iter().any(|earlier| {
+        earlier.first_block == Some(block)
+            && earlier.worker == stale.worker
+            && earlier.at >= since
+            && earlier.at < stale.at
+            && earlier.ttft.is_none_or(|ttft| earlier.at + ttft > stale.at)
+    })
+}
+
 /// Per window (before the crash; the first [`FIRST_WINDOW`] after the restart; the rest), the requests
-/// `worker` served to the end, those the picker credited it with a prefix for, and those of them it
-/// served with 0 cached tokens (stale credits). Requests are placed by their send time; those sent
-/// while the worker was down are in no window.
+/// `worker` served to the end, those the picker credited it with a prefix for, those of them it
+/// served with 0 cached tokens (stale credits), and of those the ones the in-flight race explains.
+/// Requests are placed by their send time; those sent while the worker was down are in no window.
 pub fn stale_credits(samples: &[Sample], worker: &str, times: CrashTimes) -> Vec<StaleWindow> {
     let first_end = times.restarted + FIRST_WINDOW;
     let bounds = [
@@ -185,6 +211,14 @@ pub fn stale_credits(samples: &[Sample], worker: &str, times: CrashTimes) -> Vec
                     window.credited += 1;
                     if sample.cached_tokens == 0 {
                         window.stale += 1;
+                        let since = if from < times.restarted {
+                            Duration::ZERO
+                        } else {
+                            times.restarted
+                        };
+                        if in_flight(samples, sample, since) {
+                            window.in_flight += 1;
+                        }
                     }
                 }
             }
@@ -323,11 +357,58 @@ mod tests {
         };
         let report = FaultReport::new(&crash, CRASHED.to_owned(), times(), &samples);
         assert_eq!(report.stale_credits, 3, "after the restart only");
+        assert_eq!(report.stale_not_in_flight, 3, "no sample shares a block");
         assert!(
-            report
-                .summary()
-                .contains("first 1 s after restart 2 of 2 credited (3 served)")
+            report.summary().contains(
+                "first 1 s after restart 2 of 2 credited, 0 of them in flight (3 served)"
+            )
         );
+    }
+
+    /// `sample` with its first prefix block and its time to first token.
+    fn carrying(sample: Sample, block: u64, ttft_ms: u64) -> Sample {
+        Sample {
+            first_block: Some(block),
+            ttft: Some(Duration::from_millis(ttft_ms)),
+            ..sample
+        }
+    }
+
+    #[test]
+    fn a_stale_credit_is_in_flight_when_a_request_with_its_prefix_was_still_prefilling_there() {
+        let samples = vec![
+            // Before the crash: the first request with block 7 prefills until 150 ms, so the credit
+            // at 120 ms is in flight; the one at 400 ms came after its first token (an eviction).
+            carrying(sample(100, CRASHED, "cache_miss", Some(0), 0), 7, 50),
+            carrying(sample(120, CRASHED, "cache_hit", Some(512), 0), 7, 10),
+            carrying(sample(400, CRASHED, "cache_hit", Some(512), 0), 7, 10),
+            // Block 8 prefilling on another worker explains nothing here.
+            carrying(sample(500, OTHER, "cache_miss", Some(0), 0), 8, 1_000),
+            carrying(sample(600, CRASHED, "cache_hit", Some(512), 0), 8, 10),
+            // Still prefilling on the old process when it died: no excuse after the restart.
+            carrying(sample(1_990, CRASHED, "cache_miss", Some(0), 0), 9, 5_000),
+            carrying(sample(2_600, CRASHED, "cache_hit", Some(512), 0), 9, 10),
+            // After the restart: sent to the new process, first token at 2_900 ms; the request at
+            // 2_700 ms came while it prefilled.
+            carrying(sample(2_650, CRASHED, "cache_miss", Some(0), 0), 10, 250),
+            carrying(sample(2_700, CRASHED, "cache_hit", Some(512), 0), 10, 10),
+            // A request that never had a first token is in flight to the end.
+            Sample {
+                ttft: None,
+                ..carrying(sample(3_600, CRASHED, "cache_miss", Some(0), 0), 11, 0)
+            },
+            carrying(sample(3_900, CRASHED, "cache_hit", Some(512), 0), 11, 10),
+        ];
+        let windows = stale_credits(&samples, CRASHED, times());
+        let counts: Vec<(u64, u64)> = windows.iter().map(|w| (w.stale, w.in_flight)).collect();
+        assert_eq!(counts, [(3, 1), (2, 1), (1, 1)]);
+        let crash = Crash {
+            worker: 0,
+            at: Duration::from_secs(2),
+            restart_after: Duration::from_millis(500),
+        };
+        let report = FaultReport::new(&crash, CRASHED.to_owned(), times(), &samples);
+        assert_eq!((report.stale_credits, report.stale_not_in_flight), (3, 1));
     }
 
     #[test]
