@@ -342,9 +342,12 @@ fn check_replicated_arm(arm: &serde_json::Value) {
         let served = window["served"].as_u64().expect("served");
         let credited = window["credited"].as_u64().expect("credited");
         let stale = window["stale"].as_u64().expect("stale");
-        let in_flight = window["in_flight"].as_u64().expect("in_flight");
+        let causes: u64 = ["in_flight", "evicted", "unlearned"]
+            .iter()
+            .map(|cause| window[*cause].as_u64().expect("a cause's count"))
+            .sum();
         assert!(
-            in_flight <= stale && stale <= credited && credited <= served,
+            causes == stale && stale <= credited && credited <= served,
             "{window}"
         );
     }

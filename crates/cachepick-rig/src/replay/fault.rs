@@ -67,9 +67,17 @@ pub struct StaleWindow {
     /// Of the stale ones, those the in-flight race explains: an earlier request with the same first
     /// prefix block, sent to the same worker in the same process's life, had not had its first token
     /// when this one was sent, so the engine could not have cached the prefix yet, whatever the index
-    /// knew. The rest (`stale - in_flight`) are credits for what the worker no longer held: evictions
-    /// the index could not see, or, after the restart, the old process's prefixes.
+    /// knew.
     pub in_flight: u64,
+    /// Of the stale ones, those for a prefix the process had cached and no longer held: an earlier
+    /// request with the same first block was sent to the worker in this process's life and had its
+    /// first token before this one was sent. Evictions, which an index learned from decisions cannot
+    /// see.
+    pub evicted: u64,
+    /// Of the stale ones, those for a prefix this process never had: no request with the same first
+    /// block was sent to the worker in its life before this one. After the restart, the old process's
+    /// prefixes: the crash's own stale credits.
+    pub unlearned: u64,
 }
 
 /// The fault arm's figures for one arm of the replay.
@@ -83,8 +91,8 @@ pub struct FaultReport {
     pub windows: Vec<StaleWindow>,
     /// Stale credits after the restart, all windows together.
     pub stale_credits: u64,
-    /// Of those, the ones the in-flight race does not explain ([`StaleWindow::in_flight`]).
-    pub stale_not_in_flight: u64,
+    /// Of those, the ones for the old process's prefixes ([`StaleWindow::unlearned`]).
+    pub old_process: u64,
     /// When the crash could not be carried out as asked, why (the windows are then empty).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -103,7 +111,7 @@ impl FaultReport {
         FaultReport {
             worker_index: crash.worker,
             stale_credits: after().map(|window| window.stale).sum(),
-            stale_not_in_flight: after().map(|window| window.stale - window.in_flight).sum(),
+            old_process: after().map(|window| window.unlearned).sum(),
             worker,
             crash_at_s: times.crashed.as_secs_f64(),
             restart_at_s: times.restarted.as_secs_f64(),
@@ -121,7 +129,7 @@ impl FaultReport {
             restart_at_s: (crash.at + crash.restart_after).as_secs_f64(),
             windows: Vec::new(),
             stale_credits: 0,
-            stale_not_in_flight: 0,
+            old_process: 0,
             error: Some(error),
         }
     }
@@ -136,8 +144,14 @@ impl FaultReport {
             .iter()
             .map(|window| {
                 format!(
-                    "{} {} of {} credited, {} of them in flight ({} served)",
-                    window.window, window.stale, window.credited, window.in_flight, window.served
+                    "{} {} of {} credited ({} in flight, {} evicted, {} unlearned; {} served)",
+                    window.window,
+                    window.stale,
+                    window.credited,
+                    window.in_flight,
+                    window.evicted,
+                    window.unlearned,
+                    window.served
                 )
             })
             .collect();
@@ -156,19 +170,36 @@ fn credited(sample: &Sample) -> bool {
     sample.reason == CACHE_HIT || sample.prefix_tokens.is_some_and(|tokens| tokens > 0)
 }
 
-/// Whether an earlier request with `stale`'s first prefix block, sent to the same worker at or after
-/// `since` (the process's start), was still without its first token when `stale` was sent.
-fn in_flight(samples: &[Sample], stale: &Sample, since: Duration) -> bool {
+/// Why a credit was stale (see [`StaleWindow`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cause {
+    InFlight,
+    Evicted,
+    Unlearned,
+}
+
+/// The cause of `stale`, from the earlier requests with its first prefix block sent to the same worker
+/// at or after `since` (the process's start).
+fn cause(samples: &[Sample], stale: &Sample, since: Duration) -> Cause {
     let Some(block) = stale.first_block else {
-        return false;
+        return Cause::Unlearned;
     };
-    samples.iter().any(|earlier| {
+    let mut earlier = samples.iter().filter(|earlier| {
         earlier.first_block == Some(block)
             && earlier.worker == stale.worker
             && earlier.at >= since
             && earlier.at < stale.at
-            && earlier.ttft.is_none_or(|ttft| earlier.at + ttft > stale.at)
-    })
+    });
+    let mut seen = false;
+    let prefilling = earlier.any(|earlier| {
+        seen = true;
+        earlier.ttft.is_none_or(|ttft| earlier.at + ttft > stale.at)
+    });
+    match (prefilling, seen) {
+        (true, _) => Cause::InFlight,
+        (false, true) => Cause::Evicted,
+        (false, false) => Cause::Unlearned,
+    }
 }
 
 /// Per window (before the crash; the first [`FIRST_WINDOW`] after the restart; the rest), the requests
@@ -216,8 +247,10 @@ pub fn stale_credits(samples: &[Sample], worker: &str, times: CrashTimes) -> Vec
                         } else {
                             times.restarted
                         };
-                        if in_flight(samples, sample, since) {
-                            window.in_flight += 1;
+                        match cause(samples, sample, since) {
+                            Cause::InFlight => window.in_flight += 1,
+                            Cause::Evicted => window.evicted += 1,
+                            Cause::Unlearned => window.unlearned += 1,
                         }
                     }
                 }
@@ -357,12 +390,10 @@ mod tests {
         };
         let report = FaultReport::new(&crash, CRASHED.to_owned(), times(), &samples);
         assert_eq!(report.stale_credits, 3, "after the restart only");
-        assert_eq!(report.stale_not_in_flight, 3, "no sample shares a block");
-        assert!(
-            report.summary().contains(
-                "first 1 s after restart 2 of 2 credited, 0 of them in flight (3 served)"
-            )
-        );
+        assert_eq!(report.old_process, 3, "no sample has a prefix block");
+        assert!(report.summary().contains(
+            "first 1 s after restart 2 of 2 credited (0 in flight, 0 evicted, 2 unlearned; 3 served)"
+        ));
     }
 
     /// `sample` with its first prefix block and its time to first token.
@@ -375,17 +406,17 @@ mod tests {
     }
 
     #[test]
-    fn a_stale_credit_is_in_flight_when_a_request_with_its_prefix_was_still_prefilling_there() {
+    fn a_stale_credit_is_in_flight_evicted_or_unlearned_by_what_the_process_was_sent_before() {
         let samples = vec![
             // Before the crash: the first request with block 7 prefills until 150 ms, so the credit
-            // at 120 ms is in flight; the one at 400 ms came after its first token (an eviction).
+            // at 120 ms is in flight; the one at 400 ms came after both first tokens (evicted).
             carrying(sample(100, CRASHED, "cache_miss", Some(0), 0), 7, 50),
             carrying(sample(120, CRASHED, "cache_hit", Some(512), 0), 7, 10),
             carrying(sample(400, CRASHED, "cache_hit", Some(512), 0), 7, 10),
-            // Block 8 prefilling on another worker explains nothing here.
+            // Block 8 prefilling on another worker explains nothing here (unlearned).
             carrying(sample(500, OTHER, "cache_miss", Some(0), 0), 8, 1_000),
             carrying(sample(600, CRASHED, "cache_hit", Some(512), 0), 8, 10),
-            // Still prefilling on the old process when it died: no excuse after the restart.
+            // Sent to the old process only: unlearned after the restart.
             carrying(sample(1_990, CRASHED, "cache_miss", Some(0), 0), 9, 5_000),
             carrying(sample(2_600, CRASHED, "cache_hit", Some(512), 0), 9, 10),
             // After the restart: sent to the new process, first token at 2_900 ms; the request at
@@ -400,15 +431,18 @@ mod tests {
             carrying(sample(3_900, CRASHED, "cache_hit", Some(512), 0), 11, 10),
         ];
         let windows = stale_credits(&samples, CRASHED, times());
-        let counts: Vec<(u64, u64)> = windows.iter().map(|w| (w.stale, w.in_flight)).collect();
-        assert_eq!(counts, [(3, 1), (2, 1), (1, 1)]);
+        let counts: Vec<(u64, u64, u64, u64)> = windows
+            .iter()
+            .map(|w| (w.stale, w.in_flight, w.evicted, w.unlearned))
+            .collect();
+        assert_eq!(counts, [(3, 1, 1, 1), (2, 1, 0, 1), (1, 1, 0, 0)]);
         let crash = Crash {
             worker: 0,
             at: Duration::from_secs(2),
             restart_after: Duration::from_millis(500),
         };
         let report = FaultReport::new(&crash, CRASHED.to_owned(), times(), &samples);
-        assert_eq!((report.stale_credits, report.stale_not_in_flight), (3, 1));
+        assert_eq!((report.stale_credits, report.old_process), (3, 1));
     }
 
     #[test]
