@@ -107,21 +107,25 @@ fn the_policy_never_awaits_nor_touches_io_or_metrics() {
     );
 }
 
-/// The crate-level modules a source file refers to (`crate::x`, also inside grouped imports such as
-/// `use crate::{x, y::z}`), outside its `#[cfg(test)]` part.
-fn crate_modules(text: &str) -> Vec<String> {
-    let code: String = text
-        .split("#[cfg(test)]")
+/// A source file's code outside its `#[cfg(test)]` part, without its comment lines.
+fn code_of(text: &str) -> String {
+    text.split("#[cfg(test)]")
         .next()
         .unwrap_or_default()
         .lines()
         .filter(|line| !line.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
-        .join("\n");
+        .join("\n")
+}
+
+/// The names a source file's code refers to right after `prefix` (`crate::` gives the crate-level
+/// modules), also inside grouped imports such as `use crate::{x, y::z}`.
+fn names_after(text: &str, prefix: &str) -> Vec<String> {
+    let code = code_of(text);
     let code = code.as_str();
     let mut modules = Vec::new();
-    for (at, _) in code.match_indices("crate::") {
-        let rest = &code[at + "crate::".len()..];
+    for (at, _) in code.match_indices(prefix) {
+        let rest = &code[at + prefix.len()..];
         if let Some(group) = rest.strip_prefix('{') {
             let group = &group[..group.find(';').unwrap_or(group.len())];
             // Only the group's own items name modules: `f::{G, H}` is module `f`, not `H`.
@@ -156,6 +160,125 @@ fn crate_modules(text: &str) -> Vec<String> {
     modules.sort();
     modules.dedup();
     modules
+}
+
+/// The crate-level modules a source file refers to (`crate::x`), outside its `#[cfg(test)]` part.
+fn crate_modules(text: &str) -> Vec<String> {
+    names_after(text, "crate::")
+}
+
+/// Within each module directory, which sibling files each file imports (`super::x`, or
+/// `crate::<module>::x`), by path under `src/`. A module's `mod.rs` is its root and declares the
+/// others, so it is no node here.
+fn sibling_imports(files: &[(PathBuf, String)]) -> Vec<(PathBuf, Vec<PathBuf>)> {
+    files
+        .iter()
+        .filter(|(path, _)| path.parent().is_some_and(|dir| !dir.as_os_str().is_empty()))
+        .filter(|(path, _)| path.file_name().is_some_and(|name| name != "mod.rs"))
+        .map(|(path, text)| {
+            let dir = path.parent().expect("in a module directory");
+            let own = path
+                .file_stem()
+                .and_then(|stem| stem.to_str())
+                .unwrap_or("");
+            let module = dir.to_str().unwrap_or("").replace('/', "::");
+            let mut names = names_after(text, "super::");
+            names.extend(names_after(text, &format!("crate::{module}::")));
+            let mut siblings: Vec<PathBuf> = names
+                .iter()
+                .filter(|name| name.as_str() != own)
+                .map(|name| dir.join(format!("{name}.rs")))
+                .filter(|sibling| files.iter().any(|(path, _)| path == sibling))
+                .collect();
+            siblings.sort();
+            siblings.dedup();
+            (path.clone(), siblings)
+        })
+        .collect()
+}
+
+/// One circle of imports between files, as `a.rs → b.rs → a.rs`, if there is any.
+fn a_circle(graph: &[(PathBuf, Vec<PathBuf>)]) -> Option<String> {
+    fn visit(
+        node: &PathBuf,
+        graph: &[(PathBuf, Vec<PathBuf>)],
+        path: &mut Vec<PathBuf>,
+        done: &mut Vec<PathBuf>,
+    ) -> Option<String> {
+        if let Some(at) = path.iter().position(|seen| seen == node) {
+            let mut circle: Vec<String> = path[at..]
+                .iter()
+                .map(|file| file.display().to_string())
+                .collect();
+            circle.push(node.display().to_string());
+            return Some(circle.join(" → "));
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.clone());
+        let next = graph
+            .iter()
+            .find(|(file, _)| file == node)
+            .map_or(&[][..], |(_, imports)| imports.as_slice());
+        for import in next {
+            if let Some(circle) = visit(import, graph, path, done) {
+                return Some(circle);
+            }
+        }
+        path.pop();
+        done.push(node.clone());
+        None
+    }
+    let mut done = Vec::new();
+    graph
+        .iter()
+        .find_map(|(file, _)| visit(file, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn no_files_import_each_other_in_a_circle() {
+    let graph = sibling_imports(&sources());
+    assert!(
+        graph.iter().any(|(_, imports)| !imports.is_empty()),
+        "the reader sees the imports between files"
+    );
+    if let Some(circle) = a_circle(&graph) {
+        panic!(
+            "files import each other in a circle: {circle}; move what both need to a file of its own"
+        );
+    }
+}
+
+#[test]
+fn a_deliberate_circle_between_files_is_found() {
+    let file = |path: &str, text: &str| (PathBuf::from(path), text.to_owned());
+    let files = [
+        file("route/mod.rs", "mod explain;\nmod picker;\nmod prepared;"),
+        file("route/explain.rs", "use super::picker::Prepared;"),
+        file(
+            "route/picker.rs",
+            "use super::{explain::Explanation, prepared};",
+        ),
+        file("route/prepared.rs", "use crate::prefix::OwnerMatch;"),
+    ];
+    assert_eq!(
+        a_circle(&sibling_imports(&files)).as_deref(),
+        Some("route/explain.rs → route/picker.rs → route/explain.rs")
+    );
+    // Breaking it the way the tree does: both import the leaf.
+    let mut fixed = files.clone();
+    fixed[1] = file("route/explain.rs", "use super::prepared::Prepared;");
+    assert_eq!(a_circle(&sibling_imports(&fixed)), None);
+    // A path through the crate root counts, and tests do not.
+    fixed[3] = file(
+        "route/prepared.rs",
+        "use crate::route::picker::Picker;\n#[cfg(test)]\nuse super::explain::X;",
+    );
+    assert_eq!(
+        a_circle(&sibling_imports(&fixed)).as_deref(),
+        Some("route/explain.rs → route/prepared.rs → route/picker.rs → route/explain.rs")
+    );
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //! [`Pinned::commit`](super::Pinned::commit) records the prompt's blocks for the selected worker at
 //! once, so that the next decision sees the placement (a burst of identical prompts follows the first).
 //! With `feedback.enabled` it also returns a [`Credit`]: what it recorded, where. When Envoy's
-//! response-phase message arrives (`extproc::served`), [`Picker::settle`] turns the report — the
-//! response's status and the upstream host that actually served the request — into one of:
+//! response-phase message arrives (`extproc::served`), [`Picker::settle`](super::Picker::settle)
+//! (in `settle`) turns the report — the response's status and the upstream host that actually served
+//! the request — into one of:
 //!
 //! - **confirmed**: a 2xx from the selected worker (or from no reported host): the blocks stay; if
 //!   another request's refusal took them away meanwhile, they are recorded again;
@@ -24,9 +25,7 @@
 //! for the worker that served.
 
 use std::net::SocketAddr;
-use std::time::Instant;
 
-use super::picker::{Picker, PoolIndex, PoolRoute, capacity_blocks, credited_chain};
 use crate::worker::WorkerId;
 
 /// What one commit credited, kept until the response's report settles it.
@@ -83,86 +82,5 @@ impl Settled {
             Settled::Retracted => "retracted",
             Settled::Unreported => "unreported",
         }
-    }
-}
-
-impl Picker {
-    /// Confirms, moves or retracts `credit` by what Envoy reported (see the module documentation).
-    pub fn settle(&self, credit: &Credit, report: ServedReport) -> Settled {
-        let Some(pool) = self.pools.get(credit.pool) else {
-            return Settled::Unreported;
-        };
-        if !(200..300).contains(&report.status) {
-            retract(pool, credit);
-            return Settled::Retracted;
-        }
-        let upstream = report.upstream.unwrap_or(credit.endpoint);
-        if upstream == credit.endpoint {
-            confirm(pool, credit);
-            return Settled::Confirmed;
-        }
-        let snapshot = pool.load.snapshot();
-        let Some(served) = snapshot
-            .workers()
-            .iter()
-            .find(|worker| worker.endpoint == upstream && worker.routable())
-        else {
-            retract(pool, credit);
-            return Settled::Retracted;
-        };
-        retract(pool, credit);
-        let capacity = capacity_blocks(&pool.config, served.capacity.max_total_tokens);
-        let chain = credited_chain(&pool.config, &credit.chain, capacity);
-        match &pool.index {
-            PoolIndex::Approximate(index) => {
-                index.set_capacity(served.id, capacity);
-                index.insert(served.id, chain);
-            }
-            PoolIndex::Events(index) => index.speculate(served.id, chain, Instant::now()),
-        }
-        Settled::Moved
-    }
-}
-
-/// Whether the slot still has the occupant the credit is for.
-fn same_occupant(pool: &PoolRoute, credit: &Credit) -> bool {
-    pool.load
-        .snapshot()
-        .worker(credit.worker)
-        .is_some_and(|worker| worker.generation == credit.generation)
-}
-
-/// Takes back the blocks the request added to the selected worker, last first, so that what remains
-/// is still a prefix of the chain.
-fn retract(pool: &PoolRoute, credit: &Credit) {
-    let PoolIndex::Approximate(index) = &pool.index else {
-        return;
-    };
-    if !same_occupant(pool, credit) {
-        return;
-    }
-    let added = credit.chain.get(credit.held..).unwrap_or_default();
-    for &hash in added.iter().rev() {
-        index.remove(credit.worker, hash);
-    }
-}
-
-/// The served request's blocks are on the selected worker: recorded again if something (another
-/// request's retraction of the same blocks) took them away.
-fn confirm(pool: &PoolRoute, credit: &Credit) {
-    let PoolIndex::Approximate(index) = &pool.index else {
-        return;
-    };
-    if !same_occupant(pool, credit) {
-        return;
-    }
-    let depth = index
-        .matches(&credit.chain, pool.config.block_size)
-        .into_iter()
-        .find(|owner| owner.worker == credit.worker)
-        .map_or(0, |owner| owner.matched_tokens);
-    let full = u64::from(pool.config.block_size.get()).saturating_mul(credit.chain.len() as u64);
-    if depth < full {
-        index.insert(credit.worker, &credit.chain);
     }
 }

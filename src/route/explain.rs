@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::picker::Prepared;
+use super::prepared::Prepared;
 use crate::events::Medium;
 use crate::policy::Outcome;
 use crate::prefix::SourcedMatch;

@@ -10,7 +10,9 @@
 //!   [`CommitGate`] that keeps a late or cancelled decision from committing; explain's share and rate;
 //!   the global body budget.
 //! - [`credit`](Credit): a commit's credit kept until Envoy reports who served the request and with
-//!   what status, then confirmed, moved to the worker that served, or retracted ([`Picker::settle`]).
+//!   what status, then confirmed, moved to the worker that served, or retracted ([`Picker::settle`],
+//!   in `settle`).
+//! - [`Prepared`]: the request as the picker prepared it (pool, tokens, blocks, owners).
 //! - [`Explanation`]: what `cachepick explain` and the debug endpoints report (its text form is in
 //!   `crate::render`).
 //!
@@ -20,13 +22,16 @@ pub mod admission;
 mod credit;
 mod explain;
 mod picker;
+mod prepared;
 mod service;
+mod settle;
 
 pub use crate::protocol::{RefusalReason, ShedReason};
 pub use admission::{Admission, AdmissionView, CommitGate};
 pub use credit::{Credit, ServedReport, Settled};
 pub use explain::Explanation;
-pub use picker::{Allowance, Picker, PickerError, Pinned, Prepared, RequestError};
+pub use picker::{Allowance, Picker, PickerError, Pinned, RequestError};
+pub use prepared::Prepared;
 pub use service::{
     Answer, ExplainError, Inbound, PoolReport, Refusal, Routed, Service, SourceReport,
 };

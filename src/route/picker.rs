@@ -21,21 +21,19 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use rand::Rng;
-use serde::Serialize;
 use thiserror::Error;
 
 use super::admission::BodyBudget;
 use super::credit::Credit;
 use super::explain::Explanation;
+use super::prepared::Prepared;
 use crate::config::{
     Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,
 };
 use crate::events::EventFeeds;
 use crate::load::{PoolLoad, PoolSnapshot, RosterObserver};
 use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
-use crate::prefix::{
-    EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch, block_hashes, prefix_seed,
-};
+use crate::prefix::{EventIndex, IndexStats, OwnerIndex, SourcedMatch, block_hashes, prefix_seed};
 use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, BodyError, Prompt, ReadBody};
 use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
@@ -128,22 +126,6 @@ pub(super) enum PoolIndex {
     Approximate(Arc<OwnerIndex>),
     /// From the engines' KV events, fed by `events::EventFeeds`, plus this picker's recent decisions.
     Events(Arc<EventIndex>),
-}
-
-/// Everything the policy needs about one request, computed once.
-#[derive(Clone, Debug, Serialize)]
-pub struct Prepared {
-    /// Index of the pool in the configuration.
-    pub pool: usize,
-    pub pool_label: String,
-    pub model: Option<String>,
-    pub prompt_tokens: u64,
-    /// The output the request asks for, when it says (`max_tokens` and kin).
-    pub max_output_tokens: Option<u64>,
-    /// Chained hashes of the prompt's full blocks.
-    pub block_hashes: Vec<u64>,
-    /// Every worker holding at least one leading block, deepest first.
-    pub owners: Vec<OwnerMatch>,
 }
 
 /// The request path for every pool of a configuration.

@@ -1,0 +1,89 @@
+//! Settling a [`Credit`] by Envoy's report of the response: confirmed, moved or retracted, by the rules
+//! `credit`'s documentation gives. It reaches into the pools' indexes and loads, so it lives beside the
+//! picker rather than with the credit's types, which the picker's commit returns.
+
+use std::time::Instant;
+
+use super::credit::{Credit, ServedReport, Settled};
+use super::picker::{Picker, PoolIndex, PoolRoute, capacity_blocks, credited_chain};
+
+impl Picker {
+    /// Confirms, moves or retracts `credit` by what Envoy reported (see the module documentation).
+    pub fn settle(&self, credit: &Credit, report: ServedReport) -> Settled {
+        let Some(pool) = self.pools.get(credit.pool) else {
+            return Settled::Unreported;
+        };
+        if !(200..300).contains(&report.status) {
+            retract(pool, credit);
+            return Settled::Retracted;
+        }
+        let upstream = report.upstream.unwrap_or(credit.endpoint);
+        if upstream == credit.endpoint {
+            confirm(pool, credit);
+            return Settled::Confirmed;
+        }
+        let snapshot = pool.load.snapshot();
+        let Some(served) = snapshot
+            .workers()
+            .iter()
+            .find(|worker| worker.endpoint == upstream && worker.routable())
+        else {
+            retract(pool, credit);
+            return Settled::Retracted;
+        };
+        retract(pool, credit);
+        let capacity = capacity_blocks(&pool.config, served.capacity.max_total_tokens);
+        let chain = credited_chain(&pool.config, &credit.chain, capacity);
+        match &pool.index {
+            PoolIndex::Approximate(index) => {
+                index.set_capacity(served.id, capacity);
+                index.insert(served.id, chain);
+            }
+            PoolIndex::Events(index) => index.speculate(served.id, chain, Instant::now()),
+        }
+        Settled::Moved
+    }
+}
+
+/// Whether the slot still has the occupant the credit is for.
+fn same_occupant(pool: &PoolRoute, credit: &Credit) -> bool {
+    pool.load
+        .snapshot()
+        .worker(credit.worker)
+        .is_some_and(|worker| worker.generation == credit.generation)
+}
+
+/// Takes back the blocks the request added to the selected worker, last first, so that what remains
+/// is still a prefix of the chain.
+fn retract(pool: &PoolRoute, credit: &Credit) {
+    let PoolIndex::Approximate(index) = &pool.index else {
+        return;
+    };
+    if !same_occupant(pool, credit) {
+        return;
+    }
+    let added = credit.chain.get(credit.held..).unwrap_or_default();
+    for &hash in added.iter().rev() {
+        index.remove(credit.worker, hash);
+    }
+}
+
+/// The served request's blocks are on the selected worker: recorded again if something (another
+/// request's retraction of the same blocks) took them away.
+fn confirm(pool: &PoolRoute, credit: &Credit) {
+    let PoolIndex::Approximate(index) = &pool.index else {
+        return;
+    };
+    if !same_occupant(pool, credit) {
+        return;
+    }
+    let depth = index
+        .matches(&credit.chain, pool.config.block_size)
+        .into_iter()
+        .find(|owner| owner.worker == credit.worker)
+        .map_or(0, |owner| owner.matched_tokens);
+    let full = u64::from(pool.config.block_size.get()).saturating_mul(credit.chain.len() as u64);
+    if depth < full {
+        index.insert(credit.worker, &credit.chain);
+    }
+}
