@@ -107,6 +107,20 @@ fn the_policy_never_awaits_nor_touches_io_or_metrics() {
     );
 }
 
+/// The clock ban of `clippy.toml` holds where decisions and their inputs are made: each of these
+/// modules denies the lint the workspace allows.
+#[test]
+fn the_decision_modules_deny_clock_reads() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for module in ["policy", "prefix", "request", "tokenize"] {
+        let text = fs::read_to_string(root.join(module).join("mod.rs")).expect("the module's root");
+        assert!(
+            text.contains("#![deny(clippy::disallowed_methods)]"),
+            "src/{module}/mod.rs must deny clippy::disallowed_methods (clippy.toml's clock ban)"
+        );
+    }
+}
+
 /// A source file's code outside its `#[cfg(test)]` part, without its comment lines.
 fn code_of(text: &str) -> String {
     text.split("#[cfg(test)]")

@@ -38,6 +38,9 @@
 //! none, since a body the engine accepts (`"max_tokens": 100.0`, `"stream": "true"`) must not be refused
 //! by the picker in front of it; it only tells the picker that the engine will refuse a request whose
 //! prompt and output exceed the model's context, so that it is not learned. Nothing else is read.
+// What a request is must not depend on when it is read: no clock reads here (clippy.toml).
+#![deny(clippy::disallowed_methods)]
+
 mod body;
 pub mod charset;
 pub mod encoding;

@@ -59,6 +59,9 @@
 //! difference occurs it is confined to the boundary: every token before the two segments that meet there
 //! is the same, and so is every token after them. Either way it is the same for every request that shares
 //! the segments, which is what prefix matching needs.
+// A prompt's tokens must not depend on when they are counted: no clock reads here (clippy.toml).
+#![deny(clippy::disallowed_methods)]
+
 mod cache;
 #[cfg(test)]
 mod tests;
