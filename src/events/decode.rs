@@ -76,6 +76,12 @@ use thiserror::Error;
 
 use super::{BlockStored, EventBatch, KvEvent, Medium};
 
+mod extra_keys;
+mod reader;
+
+use extra_keys::{ExtraKeys, read_extra_keys};
+use reader::{Head, Reader};
+
 /// The largest payload decoded at all. A busy vLLM step (a 128k-token prefill) is well under 1 MiB.
 pub const MAX_PAYLOAD_BYTES: usize = 8 << 20;
 /// Events in one batch.
@@ -159,10 +165,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch> {
             max: MAX_PAYLOAD_BYTES,
         });
     }
-    let mut r = Reader {
-        buf: payload,
-        pos: 0,
-    };
+    let mut r = Reader::new(payload);
     let mut budget = Budget {
         hashes: MAX_HASHES_PER_BATCH,
         tokens: MAX_TOKENS_PER_BATCH,
@@ -201,7 +204,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch> {
             });
         }
     }
-    let extra = r.buf.len().saturating_sub(r.pos);
+    let extra = r.left();
     if extra > 0 {
         return Err(DecodeError::TrailingBytes { extra });
     }
@@ -719,297 +722,6 @@ fn read_metadata<'a>(r: &mut Reader<'a>) -> Result<Kept<'a>> {
         }
     }
     Ok(salt)
-}
-
-/// How many distinct strings a root block may carry before the event is opaque regardless.
-const ROOT_STRINGS: usize = 4;
-
-/// vLLM's `extra_keys`, summarised without allocating: the strings of the first block, the one string
-/// allowed in later blocks (the adapter), and whether anything else appeared.
-#[derive(Default)]
-struct ExtraKeys<'a> {
-    root: [Option<&'a [u8]>; ROOT_STRINGS],
-    later: Option<&'a [u8]>,
-    opaque: bool,
-}
-
-fn read_extra_keys<'a>(r: &mut Reader<'a>) -> Result<ExtraKeys<'a>> {
-    let mut keys = ExtraKeys::default();
-    let blocks = match r.head()? {
-        Head::Nil => return Ok(keys),
-        Head::Array(n) => n,
-        _ => {
-            return Err(DecodeError::WrongType {
-                field: "extra_keys",
-                expected: "an array or nil",
-            });
-        }
-    };
-    for block in 0..blocks {
-        let n = match r.head()? {
-            Head::Nil => continue,
-            Head::Array(n) => n,
-            _ => {
-                return Err(DecodeError::WrongType {
-                    field: "extra_keys",
-                    expected: "per-block tuples or nil",
-                });
-            }
-        };
-        for _ in 0..n {
-            match r.peek()? {
-                Head::Str(s) => {
-                    r.head()?;
-                    keys.note(block == 0, s);
-                }
-                _ => {
-                    keys.opaque = true;
-                    r.skip(EVENT_FIELD + 2)?;
-                }
-            }
-        }
-    }
-    Ok(keys)
-}
-
-impl<'a> ExtraKeys<'a> {
-    fn note(&mut self, root: bool, s: &'a [u8]) {
-        if root {
-            if self.root.iter().flatten().any(|seen| *seen == s) {
-                return;
-            }
-            match self.root.iter_mut().find(|slot| slot.is_none()) {
-                Some(slot) => *slot = Some(s),
-                None => self.opaque = true,
-            }
-        } else {
-            match self.later {
-                None => self.later = Some(s),
-                Some(seen) if seen == s => {}
-                Some(_) => self.opaque = true,
-            }
-        }
-    }
-
-    /// The salt the keys carry, and whether they carry anything a text prompt cannot match.
-    fn classify(
-        &self,
-        lora_name: Option<&str>,
-        explicit_salt: Option<&str>,
-        root_block: bool,
-    ) -> (Option<&'a str>, bool) {
-        let known = |s: &[u8]| {
-            lora_name.is_some_and(|name| name.as_bytes() == s)
-                || explicit_salt.is_some_and(|salt| salt.as_bytes() == s)
-        };
-        let mut opaque = self.opaque
-            || self
-                .later
-                .is_some_and(|s| lora_name.is_none_or(|n| n.as_bytes() != s));
-        let mut rest = self.root.iter().flatten().filter(|s| !known(s));
-        let first = rest.next();
-        let more = rest.next().is_some();
-        let mut salt = None;
-        match first {
-            None => {}
-            Some(s) if root_block && !more => match kept(s) {
-                Kept::Value(s) => salt = Some(s),
-                _ => opaque = true,
-            },
-            Some(_) => opaque = true,
-        }
-        (salt, opaque)
-    }
-}
-
-/// A msgpack value's header; strings, bytes and extensions carry their payload slice.
-#[derive(Clone, Copy, Debug)]
-enum Head<'a> {
-    Nil,
-    Bool,
-    Uint(u64),
-    Int(i64),
-    Float(f64),
-    Str(&'a [u8]),
-    Bin(&'a [u8]),
-    Ext,
-    Array(u32),
-    Map(u32),
-}
-
-/// A cursor over the payload. Every read is bounds-checked; a declared length is only ever taken as
-/// far as the bytes that are actually there.
-#[derive(Clone, Copy)]
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn truncated(&self) -> DecodeError {
-        DecodeError::Truncated { offset: self.pos }
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).ok_or_else(|| self.truncated())?;
-        let bytes = self
-            .buf
-            .get(self.pos..end)
-            .ok_or_else(|| self.truncated())?;
-        self.pos = end;
-        Ok(bytes)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let mut out = [0u8; N];
-        out.copy_from_slice(self.take(N)?);
-        Ok(out)
-    }
-
-    fn u8(&mut self) -> Result<u8> {
-        Ok(u8::from_be_bytes(self.array()?))
-    }
-
-    fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_be_bytes(self.array()?))
-    }
-
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_be_bytes(self.array()?))
-    }
-
-    fn len32(&mut self) -> Result<usize> {
-        usize::try_from(self.u32()?).map_err(|_| self.truncated())
-    }
-
-    /// Room to reserve for `n` declared elements: each takes at least one byte, so never more than
-    /// the bytes left.
-    fn cap_for(&self, n: u32) -> usize {
-        (n as usize).min(self.buf.len().saturating_sub(self.pos))
-    }
-
-    fn peek(&self) -> Result<Head<'a>> {
-        let mut copy = *self;
-        copy.head()
-    }
-
-    fn head(&mut self) -> Result<Head<'a>> {
-        let at = self.pos;
-        let marker = self.u8()?;
-        Ok(match marker {
-            0x00..=0x7f => Head::Uint(u64::from(marker)),
-            0x80..=0x8f => Head::Map(u32::from(marker & 0x0f)),
-            0x90..=0x9f => Head::Array(u32::from(marker & 0x0f)),
-            0xa0..=0xbf => Head::Str(self.take(usize::from(marker & 0x1f))?),
-            0xc0 => Head::Nil,
-            0xc1 => {
-                return Err(DecodeError::Malformed {
-                    offset: at,
-                    what: "the reserved marker 0xc1",
-                });
-            }
-            0xc2 | 0xc3 => Head::Bool,
-            0xc4 => {
-                let n = self.u8()?;
-                Head::Bin(self.take(usize::from(n))?)
-            }
-            0xc5 => {
-                let n = self.u16()?;
-                Head::Bin(self.take(usize::from(n))?)
-            }
-            0xc6 => {
-                let n = self.len32()?;
-                Head::Bin(self.take(n)?)
-            }
-            0xc7 => {
-                let n = self.u8()?;
-                self.take(1 + usize::from(n))?;
-                Head::Ext
-            }
-            0xc8 => {
-                let n = self.u16()?;
-                self.take(1 + usize::from(n))?;
-                Head::Ext
-            }
-            0xc9 => {
-                let n = self.len32()?;
-                self.take(n.saturating_add(1))?;
-                Head::Ext
-            }
-            0xca => Head::Float(f64::from(f32::from_be_bytes(self.array()?))),
-            0xcb => Head::Float(f64::from_be_bytes(self.array()?)),
-            0xcc => Head::Uint(u64::from(self.u8()?)),
-            0xcd => Head::Uint(u64::from(self.u16()?)),
-            0xce => Head::Uint(u64::from(self.u32()?)),
-            0xcf => Head::Uint(u64::from_be_bytes(self.array()?)),
-            0xd0 => Head::Int(i64::from(i8::from_be_bytes(self.array()?))),
-            0xd1 => Head::Int(i64::from(i16::from_be_bytes(self.array()?))),
-            0xd2 => Head::Int(i64::from(i32::from_be_bytes(self.array()?))),
-            0xd3 => Head::Int(i64::from_be_bytes(self.array()?)),
-            0xd4..=0xd8 => {
-                // fixext 1, 2, 4, 8, 16: a type byte and 2^k data bytes.
-                self.take(1 + (1usize << (marker - 0xd4)))?;
-                Head::Ext
-            }
-            0xd9 => {
-                let n = self.u8()?;
-                Head::Str(self.take(usize::from(n))?)
-            }
-            0xda => {
-                let n = self.u16()?;
-                Head::Str(self.take(usize::from(n))?)
-            }
-            0xdb => {
-                let n = self.len32()?;
-                Head::Str(self.take(n)?)
-            }
-            0xdc => Head::Array(u32::from(self.u16()?)),
-            0xdd => Head::Array(self.u32()?),
-            0xde => Head::Map(u32::from(self.u16()?)),
-            0xdf => Head::Map(self.u32()?),
-            0xe0..=0xff => Head::Int(i64::from(marker as i8)),
-        })
-    }
-
-    /// A map key: its bytes when it is a string; any other key is skipped and reads as `None`.
-    fn key(&mut self, depth: usize) -> Result<Option<&'a [u8]>> {
-        match self.peek()? {
-            Head::Str(name) => {
-                self.head()?;
-                Ok(Some(name))
-            }
-            _ => {
-                self.skip(depth)?;
-                Ok(None)
-            }
-        }
-    }
-
-    /// Skips one value at nesting `depth`. Each element consumes at least one byte, so a declared
-    /// count larger than the payload ends in `Truncated` after at most the payload's length in steps.
-    fn skip(&mut self, depth: usize) -> Result<()> {
-        if depth > MAX_DEPTH {
-            return Err(DecodeError::TooDeep { max: MAX_DEPTH });
-        }
-        match self.head()? {
-            Head::Array(n) => self.skip_n(n, depth + 1),
-            Head::Map(n) => {
-                for _ in 0..n {
-                    self.skip(depth + 1)?;
-                    self.skip(depth + 1)?;
-                }
-                Ok(())
-            }
-            _ => Ok(()),
-        }
-    }
-
-    fn skip_n(&mut self, n: u32, depth: usize) -> Result<()> {
-        for _ in 0..n {
-            self.skip(depth)?;
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
