@@ -694,14 +694,13 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
             .fronts
             .push(cachepick_rig::replay::front::Front::url(url, &taken)?);
     }
-    // More than one replica implies Envoy (the replicas sit behind it); an explicit `--via direct`
-    // with replicas is refused by the replay, saying why.
-    options.via = match args.via.as_deref() {
-        Some("envoy") => cachepick_rig::replay::Via::Envoy,
-        Some(_) => cachepick_rig::replay::Via::Direct,
-        None if args.replicas.iter().any(|&n| n > 1) => cachepick_rig::replay::Via::Envoy,
-        None => cachepick_rig::replay::Via::Direct,
-    };
+    let explicit = args
+        .via
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .map_err(|error: String| anyhow::anyhow!("--via: {error}"))?;
+    options.via = cachepick_rig::replay::Via::chosen(explicit, &args.replicas);
     options.replicas = args.replicas.clone();
     options.index_modes = args.index.clone();
     if let (Some(worker), Some(at)) = (args.crash_worker, args.crash_at) {
@@ -729,20 +728,10 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
         println!("skipped {}: {}", skipped.policy, skipped.error);
     }
     println!("report: {}", replay.out_dir.join("report.json").display());
-    // A row that is missing is a failed comparison, not a smaller one.
-    if !replay.skipped.is_empty() {
-        anyhow::bail!(
-            "{} arm(s) could not run: {}",
-            replay.skipped.len(),
-            replay
-                .skipped
-                .iter()
-                .map(|skipped| skipped.policy.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+    match replay.failure() {
+        Some(failure) => anyhow::bail!(failure),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn labels(fronts: &[cachepick_rig::replay::front::Front]) -> Vec<String> {
@@ -777,13 +766,10 @@ async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {
     let report = cachepick_rig::chaos::run(&options).await?;
     println!("\n{}", report.table);
     println!("report: {}", report.out_dir.join("report.json").display());
-    if report.good.lost_servable > 0 {
-        anyhow::bail!(
-            "{} request(s) lost that a live worker could have served (see `failures` in the report)",
-            report.good.lost_servable
-        );
+    match report.failure() {
+        Some(failure) => anyhow::bail!(failure),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 async fn overhead(args: &OverheadArgs) -> anyhow::Result<()> {

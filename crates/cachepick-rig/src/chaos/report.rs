@@ -32,6 +32,24 @@ pub struct Failure {
     pub envoy: Option<String>,
 }
 
+impl ChaosReport {
+    /// Why the run failed, if it did: a good request lost that a live worker could have served.
+    pub fn failure(&self) -> Option<String> {
+        Tally::failure(&self.good)
+    }
+}
+
+impl Tally {
+    fn failure(&self) -> Option<String> {
+        (self.lost_servable > 0).then(|| {
+            format!(
+                "{} request(s) lost that a live worker could have served (see `failures` in the report)",
+                self.lost_servable
+            )
+        })
+    }
+}
+
 /// The good requests' account.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Tally {
@@ -479,6 +497,22 @@ pub fn table(report: &ChaosReport) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_run_fails_on_a_servable_request_lost_and_on_nothing_else() {
+        let mut good = Tally {
+            failed: 3,
+            ..Tally::default()
+        };
+        assert_eq!(good.failure(), None, "failures no live worker could serve");
+        good.lost_servable = 1;
+        assert_eq!(
+            good.failure().as_deref(),
+            Some(
+                "1 request(s) lost that a live worker could have served (see `failures` in the report)"
+            )
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -102,6 +102,31 @@ pub enum Via {
     Direct,
 }
 
+impl Via {
+    /// The route of a replay asked for `explicit` (`envoy` or `direct`, from `--via`) with picker
+    /// `replicas` per arm. Unasked, more than one replica means Envoy, since the replicas sit behind
+    /// it; an explicit `direct` with replicas stays direct, and [`run`] refuses it saying why.
+    pub fn chosen(explicit: Option<Via>, replicas: &[usize]) -> Via {
+        match explicit {
+            Some(via) => via,
+            None if replicas.iter().any(|&n| n > 1) => Via::Envoy,
+            None => Via::Direct,
+        }
+    }
+}
+
+impl std::str::FromStr for Via {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Via, String> {
+        match text {
+            "envoy" => Ok(Via::Envoy),
+            "direct" => Ok(Via::Direct),
+            other => Err(format!("expected envoy or direct, got `{other}`")),
+        }
+    }
+}
+
 pub use cachepick::config::IndexMode;
 
 /// What `cachepick replay` runs.
@@ -270,6 +295,24 @@ pub struct Replay {
     /// The printed table (Markdown).
     pub table: String,
     pub out_dir: PathBuf,
+}
+
+impl Replay {
+    /// Why the replay failed as a comparison, if it did: an arm that could not run is a failed
+    /// comparison, not a smaller one.
+    pub fn failure(&self) -> Option<String> {
+        failure_of(&self.skipped)
+    }
+}
+
+fn failure_of(skipped: &[Skipped]) -> Option<String> {
+    (!skipped.is_empty()).then(|| {
+        let arms: Vec<&str> = skipped
+            .iter()
+            .map(|skipped| skipped.policy.as_str())
+            .collect();
+        format!("{} arm(s) could not run: {}", arms.len(), arms.join(", "))
+    })
 }
 
 /// The fleet replays run on when no `--config` is given: 4 vLLM workers, the `bytes` tokenizer (exact
@@ -608,6 +651,36 @@ fn announce(
             crash.worker,
             crash.at.as_secs_f64(),
             crash.restart_after.as_secs_f64()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_imply_envoy_unless_the_route_is_asked_for() {
+        assert_eq!(Via::chosen(None, &[1]), Via::Direct);
+        assert_eq!(Via::chosen(None, &[]), Via::Direct);
+        assert_eq!(Via::chosen(None, &[1, 3]), Via::Envoy);
+        assert_eq!(Via::chosen(Some(Via::Direct), &[3]), Via::Direct);
+        assert_eq!(Via::chosen(Some(Via::Envoy), &[1]), Via::Envoy);
+        assert_eq!("envoy".parse(), Ok(Via::Envoy));
+        assert_eq!("direct".parse(), Ok(Via::Direct));
+        assert!("grpc".parse::<Via>().is_err());
+    }
+
+    #[test]
+    fn a_replay_with_an_arm_that_could_not_run_failed() {
+        assert_eq!(failure_of(&[]), None);
+        let skipped = |policy: &str| Skipped {
+            policy: policy.to_owned(),
+            error: "the front did not start".to_owned(),
+        };
+        assert_eq!(
+            failure_of(&[skipped("smg"), skipped("vllm-router")]).as_deref(),
+            Some("2 arm(s) could not run: smg, vllm-router")
         );
     }
 }
