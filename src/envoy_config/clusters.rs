@@ -54,16 +54,6 @@ fn load_assignment(
     }
 }
 
-/// A `policies:` list of one load-balancing policy at `indent`; its fields, if any, follow at
-/// `indent + 6`.
-fn load_balancing_policy(out: &mut Yaml, indent: usize, name: &str, type_name: &str) {
-    out.line(indent, "policies:");
-    out.line(indent, "- typed_extension_config:");
-    out.line(indent + 4, &format!("name: {name}"));
-    out.line(indent + 4, "typed_config:");
-    out.type_url(indent + 6, type_name);
-}
-
 pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&ColdStart<'_>>) {
     out.line(2, &format!("- name: {WORKERS_CLUSTER}"));
     let source = WorkersSource::of(config);
@@ -127,8 +117,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&Col
         ],
     );
     out.line(4, "load_balancing_policy:");
-    load_balancing_policy(
-        out,
+    out.load_balancing_policy(
         6,
         "envoy.load_balancing_policies.override_host",
         "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
@@ -140,8 +129,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&Col
         &format!("- metadata: {{key: {LB_NAMESPACE}, path: [{{key: {DESTINATION}}}]}}"),
     );
     out.line(12, "fallback_policy:");
-    load_balancing_policy(
-        out,
+    out.load_balancing_policy(
         14,
         "envoy.load_balancing_policies.least_request",
         "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",

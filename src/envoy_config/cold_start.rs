@@ -117,12 +117,9 @@ pub(super) fn bootstrap_cluster(
         );
     }
     out.line(4, "load_balancing_policy:");
-    out.line(6, "policies:");
-    out.line(6, "- typed_extension_config:");
-    out.line(10, "name: envoy.load_balancing_policies.least_request");
-    out.line(10, "typed_config:");
-    out.type_url(
-        12,
+    out.load_balancing_policy(
+        6,
+        "envoy.load_balancing_policies.least_request",
         "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
     );
 }

@@ -67,6 +67,16 @@ impl Yaml {
         );
     }
 
+    /// A `policies:` list of one load-balancing policy at `indent`; its fields, if any, follow at
+    /// `indent + 6`.
+    pub(super) fn load_balancing_policy(&mut self, indent: usize, name: &str, type_name: &str) {
+        self.line(indent, "policies:");
+        self.line(indent, "- typed_extension_config:");
+        self.line(indent + 4, &format!("name: {name}"));
+        self.line(indent + 4, "typed_config:");
+        self.type_url(indent + 6, type_name);
+    }
+
     /// A list entry `- name: <name>` whose `typed_config` is a `type_name`; its fields, if any, follow at
     /// `indent + 4`.
     pub(super) fn typed_entry(&mut self, indent: usize, name: &str, type_name: &str) {
