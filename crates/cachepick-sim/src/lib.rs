@@ -38,6 +38,7 @@ pub mod expo;
 pub mod fleet;
 pub mod kv_events;
 pub mod model;
+mod net;
 pub mod server;
 pub mod stats;
 pub mod step;

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use tokio::net::TcpSocket;
 use tokio::sync::mpsc;
 use zeromq::{
     PubSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend,
@@ -17,6 +16,7 @@ use zeromq::{
 use super::{END_SEQ, encode_batch};
 use crate::cache::CacheEvent;
 use crate::config::{KvEventsConfig, KvEventsFormat};
+use crate::net::bind_reusable;
 
 /// Batches a rank may have waiting for its publisher; beyond it a batch is dropped (and counted).
 const QUEUE_BATCHES: usize = 4096;
@@ -160,17 +160,9 @@ fn bind_run(host: IpAddr, first: u16, count: u32) -> std::io::Result<Vec<std::ne
     Ok(listeners)
 }
 
-/// A listener with `SO_REUSEADDR`, so a restarted worker can bind its ports again while the dead one's
-/// connections linger in TIME_WAIT.
+/// A KV event listener (see [`bind_reusable`]).
 fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(1024)?.into_std()
+    bind_reusable(addr, 1024)?.into_std()
 }
 
 /// `count` consecutive free ports, bound: from `first` when given, else from a free port the system

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 use super::{
@@ -14,6 +14,7 @@ use super::{
 use crate::config::Timing;
 use crate::kv_events::publisher::{self, RankListeners, RankStream};
 use crate::kv_events::{KvEventEndpoints, RankEventEndpoints};
+use crate::net::bind_reusable;
 
 /// The accept queue of a worker's HTTP listener: uvicorn's default `backlog`, which vLLM's and
 /// SGLang's API servers run with. Tokio's own `bind` asks for 128, which a burst of Envoy's new
@@ -21,17 +22,9 @@ use crate::kv_events::{KvEventEndpoints, RankEventEndpoints};
 /// kernel then drops the SYNs and Envoy counts connect timeouts a real engine would not cause.
 const HTTP_BACKLOG: u32 = 2048;
 
-/// Binds a worker's HTTP listener (port 0 takes a free one), with `SO_REUSEADDR` so a restarted
-/// worker binds its port again while the dead one's connections linger in TIME_WAIT.
+/// Binds a worker's HTTP listener (see [`bind_reusable`]).
 pub(super) fn bind_http(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(HTTP_BACKLOG)
+    bind_reusable(addr, HTTP_BACKLOG)
 }
 
 /// Binds a worker's KV event ports: per rank a PUB listener and, with replay, a ROUTER listener, each
