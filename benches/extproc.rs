@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use cachepick::config::{Config, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
-use cachepick::route::{Answer, Inbound, Picker, Service};
+use cachepick::route::{Answer, CommitGate, Inbound, Picker, Service};
 use cachepick_rig::client::{Client, Verdict, buffered_request};
 use cachepick_rig::stage::{Shutdown, Stage, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
@@ -262,7 +262,9 @@ fn bench_extproc(c: &mut Criterion) {
             );
         }
         for _ in 0..2 {
-            let answer = bench.service.route(&Inbound::new(CHAT, Some(body)));
+            let answer = bench
+                .service
+                .answer(&Inbound::new(CHAT, Some(body)), &CommitGate::open());
             assert!(matches!(answer, Answer::Route(_)), "{name}: {answer:?}");
         }
         println!(
@@ -294,11 +296,10 @@ fn bench_extproc(c: &mut Criterion) {
         });
         group.bench_function("in_process", |b| {
             b.iter(|| {
-                black_box(
-                    bench
-                        .service
-                        .route(&Inbound::new(CHAT, Some(black_box(body)))),
-                )
+                black_box(bench.service.answer(
+                    &Inbound::new(CHAT, Some(black_box(body))),
+                    &CommitGate::open(),
+                ))
             })
         });
         group.finish();

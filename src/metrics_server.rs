@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -48,7 +48,9 @@ pub trait DebugSource: Send + Sync + 'static {
     /// `POST /debug/explain?path=/v1/chat/completions`: how this body would be routed now, without
     /// routing it. The source runs it through the decisions' admission (its own share of blocking
     /// threads, rate-limited: 429 over the rate), never on the runtime.
-    fn explain_json(&self, path: String, body: Bytes) -> ExplainFuture;
+    /// `headers` are the call's own: its `content-encoding` and tenant header are the explained
+    /// request's.
+    fn explain_json(&self, path: String, headers: &HeaderMap, body: Bytes) -> ExplainFuture;
     /// Request bodies larger than this get 413 before they are read whole.
     fn max_body_bytes(&self) -> usize;
 }
@@ -307,6 +309,7 @@ async fn explain(request: Request<Incoming>, debug: Arc<dyn DebugSource>) -> Res
         Err(message) => return error(StatusCode::BAD_REQUEST, "invalid_path", &message),
     };
     let limit = debug.max_body_bytes();
+    let headers = request.headers().clone();
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -328,7 +331,7 @@ async fn explain(request: Request<Incoming>, debug: Arc<dyn DebugSource>) -> Res
             );
         }
     };
-    match debug.explain_json(path, body).await {
+    match debug.explain_json(path, &headers, body).await {
         Ok(json) => respond(StatusCode::OK, JSON, json.into()),
         Err((status, json)) => respond(
             StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
@@ -412,7 +415,7 @@ mod tests {
             br#"{"pools":[{"pool":"m","workers":2}]}"#.to_vec()
         }
 
-        fn explain_json(&self, path: String, body: Bytes) -> ExplainFuture {
+        fn explain_json(&self, path: String, _headers: &HeaderMap, body: Bytes) -> ExplainFuture {
             self.paths.lock().unwrap().push(path.clone());
             let answer = if body.as_ref() == b"refuse" {
                 Err((

@@ -93,10 +93,13 @@ pub enum RefusalReason {
     UnsupportedBodyMode,
     /// cachepick failed to decide.
     Internal,
+    // The operator surfaces.
+    /// An explain call over `overload.explain_rate`, or with every explain slot busy.
+    ExplainRefused,
 }
 
 impl RefusalReason {
-    pub const ALL: [RefusalReason; 16] = [
+    pub const ALL: [RefusalReason; 17] = [
         RefusalReason::TooLarge,
         RefusalReason::NotUtf8,
         RefusalReason::InvalidJson,
@@ -113,6 +116,7 @@ impl RefusalReason {
         RefusalReason::BodyTimeout,
         RefusalReason::UnsupportedBodyMode,
         RefusalReason::Internal,
+        RefusalReason::ExplainRefused,
     ];
 
     /// The HTTP status the client gets.
@@ -133,6 +137,7 @@ impl RefusalReason {
             RefusalReason::TokenizerFailed
             | RefusalReason::UnsupportedBodyMode
             | RefusalReason::Internal => 500,
+            RefusalReason::ExplainRefused => 429,
             RefusalReason::NoWorkers => 503,
         }
     }
@@ -156,6 +161,7 @@ impl RefusalReason {
             RefusalReason::BodyTimeout => "body_timeout",
             RefusalReason::UnsupportedBodyMode => "unsupported_body_mode",
             RefusalReason::Internal => "internal",
+            RefusalReason::ExplainRefused => "explain_refused",
         }
     }
 }

@@ -196,6 +196,12 @@ pub fn explanation(explanation: &Explanation) -> String {
     };
     let mut out = String::new();
     let _ = writeln!(out, "pool:    {}", prepared.pool_label);
+    if explanation.passthrough {
+        let _ = writeln!(
+            out,
+            "routing: passthrough (routed by load alone: not a generation request, or a body cachepick cannot read)"
+        );
+    }
     let _ = writeln!(
         out,
         "prompt:  {} tokens, {} full blocks of {}",

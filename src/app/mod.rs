@@ -22,11 +22,11 @@ use crate::load::{PoolLoad, PoolView, ScrapeTlsClient, Scraper};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource, ExplainFuture};
 use crate::prefix::EventIndex;
-use crate::protocol::error_json;
 /// Re-exported where `cachepick explain` has always found them; they live in `route`.
 pub use crate::route::Explanation;
-use crate::route::{ExplainError, Picker, PickerError, PoolReport, RequestError, Service};
+use crate::route::{ExplainInput, Picker, PickerError, PoolReport, Refusal, Service};
 use crate::tls::TlsError;
+use http::HeaderMap;
 pub use reload::{READ_TIMEOUT, Reload, restart_only_changes};
 pub use startup::{Prepared, StartError, prepare};
 
@@ -279,28 +279,24 @@ impl DebugSource for Debug {
         serde_json::to_vec_pretty(&snapshot).unwrap_or_default()
     }
 
-    fn explain_json(&self, path: String, body: Bytes) -> ExplainFuture {
+    fn explain_json(&self, path: String, headers: &HeaderMap, body: Bytes) -> ExplainFuture {
         let service = Arc::clone(&self.0);
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_owned)
+        };
+        let input = ExplainInput {
+            path,
+            body,
+            content_encoding: header(http::header::CONTENT_ENCODING.as_str()),
+            tenant: service.salt_header().and_then(header),
+        };
         Box::pin(async move {
-            match service.explain_admitted(path, body).await {
+            match service.explain_admitted(input).await {
                 Ok(explanation) => Ok(serde_json::to_vec_pretty(&explanation).unwrap_or_default()),
-                Err(ExplainError::Refused(refused)) => {
-                    Err((429, error_json("explain_refused", refused.message())))
-                }
-                Err(ExplainError::Request(error)) => {
-                    let reason = error.reason();
-                    Err((
-                        reason.status(),
-                        error_json(reason.as_str(), &error.to_string()),
-                    ))
-                }
-                Err(ExplainError::Failed(cause)) => Err((
-                    500,
-                    error_json(
-                        "internal_error",
-                        &format!("explaining the request failed: {cause}"),
-                    ),
-                )),
+                Err(refusal) => Err((refusal.status(), refusal.body())),
             }
         })
     }
@@ -409,14 +405,15 @@ async fn discover_once(config: &Config, pools: &mut [(Arc<PoolLoad>, Scraper)]) 
     tasks.join_all().await;
 }
 
-/// Scrapes every pool once and explains how `body`, sent to `path`, would be routed by a picker that has
-/// this load and has not routed anything yet (so its owner index is empty).
+/// Scrapes every pool once and explains how `input` would be routed by a picker that has this load and
+/// has not routed anything yet (so its owner index is empty): the request pipeline's dry run, as the
+/// running picker's explain is.
 pub async fn explain(
     config: &Config,
-    path: &str,
-    body: &[u8],
-) -> Result<Result<Explanation, RequestError>, AppError> {
+    input: &ExplainInput<Vec<u8>>,
+) -> Result<Result<Explanation, Refusal>, AppError> {
     let loads = scraped(config, 1).await?;
     let picker = Picker::new(config, &loads)?;
-    Ok(picker.explain(path, body, &mut rand::rng()))
+    let service = Service::new(picker, Arc::new(Metrics::new()?));
+    Ok(service.explain(&input.inbound()))
 }

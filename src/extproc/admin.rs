@@ -14,7 +14,7 @@ use tonic::{Code, Request, Response, Status};
 use self::pb::admin_server::{Admin, AdminServer};
 use crate::load::{PoolView, WorkerView};
 use crate::policy::Outcome;
-use crate::route::{AdmissionView, ExplainError, Explanation, RequestError, Service};
+use crate::route::{AdmissionView, ExplainInput, Explanation, Refusal, Service};
 use crate::worker::WorkerId;
 
 /// The generated `cachepick.v1` package: messages, `admin_server` and `admin_client`.
@@ -89,19 +89,15 @@ impl Admin for AdminApi {
         };
         // Through admission (explain's own share of blocking threads, rate-limited), never on the
         // runtime: a multi-MB prompt would stall every ext_proc stream and the health service.
-        match self
-            .service
-            .explain_admitted(path.to_owned(), request.body)
-            .await
-        {
+        let input = ExplainInput {
+            path: path.to_owned(),
+            body: request.body,
+            content_encoding: Some(request.content_encoding).filter(|coding| !coding.is_empty()),
+            tenant: request.tenant,
+        };
+        match self.service.explain_admitted(input).await {
             Ok(explanation) => Ok(Response::new(explain_response(&explanation))),
-            Err(ExplainError::Request(error)) => Err(refused(&error)),
-            Err(ExplainError::Refused(refused)) => {
-                Err(Status::resource_exhausted(refused.message()))
-            }
-            Err(ExplainError::Failed(cause)) => Err(Status::internal(format!(
-                "explaining the request failed: {cause}"
-            ))),
+            Err(refusal) => Err(refused(&refusal)),
         }
     }
 
@@ -139,8 +135,8 @@ impl Admin for AdminApi {
 fn code_for(http_status: u16) -> Code {
     match http_status {
         404 => Code::NotFound,
-        // gRPC's own answer to a message over the size limit.
-        413 => Code::ResourceExhausted,
+        // gRPC's own answer to a message over the size limit, and to a caller over its rate.
+        413 | 429 => Code::ResourceExhausted,
         // Something else about the body: 400 and any other client error.
         400..=499 => Code::InvalidArgument,
         500..=599 => Code::Internal,
@@ -148,11 +144,11 @@ fn code_for(http_status: u16) -> Code {
     }
 }
 
-/// A body the picker refuses: the status mapped from its HTTP status, its message, and its stable label
-/// in the `x-cachepick-reject-reason` metadata.
-fn refused(error: &RequestError) -> Status {
-    let reason = error.reason();
-    let mut status = Status::new(code_for(reason.status()), error.to_string());
+/// A refusal as the admin API answers it: the status mapped from its HTTP status, its message, and its
+/// stable label in the `x-cachepick-reject-reason` metadata.
+fn refused(refusal: &Refusal) -> Status {
+    let reason = refusal.reason;
+    let mut status = Status::new(code_for(reason.status()), refusal.message.clone());
     status.metadata_mut().insert(
         super::REJECT_HEADER,
         MetadataValue::from_static(reason.as_str()),
@@ -204,6 +200,8 @@ pub(crate) fn explain_response(explanation: &Explanation) -> pb::ExplainResponse
         outcome: Some(outcome),
         trace_json: serde_json::to_string(explanation.outcome.trace()).unwrap_or_default(),
         endpoints: endpoints.clone(),
+        label: explanation.decision.to_owned(),
+        passthrough: explanation.passthrough,
     }
 }
 
@@ -322,6 +320,8 @@ mod tests {
             ..Trace::default()
         };
         let explanation = Explanation {
+            decision: "cache_worker_queued",
+            passthrough: false,
             depth_sources: None,
             tiers: Vec::new(),
             prepared: prepared(),
@@ -384,6 +384,8 @@ mod tests {
             matched_tokens: 16,
         }];
         let explanation = Explanation {
+            decision: "no_workers",
+            passthrough: false,
             depth_sources: None,
             tiers: Vec::new(),
             prepared,

@@ -723,7 +723,7 @@ impl Pending {
             Some(Fault::Sleep(pause)) => std::thread::sleep(pause),
             None => {}
         }
-        service.route_gated(
+        service.answer(
             &Inbound {
                 path: &self.path,
                 // Envoy always sends `:method`; a client of another kind may not.

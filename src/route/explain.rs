@@ -1,17 +1,27 @@
-//! What `cachepick explain`, the debug endpoint and the admin `Explain` report about one body: the
-//! prepared request and the decision the picker would make now. Its text form is in `crate::render`.
+//! What `cachepick explain`, the debug endpoint and the admin `Explain` report about one request: the
+//! answer routing would give it now and what the pipeline saw on the way (`Service::route` in a dry
+//! run: the same steps as routing, nothing committed). Its text form is in `crate::render`.
 
 use serde::Serialize;
 
+use super::picker::Pinned;
 use super::prepared::Prepared;
 use crate::events::Medium;
+use crate::events::stream::StreamView;
+use crate::load::PoolSnapshot;
 use crate::policy::Outcome;
 use crate::prefix::SourcedMatch;
 use crate::worker::WorkerId;
 
-/// What `cachepick explain` and the debug endpoints report about one request body.
+/// What `cachepick explain` and the debug endpoints report about one request.
 #[derive(Debug, Serialize)]
 pub struct Explanation {
+    /// The label routing would give the request (`x-cachepick-decision`): the decision's reason, or
+    /// `passthrough` for a request routed by load alone.
+    pub decision: &'static str,
+    /// Routed by load alone, neither a decision nor a prefix to learn: not a generation request, or
+    /// a body cachepick cannot read.
+    pub passthrough: bool,
     pub prepared: Prepared,
     pub block_size: u32,
     /// The decision the picker would make now (nothing is committed).
@@ -33,4 +43,71 @@ pub struct Explanation {
 pub struct WorkerTiers {
     pub worker: WorkerId,
     pub blocks: Vec<(Medium, u64)>,
+}
+
+impl Explanation {
+    /// What a dry run saw: the request on its pinned snapshot, the policy's `outcome`, and routing's
+    /// label for it. `depth_sources` and `streams` (the pool's KV event streams) come from an
+    /// `events` pool only.
+    pub(super) fn new(
+        pinned: &Pinned<'_>,
+        outcome: Outcome,
+        decision: &'static str,
+        passthrough: bool,
+        depth_sources: Option<Vec<SourcedMatch>>,
+        streams: Vec<StreamView>,
+    ) -> Explanation {
+        Explanation {
+            decision,
+            passthrough,
+            prepared: pinned.prepared().clone(),
+            block_size: pinned.block_size(),
+            outcome,
+            endpoints: endpoints_by_id(pinned.snapshot()),
+            tiers: if depth_sources.is_some() {
+                tiers(streams)
+            } else {
+                Vec::new()
+            },
+            depth_sources,
+        }
+    }
+}
+
+/// Each slot's endpoint, by worker id (empty for a slot nobody holds): what `explain` names workers by.
+fn endpoints_by_id(snapshot: &PoolSnapshot) -> Vec<String> {
+    let mut endpoints = vec![String::new(); snapshot.slots()];
+    for worker in snapshot.workers() {
+        if let Some(slot) = endpoints.get_mut(worker.id.index()) {
+            *slot = worker.endpoint.to_string();
+        }
+    }
+    endpoints
+}
+
+/// Each worker's blocks per tier, summed over its ranks' streams.
+fn tiers(streams: Vec<StreamView>) -> Vec<WorkerTiers> {
+    let mut tiers: Vec<WorkerTiers> = Vec::new();
+    for stream in streams {
+        let at = match tiers.iter().position(|found| found.worker == stream.worker) {
+            Some(at) => at,
+            None => {
+                tiers.push(WorkerTiers {
+                    worker: stream.worker,
+                    blocks: stream
+                        .tiers
+                        .iter()
+                        .map(|(medium, _)| (*medium, 0))
+                        .collect(),
+                });
+                tiers.len() - 1
+            }
+        };
+        if let Some(found) = tiers.get_mut(at) {
+            for ((_, total), (_, blocks)) in found.blocks.iter_mut().zip(stream.tiers) {
+                *total += blocks;
+            }
+        }
+    }
+    tiers
 }

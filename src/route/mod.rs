@@ -19,19 +19,25 @@
 //! Nothing here sees a protobuf type or a server: `extproc` translates answers to Envoy's, and `app`
 //! adapts the service to the debug endpoints.
 pub mod admission;
+mod answer;
 mod credit;
 mod explain;
+mod index;
 mod picker;
 mod prepared;
 mod service;
 mod settle;
+mod views;
 
 pub use crate::protocol::{RefusalReason, ShedReason};
 pub use admission::{Admission, AdmissionView, CommitGate};
+pub use answer::{Answer, Commit, ExplainInput, Inbound, Refusal, Routed, Routing};
 pub use credit::{Credit, ServedReport, Settled};
 pub use explain::Explanation;
 pub use picker::{Allowance, Picker, PickerError, Pinned, RequestError};
 pub use prepared::Prepared;
-pub use service::{
-    Answer, ExplainError, Inbound, PoolReport, Refusal, Routed, Service, SourceReport,
-};
+pub use service::Service;
+pub use views::{PoolReport, SourceReport};
+
+#[cfg(test)]
+mod tests;

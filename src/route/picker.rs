@@ -14,7 +14,6 @@
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -25,15 +24,13 @@ use thiserror::Error;
 
 use super::admission::BodyBudget;
 use super::credit::Credit;
-use super::explain::Explanation;
+use super::index::{self, Feeds, PoolIndex, capacity_blocks, credited_chain};
 use super::prepared::Prepared;
-use crate::config::{
-    Config, IndexMode, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig,
-};
+use crate::config::{Config, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig};
 use crate::events::EventFeeds;
 use crate::load::{PoolLoad, PoolSnapshot, RosterObserver};
-use crate::policy::{self, Decision, LoadView, Outcome, Reject, RejectReason, RequestFacts, Trace};
-use crate::prefix::{EventIndex, IndexStats, OwnerIndex, SourcedMatch, block_hashes, prefix_seed};
+use crate::policy::{self, Decision, LoadView, Outcome, RequestFacts};
+use crate::prefix::{EventIndex, IndexStats, SourcedMatch, block_hashes};
 use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, BodyError, Prompt, ReadBody};
 use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
@@ -113,19 +110,11 @@ pub(super) struct PoolRoute {
     pub(super) config: PoolConfig,
     pub(super) load: Arc<PoolLoad>,
     tokenizer: PoolTokenizer,
-    pub(super) index: PoolIndex,
+    pub(super) index: Arc<dyn PoolIndex>,
     /// The pool's policy; a reloaded file replaces it whole, and each decision reads one.
     policy: ArcSwap<PolicyConfig>,
     /// Decisions taken so far under `round_robin`: the next request's turn.
     sequence: AtomicU64,
-}
-
-/// Where a pool learns who holds which prefix (`PoolConfig::index`).
-pub(super) enum PoolIndex {
-    /// From this picker's own decisions.
-    Approximate(Arc<OwnerIndex>),
-    /// From the engines' KV events, fed by `events::EventFeeds`, plus this picker's recent decisions.
-    Events(Arc<EventIndex>),
 }
 
 /// The request path for every pool of a configuration.
@@ -180,14 +169,7 @@ impl Picker {
                         *slot = capacity_blocks(pool, worker.capacity.max_total_tokens);
                     }
                 }
-                let index = match pool.index.mode {
-                    IndexMode::Approximate => {
-                        PoolIndex::Approximate(Arc::new(OwnerIndex::new(&capacities)))
-                    }
-                    IndexMode::Events => {
-                        PoolIndex::Events(Arc::new(EventIndex::for_pool(pool, &capacities)))
-                    }
-                };
+                let index = index::for_pool(pool, &capacities);
                 PoolRoute {
                     policy: ArcSwap::from_pointee(pool.policy.clone()),
                     config: pool.clone(),
@@ -256,51 +238,31 @@ impl Picker {
                     })
                     .collect();
                 let tools = tools.map(|raw| raw.get());
-                Cow::Owned(untokenized_as_empty(match &pool.index {
-                    PoolIndex::Approximate(_) => {
-                        pool.tokenizer.tokens_for_chat_within(&turns, tools, stop)
-                    }
-                    // The engine's own block tokens are matched here, so the prompt's tokens must be
-                    // the engine's: the rendered chat tokenized whole, as the engine does. Segments
-                    // can differ at their boundaries (see `tokenize`).
-                    PoolIndex::Events(_) => pool
-                        .tokenizer
-                        .render_chat(&turns, tools)
-                        .and_then(|text| pool.tokenizer.encode_whole_within(&text, false, stop)),
-                })?)
+                Cow::Owned(untokenized_as_empty(pool.index.chat_tokens(
+                    &pool.tokenizer,
+                    &turns,
+                    tools,
+                    stop,
+                ))?)
             }
             Prompt::Text(text) => Cow::Owned(untokenized_as_empty(
                 pool.tokenizer.tokens_for_text_within(text, stop),
             )?),
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
-        // The engines' events name no model, so in `events` mode every chain of the pool hangs off the
-        // pool's own model (see `events::apply`).
-        let seed_model = match &pool.index {
-            PoolIndex::Approximate(_) => model.unwrap_or(pool.load.label()),
-            PoolIndex::Events(_) => pool.load.label(),
-        };
-        // The tenant salts only what cachepick hashes itself: an `events` pool matches the engines'
-        // own chains, which no header changes (the engines isolate tenants by vLLM's `cache_salt`).
-        let salt = match (&pool.index, tenant) {
-            (PoolIndex::Approximate(_), Some(tenant)) => {
-                Some(Cow::Owned(match &parsed.cache_salt {
-                    // Length-prefixed, so no pair of tenant and body salt reads as another pair.
-                    Some(body) => format!("{}:{tenant}\0{body}", tenant.len()),
-                    None => format!("{}:{tenant}", tenant.len()),
-                }))
-            }
-            _ => parsed.cache_salt.clone(),
-        };
-        let seed = prefix_seed(seed_model, salt.as_deref());
+        let seed = pool.index.seed(
+            model,
+            pool.load.label(),
+            parsed.cache_salt.as_deref(),
+            tenant,
+        );
         let hashes = block_hashes(seed, &tokens, config.block_size);
         let prompt_tokens = tokens.len() as u64;
         drop(tokens);
         drop(charge);
-        let owners = match &pool.index {
-            PoolIndex::Approximate(index) => index.matches(&hashes, config.block_size),
-            PoolIndex::Events(index) => index.matches(&hashes, Instant::now()),
-        };
+        let owners = pool
+            .index
+            .matches(&hashes, config.block_size, Instant::now());
         Ok(Prepared {
             pool: pool_index,
             pool_label: pool.load.label().to_owned(),
@@ -372,13 +334,7 @@ impl Picker {
     pub fn index_stats(&self) -> Vec<(String, IndexStats)> {
         self.pools
             .iter()
-            .map(|pool| {
-                let stats = match &pool.index {
-                    PoolIndex::Approximate(index) => index.stats(),
-                    PoolIndex::Events(index) => index.stats().index,
-                };
-                (pool.load.label().to_owned(), stats)
-            })
+            .map(|pool| (pool.load.label().to_owned(), pool.index.stats()))
             .collect()
     }
 
@@ -386,50 +342,16 @@ impl Picker {
     pub fn event_indexes(&self) -> Vec<(&PoolConfig, Arc<EventIndex>)> {
         self.pools
             .iter()
-            .filter_map(|pool| match &pool.index {
-                PoolIndex::Events(index) => Some((&pool.config, Arc::clone(index))),
-                PoolIndex::Approximate(_) => None,
-            })
+            .filter_map(|pool| Some((&pool.config, Arc::clone(pool.index.events()?))))
             .collect()
     }
 
     /// For an `events` pool, where each owner's depth of `prepared` comes from; `None` otherwise.
     pub fn depth_sources(&self, prepared: &Prepared) -> Option<Vec<SourcedMatch>> {
-        match &self.pools.get(prepared.pool)?.index {
-            PoolIndex::Events(index) => Some(index.sourced(&prepared.block_hashes, Instant::now())),
-            PoolIndex::Approximate(_) => None,
-        }
-    }
-
-    /// How `body` would be routed now, on the live owner index and load, without committing anything.
-    pub fn explain<R: Rng + ?Sized>(
-        &self,
-        path: &str,
-        body: &[u8],
-        rng: &mut R,
-    ) -> Result<Explanation, RequestError> {
-        // Read as the request service reads it: a byte-order mark skipped, UTF-16 and UTF-32 as text.
-        let text = crate::request::charset::to_utf8(body, self.max_body_bytes);
-        let prepared = self.prepare(path, text.as_deref().unwrap_or(body))?;
-        // Looks at the next turn without taking it: explaining routes nothing.
-        let outcome = match self.pin(&prepared) {
-            Some(pinned) => pinned.decide_in_turn(None, Instant::now(), false, rng),
-            None => no_workers(),
-        };
-        let config = self.pools.get(prepared.pool).map(|pool| &pool.config);
-        let depth_sources = self.depth_sources(&prepared);
-        Ok(Explanation {
-            depth_sources,
-            tiers: Vec::new(),
-            block_size: config.map_or(0, |pool| pool.block_size.get()),
-            endpoints: self
-                .pools
-                .get(prepared.pool)
-                .map(|pool| endpoints_by_id(&pool.load.snapshot()))
-                .unwrap_or_default(),
-            prepared,
-            outcome,
-        })
+        self.pools
+            .get(prepared.pool)?
+            .index
+            .depth_sources(&prepared.block_hashes, Instant::now())
     }
 
     /// Replaces pool `pool`'s policy (a reloaded file's); decisions already running finish with the old.
@@ -442,14 +364,10 @@ impl Picker {
     /// What keeps pool `pool`'s index and streams in step with its roster; handed to its scraper.
     pub fn roster(&self, pool: usize, feeds: &Arc<EventFeeds>) -> Option<Arc<dyn RosterObserver>> {
         let route = self.pools.get(pool)?;
-        let index = match &route.index {
-            PoolIndex::Approximate(index) => PoolIndex::Approximate(Arc::clone(index)),
-            PoolIndex::Events(index) => PoolIndex::Events(Arc::clone(index)),
-        };
         Some(Arc::new(PoolRoster {
             pool: route.config.clone(),
             label: route.load.label().to_owned(),
-            index,
+            index: Arc::clone(&route.index),
             feeds: Arc::clone(feeds),
         }))
     }
@@ -511,7 +429,7 @@ impl<'p> Pinned<'p> {
     }
 
     /// `decide`; `take_turn` false peeks at the round-robin turn instead of advancing it.
-    fn decide_in_turn<R: Rng + ?Sized>(
+    pub(super) fn decide_in_turn<R: Rng + ?Sized>(
         &self,
         allowed: Option<&[WorkerId]>,
         now: Instant,
@@ -575,26 +493,14 @@ impl<'p> Pinned<'p> {
         }
         let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
         let chain = credited_chain(&pool.config, &prepared.block_hashes, capacity);
-        match &pool.index {
-            PoolIndex::Approximate(index) => {
-                index.set_capacity(decision.selected, capacity);
-                index.insert(decision.selected, chain);
-            }
-            // The engine's events will say what it really cached; until then, a guess. The engines'
-            // capacities bound what their events can make the index hold.
-            PoolIndex::Events(index) => {
-                // Every worker's, not only the selected one's: the other replicas' decisions fill the
-                // others through their events.
-                if index.capacity_outdated(self.snapshot.version) {
-                    for worker in self.snapshot.workers() {
-                        let capacity =
-                            capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
-                        index.set_capacity(worker.id, capacity);
-                    }
-                }
-                index.speculate(decision.selected, chain, Instant::now());
-            }
-        }
+        pool.index.commit(
+            decision.selected,
+            chain,
+            capacity,
+            &self.snapshot,
+            &pool.config,
+            Instant::now(),
+        );
         pool.load.dispatches().record(decision.selected);
         let held = prepared
             .owners
@@ -622,74 +528,37 @@ impl<'p> Pinned<'p> {
     }
 }
 
-/// Each slot's endpoint, by worker id (empty for a slot nobody holds): what `explain` names workers by.
-fn endpoints_by_id(snapshot: &PoolSnapshot) -> Vec<String> {
-    let mut endpoints = vec![String::new(); snapshot.slots()];
-    for worker in snapshot.workers() {
-        if let Some(slot) = endpoints.get_mut(worker.id.index()) {
-            *slot = worker.endpoint.to_string();
-        }
-    }
-    endpoints
-}
-
 /// Keeps one pool's owner index and KV event streams in step with its roster: the scraper calls it
 /// before it publishes the snapshot that shows a change.
 struct PoolRoster {
     pool: PoolConfig,
     label: String,
-    index: PoolIndex,
+    index: Arc<dyn PoolIndex>,
     feeds: Arc<EventFeeds>,
+}
+
+impl PoolRoster {
+    fn feeds(&self) -> Feeds<'_> {
+        Feeds {
+            feeds: &self.feeds,
+            pool: &self.label,
+        }
+    }
 }
 
 impl RosterObserver for PoolRoster {
     fn joined(&self, id: WorkerId, worker: &WorkerConfig) {
-        // Whatever the slot's previous worker left behind (or a commit that raced its leaving) is not
-        // this worker's.
         let capacity = capacity_blocks(&self.pool, worker.max_total_tokens.map(|max| max.get()));
-        match &self.index {
-            PoolIndex::Approximate(index) => {
-                index.remove_worker(id);
-                index.set_capacity(id, capacity);
-            }
-            PoolIndex::Events(index) => {
-                index.reset_worker(id, capacity);
-                self.feeds.join(&self.label, id, worker);
-            }
-        }
+        self.index.joined(id, worker, capacity, &self.feeds());
     }
 
     fn left(&self, id: WorkerId) {
-        match &self.index {
-            PoolIndex::Approximate(index) => index.remove_worker(id),
-            PoolIndex::Events(index) => {
-                self.feeds.leave(&self.label, id);
-                index.reset_worker(id, 0);
-            }
-        }
+        self.index.left(id, &self.feeds());
     }
 
     fn restarted(&self, id: WorkerId) {
-        match &self.index {
-            PoolIndex::Approximate(index) => index.clear_worker(id),
-            // The stream sees the restart too (its sequence starts over) and resets the same slots.
-            PoolIndex::Events(index) => {
-                for rank in 0..EventIndex::ranks_per_worker(&self.pool) {
-                    if let Some(slot) = index.slot(id, rank) {
-                        index.clear(slot);
-                    }
-                }
-            }
-        }
+        self.index.restarted(id, &self.pool);
     }
-}
-
-/// The outcome for a request whose pool has no workers here.
-fn no_workers() -> Outcome {
-    Outcome::Reject(Reject {
-        reason: RejectReason::NoWorkers,
-        trace: Trace::default(),
-    })
 }
 
 /// The bytes of text a prompt's tokenizing reads: its messages' roles and parts and its tools, or its
@@ -728,39 +597,6 @@ fn untokenized_as_empty(
         }
         other => other,
     }
-}
-
-/// The leading blocks of `hashes` one request may record: at most `index.commit_share` of the
-/// worker's `capacity`, at least one block. Ownership is prefix-closed, so the leading blocks are the
-/// ones a later request can match.
-pub(super) fn credited_chain<'h>(
-    pool: &PoolConfig,
-    hashes: &'h [u64],
-    capacity: usize,
-) -> &'h [u64] {
-    let share = pool.index.commit_share.get();
-    // `as` saturates; capacities are far below f64's exact integers.
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let most = ((capacity as f64) * share).floor() as usize;
-    hashes.get(..most.max(1)).unwrap_or(hashes)
-}
-
-/// A worker's capacity in our blocks: the engine's KV tokens divided by our block size, at most
-/// [`PoolConfig::MAX_REPORTED_CACHE_BLOCKS`] (a scrape is plaintext and may be garbled), else the pool's
-/// configured default.
-pub(super) fn capacity_blocks(pool: &PoolConfig, max_total_tokens: Option<u64>) -> usize {
-    let block: u64 = NonZeroU32::get(pool.block_size).into();
-    max_total_tokens
-        .map(|tokens| {
-            usize::try_from(tokens / block)
-                .unwrap_or(usize::MAX)
-                .clamp(1, PoolConfig::MAX_REPORTED_CACHE_BLOCKS)
-        })
-        .unwrap_or(pool.default_cache_blocks.get())
 }
 
 #[cfg(test)]
@@ -1063,12 +899,13 @@ pools:
         let first = route(&picker, "ca", &mut rng);
         assert_eq!(first.1, Reason::CacheMiss);
         assert_eq!(route(&picker, "ca", &mut rng), (first.0, Reason::CacheHit));
-        // Explaining looks at the next turn without taking it.
+        // Looking at the next turn (explain's dry run) does not take it.
+        let rr = body("rr");
+        let prepared = picker.prepare("/v1/completions", &rr).unwrap();
+        let pinned = picker.pin(&prepared).unwrap();
         for _ in 0..2 {
-            let explained = picker
-                .explain("/v1/completions", &body("rr"), &mut rng)
-                .unwrap();
-            let decision = explained.outcome.decision().unwrap();
+            let outcome = pinned.decide_in_turn(None, Instant::now(), false, &mut rng);
+            let decision = outcome.decision().unwrap();
             assert_eq!(decision.selected.0, 1);
             assert_eq!(decision.trace.sequence, Some(4));
         }

@@ -5,7 +5,8 @@
 use std::time::Instant;
 
 use super::credit::{Credit, ServedReport, Settled};
-use super::picker::{Picker, PoolIndex, PoolRoute, capacity_blocks, credited_chain};
+use super::index::{capacity_blocks, credited_chain};
+use super::picker::{Picker, PoolRoute};
 
 impl Picker {
     /// Confirms, moves or retracts `credit` by what Envoy reported (see the module documentation).
@@ -34,13 +35,14 @@ impl Picker {
         retract(pool, credit);
         let capacity = capacity_blocks(&pool.config, served.capacity.max_total_tokens);
         let chain = credited_chain(&pool.config, &credit.chain, capacity);
-        match &pool.index {
-            PoolIndex::Approximate(index) => {
-                index.set_capacity(served.id, capacity);
-                index.insert(served.id, chain);
-            }
-            PoolIndex::Events(index) => index.speculate(served.id, chain, Instant::now()),
-        }
+        pool.index.commit(
+            served.id,
+            chain,
+            capacity,
+            &snapshot,
+            &pool.config,
+            Instant::now(),
+        );
         Settled::Moved
     }
 }
@@ -56,34 +58,18 @@ fn same_occupant(pool: &PoolRoute, credit: &Credit) -> bool {
 /// Takes back the blocks the request added to the selected worker, last first, so that what remains
 /// is still a prefix of the chain.
 fn retract(pool: &PoolRoute, credit: &Credit) {
-    let PoolIndex::Approximate(index) = &pool.index else {
-        return;
-    };
     if !same_occupant(pool, credit) {
         return;
     }
     let added = credit.chain.get(credit.held..).unwrap_or_default();
-    for &hash in added.iter().rev() {
-        index.remove(credit.worker, hash);
-    }
+    pool.index.retract(credit.worker, added);
 }
 
 /// The served request's blocks are on the selected worker: recorded again if something (another
 /// request's retraction of the same blocks) took them away.
 fn confirm(pool: &PoolRoute, credit: &Credit) {
-    let PoolIndex::Approximate(index) = &pool.index else {
-        return;
-    };
-    if !same_occupant(pool, credit) {
-        return;
-    }
-    let depth = index
-        .matches(&credit.chain, pool.config.block_size)
-        .into_iter()
-        .find(|owner| owner.worker == credit.worker)
-        .map_or(0, |owner| owner.matched_tokens);
-    let full = u64::from(pool.config.block_size.get()).saturating_mul(credit.chain.len() as u64);
-    if depth < full {
-        index.insert(credit.worker, &credit.chain);
+    if same_occupant(pool, credit) {
+        pool.index
+            .confirm(credit.worker, &credit.chain, pool.config.block_size);
     }
 }

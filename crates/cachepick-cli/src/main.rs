@@ -39,6 +39,12 @@ enum Command {
         /// File holding the request body.
         #[arg(long, value_name = "FILE")]
         body: PathBuf,
+        /// The body's Content-Encoding (gzip, br, zstd, deflate), as the request would send it.
+        #[arg(long, value_name = "CODING")]
+        content_encoding: Option<String>,
+        /// The value of the tenant header (`cache_salt_header`), as the request would send it.
+        #[arg(long, value_name = "VALUE")]
+        tenant: Option<String>,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -535,9 +541,22 @@ fn main() -> ExitCode {
             config,
             path,
             body,
+            content_encoding,
+            tenant,
             json,
         } => with_config(&config, |config| {
-            run("cachepick", explain(config, path, body, json))
+            let body =
+                std::fs::read(&body).with_context(|| format!("cannot read {}", body.display()));
+            let input = body.map(|body| cachepick::route::ExplainInput {
+                path,
+                body,
+                content_encoding,
+                tenant,
+            });
+            run(
+                "cachepick",
+                async move { explain(config, input?, json).await },
+            )
         }),
         Command::EnvoyConfig {
             config: args,
@@ -818,16 +837,15 @@ async fn snapshot(config: Config, rounds: u32, json: bool) -> anyhow::Result<Vec
         .collect())
 }
 
-async fn explain(config: Config, path: String, body: PathBuf, json: bool) -> anyhow::Result<()> {
-    let body = std::fs::read(&body).with_context(|| format!("cannot read {}", body.display()))?;
-    match cachepick::app::explain(&config, &path, &body).await? {
+async fn explain(
+    config: Config,
+    input: cachepick::route::ExplainInput<Vec<u8>>,
+    json: bool,
+) -> anyhow::Result<()> {
+    match cachepick::app::explain(&config, &input).await? {
         Ok(explanation) if json => println!("{}", serde_json::to_string_pretty(&explanation)?),
         Ok(explanation) => print!("{}", cachepick::render::explanation(&explanation)),
-        Err(error) => anyhow::bail!(
-            "the request would be refused: {} {}: {error}",
-            error.status(),
-            error.kind()
-        ),
+        Err(refusal) => anyhow::bail!("the request would be refused: {refusal}"),
     }
     Ok(())
 }

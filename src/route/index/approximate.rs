@@ -1,0 +1,118 @@
+//! `approximate` mode: the index is this picker's own decisions. Its chains are hashed from
+//! cachepick's tokens (a chat tokenized segment by segment, so a conversation's turns share their
+//! cached segments), seeded by the model the request names and salted by the tenant header as well
+//! as the body's `cache_salt`; a report of the response can retract or confirm a credit.
+
+use std::borrow::Cow;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Feeds, PoolIndex};
+use crate::config::{PoolConfig, WorkerConfig};
+use crate::load::PoolSnapshot;
+use crate::prefix::{EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch, prefix_seed};
+use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
+use crate::worker::WorkerId;
+
+pub(super) struct Approximate(OwnerIndex);
+
+impl Approximate {
+    pub(super) fn new(capacities: &[usize]) -> Self {
+        Approximate(OwnerIndex::new(capacities))
+    }
+}
+
+impl PoolIndex for Approximate {
+    fn chat_tokens(
+        &self,
+        tokenizer: &PoolTokenizer,
+        turns: &[ChatTurn<'_>],
+        tools: Option<&str>,
+        stop: &Stop,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        tokenizer.tokens_for_chat_within(turns, tools, stop)
+    }
+
+    fn seed(
+        &self,
+        model: Option<&str>,
+        pool: &str,
+        body_salt: Option<&str>,
+        tenant: Option<&str>,
+    ) -> u64 {
+        let salt = match (tenant, body_salt) {
+            // Length-prefixed, so no pair of tenant and body salt reads as another pair.
+            (Some(tenant), Some(body)) => {
+                Some(Cow::Owned(format!("{}:{tenant}\0{body}", tenant.len())))
+            }
+            (Some(tenant), None) => Some(Cow::Owned(format!("{}:{tenant}", tenant.len()))),
+            (None, body) => body.map(Cow::Borrowed),
+        };
+        prefix_seed(model.unwrap_or(pool), salt.as_deref())
+    }
+
+    fn matches(&self, hashes: &[u64], block_size: NonZeroU32, _now: Instant) -> Vec<OwnerMatch> {
+        self.0.matches(hashes, block_size)
+    }
+
+    fn commit(
+        &self,
+        worker: WorkerId,
+        chain: &[u64],
+        capacity: usize,
+        _snapshot: &PoolSnapshot,
+        _pool: &PoolConfig,
+        _now: Instant,
+    ) {
+        self.0.set_capacity(worker, capacity);
+        self.0.insert(worker, chain);
+    }
+
+    fn retract(&self, worker: WorkerId, added: &[u64]) {
+        // Last first, so that what remains is still a prefix of the chain.
+        for &hash in added.iter().rev() {
+            self.0.remove(worker, hash);
+        }
+    }
+
+    fn confirm(&self, worker: WorkerId, chain: &[u64], block_size: NonZeroU32) {
+        let depth = self
+            .0
+            .matches(chain, block_size)
+            .into_iter()
+            .find(|owner| owner.worker == worker)
+            .map_or(0, |owner| owner.matched_tokens);
+        let full = u64::from(block_size.get()).saturating_mul(chain.len() as u64);
+        if depth < full {
+            self.0.insert(worker, chain);
+        }
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.0.stats()
+    }
+
+    fn events(&self) -> Option<&Arc<EventIndex>> {
+        None
+    }
+
+    fn depth_sources(&self, _hashes: &[u64], _now: Instant) -> Option<Vec<SourcedMatch>> {
+        None
+    }
+
+    fn joined(&self, id: WorkerId, _worker: &WorkerConfig, capacity: usize, _feeds: &Feeds<'_>) {
+        // Whatever the slot's previous worker left behind (or a commit that raced its leaving) is not
+        // this worker's.
+        self.0.remove_worker(id);
+        self.0.set_capacity(id, capacity);
+    }
+
+    fn left(&self, id: WorkerId, _feeds: &Feeds<'_>) {
+        self.0.remove_worker(id);
+    }
+
+    fn restarted(&self, id: WorkerId, _pool: &PoolConfig) {
+        self.0.clear_worker(id);
+    }
+}
