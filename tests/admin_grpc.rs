@@ -91,6 +91,7 @@ impl Picker {
             .explain(ExplainRequest {
                 path: String::new(),
                 body: body.to_vec(),
+                ..Default::default()
             })
             .await
             .map(tonic::Response::into_inner)

@@ -561,6 +561,7 @@ async fn explain_over_its_rate_is_429_and_resource_exhausted() {
         .explain(cachepick::extproc::admin_api::ExplainRequest {
             path: CHAT.to_owned(),
             body: chat(1, 100),
+            ..Default::default()
         })
         .await
         .expect_err("over the rate");

@@ -164,7 +164,7 @@ impl Service {
         let subset = inbound.subset;
         let (prepared, passthrough) = match self.prepare(inbound, gate, live) {
             Ok(prepared) => prepared,
-            Err(answer) => return Routing::answered(answer),
+            Err(answer) => return Routing::answered(*answer),
         };
         let Some(pinned) = self.picker.pin(&prepared) else {
             // `prepare` only names pools that exist.
@@ -219,7 +219,7 @@ impl Service {
         inbound: &Inbound<'_>,
         gate: &CommitGate,
         live: bool,
-    ) -> Result<(Prepared, bool), Answer> {
+    ) -> Result<(Prepared, bool), Box<Answer>> {
         let Inbound { body, .. } = *inbound;
         let path = ApiPath::new(inbound.path);
         // Only a POST makes an engine generate: a GET or DELETE with a chat body leaves nothing in its
@@ -234,7 +234,7 @@ impl Service {
             None if path.api.is_some() => {
                 let message = format!("a request to {} needs a JSON body with a prompt", path.path);
                 let refusal = self.refusal(RefusalReason::MissingBody, message, live);
-                return Err(Answer::Refuse(refusal));
+                return Err(Box::new(Answer::Refuse(refusal)));
             }
             None => self.passthrough(None),
         };
@@ -246,11 +246,11 @@ impl Service {
                 if live {
                     self.metrics.overload.tokenize_interrupted.inc();
                 }
-                Err(Answer::Shed(
+                Err(Box::new(Answer::Shed(
                     gate.check().err().map_or(ShedReason::Deadline, Into::into),
-                ))
+                )))
             }
-            Err(error) => Err(self.refuse_request(&error, live)),
+            Err(error) => Err(Box::new(self.refuse_request(&error, live))),
         }
     }
 
