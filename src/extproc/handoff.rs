@@ -256,3 +256,181 @@ impl Fault {
 fn inject_panic() {
     panic!("fault injected by {FAULT_HEADER}: panic");
 }
+
+#[cfg(test)]
+mod tests {
+    use futures_util::FutureExt as _;
+
+    use super::*;
+    use crate::config::OverloadConfig;
+    use crate::metrics::{Metrics, RefusedCommit};
+    use crate::protocol::RefusalReason;
+
+    fn admission(slots: usize) -> Admission {
+        let metrics = Metrics::new().unwrap().overload;
+        Admission::new(&OverloadConfig::default(), slots, metrics)
+    }
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    /// A decision due 100 ms from `start`, on a stream with a minute left.
+    fn due(start: Instant) -> Due {
+        Due::new(start, ms(100), start + Duration::from_secs(60))
+    }
+
+    #[test]
+    fn the_commit_comes_a_tenth_or_at_most_50_ms_before_the_sooner_deadline() {
+        let start = Instant::now();
+        let short = due(start);
+        assert_eq!(short.deadline, start + ms(100));
+        assert_eq!(short.late, ShedReason::Deadline);
+        assert_eq!(short.commit_by, start + ms(90));
+        let long = Due::new(start, ms(2000), start + Duration::from_secs(60));
+        assert_eq!(long.commit_by, start + ms(1950));
+        // The stream's deadline comes first: it bounds the decision and names its shed.
+        let bounded = Due::new(start, ms(2000), start + ms(300));
+        assert_eq!(bounded.deadline, start + ms(300));
+        assert_eq!(bounded.late, ShedReason::StreamDeadline);
+        assert_eq!(bounded.commit_by, start + ms(250));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_decision_still_running_at_its_deadline_is_shed_and_cannot_commit() {
+        let admission = admission(2);
+        let start = Instant::now();
+        let due = due(start);
+        let gate = CommitGate::until(due.commit_by.into_std());
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (checked, check) = tokio::sync::oneshot::channel();
+        let decision = {
+            let gate = gate.clone();
+            move || {
+                let _ = released.recv();
+                let _ = checked.send(gate.check());
+                Answer::Shed(ShedReason::Internal)
+            }
+        };
+        let work = run_admitted(&admission, due.commit_by, None, decision);
+        let decided = hand_off(due, &gate, std::future::pending(), work);
+        tokio::pin!(decided);
+        assert!(decided.as_mut().now_or_never().is_none());
+        assert_eq!(admission.view().in_flight, 1, "admitted, running");
+        tokio::time::advance(ms(99)).await;
+        assert!(
+            decided.as_mut().now_or_never().is_none(),
+            "within its deadline the wire waits"
+        );
+        tokio::time::advance(ms(1)).await;
+        assert!(matches!(decided.await, Decided::Shed(ShedReason::Deadline)));
+        assert_eq!(Instant::now(), start + ms(100), "shed at the deadline");
+        // Given up on, the decision still holds its slot until its thread is free.
+        assert_eq!(admission.view().in_flight, 1);
+        release.send(()).unwrap();
+        assert_eq!(check.await.unwrap(), Err(RefusedCommit::Deadline));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_decision_queued_past_its_commit_is_shed_before_the_deadline() {
+        let admission = admission(1);
+        let _held = admission
+            .admit((Instant::now() + ms(1000)).into_std(), None)
+            .await
+            .unwrap();
+        let start = Instant::now();
+        let due = due(start);
+        let gate = CommitGate::until(due.commit_by.into_std());
+        let work = run_admitted(&admission, due.commit_by, None, || {
+            Answer::Shed(ShedReason::Internal)
+        });
+        let decided = hand_off(due, &gate, std::future::pending(), work);
+        tokio::pin!(decided);
+        assert!(decided.as_mut().now_or_never().is_none());
+        assert_eq!(admission.view().queued, 1);
+        tokio::time::advance(ms(89)).await;
+        assert!(decided.as_mut().now_or_never().is_none());
+        tokio::time::advance(ms(1)).await;
+        // A slot that comes free after 90 ms could not commit in time: the queue gives it up there.
+        assert!(matches!(decided.await, Decided::Shed(ShedReason::Deadline)));
+        assert_eq!(Instant::now(), start + ms(90));
+        assert_eq!(admission.view().queued, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_stream_deadline_sheds_as_such_when_it_comes_first() {
+        let start = Instant::now();
+        let due = Due::new(start, ms(2000), start + ms(300));
+        let gate = CommitGate::until(due.commit_by.into_std());
+        let work = std::future::pending();
+        let decided = hand_off(due, &gate, std::future::pending(), work);
+        tokio::pin!(decided);
+        tokio::time::advance(ms(299)).await;
+        assert!(decided.as_mut().now_or_never().is_none());
+        tokio::time::advance(ms(1)).await;
+        assert!(matches!(
+            decided.await,
+            Decided::Shed(ShedReason::StreamDeadline)
+        ));
+        assert_eq!(gate.check(), Err(RefusedCommit::Deadline));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_goes_away_cancels_its_decision() {
+        let due = due(Instant::now());
+        let gate = CommitGate::until(due.commit_by.into_std());
+        let decided = hand_off(due, &gate, std::future::ready(()), std::future::pending()).await;
+        assert!(matches!(decided, Decided::Gone));
+        assert_eq!(gate.check(), Err(RefusedCommit::Cancelled));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_the_decision_returns_becomes_the_outcome_and_cachepicks_failures_fail_open() {
+        let refusal = |reason| Refusal {
+            reason,
+            message: String::new(),
+            pool: None,
+        };
+        let start = Instant::now();
+        // On a stream whose deadline bounds the decision, a decision refused its commit late is shed
+        // as the stream's deadline.
+        let bounded = Due::new(start, ms(2000), start + ms(300));
+        let cases = [
+            (Err(ShedReason::QueueFull), "queue_full"),
+            (Ok(Answer::Shed(ShedReason::Deadline)), "stream_deadline"),
+            (Ok(Answer::Shed(ShedReason::Cancelled)), "cancelled"),
+            (
+                Ok(Answer::Refuse(refusal(RefusalReason::Internal))),
+                "internal",
+            ),
+            (
+                Ok(Answer::Refuse(refusal(RefusalReason::TokenizerFailed))),
+                "internal",
+            ),
+            (
+                Ok(Answer::Refuse(refusal(RefusalReason::TooLarge))),
+                "refused",
+            ),
+        ];
+        for (returned, expected) in cases {
+            let gate = CommitGate::until(bounded.commit_by.into_std());
+            let work = std::future::ready(returned.map(Ok));
+            let decided = hand_off(bounded, &gate, std::future::pending(), work).await;
+            let outcome = match decided {
+                Decided::Shed(reason) => reason.as_str(),
+                Decided::Refuse(_) => "refused",
+                Decided::Route(_) => "routed",
+                Decided::Gone => "gone",
+            };
+            assert_eq!(outcome, expected);
+        }
+        // A panic in the decision (a join error) fails open too.
+        let admission = admission(1);
+        let gate = CommitGate::until(bounded.commit_by.into_std());
+        let work = run_admitted(&admission, bounded.commit_by, None, || {
+            panic!("a bug inside the decision")
+        });
+        let decided = hand_off(bounded, &gate, std::future::pending(), work).await;
+        assert!(matches!(decided, Decided::Shed(ShedReason::Internal)));
+    }
+}
