@@ -443,11 +443,7 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     if exchange.forwarding {
         // Shed mid-body: each chunk goes straight back to Envoy (or is let through), nothing is held.
         let responses = exchange.held(&body.body, 1).release(ends);
-        return if ends {
-            Step::Finish(responses)
-        } else {
-            Step::Reply(responses)
-        };
+        return Step::forwarded(responses, ends);
     }
     let limit = service.max_body_bytes();
     if exchange.body.len().saturating_add(body.body.len()) > limit {
@@ -470,11 +466,7 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
         exchange.share.release();
         let mut responses = vec![answer::stripped(&exchange.spoofed)];
         responses.extend(exchange.held(&held, exchange.chunks + 1).release(ends));
-        return if ends {
-            Step::Finish(responses)
-        } else {
-            Step::Reply(responses)
-        };
+        return Step::forwarded(responses, ends);
     }
     exchange.chunks += 1;
     if exchange.body.is_empty() {
@@ -490,6 +482,18 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
         Step::Decide(Ending::Body)
     } else {
         Step::Wait
+    }
+}
+
+impl Step {
+    /// What a request continued without a destination answers to a body message: the last one ends
+    /// the stream.
+    fn forwarded(responses: Vec<ProcessingResponse>, ends: bool) -> Step {
+        if ends {
+            Step::Finish(responses)
+        } else {
+            Step::Reply(responses)
+        }
     }
 }
 
