@@ -596,11 +596,17 @@ mod tests {
         tokio::time::advance(Duration::from_millis(ms))
     }
 
+    /// Admission with one decision slot, taken by the slot returned beside it, and room for `queue`.
+    async fn one_slot_taken(queue: usize) -> (Admission, Admitted) {
+        let admission = admission(1, queue, 50, 1024);
+        let taken = admission.admit(soon(1000), None).await.unwrap();
+        (admission, taken)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_request_queued_past_its_deadline_is_shed_then_and_leaves_the_queue() {
-        let admission = admission(1, 4, 50, 1024);
+        let (admission, _taken) = one_slot_taken(4).await;
         let start = now();
-        let _held = admission.admit(soon(1000), None).await.unwrap();
         let waiting = admission.admit(soon(50), None);
         tokio::pin!(waiting);
         assert!(waiting.as_mut().now_or_never().is_none());
@@ -624,9 +630,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_queue_holds_its_bound_and_the_next_request_is_shed_without_waiting() {
-        let admission = admission(1, 2, 50, 1024);
+        let (admission, taken) = one_slot_taken(2).await;
         let start = now();
-        let held = admission.admit(soon(1000), None).await.unwrap();
         let first = admission.admit(soon(1000), None);
         let second = admission.admit(soon(1000), None);
         tokio::pin!(first, second);
@@ -641,7 +646,7 @@ mod tests {
         );
         assert_eq!(now(), start);
         // A slot coming free goes to the one queued first; the other keeps its place.
-        drop(held);
+        drop(taken);
         let admitted = first.await.unwrap();
         assert_eq!(admission.view().queued, 1);
         assert!(second.as_mut().now_or_never().is_none());
