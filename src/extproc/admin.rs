@@ -409,6 +409,31 @@ mod tests {
         assert_eq!(trace["rung"], "none");
     }
 
+    /// A loaded worker's fields that cross to the wire unchanged, written once: the view is built with
+    /// them and the message must carry them; the caller adds the fields whose types differ.
+    macro_rules! loaded_worker {
+        ($($kind:ident)::+ { $($differs:tt)* }) => {
+            $($kind)::+ {
+                endpoint: "10.0.0.1:8000".to_owned(),
+                id: 0,
+                restarts: 1,
+                fresh: true,
+                why_not_fresh: None,
+                waiting: Some(2),
+                running: Some(5),
+                waiting_uncached_tokens: None,
+                used_tokens: Some(500),
+                max_total_tokens: Some(1000),
+                max_running: Some(64),
+                kv_usage: Some(0.5),
+                age_seconds: Some(0.25),
+                scrapes: 40,
+                last_error: None,
+                $($differs)*
+            }
+        };
+    }
+
     #[test]
     fn a_pool_view_keeps_unknown_numbers_unset() {
         let pool = PoolView {
@@ -416,26 +441,11 @@ mod tests {
             version: 12,
             freshness_seconds: 3.0,
             workers: vec![
-                WorkerView {
-                    endpoint: "10.0.0.1:8000".to_owned(),
-                    id: 0,
+                loaded_worker!(WorkerView {
                     role: "both",
                     state: "healthy",
-                    restarts: 1,
-                    fresh: true,
-                    why_not_fresh: None,
-                    waiting: Some(2),
-                    running: Some(5),
-                    waiting_uncached_tokens: None,
-                    used_tokens: Some(500),
-                    max_total_tokens: Some(1000),
-                    max_running: Some(64),
-                    kv_usage: Some(0.5),
-                    age_seconds: Some(0.25),
-                    scrapes: 40,
                     last_outcome: Some(ScrapeOutcome::Ok),
-                    last_error: None,
-                },
+                }),
                 WorkerView {
                     endpoint: "10.0.0.2:8000".to_owned(),
                     id: 1,
@@ -464,26 +474,11 @@ mod tests {
         assert_eq!(snapshot.freshness_seconds, 3.0);
         assert_eq!(
             snapshot.workers[0],
-            pb::WorkerLoad {
-                endpoint: "10.0.0.1:8000".to_owned(),
+            loaded_worker!(pb::WorkerLoad {
                 role: "both".to_owned(),
                 state: "healthy".to_owned(),
-                restarts: 1,
-                id: 0,
-                fresh: true,
-                why_not_fresh: None,
-                waiting: Some(2),
-                running: Some(5),
-                waiting_uncached_tokens: None,
-                used_tokens: Some(500),
-                max_total_tokens: Some(1000),
-                max_running: Some(64),
-                kv_usage: Some(0.5),
-                age_seconds: Some(0.25),
-                scrapes: 40,
                 last_outcome: Some("ok".to_owned()),
-                last_error: None,
-            }
+            })
         );
         let unread = &snapshot.workers[1];
         assert_eq!(unread.role, "decode");

@@ -17,7 +17,9 @@
 //! vanished is noticed and its streams freed).
 
 mod admin;
+mod answer;
 pub mod eds;
+mod handoff;
 mod lb;
 mod listener;
 mod process;
@@ -31,9 +33,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use answer::MAX_STREAMED_CHUNK;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+pub use handoff::FAULT_INJECTION;
 pub use listener::CLOSE_GRACE;
-pub use process::{FAULT_INJECTION, MAX_STREAMED_CHUNK};
 pub use transport::{HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES};
 
 use thiserror::Error;

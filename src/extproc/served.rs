@@ -21,13 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, HeadersResponse, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    TrailersResponse, processing_request, processing_response,
+    HttpHeaders, ProcessingRequest, processing_request,
 };
 use envoy_types::pb::google::protobuf::{Struct, value};
 use tokio::sync::watch;
 use tonic::Streaming;
 
+use super::answer::{self, Sender};
 use crate::metrics::StreamEnd;
 use crate::route::{Answer, ServedReport, Service};
 
@@ -60,8 +60,6 @@ impl Follow {
     }
 }
 
-type Sender = tokio::sync::mpsc::Sender<Result<ProcessingResponse, tonic::Status>>;
-
 /// After the answer: waits for the response report of a request whose answer credited a worker, and
 /// settles the credit; returns at once for any other answer.
 pub(super) async fn follow(
@@ -90,7 +88,7 @@ pub(super) async fn follow(
             };
             let processing_request::Request::ResponseHeaders(headers) = request else {
                 // Nothing else is configured after the answer; answered so Envoy never waits.
-                if let Some(reply) = other_reply(&request)
+                if let Some(reply) = answer::response_phase(&request)
                     && out.send(Ok(reply)).await.is_err()
                 {
                     return None;
@@ -98,10 +96,7 @@ pub(super) async fn follow(
                 continue;
             };
             // Answered first: the response waits for nothing of what follows.
-            let reply = reply(processing_response::Response::ResponseHeaders(
-                HeadersResponse::default(),
-            ));
-            let answered = out.send(Ok(reply)).await.is_ok();
+            let answered = out.send(Ok(answer::response_headers())).await.is_ok();
             tracing::trace!(attributes = ?message.attributes, "response phase");
             return report_of(&headers, &message.attributes).map(|report| (report, answered));
         }
@@ -154,30 +149,4 @@ pub fn report_of(
         status: header_status.or(attribute_status)?,
         upstream,
     })
-}
-
-/// The empty answer to a response-phase message that needs one (the filter skips these by default;
-/// a hand-written configuration may send them), so Envoy never waits on cachepick.
-pub(super) fn other_reply(request: &processing_request::Request) -> Option<ProcessingResponse> {
-    use processing_response::Response;
-    let response = match request {
-        processing_request::Request::ResponseHeaders(_) => {
-            Response::ResponseHeaders(HeadersResponse::default())
-        }
-        processing_request::Request::ResponseBody(_) => {
-            Response::ResponseBody(BodyResponse::default())
-        }
-        processing_request::Request::ResponseTrailers(_) => {
-            Response::ResponseTrailers(TrailersResponse::default())
-        }
-        _ => return None,
-    };
-    Some(reply(response))
-}
-
-fn reply(response: processing_response::Response) -> ProcessingResponse {
-    ProcessingResponse {
-        response: Some(response),
-        ..ProcessingResponse::default()
-    }
 }

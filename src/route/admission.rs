@@ -22,7 +22,8 @@
 //!   gate closes, so a slot whose decision is past its deadline comes free within one chunk
 //!   (`cachepick_decision_overrun_seconds` measures how far past).
 //!
-//! Nothing here sees a protobuf type: the wire maps a [`ShedReason`] to its own error.
+//! Nothing here sees a protobuf type: the wire maps a [`ShedReason`] to its own error. Time is read
+//! on tokio's clock, so tests drive deadlines and rates with paused time.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -35,6 +36,12 @@ use crate::config::OverloadConfig;
 use crate::metrics::{OverloadMetrics, RefusedCommit};
 use crate::protocol::ShedReason;
 use crate::tokenize::Stop;
+
+/// Now, on tokio's clock: the same instant as [`Instant::now`] in a running picker, and the paused
+/// clock in a test that pauses tokio's time, so that admission's deadlines and rates follow it.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
 
 /// Bodies longer than this are heavy (see the module documentation): about 250k tokens of prose, more
 /// than most models' context.
@@ -79,7 +86,7 @@ impl Admission {
             deadline: overload.decision_deadline,
             explain_slots,
             explains: Arc::new(Semaphore::new(explain_slots)),
-            explain_rate: Mutex::new(TokenBucket::new(rate, rate, Instant::now())),
+            explain_rate: Mutex::new(TokenBucket::new(rate, rate, now())),
             budget: Arc::new(BodyBudget::new(
                 overload.max_buffered_bytes.get(),
                 metrics.clone(),
@@ -139,7 +146,7 @@ impl Admission {
             _ => None,
         };
         let in_time = |permit: OwnedSemaphorePermit, heavy| {
-            if Instant::now() + self.per_decision() > deadline {
+            if now() + self.per_decision() > deadline {
                 Err(ShedReason::Deadline)
             } else {
                 Ok(self.admitted(permit, heavy, deadline))
@@ -156,7 +163,7 @@ impl Admission {
             let rounds = u32::try_from(ahead.div_ceil(self.slots)).unwrap_or(u32::MAX);
             // Waiting for the rounds ahead, then its own decision.
             let expected = per_decision.saturating_mul(rounds.saturating_add(1));
-            if Instant::now() + expected > deadline {
+            if now() + expected > deadline {
                 return Err(ShedReason::Deadline);
             }
         }
@@ -189,7 +196,7 @@ impl Admission {
             _permit: permit,
             _heavy: heavy,
             metrics: self.metrics.clone(),
-            since: Instant::now(),
+            since: now(),
             deadline,
             per_decision: Arc::clone(&self.per_decision),
         }
@@ -208,7 +215,7 @@ impl Admission {
             .explain_rate
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .take(Instant::now());
+            .take(now());
         if !allowed {
             self.metrics
                 .explain_refused
@@ -304,11 +311,12 @@ pub struct Admitted {
 impl Drop for Admitted {
     fn drop(&mut self) {
         self.metrics.in_flight.dec();
-        let overrun = Instant::now().saturating_duration_since(self.deadline);
+        let overrun = now().saturating_duration_since(self.deadline);
         if !overrun.is_zero() {
             self.metrics.overrun_seconds.observe(overrun.as_secs_f64());
         }
-        let sample = u64::try_from(self.since.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let sample = u64::try_from(now().saturating_duration_since(self.since).as_micros())
+            .unwrap_or(u64::MAX);
         // An eighth of each new sample: a burst of slow decisions moves it within a few dozen.
         let _ = self
             .per_decision
@@ -363,7 +371,7 @@ impl CommitGate {
             return Err(RefusedCommit::Cancelled);
         }
         match self.deadline {
-            Some(deadline) if Instant::now() >= deadline => Err(RefusedCommit::Deadline),
+            Some(deadline) if now() >= deadline => Err(RefusedCommit::Deadline),
             _ => Ok(()),
         }
     }
@@ -563,6 +571,8 @@ pub struct AdmissionView {
 mod tests {
     use std::num::{NonZeroU32, NonZeroUsize};
 
+    use futures_util::FutureExt as _;
+
     use super::*;
     use crate::metrics::Metrics;
 
@@ -577,11 +587,113 @@ mod tests {
         Admission::new(&overload, slots, Metrics::new().unwrap().overload)
     }
 
+    /// `ms` from now on tokio's clock (paused in the tests that pause it).
     fn soon(ms: u64) -> Instant {
-        Instant::now() + Duration::from_millis(ms)
+        now() + Duration::from_millis(ms)
     }
 
-    #[tokio::test]
+    fn advance(ms: u64) -> impl Future<Output = ()> {
+        tokio::time::advance(Duration::from_millis(ms))
+    }
+
+    /// Admission with one decision slot, taken by the slot returned beside it, and room for `queue`.
+    async fn one_slot_taken(queue: usize) -> (Admission, Admitted) {
+        let admission = admission(1, queue, 50, 1024);
+        let taken = admission.admit(soon(1000), None).await.unwrap();
+        (admission, taken)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_queued_past_its_deadline_is_shed_then_and_leaves_the_queue() {
+        let (admission, _taken) = one_slot_taken(4).await;
+        let start = now();
+        let waiting = admission.admit(soon(50), None);
+        tokio::pin!(waiting);
+        assert!(waiting.as_mut().now_or_never().is_none());
+        assert_eq!(admission.view().queued, 1);
+        advance(49).await;
+        assert!(
+            waiting.as_mut().now_or_never().is_none(),
+            "it waits until its deadline"
+        );
+        assert_eq!(admission.view().queued, 1);
+        advance(1).await;
+        assert_eq!(waiting.await.err(), Some(ShedReason::Deadline));
+        assert_eq!(
+            now(),
+            start + Duration::from_millis(50),
+            "shed at it, not later"
+        );
+        assert_eq!(admission.view().queued, 0);
+        assert_eq!(admission.metrics().queued.get(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_queue_holds_its_bound_and_the_next_request_is_shed_without_waiting() {
+        let (admission, taken) = one_slot_taken(2).await;
+        let start = now();
+        let first = admission.admit(soon(1000), None);
+        let second = admission.admit(soon(1000), None);
+        tokio::pin!(first, second);
+        assert!(first.as_mut().now_or_never().is_none());
+        assert!(second.as_mut().now_or_never().is_none());
+        assert_eq!(admission.view().queued, 2);
+        // The third finds the queue full: shed on the spot, no time passes.
+        let third = admission.admit(soon(1000), None).now_or_never();
+        assert_eq!(
+            third.map(|admitted| admitted.err()),
+            Some(Some(ShedReason::QueueFull))
+        );
+        assert_eq!(now(), start);
+        // A slot coming free goes to the one queued first; the other keeps its place.
+        drop(taken);
+        let admitted = first.await.unwrap();
+        assert_eq!(admission.view().queued, 1);
+        assert!(second.as_mut().now_or_never().is_none());
+        drop(admitted);
+        assert!(second.await.is_ok());
+        assert_eq!(admission.view().queued, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn explain_refills_at_its_rate_on_the_clock_and_keeps_to_its_share() {
+        // Four decision slots: one explain slot; a rate of two a second, two saved.
+        let admission = admission(4, 1, 50, 100);
+        let refused = |label: &str| {
+            admission
+                .metrics()
+                .explain_refused
+                .with_label_values(&[label])
+                .get()
+        };
+        let running = admission.explain().unwrap();
+        assert_eq!(admission.explain().err(), Some(ExplainRefused::Busy));
+        drop(running);
+        assert_eq!(admission.explain().err(), Some(ExplainRefused::Rate));
+        advance(250).await;
+        assert_eq!(
+            admission.explain().err(),
+            Some(ExplainRefused::Rate),
+            "half a token"
+        );
+        advance(250).await;
+        let running = admission.explain().unwrap();
+        advance(500).await;
+        assert_eq!(
+            admission.explain().err(),
+            Some(ExplainRefused::Busy),
+            "a token, but no slot"
+        );
+        drop(running);
+        // Ten idle seconds save two, not twenty.
+        advance(10_000).await;
+        assert!(admission.explain().is_ok());
+        assert!(admission.explain().is_ok());
+        assert_eq!(admission.explain().err(), Some(ExplainRefused::Rate));
+        assert_eq!((refused("rate"), refused("busy")), (3, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_full_queue_sheds_at_once_and_a_late_slot_sheds_at_the_deadline() {
         let admission = admission(1, 1, 50, 1024);
         let held = admission.admit(soon(1000), None).await.unwrap();
@@ -605,7 +717,7 @@ mod tests {
         assert!(admission.admit(soon(1000), None).await.is_ok());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_dropped_waiter_leaves_the_queue() {
         let admission = admission(1, 4, 50, 1024);
         let _held = admission.admit(soon(1000), None).await.unwrap();
@@ -615,13 +727,13 @@ mod tests {
         assert_eq!(admission.view().queued, 0);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_request_the_queue_would_make_late_is_shed_on_arrival() {
         let admission = admission(1, 10, 50, 1024);
         let first = admission.admit(soon(1000), None).await.unwrap();
-        std::thread::sleep(Duration::from_millis(40));
+        advance(40).await;
         drop(first);
-        assert!(admission.per_decision() >= Duration::from_millis(40));
+        assert_eq!(admission.per_decision(), Duration::from_millis(40));
         let _held = admission.admit(soon(1000), None).await.unwrap();
         // One decision ahead, then its own: about 80 ms, more than the 60 left.
         assert_eq!(
@@ -635,7 +747,7 @@ mod tests {
         assert!(waiting.await.is_err());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn heavy_bodies_hold_at_most_half_the_slots() {
         let admission = admission(4, 8, 50, 1024);
         let heavy = vec![b'a'; HEAVY_BODY_BYTES + 1];
