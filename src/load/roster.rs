@@ -619,3 +619,6 @@ fn capacity(ranks: &[Option<(Instant, RankLoad)>], configured: Capacity) -> Capa
             .or_else(|| sum_every(|rank| rank.max_total_tokens)),
     }
 }
+
+#[cfg(test)]
+mod tests;
