@@ -245,3 +245,6 @@ async fn next_restart(
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests;
