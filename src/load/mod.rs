@@ -13,6 +13,7 @@ mod inspect;
 mod pool;
 mod prom;
 mod roster;
+mod samples;
 mod scrape;
 mod snapshot;
 mod tls;

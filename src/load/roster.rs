@@ -21,12 +21,12 @@ use std::time::{Duration, Instant};
 
 use prometheus::IntCounter;
 
-use super::engine::{Identity, RankLoad, Report};
+use super::engine::{Identity, Report};
 use super::fetch::{ScrapeError, Target};
 use super::pool::{PoolLoad, RosterObserver, ScrapeObserver, configured_capacity};
+use super::samples::RankSamples;
 use super::snapshot::{
-    Capacity, DispatchCounts, EngineLoad, Lifecycle, PoolSnapshot, Reading, ScrapeOutcome,
-    WorkerState,
+    Capacity, DispatchCounts, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState,
 };
 use crate::config::{LoadConfig, PoolConfig, WorkerConfig};
 use crate::worker::{Engine, WorkerId};
@@ -41,8 +41,7 @@ struct Tracked {
     config: WorkerConfig,
     state: WorkerState,
     target: Arc<Target>,
-    /// Latest sample of each rank, with when it was requested.
-    ranks: Vec<Option<(Instant, RankLoad)>>,
+    ranks: RankSamples,
     configured: Capacity,
     in_flight: bool,
     /// `cachepick_scrapes_total` for this worker, one handle per outcome (in `ScrapeOutcome::ALL` order).
@@ -157,7 +156,7 @@ impl Roster {
             configured: state.capacity,
             state,
             target: Arc::new(Target::new(worker, self.engine)),
-            ranks: vec![None; worker.dp_size.get() as usize],
+            ranks: RankSamples::new(worker.dp_size.get()),
             in_flight: false,
             counters: ScrapeOutcome::ALL
                 .iter()
@@ -400,24 +399,14 @@ impl Roster {
                 {
                     restarted = true;
                     // The old run's samples describe a cache that is gone.
-                    worker.ranks.iter_mut().for_each(|rank| *rank = None);
+                    worker.ranks.clear();
                 }
                 worker.identity = Some(report.identity);
                 let before = worker.state.reading.map(|reading| reading.captured_at);
-                for (slot, rank) in worker.ranks.iter_mut().zip(report.ranks) {
-                    if let Some(rank) = rank {
-                        *slot = Some((sent, rank));
-                    }
-                }
-                let missing: Vec<String> = report_missing(&worker.ranks, sent);
-                status.last_error = (!missing.is_empty()).then(|| {
-                    Arc::from(format!(
-                        "rank {} missing from the last response",
-                        missing.join(", ")
-                    ))
-                });
-                worker.state.reading = combine(&worker.ranks);
-                worker.state.capacity = capacity(&worker.ranks, worker.configured);
+                worker.ranks.record(report.ranks, sent);
+                status.last_error = worker.ranks.missing(sent);
+                worker.state.reading = worker.ranks.reading();
+                worker.state.capacity = worker.ranks.capacity(worker.configured);
                 if let Some(reading) = worker.state.reading
                     && reading.complete
                     && before.is_none_or(|before| reading.captured_at > before)
@@ -534,7 +523,7 @@ impl Tracked {
     /// Applies a changed description from discovery: what is scraped, and how.
     fn reconfigure(&mut self, config: &WorkerConfig, engine: Engine) {
         if config.dp_size != self.config.dp_size {
-            self.ranks = vec![None; config.dp_size.get() as usize];
+            self.ranks = RankSamples::new(config.dp_size.get());
             self.state.reading = None;
         }
         self.state.role = config.role;
@@ -567,57 +556,6 @@ fn roster_key(snapshot: &PoolSnapshot) -> Vec<(WorkerId, u64, Lifecycle, u64)> {
             )
         })
         .collect()
-}
-
-/// Ranks with no sample at all, or whose sample predates the latest request (the response lacked them).
-fn report_missing(ranks: &[Option<(Instant, RankLoad)>], sent: Instant) -> Vec<String> {
-    ranks
-        .iter()
-        .enumerate()
-        .filter(|(_, rank)| rank.is_none_or(|(at, _)| at < sent))
-        .map(|(index, _)| index.to_string())
-        .collect()
-}
-
-/// Sums the ranks into one reading, stamped with the oldest rank's time. Complete only when every rank
-/// has a sample; an optional measure is summed only when every present rank has it.
-fn combine(ranks: &[Option<(Instant, RankLoad)>]) -> Option<Reading> {
-    let present = || ranks.iter().flatten();
-    let captured_at = present().map(|(at, _)| *at).min()?;
-    let sum_all = |field: fn(&RankLoad) -> Option<u64>| -> Option<u64> {
-        present().try_fold(0_u64, |sum, (_, rank)| {
-            field(rank).map(|value| sum.saturating_add(value))
-        })
-    };
-    Some(Reading {
-        captured_at,
-        complete: present().count() == ranks.len(),
-        load: EngineLoad {
-            waiting: present().fold(0, |sum, (_, rank)| sum.saturating_add(rank.waiting)),
-            running: present().fold(0, |sum, (_, rank)| sum.saturating_add(rank.running)),
-            waiting_uncached_tokens: sum_all(|rank| rank.waiting_uncached_tokens),
-            used_tokens: sum_all(|rank| rank.used_tokens),
-        },
-    })
-}
-
-/// Capacity summed over ranks when every rank reported it; configuration overrides the engine.
-fn capacity(ranks: &[Option<(Instant, RankLoad)>], configured: Capacity) -> Capacity {
-    let sum_every = |field: fn(&RankLoad) -> Option<u64>| -> Option<u64> {
-        ranks.iter().try_fold(0_u64, |sum, rank| {
-            rank.as_ref()
-                .and_then(|(_, rank)| field(rank))
-                .map(|value| sum.saturating_add(value))
-        })
-    };
-    Capacity {
-        max_running: configured
-            .max_running
-            .or_else(|| sum_every(|rank| rank.max_running)),
-        max_total_tokens: configured
-            .max_total_tokens
-            .or_else(|| sum_every(|rank| rank.max_total_tokens)),
-    }
 }
 
 #[cfg(test)]

@@ -11,6 +11,8 @@ use prometheus::IntCounter;
 
 use super::*;
 use crate::config::{self, Config, Overrides};
+use crate::load::engine::RankLoad;
+use crate::load::snapshot::EngineLoad;
 
 const FRESHNESS: Duration = Duration::from_secs(3);
 const DRAIN: Duration = Duration::from_secs(30);
