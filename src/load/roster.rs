@@ -56,11 +56,25 @@ struct Tracked {
 
 /// What the loop needs to scrape one worker, taken when the scrape starts.
 pub(super) struct Scrape {
+    id: WorkerId,
     pub(super) target: Arc<Target>,
     /// The slot's occupant, which the result must still be when it arrives.
-    pub(super) generation: u64,
+    generation: u64,
     /// The worker's dispatch count when the request was sent: a newer reading covers those requests.
-    pub(super) dispatched: u64,
+    dispatched: u64,
+}
+
+impl Scrape {
+    /// The scrape's result, for [`Roster::apply`]: requested at `sent`.
+    pub(super) fn finished(self, sent: Instant, result: Result<Report, ScrapeError>) -> Fetched {
+        Fetched {
+            id: self.id,
+            generation: self.generation,
+            sent,
+            dispatched: self.dispatched,
+            result,
+        }
+    }
 }
 
 /// A finished scrape, as the roster applies it.
@@ -201,6 +215,7 @@ impl Roster {
         let worker = self.position(id).and_then(|at| self.workers.get_mut(at))?;
         worker.in_flight = true;
         Some(Scrape {
+            id,
             target: Arc::clone(&worker.target),
             generation: worker.state.generation,
             dispatched: dispatches.since_reading(worker.id),

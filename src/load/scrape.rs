@@ -224,14 +224,7 @@ impl Scraper {
                     Ok(result) => result,
                     Err(_) => Err(ScrapeError::Timeout(timeout)),
                 };
-            let fetched = Fetched {
-                id,
-                generation: scrape.generation,
-                sent,
-                dispatched: scrape.dispatched,
-                result,
-            };
-            (round, fetched)
+            (round, scrape.finished(sent, result))
         }
     }
 }

@@ -164,7 +164,7 @@ struct Harness {
     config: Config,
     now: Instant,
     /// Scrapes sent by `Start`, by port.
-    sent: BTreeMap<u16, (WorkerId, Scrape, Instant)>,
+    sent: BTreeMap<u16, (Scrape, Instant)>,
     /// The engine run each worker last answered from.
     runs: BTreeMap<u16, f64>,
 }
@@ -218,17 +218,10 @@ impl Harness {
     fn deliver(
         &mut self,
         port: u16,
-        scrape: (WorkerId, Scrape, Instant),
+        (scrape, sent): (Scrape, Instant),
         result: Result<Report, ScrapeError>,
     ) {
-        let (id, scrape, sent) = scrape;
-        let fetched = Fetched {
-            id,
-            generation: scrape.generation,
-            sent,
-            dispatched: scrape.dispatched,
-            result,
-        };
+        let fetched = scrape.finished(sent, result);
         if let Ok(report) = &fetched.result {
             self.runs
                 .insert(port, report.identity.start_time.unwrap_or_default());
@@ -236,10 +229,11 @@ impl Harness {
         self.roster.apply(fetched, self.now);
     }
 
-    fn begin(&mut self, port: u16) -> (WorkerId, Scrape, Instant) {
+    /// Starts a scrape of `port` now.
+    fn begin(&mut self, port: u16) -> (Scrape, Instant) {
         let id = self.id(port);
         let scrape = self.roster.begin_scrape(id).expect("the slot has a worker");
-        (id, scrape, self.now)
+        (scrape, self.now)
     }
 
     fn step(&mut self, step: Step) {
