@@ -8,17 +8,23 @@
 
 mod dispatch;
 mod engine;
+mod fetch;
 mod inspect;
+mod pool;
 mod prom;
+mod roster;
+mod samples;
 mod scrape;
 mod snapshot;
 mod tls;
 
 pub use dispatch::DispatchTable;
 pub use engine::{ExtractError, Identity, RankLoad, Report, from_loads_json, from_metrics};
+pub use fetch::ScrapeError;
 pub use inspect::{PoolView, WorkerView};
+pub use pool::{PoolLoad, RosterObserver, ScrapeObserver};
 pub use prom::{Labels, Sample, Samples, samples};
-pub use scrape::{PoolLoad, RosterObserver, ScrapeError, ScrapeObserver, Scraper};
+pub use scrape::Scraper;
 pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading,
     ScrapeOutcome, ScrapeStatus, Tier, WorkerState,
