@@ -36,7 +36,7 @@ pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
 /// The stable label of a refusal, on cachepick's own (immediate) answers.
 pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
 
-/// The gRPC metadata key of a shed's reason ([`ShedReason`]), on the error cachepick ends a stream
+/// The gRPC metadata key of a shed's reason ([`RefusalReason::SHED`]), on the error cachepick ends a stream
 /// with when it gives a request up.
 pub const SHED_METADATA: &str = "x-cachepick-shed-reason";
 
@@ -57,10 +57,14 @@ pub fn error_json(kind: &str, message: &str) -> Vec<u8> {
     .unwrap_or_default()
 }
 
-/// Why cachepick answers a request itself instead of routing it: one variant per reason, each with the
-/// HTTP status the client gets and the stable label that appears in [`REJECT_HEADER`], as the JSON
+/// Why cachepick does not route a request by a decision of its own: the one vocabulary of every surface
+/// (ext_proc, the admin API, the debug endpoints, the CLI), each reason with its HTTP status and its
+/// stable label. Most are answers to the client: the label appears in [`REJECT_HEADER`], as the JSON
 /// error's `type`, in the ImmediateResponse's details (`cachepick_<label>`) and in
-/// `cachepick_rejections_total{reason}`. The labels are part of the public interface.
+/// `cachepick_rejections_total{reason}`. The rest fail open ([`RefusalReason::fails_open`]): the request
+/// is given up (shed) with a gRPC error that Envoy's `failure_mode_allow: true` turns into routing by its
+/// own load balancing, so it is still served; their labels are `cachepick_shed_total{reason}`'s and
+/// [`SHED_METADATA`]'s. The labels are part of the public interface.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RefusalReason {
@@ -91,15 +95,26 @@ pub enum RefusalReason {
     BodyTimeout,
     /// The ext_proc filter sends the body in a mode cachepick cannot decide on.
     UnsupportedBodyMode,
-    /// cachepick failed to decide.
+    /// cachepick failed to decide (a panic, a tokenizer failure): failed open.
     Internal,
+    // Sheds: given up without a decision, failed open.
+    /// The admission queue was full when the request completed.
+    QueueFull,
+    /// The decision could not be made (or finished) before the decision deadline.
+    Deadline,
+    /// Holding the request's body would take the buffered bytes of all streams over `max_buffered_bytes`.
+    BodyBudget,
+    /// The stream outlived `stream_deadline` before it could be answered.
+    StreamDeadline,
+    /// Envoy closed the stream while the decision waited or ran: nothing is answered or committed.
+    Cancelled,
     // The operator surfaces.
     /// An explain call over `overload.explain_rate`, or with every explain slot busy.
     ExplainRefused,
 }
 
 impl RefusalReason {
-    pub const ALL: [RefusalReason; 17] = [
+    pub const ALL: [RefusalReason; 22] = [
         RefusalReason::TooLarge,
         RefusalReason::NotUtf8,
         RefusalReason::InvalidJson,
@@ -116,7 +131,22 @@ impl RefusalReason {
         RefusalReason::BodyTimeout,
         RefusalReason::UnsupportedBodyMode,
         RefusalReason::Internal,
+        RefusalReason::QueueFull,
+        RefusalReason::Deadline,
+        RefusalReason::BodyBudget,
+        RefusalReason::StreamDeadline,
+        RefusalReason::Cancelled,
         RefusalReason::ExplainRefused,
+    ];
+
+    /// The reasons a request is shed for: the labels of `cachepick_shed_total{reason}`.
+    pub const SHED: [RefusalReason; 6] = [
+        RefusalReason::QueueFull,
+        RefusalReason::Deadline,
+        RefusalReason::BodyBudget,
+        RefusalReason::StreamDeadline,
+        RefusalReason::Cancelled,
+        RefusalReason::Internal,
     ];
 
     /// The HTTP status the client gets.
@@ -138,6 +168,10 @@ impl RefusalReason {
             | RefusalReason::UnsupportedBodyMode
             | RefusalReason::Internal => 500,
             RefusalReason::ExplainRefused => 429,
+            // Never sent to a client (they fail open); what an HTTP surface would say of them.
+            RefusalReason::Cancelled => 499,
+            RefusalReason::QueueFull | RefusalReason::BodyBudget => 503,
+            RefusalReason::Deadline | RefusalReason::StreamDeadline => 504,
             RefusalReason::NoWorkers => 503,
         }
     }
@@ -162,6 +196,11 @@ impl RefusalReason {
             RefusalReason::UnsupportedBodyMode => "unsupported_body_mode",
             RefusalReason::Internal => "internal",
             RefusalReason::ExplainRefused => "explain_refused",
+            RefusalReason::QueueFull => "queue_full",
+            RefusalReason::Deadline => "deadline",
+            RefusalReason::BodyBudget => "body_budget",
+            RefusalReason::StreamDeadline => "stream_deadline",
+            RefusalReason::Cancelled => "cancelled",
         }
     }
 }
@@ -174,51 +213,20 @@ impl RefusalReason {
         matches!(
             self,
             RefusalReason::Internal | RefusalReason::TokenizerFailed
-        )
+        ) || self.sheds()
     }
-}
 
-/// Why cachepick gave a request up without a decision (shedding): it answers with a gRPC error status,
-/// which Envoy's `failure_mode_allow: true` turns into routing by its own load balancing, so a shed
-/// request is still served. The labels are `cachepick_shed_total{reason}`'s and part of the public
-/// interface.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ShedReason {
-    /// The admission queue was full when the request completed.
-    QueueFull,
-    /// The decision could not be made (or finished) before the decision deadline.
-    Deadline,
-    /// Holding the request's body would take the buffered bytes of all streams over `max_buffered_bytes`.
-    BodyBudget,
-    /// The stream outlived `stream_deadline` before it could be answered.
-    StreamDeadline,
-    /// Envoy closed the stream while the decision waited or ran: nothing is answered or committed.
-    Cancelled,
-    /// The decision failed inside cachepick (a panic, a tokenizer failure): failed open.
-    Internal,
-}
-
-impl ShedReason {
-    pub const ALL: [ShedReason; 6] = [
-        ShedReason::QueueFull,
-        ShedReason::Deadline,
-        ShedReason::BodyBudget,
-        ShedReason::StreamDeadline,
-        ShedReason::Cancelled,
-        ShedReason::Internal,
-    ];
-
-    /// The stable snake_case label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ShedReason::QueueFull => "queue_full",
-            ShedReason::Deadline => "deadline",
-            ShedReason::BodyBudget => "body_budget",
-            ShedReason::StreamDeadline => "stream_deadline",
-            ShedReason::Cancelled => "cancelled",
-            ShedReason::Internal => "internal",
-        }
+    /// Whether this reason gives the request up without a decision (shedding): the request is not
+    /// answered by cachepick but routed by the proxy's own load balancing.
+    pub fn sheds(self) -> bool {
+        matches!(
+            self,
+            RefusalReason::QueueFull
+                | RefusalReason::Deadline
+                | RefusalReason::BodyBudget
+                | RefusalReason::StreamDeadline
+                | RefusalReason::Cancelled
+        )
     }
 }
 
@@ -249,18 +257,24 @@ mod tests {
     }
 
     #[test]
-    fn shed_labels_are_distinct_and_serialize_as_themselves() {
-        let labels: std::collections::BTreeSet<&str> = ShedReason::ALL
-            .iter()
-            .map(|reason| reason.as_str())
-            .collect();
-        assert_eq!(labels.len(), ShedReason::ALL.len());
-        for reason in ShedReason::ALL {
+    fn the_shed_reasons_are_the_ones_that_fail_open_without_a_decision() {
+        for reason in RefusalReason::ALL {
+            let shed = RefusalReason::SHED.contains(&reason);
             assert_eq!(
-                serde_json::to_value(reason).ok(),
-                Some(serde_json::Value::from(reason.as_str()))
+                reason.sheds(),
+                shed && reason != RefusalReason::Internal,
+                "{reason:?}"
             );
+            if shed {
+                assert!(
+                    reason.fails_open(),
+                    "{reason:?} is given up, so it fails open"
+                );
+            }
         }
+        assert!(RefusalReason::TokenizerFailed.fails_open());
+        assert!(!RefusalReason::InvalidJson.fails_open());
+        assert!(!RefusalReason::NoWorkers.fails_open());
     }
 
     #[test]

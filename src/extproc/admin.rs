@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use tonic::metadata::MetadataValue;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
 use self::pb::admin_server::{Admin, AdminServer};
 use crate::load::{PoolView, WorkerView};
@@ -131,24 +131,11 @@ impl Admin for AdminApi {
     }
 }
 
-/// The gRPC code for the HTTP status a client would get for this body.
-fn code_for(http_status: u16) -> Code {
-    match http_status {
-        404 => Code::NotFound,
-        // gRPC's own answer to a message over the size limit, and to a caller over its rate.
-        413 | 429 => Code::ResourceExhausted,
-        // Something else about the body: 400 and any other client error.
-        400..=499 => Code::InvalidArgument,
-        500..=599 => Code::Internal,
-        _ => Code::Unknown,
-    }
-}
-
-/// A refusal as the admin API answers it: the status mapped from its HTTP status, its message, and its
-/// stable label in the `x-cachepick-reject-reason` metadata.
+/// A refusal as the admin API answers it: the gRPC code of its reason (`answer::grpc_code`, the one
+/// mapping), its message, and its stable label in the `x-cachepick-reject-reason` metadata.
 fn refused(refusal: &Refusal) -> Status {
     let reason = refusal.reason;
-    let mut status = Status::new(code_for(reason.status()), refusal.message.clone());
+    let mut status = Status::new(super::answer::grpc_code(reason), refusal.message.clone());
     status.metadata_mut().insert(
         super::REJECT_HEADER,
         MetadataValue::from_static(reason.as_str()),
@@ -497,12 +484,24 @@ mod tests {
 
     #[test]
     fn refused_bodies_map_to_grpc_codes() {
-        assert_eq!(code_for(400), Code::InvalidArgument);
-        assert_eq!(code_for(404), Code::NotFound);
-        assert_eq!(code_for(413), Code::ResourceExhausted);
-        assert_eq!(code_for(415), Code::InvalidArgument);
-        assert_eq!(code_for(500), Code::Internal);
-        assert_eq!(code_for(503), Code::Internal);
+        use super::super::answer::grpc_code;
+        use crate::protocol::RefusalReason;
+        use tonic::Code;
+        assert_eq!(grpc_code(RefusalReason::InvalidJson), Code::InvalidArgument);
+        assert_eq!(grpc_code(RefusalReason::UnknownModel), Code::NotFound);
+        assert_eq!(grpc_code(RefusalReason::TooLarge), Code::ResourceExhausted);
+        assert_eq!(
+            grpc_code(RefusalReason::ExplainRefused),
+            Code::ResourceExhausted
+        );
+        assert_eq!(grpc_code(RefusalReason::TokenizerFailed), Code::Internal);
+        assert_eq!(grpc_code(RefusalReason::NoWorkers), Code::Internal);
+        assert_eq!(grpc_code(RefusalReason::QueueFull), Code::ResourceExhausted);
+        assert_eq!(
+            grpc_code(RefusalReason::StreamDeadline),
+            Code::DeadlineExceeded
+        );
+        assert_eq!(grpc_code(RefusalReason::Cancelled), Code::Cancelled);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! - the body held in duplex or streamed mode, released in Envoy's order: the body itself re-emitted as
 //!   `streamed_response` chunks (duplex), or one CONTINUE per chunk (streamed), then the trailers;
 //! - a refusal: Envoy's local reply ([`immediate`], the one place a [`Refusal`] becomes HTTP);
-//! - a shed: a gRPC error ([`shed_status`], the one place a [`ShedReason`] becomes gRPC);
+//! - a shed: a gRPC error ([`shed_status`], the shed's gRPC status);
 //! - the response phase: the empty answers that let the response go on unchanged.
 
 use envoy_types::pb::envoy::config::core::v3::{
@@ -25,8 +25,8 @@ use tonic::metadata::MetadataValue;
 
 use super::lb;
 use crate::protocol::{
-    DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER, SELECTED_HEADER,
-    SHED_METADATA, ShedReason, error_json,
+    DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER, RefusalReason,
+    SELECTED_HEADER, SHED_METADATA, error_json,
 };
 use crate::route::{Refusal, Routed};
 
@@ -172,15 +172,10 @@ pub(super) fn immediate(refusal: &Refusal) -> ProcessingResponse {
 }
 
 /// A shed as the gRPC error that Envoy's `failure_mode_allow` turns into routing by its own load
-/// balancing, its reason in the `x-cachepick-shed-reason` metadata: the one place a [`ShedReason`]
+/// balancing, its reason in the `x-cachepick-shed-reason` metadata: the one place a [`RefusalReason`]
 /// becomes a status.
-pub(super) fn shed_status(reason: ShedReason) -> Status {
-    let code = match reason {
-        ShedReason::QueueFull | ShedReason::BodyBudget => tonic::Code::ResourceExhausted,
-        ShedReason::Deadline | ShedReason::StreamDeadline => tonic::Code::DeadlineExceeded,
-        ShedReason::Cancelled => tonic::Code::Cancelled,
-        ShedReason::Internal => tonic::Code::Internal,
-    };
+pub(super) fn shed_status(reason: RefusalReason) -> Status {
+    let code = grpc_code(reason);
     let mut status = Status::new(
         code,
         format!(
@@ -192,6 +187,25 @@ pub(super) fn shed_status(reason: ShedReason) -> Status {
         .metadata_mut()
         .insert(SHED_METADATA, MetadataValue::from_static(reason.as_str()));
     status
+}
+
+/// The gRPC code of a reason, wherever cachepick answers one with a gRPC status: a shed ends its
+/// ext_proc stream with it, the admin API refuses with it. The one place a reason becomes a code.
+pub(super) fn grpc_code(reason: RefusalReason) -> tonic::Code {
+    use tonic::Code;
+    match reason {
+        RefusalReason::QueueFull | RefusalReason::BodyBudget => Code::ResourceExhausted,
+        RefusalReason::Deadline | RefusalReason::StreamDeadline => Code::DeadlineExceeded,
+        RefusalReason::Cancelled => Code::Cancelled,
+        // The rest by the HTTP status a client would get.
+        _ => match reason.status() {
+            404 => Code::NotFound,
+            // gRPC's own answer to a message over the size limit, and to a caller over its rate.
+            413 | 429 => Code::ResourceExhausted,
+            400..=499 => Code::InvalidArgument,
+            _ => Code::Internal,
+        },
+    }
 }
 
 /// The empty answer to the response's headers: the response goes on unchanged.

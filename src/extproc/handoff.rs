@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tonic::Streaming;
 
 use super::answer::Sender;
-use crate::protocol::ShedReason;
+use crate::protocol::RefusalReason;
 use crate::route::admission::Admission;
 use crate::route::{Answer, CommitGate, Inbound, Refusal, Routed, Service};
 
@@ -80,7 +80,7 @@ pub(super) enum Decided {
     Route(Routed),
     Refuse(Refusal),
     /// Given up: answered with a gRPC error (or, in duplex mode, continued without a destination).
-    Shed(ShedReason),
+    Shed(RefusalReason),
     /// The stream closed while the decision waited or ran: there is no one to answer.
     Gone,
 }
@@ -91,7 +91,7 @@ struct Due {
     /// When the wire stops waiting for it.
     deadline: Instant,
     /// The shed at `deadline`: the stream's own deadline when that came first.
-    late: ShedReason,
+    late: RefusalReason,
     /// Its last moment to commit: a little before the deadline, because what follows the commit (the
     /// answer built, queued and sent by a busy runtime) must still arrive by the deadline.
     commit_by: Instant,
@@ -101,9 +101,9 @@ impl Due {
     fn new(owed: Instant, decision_deadline: Duration, stream_end: Instant) -> Due {
         let deadline = owed + decision_deadline;
         let (deadline, late) = if stream_end < deadline {
-            (stream_end, ShedReason::StreamDeadline)
+            (stream_end, RefusalReason::StreamDeadline)
         } else {
-            (deadline, ShedReason::Deadline)
+            (deadline, RefusalReason::Deadline)
         };
         let answer_time = (decision_deadline / 10).min(ANSWER_TIME);
         let commit_by = deadline.checked_sub(answer_time).unwrap_or(deadline);
@@ -158,7 +158,7 @@ async fn run_admitted<F>(
     commit_by: Instant,
     body: Option<&[u8]>,
     decision: F,
-) -> Result<Result<Answer, JoinError>, ShedReason>
+) -> Result<Result<Answer, JoinError>, RefusalReason>
 where
     F: FnOnce() -> Answer + Send + 'static,
 {
@@ -176,7 +176,7 @@ async fn hand_off(
     due: Due,
     gate: &CommitGate,
     gone: impl Future<Output = ()>,
-    work: impl Future<Output = Result<Result<Answer, JoinError>, ShedReason>>,
+    work: impl Future<Output = Result<Result<Answer, JoinError>, RefusalReason>>,
 ) -> Decided {
     let decided = tokio::select! {
         biased;
@@ -193,9 +193,9 @@ async fn hand_off(
         Ok(Err(error)) => {
             // A panic in the decision: fail open, never a 5xx of cachepick's own.
             tracing::error!(%error, "the decision task failed; the request is failed open");
-            Decided::Shed(ShedReason::Internal)
+            Decided::Shed(RefusalReason::Internal)
         }
-        Ok(Ok(Answer::Shed(reason))) => Decided::Shed(if reason == ShedReason::Deadline {
+        Ok(Ok(Answer::Shed(reason))) => Decided::Shed(if reason == RefusalReason::Deadline {
             due.late
         } else {
             reason
@@ -203,7 +203,7 @@ async fn hand_off(
         Ok(Ok(Answer::Refuse(refusal))) if refusal.reason.fails_open() => {
             tracing::warn!(reason = refusal.reason.as_str(), message = %refusal.message,
                 "the decision failed inside cachepick; the request is failed open");
-            Decided::Shed(ShedReason::Internal)
+            Decided::Shed(RefusalReason::Internal)
         }
         Ok(Ok(Answer::Refuse(refusal))) => Decided::Refuse(refusal),
         Ok(Ok(Answer::Route(routed))) => Decided::Route(routed),
@@ -285,14 +285,14 @@ mod tests {
         let start = Instant::now();
         let short = due(start);
         assert_eq!(short.deadline, start + ms(100));
-        assert_eq!(short.late, ShedReason::Deadline);
+        assert_eq!(short.late, RefusalReason::Deadline);
         assert_eq!(short.commit_by, start + ms(90));
         let long = Due::new(start, ms(2000), start + Duration::from_secs(60));
         assert_eq!(long.commit_by, start + ms(1950));
         // The stream's deadline comes first: it bounds the decision and names its shed.
         let bounded = Due::new(start, ms(2000), start + ms(300));
         assert_eq!(bounded.deadline, start + ms(300));
-        assert_eq!(bounded.late, ShedReason::StreamDeadline);
+        assert_eq!(bounded.late, RefusalReason::StreamDeadline);
         assert_eq!(bounded.commit_by, start + ms(250));
     }
 
@@ -309,7 +309,7 @@ mod tests {
             move || {
                 let _ = released.recv();
                 let _ = checked.send(gate.check());
-                Answer::Shed(ShedReason::Internal)
+                Answer::Shed(RefusalReason::Internal)
             }
         };
         let work = run_admitted(&admission, due.commit_by, None, decision);
@@ -323,7 +323,10 @@ mod tests {
             "within its deadline the wire waits"
         );
         tokio::time::advance(ms(1)).await;
-        assert!(matches!(decided.await, Decided::Shed(ShedReason::Deadline)));
+        assert!(matches!(
+            decided.await,
+            Decided::Shed(RefusalReason::Deadline)
+        ));
         assert_eq!(Instant::now(), start + ms(100), "shed at the deadline");
         // Given up on, the decision still holds its slot until its thread is free.
         assert_eq!(admission.view().in_flight, 1);
@@ -342,7 +345,7 @@ mod tests {
         let due = due(start);
         let gate = CommitGate::until(due.commit_by.into_std());
         let work = run_admitted(&admission, due.commit_by, None, || {
-            Answer::Shed(ShedReason::Internal)
+            Answer::Shed(RefusalReason::Internal)
         });
         let decided = hand_off(due, &gate, std::future::pending(), work);
         tokio::pin!(decided);
@@ -352,7 +355,10 @@ mod tests {
         assert!(decided.as_mut().now_or_never().is_none());
         tokio::time::advance(ms(1)).await;
         // A slot that comes free after 90 ms could not commit in time: the queue gives it up there.
-        assert!(matches!(decided.await, Decided::Shed(ShedReason::Deadline)));
+        assert!(matches!(
+            decided.await,
+            Decided::Shed(RefusalReason::Deadline)
+        ));
         assert_eq!(Instant::now(), start + ms(90));
         assert_eq!(admission.view().queued, 0);
     }
@@ -370,7 +376,7 @@ mod tests {
         tokio::time::advance(ms(1)).await;
         assert!(matches!(
             decided.await,
-            Decided::Shed(ShedReason::StreamDeadline)
+            Decided::Shed(RefusalReason::StreamDeadline)
         ));
         assert_eq!(gate.check(), Err(RefusedCommit::Deadline));
     }
@@ -396,9 +402,9 @@ mod tests {
         // as the stream's deadline.
         let bounded = Due::new(start, ms(2000), start + ms(300));
         let cases = [
-            (Err(ShedReason::QueueFull), "queue_full"),
-            (Ok(Answer::Shed(ShedReason::Deadline)), "stream_deadline"),
-            (Ok(Answer::Shed(ShedReason::Cancelled)), "cancelled"),
+            (Err(RefusalReason::QueueFull), "queue_full"),
+            (Ok(Answer::Shed(RefusalReason::Deadline)), "stream_deadline"),
+            (Ok(Answer::Shed(RefusalReason::Cancelled)), "cancelled"),
             (
                 Ok(Answer::Refuse(refusal(RefusalReason::Internal))),
                 "internal",
@@ -431,6 +437,6 @@ mod tests {
             panic!("a bug inside the decision")
         });
         let decided = hand_off(bounded, &gate, std::future::pending(), work).await;
-        assert!(matches!(decided, Decided::Shed(ShedReason::Internal)));
+        assert!(matches!(decided, Decided::Shed(RefusalReason::Internal)));
     }
 }

@@ -43,7 +43,7 @@ use super::handoff::{FAULT_HEADER, Fault};
 use super::lb;
 use super::served::{self, Follow};
 use crate::metrics::StreamEnd;
-use crate::protocol::{DESTINATION, OWNED_PREFIX, RefusalReason, ShedReason};
+use crate::protocol::{DESTINATION, OWNED_PREFIX, RefusalReason};
 use crate::route::admission::BodyShare;
 use crate::route::{Answer, Refusal, Service};
 
@@ -282,7 +282,7 @@ async fn drive(
                         return shed(service, out, &exchange, reason, Some(ending), received).await;
                     }
                     Decided::Gone => {
-                        service.metrics().overload.shed(ShedReason::Cancelled);
+                        service.metrics().overload.shed(RefusalReason::Cancelled);
                         return StreamEnd::Reset;
                     }
                 }
@@ -326,7 +326,7 @@ async fn shed(
     service: &Service,
     out: &Sender,
     exchange: &Exchange,
-    reason: ShedReason,
+    reason: RefusalReason,
     ending: Option<Ending>,
     owed: Instant,
 ) -> StreamEnd {
@@ -351,7 +351,7 @@ enum Step {
     /// Nothing to send yet (a duplex chunk before the end of the body).
     Wait,
     /// Give the request up with a gRPC error, and end the stream.
-    Shed(ShedReason),
+    Shed(RefusalReason),
     /// Send these and end the stream (a shed duplex request whose body ended while being forwarded).
     Finish(Vec<ProcessingResponse>),
     /// Protocol replies; the stream goes on.
@@ -455,11 +455,11 @@ fn on_body(service: &Service, exchange: &mut Exchange, body: HttpBody) -> Step {
     // Over the budget of every stream's bodies together: shed, so that the request is still served.
     if !exchange.share.grow(body.body.len()) {
         if !duplex {
-            return Step::Shed(ShedReason::BodyBudget);
+            return Step::Shed(RefusalReason::BodyBudget);
         }
         // Duplex or streamed: the headers response is cachepick's to give, so the request continues
         // without a destination; what was held goes back (or through) now, and the rest as it comes.
-        service.metrics().overload.shed(ShedReason::BodyBudget);
+        service.metrics().overload.shed(RefusalReason::BodyBudget);
         exchange.forwarding = true;
         let mut held = std::mem::take(&mut exchange.body);
         held.extend_from_slice(&body.body);

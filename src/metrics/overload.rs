@@ -5,7 +5,7 @@ use prometheus::{
 };
 
 use crate::connections::CloseReason;
-use crate::protocol::ShedReason;
+use crate::protocol::RefusalReason;
 
 /// Buckets of `cachepick_answer_seconds`: fine around the deadlines operators set (100 ms to a few
 /// seconds), so a p99 can be read against the configured `decision_deadline`.
@@ -80,7 +80,7 @@ impl OverloadMetrics {
             ),
             &["reason"],
         )?;
-        for reason in ShedReason::ALL {
+        for reason in RefusalReason::SHED {
             shed.with_label_values(&[reason.as_str()]);
         }
         let commits_refused = IntCounterVec::new(
@@ -192,7 +192,7 @@ impl OverloadMetrics {
     }
 
     /// One request shed for `reason`.
-    pub fn shed(&self, reason: ShedReason) {
+    pub fn shed(&self, reason: RefusalReason) {
         self.shed.with_label_values(&[reason.as_str()]).inc();
     }
 
@@ -219,7 +219,7 @@ impl OverloadMetrics {
     }
 
     /// The current count of `cachepick_shed_total{reason}`.
-    pub fn shed_count(&self, reason: ShedReason) -> u64 {
+    pub fn shed_count(&self, reason: RefusalReason) -> u64 {
         self.shed.with_label_values(&[reason.as_str()]).get()
     }
 }

@@ -22,7 +22,7 @@
 //!   gate closes, so a slot whose decision is past its deadline comes free within one chunk
 //!   (`cachepick_decision_overrun_seconds` measures how far past).
 //!
-//! Nothing here sees a protobuf type: the wire maps a [`ShedReason`] to its own error. Time is read
+//! Nothing here sees a protobuf type: the wire maps a [`RefusalReason`] to its own error. Time is read
 //! on tokio's clock, so tests drive deadlines and rates with paused time.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -34,7 +34,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::OverloadConfig;
 use crate::metrics::{OverloadMetrics, RefusedCommit};
-use crate::protocol::ShedReason;
+use crate::protocol::RefusalReason;
 use crate::tokenize::Stop;
 
 /// Now, on tokio's clock: the same instant as [`Instant::now`] in a running picker, and the paused
@@ -134,20 +134,20 @@ impl Admission {
         &self,
         deadline: Instant,
         body: Option<&[u8]>,
-    ) -> Result<Admitted, ShedReason> {
+    ) -> Result<Admitted, RefusalReason> {
         let heavy = match body {
             Some(body) if body.len() > HEAVY_BODY_BYTES => {
                 let share = Arc::clone(&self.heavy).acquire_owned();
                 match tokio::time::timeout_at(deadline.into(), share).await {
                     Ok(Ok(permit)) => Some(permit),
-                    Ok(Err(_)) | Err(_) => return Err(ShedReason::Deadline),
+                    Ok(Err(_)) | Err(_) => return Err(RefusalReason::Deadline),
                 }
             }
             _ => None,
         };
         let in_time = |permit: OwnedSemaphorePermit, heavy| {
             if now() + self.per_decision() > deadline {
-                Err(ShedReason::Deadline)
+                Err(RefusalReason::Deadline)
             } else {
                 Ok(self.admitted(permit, heavy, deadline))
             }
@@ -164,7 +164,7 @@ impl Admission {
             // Waiting for the rounds ahead, then its own decision.
             let expected = per_decision.saturating_mul(rounds.saturating_add(1));
             if now() + expected > deadline {
-                return Err(ShedReason::Deadline);
+                return Err(RefusalReason::Deadline);
             }
         }
         if self
@@ -174,14 +174,14 @@ impl Admission {
             })
             .is_err()
         {
-            return Err(ShedReason::QueueFull);
+            return Err(RefusalReason::QueueFull);
         }
         let _queued = Queued::enter(&self.queued, &self.metrics);
         let acquire = Arc::clone(&self.decisions).acquire_owned();
         match tokio::time::timeout_at(deadline.into(), acquire).await {
             Ok(Ok(permit)) => in_time(permit, heavy),
             // The semaphore is never closed; a slot that came free at the deadline is too late.
-            Ok(_) | Err(_) => Err(ShedReason::Deadline),
+            Ok(_) | Err(_) => Err(RefusalReason::Deadline),
         }
     }
 
@@ -237,7 +237,7 @@ impl Admission {
 
     /// Admission as the debug snapshot shows it.
     pub fn view(&self) -> AdmissionView {
-        let shed = ShedReason::ALL
+        let shed = RefusalReason::SHED
             .iter()
             .map(|reason| (reason.as_str(), self.metrics.shed_count(*reason)))
             .collect();
@@ -377,11 +377,11 @@ impl CommitGate {
     }
 }
 
-impl From<RefusedCommit> for ShedReason {
+impl From<RefusedCommit> for RefusalReason {
     fn from(refused: RefusedCommit) -> Self {
         match refused {
-            RefusedCommit::Deadline => ShedReason::Deadline,
-            RefusedCommit::Cancelled => ShedReason::Cancelled,
+            RefusedCommit::Deadline => RefusalReason::Deadline,
+            RefusedCommit::Cancelled => RefusalReason::Cancelled,
         }
     }
 }
@@ -618,7 +618,7 @@ mod tests {
         );
         assert_eq!(admission.view().queued, 1);
         advance(1).await;
-        assert_eq!(waiting.await.err(), Some(ShedReason::Deadline));
+        assert_eq!(waiting.await.err(), Some(RefusalReason::Deadline));
         assert_eq!(
             now(),
             start + Duration::from_millis(50),
@@ -642,7 +642,7 @@ mod tests {
         let third = admission.admit(soon(1000), None).now_or_never();
         assert_eq!(
             third.map(|admitted| admitted.err()),
-            Some(Some(ShedReason::QueueFull))
+            Some(Some(RefusalReason::QueueFull))
         );
         assert_eq!(now(), start);
         // A slot coming free goes to the one queued first; the other keeps its place.
@@ -708,9 +708,9 @@ mod tests {
         assert_eq!(admission.view().queued, 1);
         assert_eq!(
             admission.admit(soon(1000), None).await.err(),
-            Some(ShedReason::QueueFull)
+            Some(RefusalReason::QueueFull)
         );
-        assert_eq!(waiting.await.err(), Some(ShedReason::Deadline));
+        assert_eq!(waiting.await.err(), Some(RefusalReason::Deadline));
         assert_eq!(admission.view().queued, 0);
         drop(held);
         assert_eq!(admission.view().in_flight, 0);
@@ -738,7 +738,7 @@ mod tests {
         // One decision ahead, then its own: about 80 ms, more than the 60 left.
         assert_eq!(
             admission.admit(soon(60), None).await.err(),
-            Some(ShedReason::Deadline)
+            Some(RefusalReason::Deadline)
         );
         assert_eq!(admission.view().queued, 0, "it never entered the queue");
         // With time for both, it waits.
@@ -757,7 +757,7 @@ mod tests {
         // The third heavy body waits for the share until its deadline, though slots are free.
         assert_eq!(
             admission.admit(soon(30), Some(&heavy)).await.err(),
-            Some(ShedReason::Deadline)
+            Some(RefusalReason::Deadline)
         );
         // Ordinary bodies take the other two slots at once.
         let light = admission.admit(soon(1000), Some(b"{}")).await.unwrap();

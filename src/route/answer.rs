@@ -11,7 +11,7 @@ use super::admission::CommitGate;
 use super::credit::Credit;
 use super::explain::Explanation;
 use crate::policy::{Reason, RejectReason};
-use crate::protocol::{PASSTHROUGH, RefusalReason, ShedReason, error_json};
+use crate::protocol::{PASSTHROUGH, RefusalReason, error_json};
 
 /// One request as the wire hands it in: everything routing reads, none of it a protobuf type.
 #[derive(Clone, Copy, Debug, Default)]
@@ -99,7 +99,7 @@ pub enum Answer {
     Route(Routed),
     Refuse(Refusal),
     /// Decided too late, or for a stream that is gone: nothing was committed.
-    Shed(ShedReason),
+    Shed(RefusalReason),
 }
 
 impl Answer {

@@ -29,7 +29,7 @@ mod service;
 mod settle;
 mod views;
 
-pub use crate::protocol::{RefusalReason, ShedReason};
+pub use crate::protocol::RefusalReason;
 pub use admission::{Admission, AdmissionView, CommitGate};
 pub use answer::{Answer, Commit, ExplainInput, Inbound, Refusal, Routed, Routing};
 pub use credit::{Credit, ServedReport, Settled};

@@ -23,7 +23,7 @@ use crate::events::EventFeeds;
 use crate::load::RosterObserver;
 use crate::metrics::Metrics;
 use crate::policy::{Decision, Gate, Outcome, Reason};
-use crate::protocol::{RefusalReason, ShedReason};
+use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, charset, encoding};
 use crate::tokenize::TokenizeError;
 
@@ -113,7 +113,7 @@ impl Service {
         &self,
         deadline: Instant,
         body: Option<&[u8]>,
-    ) -> Result<Admitted, ShedReason> {
+    ) -> Result<Admitted, RefusalReason> {
         self.admission.admit(deadline, body).await
     }
 
@@ -247,7 +247,9 @@ impl Service {
                     self.metrics.overload.tokenize_interrupted.inc();
                 }
                 Err(Box::new(Answer::Shed(
-                    gate.check().err().map_or(ShedReason::Deadline, Into::into),
+                    gate.check()
+                        .err()
+                        .map_or(RefusalReason::Deadline, Into::into),
                 )))
             }
             Err(error) => Err(Box::new(self.refuse_request(&error, live))),
