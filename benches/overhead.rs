@@ -10,12 +10,8 @@
 //! the timing. The difference d − c between the medians of a size and mode is cachepick's own work
 //! (targets in `BENCHMARKS.md`: ≤ 0.1 ms at 4 KB, ≤ 1 ms at 200 KB); d − c′ is its computing alone.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::hint::black_box;
 use std::time::Duration;

@@ -1,13 +1,12 @@
 //! The `cachepick` binary as an operator runs it: real processes, real files, real sockets.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+    pub mod serve;
+}
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -16,9 +15,9 @@ use std::time::Duration;
 
 use tonic_health::pb::HealthCheckRequest;
 
-use support::Server;
 use support::engine::{FakeEngine, Mode, refused_addr, vllm_metrics};
-use support::http_get;
+use support::serve::Server;
+use support::serve::http_get;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 

@@ -9,17 +9,15 @@
 //! `v1` and, where only that is served, `v1alpha2`; an API server that is down at start (failures
 //! counted, nothing published) and then comes up.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/engine.rs"]
-mod engine;
-#[path = "support/fake_kube.rs"]
-mod fake_kube;
+mod support {
+    pub mod engine;
+    pub mod fake_kube;
+}
+
+use support::{engine, fake_kube};
 
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;

@@ -3,14 +3,13 @@
 //! no worker has a fresh reading and SERVING again once one has; SIGTERM withdraws readiness at once,
 //! the picker keeps deciding for `overload.shutdown_grace`, then exits cleanly.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+    pub mod serve;
+}
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
@@ -23,8 +22,8 @@ use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
 use cachepick::protocol::{EXT_PROC_SERVICE, LIVENESS, READINESS};
 use cachepick_rig::client::{Client, Verdict};
-use support::Server;
 use support::engine::{FakeEngine, Mode, vllm_metrics};
+use support::serve::Server;
 
 /// Starts `cachepick serve` on `text` and returns it with its log lines and its gRPC address.
 fn start(text: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>, SocketAddr) {

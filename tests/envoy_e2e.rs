@@ -12,19 +12,16 @@
 //! Every stack binds ephemeral loopback ports and every wait is bounded, so a broken piece fails the
 //! test instead of hanging it. Envoy is never skipped: `envoy::binary()` provisions it or panics.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+    pub mod sim_client;
+}
+
+use support::{envoy, sim_client};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -9,19 +9,16 @@
 //! - a worker restarted with an empty cache is no longer credited with its old prefixes once the restart
 //!   is seen (one scrape after it is back).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+    pub mod sim_client;
+}
+
+use support::{envoy, sim_client};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -2,15 +2,14 @@
 //! does, a real picker (`app::run`) subscribes, and its decisions follow what the engines say they
 //! hold — including what another replica (here: a request sent to a worker directly) put there, a
 //! dropped batch healed by replay, an unhealable gap, and a restarted worker.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod sim_client;
+}
+
+use support::sim_client;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;

@@ -6,17 +6,15 @@
 //! Slow and panicking decisions are injected with the test-only `fault-injection` feature
 //! (`x-fault-injection: sleep=<ms>` or `panic`); every test checks first that the build has it.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/picker.rs"]
-mod picker;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod picker;
+    pub mod sim_client;
+}
+
+use support::{picker, sim_client};
 
 use std::time::{Duration, Instant};
 

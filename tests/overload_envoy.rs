@@ -5,21 +5,17 @@
 //! The panic is injected with the test-only `fault-injection` feature (`x-fault-injection: panic`);
 //! the tests check first that the build has it.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/picker.rs"]
-mod picker;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod picker;
+    pub mod provision;
+    pub mod sim_client;
+}
+
+use support::{envoy, picker, sim_client};
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;

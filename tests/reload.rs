@@ -3,14 +3,13 @@
 //! the policy live; an invalid one changes nothing and the log lists every problem with its line; one
 //! that changes what needs a restart changes nothing and says so.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+    pub mod serve;
+}
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -18,9 +17,9 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use support::Server;
 use support::engine::{FakeEngine, Mode, vllm_metrics};
-use support::http_get;
+use support::serve::Server;
+use support::serve::http_get;
 
 /// A directory laid out as the kubelet mounts a ConfigMap: `cachepick.yaml` → `..data/cachepick.yaml`,
 /// `..data` → a timestamped directory, replaced by an atomic rename of a new symlink.

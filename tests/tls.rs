@@ -8,21 +8,17 @@
 //! served; a plain-text client of the TLS listener fails; and a certificate rotated on disk is served to
 //! new connections without a restart.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/pki.rs"]
-mod pki;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod pki;
+    pub mod provision;
+    pub mod sim_client;
+}
+
+use support::{envoy, pki, sim_client};
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;

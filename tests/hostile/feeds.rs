@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use http::Method;
 use serde_json::{Value, json};
 
-use super::support::Server;
 use super::support::engine::{FakeEngine, Mode, vllm_metrics};
 use super::support::hostile_zmtp::HostileEngine;
-use super::support::http_get;
+use super::support::serve::Server;
+use super::support::serve::http_get;
 use cachepick_rig::client::{Client as PickerClient, Verdict};
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;

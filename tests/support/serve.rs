@@ -1,16 +1,13 @@
-//! Shared helpers for the integration tests.
+//! The `serve` process of the tests that run the real binary, and the plain HTTP GET they ask it with.
 //!
-//! The files in this folder panic, unwrap and index freely: every test file that includes one carries
-//! the `#![allow(clippy::unwrap_used, …)]` that covers them.
-pub mod engine;
-pub mod hostile_zmtp;
+//! The files in this folder panic, unwrap and index freely: every test file includes the ones it uses as
+//! `mod support { pub mod …; }`, under the `#![allow(clippy::unwrap_used, …)]` that covers them.
 
 use std::io::{Read, Write};
 use std::process::Child;
 use std::time::Duration;
 
 /// A `serve` process, killed if the test fails before it ends.
-#[allow(dead_code)] // only the test binaries that run the real binary hold one
 pub struct Server(pub Child);
 
 impl Drop for Server {
@@ -21,7 +18,7 @@ impl Drop for Server {
 }
 
 /// A plain HTTP/1.1 GET over a fresh connection, blocking; returns the whole response.
-#[allow(dead_code)] // not every test binary that includes the folder asks over HTTP
+#[allow(dead_code)] // not every test binary that runs `serve` asks it over HTTP
 pub fn http_get(addr: &str, path: &str) -> String {
     let mut stream = std::net::TcpStream::connect(addr).expect("connect");
     stream
