@@ -16,6 +16,7 @@
 mod support {
     pub mod picker;
     pub mod sim_client;
+    pub mod sim_fleet;
 }
 
 use support::{picker, sim_client};

@@ -16,9 +16,10 @@ mod support {
     pub mod envoy;
     pub mod provision;
     pub mod sim_client;
+    pub mod sim_fleet;
 }
 
-use support::{envoy, sim_client};
+use support::{envoy, sim_client, sim_fleet};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -32,11 +33,9 @@ use serde_json::{Value, json};
 use cachepick::app::Reload;
 use cachepick::config::{self, Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
-use cachepick_rig::nz;
 use cachepick_rig::stage::{Picker, READY_WITHIN};
-use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::Engine;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
 use sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded};
 
 /// Long enough that the bounds below hold on a loaded two-core CI machine, short enough to be tested.
@@ -65,19 +64,9 @@ struct Stack {
 impl Stack {
     /// Three workers; the file lists those at positions `listed`.
     async fn start(listed: &[usize]) -> Stack {
-        let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = nz(16);
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
-        let overrides = Overrides {
-            listen: Some(loopback(envoy::free_port())),
-            metrics_listen: Some(loopback(envoy::free_port())),
-            ..Overrides::default()
-        };
+        let sim = sim_fleet::config(Engine::Vllm, 3);
+        let fleet = sim_fleet::start(&sim).await;
+        let overrides = envoy::free_listeners();
         let mut full = config::parse(&fleet.cachepick_config(), "fleet", &overrides).unwrap();
         for policy in full.policies_mut() {
             policy.cache_aware_mut().unwrap().min_match_tokens = 64;

@@ -17,9 +17,10 @@ mod support {
     pub mod provision;
     pub mod serve;
     pub mod sim_client;
+    pub mod sim_fleet;
 }
 
-use support::{envoy, picker, sim_client};
+use support::{envoy, picker, sim_client, sim_fleet};
 
 #[path = "hostile/cold.rs"]
 mod cold;

@@ -13,6 +13,7 @@ mod support {
     pub mod picker;
     pub mod provision;
     pub mod sim_client;
+    pub mod sim_fleet;
 }
 
 use support::{envoy, picker, sim_client};

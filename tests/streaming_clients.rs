@@ -20,6 +20,7 @@ mod support {
     pub mod gateway;
     pub mod provision;
     pub mod sim_client;
+    pub mod sim_fleet;
 }
 
 use support::{gateway, sim_client};

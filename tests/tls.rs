@@ -16,9 +16,10 @@ mod support {
     pub mod pki;
     pub mod provision;
     pub mod sim_client;
+    pub mod sim_fleet;
 }
 
-use support::{envoy, pki, sim_client};
+use support::{envoy, pki, sim_client, sim_fleet};
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -92,14 +93,8 @@ struct Stack {
 impl Stack {
     async fn start(mtls: bool) -> Stack {
         let certs = Certs::new();
-        let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = NonZeroU32::new(16).unwrap();
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
+        let sim = sim_fleet::config(Engine::Vllm, 2);
+        let fleet = sim_fleet::start(&sim).await;
         let client_ca = if mtls {
             format!("\n  client_ca_file: {}", certs.clients.file.display())
         } else {
@@ -363,9 +358,7 @@ async fn a_rotated_certificate_reaches_new_connections_without_a_restart() {
     let certs = Certs::new();
     let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(1).unwrap());
     sim.tokenizer = TokenizerConfig::Bytes;
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
+    let fleet = sim_fleet::start(&sim).await;
     let yaml = format!(
         "tls: {{cert_file: \"{}\", key_file: \"{}\", reload_interval: 100ms}}\n{}",
         certs.server.cert_file.display(),

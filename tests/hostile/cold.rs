@@ -17,16 +17,14 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use serde_json::json;
 
-use cachepick::config::{self, Overrides};
+use cachepick::config::{self};
 use cachepick::envoy_config::{self, BOOTSTRAP_CLUSTER, BodyMode, EnvoyOptions};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION};
-use cachepick_rig::nz;
-use cachepick_sim::config::TokenizerConfig;
-use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
+use cachepick_sim::Engine;
 
 use super::envoy;
 use super::sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded, read_whole};
+use super::sim_fleet;
 
 /// Requests sent through Envoy before any picker has started.
 const COLD_REQUESTS: u64 = 30;
@@ -63,20 +61,10 @@ fn echoed<'a>(reply: &'a Reply, header: &str) -> Option<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
-    let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = nz(16);
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
+    let sim = sim_fleet::config(Engine::Vllm, 3);
+    let fleet = sim_fleet::start(&sim).await;
     let workers: BTreeSet<String> = fleet.endpoints().iter().map(ToString::to_string).collect();
-    let overrides = Overrides {
-        listen: Some(loopback(envoy::free_port())),
-        metrics_listen: Some(loopback(envoy::free_port())),
-        ..Overrides::default()
-    };
+    let overrides = envoy::free_listeners();
     let text = fleet.cachepick_config();
     let config = config::parse(&text, "cold.yaml", &overrides).unwrap();
     let gateway = loopback(envoy::free_port());
@@ -376,19 +364,9 @@ fn encode_wide(text: &str, width: usize, little: bool, bom: bool) -> Vec<u8> {
 /// as the same text: the same chat in each of them hits the worker its UTF-8 form was routed to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_byte_order_mark_and_utf16_bodies_route_as_their_text() {
-    let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = nz(16);
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
-    let overrides = Overrides {
-        listen: Some(loopback(envoy::free_port())),
-        metrics_listen: Some(loopback(envoy::free_port())),
-        ..Overrides::default()
-    };
+    let sim = sim_fleet::config(Engine::Vllm, 3);
+    let fleet = sim_fleet::start(&sim).await;
+    let overrides = envoy::free_listeners();
     let mut config = config::parse(&fleet.cachepick_config(), "charset.yaml", &overrides).unwrap();
     // The simulated workers hold a few hundred tokens each: an owner must match far fewer than 1,024.
     for policy in config.policies_mut() {

@@ -5,7 +5,6 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
@@ -14,14 +13,13 @@ use std::time::{Duration, Instant};
 use http::Method;
 use serde_json::{Value, json};
 
+use super::sim_fleet;
 use super::support::engine::{FakeEngine, Mode, vllm_metrics};
 use super::support::hostile_zmtp::HostileEngine;
 use super::support::serve::Server;
 use super::support::serve::http_get;
 use cachepick_rig::client::{Client as PickerClient, Verdict};
-use cachepick_sim::config::TokenizerConfig;
-use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
+use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat};
 
 use self::sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, bounded, read_whole};
 use super::sim_client;
@@ -234,15 +232,9 @@ fn prompt(tag: &str, blocks: usize) -> String {
 // Four threads: the test's blocking HTTP reads must not starve the in-process fleet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_oversized_kv_event_frame_and_a_flooding_replay_stay_within_a_memory_bound() {
-    let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = NonZeroU32::new(16).unwrap();
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
+    let mut sim = sim_fleet::config(Engine::Vllm, 2);
     sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::VllmArray));
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
+    let fleet = sim_fleet::start(&sim).await;
     let honest = fleet.workers()[1].addr();
     let hostile = HostileEngine::start(FRAME_BYTES, REPLAY_BATCHES, REPLAY_BATCH_BYTES);
 
