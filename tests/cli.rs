@@ -10,14 +10,13 @@ mod support {
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use tonic_health::pb::HealthCheckRequest;
 
 use support::engine::{FakeEngine, Mode, refused_addr, vllm_metrics};
-use support::serve::Server;
-use support::serve::http_get;
+use support::serve::{self, Server, http_get};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -167,22 +166,15 @@ pools:
     workers: [{endpoint: 127.0.0.1:1}]
 ",
     );
-    let child = Command::new(cachepick_rig::cachepick_binary())
-        .args([
-            "serve",
-            "--config",
-            config.path().to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--shutdown-grace",
-            "200ms",
-        ])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--shutdown-grace",
+        "200ms",
+    ];
+    let child = serve::command(config.path(), &args, "info")
         .spawn()
         .expect("serve starts");
     let mut server = Server(child);

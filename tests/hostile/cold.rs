@@ -25,6 +25,7 @@ use cachepick_sim::Engine;
 use super::envoy;
 use super::sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded, read_whole};
 use super::sim_fleet;
+use super::support::serve::{self as logged, Server};
 
 /// Requests sent through Envoy before any picker has started.
 const COLD_REQUESTS: u64 = 30;
@@ -231,43 +232,12 @@ async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
 }
 
 /// `cachepick serve` on `yaml`, with its log lines and its gRPC address (from the `listen=` line).
-fn serve(yaml: &str, dir: &tempfile::TempDir) -> (Serve, mpsc::Receiver<String>, SocketAddr) {
+fn serve(yaml: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>, SocketAddr) {
     let path = dir.path().join("cachepick.yaml");
     std::fs::write(&path, yaml).unwrap();
-    let mut child = Command::new(cachepick_rig::cachepick_binary())
-        .args(["serve", "--config", path.to_str().unwrap()])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("cachepick serve starts");
-    let (sender, receiver) = mpsc::channel();
-    let pipes: [Box<dyn std::io::Read + Send>; 2] = [
-        Box::new(child.stdout.take().unwrap()),
-        Box::new(child.stderr.take().unwrap()),
-    ];
-    for pipe in pipes {
-        let sender = sender.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    let serve = Serve(child);
-    let listen = loop {
-        let line = receiver
-            .recv_timeout(Duration::from_secs(30))
-            .expect("serve logs its addresses");
-        if let Some(rest) = line.split(" listen=").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
+    let mut command = logged::command(&path, &[], "info");
+    let (serve, receiver) = logged::spawn_logged(command.stdin(Stdio::null()));
+    let listen = logged::logged_field(&receiver, "listen").parse().unwrap();
     (serve, receiver, listen)
 }
 

@@ -3,7 +3,6 @@
 //! batches, a configuration file swapped for a FIFO, `/dev/zero` and a 200 MB file as the
 //! configuration, and the files `serve` refuses at start that `check` must refuse too.
 
-use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -16,8 +15,7 @@ use serde_json::{Value, json};
 use super::sim_fleet;
 use super::support::engine::{FakeEngine, Mode, vllm_metrics};
 use super::support::hostile_zmtp::HostileEngine;
-use super::support::serve::Server;
-use super::support::serve::http_get;
+use super::support::serve::{self, Server, http_get};
 use cachepick_rig::client::{Client as PickerClient, Verdict};
 use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat};
 
@@ -35,32 +33,16 @@ struct Picker {
 
 impl Picker {
     fn start(config: &Path) -> Picker {
-        let child = Command::new(cachepick_rig::cachepick_binary())
-            .args(["serve", "--config", config.to_str().unwrap()])
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .args(["--shutdown-grace", "0s"])
-            .env("RUST_LOG", "info,cachepick::events=debug")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("serve starts");
-        let mut server = Server(child);
-        let (sender, lines) = mpsc::channel();
-        for pipe in [
-            Box::new(server.0.stdout.take().unwrap()) as Box<dyn Read + Send>,
-            Box::new(server.0.stderr.take().unwrap()),
-        ] {
-            let sender = sender.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines() {
-                    let Ok(line) = line else { break };
-                    if sender.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        let args = [
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--shutdown-grace",
+            "0s",
+        ];
+        let mut command = serve::command(config, &args, "info,cachepick::events=debug");
+        let (server, lines) = serve::spawn_logged(&mut command);
         let mut log = String::new();
         let deadline = Instant::now() + Duration::from_secs(30);
         let started = loop {
