@@ -166,14 +166,7 @@ pools:
     workers: [{endpoint: 127.0.0.1:1}]
 ",
     );
-    let args = [
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--shutdown-grace",
-        "200ms",
-    ];
+    let args = [serve::ANY_PORTS.as_slice(), &["--shutdown-grace", "200ms"]].concat();
     let child = serve::command(config.path(), &args, "info")
         .spawn()
         .expect("serve starts");

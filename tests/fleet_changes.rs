@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 
 use cachepick::app::Reload;
 use cachepick::config::{self, Config, Overrides};
-use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
+use cachepick::envoy_config::{self, BodyMode};
 use cachepick_rig::stage::{Picker, READY_WITHIN};
 use cachepick_sim::Engine;
 use cachepick_sim::fleet::Fleet;
@@ -43,10 +43,6 @@ const SCRAPE_INTERVAL: Duration = Duration::from_millis(400);
 const FRESHNESS: Duration = Duration::from_millis(1500);
 const ECHO_DESTINATION: &str = "x-sim-echo-x-gateway-destination-endpoint";
 const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
-
-fn loopback(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
 
 /// Fleet + cachepick (reading its file again) + Envoy.
 struct Stack {
@@ -87,13 +83,8 @@ impl Stack {
         let mut picker = Picker::spawn_serving(config.clone(), Some(reload));
         picker.ready(READY_WITHIN).await.unwrap();
 
-        let gateway = loopback(envoy::free_port());
-        let options = EnvoyOptions {
-            mode: BodyMode::Buffered,
-            listen: gateway,
-            admin: loopback(envoy::free_port()),
-            ..EnvoyOptions::for_config(&config)
-        };
+        let options = envoy::free_options(&config, BodyMode::Buffered);
+        let gateway = options.listen;
         let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
         Stack {
             fleet,

@@ -18,7 +18,7 @@ use http::StatusCode;
 use serde_json::json;
 
 use cachepick::config::{self};
-use cachepick::envoy_config::{self, BOOTSTRAP_CLUSTER, BodyMode, EnvoyOptions};
+use cachepick::envoy_config::{self, BOOTSTRAP_CLUSTER, BodyMode};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION};
 use cachepick_sim::Engine;
 
@@ -43,10 +43,6 @@ impl Drop for Serve {
     }
 }
 
-fn loopback(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
 async fn chat(client: &Client, gateway: SocketAddr, turn: u64) -> Reply {
     let body = json!({
         "model": MODEL,
@@ -68,13 +64,8 @@ async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
     let overrides = envoy::free_listeners();
     let text = fleet.cachepick_config();
     let config = config::parse(&text, "cold.yaml", &overrides).unwrap();
-    let gateway = loopback(envoy::free_port());
-    let options = EnvoyOptions {
-        mode: BodyMode::Buffered,
-        listen: gateway,
-        admin: loopback(envoy::free_port()),
-        ..EnvoyOptions::for_config(&config)
-    };
+    let options = envoy::free_options(&config, BodyMode::Buffered);
+    let gateway = options.listen;
     let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
     let client = Client::new();
 

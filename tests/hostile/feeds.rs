@@ -33,14 +33,7 @@ struct Picker {
 
 impl Picker {
     fn start(config: &Path) -> Picker {
-        let args = [
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--shutdown-grace",
-            "0s",
-        ];
+        let args = [serve::ANY_PORTS.as_slice(), &["--shutdown-grace", "0s"]].concat();
         let mut command = serve::command(config, &args, "info,cachepick::events=debug");
         let (server, lines) = serve::spawn_logged(&mut command);
         let mut log = String::new();

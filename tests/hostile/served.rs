@@ -28,7 +28,7 @@ use http::Method;
 use serde_json::{Value, json};
 
 use cachepick::config::{self, Config};
-use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
+use cachepick::envoy_config::{self, BodyMode};
 use cachepick_rig::nz;
 use cachepick_sim::Engine;
 use cachepick_sim::fleet::Fleet;
@@ -91,13 +91,8 @@ impl Stack {
             .spawn()
             .expect("cachepick serve starts");
         let serve = Serve { child, _dir: dir };
-        let gateway = loopback(envoy::free_port());
-        let options = EnvoyOptions {
-            mode,
-            listen: gateway,
-            admin: loopback(envoy::free_port()),
-            ..EnvoyOptions::for_config(&config)
-        };
+        let options = envoy::free_options(&config, mode);
+        let gateway = options.listen;
         let bootstrap = envoy_config::render(&config, &options);
         assert!(
             bootstrap.contains("response_header_mode: SEND")

@@ -116,6 +116,19 @@ pub fn free_listeners() -> cachepick::config::Overrides {
     }
 }
 
+/// Envoy's options in front of `config` in `mode`, its listener and admin on free loopback ports.
+pub fn free_options(
+    config: &cachepick::config::Config,
+    mode: cachepick::envoy_config::BodyMode,
+) -> cachepick::envoy_config::EnvoyOptions {
+    cachepick::envoy_config::EnvoyOptions {
+        mode,
+        listen: free_addr(),
+        admin: free_addr(),
+        ..cachepick::envoy_config::EnvoyOptions::for_config(config)
+    }
+}
+
 /// A `--base-id` no other Envoy of this test run uses (hot restart is disabled as well, so shared memory
 /// never collides; the id only keeps Envoy's names apart).
 fn base_id() -> u32 {

@@ -14,7 +14,7 @@ use http::StatusCode;
 use serde_json::json;
 
 use cachepick::config::{self, Config, Overrides};
-use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
+use cachepick::envoy_config::{self, BodyMode};
 use cachepick_rig::stage::{Picker, READY_WITHIN};
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
@@ -86,13 +86,8 @@ impl Gateway {
 
         let (envoy, gateway) = match mode {
             Some(mode) => {
-                let gateway = loopback(envoy::free_port());
-                let options = EnvoyOptions {
-                    mode,
-                    listen: gateway,
-                    admin: loopback(envoy::free_port()),
-                    ..EnvoyOptions::for_config(&config)
-                };
+                let options = envoy::free_options(&config, mode);
+                let gateway = options.listen;
                 let yaml = envoy_config::render(&config, &options);
                 (Some(envoy::Envoy::start(&yaml).await), Some(gateway))
             }

@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 /// How long `serve` may take to log the addresses it bound.
 const STARTS_WITHIN: Duration = Duration::from_secs(30);
 
+/// The flags that put both listeners on ports the kernel picks; `serve` logs the ones it bound.
+pub const ANY_PORTS: [&str; 4] = ["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"];
+
 /// A `serve` process, killed if the test fails before it ends.
 pub struct Server(pub Child);
 
