@@ -44,6 +44,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod support {
     pub mod bodies;
+    pub mod sampling;
 }
 
 use support::bodies;
@@ -307,10 +308,7 @@ fn bench_extproc(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .sample_size(50)
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(5));
+    config = support::sampling::fifty_samples();
     targets = bench_extproc
 }
 criterion_main!(benches);

@@ -13,6 +13,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(clippy::indexing_slicing, clippy::panic)]
 
+mod support {
+    pub mod sampling;
+}
+
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -75,10 +79,7 @@ fn bench_overhead(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .sample_size(50)
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(5));
+    config = support::sampling::fifty_samples();
     targets = bench_overhead
 }
 criterion_main!(benches);

@@ -232,6 +232,17 @@ fn serve(yaml: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>
     (serve, receiver, listen)
 }
 
+/// The rig's ext_proc client on the picker at `listen`, connected within [`DEADLINE`].
+async fn connect(listen: SocketAddr) -> cachepick_rig::client::Client {
+    bounded(
+        "connect",
+        DEADLINE,
+        cachepick_rig::client::Client::connect(listen),
+    )
+    .await
+    .unwrap()
+}
+
 /// Issue 23, item 8: a chat the pool's template refuses (`raise_exception` on an unknown role) gets a
 /// 400 `untokenizable` whose body names neither the server's template file nor the template's exception
 /// text; the picker's log has both.
@@ -246,13 +257,7 @@ async fn a_template_error_gives_the_client_the_reason_and_the_log_the_details() 
         template.display()
     );
     let (_serve, log, listen) = serve(&yaml, &dir);
-    let client = bounded(
-        "connect",
-        DEADLINE,
-        cachepick_rig::client::Client::connect(listen),
-    )
-    .await
-    .unwrap();
+    let client = connect(listen).await;
     let body = json!({"model": "m", "messages": [{"role": "villain", "content": "hello"}]});
     let verdict = bounded(
         "a decision",
@@ -337,13 +342,7 @@ async fn a_byte_order_mark_and_utf16_bodies_route_as_their_text() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (_serve, _log, listen) = serve(&config.to_yaml(), &dir);
-    let client = bounded(
-        "connect",
-        DEADLINE,
-        cachepick_rig::client::Client::connect(listen),
-    )
-    .await
-    .unwrap();
+    let client = connect(listen).await;
     let text = json!({
         "model": MODEL,
         "messages": [{"role": "user", "content": format!("Grüße, 世界 🌍 {}", "a long shared history. ".repeat(20))}],

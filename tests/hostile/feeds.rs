@@ -368,6 +368,19 @@ async fn an_oversized_kv_event_frame_and_a_flooding_replay_stay_within_a_memory_
     assert!(exited.is_some(), "SIGTERM did not stop the picker");
 }
 
+/// Puts a FIFO named `name` in `dir` in `path`'s place: a configuration file that is not a regular one.
+fn swap_in_fifo(dir: &Path, name: &str, path: &Path) {
+    let fifo = dir.join(name);
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::rename(&fifo, path).unwrap();
+}
+
 fn file_config(workers: &[SocketAddr]) -> String {
     let mut text = "load: {scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s}\n\
                     pools:\n  - model: m\n    engine: vllm\n    workers:\n"
@@ -394,15 +407,7 @@ async fn a_config_swapped_for_a_fifo_is_refused_and_reload_and_sigterm_keep_work
         let mut picker = Picker::start(&path);
 
         // A FIFO in the file's place: refused without blocking anything.
-        let fifo = dir.path().join("swap.fifo");
-        assert!(
-            Command::new("mkfifo")
-                .arg(&fifo)
-                .status()
-                .unwrap()
-                .success()
-        );
-        std::fs::rename(&fifo, &path).unwrap();
+        swap_in_fifo(dir.path(), "swap.fifo", &path);
         assert!(
             picker.logged(
                 Duration::from_secs(5),
@@ -436,15 +441,7 @@ async fn a_config_swapped_for_a_fifo_is_refused_and_reload_and_sigterm_keep_work
         );
 
         // And a FIFO again, then SIGTERM: the process exits.
-        let fifo = dir.path().join("again.fifo");
-        assert!(
-            Command::new("mkfifo")
-                .arg(&fifo)
-                .status()
-                .unwrap()
-                .success()
-        );
-        std::fs::rename(&fifo, &path).unwrap();
+        swap_in_fifo(dir.path(), "again.fifo", &path);
         signal(picker.pid(), "-HUP");
         std::thread::sleep(Duration::from_millis(300));
         let took = picker.terminate(TERM_BOUND);

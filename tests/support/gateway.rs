@@ -2,8 +2,8 @@
 //! running the bootstrap `envoy_config::render` generates: the stack the observability and real-client
 //! tests talk to, with a fast scrape so readings follow the workers within a fraction of a second.
 //!
-//! It stands on `support/envoy.rs` and `support/sim_client.rs`: a test that includes this file as
-//! `mod gateway` includes those beside it as `mod envoy` and `mod sim_client`.
+//! It stands on `envoy`, `provision`, `sim_client` and `sim_fleet`: a test that names `gateway` in its
+//! `mod support { … }` names those beside it.
 
 #![allow(dead_code)] // not every test uses every helper
 

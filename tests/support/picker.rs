@@ -4,8 +4,8 @@
 //!
 //! Every await is bounded by [`DEADLINE`] so a broken picker fails the test instead of hanging it.
 //!
-//! It stands on `support/sim_client.rs` (plain HTTP, the deadline, the simulator's model and paths): a
-//! test that includes this file as `mod picker` includes that one beside it as `mod sim_client`.
+//! It stands on `sim_client` (plain HTTP, the deadline, the simulator's model and paths) and `sim_fleet`:
+//! a test that names `picker` in its `mod support { … }` names those two beside it.
 
 #![allow(dead_code)] // not every test uses every helper
 
@@ -45,6 +45,19 @@ use cachepick_sim::fleet::Fleet;
 pub use super::sim_client::{CHAT, COMPLETIONS, DEADLINE, MODEL, Reply, bounded};
 use super::sim_client::{metric, read_whole};
 use super::sim_fleet;
+
+/// The request header that makes a decision fail on purpose, in a build with the hook.
+pub const FAULT: &str = "x-fault-injection";
+
+/// Fails the test, loudly, in a build without the fault-injection hook (a constant of the build).
+pub fn require_fault_injection() {
+    if !cachepick::extproc::FAULT_INJECTION {
+        panic!(
+            "this build of cachepick has no fault injection: the root package's tests enable the \
+             `fault-injection` feature through the rig's dev-dependency; build them with `cargo test`"
+        );
+    }
+}
 
 /// A simulated vLLM fleet with the byte tokenizer, 16-token blocks and a fast clock, and a cachepick
 /// serving it through `app::run`.
