@@ -16,12 +16,8 @@
 //! - `in_process`: `Service::route` (what the gRPC handler calls: prepare, decide, commit, metrics) on
 //!   a second picker over the same fleet, in the same run, so the difference is the gRPC/HTTP/2 layer.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::hint::black_box;
 use std::net::SocketAddr;
@@ -46,8 +42,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-#[path = "support/bodies.rs"]
-mod bodies;
+mod support {
+    pub mod bodies;
+    pub mod sampling;
+}
+
+use support::bodies;
 
 const CHAT: &str = "/v1/chat/completions";
 const MODEL: &str = SimConfig::DEFAULT_MODEL;
@@ -309,10 +309,7 @@ fn bench_extproc(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .sample_size(50)
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(5));
+    config = support::sampling::fifty_samples();
     targets = bench_extproc
 }
 criterion_main!(benches);

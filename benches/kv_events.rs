@@ -14,12 +14,8 @@
 //!
 //! Run: `cargo bench --bench kv_events`. Figures go to BENCHMARKS.md with the machine they came from.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 // Measuring memory needs the counting allocator of `support/counting.rs`, unsafe to implement (as
 // `benches/prefix.rs` says).
 #![allow(unsafe_code)]
@@ -41,9 +37,12 @@ use cachepick::events::stream::Stream;
 use cachepick::prefix::{EventIndex, OwnerIndex, block_hashes, prefix_seed};
 use cachepick::worker::WorkerId;
 
-#[path = "support/counting.rs"]
-mod counting;
+mod support {
+    pub mod counting;
+}
+
 use counting::LIVE;
+use support::counting;
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const TTL: Duration = Duration::from_secs(2);

@@ -10,12 +10,12 @@
 //! the timing. The difference d − c between the medians of a size and mode is cachepick's own work
 //! (targets in `BENCHMARKS.md`: ≤ 0.1 ms at 4 KB, ≤ 1 ms at 200 KB); d − c′ is its computing alone.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
+
+mod support {
+    pub mod sampling;
+}
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -79,10 +79,7 @@ fn bench_overhead(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .sample_size(50)
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(5));
+    config = support::sampling::fifty_samples();
     targets = bench_overhead
 }
 criterion_main!(benches);

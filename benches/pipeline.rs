@@ -3,12 +3,8 @@
 //! Run: `cargo bench --bench pipeline`. Cold means a fresh picker (empty segment cache); warm means the
 //! same conversation was routed before, so its segments are cached and its blocks are in the index.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -21,8 +17,11 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-#[path = "support/bodies.rs"]
-mod bodies;
+mod support {
+    pub mod bodies;
+}
+
+use support::bodies;
 
 fn picker() -> Picker {
     let mut yaml =

@@ -2,12 +2,8 @@
 //!
 //! Run: `cargo bench --bench policy`. Figures go to BENCHMARKS.md with the machine they came from.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::hint::black_box;
 use std::net::SocketAddr;

@@ -7,12 +7,8 @@
 //! real histograms with their `le` buckets, `_count`, `_sum` and `_created`. Engines are added until the
 //! text reaches 200 KB, so buckets make up most of it, as they do in production.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::fmt::{Display, Write};
 use std::hint::black_box;

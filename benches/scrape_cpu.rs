@@ -4,12 +4,8 @@
 //! 200; `SCRAPE_SECONDS`, default 20). The workers run in a child process, so the figure is the picker's
 //! own CPU: user + system time of this process over the run, as a share of one core.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 // Tests and benchmarks measure real time; the clock ban is for the code that decides.
 

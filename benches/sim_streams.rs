@@ -11,12 +11,8 @@
 //!
 //! Run: `cargo bench --bench sim_streams` (about 40 s). Environment knobs: `SIM_WORKERS` (8),
 //! `SIM_STREAMS` per worker (200), `SIM_SECONDS` measured (20), `SIM_ITL_MS` (20).
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::io::{BufRead, BufReader, Write as _};
 use std::net::SocketAddr;

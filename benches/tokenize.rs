@@ -18,12 +18,8 @@
 //! random order. The Hugging Face tokenizer is the 714-token fixture unless `TOKENIZE_BENCH_HF` names a
 //! `tokenizer.json` (a real model's, for figures representative of a 100k+ vocabulary).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::borrow::Cow;
 use std::hint::black_box;

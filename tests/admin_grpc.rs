@@ -1,12 +1,8 @@
 //! The `cachepick.v1.Admin` gRPC API end to end: a real picker (`app::run`) on loopback ports, its two
 //! workers at addresses where nothing listens, queried with the generated tonic client.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -4,12 +4,8 @@
 //! names no product crate, and the first test below keeps it so), the product cannot import the rig or
 //! the binary (that would be a package cycle), and `anyhow` is a dependency of the binary alone.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::fs;
 use std::path::{Path, PathBuf};

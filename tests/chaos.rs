@@ -11,17 +11,15 @@
 //!
 //! Run alone: `cargo build -p cachepick-cli && cargo test --test chaos`.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+}
+
+use support::envoy;
 
 use std::time::Duration;
 

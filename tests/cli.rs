@@ -1,24 +1,22 @@
 //! The `cachepick` binary as an operator runs it: real processes, real files, real sockets.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+    pub mod serve;
+}
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use tonic_health::pb::HealthCheckRequest;
 
-use support::Server;
 use support::engine::{FakeEngine, Mode, refused_addr, vllm_metrics};
-use support::http_get;
+use support::serve::{self, Server, http_get};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
@@ -168,22 +166,8 @@ pools:
     workers: [{endpoint: 127.0.0.1:1}]
 ",
     );
-    let child = Command::new(cachepick_rig::cachepick_binary())
-        .args([
-            "serve",
-            "--config",
-            config.path().to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--shutdown-grace",
-            "200ms",
-        ])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    let args = [serve::ANY_PORTS.as_slice(), &["--shutdown-grace", "200ms"]].concat();
+    let child = serve::command(config.path(), &args, "info")
         .spawn()
         .expect("serve starts");
     let mut server = Server(child);

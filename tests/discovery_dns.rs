@@ -9,12 +9,8 @@
 //! picked up); A and AAAA records of one name (one worker each, with the template's settings and the
 //! KV event sockets on each worker's own IP).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroU64};
@@ -34,7 +30,9 @@ use cachepick::discovery::dns::DnsSource;
 use cachepick::discovery::{Members, SourceState, SourceStatus, endpoints};
 use cachepick::worker::Role;
 
-mod support;
+mod support {
+    pub mod engine;
+}
 
 const NAME: &str = "workers.cachepick.test";
 const PORT: u16 = 8000;

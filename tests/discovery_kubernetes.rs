@@ -9,17 +9,16 @@
 //! `v1` and, where only that is served, `v1alpha2`; an API server that is down at start (failures
 //! counted, nothing published) and then comes up.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/engine.rs"]
-mod engine;
-#[path = "support/fake_kube.rs"]
-mod fake_kube;
+mod support {
+    pub mod engine;
+    pub mod fake_kube;
+    pub mod serve;
+}
+
+use support::{engine, fake_kube, serve};
 
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroU32;
@@ -439,17 +438,7 @@ async fn serve_follows_the_ready_pods_of_a_kubernetes_pool() {
             snapshot["pools"][0]["source"]["kind"], "kubernetes",
             "{snapshot:#}"
         );
-        snapshot["pools"][0]["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|worker| {
-                (
-                    worker["endpoint"].as_str().unwrap().to_owned(),
-                    worker["state"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect::<Vec<_>>()
+        serve::snapshot_workers(&snapshot)
     };
     let until = |want: Vec<(String, String)>| async move {
         let deadline = std::time::Instant::now() + DEADLINE;

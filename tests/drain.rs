@@ -3,18 +3,16 @@
 //! no worker has a fresh reading and SERVING again once one has; SIGTERM withdraws readiness at once,
 //! the picker keeps deciding for `overload.shutdown_grace`, then exits cleanly.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+    pub mod serve;
+}
 
-use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -23,45 +21,15 @@ use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
 use cachepick::protocol::{EXT_PROC_SERVICE, LIVENESS, READINESS};
 use cachepick_rig::client::{Client, Verdict};
-use support::Server;
 use support::engine::{FakeEngine, Mode, vllm_metrics};
+use support::serve::{self, Server};
 
 /// Starts `cachepick serve` on `text` and returns it with its log lines and its gRPC address.
 fn start(text: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>, SocketAddr) {
     let path = dir.path().join("cachepick.yaml");
     std::fs::write(&path, text).unwrap();
-    let child = Command::new(cachepick_rig::cachepick_binary())
-        .args(["serve", "--config", path.to_str().unwrap()])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("serve starts");
-    let mut server = Server(child);
-    let (sender, receiver) = mpsc::channel();
-    for pipe in [
-        Box::new(server.0.stdout.take().unwrap()) as Box<dyn Read + Send>,
-        Box::new(server.0.stderr.take().unwrap()),
-    ] {
-        let sender = sender.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    let listen = loop {
-        let line = receiver
-            .recv_timeout(Duration::from_secs(30))
-            .expect("serve logs its addresses");
-        if let Some(rest) = line.split(" listen=").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
+    let (server, receiver) = serve::spawn_logged(&mut serve::command(&path, &[], "info"));
+    let listen = serve::logged_field(&receiver, "listen").parse().unwrap();
     (server, receiver, listen)
 }
 

@@ -12,17 +12,15 @@
 //!
 //! None of these tests skips: without Envoy they fail, saying why.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+}
+
+use support::envoy;
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;

@@ -12,19 +12,17 @@
 //! Every stack binds ephemeral loopback ports and every wait is bounded, so a broken piece fails the
 //! test instead of hanging it. Envoy is never skipped: `envoy::binary()` provisions it or panics.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{envoy, sim_client, sim_fleet};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -44,7 +42,6 @@ use cachepick::protocol::{
 };
 use cachepick_rig::nz;
 use cachepick_rig::stage::{Picker, READY_WITHIN};
-use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 use sim_client::{CHAT, COMPLETIONS, Client, DEADLINE, MODEL, Reply, Usage, bounded, metric_sum};
@@ -107,25 +104,17 @@ struct Stack {
 impl Stack {
     async fn start(setup: Setup) -> Stack {
         // (a) three simulated vLLM workers: exact byte tokenizer, 16-token blocks, no jitter, fast clock.
-        let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = nz(16);
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
+        let mut sim = sim_fleet::config(Engine::Vllm, 3);
         sim.params.max_running = nz(4);
         (setup.tune)(&mut sim);
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
+        let fleet = sim_fleet::start(&sim).await;
 
         // (b) cachepick with the fleet's generated configuration, on free ports, with a fast scrape.
         let generated = fleet.cachepick_config();
         let overrides = Overrides {
-            listen: Some(loopback(envoy::free_port())),
-            metrics_listen: Some(loopback(envoy::free_port())),
             worker_queue_limit: Some(QUEUE_LIMIT),
             saturation_queue_floor: Some(QUEUE_FLOOR),
-            ..Overrides::default()
+            ..envoy::free_listeners()
         };
         let mut config = config::parse(&generated, "the e2e configuration", &overrides)
             .unwrap_or_else(|error| panic!("{error}\n{generated}"));

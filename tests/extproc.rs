@@ -10,17 +10,16 @@
 //! above tonic's default 4 MiB decode limit; the metrics and debug endpoints; and a client that goes
 //! away mid-stream.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/picker.rs"]
-mod picker;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod picker;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{picker, sim_client};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

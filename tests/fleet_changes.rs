@@ -9,19 +9,17 @@
 //! - a worker restarted with an empty cache is no longer credited with its old prefixes once the restart
 //!   is seen (one scrape after it is back).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{envoy, sim_client, sim_fleet};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -34,12 +32,10 @@ use serde_json::{Value, json};
 
 use cachepick::app::Reload;
 use cachepick::config::{self, Config, Overrides};
-use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
-use cachepick_rig::nz;
+use cachepick::envoy_config::{self, BodyMode};
 use cachepick_rig::stage::{Picker, READY_WITHIN};
-use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::Engine;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
 use sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded};
 
 /// Long enough that the bounds below hold on a loaded two-core CI machine, short enough to be tested.
@@ -47,10 +43,6 @@ const SCRAPE_INTERVAL: Duration = Duration::from_millis(400);
 const FRESHNESS: Duration = Duration::from_millis(1500);
 const ECHO_DESTINATION: &str = "x-sim-echo-x-gateway-destination-endpoint";
 const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
-
-fn loopback(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
 
 /// Fleet + cachepick (reading its file again) + Envoy.
 struct Stack {
@@ -68,19 +60,9 @@ struct Stack {
 impl Stack {
     /// Three workers; the file lists those at positions `listed`.
     async fn start(listed: &[usize]) -> Stack {
-        let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = nz(16);
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
-        let overrides = Overrides {
-            listen: Some(loopback(envoy::free_port())),
-            metrics_listen: Some(loopback(envoy::free_port())),
-            ..Overrides::default()
-        };
+        let sim = sim_fleet::config(Engine::Vllm, 3);
+        let fleet = sim_fleet::start(&sim).await;
+        let overrides = envoy::free_listeners();
         let mut full = config::parse(&fleet.cachepick_config(), "fleet", &overrides).unwrap();
         for policy in full.policies_mut() {
             policy.cache_aware_mut().unwrap().min_match_tokens = 64;
@@ -101,13 +83,8 @@ impl Stack {
         let mut picker = Picker::spawn_serving(config.clone(), Some(reload));
         picker.ready(READY_WITHIN).await.unwrap();
 
-        let gateway = loopback(envoy::free_port());
-        let options = EnvoyOptions {
-            mode: BodyMode::Buffered,
-            listen: gateway,
-            admin: loopback(envoy::free_port()),
-            ..EnvoyOptions::for_config(&config)
-        };
+        let options = envoy::free_options(&config, BodyMode::Buffered);
+        let gateway = options.listen;
         let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
         Stack {
             fleet,

@@ -2,18 +2,17 @@
 //! does, a real picker (`app::run`) subscribes, and its decisions follow what the engines say they
 //! hold — including what another replica (here: a request sent to a worker directly) put there, a
 //! dropped batch healed by replay, an unhealable gap, and a restarted worker.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{sim_client, sim_fleet};
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 use http::Method;
@@ -23,7 +22,7 @@ use cachepick::config::Overrides;
 use cachepick_rig::client::{Client as PickerClient, Verdict};
 use cachepick_rig::stage::{Stage, on_free_ports};
 use cachepick_sim::config::{TiktokenEncoding, TokenizerConfig};
-use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
+use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat};
 use sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, Reply, bounded, read_whole};
 
 /// Two workers of `format`'s engine with the byte tokenizer, 16-token blocks and a fast clock, and a
@@ -33,11 +32,7 @@ async fn stage(format: KvEventsFormat) -> Stage {
         KvEventsFormat::Sglang => Engine::Sglang,
         _ => Engine::Vllm,
     };
-    let mut sim = SimConfig::new(engine, NonZeroU32::new(2).unwrap());
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = NonZeroU32::new(16).unwrap();
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
+    let mut sim = sim_fleet::config(engine, 2);
     sim.kv_events = Some(KvEventsConfig::new(format));
     bounded(
         "the stage to start",
@@ -54,16 +49,13 @@ async fn stage(format: KvEventsFormat) -> Stage {
 async fn chat_stage() -> Stage {
     let fixtures =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-    let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
+    let mut sim = sim_fleet::config(Engine::Vllm, 2);
     // ChatML's markers are not tiktoken specials, so segment-wise tokens differ from the whole
     // text's where a content meets a marker (see `tokenize`): the whole-text path is what matches.
     sim.tokenizer = TokenizerConfig::Tiktoken {
         encoding: TiktokenEncoding::O200kBase,
     };
     sim.chat_template = Some(fixtures.join("tokenizer_config.json"));
-    sim.block_size = NonZeroU32::new(16).unwrap();
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
     sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::VllmMap));
     bounded(
         "the stage to start",

@@ -10,12 +10,8 @@
 //! The helpers — [`Fixture`], [`subscribe`], [`recv_frames`], [`replay`] — know nothing of the
 //! decoder, so the same fixture can be pointed at another subscriber.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};

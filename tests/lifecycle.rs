@@ -3,14 +3,12 @@
 //! healthy, unreachable, restarted), and the owner index follows the roster, so no decision credits a
 //! worker with blocks it cannot have.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+}
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -8,21 +8,18 @@
 //! promtool comes from `scripts/provision-promtool` (Debian's `prometheus` package, unpacked under
 //! `target/`); a test that cannot get it fails with the script's reason, it never skips.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/gateway.rs"]
-mod gateway;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod gateway;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{gateway, provision, sim_client};
 
 use std::collections::BTreeSet;
 use std::io::Write as _;

@@ -5,17 +5,15 @@
 //! mode sends, and nothing else decides for it. Envoy is provisioned (`envoy::binary()`), never
 //! skipped.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/provision.rs"]
-mod provision;
+mod support {
+    pub mod envoy;
+    pub mod provision;
+}
+
+use support::envoy;
 
 use cachepick::envoy_config::BodyMode;
 use cachepick_rig::overhead::{Arm, OverheadOptions, run};

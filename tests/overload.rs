@@ -6,17 +6,16 @@
 //! Slow and panicking decisions are injected with the test-only `fault-injection` feature
 //! (`x-fault-injection: sleep=<ms>` or `panic`); every test checks first that the build has it.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/picker.rs"]
-mod picker;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod picker;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{picker, sim_client};
 
 use std::time::{Duration, Instant};
 
@@ -28,7 +27,6 @@ use http::{Method, StatusCode};
 use tonic::transport::Endpoint;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-use cachepick::extproc::FAULT_INJECTION;
 use cachepick::protocol::SHED_METADATA;
 use picker::{
     CHAT, DEADLINE, ExtProcStream, Harness, body, bounded, chat, common, duplex_headers, headers,
@@ -37,17 +35,7 @@ use picker::{
 };
 use sim_client::{metric, metric_sum};
 
-const FAULT: &str = "x-fault-injection";
-
-fn require_fault_injection() {
-    // A constant of the build: the test fails, loudly, in a build without the hook.
-    if !FAULT_INJECTION {
-        panic!(
-            "this build of cachepick has no fault injection: the root package's tests enable the \
-             `fault-injection` feature through the rig's dev-dependency; build them with `cargo test`"
-        );
-    }
-}
+use picker::{FAULT, require_fault_injection};
 
 /// A buffered request to `/v1/chat/completions` whose decision carries `fault` (if any).
 fn request(seed: u64, fault: Option<&str>) -> Vec<ProcessingRequest> {

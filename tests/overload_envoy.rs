@@ -5,21 +5,18 @@
 //! The panic is injected with the test-only `fault-injection` feature (`x-fault-injection: panic`);
 //! the tests check first that the build has it.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/picker.rs"]
-mod picker;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod picker;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{envoy, picker, sim_client};
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -32,7 +29,7 @@ use http::header::CONTENT_TYPE;
 
 use cachepick::config::{Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
-use cachepick::extproc::{DECISION_HEADER, FAULT_INJECTION};
+use cachepick::extproc::DECISION_HEADER;
 use cachepick_rig::client::Verdict;
 use cachepick_rig::stage::{Picker, READY_WITHIN, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
@@ -41,17 +38,7 @@ use cachepick_sim::{Engine, SimConfig, SimParams, Timing};
 use picker::{CHAT, DEADLINE, bounded, chat};
 use sim_client::{Client, Reply, metric, metric_sum};
 
-const FAULT: &str = "x-fault-injection";
-
-fn require_fault_injection() {
-    // A constant of the build: the test fails, loudly, in a build without the hook.
-    if !FAULT_INJECTION {
-        panic!(
-            "this build of cachepick has no fault injection: the root package's tests enable the \
-             `fault-injection` feature through the rig's dev-dependency; build them with `cargo test`"
-        );
-    }
-}
+use picker::{FAULT, require_fault_injection};
 
 /// The simulated fleet and cachepick, each on a runtime of its own (two worker threads, as a process
 /// has on this machine), so the load this test generates on its own runtime delays neither the picker's

@@ -1,12 +1,8 @@
 //! The request path end to end without the network: body → pool → tokens → blocks → owners → decision
 //! → commit, on a pool whose workers have not been scraped (the gate fails open).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::time::Instant;
 

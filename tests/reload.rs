@@ -3,24 +3,21 @@
 //! the policy live; an invalid one changes nothing and the log lists every problem with its line; one
 //! that changes what needs a restart changes nothing and says so.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-mod support;
+mod support {
+    pub mod engine;
+    pub mod serve;
+}
 
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use support::Server;
 use support::engine::{FakeEngine, Mode, vllm_metrics};
-use support::http_get;
+use support::serve::{self, Server, http_get};
 
 /// A directory laid out as the kubelet mounts a ConfigMap: `cachepick.yaml` → `..data/cachepick.yaml`,
 /// `..data` → a timestamped directory, replaced by an atomic rename of a new symlink.
@@ -71,17 +68,7 @@ fn workers(metrics: &str) -> Vec<(String, String)> {
     let response = http_get(metrics, "/debug/snapshot");
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
     let pools: serde_json::Value = serde_json::from_str(body).expect("snapshot JSON");
-    pools["pools"][0]["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|worker| {
-            (
-                worker["endpoint"].as_str().unwrap().to_owned(),
-                worker["state"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
+    serve::snapshot_workers(&pools)
 }
 
 fn reloads(metrics: &str, outcome: &str) -> u64 {
@@ -127,40 +114,8 @@ fn logged(lines: &mpsc::Receiver<String>, expected: &[&str]) -> String {
 }
 
 fn start(path: &Path) -> (Server, mpsc::Receiver<String>, String) {
-    let child = Command::new(cachepick_rig::cachepick_binary())
-        .args(["serve", "--config", path.to_str().unwrap()])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("serve starts");
-    let mut server = Server(child);
-    let (sender, receiver) = mpsc::channel();
-    for pipe in [
-        Box::new(server.0.stdout.take().unwrap()) as Box<dyn Read + Send>,
-        Box::new(server.0.stderr.take().unwrap()),
-    ] {
-        let sender = sender.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    let started = Instant::now();
-    let metrics = loop {
-        let line = receiver
-            .recv_timeout(Duration::from_secs(30))
-            .expect("serve logs its addresses");
-        if let Some(rest) = line.split(" metrics_listen=").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_owned();
-        }
-        assert!(started.elapsed() < Duration::from_secs(30));
-    };
+    let (server, receiver) = serve::spawn_logged(&mut serve::command(path, &[], "info"));
+    let metrics = serve::logged_field(&receiver, "metrics_listen");
     (server, receiver, metrics)
 }
 

@@ -2,19 +2,16 @@
 //! burst scenario through the real Envoy, picker replicas behind one Envoy with a crashed worker, and the
 //! real `smg` and `vllm-router` as front arms beside cachepick's, so the tool cannot rot.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/peers.rs"]
-mod peers;
-#[path = "support/provision.rs"]
-mod provision;
+mod support {
+    pub mod envoy;
+    pub mod peers;
+    pub mod provision;
+}
+
+use support::{envoy, peers};
 
 use std::fmt::Write as _;
 use std::path::Path;

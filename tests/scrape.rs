@@ -2,16 +2,14 @@
 //! engine can fail. In each failure the reading stops counting within `freshness`, the scrape counter
 //! names the cause, nothing panics, and the other workers are unaffected.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 // Tests and benchmarks measure real time; the clock ban is for the code that decides.
 
-mod support;
+mod support {
+    pub mod engine;
+}
 
 use std::net::SocketAddr;
 use std::sync::Arc;

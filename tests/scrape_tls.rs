@@ -3,17 +3,15 @@
 //! engine's load; with another CA, or without the client certificate a server requires, the scrape is
 //! an error that says why, and the worker's reading never counts.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/engine.rs"]
-mod engine;
-#[path = "support/pki.rs"]
-mod pki;
+mod support {
+    pub mod engine;
+    pub mod pki;
+}
+
+use support::{engine, pki};
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -13,17 +13,16 @@
 //! Everything asserted is a count or an order of events, never a duration measured against a bound
 //! tighter than the configured timeouts with seconds to spare.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/picker.rs"]
-mod picker;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod picker;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{picker, sim_client};
 
 use std::time::{Duration, Instant};
 

@@ -7,15 +7,14 @@
 //! first token is measured. State is frozen with `/admin/pause` rather than raced: a paused worker
 //! admits and queues requests but computes nothing, so what it reports stays put.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod sim_client;
+}
+
+use support::sim_client;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;

@@ -12,21 +12,18 @@
 //! Timing is asserted with wide margins (gaps of a quarter of the latency, a spread of half the decode
 //! time): buffering collapses them to nothing, while a slow machine only stretches them.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/gateway.rs"]
-mod gateway;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod gateway;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{gateway, sim_client};
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -8,21 +8,18 @@
 //! served; a plain-text client of the TLS listener fails; and a certificate rotated on disk is served to
 //! new connections without a restart.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
-#[path = "support/envoy.rs"]
-mod envoy;
-#[path = "support/pki.rs"]
-mod pki;
-#[path = "support/provision.rs"]
-mod provision;
-#[path = "support/sim_client.rs"]
-mod sim_client;
+mod support {
+    pub mod envoy;
+    pub mod pki;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{envoy, pki, sim_client, sim_fleet};
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -96,14 +93,8 @@ struct Stack {
 impl Stack {
     async fn start(mtls: bool) -> Stack {
         let certs = Certs::new();
-        let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = NonZeroU32::new(16).unwrap();
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
+        let sim = sim_fleet::config(Engine::Vllm, 2);
+        let fleet = sim_fleet::start(&sim).await;
         let client_ca = if mtls {
             format!("\n  client_ca_file: {}", certs.clients.file.display())
         } else {
@@ -367,9 +358,7 @@ async fn a_rotated_certificate_reaches_new_connections_without_a_restart() {
     let certs = Certs::new();
     let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(1).unwrap());
     sim.tokenizer = TokenizerConfig::Bytes;
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
+    let fleet = sim_fleet::start(&sim).await;
     let yaml = format!(
         "tls: {{cert_file: \"{}\", key_file: \"{}\", reload_interval: 100ms}}\n{}",
         certs.server.cert_file.display(),

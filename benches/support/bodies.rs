@@ -1,4 +1,4 @@
-//! Request bodies the benches share, included by each with `#[path = "support/bodies.rs"] mod bodies;`.
+//! Request bodies the benches share, included by each with `mod support { pub mod bodies; }`.
 
 /// A chat for `model`: `turns` user/assistant pairs after a long system prompt, `words` words per message.
 pub fn chat(model: &str, turns: usize, words: usize) -> Vec<u8> {

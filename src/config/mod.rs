@@ -15,12 +15,6 @@ mod emit;
 mod overload;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_discovery;
-#[cfg(test)]
-mod tests_overload;
-#[cfg(test)]
-mod tests_security;
 mod types;
 mod types_security;
 mod validate;

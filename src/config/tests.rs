@@ -1,6 +1,10 @@
 //! Configuration decoding: defaults, every key, every problem with its line, flags, and the round trip
 //! through `check`.
 
+mod discovery;
+mod overload;
+mod security;
+
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
 use std::time::Duration;

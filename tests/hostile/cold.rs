@@ -17,16 +17,15 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use serde_json::json;
 
-use cachepick::config::{self, Overrides};
-use cachepick::envoy_config::{self, BOOTSTRAP_CLUSTER, BodyMode, EnvoyOptions};
+use cachepick::config::{self};
+use cachepick::envoy_config::{self, BOOTSTRAP_CLUSTER, BodyMode};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION};
-use cachepick_rig::nz;
-use cachepick_sim::config::TokenizerConfig;
-use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
+use cachepick_sim::Engine;
 
 use super::envoy;
 use super::sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded, read_whole};
+use super::sim_fleet;
+use super::support::serve::{self as logged, Server};
 
 /// Requests sent through Envoy before any picker has started.
 const COLD_REQUESTS: u64 = 30;
@@ -44,10 +43,6 @@ impl Drop for Serve {
     }
 }
 
-fn loopback(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
 async fn chat(client: &Client, gateway: SocketAddr, turn: u64) -> Reply {
     let body = json!({
         "model": MODEL,
@@ -63,29 +58,14 @@ fn echoed<'a>(reply: &'a Reply, header: &str) -> Option<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
-    let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = nz(16);
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
+    let sim = sim_fleet::config(Engine::Vllm, 3);
+    let fleet = sim_fleet::start(&sim).await;
     let workers: BTreeSet<String> = fleet.endpoints().iter().map(ToString::to_string).collect();
-    let overrides = Overrides {
-        listen: Some(loopback(envoy::free_port())),
-        metrics_listen: Some(loopback(envoy::free_port())),
-        ..Overrides::default()
-    };
+    let overrides = envoy::free_listeners();
     let text = fleet.cachepick_config();
     let config = config::parse(&text, "cold.yaml", &overrides).unwrap();
-    let gateway = loopback(envoy::free_port());
-    let options = EnvoyOptions {
-        mode: BodyMode::Buffered,
-        listen: gateway,
-        admin: loopback(envoy::free_port()),
-        ..EnvoyOptions::for_config(&config)
-    };
+    let options = envoy::free_options(&config, BodyMode::Buffered);
+    let gateway = options.listen;
     let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
     let client = Client::new();
 
@@ -243,44 +223,24 @@ async fn envoy_serves_from_a_cold_start_and_the_picker_takes_over() {
 }
 
 /// `cachepick serve` on `yaml`, with its log lines and its gRPC address (from the `listen=` line).
-fn serve(yaml: &str, dir: &tempfile::TempDir) -> (Serve, mpsc::Receiver<String>, SocketAddr) {
+fn serve(yaml: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>, SocketAddr) {
     let path = dir.path().join("cachepick.yaml");
     std::fs::write(&path, yaml).unwrap();
-    let mut child = Command::new(cachepick_rig::cachepick_binary())
-        .args(["serve", "--config", path.to_str().unwrap()])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("cachepick serve starts");
-    let (sender, receiver) = mpsc::channel();
-    let pipes: [Box<dyn std::io::Read + Send>; 2] = [
-        Box::new(child.stdout.take().unwrap()),
-        Box::new(child.stderr.take().unwrap()),
-    ];
-    for pipe in pipes {
-        let sender = sender.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-    }
-    let serve = Serve(child);
-    let listen = loop {
-        let line = receiver
-            .recv_timeout(Duration::from_secs(30))
-            .expect("serve logs its addresses");
-        if let Some(rest) = line.split(" listen=").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
+    let mut command = logged::command(&path, &[], "info");
+    let (serve, receiver) = logged::spawn_logged(command.stdin(Stdio::null()));
+    let listen = logged::logged_field(&receiver, "listen").parse().unwrap();
     (serve, receiver, listen)
+}
+
+/// The rig's ext_proc client on the picker at `listen`, connected within [`DEADLINE`].
+async fn connect(listen: SocketAddr) -> cachepick_rig::client::Client {
+    bounded(
+        "connect",
+        DEADLINE,
+        cachepick_rig::client::Client::connect(listen),
+    )
+    .await
+    .unwrap()
 }
 
 /// Issue 23, item 8: a chat the pool's template refuses (`raise_exception` on an unknown role) gets a
@@ -297,13 +257,7 @@ async fn a_template_error_gives_the_client_the_reason_and_the_log_the_details() 
         template.display()
     );
     let (_serve, log, listen) = serve(&yaml, &dir);
-    let client = bounded(
-        "connect",
-        DEADLINE,
-        cachepick_rig::client::Client::connect(listen),
-    )
-    .await
-    .unwrap();
+    let client = connect(listen).await;
     let body = json!({"model": "m", "messages": [{"role": "villain", "content": "hello"}]});
     let verdict = bounded(
         "a decision",
@@ -376,19 +330,9 @@ fn encode_wide(text: &str, width: usize, little: bool, bom: bool) -> Vec<u8> {
 /// as the same text: the same chat in each of them hits the worker its UTF-8 form was routed to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_byte_order_mark_and_utf16_bodies_route_as_their_text() {
-    let mut sim = SimConfig::new(Engine::Vllm, nz(3));
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = nz(16);
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
-    let overrides = Overrides {
-        listen: Some(loopback(envoy::free_port())),
-        metrics_listen: Some(loopback(envoy::free_port())),
-        ..Overrides::default()
-    };
+    let sim = sim_fleet::config(Engine::Vllm, 3);
+    let fleet = sim_fleet::start(&sim).await;
+    let overrides = envoy::free_listeners();
     let mut config = config::parse(&fleet.cachepick_config(), "charset.yaml", &overrides).unwrap();
     // The simulated workers hold a few hundred tokens each: an owner must match far fewer than 1,024.
     for policy in config.policies_mut() {
@@ -398,13 +342,7 @@ async fn a_byte_order_mark_and_utf16_bodies_route_as_their_text() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (_serve, _log, listen) = serve(&config.to_yaml(), &dir);
-    let client = bounded(
-        "connect",
-        DEADLINE,
-        cachepick_rig::client::Client::connect(listen),
-    )
-    .await
-    .unwrap();
+    let client = connect(listen).await;
     let text = json!({
         "model": MODEL,
         "messages": [{"role": "user", "content": format!("Grüße, 世界 🌍 {}", "a long shared history. ".repeat(20))}],

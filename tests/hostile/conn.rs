@@ -37,11 +37,10 @@ use cachepick::envoy_config::{self, EnvoyOptions};
 use cachepick::extproc::{CLOSE_GRACE, READINESS};
 
 use cachepick_rig::client::{Client, Verdict};
-use cachepick_rig::nz;
-use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::Engine;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
 
+use super::sim_fleet;
 use super::{envoy, sim_client};
 
 use self::sim_client::{CHAT, DEADLINE, MODEL, bounded, metric};
@@ -82,14 +81,8 @@ impl Picker {
     /// Starts two simulated workers and `cachepick serve` with their configuration plus `head` (top-level
     /// YAML), and waits for readiness.
     async fn start(head: &str) -> Picker {
-        let mut sim = SimConfig::new(Engine::Vllm, nz(2));
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = nz(16);
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
+        let sim = sim_fleet::config(Engine::Vllm, 2);
+        let fleet = sim_fleet::start(&sim).await;
         let listen = loopback(envoy::free_port());
         let metrics_listen = loopback(envoy::free_port());
         let generated = fleet

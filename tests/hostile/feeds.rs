@@ -3,9 +3,7 @@
 //! batches, a configuration file swapped for a FIFO, `/dev/zero` and a 200 MB file as the
 //! configuration, and the files `serve` refuses at start that `check` must refuse too.
 
-use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
@@ -14,14 +12,12 @@ use std::time::{Duration, Instant};
 use http::Method;
 use serde_json::{Value, json};
 
-use super::support::Server;
+use super::sim_fleet;
 use super::support::engine::{FakeEngine, Mode, vllm_metrics};
 use super::support::hostile_zmtp::HostileEngine;
-use super::support::http_get;
+use super::support::serve::{self, Server, http_get};
 use cachepick_rig::client::{Client as PickerClient, Verdict};
-use cachepick_sim::config::TokenizerConfig;
-use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat, SimConfig};
+use cachepick_sim::{Engine, KvEventsConfig, KvEventsFormat};
 
 use self::sim_client::{COMPLETIONS, Client, DEADLINE, MODEL, bounded, read_whole};
 use super::sim_client;
@@ -37,32 +33,9 @@ struct Picker {
 
 impl Picker {
     fn start(config: &Path) -> Picker {
-        let child = Command::new(cachepick_rig::cachepick_binary())
-            .args(["serve", "--config", config.to_str().unwrap()])
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-            .args(["--shutdown-grace", "0s"])
-            .env("RUST_LOG", "info,cachepick::events=debug")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("serve starts");
-        let mut server = Server(child);
-        let (sender, lines) = mpsc::channel();
-        for pipe in [
-            Box::new(server.0.stdout.take().unwrap()) as Box<dyn Read + Send>,
-            Box::new(server.0.stderr.take().unwrap()),
-        ] {
-            let sender = sender.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines() {
-                    let Ok(line) = line else { break };
-                    if sender.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        let args = [serve::ANY_PORTS.as_slice(), &["--shutdown-grace", "0s"]].concat();
+        let mut command = serve::command(config, &args, "info,cachepick::events=debug");
+        let (server, lines) = serve::spawn_logged(&mut command);
         let mut log = String::new();
         let deadline = Instant::now() + Duration::from_secs(30);
         let started = loop {
@@ -234,15 +207,9 @@ fn prompt(tag: &str, blocks: usize) -> String {
 // Four threads: the test's blocking HTTP reads must not starve the in-process fleet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_oversized_kv_event_frame_and_a_flooding_replay_stay_within_a_memory_bound() {
-    let mut sim = SimConfig::new(Engine::Vllm, NonZeroU32::new(2).unwrap());
-    sim.tokenizer = TokenizerConfig::Bytes;
-    sim.block_size = NonZeroU32::new(16).unwrap();
-    sim.params.jitter = 0.0;
-    sim.params.time_scale = 0.01;
+    let mut sim = sim_fleet::config(Engine::Vllm, 2);
     sim.kv_events = Some(KvEventsConfig::new(KvEventsFormat::VllmArray));
-    let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-        .await
-        .expect("the fleet starts");
+    let fleet = sim_fleet::start(&sim).await;
     let honest = fleet.workers()[1].addr();
     let hostile = HostileEngine::start(FRAME_BYTES, REPLAY_BATCHES, REPLAY_BATCH_BYTES);
 
@@ -401,6 +368,19 @@ async fn an_oversized_kv_event_frame_and_a_flooding_replay_stay_within_a_memory_
     assert!(exited.is_some(), "SIGTERM did not stop the picker");
 }
 
+/// Puts a FIFO named `name` in `dir` in `path`'s place: a configuration file that is not a regular one.
+fn swap_in_fifo(dir: &Path, name: &str, path: &Path) {
+    let fifo = dir.join(name);
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::fs::rename(&fifo, path).unwrap();
+}
+
 fn file_config(workers: &[SocketAddr]) -> String {
     let mut text = "load: {scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s}\n\
                     pools:\n  - model: m\n    engine: vllm\n    workers:\n"
@@ -427,15 +407,7 @@ async fn a_config_swapped_for_a_fifo_is_refused_and_reload_and_sigterm_keep_work
         let mut picker = Picker::start(&path);
 
         // A FIFO in the file's place: refused without blocking anything.
-        let fifo = dir.path().join("swap.fifo");
-        assert!(
-            Command::new("mkfifo")
-                .arg(&fifo)
-                .status()
-                .unwrap()
-                .success()
-        );
-        std::fs::rename(&fifo, &path).unwrap();
+        swap_in_fifo(dir.path(), "swap.fifo", &path);
         assert!(
             picker.logged(
                 Duration::from_secs(5),
@@ -469,15 +441,7 @@ async fn a_config_swapped_for_a_fifo_is_refused_and_reload_and_sigterm_keep_work
         );
 
         // And a FIFO again, then SIGTERM: the process exits.
-        let fifo = dir.path().join("again.fifo");
-        assert!(
-            Command::new("mkfifo")
-                .arg(&fifo)
-                .status()
-                .unwrap()
-                .success()
-        );
-        std::fs::rename(&fifo, &path).unwrap();
+        swap_in_fifo(dir.path(), "again.fifo", &path);
         signal(picker.pid(), "-HUP");
         std::thread::sleep(Duration::from_millis(300));
         let took = picker.terminate(TERM_BOUND);

@@ -17,6 +17,7 @@
     clippy::panic
 )]
 
+use super::sim_fleet;
 use super::{envoy, sim_client};
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -26,12 +27,11 @@ use std::time::{Duration, Instant};
 use http::Method;
 use serde_json::{Value, json};
 
-use cachepick::config::{self, Config, Overrides};
-use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
+use cachepick::config::{self, Config};
+use cachepick::envoy_config::{self, BodyMode};
 use cachepick_rig::nz;
-use cachepick_sim::config::TokenizerConfig;
+use cachepick_sim::Engine;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
 use sim_client::{CHAT, COMPLETIONS, Client, DEADLINE, MODEL, Reply, bounded, metric, metric_sum};
 
 const ECHO_SELECTED: &str = "x-sim-echo-x-cachepick-endpoint";
@@ -70,19 +70,9 @@ struct Stack {
 impl Stack {
     /// The fleet's configuration on free ports, changed by `edit`, served by the real binary.
     async fn start(mode: BodyMode, edit: impl FnOnce(&mut Config, &Fleet)) -> Stack {
-        let mut sim = SimConfig::new(Engine::Vllm, nz(2));
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = nz(16);
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
-        let overrides = Overrides {
-            listen: Some(loopback(envoy::free_port())),
-            metrics_listen: Some(loopback(envoy::free_port())),
-            ..Overrides::default()
-        };
+        let sim = sim_fleet::config(Engine::Vllm, 2);
+        let fleet = sim_fleet::start(&sim).await;
+        let overrides = envoy::free_listeners();
         let mut config = config::parse(&fleet.cachepick_config(), "fleet", &overrides).unwrap();
         for policy in config.policies_mut() {
             policy.cache_aware_mut().unwrap().min_match_tokens = 64;
@@ -101,13 +91,8 @@ impl Stack {
             .spawn()
             .expect("cachepick serve starts");
         let serve = Serve { child, _dir: dir };
-        let gateway = loopback(envoy::free_port());
-        let options = EnvoyOptions {
-            mode,
-            listen: gateway,
-            admin: loopback(envoy::free_port()),
-            ..EnvoyOptions::for_config(&config)
-        };
+        let options = envoy::free_options(&config, mode);
+        let gateway = options.listen;
         let bootstrap = envoy_config::render(&config, &options);
         assert!(
             bootstrap.contains("response_header_mode: SEND")

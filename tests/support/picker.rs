@@ -4,15 +4,14 @@
 //!
 //! Every await is bounded by [`DEADLINE`] so a broken picker fails the test instead of hanging it.
 //!
-//! It stands on `support/sim_client.rs` (plain HTTP, the deadline, the simulator's model and paths): a
-//! test that includes this file as `mod picker` includes that one beside it as `mod sim_client`.
+//! It stands on `sim_client` (plain HTTP, the deadline, the simulator's model and paths) and `sim_fleet`:
+//! a test that names `picker` in its `mod support { … }` names those two beside it.
 
 #![allow(dead_code)] // not every test uses every helper
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
@@ -38,13 +37,27 @@ use cachepick::extproc::{
     READINESS, REJECT_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use cachepick_rig::stage::{Picker, on_free_ports};
+use cachepick_sim::Engine;
 use cachepick_sim::config::TokenizerConfig;
 use cachepick_sim::fleet::Fleet;
-use cachepick_sim::{Engine, SimConfig};
 
 #[allow(unused_imports)] // not every test uses every re-export
 pub use super::sim_client::{CHAT, COMPLETIONS, DEADLINE, MODEL, Reply, bounded};
 use super::sim_client::{metric, read_whole};
+use super::sim_fleet;
+
+/// The request header that makes a decision fail on purpose, in a build with the hook.
+pub const FAULT: &str = "x-fault-injection";
+
+/// Fails the test, loudly, in a build without the fault-injection hook (a constant of the build).
+pub fn require_fault_injection() {
+    if !cachepick::extproc::FAULT_INJECTION {
+        panic!(
+            "this build of cachepick has no fault injection: the root package's tests enable the \
+             `fault-injection` feature through the rig's dev-dependency; build them with `cargo test`"
+        );
+    }
+}
 
 /// A simulated vLLM fleet with the byte tokenizer, 16-token blocks and a fast clock, and a cachepick
 /// serving it through `app::run`.
@@ -74,17 +87,9 @@ impl Harness {
         tokenizer: TokenizerConfig,
     ) -> Harness {
         let started = Instant::now();
-        let mut sim = SimConfig::new(
-            Engine::Vllm,
-            NonZeroU32::new(workers).expect("at least one worker"),
-        );
+        let mut sim = sim_fleet::config(Engine::Vllm, workers);
         sim.tokenizer = tokenizer;
-        sim.block_size = NonZeroU32::new(16).expect("16");
-        sim.params.jitter = 0.0;
-        sim.params.time_scale = 0.01;
-        let fleet = bounded("the fleet starts", DEADLINE, Fleet::start(&sim))
-            .await
-            .expect("the fleet starts");
+        let fleet = sim_fleet::start(&sim).await;
         let generated = fleet.cachepick_config();
         assert!(
             generated.contains("scrape_interval: 200ms"),

@@ -1,7 +1,7 @@
 //! Certificates generated for a test (rcgen, ring): a CA, leaves it signs, and the PEM files in a
 //! temporary directory, for the TLS tests of the ext_proc listener and of https scraping.
 //!
-//! Use it with `#[path = "support/pki.rs"] mod pki;`.
+//! A test names it in its `mod support { pub mod pki; }`.
 
 #![allow(dead_code)] // each test binary uses a different part
 

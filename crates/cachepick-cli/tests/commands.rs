@@ -3,12 +3,8 @@
 //! `tests/cli.rs` and beside the features; this package's tests also make `cargo test` build the binary
 //! those tests run.)
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::process::Command;
 

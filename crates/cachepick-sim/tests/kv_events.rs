@@ -5,12 +5,8 @@
 //!
 //! Every wait is bounded: a missing message fails the test instead of hanging it.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::future::Future;
 use std::net::SocketAddr;

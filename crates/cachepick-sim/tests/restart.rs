@@ -3,12 +3,8 @@
 //! within the same second, and the engine's counters start again from zero, as a restarted engine's
 //! do. Over real sockets; every wait is bounded.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;

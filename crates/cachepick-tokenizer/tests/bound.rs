@@ -1,12 +1,8 @@
 //! The bound on one pre-token: ordinary text tokenizes exactly as the libraries tokenize it, and no text
 //! costs more than a small multiple of ordinary text of the same size, for every backend.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
-use super::*;
+use super::super::*;
 use crate::worker::Role;
 
 const HEAD: &str = "pools:\n  - model: m\n    engine: vllm\n";
