@@ -8,6 +8,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 
+use super::families::{descs, samples};
 use crate::events::Medium;
 use crate::events::stream::{ResetReason, StreamState, StreamView};
 
@@ -189,11 +190,7 @@ impl KvEventGauges {
                 }
             }
         }
-        families
-            .collectors()
-            .iter()
-            .flat_map(|collector| collector.collect())
-            .collect()
+        samples(&families.collectors())
     }
 }
 
@@ -281,12 +278,7 @@ pub(super) struct KvEventCollector(pub(super) Arc<KvEventGauges>);
 
 impl Collector for KvEventCollector {
     fn desc(&self) -> Vec<&Desc> {
-        self.0
-            .template
-            .collectors()
-            .into_iter()
-            .flat_map(|collector| collector.desc())
-            .collect()
+        descs(&self.0.template.collectors())
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
