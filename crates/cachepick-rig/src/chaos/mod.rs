@@ -694,17 +694,9 @@ async fn sample_rss(shared: Arc<Shared>, start: Instant, every: Duration, until:
 
 /// The picker's decision latency from its `/metrics`.
 async fn decision_latency(metrics: SocketAddr) -> Latency {
-    let text = crate::http_exchange(
-        http::Method::GET,
-        metrics,
-        "/metrics",
-        "",
-        Duration::from_secs(5),
-    )
-    .await
-    .filter(|(status, _)| *status == 200)
-    .map(|(_, text)| text)
-    .unwrap_or_default();
+    let text = crate::scrape_metrics(metrics, Duration::from_secs(5))
+        .await
+        .unwrap_or_default();
     histogram_quantiles(&text, "cachepick_decision_seconds")
 }
 
