@@ -550,32 +550,23 @@ fn main() -> ExitCode {
             picker_client_key,
             picker_sni,
         } => with_config(&args, |config| {
-            let picker_tls = match cachepick::envoy_config::PickerTls::from_flags(
-                &config,
+            let flags = cachepick::envoy_config::EnvoyFlags {
+                mode,
+                listen: envoy_listen,
+                admin: envoy_admin,
+                pickers,
                 picker_ca,
                 picker_client_cert,
                 picker_client_key,
                 picker_sni,
-            ) {
-                Ok(tls) => tls,
+                source: args.config.display().to_string(),
+            };
+            let options = match cachepick::envoy_config::EnvoyOptions::from_flags(&config, flags) {
+                Ok(options) => options,
                 Err(error) => {
                     eprintln!("{error}");
                     return ExitCode::from(EXIT_BAD_CONFIG);
                 }
-            };
-            let defaults = cachepick::envoy_config::EnvoyOptions::for_config(&config);
-            let options = cachepick::envoy_config::EnvoyOptions {
-                listen: envoy_listen,
-                admin: envoy_admin,
-                mode,
-                pickers: if pickers.is_empty() {
-                    defaults.pickers.clone()
-                } else {
-                    pickers
-                },
-                source: Some(args.config.display().to_string()),
-                picker_tls,
-                ..defaults
             };
             print!("{}", cachepick::envoy_config::render(&config, &options));
             ExitCode::SUCCESS
