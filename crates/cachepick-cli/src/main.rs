@@ -651,15 +651,8 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
-    let scenario = match (&args.trace, args.scenario.as_deref()) {
-        (Some(path), _) => cachepick_rig::replay::Scenario::Trace(path.clone()),
-        (None, name) => {
-            let name = name.unwrap_or("burst");
-            cachepick_rig::replay::Scenario::named(name).ok_or_else(|| {
-                cachepick_rig::replay::ReplayError::UnknownScenario(name.to_owned())
-            })?
-        }
-    };
+    let scenario =
+        cachepick_rig::replay::Scenario::chosen(args.trace.clone(), args.scenario.as_deref())?;
     let mut options = cachepick_rig::replay::ReplayOptions::new(scenario);
     options.sim_config = args.config.clone();
     options.policies = args
@@ -746,13 +739,9 @@ async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {
     options.crowd.slowloris = args.slowloris;
     options.body_mode = args.mode;
     options.warmup = seconds(args.warmup, "warmup")?;
-    options.out = args.out.clone().unwrap_or_else(|| {
-        PathBuf::from(if args.soak {
-            "target/soak"
-        } else {
-            "target/chaos"
-        })
-    });
+    if let Some(out) = &args.out {
+        options.out = out.clone();
+    }
     options.verbose = true;
     let report = cachepick_rig::chaos::run(&options).await?;
     println!("\n{}", report.table);
