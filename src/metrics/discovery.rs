@@ -88,14 +88,12 @@ impl DiscoveryGauges {
         for (pool, status) in &sources {
             let state = status.state();
             let labels = [pool.as_str(), status.kind];
-            families
-                .updates
-                .with_label_values(&labels)
-                .inc_by(state.updates);
-            families
-                .errors
-                .with_label_values(&labels)
-                .inc_by(state.errors);
+            for (family, count) in [
+                (&families.updates, state.updates),
+                (&families.errors, state.errors),
+            ] {
+                family.with_label_values(&labels).inc_by(count);
+            }
             families
                 .members
                 .with_label_values(&labels)
