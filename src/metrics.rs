@@ -17,6 +17,7 @@ use prometheus::{
 };
 
 mod discovery;
+mod families;
 mod gie;
 mod kv_events;
 mod overload;

@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
-use std::num::NonZeroU64;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::path::Path;
 
 use serde::Serialize;
@@ -309,14 +309,37 @@ struct Kubernetes<'c> {
 #[derive(Serialize)]
 struct Template {
     load_source: &'static str,
+    #[serde(flatten)]
+    engine: EngineKeys,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scrape_scheme: Option<&'static str>,
+}
+
+/// The keys a file worker and a pool's `template` share: what the worker's engine is.
+#[derive(Serialize)]
+struct EngineKeys {
     role: Role,
     dp_size: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_running_requests: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_total_tokens: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    scrape_scheme: Option<&'static str>,
+}
+
+impl EngineKeys {
+    fn of(
+        role: Role,
+        dp_size: NonZeroU32,
+        max_running_requests: Option<NonZeroU64>,
+        max_total_tokens: Option<NonZeroU64>,
+    ) -> EngineKeys {
+        EngineKeys {
+            role,
+            dp_size: dp_size.get(),
+            max_running_requests: max_running_requests.map(NonZeroU64::get),
+            max_total_tokens: max_total_tokens.map(NonZeroU64::get),
+        }
+    }
 }
 
 /// `index:`, written only when it differs from the default. The ports are what discovered workers'
@@ -357,12 +380,8 @@ struct Worker<'c> {
     load_source: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     loads_url: Option<&'c str>,
-    role: Role,
-    dp_size: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    max_running_requests: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    max_total_tokens: Option<u64>,
+    #[serde(flatten)]
+    engine: EngineKeys,
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_events: Option<KvEvents>,
 }
@@ -484,10 +503,12 @@ impl<'c> Pool<'c> {
             },
             template: (pool.discovery != Discovery::Static).then(|| Template {
                 load_source: pool.template.load_source.as_str(),
-                role: pool.template.role,
-                dp_size: pool.template.dp_size.get(),
-                max_running_requests: pool.template.max_running_requests.map(NonZeroU64::get),
-                max_total_tokens: pool.template.max_total_tokens.map(NonZeroU64::get),
+                engine: EngineKeys::of(
+                    pool.template.role,
+                    pool.template.dp_size,
+                    pool.template.max_running_requests,
+                    pool.template.max_total_tokens,
+                ),
                 scrape_scheme: pool.template.scrape_https.then_some("https"),
             }),
             workers: pool
@@ -498,10 +519,12 @@ impl<'c> Pool<'c> {
                     metrics_url: &worker.metrics_url,
                     load_source: worker.load_source.as_str(),
                     loads_url: worker.loads_url.as_deref(),
-                    role: worker.role,
-                    dp_size: worker.dp_size.get(),
-                    max_running_requests: worker.max_running_requests.map(NonZeroU64::get),
-                    max_total_tokens: worker.max_total_tokens.map(NonZeroU64::get),
+                    engine: EngineKeys::of(
+                        worker.role,
+                        worker.dp_size,
+                        worker.max_running_requests,
+                        worker.max_total_tokens,
+                    ),
                     kv_events: kv_events(worker),
                 })
                 .collect(),

@@ -139,8 +139,10 @@ struct WorkerDraft {
 
 /// What a worker's engine is, beyond its address.
 struct EngineKeys {
-    /// As given, checked against the pool's engine by `load_source`.
-    load_source: Res<Val<LoadSource>>,
+    /// Checked against the pool's engine.
+    load_source: Res<LoadSource>,
+    /// Checked against `load_source`; always none for a pool's `template`.
+    loads_url: Res<Option<String>>,
     role: Res<Role>,
     dp_size: Res<Val<NonZeroU32>>,
     max_running_requests: Res<Option<NonZeroU64>>,
@@ -501,16 +503,9 @@ impl Validator<'_> {
         let loads_url = self.opt(&map, "loads_url", |v, node, at| {
             v.http_url(node, at, "/v1/loads")
         });
-        let EngineKeys {
-            load_source,
-            role,
-            dp_size,
-            max_running_requests,
-            max_total_tokens,
-        } = self.engine_keys(&map);
-        let (load_source, loads_url) = self.load_source(load_source, loads_url, engine);
+        let keys = self.engine_keys(&map, loads_url, engine);
         let kv_events = self.worker_kv_events(&map);
-        let kv_events = match (&endpoint, &dp_size, index, kv_events) {
+        let kv_events = match (&endpoint, &keys.dp_size, index, kv_events) {
             (Ok(endpoint), Ok(dp_size), Ok(index), Ok(own)) => {
                 self.resolve_kv_events(index, own, endpoint.value, dp_size.value.get())
             }
@@ -521,18 +516,25 @@ impl Validator<'_> {
             kv_events,
             endpoint,
             metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
-            load_source,
-            loads_url,
-            role,
-            dp_size: dp_size.map(|size| size.value),
-            max_running_requests,
-            max_total_tokens,
+            load_source: keys.load_source,
+            loads_url: keys.loads_url,
+            role: keys.role,
+            dp_size: keys.dp_size.map(|size| size.value),
+            max_running_requests: keys.max_running_requests,
+            max_total_tokens: keys.max_total_tokens,
         })
     }
 
     /// The keys that say what a worker's engine is, beyond its address: a file worker's and a pool's
     /// `template` for discovered workers.
-    fn engine_keys(&mut self, map: &Map) -> EngineKeys {
+    /// `loads_url` is the worker's (none for a template), checked with the load source against
+    /// `engine`.
+    fn engine_keys(
+        &mut self,
+        map: &Map,
+        loads_url: Field<String>,
+        engine: Option<Engine>,
+    ) -> EngineKeys {
         let load_source = self.opt(map, "load_source", |v, node, at| {
             v.keyword(
                 node,
@@ -570,8 +572,14 @@ impl Validator<'_> {
         let max_total_tokens = self.opt(map, "max_total_tokens", Self::integer);
         let max_total_tokens = self.check_opt(max_total_tokens, at_least_one);
         let value = |field: Field<NonZeroU64>| field.map(|given| given.map(|given| given.value));
+        let (load_source, loads_url) = self.load_source(
+            with_default(load_source, LoadSource::default()),
+            loads_url,
+            engine,
+        );
         EngineKeys {
-            load_source: with_default(load_source, LoadSource::default()),
+            load_source,
+            loads_url,
             role: with_default(role, WorkerConfig::DEFAULT_ROLE).map(|role| role.value),
             dp_size,
             max_running_requests: value(max_running_requests),

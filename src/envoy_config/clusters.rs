@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 
 use super::cold_start::{ColdStart, dns_cluster_type};
-use super::yaml::{Yaml, duration};
+use super::yaml::{Yaml, duration, socket_address};
 use super::{EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, WORKERS_CLUSTER, WorkersSource, XDS_CLUSTER};
 use crate::config::{Config, DnsDiscovery};
 use crate::protocol::{DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SELECTED_HEADER};
@@ -26,6 +26,23 @@ fn circuit_breakers(out: &mut Yaml, comment: &[&str]) {
     );
 }
 
+/// The circuit breakers of a cluster of workers, explained; `retries`: Envoy retries on the cluster, so
+/// its default of 3 concurrent retries is one of the limits lifted.
+fn generation_limits(out: &mut Yaml, retries: bool) {
+    circuit_breakers(
+        out,
+        &[
+            "Each request holds its connection for a whole generation: Envoy's default limit of 1024 connections,",
+            if retries {
+                "pending and active requests (and 3 concurrent retries)"
+            } else {
+                "pending and active requests"
+            },
+            "per cluster is soon reached, and the excess would be refused by Envoy.",
+        ],
+    );
+}
+
 /// The endpoints of the workers that take requests (role prefill or both), or of those that do not
 /// (decode-only), in configuration order.
 fn endpoints(config: &Config, takes_requests: bool) -> impl Iterator<Item = SocketAddr> + '_ {
@@ -37,21 +54,18 @@ fn endpoints(config: &Config, takes_requests: bool) -> impl Iterator<Item = Sock
         .map(|worker| worker.endpoint)
 }
 
-/// A cluster's static `load_assignment`: one locality of `endpoints`.
+/// A cluster's static `load_assignment` of IP endpoints.
 fn load_assignment(
     out: &mut Yaml,
     cluster_name: &str,
     endpoints: impl IntoIterator<Item = SocketAddr>,
 ) {
-    out.line(4, "load_assignment:");
-    out.line(6, &format!("cluster_name: {cluster_name}"));
-    out.line(6, "endpoints:");
-    out.line(6, "- lb_endpoints:");
-    for endpoint in endpoints {
-        out.line(8, "- endpoint:");
-        out.line(12, "address:");
-        out.socket_address(14, endpoint);
-    }
+    out.load_assignment(
+        cluster_name,
+        endpoints
+            .into_iter()
+            .map(|endpoint| socket_address(endpoint.ip(), endpoint.port())),
+    );
 }
 
 pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&ColdStart<'_>>) {
@@ -92,14 +106,7 @@ pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&Col
         out.line(4, "type: EDS");
     }
     out.line(4, "connect_timeout: 2s");
-    circuit_breakers(
-        out,
-        &[
-            "Each request holds its connection for a whole generation: Envoy's default limit of 1024 connections,",
-            "pending and active requests (and 3 concurrent retries) per cluster is soon reached, and the excess",
-            "would be refused by Envoy itself.",
-        ],
-    );
+    generation_limits(out, true);
     match source {
         WorkersSource::Eds => eds_config(out, cold.is_some()),
         WorkersSource::Dns(names) => dns_config(out, &names),
@@ -178,13 +185,7 @@ pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
     out.line(4, "type: ORIGINAL_DST");
     out.line(4, "lb_policy: CLUSTER_PROVIDED");
     out.line(4, "connect_timeout: 2s");
-    circuit_breakers(
-        out,
-        &[
-            "Each request holds its connection for a whole generation: Envoy's default limit of 1024 connections,",
-            "pending and active requests per cluster is soon reached, and the excess would be refused by Envoy.",
-        ],
-    );
+    generation_limits(out, false);
     out.line(4, "original_dst_lb_config:");
     out.line(6, "use_http_header: true");
     out.line(6, &format!("http_header_name: {SELECTED_HEADER}"));
@@ -316,21 +317,10 @@ fn eds_config(out: &mut Yaml, cold: bool) {
 /// `STRICT_DNS` on each pool's name and port, re-resolved as often as cachepick does.
 fn dns_config(out: &mut Yaml, names: &[&DnsDiscovery]) {
     dns_cluster_type(out, names);
-    out.line(4, "load_assignment:");
-    out.line(6, &format!("cluster_name: {WORKERS_CLUSTER}"));
-    out.line(6, "endpoints:");
-    out.line(6, "- lb_endpoints:");
-    for dns in names {
-        out.line(8, "- endpoint:");
-        out.line(12, "address:");
-        out.line(
-            14,
-            &format!(
-                "socket_address: {{address: \"{}\", port_value: {}}}",
-                dns.name, dns.port
-            ),
-        );
-    }
+    out.load_assignment(
+        WORKERS_CLUSTER,
+        names.iter().map(|dns| socket_address(&dns.name, dns.port)),
+    );
 }
 
 /// The circuit breakers and outlier detection of a cluster of workers, without their explanations
@@ -442,11 +432,10 @@ fn picker_tls(out: &mut Yaml, options: &EnvoyOptions) {
         "The files are read by Envoy, which reloads them when they change on disk (a mounted Secret).",
     );
     out.comment(4, &comment);
-    out.line(4, "transport_socket:");
-    out.line(6, "name: envoy.transport_sockets.tls");
-    out.line(6, "typed_config:");
-    out.type_url(
-        8,
+    out.typed_extension(
+        4,
+        "transport_socket",
+        "envoy.transport_sockets.tls",
         "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
     );
     if let Some(sni) = &tls.sni {

@@ -16,7 +16,7 @@
 use std::net::SocketAddr;
 
 use super::WORKERS_CLUSTER;
-use super::yaml::{Yaml, duration};
+use super::yaml::{Yaml, duration, socket_address};
 use crate::config::{Config, Discovery, DnsDiscovery};
 
 /// The workers the bootstrap names itself (the configured ones, or the DNS names), for a cold start.
@@ -96,26 +96,15 @@ pub(super) fn bootstrap_cluster(
     if !cold.names.is_empty() {
         dns_cluster_type(out, &cold.names);
     }
-    out.line(4, "load_assignment:");
-    out.line(6, &format!("cluster_name: {BOOTSTRAP_CLUSTER}"));
-    out.line(6, "endpoints:");
-    out.line(6, "- lb_endpoints:");
-    for endpoint in &cold.endpoints {
-        out.line(8, "- endpoint:");
-        out.line(12, "address:");
-        out.socket_address(14, *endpoint);
-    }
-    for dns in &cold.names {
-        out.line(8, "- endpoint:");
-        out.line(12, "address:");
-        out.line(
-            14,
-            &format!(
-                "socket_address: {{address: \"{}\", port_value: {}}}",
-                dns.name, dns.port
-            ),
-        );
-    }
+    let endpoints = cold
+        .endpoints
+        .iter()
+        .map(|endpoint| socket_address(endpoint.ip(), endpoint.port()));
+    let names = cold
+        .names
+        .iter()
+        .map(|dns| socket_address(&dns.name, dns.port));
+    out.load_assignment(BOOTSTRAP_CLUSTER, endpoints.chain(names));
     out.line(4, "load_balancing_policy:");
     out.load_balancing_policy(
         6,
@@ -147,10 +136,12 @@ pub(super) fn fail_open_cluster(out: &mut Yaml, max_retries: u32) {
     out.line(4, "circuit_breakers:");
     out.line(6, "thresholds:");
     out.line(6, &format!("- {{max_retries: {max_retries}}}"));
-    out.line(4, "cluster_type:");
-    out.line(6, "name: envoy.clusters.aggregate");
-    out.line(6, "typed_config:");
-    out.type_url(8, "envoy.extensions.clusters.aggregate.v3.ClusterConfig");
+    out.typed_extension(
+        4,
+        "cluster_type",
+        "envoy.clusters.aggregate",
+        "envoy.extensions.clusters.aggregate.v3.ClusterConfig",
+    );
     out.line(
         8,
         &format!("clusters: [{WORKERS_CLUSTER}, {BOOTSTRAP_CLUSTER}]"),
@@ -175,10 +166,12 @@ pub(super) fn dns_cluster_type(out: &mut Yaml, names: &[&DnsDiscovery]) {
             "records' TTL, which cachepick ignores too.",
         ],
     );
-    out.line(4, "cluster_type:");
-    out.line(6, "name: envoy.cluster.dns");
-    out.line(6, "typed_config:");
-    out.type_url(8, "envoy.extensions.clusters.dns.v3.DnsCluster");
+    out.typed_extension(
+        4,
+        "cluster_type",
+        "envoy.cluster.dns",
+        "envoy.extensions.clusters.dns.v3.DnsCluster",
+    );
     out.line(8, &format!("dns_refresh_rate: {}", duration(interval)));
     out.line(8, "respect_dns_ttl: false");
     out.line(8, "dns_lookup_family: ALL");
@@ -190,22 +183,17 @@ pub(super) fn dns_cluster_type(out: &mut Yaml, names: &[&DnsDiscovery]) {
             8,
             &["The DNS servers the pools name (pools[].dns.server), so Envoy asks what cachepick asks."],
         );
-        out.line(8, "typed_dns_resolver_config:");
-        out.line(10, "name: envoy.network.dns_resolver.cares");
-        out.line(10, "typed_config:");
-        out.type_url(
-            12,
+        out.typed_extension(
+            8,
+            "typed_dns_resolver_config",
+            "envoy.network.dns_resolver.cares",
             "envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
         );
         out.line(12, "resolvers:");
         for server in servers {
             out.line(
                 12,
-                &format!(
-                    "- socket_address: {{address: \"{}\", port_value: {}}}",
-                    server.ip(),
-                    server.port()
-                ),
+                &format!("- {}", socket_address(server.ip(), server.port())),
             );
         }
     }

@@ -42,10 +42,12 @@ use crate::config::{Config, Discovery, DnsDiscovery};
 
 mod clusters;
 mod cold_start;
+mod flags;
 mod listener;
 mod yaml;
 
 pub use cold_start::{BOOTSTRAP_CLUSTER, ColdStart, FAIL_OPEN_CLUSTER};
+pub use flags::EnvoyFlags;
 
 use clusters::{original_dst_cluster, picker_cluster, worker_limits, workers_cluster, xds_cluster};
 use cold_start::{bootstrap_cluster, fail_open_cluster};

@@ -1,5 +1,6 @@
 //! The YAML writer: indented lines and wrapped comment blocks, and the value forms Envoy reads.
 
+use std::fmt::Display;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -86,15 +87,46 @@ impl Yaml {
     }
 
     pub(super) fn socket_address(&mut self, indent: usize, addr: SocketAddr) {
-        self.line(
-            indent,
-            &format!(
-                "socket_address: {{address: \"{}\", port_value: {}}}",
-                addr.ip(),
-                addr.port()
-            ),
-        );
+        self.line(indent, &socket_address(addr.ip(), addr.port()));
     }
+
+    /// `<key>:` holding one typed extension: its `name` and a `typed_config` of `type_name`, whose fields,
+    /// if any, follow at `indent + 4`.
+    pub(super) fn typed_extension(
+        &mut self,
+        indent: usize,
+        key: &str,
+        name: &str,
+        type_name: &str,
+    ) {
+        self.line(indent, &format!("{key}:"));
+        self.line(indent + 2, &format!("name: {name}"));
+        self.line(indent + 2, "typed_config:");
+        self.type_url(indent + 4, type_name);
+    }
+
+    /// A cluster's static `load_assignment`: one locality of endpoints at `addresses`, each a
+    /// [`socket_address`] (an IP literal, or a name a `STRICT_DNS` cluster resolves).
+    pub(super) fn load_assignment(
+        &mut self,
+        cluster_name: &str,
+        addresses: impl IntoIterator<Item = String>,
+    ) {
+        self.line(4, "load_assignment:");
+        self.line(6, &format!("cluster_name: {cluster_name}"));
+        self.line(6, "endpoints:");
+        self.line(6, "- lb_endpoints:");
+        for address in addresses {
+            self.line(8, "- endpoint:");
+            self.line(12, "address:");
+            self.line(14, &address);
+        }
+    }
+}
+
+/// An Envoy `socket_address` in flow form: `host` is an IP literal or a name to resolve.
+pub(super) fn socket_address(host: impl Display, port: u16) -> String {
+    format!("socket_address: {{address: \"{host}\", port_value: {port}}}")
 }
 
 /// Printable on one comment line: no control characters.

@@ -7,6 +7,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 
+use super::families::{descs, samples};
 use crate::discovery::SourceStatus;
 
 /// The families, built afresh for each collection from the watched sources.
@@ -87,24 +88,18 @@ impl DiscoveryGauges {
         for (pool, status) in &sources {
             let state = status.state();
             let labels = [pool.as_str(), status.kind];
-            families
-                .updates
-                .with_label_values(&labels)
-                .inc_by(state.updates);
-            families
-                .errors
-                .with_label_values(&labels)
-                .inc_by(state.errors);
+            for (family, count) in [
+                (&families.updates, state.updates),
+                (&families.errors, state.errors),
+            ] {
+                family.with_label_values(&labels).inc_by(count);
+            }
             families
                 .members
                 .with_label_values(&labels)
                 .set(i64::try_from(state.members).unwrap_or(i64::MAX));
         }
-        families
-            .collectors()
-            .iter()
-            .flat_map(|collector| collector.collect())
-            .collect()
+        samples(&families.collectors())
     }
 }
 
@@ -112,12 +107,7 @@ pub(super) struct DiscoveryCollector(pub(super) Arc<DiscoveryGauges>);
 
 impl Collector for DiscoveryCollector {
     fn desc(&self) -> Vec<&Desc> {
-        self.0
-            .template
-            .collectors()
-            .into_iter()
-            .flat_map(|collector| collector.desc())
-            .collect()
+        descs(&self.0.template.collectors())
     }
 
     fn collect(&self) -> Vec<MetricFamily> {

@@ -8,6 +8,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 
+use super::families::{descs, samples};
 use crate::events::Medium;
 use crate::events::stream::{ResetReason, StreamState, StreamView};
 
@@ -189,11 +190,7 @@ impl KvEventGauges {
                 }
             }
         }
-        families
-            .collectors()
-            .iter()
-            .flat_map(|collector| collector.collect())
-            .collect()
+        samples(&families.collectors())
     }
 }
 
@@ -212,58 +209,34 @@ fn record(families: &Families, pool: &str, view: &StreamView) {
         view.last_seq
             .map_or(-1, |seq| i64::try_from(seq).unwrap_or(i64::MAX)),
     );
-    families
-        .batches
-        .with_label_values(&stream)
-        .inc_by(view.batches);
-    families
-        .events
-        .with_label_values(&stream)
-        .inc_by(view.events);
-    families
-        .blocks
-        .with_label_values(&with("stored"))
-        .inc_by(view.blocks_stored);
-    families
-        .blocks
-        .with_label_values(&with("removed"))
-        .inc_by(view.blocks_removed);
-    for (reason, count) in [
-        ("orphan", view.orphans),
-        ("over_bound", view.over_bound),
-        ("multimodal", view.opaque),
-        ("unknown_event", view.unknown_events),
-        ("undecodable", view.decode_errors),
-        ("duplicate", view.duplicates),
+    for (family, count) in [
+        (&families.batches, view.batches),
+        (&families.events, view.events),
+        (&families.gaps, view.gaps),
     ] {
-        families
-            .skipped
-            .with_label_values(&with(reason))
-            .inc_by(count);
+        family.with_label_values(&stream).inc_by(count);
     }
-    families.gaps.with_label_values(&stream).inc_by(view.gaps);
-    families
-        .replays
-        .with_label_values(&with("ok"))
-        .inc_by(view.replays);
-    families
-        .replays
-        .with_label_values(&with("failed"))
-        .inc_by(view.replay_failures);
+    for (family, label, count) in [
+        (&families.blocks, "stored", view.blocks_stored),
+        (&families.blocks, "removed", view.blocks_removed),
+        (&families.skipped, "orphan", view.orphans),
+        (&families.skipped, "over_bound", view.over_bound),
+        (&families.skipped, "multimodal", view.opaque),
+        (&families.skipped, "unknown_event", view.unknown_events),
+        (&families.skipped, "undecodable", view.decode_errors),
+        (&families.skipped, "duplicate", view.duplicates),
+        (&families.replays, "ok", view.replays),
+        (&families.replays, "failed", view.replay_failures),
+        (&families.refused, "live_message", view.refused_frames),
+        (&families.refused, "replay", view.refused_replays),
+    ] {
+        family.with_label_values(&with(label)).inc_by(count);
+    }
     for (reason, count) in view.resets {
         debug_assert!(ResetReason::ALL.contains(&reason));
         families
             .resets
             .with_label_values(&with(reason.as_str()))
-            .inc_by(count);
-    }
-    for (what, count) in [
-        ("live_message", view.refused_frames),
-        ("replay", view.refused_replays),
-    ] {
-        families
-            .refused
-            .with_label_values(&with(what))
             .inc_by(count);
     }
     for (tier, blocks) in view.tiers {
@@ -281,12 +254,7 @@ pub(super) struct KvEventCollector(pub(super) Arc<KvEventGauges>);
 
 impl Collector for KvEventCollector {
     fn desc(&self) -> Vec<&Desc> {
-        self.0
-            .template
-            .collectors()
-            .into_iter()
-            .flat_map(|collector| collector.desc())
-            .collect()
+        descs(&self.0.template.collectors())
     }
 
     fn collect(&self) -> Vec<MetricFamily> {

@@ -426,15 +426,24 @@ impl<'a> Visitor<'a> for BodyVisitor<'_> {
                     draft.input_ids = map.next_value_seed(Any(ids))?;
                 }
                 "max_tokens" => {
-                    let asked = map.next_value_seed(Any(output::Count { faults }))?;
+                    let asked = map.next_value_seed(Any(output::Count {
+                        faults,
+                        member: None,
+                    }))?;
                     draft.max_output_tokens = draft.max_output_tokens.max(asked);
                 }
                 "max_completion_tokens" => {
-                    let asked = map.next_value_seed(Any(output::Count { faults }))?;
+                    let asked = map.next_value_seed(Any(output::Count {
+                        faults,
+                        member: None,
+                    }))?;
                     draft.max_output_tokens = draft.max_output_tokens.max(asked);
                 }
                 "sampling_params" if reads(Api::Generate) => {
-                    let asked = map.next_value_seed(Any(output::SamplingParams { faults }))?;
+                    let asked = map.next_value_seed(Any(output::Count {
+                        faults,
+                        member: Some("max_new_tokens"),
+                    }))?;
                     draft.max_output_tokens = draft.max_output_tokens.max(asked);
                 }
                 _ => map.next_value_seed(Any(Skip {

@@ -569,32 +569,23 @@ fn main() -> ExitCode {
             picker_client_key,
             picker_sni,
         } => with_config(&args, |config| {
-            let picker_tls = match cachepick::envoy_config::PickerTls::from_flags(
-                &config,
+            let flags = cachepick::envoy_config::EnvoyFlags {
+                mode,
+                listen: envoy_listen,
+                admin: envoy_admin,
+                pickers,
                 picker_ca,
                 picker_client_cert,
                 picker_client_key,
                 picker_sni,
-            ) {
-                Ok(tls) => tls,
+                source: args.config.display().to_string(),
+            };
+            let options = match cachepick::envoy_config::EnvoyOptions::from_flags(&config, flags) {
+                Ok(options) => options,
                 Err(error) => {
                     eprintln!("{error}");
                     return ExitCode::from(EXIT_BAD_CONFIG);
                 }
-            };
-            let defaults = cachepick::envoy_config::EnvoyOptions::for_config(&config);
-            let options = cachepick::envoy_config::EnvoyOptions {
-                listen: envoy_listen,
-                admin: envoy_admin,
-                mode,
-                pickers: if pickers.is_empty() {
-                    defaults.pickers.clone()
-                } else {
-                    pickers
-                },
-                source: Some(args.config.display().to_string()),
-                picker_tls,
-                ..defaults
             };
             print!("{}", cachepick::envoy_config::render(&config, &options));
             ExitCode::SUCCESS
@@ -679,15 +670,8 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
-    let scenario = match (&args.trace, args.scenario.as_deref()) {
-        (Some(path), _) => cachepick_rig::replay::Scenario::Trace(path.clone()),
-        (None, name) => {
-            let name = name.unwrap_or("burst");
-            cachepick_rig::replay::Scenario::named(name).ok_or_else(|| {
-                cachepick_rig::replay::ReplayError::UnknownScenario(name.to_owned())
-            })?
-        }
-    };
+    let scenario =
+        cachepick_rig::replay::Scenario::chosen(args.trace.clone(), args.scenario.as_deref())?;
     let mut options = cachepick_rig::replay::ReplayOptions::new(scenario);
     options.sim_config = args.config.clone();
     options.policies = args
@@ -774,13 +758,9 @@ async fn chaos(args: &ChaosArgs) -> anyhow::Result<()> {
     options.crowd.slowloris = args.slowloris;
     options.body_mode = args.mode;
     options.warmup = seconds(args.warmup, "warmup")?;
-    options.out = args.out.clone().unwrap_or_else(|| {
-        PathBuf::from(if args.soak {
-            "target/soak"
-        } else {
-            "target/chaos"
-        })
-    });
+    if let Some(out) = &args.out {
+        options.out = out.clone();
+    }
     options.verbose = true;
     let report = cachepick_rig::chaos::run(&options).await?;
     println!("\n{}", report.table);

@@ -89,6 +89,23 @@ pub async fn http_exchange(
     tokio::time::timeout(within, exchange).await.ok()?
 }
 
+/// A service's `/metrics` exposition (the picker's, a router's), `None` unless it answers 200 within
+/// `within`.
+pub async fn scrape_metrics(addr: SocketAddr, within: Duration) -> Option<String> {
+    match http_exchange(http::Method::GET, addr, "/metrics", "", within).await? {
+        (200, text) => Some(text),
+        _ => None,
+    }
+}
+
+/// A response header's value as text; `None` when it is absent or not visible ASCII.
+pub fn header_text(headers: &http::HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+}
+
 /// `n`, or 1 for 0: the rig's fixed sizes are never zero.
 pub fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)

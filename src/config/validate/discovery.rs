@@ -9,7 +9,7 @@
 use std::num::NonZeroUsize;
 
 use super::index::IndexDraft;
-use super::{EngineKeys, Validator, WorkerDraft};
+use super::{Validator, WorkerDraft};
 use crate::config::{
     Discovery, DnsDiscovery, KubernetesDiscovery, PodSelection, PoolConfig, WorkerTemplate,
 };
@@ -173,22 +173,15 @@ impl Validator<'_> {
         index: &Res<IndexDraft>,
     ) -> Res<WorkerTemplate> {
         let map = self.section(pool, "template", TEMPLATE_KEYS)?;
-        let EngineKeys {
-            load_source,
-            role,
-            dp_size,
-            max_running_requests,
-            max_total_tokens,
-        } = self.engine_keys(&map);
-        let (load_source, _) = self.load_source(load_source, Ok(None), engine);
+        let keys = self.engine_keys(&map, Ok(None), engine);
         let https = self.scrape_scheme(&map);
         let index = index.as_ref().map_err(|reported| *reported)?;
         Ok(WorkerTemplate {
-            load_source: load_source?,
-            role: role?,
-            dp_size: dp_size?.value,
-            max_running_requests: max_running_requests?,
-            max_total_tokens: max_total_tokens?,
+            load_source: keys.load_source?,
+            role: keys.role?,
+            dp_size: keys.dp_size?.value,
+            max_running_requests: keys.max_running_requests?,
+            max_total_tokens: keys.max_total_tokens?,
             kv_events_port: index.port.value,
             kv_replay_port: index.replay_port.as_ref().map(|port| port.value),
             scrape_https: https?,

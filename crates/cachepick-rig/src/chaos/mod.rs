@@ -80,6 +80,17 @@ pub enum Mode {
     Soak,
 }
 
+impl Mode {
+    /// Where a run of this mode writes its report unless told: soaks and chaos runs apart, so one
+    /// does not overwrite the other's.
+    pub fn default_out(self) -> PathBuf {
+        PathBuf::from(match self {
+            Mode::Chaos => "target/chaos",
+            Mode::Soak => "target/soak",
+        })
+    }
+}
+
 /// What `cachepick chaos` runs.
 #[derive(Clone, Debug)]
 pub struct ChaosOptions {
@@ -124,7 +135,7 @@ impl ChaosOptions {
             seed: 1,
             envoy: None,
             picker,
-            out: PathBuf::from("target/chaos"),
+            out: mode.default_out(),
             crowd: Crowd {
                 slowloris: 50,
                 trickles: 4,
@@ -694,17 +705,9 @@ async fn sample_rss(shared: Arc<Shared>, start: Instant, every: Duration, until:
 
 /// The picker's decision latency from its `/metrics`.
 async fn decision_latency(metrics: SocketAddr) -> Latency {
-    let text = crate::http_exchange(
-        http::Method::GET,
-        metrics,
-        "/metrics",
-        "",
-        Duration::from_secs(5),
-    )
-    .await
-    .filter(|(status, _)| *status == 200)
-    .map(|(_, text)| text)
-    .unwrap_or_default();
+    let text = crate::scrape_metrics(metrics, Duration::from_secs(5))
+        .await
+        .unwrap_or_default();
     histogram_quantiles(&text, "cachepick_decision_seconds")
 }
 
@@ -713,4 +716,16 @@ fn write(path: &Path, contents: &str) -> Result<(), ChaosError> {
         path: path.to_owned(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn soaks_and_chaos_runs_report_to_their_own_directories() {
+        let options = |mode| ChaosOptions::new(mode, Duration::from_secs(1), 1.0, PathBuf::new());
+        assert_eq!(options(Mode::Chaos).out, PathBuf::from("target/chaos"));
+        assert_eq!(options(Mode::Soak).out, PathBuf::from("target/soak"));
+    }
 }

@@ -157,77 +157,62 @@ pub fn schedule(length: Duration, workers: usize, crowd: Crowd, seed: u64) -> Ve
     let while_picker_down = pick(&mut rng, &[]);
     let second = pick(&mut rng, &[while_picker_down]);
     let worker_down = spell(0.06, Duration::from_secs(1));
-    let mut steps = vec![
-        Step {
-            at: at(0.05, &mut rng),
-            fault: Fault::Slowloris {
+    let metrics = |worker: usize, mode: MetricsFault| Fault::Metrics {
+        worker,
+        mode,
+        lasting: spell(0.15, Duration::from_secs(2)),
+    };
+    let crash = |worker: usize| Fault::CrashWorker {
+        worker,
+        down_for: worker_down,
+    };
+    // The story as (fraction of the run, fault); each time is jittered in this order.
+    let story = [
+        (
+            0.05,
+            Fault::Slowloris {
                 connections: crowd.slowloris,
             },
-        },
-        Step {
-            at: at(0.10, &mut rng),
-            fault: Fault::CrashWorker {
-                worker: first,
-                down_for: worker_down,
-            },
-        },
-        Step {
-            at: at(0.20, &mut rng),
-            fault: Fault::Metrics {
-                worker: hung,
-                mode: MetricsFault::Hang,
-                lasting: spell(0.15, Duration::from_secs(2)),
-            },
-        },
-        Step {
-            at: at(0.25, &mut rng),
-            fault: Fault::Metrics {
-                worker: garbled,
-                mode: MetricsFault::Garbage,
-                lasting: spell(0.15, Duration::from_secs(2)),
-            },
-        },
-        Step {
-            at: at(0.35, &mut rng),
-            // Envoy checks the picker's health every second and marks it down after two failures.
-            fault: Fault::KillPicker {
+        ),
+        (0.10, crash(first)),
+        (0.20, metrics(hung, MetricsFault::Hang)),
+        (0.25, metrics(garbled, MetricsFault::Garbage)),
+        // Envoy checks the picker's health every second and marks it down after two failures.
+        (
+            0.35,
+            Fault::KillPicker {
                 down_for: spell(0.10, Duration::from_secs(4)),
             },
-        },
-        Step {
-            at: at(0.38, &mut rng),
-            fault: Fault::CrashWorker {
-                worker: while_picker_down,
-                down_for: worker_down,
-            },
-        },
-        Step {
-            at: at(0.45, &mut rng),
-            fault: Fault::BodyTrickle {
+        ),
+        (0.38, crash(while_picker_down)),
+        (
+            0.45,
+            Fault::BodyTrickle {
                 clients: crowd.trickles,
                 over: spell(0.05, Duration::from_secs(1)).min(Duration::from_secs(10)),
             },
-        },
-        Step {
-            at: at(0.45, &mut rng),
-            fault: Fault::StalledBody {
+        ),
+        (
+            0.45,
+            Fault::StalledBody {
                 clients: crowd.stalled,
             },
-        },
-        Step {
-            at: at(0.55, &mut rng),
-            fault: Fault::CrashWorker {
-                worker: second,
-                down_for: worker_down,
-            },
-        },
-        Step {
-            at: at(0.70, &mut rng),
-            fault: Fault::KillPicker {
+        ),
+        (0.55, crash(second)),
+        (
+            0.70,
+            Fault::KillPicker {
                 down_for: Duration::ZERO,
             },
-        },
+        ),
     ];
+    let mut steps: Vec<Step> = story
+        .into_iter()
+        .map(|(fraction, fault)| Step {
+            at: at(fraction, &mut rng),
+            fault,
+        })
+        .collect();
     let mut kinds = Malformed::ALL.iter().cycle();
     let mut fraction = 0.02;
     while fraction < 0.95 {

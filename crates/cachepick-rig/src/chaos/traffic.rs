@@ -222,13 +222,7 @@ async fn one(
         Ok(Ok(response)) => response,
     };
     seen.status = Some(response.status().as_u16());
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned)
-    };
+    let header = |name: &str| crate::header_text(response.headers(), name);
     seen.reject = header(REJECT_HEADER);
     seen.served_by = header("x-served-by");
     let mut body = response.into_body();

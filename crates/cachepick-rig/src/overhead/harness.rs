@@ -310,16 +310,9 @@ impl Rig {
     /// The picker's decision and rejection counters and its decision time's sum and count (`/metrics`
     /// lines), empty if it does not answer.
     pub async fn picker_decisions(&self) -> Vec<String> {
-        let metrics = crate::http_exchange(
-            http::Method::GET,
-            self.picker.metrics_listen(),
-            "/metrics",
-            "",
-            Duration::from_secs(2),
-        )
-        .await;
-        metrics
-            .map(|(_, text)| {
+        crate::scrape_metrics(self.picker.metrics_listen(), Duration::from_secs(2))
+            .await
+            .map(|text| {
                 text.lines()
                     .filter(|line| {
                         line.starts_with("cachepick_decisions_total")
@@ -387,11 +380,8 @@ impl Rig {
                 .await
                 .map_err(|error| OverheadError::Request(format!("{}: {error}", cell.name())))?;
             let status = response.status().as_u16();
-            let decision = response
-                .headers()
-                .get(format!("x-sim-echo-{DECISION_HEADER}"))
-                .and_then(|value| value.to_str().ok())
-                .map(str::to_owned);
+            let decision =
+                crate::header_text(response.headers(), &format!("x-sim-echo-{DECISION_HEADER}"));
             response
                 .into_body()
                 .collect()

@@ -17,6 +17,8 @@
 //!
 //! Every prompt is whole blocks, so a session's next turn shares its entire previous prompt.
 
+use std::ops::RangeInclusive;
+
 use super::trace::{Item, TRACE_BLOCK_TOKENS, XorShift};
 
 /// System prompts the sessions share.
@@ -29,13 +31,12 @@ pub const SESSION_RATE: f64 = 0.5;
 pub const SPAN_MS: f64 = 300_000.0;
 /// Mean time between two turns of a session.
 pub const THINK_MS: f64 = 6_000.0;
-const MIN_TURNS: u64 = 2;
-const MAX_TURNS: u64 = 8;
+/// Turns of a session, each count equally likely.
+const TURNS: RangeInclusive<u64> = 2..=8;
 /// A turn's new content, in blocks.
-const MIN_NEW_BLOCKS: u64 = 1;
-const MAX_NEW_BLOCKS: u64 = 4;
-const MIN_OUTPUT: u64 = 32;
-const MAX_OUTPUT: u64 = 256;
+const NEW_BLOCKS: RangeInclusive<u64> = 1..=4;
+/// A turn's output, in tokens.
+const OUTPUT: RangeInclusive<u64> = 32..=256;
 /// Block ids of the system prompts start here; ids of session content come after every prompt's.
 const UNIQUE_IDS: u64 = 10_000_000;
 
@@ -82,7 +83,7 @@ pub fn agents(seed: u64, scale: f64) -> Vec<Item> {
         let system = prompts.get(agent).copied().unwrap_or(1);
         let base = first_id.get(agent).copied().unwrap_or(0);
         let mut context: Vec<u64> = (base..base + system).collect();
-        let turns = MIN_TURNS + rng.next() % (MAX_TURNS - MIN_TURNS + 1);
+        let turns = rng.within(TURNS);
         let mut at = start;
         for turn in 0..turns {
             if turn > 0 {
@@ -90,9 +91,9 @@ pub fn agents(seed: u64, scale: f64) -> Vec<Item> {
                 // The previous turn's answer, as the next prompt carries it.
                 context.extend(fresh(1));
             }
-            let new = MIN_NEW_BLOCKS + rng.next() % (MAX_NEW_BLOCKS - MIN_NEW_BLOCKS + 1);
+            let new = rng.within(NEW_BLOCKS);
             context.extend(fresh(new));
-            let output = MIN_OUTPUT + rng.next() % (MAX_OUTPUT - MIN_OUTPUT + 1);
+            let output = rng.within(OUTPUT);
             items.push(Item {
                 timestamp_ms: at as u64,
                 input_length: (context.len() * TRACE_BLOCK_TOKENS) as u32,

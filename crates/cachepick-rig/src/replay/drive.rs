@@ -215,13 +215,7 @@ async fn one(
         return sample;
     };
     sample.status = response.status().as_u16();
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .map(str::to_owned)
-    };
+    let header = |name: &str| crate::header_text(response.headers(), name);
     if let Some(reject) = header(REJECT_HEADER) {
         sample.reason = reject;
         sample.end = End::Rejected;

@@ -324,18 +324,10 @@ impl Running {
         let Some(metrics) = self.metrics else {
             return Vec::new();
         };
-        let Some((200, text)) = crate::http_exchange(
-            http::Method::GET,
-            metrics,
-            "/metrics",
-            "",
-            Duration::from_secs(5),
-        )
-        .await
-        else {
-            return Vec::new();
-        };
-        routing_lines(&text)
+        crate::scrape_metrics(metrics, Duration::from_secs(5))
+            .await
+            .map(|text| routing_lines(&text))
+            .unwrap_or_default()
     }
 
     /// Sends small completions until one is answered 200, then lets the router settle.

@@ -53,7 +53,7 @@ pub use arms::{
 };
 
 /// The workload.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Scenario {
     /// A Mooncake JSONL trace.
     Trace(PathBuf),
@@ -72,6 +72,16 @@ impl Scenario {
             "agents" => Some(Scenario::Agents),
             _ => None,
         }
+    }
+
+    /// What `--trace` and `--scenario` ask for: the trace when one is given, else the named synthetic
+    /// scenario, `burst` when neither is.
+    pub fn chosen(trace: Option<PathBuf>, name: Option<&str>) -> Result<Scenario, ReplayError> {
+        if let Some(path) = trace {
+            return Ok(Scenario::Trace(path));
+        }
+        let name = name.unwrap_or("burst");
+        Scenario::named(name).ok_or_else(|| ReplayError::UnknownScenario(name.to_owned()))
     }
 
     /// The scenario's name in reports and output directories.
@@ -658,6 +668,24 @@ fn announce(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trace_wins_over_a_scenario_and_burst_is_the_default() {
+        let trace = PathBuf::from("mooncake.jsonl");
+        assert_eq!(
+            Scenario::chosen(Some(trace.clone()), Some("agents")).ok(),
+            Some(Scenario::Trace(trace))
+        );
+        assert_eq!(Scenario::chosen(None, None).ok(), Some(Scenario::Burst));
+        assert_eq!(
+            Scenario::chosen(None, Some("agents")).ok(),
+            Some(Scenario::Agents)
+        );
+        assert!(matches!(
+            Scenario::chosen(None, Some("storm")),
+            Err(ReplayError::UnknownScenario(name)) if name == "storm"
+        ));
+    }
 
     #[test]
     fn replicas_imply_envoy_unless_the_route_is_asked_for() {

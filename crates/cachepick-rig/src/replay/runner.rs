@@ -216,15 +216,8 @@ impl Workload<'_> {
 /// The decisions a picker made: `cachepick_decisions_total` over every pool and reason, from its
 /// `/metrics`; `None` when they cannot be read.
 async fn decisions(metrics: std::net::SocketAddr) -> Option<u64> {
-    let (status, text) = crate::http_exchange(
-        http::Method::GET,
-        metrics,
-        "/metrics",
-        "",
-        Duration::from_secs(5),
-    )
-    .await?;
-    (status == 200).then(|| decision_total(&text))
+    let text = crate::scrape_metrics(metrics, Duration::from_secs(5)).await?;
+    Some(decision_total(&text))
 }
 
 /// Σ `cachepick_decisions_total{…}` in a Prometheus exposition.

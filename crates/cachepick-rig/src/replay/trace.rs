@@ -1,6 +1,7 @@
 //! The workload: Mooncake JSONL traces and the synthetic burst scenario, and the deterministic text each
 //! prefix-block id becomes.
 
+use std::ops::RangeInclusive;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -313,6 +314,12 @@ impl XorShift {
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform over `range` (the modulo's bias is negligible for the small ranges drawn here).
+    pub(crate) fn within(&mut self, range: RangeInclusive<u64>) -> u64 {
+        let (low, high) = range.into_inner();
+        low + self.next() % (high - low + 1)
     }
 
     /// Uniform in [0, 1).

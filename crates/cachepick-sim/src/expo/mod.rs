@@ -90,6 +90,19 @@ impl Exposition {
         }
     }
 
+    /// Each of `families` as a gauge or counter family of `kind`, one sample per rank.
+    fn series(
+        &mut self,
+        kind: &str,
+        families: &[Series],
+        ranks: &[RankStats],
+        labels: &dyn Fn(&RankStats) -> Vec<(&'static str, String)>,
+    ) {
+        for (name, help, value) in families {
+            self.per_rank((name, kind, help), ranks, labels, value);
+        }
+    }
+
     /// A histogram family with one series per rank: cumulative buckets, `+Inf`, `_count`, `_sum`.
     fn histogram(
         &mut self,
@@ -199,6 +212,61 @@ fn process(out: &mut Exposition, ranks: &[RankStats]) {
     out.sample(name, &[], Num::Float(first.process_start_time));
 }
 
+/// The token counters both engines write under their own prefix, with the same help.
+fn token_counters(
+    out: &mut Exposition,
+    prefix: &str,
+    ranks: &[RankStats],
+    labels: &dyn Fn(&RankStats) -> Vec<(&'static str, String)>,
+) {
+    out.per_rank(
+        (
+            &format!("{prefix}:prompt_tokens_total"),
+            "counter",
+            "Number of prefill tokens processed.",
+        ),
+        ranks,
+        labels,
+        &|r| Num::Int(r.counters.prompt_tokens),
+    );
+    out.per_rank(
+        (
+            &format!("{prefix}:generation_tokens_total"),
+            "counter",
+            "Number of generation tokens processed.",
+        ),
+        ranks,
+        labels,
+        &|r| Num::Int(r.counters.generation_tokens),
+    );
+}
+
+/// The latency histograms both engines write under their own prefix: time to first token, and the
+/// whole request under the engine's own `e2e_help`.
+fn latencies(
+    out: &mut Exposition,
+    prefix: &str,
+    e2e_help: &str,
+    ranks: &[RankStats],
+    labels: &dyn Fn(&RankStats) -> Vec<(&'static str, String)>,
+) {
+    out.histogram(
+        (
+            &format!("{prefix}:time_to_first_token_seconds"),
+            "Histogram of time to first token in seconds.",
+        ),
+        ranks,
+        labels,
+        &|r| &r.ttft,
+    );
+    out.histogram(
+        (&format!("{prefix}:e2e_request_latency_seconds"), e2e_help),
+        ranks,
+        labels,
+        &|r| &r.e2e,
+    );
+}
+
 fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
     let labels = |rank: &RankStats| {
         vec![
@@ -223,9 +291,7 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             |r| Num::Float(r.kv_usage()),
         ),
     ];
-    for (name, help, value) in gauges {
-        out.per_rank((name, "gauge", help), ranks, &labels, &value);
-    }
+    out.series("gauge", &gauges, ranks, &labels);
     // vLLM's info metric: the configuration as labels, the value always 1. Capacity in tokens is
     // block_size × num_gpu_blocks, which is how readers of vLLM's metrics learn it.
     out.family(
@@ -252,7 +318,7 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             Num::Float(1.0),
         );
     }
-    let counters: [Series; 5] = [
+    let counters: [Series; 3] = [
         (
             "vllm:num_preemptions_total",
             "Cumulative number of preemption from the engine.",
@@ -268,20 +334,9 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             "Prefix cache hits, in terms of number of cached tokens.",
             |r| Num::Int(r.counters.prefix_hit_tokens),
         ),
-        (
-            "vllm:prompt_tokens_total",
-            "Number of prefill tokens processed.",
-            |r| Num::Int(r.counters.prompt_tokens),
-        ),
-        (
-            "vllm:generation_tokens_total",
-            "Number of generation tokens processed.",
-            |r| Num::Int(r.counters.generation_tokens),
-        ),
     ];
-    for (name, help, value) in counters {
-        out.per_rank((name, "counter", help), ranks, &labels, &value);
-    }
+    out.series("counter", &counters, ranks, &labels);
+    token_counters(out, "vllm", ranks, &labels);
     out.family(
         "vllm:request_success_total",
         "counter",
@@ -306,23 +361,12 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             );
         }
     }
-    out.histogram(
-        (
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-        ),
+    latencies(
+        out,
+        "vllm",
+        "Histogram of e2e request latency in seconds.",
         ranks,
         &labels,
-        &|r| &r.ttft,
-    );
-    out.histogram(
-        (
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-        ),
-        ranks,
-        &labels,
-        &|r| &r.e2e,
     );
 }
 
@@ -372,9 +416,7 @@ fn sglang(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             Num::Float(hit_rate(r))
         }),
     ];
-    for (name, help, value) in gauges {
-        out.per_rank((name, "gauge", help), ranks, &labels, &value);
-    }
+    out.series("gauge", &gauges, ranks, &labels);
     let info_labels = |rank: &RankStats| {
         let mut labels = labels(rank);
         labels.push(("num_pages", rank.kv_total_blocks.to_string()));
@@ -391,49 +433,29 @@ fn sglang(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         &info_labels,
         &|_| Num::Float(1.0),
     );
-    let counters: [Series; 3] = [
-        (
-            "sglang:prompt_tokens_total",
-            "Number of prefill tokens processed.",
-            |r| Num::Int(r.counters.prompt_tokens),
-        ),
-        (
-            "sglang:generation_tokens_total",
-            "Number of generation tokens processed.",
-            |r| Num::Int(r.counters.generation_tokens),
-        ),
+    token_counters(out, "sglang", ranks, &labels);
+    out.per_rank(
         (
             "sglang:num_requests_total",
+            "counter",
             "Number of requests processed.",
-            |r| {
-                Num::Int(
-                    r.counters
-                        .finished_length
-                        .saturating_add(r.counters.aborted),
-                )
-            },
-        ),
-    ];
-    for (name, help, value) in counters {
-        out.per_rank((name, "counter", help), ranks, &labels, &value);
-    }
-    out.histogram(
-        (
-            "sglang:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
         ),
         ranks,
         &labels,
-        &|r| &r.ttft,
+        &|r| {
+            Num::Int(
+                r.counters
+                    .finished_length
+                    .saturating_add(r.counters.aborted),
+            )
+        },
     );
-    out.histogram(
-        (
-            "sglang:e2e_request_latency_seconds",
-            "Histogram of End-to-end request latency in seconds",
-        ),
+    latencies(
+        out,
+        "sglang",
+        "Histogram of End-to-end request latency in seconds",
         ranks,
         &labels,
-        &|r| &r.e2e,
     );
 }
 

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::{Api, MAX_TOOLS_DEPTH, Message, Prompt, SimRequest, WireError};
@@ -267,42 +268,31 @@ fn content_part(at: &str, raw: &RawValue) -> Result<Option<String>, WireError> {
     }
 }
 
-/// `tools` as raw JSON text: an array nested no deeper than [`MAX_TOOLS_DEPTH`].
+/// `tools` as raw JSON text: an array nested no deeper than [`MAX_TOOLS_DEPTH`], measured on the
+/// parsed value, as an engine measures what its `json.loads` returned.
 fn tools(raw: &RawValue) -> Result<String, WireError> {
     if kind(raw) != Some(b'[') {
         return Err(invalid("tools", "an array of tool objects"));
     }
-    if depth(raw.get()) > MAX_TOOLS_DEPTH {
-        return Err(WireError::TooDeep { field: "tools" });
+    let too_deep = WireError::TooDeep { field: "tools" };
+    // The text is valid JSON already, so the one way parsing it again fails is serde_json's own
+    // nesting limit, which is deeper than ours.
+    let value: Value = serde_json::from_str(raw.get()).map_err(|_| too_deep.clone())?;
+    if depth(&value) > MAX_TOOLS_DEPTH {
+        return Err(too_deep);
     }
     Ok(raw.get().to_owned())
 }
 
-/// The deepest nesting of arrays and objects in well-formed JSON text, brackets inside strings ignored.
-fn depth(json: &str) -> usize {
-    let (mut depth, mut deepest) = (0usize, 0usize);
-    let (mut in_string, mut escaped) = (false, false);
-    for byte in json.bytes() {
-        if in_string {
-            match byte {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match byte {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                deepest = deepest.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    deepest
+/// How many arrays and objects `value` nests, 0 for a scalar. serde_json's nesting limit bounds the
+/// recursion.
+fn depth(value: &Value) -> usize {
+    let deepest_child = match value {
+        Value::Array(items) => items.iter().map(depth).max(),
+        Value::Object(members) => members.values().map(depth).max(),
+        _ => return 0,
+    };
+    deepest_child.unwrap_or(0).saturating_add(1)
 }
 
 /// Token ids: a non-empty array of integers in `u32`.
