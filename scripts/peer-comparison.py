@@ -101,7 +101,7 @@ def figures(arm, scale):
         "busy": (u.get("busy") if u.get("busy") is not None else u.get("slots", 0)) * 100,
         "queued": u.get("queued", 0) * 100,
         "lagged": u.get("lagged_s", 0),
-        "failed": arm["errors"] + arm["rejections"] + arm["dropped"],
+        "failed": arm["errors"] + arm.get("refusals", arm.get("rejections", 0)) + arm["dropped"],
     }
 
 

@@ -87,8 +87,8 @@ pub struct Metrics {
     pub scrapes: IntCounterVec,
     /// `cachepick_decisions_total{pool,reason}`.
     decisions: IntCounterVec,
-    /// `cachepick_rejections_total{pool,reason}`.
-    rejections: IntCounterVec,
+    /// `cachepick_refusals_total{pool,reason}`.
+    refusals: IntCounterVec,
     /// `cachepick_passthrough_total{pool}`.
     passthrough: IntCounterVec,
     /// `cachepick_unknown_subset_total{pool}`.
@@ -279,9 +279,9 @@ impl Metrics {
                 ),
                 &["pool", "reason"],
             )?,
-            rejections: IntCounterVec::new(
+            refusals: IntCounterVec::new(
                 Opts::new(
-                    "cachepick_rejections_total",
+                    "cachepick_refusals_total",
                     "Requests cachepick refused, by reason (no_workers, the body errors invalid_json, \
                      unknown_model, too_large...); pool is \"none\" when the request named no pool.",
                 ),
@@ -370,7 +370,7 @@ impl Metrics {
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
         registry.register(Box::new(metrics.decisions.clone()))?;
-        registry.register(Box::new(metrics.rejections.clone()))?;
+        registry.register(Box::new(metrics.refusals.clone()))?;
         registry.register(Box::new(metrics.passthrough.clone()))?;
         registry.register(Box::new(metrics.unknown_subset.clone()))?;
         registry.register(Box::new(metrics.feedback.clone()))?;
@@ -438,7 +438,7 @@ impl Metrics {
         for reason in Reason::ALL {
             self.decisions.with_label_values(&[pool, reason.as_str()]);
         }
-        self.rejections
+        self.refusals
             .with_label_values(&[pool, RefusalReason::NoWorkers.as_str()]);
         self.passthrough.with_label_values(&[pool]);
         self.match_ratio.with_label_values(&[pool]);
@@ -497,11 +497,11 @@ impl Metrics {
         }
     }
 
-    /// One refused request: `cachepick_rejections_total{pool,reason}` += 1, labelled
+    /// One refused request: `cachepick_refusals_total{pool,reason}` += 1, labelled
     /// [`RefusalReason::as_str`] (`no_workers`, `invalid_json`, `unknown_model`, `too_large`...); `pool`
     /// is `"none"` when no pool was selected.
-    pub fn record_rejection(&self, pool: &str, reason: RefusalReason) {
-        self.rejections
+    pub fn record_refusal(&self, pool: &str, reason: RefusalReason) {
+        self.refusals
             .with_label_values(&[pool, reason.as_str()])
             .inc();
     }
@@ -768,7 +768,7 @@ mod tests {
         assert_eq!(decisions, Reason::ALL.len());
         assert_line(
             &text,
-            "cachepick_rejections_total{pool=\"p\",reason=\"no_workers\"} 0",
+            "cachepick_refusals_total{pool=\"p\",reason=\"no_workers\"} 0",
         );
         assert_line(&text, "cachepick_prefix_match_ratio_count{pool=\"p\"} 0");
         assert_line(
@@ -835,19 +835,19 @@ mod tests {
     }
 
     #[test]
-    fn rejections_count_by_pool_and_reason() {
+    fn refusals_count_by_pool_and_reason() {
         let metrics = Metrics::new().unwrap();
-        metrics.record_rejection("none", RefusalReason::InvalidJson);
-        metrics.record_rejection("none", RefusalReason::InvalidJson);
-        metrics.record_rejection("p", RefusalReason::NoWorkers);
+        metrics.record_refusal("none", RefusalReason::InvalidJson);
+        metrics.record_refusal("none", RefusalReason::InvalidJson);
+        metrics.record_refusal("p", RefusalReason::NoWorkers);
         let text = metrics.render();
         assert_line(
             &text,
-            "cachepick_rejections_total{pool=\"none\",reason=\"invalid_json\"} 2",
+            "cachepick_refusals_total{pool=\"none\",reason=\"invalid_json\"} 2",
         );
         assert_line(
             &text,
-            "cachepick_rejections_total{pool=\"p\",reason=\"no_workers\"} 1",
+            "cachepick_refusals_total{pool=\"p\",reason=\"no_workers\"} 1",
         );
     }
 

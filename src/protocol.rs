@@ -34,7 +34,7 @@ pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
 /// Leading prompt tokens the selected worker is credited with holding.
 pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
 /// The stable label of a refusal, on cachepick's own (immediate) answers.
-pub const REJECT_HEADER: &str = "x-cachepick-reject-reason";
+pub const REFUSAL_HEADER: &str = "x-cachepick-refusal-reason";
 
 /// The gRPC metadata key of a shed's reason ([`RefusalReason::SHED`]), on the error cachepick ends a stream
 /// with when it gives a request up.
@@ -59,9 +59,9 @@ pub fn error_json(kind: &str, message: &str) -> Vec<u8> {
 
 /// Why cachepick does not route a request by a decision of its own: the one vocabulary of every surface
 /// (ext_proc, the admin API, the debug endpoints, the CLI), each reason with its HTTP status and its
-/// stable label. Most are answers to the client: the label appears in [`REJECT_HEADER`], as the JSON
+/// stable label. Most are answers to the client: the label appears in [`REFUSAL_HEADER`], as the JSON
 /// error's `type`, in the ImmediateResponse's details (`cachepick_<label>`) and in
-/// `cachepick_rejections_total{reason}`. The rest fail open ([`RefusalReason::fails_open`]): the request
+/// `cachepick_refusals_total{reason}`. The rest fail open ([`RefusalReason::fails_open`]): the request
 /// is given up (shed) with a gRPC error that Envoy's `failure_mode_allow: true` turns into routing by its
 /// own load balancing, so it is still served; their labels are `cachepick_shed_total{reason}`'s and
 /// [`SHED_METADATA`]'s. The labels are part of the public interface.
@@ -283,7 +283,7 @@ mod tests {
             DECISION_HEADER,
             SELECTED_HEADER,
             PREFIX_TOKENS_HEADER,
-            REJECT_HEADER,
+            REFUSAL_HEADER,
         ] {
             assert!(header.starts_with(OWNED_PREFIX), "{header}");
         }

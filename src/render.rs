@@ -283,8 +283,8 @@ pub fn explanation(explanation: &Explanation) -> String {
                 }
             );
         }
-        Outcome::Reject(reject) => {
-            let _ = writeln!(out, "decision: reject {}", reject.reason.as_str());
+        Outcome::Refuse(refused) => {
+            let _ = writeln!(out, "decision: refuse {}", refused.reason.as_str());
         }
     }
     let trace = serde_json::to_string_pretty(explanation.outcome.trace()).unwrap_or_default();

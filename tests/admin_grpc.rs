@@ -244,7 +244,7 @@ async fn explain_refuses_bad_bodies_with_grpc_codes() {
     assert_eq!(
         wrong_type
             .metadata()
-            .get("x-cachepick-reject-reason")
+            .get("x-cachepick-refusal-reason")
             .and_then(|value| value.to_str().ok()),
         Some("wrong_type")
     );

@@ -38,7 +38,7 @@ use cachepick::config::{self, Config, Overrides};
 use cachepick::envoy_config::{self, BodyMode, EnvoyOptions};
 use cachepick::policy::Reason;
 use cachepick::protocol::{
-    DECISION_HEADER, DESTINATION, PASSTHROUGH, PREFIX_TOKENS_HEADER, REJECT_HEADER,
+    DECISION_HEADER, DESTINATION, PASSTHROUGH, PREFIX_TOKENS_HEADER, REFUSAL_HEADER,
 };
 use cachepick_rig::nz;
 use cachepick_rig::stage::{Picker, READY_WITHIN};
@@ -977,7 +977,11 @@ async fn buffered_mode_takes_bodies_between_one_mebibyte_and_the_limit() {
     let reply = stack.complete(completion(&text("nine-mib", 9 << 20))).await;
     // Envoy's own 413: neither a worker nor cachepick (whose refusals carry a reason header) saw it.
     assert_not_served(&reply, StatusCode::PAYLOAD_TOO_LARGE);
-    assert!(all(&reply, REJECT_HEADER).is_empty(), "{:?}", reply.headers);
+    assert!(
+        all(&reply, REFUSAL_HEADER).is_empty(),
+        "{:?}",
+        reply.headers
+    );
 }
 
 // === 6. the picker gone: Envoy fails open ===
@@ -1116,7 +1120,7 @@ in_both_body_modes!(a_header_only_get_is_routed);
 fn assert_refused(reply: &Reply, status: StatusCode, reason: &str) {
     assert_not_served(reply, status);
     assert_eq!(one(reply, CONTENT_TYPE.as_str()), "application/json");
-    assert_eq!(one(reply, REJECT_HEADER), reason);
+    assert_eq!(one(reply, REFUSAL_HEADER), reason);
     let body = reply.json();
     assert_eq!(body["error"]["type"], reason, "{body}");
     assert!(
@@ -1161,7 +1165,7 @@ async fn refusals_never_reach_a_worker(mode: BodyMode) {
     assert_eq!(
         metric_sum(
             &metrics,
-            "cachepick_rejections_total",
+            "cachepick_refusals_total",
             &[("reason", "invalid_json")]
         ),
         1.0
@@ -1169,7 +1173,7 @@ async fn refusals_never_reach_a_worker(mode: BodyMode) {
     assert_eq!(
         metric_sum(
             &metrics,
-            "cachepick_rejections_total",
+            "cachepick_refusals_total",
             &[("reason", "unknown_model")]
         ),
         1.0

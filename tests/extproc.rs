@@ -855,7 +855,7 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
     for reason in ["invalid_json", "unknown_model"] {
         assert_eq!(
             value(
-                "cachepick_rejections_total",
+                "cachepick_refusals_total",
                 &[("pool", "none"), ("reason", reason)]
             ),
             1.0,
@@ -865,7 +865,7 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
     let too_large: f64 = sim_client::prom_samples(&text)
         .iter()
         .filter(|sample| {
-            sample.name == "cachepick_rejections_total"
+            sample.name == "cachepick_refusals_total"
                 && matches!(sample.label("reason"), Some("body_too_large" | "too_large"))
         })
         .map(|sample| sample.value)
@@ -873,7 +873,7 @@ async fn metrics_count_decisions_refusals_and_streams_and_explain_does_not_commi
     assert_eq!(too_large, 1.0, "{text}");
     assert_eq!(
         value(
-            "cachepick_rejections_total",
+            "cachepick_refusals_total",
             &[("pool", POOL), ("reason", "no_workers")]
         ),
         1.0

@@ -145,7 +145,7 @@ impl Running {
                     .endpoint;
                 (endpoint, decision.reason, decision.matched_tokens)
             }
-            Outcome::Reject(reject) => panic!("rejected: {reject:?}"),
+            Outcome::Refuse(refused) => panic!("refused: {refused:?}"),
         }
     }
 }

@@ -278,11 +278,7 @@ async fn a_panic_in_a_decision_fails_open_with_a_grpc_error_not_a_5xx() {
         1.0
     );
     assert_eq!(
-        metric_sum(
-            &text,
-            "cachepick_rejections_total",
-            &[("reason", "internal")]
-        ),
+        metric_sum(&text, "cachepick_refusals_total", &[("reason", "internal")]),
         0.0,
         "no refusal of cachepick's own"
     );

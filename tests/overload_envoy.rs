@@ -208,7 +208,7 @@ async fn panic_is_served_by_the_fallback(mode: BodyMode) {
     );
     // A worker answered, without cachepick's decision.
     assert!(reply.json()["choices"].is_array(), "{}", reply.text());
-    assert!(reply.header("x-cachepick-reject-reason").is_none());
+    assert!(reply.header("x-cachepick-refusal-reason").is_none());
     let text = stack.picker_metrics().await;
     assert_eq!(
         metric(&text, "cachepick_shed_total", &[("reason", "internal")]),

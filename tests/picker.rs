@@ -50,7 +50,7 @@ fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) -> (u32, Reason, u64)
                 decision.matched_tokens,
             )
         }
-        Outcome::Reject(reject) => panic!("rejected: {reject:?}"),
+        Outcome::Refuse(refused) => panic!("refused: {refused:?}"),
     }
 }
 

@@ -877,7 +877,7 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "a second default pool (`*`); the default pool is already pools[0].model (line 2)"),
             ("pool without a prefill worker", pool("        role: decode\n"), &NO_FLAGS,
              "pools[0].workers (line 4)",
-             "no worker has role prefill or both: every request to this pool would be rejected"),
+             "no worker has role prefill or both: every request to this pool would be refused"),
             ("YAML syntax error", format!("{POOL}  - model: [x\n"), &NO_FLAGS, "line 7", "invalid YAML"),
             ("alias", format!("{}      - endpoint: *e\n", POOL.replace("endpoint: ", "endpoint: &e ")), &NO_FLAGS,
              "line 6", "aliases (*name) are not supported"),

@@ -473,7 +473,7 @@ impl Validator<'_> {
             .collect();
         if roles.is_ok_and(|roles| !roles.iter().any(|role| role.serves_prefill())) {
             let message =
-                "no worker has role prefill or both: every request to this pool would be rejected";
+                "no worker has role prefill or both: every request to this pool would be refused";
             self.report(Phase::Structure, at.origin(), message);
         }
         Ok(workers)

@@ -132,12 +132,12 @@ impl Admin for AdminApi {
 }
 
 /// A refusal as the admin API answers it: the gRPC code of its reason (`answer::grpc_code`, the one
-/// mapping), its message, and its stable label in the `x-cachepick-reject-reason` metadata.
+/// mapping), its message, and its stable label in the `x-cachepick-refusal-reason` metadata.
 fn refused(refusal: &Refusal) -> Status {
     let reason = refusal.reason;
     let mut status = Status::new(super::answer::grpc_code(reason), refusal.message.clone());
     status.metadata_mut().insert(
-        super::REJECT_HEADER,
+        super::REFUSAL_HEADER,
         MetadataValue::from_static(reason.as_str()),
     );
     status
@@ -166,8 +166,8 @@ pub(crate) fn explain_response(explanation: &Explanation) -> pb::ExplainResponse
             matched_tokens: decision.matched_tokens,
             diverted_tokens: decision.diverted_tokens(),
         }),
-        Outcome::Reject(reject) => pb::explain_response::Outcome::Rejection(pb::Rejection {
-            reason: reject.reason.as_str().to_owned(),
+        Outcome::Refuse(refused) => pb::explain_response::Outcome::Refusal(pb::Refusal {
+            reason: refused.reason.as_str().to_owned(),
         }),
     };
     pb::ExplainResponse {
@@ -258,7 +258,7 @@ mod tests {
     use super::*;
     use crate::load::ScrapeOutcome;
     use crate::policy::{
-        Admission, Decision, Gate, OwnerVerdict, Reason, Reject, RejectReason, Rung, Trace,
+        Admission, Decision, Gate, OwnerVerdict, Reason, RefuseReason, Refused, Rung, Trace,
     };
     use crate::prefix::OwnerMatch;
     use crate::route::Prepared;
@@ -364,7 +364,7 @@ mod tests {
     }
 
     #[test]
-    fn a_rejection_carries_its_reason_and_an_unknown_id_its_name() {
+    fn a_refusal_carries_its_reason_and_an_unknown_id_its_name() {
         let mut prepared = prepared();
         prepared.owners = vec![OwnerMatch {
             worker: WorkerId(9),
@@ -377,8 +377,8 @@ mod tests {
             tiers: Vec::new(),
             prepared,
             block_size: 16,
-            outcome: Outcome::Reject(Reject {
-                reason: RejectReason::NoWorkers,
+            outcome: Outcome::Refuse(Refused {
+                reason: RefuseReason::NoWorkers,
                 trace: Trace::default(),
             }),
             endpoints: endpoints(),
@@ -386,7 +386,7 @@ mod tests {
         let response = explain_response(&explanation);
         assert_eq!(
             response.outcome,
-            Some(pb::explain_response::Outcome::Rejection(pb::Rejection {
+            Some(pb::explain_response::Outcome::Refusal(pb::Refusal {
                 reason: "no_workers".to_owned(),
             }))
         );

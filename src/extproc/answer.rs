@@ -25,7 +25,7 @@ use tonic::metadata::MetadataValue;
 
 use super::lb;
 use crate::protocol::{
-    DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER, RefusalReason,
+    DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER, RefusalReason,
     SELECTED_HEADER, SHED_METADATA, error_json,
 };
 use crate::route::{Refusal, Routed};
@@ -160,7 +160,7 @@ pub(super) fn immediate(refusal: &Refusal) -> ProcessingResponse {
             headers: Some(HeaderMutation {
                 set_headers: vec![
                     header("content-type", b"application/json".to_vec()),
-                    header(REJECT_HEADER, reason.as_bytes().to_vec()),
+                    header(REFUSAL_HEADER, reason.as_bytes().to_vec()),
                 ],
                 remove_headers: Vec::new(),
             }),

@@ -53,7 +53,7 @@ use crate::health::Readiness;
 /// ext_proc (tests, the demo, replay).
 pub use crate::protocol::{
     DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
-    READINESS, REJECT_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
+    READINESS, REFUSAL_HEADER, SELECTED_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use crate::route::Service;
 use crate::tls::ServerTls;

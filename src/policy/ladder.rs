@@ -3,7 +3,7 @@
 use rand::Rng;
 
 use super::fleet::{Fleet, owner_verdicts, per_worker};
-use super::outcome::{Decision, Outcome, Reason, Reject, RejectReason};
+use super::outcome::{Decision, Outcome, Reason, RefuseReason, Refused};
 use super::rank::{self, Member};
 use super::trace::{Gate, Rung, Sampled, Saturation, Trace};
 use crate::config::CacheAwareKnobs;
@@ -140,7 +140,7 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
     };
     let ranked = if pool.is_empty() {
         // Nobody can take the request by its engine's own limits: send it where the wait is shortest
-        // rather than reject it, since the limits are estimates and the engine queues.
+        // rather than refuse it, since the limits are estimates and the engine queues.
         let (ranked, source) = rank::take_ranked(fleet.to_vec(), ranks, rank::least_pressured);
         trace.pressure = source;
         trace.rung = Rung::LeastPressured;
@@ -160,8 +160,8 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
     let reason = ranked.first().map_or(Reason::CacheMiss, off_owner_reason);
     match route(&ranked, reason, &mut trace, fleet, ranks) {
         Some(outcome) => outcome,
-        None => Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
+        None => Outcome::Refuse(Refused {
+            reason: RefuseReason::NoWorkers,
             trace,
         }),
     }

@@ -8,7 +8,7 @@
 //! and headers. That keeps every routing rule testable as a table of plain data.
 //!
 //! Every mode chooses from the same **fleet**: the pool's routable workers with role `prefill` or
-//! `both`, within the proxy's subset hint; an empty fleet is [`RejectReason::NoWorkers`]. **Load** is
+//! `both`, within the proxy's subset hint; an empty fleet is [`RefuseReason::NoWorkers`]. **Load** is
 //! waiting + running from a fresh reading, plus the requests dispatched since it; a worker without a
 //! fresh reading counts only its dispatches. The mode ([`Mode`]) then decides:
 //!
@@ -35,7 +35,7 @@
 //! 4. **Off-owner**: sample `min_load_choices` fleet workers passing the gate and hard admission (else
 //!    hard admission only), least load wins; if nobody passes hard admission, the least-pressured fleet
 //!    worker → [`Reason::CacheWorkerQueued`], [`Reason::CapacityFallback`] or [`Reason::CacheMiss`].
-//! 5. An empty fleet → [`RejectReason::NoWorkers`].
+//! 5. An empty fleet → [`RefuseReason::NoWorkers`].
 //!
 //! The gate fails open (a worker without a fresh reading passes it) while the saturation check fails
 //! closed (a worker without a fresh reading is no evidence of idleness): missing signal keeps the request
@@ -57,7 +57,7 @@ use std::time::Instant;
 
 use rand::Rng;
 
-pub use outcome::{Decision, Outcome, Reason, Reject, RejectReason};
+pub use outcome::{Decision, Outcome, Reason, RefuseReason, Refused};
 pub use trace::{
     Admission, Balance, Gate, OwnerVerdict, PressureSource, Rung, Sampled, Saturation, Trace,
 };
@@ -95,8 +95,8 @@ pub fn decide<R: Rng + ?Sized>(
         ..Trace::default()
     };
     if fleet.members.is_empty() {
-        return Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
+        return Outcome::Refuse(Refused {
+            reason: RefuseReason::NoWorkers,
             trace,
         });
     }

@@ -5,7 +5,7 @@
 use rand::Rng;
 
 use super::fleet::{Fleet, owner_verdicts};
-use super::outcome::{Decision, Outcome, Reason, Reject, RejectReason};
+use super::outcome::{Decision, Outcome, Reason, RefuseReason, Refused};
 use super::rank::{self, Member};
 use super::trace::{Balance, Rung, Trace};
 use crate::config::BalanceKnobs;
@@ -153,7 +153,7 @@ fn least_loaded<'m, R: Rng + ?Sized>(
 }
 
 /// Routes to the first of `ranked` with the rest as fallbacks; an empty ranking (which a non-empty
-/// fleet never gives) is a rejection rather than a panic.
+/// fleet never gives) is a refusal rather than a panic.
 fn route(ranked: &[Member<'_>], reason: Reason, trace: Trace) -> Outcome {
     match ranked.split_first() {
         Some((first, rest)) => Outcome::Route(Decision {
@@ -163,8 +163,8 @@ fn route(ranked: &[Member<'_>], reason: Reason, trace: Trace) -> Outcome {
             matched_tokens: first.matched_tokens,
             trace,
         }),
-        None => Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
+        None => Outcome::Refuse(Refused {
+            reason: RefuseReason::NoWorkers,
             trace,
         }),
     }

@@ -1,4 +1,4 @@
-//! What the policy returns: a routing decision or a rejection, each with its reason and trace.
+//! What the policy returns: a routing decision or a refusal, each with its reason and trace.
 
 use serde::Serialize;
 
@@ -75,15 +75,15 @@ impl Reason {
 /// Why no worker was chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum RejectReason {
+pub enum RefuseReason {
     /// The fleet is empty: no routable prefill worker in the pool (and in the proxy's subset, if any).
     NoWorkers,
 }
 
-impl RejectReason {
+impl RefuseReason {
     pub fn as_str(self) -> &'static str {
         match self {
-            RejectReason::NoWorkers => "no_workers",
+            RefuseReason::NoWorkers => "no_workers",
         }
     }
 }
@@ -114,8 +114,8 @@ impl Decision {
 
 /// A request no worker can take.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Reject {
-    pub reason: RejectReason,
+pub struct Refused {
+    pub reason: RefuseReason,
     pub trace: Trace,
 }
 
@@ -123,21 +123,21 @@ pub struct Reject {
 #[serde(rename_all = "snake_case", tag = "outcome")]
 pub enum Outcome {
     Route(Decision),
-    Reject(Reject),
+    Refuse(Refused),
 }
 
 impl Outcome {
     pub fn trace(&self) -> &Trace {
         match self {
             Outcome::Route(decision) => &decision.trace,
-            Outcome::Reject(reject) => &reject.trace,
+            Outcome::Refuse(refused) => &refused.trace,
         }
     }
 
     pub fn decision(&self) -> Option<&Decision> {
         match self {
             Outcome::Route(decision) => Some(decision),
-            Outcome::Reject(_) => None,
+            Outcome::Refuse(_) => None,
         }
     }
 }

@@ -179,7 +179,7 @@ impl Case {
     fn routed(&self) -> Decision {
         match self.decide() {
             Outcome::Route(decision) => decision,
-            Outcome::Reject(reject) => panic!("expected a route, got {reject:?}"),
+            Outcome::Refuse(refused) => panic!("expected a route, got {refused:?}"),
         }
     }
 
@@ -197,8 +197,8 @@ fn pick_of(decision: &Decision) -> (u32, Reason) {
 fn no_workers(outcome: &Outcome) -> bool {
     matches!(
         outcome,
-        Outcome::Reject(Reject {
-            reason: RejectReason::NoWorkers,
+        Outcome::Refuse(Refused {
+            reason: RefuseReason::NoWorkers,
             ..
         })
     )
@@ -697,7 +697,7 @@ fn k_of_one_draws_uniformly_and_sometimes_misses_the_minimum() {
     for _ in 0..600 {
         let decision = match case.decide_with(&mut rng) {
             Outcome::Route(decision) => decision,
-            Outcome::Reject(reject) => panic!("{reject:?}"),
+            Outcome::Refuse(refused) => panic!("{refused:?}"),
         };
         assert_eq!(
             decision.fallbacks.len(),
@@ -732,10 +732,10 @@ fn when_no_worker_passes_the_gate_the_sample_comes_from_those_passing_admission(
     assert_eq!(pick_of(&decision), (2, Reason::CacheMiss));
 }
 
-// === rejection ===
+// === refusal ===
 
 #[test]
-fn an_empty_fleet_is_rejected_with_a_reason() {
+fn an_empty_fleet_is_refused_with_a_reason() {
     let nobody = Case::gated();
     assert!(no_workers(&nobody.decide()));
 
@@ -901,7 +901,7 @@ fn least_load_draws_among_workers_tied_at_the_minimum() {
     let mut seen = [0_u32; 4];
     for _ in 0..200 {
         let Outcome::Route(decision) = case.decide_with(&mut rng) else {
-            panic!("rejected")
+            panic!("refused")
         };
         seen[decision.selected.index()] += 1;
         // The fallbacks are the next least loaded, by id among equals.
@@ -1057,7 +1057,7 @@ fn balance_threshold_only_sees_owners_and_load_within_the_fleet() {
 }
 
 #[test]
-fn every_mode_rejects_an_empty_fleet() {
+fn every_mode_refuses_an_empty_fleet() {
     for config in [
         mode(Mode::RoundRobin),
         mode(Mode::LeastLoad),
@@ -1196,8 +1196,8 @@ proptest! {
                 }
                 prop_assert_eq!(decision.fallbacks.len(), fleet_size.saturating_sub(1).min(3));
             }
-            Outcome::Reject(reject) => {
-                prop_assert_eq!(reject.reason, RejectReason::NoWorkers);
+            Outcome::Refuse(refused) => {
+                prop_assert_eq!(refused.reason, RefuseReason::NoWorkers);
                 prop_assert_eq!(fleet_size, 0);
             }
         }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::admission::CommitGate;
 use super::credit::Credit;
 use super::explain::Explanation;
-use crate::policy::{Reason, RejectReason};
+use crate::policy::{Reason, RefuseReason};
 use crate::protocol::{PASSTHROUGH, RefusalReason, error_json};
 
 /// One request as the wire hands it in: everything routing reads, none of it a protobuf type.
@@ -78,7 +78,7 @@ impl Routed {
 /// A request answered by cachepick itself instead of a worker.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Refusal {
-    /// The status and the stable label (also the JSON error `type` and `x-cachepick-reject-reason`).
+    /// The status and the stable label (also the JSON error `type` and `x-cachepick-refusal-reason`).
     pub reason: RefusalReason,
     pub message: String,
     /// The pool, when one was selected.
@@ -112,11 +112,11 @@ impl Answer {
     }
 }
 
-impl From<RejectReason> for RefusalReason {
+impl From<RefuseReason> for RefusalReason {
     /// The policy's reasons for routing nowhere, as the wire answers them.
-    fn from(reason: RejectReason) -> Self {
+    fn from(reason: RefuseReason) -> Self {
         match reason {
-            RejectReason::NoWorkers => RefusalReason::NoWorkers,
+            RefuseReason::NoWorkers => RefusalReason::NoWorkers,
         }
     }
 }

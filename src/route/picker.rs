@@ -644,7 +644,7 @@ pools:
         let prepared = picker.prepare("/v1/completions", &body(model)).unwrap();
         let pinned = picker.pin(&prepared).unwrap();
         let Outcome::Route(decision) = pinned.decide(None, Instant::now(), rng) else {
-            panic!("rejected")
+            panic!("refused")
         };
         pinned.commit(&decision);
         (decision.selected.0, decision.reason)
@@ -671,7 +671,7 @@ pools:
         let pinned = picker.pin(&prepared).unwrap();
         let mut rng = SmallRng::seed_from_u64(3);
         let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
-            panic!("rejected")
+            panic!("refused")
         };
         pinned.commit(&decision);
         (decision.reason, decision.matched_tokens)
@@ -708,7 +708,7 @@ pools:
         let pinned = picker.pin(&prepared).unwrap();
         let mut rng = SmallRng::seed_from_u64(5);
         let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
-            panic!("rejected")
+            panic!("refused")
         };
         let credit = pinned.commit(&decision);
         (decision, credit)

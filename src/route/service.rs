@@ -130,7 +130,7 @@ impl Service {
     /// A refusal before any pool was selected; counted when `live`.
     fn refusal(&self, reason: RefusalReason, message: String, live: bool) -> Refusal {
         if live {
-            self.metrics.record_rejection("none", reason);
+            self.metrics.record_refusal("none", reason);
         }
         Refusal {
             reason,
@@ -168,7 +168,7 @@ impl Service {
         };
         let Some(pinned) = self.picker.pin(&prepared) else {
             // `prepare` only names pools that exist.
-            let answer = self.rejected(&prepared, RefusalReason::NoWorkers, subset, live);
+            let answer = self.refused(&prepared, RefusalReason::NoWorkers, subset, live);
             return Routing::answered(answer);
         };
         let allowed = subset.map(|subset| pinned.workers_in(subset));
@@ -181,7 +181,7 @@ impl Service {
             }
             let answer = match self.picker.unknown_subset() {
                 UnknownSubset::Refuse => {
-                    self.rejected(&prepared, RefusalReason::NoWorkers, Some(subset), live)
+                    self.refused(&prepared, RefusalReason::NoWorkers, Some(subset), live)
                 }
                 UnknownSubset::RouteWithin => {
                     self.unknown_subset(&pinned, subset, passthrough, live)
@@ -194,7 +194,9 @@ impl Service {
         let answer = match &outcome {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, decision, live),
             Outcome::Route(decision) => self.routed(&pinned, decision, commit),
-            Outcome::Reject(reject) => self.rejected(&prepared, reject.reason.into(), subset, live),
+            Outcome::Refuse(refused) => {
+                self.refused(&prepared, refused.reason.into(), subset, live)
+            }
         };
         let explanation = (!live).then(|| {
             let label = match &answer {
@@ -346,7 +348,7 @@ impl Service {
     }
 
     /// The policy found no worker: 503, counted under the pool when `live`.
-    fn rejected(
+    fn refused(
         &self,
         prepared: &Prepared,
         reason: RefusalReason,
@@ -354,8 +356,8 @@ impl Service {
         live: bool,
     ) -> Answer {
         if live {
-            self.metrics.record_rejection(&prepared.pool_label, reason);
-            tracing::debug!(pool = %prepared.pool_label, reason = reason.as_str(), "request rejected");
+            self.metrics.record_refusal(&prepared.pool_label, reason);
+            tracing::debug!(pool = %prepared.pool_label, reason = reason.as_str(), "request refused");
         }
         let message = match subset {
             Some(subset) => format!(

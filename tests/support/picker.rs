@@ -34,7 +34,7 @@ use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 use cachepick::config::Overrides;
 use cachepick::extproc::{
     DECISION_HEADER, DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, LIVENESS, PREFIX_TOKENS_HEADER,
-    READINESS, REJECT_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
+    READINESS, REFUSAL_HEADER, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use cachepick_rig::stage::{Picker, on_free_ports};
 use cachepick_sim::Engine;
@@ -688,7 +688,7 @@ pub fn refusal_of(response: &ProcessingResponse) -> Refused {
     });
     Refused {
         status: immediate.status.map_or(0, |status| status.code),
-        reason: find_header(mutation, REJECT_HEADER).raw(),
+        reason: find_header(mutation, REFUSAL_HEADER).raw(),
         content_type: find_header(mutation, "content-type").raw(),
         body,
     }

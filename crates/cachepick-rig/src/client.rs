@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tonic::transport::{Channel, Endpoint};
 
-use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
+use cachepick::extproc::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER};
 
 /// The picker's answer, as Envoy would apply it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -190,7 +190,7 @@ fn verdict(response: ProcessingResponse) -> Option<Verdict> {
                     .status
                     .and_then(|status| u16::try_from(status.code).ok())
                     .unwrap_or(500),
-                reason: header(REJECT_HEADER).unwrap_or_default(),
+                reason: header(REFUSAL_HEADER).unwrap_or_default(),
                 body: immediate.body,
             });
         }

@@ -192,7 +192,7 @@ async fn report(figures: &PolicyReport, config: &Config, envoy: Option<&Envoy>) 
     let metrics = config.metrics_listen;
     let _ = writeln!(
         out,
-        "\nwhere to look:\n  cachepick metrics   curl -s http://{metrics}/metrics | grep -E 'cachepick_(decisions|rejections)_total'\n  \
+        "\nwhere to look:\n  cachepick metrics   curl -s http://{metrics}/metrics | grep -E 'cachepick_(decisions|refusals)_total'\n  \
          last decision trace curl -s -X POST 'http://{metrics}/debug/explain?path=/v1/completions' -d @body.json\n  \
          load snapshot       curl -s http://{metrics}/debug/snapshot",
     );

@@ -166,7 +166,7 @@ fn every_discovery_problem_is_reported_with_its_place() {
         ("template role decode",
          "    dns: {name: a, port: 8000}\n    template: {role: decode}\n",
          &["pools[0].template (line 5): role decode for every discovered worker: every request to \
-            this pool would be rejected"]),
+            this pool would be refused"]),
         ("dns port 0",
          "    dns: {name: a, port: 0}\n",
          &["pools[0].dns.port (line 4): expected a port from 1 to 65535, got `0`"]),

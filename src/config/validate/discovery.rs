@@ -93,7 +93,7 @@ impl Validator<'_> {
             (&discovery, &template)
             && !template.role.serves_prefill()
         {
-            let message = "role decode for every discovered worker: every request to this pool would be rejected";
+            let message = "role decode for every discovered worker: every request to this pool would be refused";
             self.report(Phase::Cross, pool.place_of("template").origin(), message);
         }
         SourceDraft {

@@ -19,8 +19,8 @@ pub struct Observed {
     pub ended: Duration,
     /// The response status, if a response began.
     pub status: Option<u16>,
-    /// The picker's refusal reason (`x-cachepick-reject-reason`), if it refused the request.
-    pub reject: Option<String>,
+    /// The picker's refusal reason (`x-cachepick-refusal-reason`), if it refused the request.
+    pub refusal: Option<String>,
     /// The worker that served it (`x-served-by`), if a worker answered.
     pub served_by: Option<String>,
     /// A 200 whose body arrived whole (with usage).
@@ -236,7 +236,7 @@ pub fn classify(seen: &Observed, logged: Option<&Logged>, timeline: &Timeline) -
     if seen.complete && seen.status == Some(200) {
         return Cause::Served;
     }
-    if let (Some(status), Some(reason)) = (seen.status, &seen.reject) {
+    if let (Some(status), Some(reason)) = (seen.status, &seen.refusal) {
         return if (400..500).contains(&status) {
             Cause::PickerRefused {
                 status,
@@ -351,7 +351,7 @@ mod tests {
         assert_eq!(classify(&served, None, &timeline()), Cause::Served);
         let refused = Observed {
             status: Some(400),
-            reject: Some("invalid_json".to_owned()),
+            refusal: Some("invalid_json".to_owned()),
             ..seen(0, 10)
         };
         let cause = classify(&refused, None, &timeline());
@@ -359,7 +359,7 @@ mod tests {
         assert!(cause.servable_loss(), "a good request refused is a loss");
         let no_workers = Observed {
             status: Some(503),
-            reject: Some("no_workers".to_owned()),
+            refusal: Some("no_workers".to_owned()),
             ..seen(0, 10)
         };
         assert_eq!(

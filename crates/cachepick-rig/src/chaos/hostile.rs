@@ -216,8 +216,8 @@ fn observed(reply: &RawReply, sent: Duration, ended: Duration) -> Observed {
         sent,
         ended,
         status: reply.status,
-        reject: reply
-            .header(cachepick::protocol::REJECT_HEADER)
+        refusal: reply
+            .header(cachepick::protocol::REFUSAL_HEADER)
             .map(str::to_owned),
         served_by: reply.header("x-served-by").map(str::to_owned),
         complete: reply.status == Some(200) && has_usage(&reply.body),
@@ -332,12 +332,12 @@ mod tests {
     fn a_response_head_parses_into_status_and_lowercase_headers() {
         let mut reply = RawReply::default();
         parse_response(
-            b"HTTP/1.1 400 Bad Request\r\nX-Cachepick-Reject-Reason: invalid_json\r\ncontent-length: 2\r\n\r\n{}",
+            b"HTTP/1.1 400 Bad Request\r\nX-Cachepick-Refused-Reason: invalid_json\r\ncontent-length: 2\r\n\r\n{}",
             &mut reply,
         );
         assert_eq!(reply.status, Some(400));
         assert_eq!(
-            reply.header(cachepick::protocol::REJECT_HEADER),
+            reply.header(cachepick::protocol::REFUSAL_HEADER),
             Some("invalid_json")
         );
         assert_eq!(reply.body, b"{}");

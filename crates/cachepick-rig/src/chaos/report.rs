@@ -206,7 +206,7 @@ pub(super) fn judge_malformed(
     let envoy_details = logged
         .map(|logged| logged.details.clone())
         .filter(|details| !details.is_empty() && details != "via_upstream");
-    let (refused_by, expected) = match (&seen.reject, &envoy_details) {
+    let (refused_by, expected) = match (&seen.refusal, &envoy_details) {
         (Some(reason), _) => (format!("picker {reason}"), client_error),
         (None, Some(details)) => (format!("envoy {details}"), client_error),
         // Envoy's HTTP codec refuses bytes that are not HTTP before any filter or access-log id.
@@ -561,9 +561,9 @@ cachepick_decision_seconds_sum 1
     #[test]
     fn a_malformed_client_is_judged_by_who_refused_it() {
         let timeline = Timeline::default();
-        let seen = |status: u16, reject: Option<&str>| Observed {
+        let seen = |status: u16, refusal: Option<&str>| Observed {
             status: Some(status),
-            reject: reject.map(str::to_owned),
+            refusal: refusal.map(str::to_owned),
             ..Observed::default()
         };
         let picker = judge_malformed(

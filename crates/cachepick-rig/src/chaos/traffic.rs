@@ -18,7 +18,7 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use cachepick::protocol::REJECT_HEADER;
+use cachepick::protocol::REFUSAL_HEADER;
 
 use super::classify::{ClientFailure, Observed};
 use crate::replay::trace::{Item, PromptBuilder, TRACE_BLOCK_TOKENS};
@@ -223,7 +223,7 @@ async fn one(
     };
     seen.status = Some(response.status().as_u16());
     let header = |name: &str| crate::header_text(response.headers(), name);
-    seen.reject = header(REJECT_HEADER);
+    seen.refusal = header(REFUSAL_HEADER);
     seen.served_by = header("x-served-by");
     let mut body = response.into_body();
     let mut tail = Vec::new();

@@ -316,7 +316,7 @@ impl Rig {
                 text.lines()
                     .filter(|line| {
                         line.starts_with("cachepick_decisions_total")
-                            || line.starts_with("cachepick_rejections_total")
+                            || line.starts_with("cachepick_refusals_total")
                             || line.starts_with("cachepick_decision_seconds_sum")
                             || line.starts_with("cachepick_decision_seconds_count")
                     })

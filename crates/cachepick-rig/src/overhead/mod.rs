@@ -131,7 +131,7 @@ pub struct OverheadReport {
     /// Each ext_proc arm's Envoy's own account of its filter (`http.ingress_http.ext_proc.*`, non-zero
     /// counters), at the end of the run.
     pub ext_proc_stats: Vec<ExtProcStats>,
-    /// The picker's `cachepick_decisions_total` and `cachepick_rejections_total` series and the sum and
+    /// The picker's `cachepick_decisions_total` and `cachepick_refusals_total` series and the sum and
     /// count of `cachepick_decision_seconds` (body received → answer sent) at the end of the run (every
     /// mode, warm-up and probes included).
     pub picker_decisions: Vec<String>,

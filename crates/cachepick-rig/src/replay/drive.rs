@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 
 use super::oracle::Oracle;
 use super::trace::{Item, PromptBuilder};
-use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REJECT_HEADER};
+use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER};
 
 use crate::client::{Client as PickerClient, Verdict};
 
@@ -37,7 +37,7 @@ pub enum End {
     Ok,
     /// The picker refused it (an immediate response).
     #[default]
-    Rejected,
+    Refused,
     /// Any other failure: a worker error status, a broken or cut-off stream, no usage.
     Error,
     /// Not sent: the in-flight bound was reached.
@@ -193,7 +193,7 @@ async fn one(
             Ok(Verdict::Refuse { status, reason, .. }) => {
                 sample.status = status;
                 sample.reason = reason;
-                sample.end = End::Rejected;
+                sample.end = End::Refused;
                 return sample;
             }
             Err(error) => {
@@ -216,9 +216,9 @@ async fn one(
     };
     sample.status = response.status().as_u16();
     let header = |name: &str| crate::header_text(response.headers(), name);
-    if let Some(reject) = header(REJECT_HEADER) {
-        sample.reason = reject;
-        sample.end = End::Rejected;
+    if let Some(refusal) = header(REFUSAL_HEADER) {
+        sample.reason = refusal;
+        sample.end = End::Refused;
         return sample;
     }
     // The simulated worker echoes the routing headers it received: the decision that steered it.

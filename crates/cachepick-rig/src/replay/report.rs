@@ -72,7 +72,7 @@ pub struct PolicyReport {
     pub requests: usize,
     pub ok: usize,
     pub errors: usize,
-    pub rejections: usize,
+    pub refusals: usize,
     pub dropped: usize,
     /// Σ cached tokens ÷ Σ prompt tokens, from the workers' usage.
     pub hit_rate: Option<f64>,
@@ -153,7 +153,7 @@ impl PolicyReport {
             millis(self.ttft_ms.p50),
             millis(self.ttft_ms.p90),
             self.errors,
-            self.rejections,
+            self.refusals,
             self.dropped,
             pct(self.utilisation.map(|u| u.busy.unwrap_or(u.slots))),
         )
@@ -189,7 +189,7 @@ impl PolicyReport {
         for sample in samples {
             let reason = match sample.end {
                 End::Dropped => "(dropped: in-flight bound)".to_owned(),
-                End::Rejected => format!("reject:{}", sample.reason),
+                End::Refused => format!("refused:{}", sample.reason),
                 _ if sample.reason.is_empty() => "(no answer)".to_owned(),
                 _ => sample.reason.clone(),
             };
@@ -233,7 +233,7 @@ impl PolicyReport {
             requests: samples.len(),
             ok: count(End::Ok),
             errors: count(End::Error),
-            rejections: count(End::Rejected),
+            refusals: count(End::Refused),
             dropped: count(End::Dropped),
             hit_rate: hit_rate(&all),
             prompt_tokens: samples.iter().map(|s| s.prompt_tokens).sum(),
@@ -314,7 +314,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     let mut out = String::new();
     let _ = write!(
         out,
-        "| {} | requests | errors | rejected | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share | busy | queued |",
+        "| {} | requests | errors | refused | dropped | prefix hit | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p99 | worker share | busy | queued |",
         first_column(reports)
     );
     out.push_str(if oracle.is_some() {
@@ -329,7 +329,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
             r.arm,
             r.requests,
             r.errors,
-            r.rejections,
+            r.refusals,
             r.dropped,
             pct(r.hit_rate),
             millis(r.ttft_ms.p50),

@@ -240,7 +240,7 @@ mod tests {
             cachepick_decisions_total{pool=\"a\",reason=\"cache_hit\"} 7\n\
             cachepick_decisions_total{pool=\"a\",reason=\"cache_miss\"} 3\n\
             cachepick_decisions_total{pool=\"b\",reason=\"cache_hit\"} 0\n\
-            cachepick_rejections_total{pool=\"a\",reason=\"no_workers\"} 5\n";
+            cachepick_refusals_total{pool=\"a\",reason=\"no_workers\"} 5\n";
         assert_eq!(decision_total(exposition), 10);
     }
 }
