@@ -24,7 +24,9 @@ use thiserror::Error;
 
 use super::admission::BodyBudget;
 use super::credit::Credit;
-use super::index::{self, Feeds, PoolIndex, capacity_blocks, credited_chain};
+use super::index::{
+    self, ChainStart, Chat, Feeds, Placement, PoolIndex, capacity_blocks, credited_chain,
+};
 use super::prepared::Prepared;
 use crate::config::{Config, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig};
 use crate::events::EventFeeds;
@@ -115,6 +117,30 @@ pub(super) struct PoolRoute {
     policy: ArcSwap<PolicyConfig>,
     /// Decisions taken so far under `round_robin`: the next request's turn.
     sequence: AtomicU64,
+}
+
+impl PoolRoute {
+    /// Records `hashes` — as many leading blocks as one request may record — on `worker`, whose engine
+    /// holds `max_total_tokens` (or the pool's default), in the pool's index; returns what it recorded.
+    pub(super) fn record<'h>(
+        &self,
+        worker: WorkerId,
+        max_total_tokens: Option<u64>,
+        hashes: &'h [u64],
+        snapshot: &PoolSnapshot,
+    ) -> &'h [u64] {
+        let capacity = capacity_blocks(&self.config, max_total_tokens);
+        let chain = credited_chain(&self.config, hashes, capacity);
+        self.index.commit(&Placement {
+            worker,
+            chain,
+            capacity,
+            snapshot,
+            pool: &self.config,
+            now: Instant::now(),
+        });
+        chain
+    }
 }
 
 /// The request path for every pool of a configuration.
@@ -238,24 +264,24 @@ impl Picker {
                     })
                     .collect();
                 let tools = tools.map(|raw| raw.get());
-                Cow::Owned(untokenized_as_empty(pool.index.chat_tokens(
-                    &pool.tokenizer,
-                    &turns,
+                let chat = Chat {
+                    turns: &turns,
                     tools,
-                    stop,
-                ))?)
+                };
+                let tokens = pool.index.chat_tokens(&pool.tokenizer, chat, stop);
+                Cow::Owned(untokenized_as_empty(tokens)?)
             }
             Prompt::Text(text) => Cow::Owned(untokenized_as_empty(
                 pool.tokenizer.tokens_for_text_within(text, stop),
             )?),
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
-        let seed = pool.index.seed(
+        let seed = pool.index.seed(&ChainStart {
             model,
-            pool.load.label(),
-            parsed.cache_salt.as_deref(),
+            pool: pool.load.label(),
+            body_salt: parsed.cache_salt.as_deref(),
             tenant,
-        );
+        });
         let hashes = block_hashes(seed, &tokens, config.block_size);
         let prompt_tokens = tokens.len() as u64;
         drop(tokens);
@@ -491,15 +517,11 @@ impl<'p> Pinned<'p> {
         {
             return None;
         }
-        let capacity = capacity_blocks(&pool.config, worker.capacity.max_total_tokens);
-        let chain = credited_chain(&pool.config, &prepared.block_hashes, capacity);
-        pool.index.commit(
+        let chain = pool.record(
             decision.selected,
-            chain,
-            capacity,
+            worker.capacity.max_total_tokens,
+            &prepared.block_hashes,
             &self.snapshot,
-            &pool.config,
-            Instant::now(),
         );
         pool.load.dispatches().record(decision.selected);
         let held = prepared

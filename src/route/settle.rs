@@ -2,10 +2,7 @@
 //! `credit`'s documentation gives. It reaches into the pools' indexes and loads, so it lives beside the
 //! picker rather than with the credit's types, which the picker's commit returns.
 
-use std::time::Instant;
-
 use super::credit::{Credit, ServedReport, Settled};
-use super::index::{capacity_blocks, credited_chain};
 use super::picker::{Picker, PoolRoute};
 
 impl Picker {
@@ -33,15 +30,11 @@ impl Picker {
             return Settled::Retracted;
         };
         retract(pool, credit);
-        let capacity = capacity_blocks(&pool.config, served.capacity.max_total_tokens);
-        let chain = credited_chain(&pool.config, &credit.chain, capacity);
-        pool.index.commit(
+        pool.record(
             served.id,
-            chain,
-            capacity,
+            served.capacity.max_total_tokens,
+            &credit.chain,
             &snapshot,
-            &pool.config,
-            Instant::now(),
         );
         Settled::Moved
     }

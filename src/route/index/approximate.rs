@@ -8,11 +8,10 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Feeds, PoolIndex};
+use super::{ChainStart, Chat, Feeds, Placement, PoolIndex, Tokens};
 use crate::config::{PoolConfig, WorkerConfig};
-use crate::load::PoolSnapshot;
 use crate::prefix::{EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch, prefix_seed};
-use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
+use crate::tokenize::{PoolTokenizer, Stop};
 use crate::worker::WorkerId;
 
 pub(super) struct Approximate(OwnerIndex);
@@ -24,24 +23,12 @@ impl Approximate {
 }
 
 impl PoolIndex for Approximate {
-    fn chat_tokens(
-        &self,
-        tokenizer: &PoolTokenizer,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-        stop: &Stop,
-    ) -> Result<Vec<u32>, TokenizeError> {
-        tokenizer.tokens_for_chat_within(turns, tools, stop)
+    fn chat_tokens(&self, tokenizer: &PoolTokenizer, chat: Chat<'_>, stop: &Stop) -> Tokens {
+        tokenizer.tokens_for_chat_within(chat.turns, chat.tools, stop)
     }
 
-    fn seed(
-        &self,
-        model: Option<&str>,
-        pool: &str,
-        body_salt: Option<&str>,
-        tenant: Option<&str>,
-    ) -> u64 {
-        let salt = match (tenant, body_salt) {
+    fn seed(&self, start: &ChainStart<'_>) -> u64 {
+        let salt = match (start.tenant, start.body_salt) {
             // Length-prefixed, so no pair of tenant and body salt reads as another pair.
             (Some(tenant), Some(body)) => {
                 Some(Cow::Owned(format!("{}:{tenant}\0{body}", tenant.len())))
@@ -49,24 +36,16 @@ impl PoolIndex for Approximate {
             (Some(tenant), None) => Some(Cow::Owned(format!("{}:{tenant}", tenant.len()))),
             (None, body) => body.map(Cow::Borrowed),
         };
-        prefix_seed(model.unwrap_or(pool), salt.as_deref())
+        prefix_seed(start.model.unwrap_or(start.pool), salt.as_deref())
     }
 
     fn matches(&self, hashes: &[u64], block_size: NonZeroU32, _now: Instant) -> Vec<OwnerMatch> {
         self.0.matches(hashes, block_size)
     }
 
-    fn commit(
-        &self,
-        worker: WorkerId,
-        chain: &[u64],
-        capacity: usize,
-        _snapshot: &PoolSnapshot,
-        _pool: &PoolConfig,
-        _now: Instant,
-    ) {
-        self.0.set_capacity(worker, capacity);
-        self.0.insert(worker, chain);
+    fn commit(&self, placed: &Placement<'_>) {
+        self.0.set_capacity(placed.worker, placed.capacity);
+        self.0.insert(placed.worker, placed.chain);
     }
 
     fn retract(&self, worker: WorkerId, added: &[u64]) {

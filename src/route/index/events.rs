@@ -8,11 +8,10 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Feeds, PoolIndex};
+use super::{ChainStart, Chat, Feeds, Placement, PoolIndex, Tokens};
 use crate::config::{PoolConfig, WorkerConfig};
-use crate::load::PoolSnapshot;
 use crate::prefix::{EventIndex, IndexStats, OwnerMatch, SourcedMatch, prefix_seed};
-use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
+use crate::tokenize::{PoolTokenizer, Stop};
 use crate::worker::WorkerId;
 
 pub(super) struct Events(Arc<EventIndex>);
@@ -24,46 +23,34 @@ impl Events {
 }
 
 impl PoolIndex for Events {
-    fn chat_tokens(
-        &self,
-        tokenizer: &PoolTokenizer,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-        stop: &Stop,
-    ) -> Result<Vec<u32>, TokenizeError> {
+    fn chat_tokens(&self, tokenizer: &PoolTokenizer, chat: Chat<'_>, stop: &Stop) -> Tokens {
         // Segments can differ from the whole at their boundaries (see `tokenize`).
         tokenizer
-            .render_chat(turns, tools)
+            .render_chat(chat.turns, chat.tools)
             .and_then(|text| tokenizer.encode_whole_within(&text, false, stop))
     }
 
-    fn seed(
-        &self,
-        _model: Option<&str>,
-        pool: &str,
-        body_salt: Option<&str>,
-        _tenant: Option<&str>,
-    ) -> u64 {
+    fn seed(&self, start: &ChainStart<'_>) -> u64 {
         // The engines isolate tenants by vLLM's `cache_salt`, which the body carries (see
         // `events::apply` for the same seed on the events' side).
-        prefix_seed(pool, body_salt)
+        prefix_seed(start.pool, start.body_salt)
     }
 
     fn matches(&self, hashes: &[u64], _block_size: NonZeroU32, now: Instant) -> Vec<OwnerMatch> {
         self.0.matches(hashes, now)
     }
 
-    fn commit(
-        &self,
-        worker: WorkerId,
-        chain: &[u64],
-        _capacity: usize,
-        snapshot: &PoolSnapshot,
-        pool: &PoolConfig,
-        now: Instant,
-    ) {
+    fn commit(&self, placed: &Placement<'_>) {
         // The engines' capacities bound what their events can make the index hold; every worker's,
         // not only the selected one's: the other replicas' decisions fill the others through events.
+        let Placement {
+            worker,
+            chain,
+            snapshot,
+            pool,
+            now,
+            ..
+        } = *placed;
         if self.0.capacity_outdated(snapshot.version) {
             for worker in snapshot.workers() {
                 let capacity = super::capacity_blocks(pool, worker.capacity.max_total_tokens);

@@ -23,39 +23,17 @@ use crate::worker::WorkerId;
 /// One pool's owner index, whatever feeds it.
 pub(super) trait PoolIndex: Send + Sync {
     /// The tokens a chat prompt is matched by.
-    fn chat_tokens(
-        &self,
-        tokenizer: &PoolTokenizer,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-        stop: &Stop,
-    ) -> Result<Vec<u32>, TokenizeError>;
+    fn chat_tokens(&self, tokenizer: &PoolTokenizer, chat: Chat<'_>, stop: &Stop) -> Tokens;
 
-    /// The model and salt a prompt's block chain starts from: `model` as the request names it,
-    /// `pool` the pool's label, `body_salt` the body's `cache_salt`, `tenant` the salt header's value.
-    fn seed(
-        &self,
-        model: Option<&str>,
-        pool: &str,
-        body_salt: Option<&str>,
-        tenant: Option<&str>,
-    ) -> u64;
+    /// The seed a prompt's block chain starts from.
+    fn seed(&self, start: &ChainStart<'_>) -> u64;
 
     /// Every worker holding the prompt's first block, with how many leading tokens it holds, deepest
     /// first.
     fn matches(&self, hashes: &[u64], block_size: NonZeroU32, now: Instant) -> Vec<OwnerMatch>;
 
-    /// Records that `worker`, whose capacity is `capacity` blocks, was just sent the prompt `chain`;
-    /// `snapshot` is the load the decision read, `pool` its configuration.
-    fn commit(
-        &self,
-        worker: WorkerId,
-        chain: &[u64],
-        capacity: usize,
-        snapshot: &PoolSnapshot,
-        pool: &PoolConfig,
-        now: Instant,
-    );
+    /// Records that a worker was just sent a prompt.
+    fn commit(&self, placed: &Placement<'_>);
 
     /// Takes back what a commit to `worker` added (`added`, in chain order), where the index holds
     /// only what this picker recorded; an index the engines feed corrects itself.
@@ -82,6 +60,36 @@ pub(super) trait PoolIndex: Send + Sync {
 
     /// The worker of slot `id` restarted: its cache is empty.
     fn restarted(&self, id: WorkerId, pool: &PoolConfig);
+}
+
+/// What tokenizing a chat reads: its turns and its tools (raw JSON).
+#[derive(Clone, Copy)]
+pub(super) struct Chat<'a> {
+    pub turns: &'a [ChatTurn<'a>],
+    pub tools: Option<&'a str>,
+}
+
+/// A prompt's tokens, or why it has none.
+pub(super) type Tokens = Result<Vec<u32>, TokenizeError>;
+
+/// What a prompt's block chain may start from: the model the request names, the pool's label, the
+/// body's `cache_salt` and the salt header's value (`cache_salt_header`).
+pub(super) struct ChainStart<'a> {
+    pub model: Option<&'a str>,
+    pub pool: &'a str,
+    pub body_salt: Option<&'a str>,
+    pub tenant: Option<&'a str>,
+}
+
+/// One request's prompt placed on a worker: `chain`, the blocks it may record, on `worker`, whose
+/// capacity is `capacity` blocks, decided on `snapshot` of pool `pool` at `now`.
+pub(super) struct Placement<'a> {
+    pub worker: WorkerId,
+    pub chain: &'a [u64],
+    pub capacity: usize,
+    pub snapshot: &'a PoolSnapshot,
+    pub pool: &'a PoolConfig,
+    pub now: Instant,
 }
 
 /// The pool's KV event streams, as a roster change reaches them.
