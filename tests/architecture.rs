@@ -375,3 +375,79 @@ fn product_modules_import_only_lower_layers() {
         "upward or unknown imports: {offenders:#?}"
     );
 }
+
+/// Whether ARCHITECTURE.md's code map names `file` (a path under the crate's `src/`, `/`-separated):
+/// by its whole path, or in the row of a directory it sits in, by its path below that directory. A
+/// directory's `mod.rs` is named by the directory's row. `prefix` is how the crate's rows spell its
+/// `src/` (`src/` for the product, nothing for the crates that have a section of their own).
+fn code_map_names(rows: &[&str], prefix: &str, file: &str) -> bool {
+    let parts: Vec<&str> = file.split('/').collect();
+    let whole = format!("`{prefix}{file}`");
+    rows.iter().any(|row| {
+        if !prefix.is_empty() && row.contains(&whole) {
+            return true;
+        }
+        let first = row.split('|').nth(1).unwrap_or("");
+        (0..parts.len()).any(|at| {
+            let dir = parts[..at].join("/");
+            let rest = parts[at..].join("/");
+            if dir.is_empty() {
+                return first.contains(&format!("`{prefix}{rest}`"));
+            }
+            first.contains(&format!("`{prefix}{dir}/`"))
+                && (rest == "mod.rs" || row.contains(rest.as_str()))
+        })
+    })
+}
+
+/// Unit tests beside their module (`tests.rs`, `tests/`) are the module's, not rows of their own.
+fn is_unit_test_file(file: &str) -> bool {
+    file.ends_with("/tests.rs") || file == "tests.rs" || file.contains("tests/")
+}
+
+#[test]
+fn the_code_map_names_every_source_file() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let map = fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let rows: Vec<&str> = map.lines().filter(|line| line.starts_with("| `")).collect();
+    let mut unnamed = Vec::new();
+    for (crate_src, prefix) in [
+        ("src".to_owned(), "src/"),
+        ("crates/cachepick-sim/src".to_owned(), ""),
+        ("crates/cachepick-rig/src".to_owned(), ""),
+    ] {
+        let dir = root.join(&crate_src);
+        let mut files = Vec::new();
+        rust_files(&dir, &mut files);
+        for path in files {
+            let file = path
+                .strip_prefix(&dir)
+                .expect("under the crate's src")
+                .to_string_lossy()
+                .replace('\\', "/");
+            if !is_unit_test_file(&file) && !code_map_names(&rows, prefix, &file) {
+                unnamed.push(format!("{crate_src}/{file}"));
+            }
+        }
+    }
+    assert!(
+        unnamed.is_empty(),
+        "ARCHITECTURE.md's code map does not name: {unnamed:?}"
+    );
+}
+
+#[test]
+fn the_code_map_check_sees_a_file_it_does_not_name() {
+    let rows = [
+        "| `src/route/` | the request path: `picker.rs`, `index/events.rs` | |",
+        "| `src/lib.rs` | the crate root | |",
+        "| `src/a.rs`, `src/b.rs` | a and b; `src/metrics/c.rs` c | |",
+    ];
+    assert!(code_map_names(&rows, "src/", "route/picker.rs"));
+    assert!(code_map_names(&rows, "src/", "route/index/events.rs"));
+    assert!(code_map_names(&rows, "src/", "route/mod.rs"));
+    assert!(code_map_names(&rows, "src/", "lib.rs"));
+    assert!(code_map_names(&rows, "src/", "metrics/c.rs"));
+    assert!(!code_map_names(&rows, "src/", "route/service.rs"));
+    assert!(!code_map_names(&rows, "src/", "load/scrape.rs"));
+}

@@ -332,7 +332,7 @@ mod tests {
     fn a_response_head_parses_into_status_and_lowercase_headers() {
         let mut reply = RawReply::default();
         parse_response(
-            b"HTTP/1.1 400 Bad Request\r\nX-Cachepick-Refused-Reason: invalid_json\r\ncontent-length: 2\r\n\r\n{}",
+            b"HTTP/1.1 400 Bad Request\r\nX-Cachepick-Refusal-Reason: invalid_json\r\ncontent-length: 2\r\n\r\n{}",
             &mut reply,
         );
         assert_eq!(reply.status, Some(400));
