@@ -91,6 +91,14 @@ const NO_FLAGS: Overrides = Overrides {
     shutdown_grace: None,
 };
 
+/// `source` as the configuration it parses to; the test fails with its problems if it is refused.
+fn accepted(source: &str, overrides: &Overrides) -> Config {
+    match parse(source, "test.yaml", overrides) {
+        Ok(config) => config,
+        Err(error) => panic!("rejected:\n{source}\n{error}"),
+    }
+}
+
 fn problems(source: &str, overrides: &Overrides) -> Vec<Problem> {
     match parse(source, "test.yaml", overrides) {
         Ok(config) => panic!("accepted:\n{source}\nas {config:?}"),

@@ -11,23 +11,14 @@ use crate::worker::Role;
 const HEAD: &str = "pools:\n  - model: m\n    engine: vllm\n";
 
 fn pool(extra: &str) -> PoolConfig {
-    let source = format!("{HEAD}{extra}");
-    match parse(&source, "t", &Overrides::default()) {
-        Ok(mut config) => config.pools.remove(0),
-        Err(error) => panic!("rejected:\n{source}\n{error}"),
-    }
+    super::accepted(&format!("{HEAD}{extra}"), &Overrides::default())
+        .pools
+        .remove(0)
 }
 
 /// Every problem of `HEAD` + `extra`, as `path (line n): message`.
 fn messages(extra: &str) -> Vec<String> {
-    let source = format!("{HEAD}{extra}");
-    match parse(&source, "t", &Overrides::default()) {
-        Ok(config) => panic!("accepted:\n{source}\nas {config:?}"),
-        Err(ConfigError::Invalid { problems, .. }) => {
-            problems.iter().map(ToString::to_string).collect()
-        }
-        Err(error) => panic!("unexpected {error}"),
-    }
+    super::messages(&format!("{HEAD}{extra}"), &Overrides::default())
 }
 
 #[test]

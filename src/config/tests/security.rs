@@ -11,22 +11,12 @@ const POOL: &str =
     "pools:\n  - model: m\n    engine: vllm\n    workers:\n      - endpoint: 10.0.0.1:8000\n";
 
 fn config(head: &str) -> Config {
-    let source = format!("{head}{POOL}");
-    match parse(&source, "t", &Overrides::default()) {
-        Ok(config) => config,
-        Err(error) => panic!("rejected:\n{source}\n{error}"),
-    }
+    super::accepted(&format!("{head}{POOL}"), &Overrides::default())
 }
 
 /// Every problem of `source`, as `path (line n): message`.
 fn messages(source: &str) -> Vec<String> {
-    match parse(source, "t", &Overrides::default()) {
-        Ok(config) => panic!("accepted:\n{source}\nas {config:?}"),
-        Err(ConfigError::Invalid { problems, .. }) => {
-            problems.iter().map(ToString::to_string).collect()
-        }
-        Err(error) => panic!("unexpected {error}"),
-    }
+    super::messages(source, &Overrides::default())
 }
 
 fn round_trips(config: &Config) {
