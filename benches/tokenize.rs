@@ -31,7 +31,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use cachepick::config::{TiktokenEncoding, TokenizerConfig};
-use cachepick::tokenize::{ChatTurn, PoolTokenizer};
+use cachepick::tokenize::{Chat, ChatTurn, PoolTokenizer};
 
 const CORPUS: &str = include_str!("../tests/fixtures/tokenizer/corpus.txt");
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
@@ -131,12 +131,12 @@ fn text_100k(c: &mut Criterion) {
 }
 
 /// Messages as (role, text parts).
-type Chat = Vec<(&'static str, Vec<Cow<'static, str>>)>;
+type Messages = Vec<(&'static str, Vec<Cow<'static, str>>)>;
 
 /// A 10-turn chat of about 8k tokens, the last turn prefixed with `last_turn_tag`.
-fn chat(last_turn_tag: u64) -> Chat {
+fn chat(last_turn_tag: u64) -> Messages {
     let text = english(TURN_BYTES * CHAT_TURNS, 2);
-    let mut turns = Chat::new();
+    let mut turns = Messages::new();
     let mut rest = text.as_str();
     for turn in 0..CHAT_TURNS {
         let cut = rest
@@ -157,7 +157,7 @@ fn chat(last_turn_tag: u64) -> Chat {
     turns
 }
 
-fn turns(chat: &Chat) -> Vec<ChatTurn<'_>> {
+fn turns(chat: &Messages) -> Vec<ChatTurn<'_>> {
     chat.iter()
         .map(|(role, parts)| ChatTurn { role, parts })
         .collect()
@@ -168,7 +168,7 @@ fn chat_8k(c: &mut Criterion) {
     let base = chat(0);
     for backend in backends() {
         let tokens = pool(&backend, 1024)
-            .tokens_for_chat(&turns(&base), None)
+            .tokens_for_chat(Chat::new(&turns(&base)))
             .unwrap()
             .len();
         eprintln!("chat_8k/{}: {tokens} tokens", backend.name);
@@ -177,14 +177,14 @@ fn chat_8k(c: &mut Criterion) {
         // whose own caches (the Hugging Face BPE word cache) are as warm as in a running server.
         let cold = pool(&backend, 1);
         group.bench_function(format!("{}/cold", backend.name), |b| {
-            b.iter(|| black_box(cold.tokens_for_chat(&turns(&base), None).unwrap()))
+            b.iter(|| black_box(cold.tokens_for_chat(Chat::new(&turns(&base))).unwrap()))
         });
         assert_eq!(cold.cache_stats().hits, 0, "every segment missed");
 
         let warm = pool(&backend, 16_384);
-        warm.tokens_for_chat(&turns(&base), None).unwrap();
+        warm.tokens_for_chat(Chat::new(&turns(&base))).unwrap();
         group.bench_function(format!("{}/warm", backend.name), |b| {
-            b.iter(|| black_box(warm.tokens_for_chat(&turns(&base), None).unwrap()))
+            b.iter(|| black_box(warm.tokens_for_chat(Chat::new(&turns(&base))).unwrap()))
         });
 
         let mut fresh = 0u64;
@@ -194,7 +194,7 @@ fn chat_8k(c: &mut Criterion) {
                     fresh += 1;
                     chat(fresh)
                 },
-                |chat| black_box(warm.tokens_for_chat(&turns(&chat), None).unwrap()),
+                |chat| black_box(warm.tokens_for_chat(Chat::new(&turns(&chat))).unwrap()),
                 BatchSize::SmallInput,
             )
         });

@@ -25,7 +25,7 @@ use thiserror::Error;
 use super::admission::BodyBudget;
 use super::credit::Credit;
 use super::index::{
-    self, ChainStart, Chat, Feeds, Placement, PoolIndex, capacity_blocks, credited_chain,
+    self, ChainStart, Feeds, Placement, PoolIndex, capacity_blocks, credited_chain,
 };
 use super::prepared::Prepared;
 use crate::config::{Config, Mode, PolicyConfig, PoolConfig, UnknownSubset, WorkerConfig};
@@ -35,7 +35,7 @@ use crate::policy::{self, Decision, LoadView, Outcome, RequestFacts};
 use crate::prefix::{EventIndex, IndexStats, SourcedMatch, block_hashes};
 use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, BodyError, Prompt, ReadBody};
-use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
+use crate::tokenize::{Chat, ChatTurn, PoolTokenizer, Stop, TokenizeError};
 use crate::worker::WorkerId;
 
 /// What one decision's tokenizing may spend: the stop it asks between bounded chunks of work, and the
@@ -263,11 +263,7 @@ impl Picker {
                         parts: &message.content,
                     })
                     .collect();
-                let tools = tools.map(|raw| raw.get());
-                let chat = Chat {
-                    turns: &turns,
-                    tools,
-                };
+                let chat = Chat::new(&turns).with_tools(tools.map(|raw| raw.get()));
                 let tokens = pool.index.chat_tokens(&pool.tokenizer, chat, stop);
                 Cow::Owned(untokenized_as_empty(tokens)?)
             }

@@ -72,7 +72,9 @@ use std::sync::Arc;
 
 pub use cache::CacheStats;
 use cache::SegmentCache;
-pub use cachepick_tokenizer::{ChatTurn, MAX_PIECE_BYTES, Mode, Stop, TokenizeError, Tokenizer};
+pub use cachepick_tokenizer::{
+    Chat, ChatTurn, MAX_PIECE_BYTES, Mode, Stop, TokenizeError, Tokenizer,
+};
 
 use crate::config::{PoolConfig, TokenizerConfig};
 
@@ -126,52 +128,36 @@ impl PoolTokenizer {
 
     /// The tokens of a chat: its messages rendered with the generation prompt, and its `tools` (the
     /// request's raw JSON) when it has them. Only segments missing from the cache are tokenized.
-    pub fn tokens_for_chat(
-        &self,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-    ) -> Result<Vec<u32>, TokenizeError> {
-        self.tokens_for_chat_within(turns, tools, &Stop::never())
+    pub fn tokens_for_chat(&self, chat: Chat<'_>) -> Result<Vec<u32>, TokenizeError> {
+        self.tokens_for_chat_within(chat, &Stop::never())
     }
 
     /// [`tokens_for_chat`](Self::tokens_for_chat), stopped by `stop`, which is also asked between
     /// segments.
     pub fn tokens_for_chat_within(
         &self,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
+        chat: Chat<'_>,
         stop: &Stop,
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut tokens = Vec::new();
-        self.tokenizer.for_each_segment(turns, tools, |segment| {
+        self.tokenizer.for_each_segment(chat, |segment| {
             self.push_segment(&mut tokens, Mode::Segment, segment, stop)
         })?;
         Ok(tokens)
     }
 
     /// The text [`tokens_for_chat`](Self::tokens_for_chat) tokenizes, its segments joined.
-    pub fn render_chat(
-        &self,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-    ) -> Result<String, TokenizeError> {
-        self.tokenizer.render_chat(turns, tools)
+    pub fn render_chat(&self, chat: Chat<'_>) -> Result<String, TokenizeError> {
+        self.tokenizer.render_chat(chat)
     }
 
-    /// The tokens of a whole text in one pass, bypassing the segment cache, as an engine tokenizes its
-    /// prompt (see [`Tokenizer::encode_whole`]).
-    pub fn encode_whole(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer.encode_whole(text, add_special)
-    }
-
-    /// [`encode_whole`](Self::encode_whole), stopped by `stop`.
-    pub fn encode_whole_within(
-        &self,
-        text: &str,
-        add_special: bool,
-        stop: &Stop,
-    ) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer.encode_whole_within(text, add_special, stop)
+    /// The chat's tokens as the engine itself computes them: the chat rendered whole and tokenized in
+    /// one pass, adding no special tokens (the template writes them), bypassing the segment cache (see
+    /// [`Tokenizer::encode_whole`]). Segments can differ from the whole at their boundaries; block hashes
+    /// that must equal the engine's (the events index) are taken from these.
+    pub fn engine_tokens(&self, chat: Chat<'_>, stop: &Stop) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.tokenizer.render_chat(chat)?;
+        self.tokenizer.encode_whole_within(&text, false, stop)
     }
 
     /// The most memory tokenizing a prompt of `bytes` takes, for charging it to the body budget

@@ -46,11 +46,11 @@ fn fixture_chat_pool(tokenizer: TokenizerConfig) -> PoolTokenizer {
 }
 
 /// Messages owned by the test, lent out as [`ChatTurn`]s.
-struct Chat(Vec<(String, Vec<Cow<'static, str>>)>);
+struct Messages(Vec<(String, Vec<Cow<'static, str>>)>);
 
-impl Chat {
-    fn new(messages: &[(&str, &str)]) -> Chat {
-        Chat(
+impl Messages {
+    fn new(messages: &[(&str, &str)]) -> Messages {
+        Messages(
             messages
                 .iter()
                 .map(|(role, content)| (role.to_string(), vec![Cow::Owned(content.to_string())]))
@@ -70,8 +70,8 @@ impl Chat {
     }
 }
 
-fn fixture_chat() -> Chat {
-    Chat::new(&[
+fn fixture_chat() -> Messages {
+    Messages::new(&[
         ("system", "You are a helpful assistant."),
         ("user", "How long should bread dough rise?"),
     ])
@@ -82,10 +82,10 @@ fn fixture_tools() -> String {
 }
 
 /// The text of every segment of a chat, in order, as `tokens_for_chat` would tokenize them.
-fn segments(pool: &PoolTokenizer, chat: &Chat) -> Vec<String> {
+fn segments(pool: &PoolTokenizer, chat: &Messages) -> Vec<String> {
     let mut out = Vec::new();
     pool.tokenizer()
-        .for_each_segment(&chat.turns(), None, |segment| {
+        .for_each_segment(Chat::new(&chat.turns()), |segment| {
             out.push(segment.concat());
             Ok(())
         })
@@ -94,16 +94,16 @@ fn segments(pool: &PoolTokenizer, chat: &Chat) -> Vec<String> {
 }
 
 /// Tokens of the whole rendered chat, tokenized in one piece.
-fn whole_text_tokens(pool: &PoolTokenizer, chat: &Chat) -> Vec<u32> {
-    let text = pool.render_chat(&chat.turns(), None).unwrap();
+fn whole_text_tokens(pool: &PoolTokenizer, chat: &Messages) -> Vec<u32> {
+    let text = pool.render_chat(Chat::new(&chat.turns())).unwrap();
     pool.tokenizer().encode(&text, Mode::Segment).unwrap()
 }
 
 /// A conversation of ordinary English turns, built from the fixture corpus.
-fn conversation(turns: usize) -> Chat {
+fn conversation(turns: usize) -> Messages {
     let corpus = fs::read_to_string(fixture("corpus.txt")).unwrap();
     let paragraphs: Vec<&str> = corpus.split("\n\n").collect();
-    let mut chat = Chat::new(&[("system", "You are a helpful assistant.")]);
+    let mut chat = Messages::new(&[("system", "You are a helpful assistant.")]);
     for turn in 0..turns {
         let role = if turn % 2 == 0 { "user" } else { "assistant" };
         chat.push(role, paragraphs[turn % paragraphs.len()].to_string());
@@ -201,11 +201,11 @@ fn the_fixture_template_renders_a_two_turn_chat_as_transformers_does() {
     let expected = expected();
     let chat = fixture_chat();
     assert_eq!(
-        pool.render_chat(&chat.turns(), None).unwrap(),
+        pool.render_chat(Chat::new(&chat.turns())).unwrap(),
         expected["chat"]["rendered"].as_str().unwrap()
     );
     assert_eq!(
-        pool.render_chat(&chat.turns(), Some(&fixture_tools()))
+        pool.render_chat(Chat::new(&chat.turns()).with_tools(Some(&fixture_tools())))
             .unwrap(),
         expected["chat"]["rendered_with_tools"].as_str().unwrap()
     );
@@ -216,12 +216,12 @@ fn chat_tokens_through_the_fixture_template_equal_whole_text_tokens_from_python(
     let pool = fixture_chat_pool(hugging_face());
     let expected = expected();
     let chat = fixture_chat();
-    let tokens = pool.tokens_for_chat(&chat.turns(), None).unwrap();
+    let tokens = pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap();
     assert_eq!(tokens, ids(&expected["chat"]["ids"]));
     // The template's BOS, once: the post-processor adds none to chat segments.
     assert_eq!(tokens[..2], [0, 2]);
     assert_eq!(
-        pool.tokens_for_chat(&chat.turns(), Some(&fixture_tools()))
+        pool.tokens_for_chat(Chat::new(&chat.turns()).with_tools(Some(&fixture_tools())))
             .unwrap(),
         ids(&expected["chat"]["ids_with_tools"])
     );
@@ -243,14 +243,15 @@ fn without_a_template_a_chat_renders_in_the_fixed_format() {
     ];
     let tools = r#"[{"type":"function","function":{"name":"f"}}]"#;
     assert_eq!(
-        pool.render_chat(&turns, Some(tools)).unwrap(),
+        pool.render_chat(Chat::new(&turns).with_tools(Some(tools)))
+            .unwrap(),
         "<|tools|>\n[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]\n\
          <|system|>\nBe brief.\n\
          <|user|>\nLook at this:\na picture\n\
          <|assistant|>\n"
     );
     assert_eq!(
-        pool.render_chat(&[], None).unwrap(),
+        pool.render_chat(Chat::new(&[])).unwrap(),
         "<|assistant|>\n",
         "an empty chat is the generation prompt"
     );
@@ -274,7 +275,7 @@ fn the_fixed_format_tokenizes_exactly_as_the_whole_text_under_o200k_and_cl100k()
     for encoding in [TiktokenEncoding::O200kBase, TiktokenEncoding::Cl100kBase] {
         let pool = pool(tiktoken(encoding), None);
         assert_eq!(
-            pool.tokens_for_chat(&chat.turns(), None).unwrap(),
+            pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap(),
             whole_text_tokens(&pool, &chat),
             "{encoding:?}"
         );
@@ -286,7 +287,7 @@ fn ordinary_chat_text_through_a_template_with_special_tokens_equals_whole_text_t
     let pool = fixture_chat_pool(hugging_face());
     let chat = conversation(20);
     assert_eq!(
-        pool.tokens_for_chat(&chat.turns(), None).unwrap(),
+        pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap(),
         whole_text_tokens(&pool, &chat)
     );
 }
@@ -294,8 +295,8 @@ fn ordinary_chat_text_through_a_template_with_special_tokens_equals_whole_text_t
 /// Asserts that segment-wise and whole-text tokens differ, and only within the two segments that meet
 /// at the boundary after segment `left`: every token before `left` agrees, and every token after the
 /// segment following it agrees.
-fn assert_difference_confined_to_boundary(pool: &PoolTokenizer, chat: &Chat, left: usize) {
-    let segmented = pool.tokens_for_chat(&chat.turns(), None).unwrap();
+fn assert_difference_confined_to_boundary(pool: &PoolTokenizer, chat: &Messages, left: usize) {
+    let segmented = pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap();
     let whole = whole_text_tokens(pool, chat);
     assert_ne!(segmented, whole, "the boundary changes the tokens");
     let lengths: Vec<usize> = segments(pool, chat)
@@ -329,7 +330,7 @@ fn assert_difference_confined_to_boundary(pool: &PoolTokenizer, chat: &Chat, lef
 fn punctuation_before_template_text_that_is_not_a_special_token_merges_in_the_whole_text() {
     // Under o200k_base `<|im_end|>` is plain text, so the whole text has `.<|` as one pre-token.
     let pool = fixture_chat_pool(tiktoken(TiktokenEncoding::O200kBase));
-    let chat = Chat::new(&[
+    let chat = Messages::new(&[
         ("system", "You are a helpful assistant"),
         ("user", "How long should bread dough rise?"),
         ("assistant", "Overnight in a cool room"),
@@ -343,7 +344,7 @@ fn punctuation_before_template_text_that_is_not_a_special_token_merges_in_the_wh
 fn a_message_ending_in_a_newline_splits_differently_in_the_whole_text_under_gpt2_patterns() {
     // The GPT-2 pattern takes "\n\n" at the end of a segment as one pre-token (one token), but in the
     // whole text, before the next segment's `<|`, it leaves the last "\n" to a pre-token of its own.
-    let chat = Chat::new(&[
+    let chat = Messages::new(&[
         ("system", "You are a helpful assistant."),
         ("user", "def rise():\n    return 'overnight'\n"),
         ("assistant", "It returns overnight."),
@@ -370,12 +371,12 @@ fn a_sentencepiece_style_tokenizer_marks_every_segment_start_as_a_word_start() {
         },
         Some(&dir.path().join("chat_template.jinja")),
     );
-    let chat = Chat::new(&[("user", "Hello there")]);
+    let chat = Messages::new(&[("user", "Hello there")]);
     assert_eq!(
         segments(&pool, &chat),
         ["[INST] ", "Hello there", " [/INST]"]
     );
-    let segmented = pool.tokens_for_chat(&chat.turns(), None).unwrap();
+    let segmented = pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap();
     assert_eq!(segmented.len(), whole_text_tokens(&pool, &chat).len() + 1);
     assert_difference_confined_to_boundary(&pool, &chat, 0);
 }
@@ -390,14 +391,14 @@ fn a_growing_conversation_tokenizes_only_its_new_turn() {
     ] {
         let warm = pool(tokenizer.clone(), template);
         let mut chat = conversation(20);
-        warm.tokens_for_chat(&chat.turns(), None).unwrap();
+        warm.tokens_for_chat(Chat::new(&chat.turns())).unwrap();
         let before = warm.cache_stats();
 
         chat.push(
             "user",
             "And one more question about the lighthouse?".to_string(),
         );
-        let tokens = warm.tokens_for_chat(&chat.turns(), None).unwrap();
+        let tokens = warm.tokens_for_chat(Chat::new(&chat.turns())).unwrap();
         let after = warm.cache_stats();
 
         assert_eq!(
@@ -410,7 +411,10 @@ fn a_growing_conversation_tokenizes_only_its_new_turn() {
             "{tokenizer:?}: every earlier segment"
         );
         let cold = pool(tokenizer, template);
-        assert_eq!(tokens, cold.tokens_for_chat(&chat.turns(), None).unwrap());
+        assert_eq!(
+            tokens,
+            cold.tokens_for_chat(Chat::new(&chat.turns())).unwrap()
+        );
     }
 }
 
@@ -436,7 +440,7 @@ fn the_segment_cache_forgets_the_least_recently_used_segment() {
 fn a_text_prompt_and_a_chat_segment_with_equal_text_are_cached_apart() {
     let pool = pool(hugging_face(), None);
     let text = pool.tokens_for_text("<|assistant|>\n").unwrap();
-    let chat = pool.tokens_for_chat(&[], None).unwrap();
+    let chat = pool.tokens_for_chat(Chat::new(&[])).unwrap();
     assert_eq!(text[0], 0, "a text prompt gets the BOS");
     assert_eq!(text[1..], chat[..]);
     assert_eq!(pool.cache_stats().misses, 2);
@@ -463,8 +467,9 @@ fn directory_pool(
 
 /// Renders a chat of one user message, "hi".
 fn render_hi(pool: &PoolTokenizer, tools: Option<&str>) -> String {
-    let chat = Chat::new(&[("user", "hi")]);
-    pool.render_chat(&chat.turns(), tools).unwrap()
+    let chat = Messages::new(&[("user", "hi")]);
+    pool.render_chat(Chat::new(&chat.turns()).with_tools(tools))
+        .unwrap()
 }
 
 #[test]
@@ -479,14 +484,14 @@ fn a_template_that_drops_a_message_is_rendered_and_tokenized_whole() {
         "chat_template.jinja",
     );
     let chat = fixture_chat();
-    let rendered = pool.render_chat(&chat.turns(), None).unwrap();
+    let rendered = pool.render_chat(Chat::new(&chat.turns())).unwrap();
     assert_eq!(
         rendered,
         "[user] How long should bread dough rise?\n[assistant] "
     );
     assert_eq!(segments(&pool, &chat), [rendered]);
     assert_eq!(
-        pool.tokens_for_chat(&chat.turns(), None).unwrap(),
+        pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap(),
         whole_text_tokens(&pool, &chat)
     );
 }
@@ -560,7 +565,8 @@ fn a_pool_config_builds_its_tokenizer() {
     };
     let pool = PoolTokenizer::new(&config).unwrap();
     assert_eq!(
-        pool.tokens_for_chat(&fixture_chat().turns(), None).unwrap(),
+        pool.tokens_for_chat(Chat::new(&fixture_chat().turns()))
+            .unwrap(),
         ids(&expected()["chat"]["ids"])
     );
 }
@@ -645,8 +651,8 @@ fn a_tokenizer_config_without_a_chat_template_is_an_error() {
 #[test]
 fn a_template_that_raises_fails_the_chat_with_its_message() {
     let pool = fixture_chat_pool(TokenizerConfig::Bytes);
-    let chat = Chat::new(&[("narrator", "Once upon a time")]);
-    let err = pool.tokens_for_chat(&chat.turns(), None).unwrap_err();
+    let chat = Messages::new(&[("narrator", "Once upon a time")]);
+    let err = pool.tokens_for_chat(Chat::new(&chat.turns())).unwrap_err();
     assert!(matches!(err, TokenizeError::Render { .. }), "{err:?}");
     assert!(err.to_string().contains("unknown role: narrator"), "{err}");
 }
@@ -655,7 +661,7 @@ fn a_template_that_raises_fails_the_chat_with_its_message() {
 fn tools_that_are_not_json_fail_the_chat() {
     let pool = fixture_chat_pool(TokenizerConfig::Bytes);
     let err = pool
-        .tokens_for_chat(&fixture_chat().turns(), Some("[{"))
+        .tokens_for_chat(Chat::new(&fixture_chat().turns()).with_tools(Some("[{")))
         .unwrap_err();
     assert!(matches!(err, TokenizeError::Tools(_)), "{err:?}");
 }

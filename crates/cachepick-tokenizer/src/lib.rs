@@ -73,6 +73,26 @@ pub struct ChatTurn<'a> {
     pub parts: &'a [Cow<'a, str>],
 }
 
+/// A chat as the engine renders it: its turns and, when the request has them, its `tools` (the
+/// request's raw JSON).
+#[derive(Clone, Copy, Debug)]
+pub struct Chat<'a> {
+    pub turns: &'a [ChatTurn<'a>],
+    pub tools: Option<&'a str>,
+}
+
+impl<'a> Chat<'a> {
+    /// A chat of these turns and no tools.
+    pub fn new(turns: &'a [ChatTurn<'a>]) -> Chat<'a> {
+        Chat { turns, tools: None }
+    }
+
+    /// The same chat with `tools`.
+    pub fn with_tools(self, tools: Option<&'a str>) -> Chat<'a> {
+        Chat { tools, ..self }
+    }
+}
+
 /// Why a tokenizer could not be built (at start-up: the first five), or a prompt not tokenized.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -207,14 +227,10 @@ impl Tokenizer {
     }
 
     /// The chat's text as the engine renders it: its messages with the generation prompt, and its
-    /// `tools` (the request's raw JSON) when it has them.
-    pub fn render_chat(
-        &self,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
-    ) -> Result<String, TokenizeError> {
+    /// tools when it has them.
+    pub fn render_chat(&self, chat: Chat<'_>) -> Result<String, TokenizeError> {
         let mut text = String::new();
-        self.for_each_segment(turns, tools, |segment| {
+        self.for_each_segment(chat, |segment| {
             segment.iter().for_each(|piece| text.push_str(piece));
             Ok(())
         })?;
@@ -226,8 +242,7 @@ impl Tokenizer {
     /// where segments fall and why.
     pub fn for_each_segment(
         &self,
-        turns: &[ChatTurn<'_>],
-        tools: Option<&str>,
+        Chat { turns, tools }: Chat<'_>,
         mut each: impl FnMut(&[&str]) -> Result<(), TokenizeError>,
     ) -> Result<(), TokenizeError> {
         let Some(template) = &self.template else {

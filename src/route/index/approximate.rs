@@ -24,7 +24,7 @@ impl Approximate {
 
 impl PoolIndex for Approximate {
     fn chat_tokens(&self, tokenizer: &PoolTokenizer, chat: Chat<'_>, stop: &Stop) -> Tokens {
-        tokenizer.tokens_for_chat_within(chat.turns, chat.tools, stop)
+        tokenizer.tokens_for_chat_within(chat, stop)
     }
 
     fn seed(&self, start: &ChainStart<'_>) -> u64 {

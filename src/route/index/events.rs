@@ -24,10 +24,8 @@ impl Events {
 
 impl PoolIndex for Events {
     fn chat_tokens(&self, tokenizer: &PoolTokenizer, chat: Chat<'_>, stop: &Stop) -> Tokens {
-        // Segments can differ from the whole at their boundaries (see `tokenize`).
-        tokenizer
-            .render_chat(chat.turns, chat.tools)
-            .and_then(|text| tokenizer.encode_whole_within(&text, false, stop))
+        // The engine's block hashes are of its own tokens, so these must be too.
+        tokenizer.engine_tokens(chat, stop)
     }
 
     fn seed(&self, start: &ChainStart<'_>) -> u64 {

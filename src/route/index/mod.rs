@@ -17,7 +17,7 @@ use crate::config::{IndexMode, PoolConfig, WorkerConfig};
 use crate::events::EventFeeds;
 use crate::load::PoolSnapshot;
 use crate::prefix::{EventIndex, IndexStats, OwnerMatch, SourcedMatch};
-use crate::tokenize::{ChatTurn, PoolTokenizer, Stop, TokenizeError};
+use crate::tokenize::{Chat, PoolTokenizer, Stop, TokenizeError};
 use crate::worker::WorkerId;
 
 /// One pool's owner index, whatever feeds it.
@@ -60,13 +60,6 @@ pub(super) trait PoolIndex: Send + Sync {
 
     /// The worker of slot `id` restarted: its cache is empty.
     fn restarted(&self, id: WorkerId, pool: &PoolConfig);
-}
-
-/// What tokenizing a chat reads: its turns and its tools (raw JSON).
-#[derive(Clone, Copy)]
-pub(super) struct Chat<'a> {
-    pub turns: &'a [ChatTurn<'a>],
-    pub tools: Option<&'a str>,
 }
 
 /// A prompt's tokens, or why it has none.

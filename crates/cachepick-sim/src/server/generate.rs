@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use cachepick_tokenizer::{ChatTurn, Tokenizer};
+use cachepick_tokenizer::{Chat, ChatTurn, Tokenizer};
 
 use super::engine::{Progress, Submitted};
 use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, sleep_unpaused};
@@ -278,7 +278,7 @@ pub(crate) fn tokens(tokenizer: &Tokenizer, prompt: &Prompt) -> Result<Vec<u32>,
                 })
                 .collect();
             let text = tokenizer
-                .render_chat(&turns, tools.as_deref())
+                .render_chat(Chat::new(&turns).with_tools(tools.as_deref()))
                 .map_err(|error| error.to_string())?;
             tokenizer
                 .encode_whole(&text, false)
