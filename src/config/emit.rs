@@ -10,7 +10,8 @@
 //! that mode with every key it reads — so that the output, like the file, keeps the top level as the
 //! pools' default and a flag given with it still reaches the pools that do not set the key themselves.
 //! (A file cannot take an inherited gate away from a pool, so a pool without the queue gate or floor
-//! that the top level has can only come from code, and is written without it.)
+//! that the top level has can only come from code, and is written without it.) Every struct below with
+//! an optional key is `skip_serializing_none`: `None` is left out, `Some(None)` is written `null`.
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -36,20 +37,17 @@ impl Config {
     }
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct File<'c> {
     listen: SocketAddr,
     metrics_listen: SocketAddr,
     max_body_bytes: Size,
     /// Absent: on only where the listener is bound to loopback.
-    #[serde(skip_serializing_if = "Option::is_none")]
     debug_endpoints: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     debug_token_file: Option<&'c Path>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<ListenerTls<'c>>,
     metrics_http: MetricsHttp,
-    #[serde(skip_serializing_if = "Option::is_none")]
     cache_salt_header: Option<&'c str>,
     unknown_subset: UnknownSubset,
     policy: Policy,
@@ -67,24 +65,22 @@ struct Feedback {
 }
 
 /// `tls` (the ext_proc listener).
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct ListenerTls<'c> {
     cert_file: &'c Path,
     key_file: &'c Path,
-    #[serde(skip_serializing_if = "Option::is_none")]
     client_ca_file: Option<&'c Path>,
     reload_interval: String,
 }
 
 /// `load.tls`.
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct ScrapeTls<'c> {
     ca_file: &'c Path,
-    #[serde(skip_serializing_if = "Option::is_none")]
     cert_file: Option<&'c Path>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     key_file: Option<&'c Path>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     server_name: Option<&'c str>,
 }
 
@@ -132,28 +128,19 @@ impl From<&crate::config::OverloadConfig> for Overload {
 }
 
 /// A `policy` section; a key is written when it is `Some`.
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Default, PartialEq, Serialize)]
 struct Policy {
-    #[serde(skip_serializing_if = "Option::is_none")]
     mode: Option<&'static str>,
     /// `Some(None)` is written `null`: the gate (or its floor) turned off.
-    #[serde(skip_serializing_if = "Option::is_none")]
     worker_queue_limit: Option<Option<u64>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     saturation_queue_floor: Option<Option<u64>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     min_load_choices: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     min_match_tokens: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pin_depth_ratio: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     balance_abs_threshold: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     balance_rel_threshold: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     cache_threshold: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     max_fallbacks: Option<usize>,
 }
 
@@ -229,6 +216,7 @@ fn differs<T: PartialEq>(mine: Option<T>, theirs: Option<T>) -> Option<T> {
     if mine == theirs { None } else { mine }
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Load<'c> {
     scrape_interval: String,
@@ -238,7 +226,6 @@ struct Load<'c> {
     max_concurrent_scrapes: usize,
     unreachable_after: u32,
     drain_timeout: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
     tls: Option<ScrapeTls<'c>>,
 }
 
@@ -259,70 +246,63 @@ impl From<usize> for Size {
     }
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Pool<'c> {
     model: &'c str,
     engine: Engine,
     block_size: u32,
     tokenizer: Tokenizer<'c>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     chat_template: Option<Cow<'c, str>>,
     segment_cache_entries: usize,
     default_cache_blocks: usize,
     max_model_len: u64,
     #[serde(skip_serializing_if = "Policy::is_empty")]
     policy: Policy,
-    #[serde(skip_serializing_if = "Option::is_none")]
     index: Option<Index<'c>>,
     max_workers: usize,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     workers: Vec<Worker<'c>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     dns: Option<Dns<'c>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     kubernetes: Option<Kubernetes<'c>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     template: Option<Template>,
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Dns<'c> {
     name: &'c str,
     port: u16,
     interval: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
     server: Option<SocketAddr>,
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Kubernetes<'c> {
-    #[serde(skip_serializing_if = "Option::is_none")]
     namespace: Option<&'c str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     selector: Option<&'c str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     inference_pool: Option<&'c str>,
     #[serde(skip_serializing_if = "<[u16]>::is_empty")]
     ports: &'c [u16],
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Template {
     load_source: &'static str,
     #[serde(flatten)]
     engine: EngineKeys,
-    #[serde(skip_serializing_if = "Option::is_none")]
     scrape_scheme: Option<&'static str>,
 }
 
 /// The keys a file worker and a pool's `template` share: what the worker's engine is.
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct EngineKeys {
     role: Role,
     dp_size: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
     max_running_requests: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     max_total_tokens: Option<u64>,
 }
 
@@ -345,6 +325,7 @@ impl EngineKeys {
 /// `index:`, written only when it differs from the default. The ports are what discovered workers'
 /// sockets are resolved with; a file worker's own sockets are written with it where they differ from
 /// the default ones.
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Index<'c> {
     mode: IndexMode,
@@ -353,15 +334,14 @@ struct Index<'c> {
     #[serde(skip_serializing_if = "str::is_empty")]
     topic: &'c str,
     port: u16,
-    #[serde(skip_serializing_if = "Option::is_none")]
     replay_port: Option<u16>,
     commit_share: f64,
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct KvEvents {
     endpoint: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
     replay_endpoint: Option<String>,
 }
 
@@ -373,16 +353,15 @@ enum Tokenizer<'c> {
     Bytes,
 }
 
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Worker<'c> {
     endpoint: SocketAddr,
     metrics_url: &'c str,
     load_source: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
     loads_url: Option<&'c str>,
     #[serde(flatten)]
     engine: EngineKeys,
-    #[serde(skip_serializing_if = "Option::is_none")]
     kv_events: Option<KvEvents>,
 }
 
