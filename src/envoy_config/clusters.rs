@@ -182,9 +182,14 @@ pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
         ],
     );
     decode_only_comment(out, config, false);
-    out.line(4, "type: ORIGINAL_DST");
-    out.line(4, "lb_policy: CLUSTER_PROVIDED");
-    out.line(4, "connect_timeout: 2s");
+    out.block(
+        4,
+        "
+        type: ORIGINAL_DST
+        lb_policy: CLUSTER_PROVIDED
+        connect_timeout: 2s
+        ",
+    );
     generation_limits(out, false);
     out.line(4, "original_dst_lb_config:");
     out.line(6, "use_http_header: true");
@@ -235,11 +240,16 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions, eds_first: 
             "from a busy picker does not send a second of traffic past it.",
         ],
     );
-    out.line(4, "health_checks:");
-    out.line(4, "- timeout: 1s");
-    out.line(6, "interval: 1s");
-    out.line(6, "no_traffic_interval: 1s");
-    out.line(6, "unhealthy_threshold: 2");
+    out.block(
+        4,
+        "
+        health_checks:
+        - timeout: 1s
+          interval: 1s
+          no_traffic_interval: 1s
+          unhealthy_threshold: 2
+        ",
+    );
     if eds_first {
         out.comment(
             6,
@@ -301,12 +311,17 @@ fn eds_config(out: &mut Yaml, cold: bool) {
             duration(EDS_INITIAL_FETCH_TIMEOUT)
         ),
     );
-    out.line(8, "api_config_source:");
-    out.line(10, "api_type: GRPC");
-    out.line(10, "transport_api_version: V3");
-    out.line(10, "set_node_on_first_message_only: true");
-    out.line(10, "grpc_services:");
-    out.line(10, "- envoy_grpc:");
+    out.block(
+        8,
+        "
+        api_config_source:
+          api_type: GRPC
+          transport_api_version: V3
+          set_node_on_first_message_only: true
+          grpc_services:
+          - envoy_grpc:
+        ",
+    );
     out.line(14, &format!("cluster_name: {XDS_CLUSTER}"));
     out.line(
         14,
@@ -356,19 +371,24 @@ fn outlier_detection(out: &mut Yaml) {
 
 /// The `outlier_detection` section [`outlier_detection`] explains.
 pub(super) fn outlier_detection_fields(out: &mut Yaml) {
-    out.line(4, "outlier_detection:");
-    out.line(6, "split_external_local_origin_errors: true");
-    out.line(6, "consecutive_local_origin_failure: 3");
-    out.line(6, "enforcing_consecutive_local_origin_failure: 100");
-    out.line(6, "consecutive_gateway_failure: 5");
-    out.line(6, "enforcing_consecutive_gateway_failure: 100");
-    out.line(6, "enforcing_consecutive_5xx: 0");
-    out.line(6, "enforcing_success_rate: 0");
-    out.line(6, "enforcing_local_origin_success_rate: 0");
-    out.line(6, "interval: 2s");
-    out.line(6, "base_ejection_time: 10s");
-    out.line(6, "max_ejection_time: 60s");
-    out.line(6, "max_ejection_percent: 50");
+    out.block(
+        4,
+        "
+        outlier_detection:
+          split_external_local_origin_errors: true
+          consecutive_local_origin_failure: 3
+          enforcing_consecutive_local_origin_failure: 100
+          consecutive_gateway_failure: 5
+          enforcing_consecutive_gateway_failure: 100
+          enforcing_consecutive_5xx: 0
+          enforcing_success_rate: 0
+          enforcing_local_origin_success_rate: 0
+          interval: 2s
+          base_ejection_time: 10s
+          max_ejection_time: 60s
+          max_ejection_percent: 50
+        ",
+    );
 }
 
 /// The cluster that carries the EDS subscription: the picker replicas without the readiness health
@@ -403,9 +423,14 @@ fn picker_http2(out: &mut Yaml) {
     out.line(4, "typed_extension_protocol_options:");
     out.line(6, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions:");
     out.type_url(8, "envoy.extensions.upstreams.http.v3.HttpProtocolOptions");
-    out.line(8, "explicit_http_config:");
-    out.line(10, "http2_protocol_options:");
-    out.line(12, "connection_keepalive: {interval: 30s, timeout: 5s}");
+    out.block(
+        8,
+        "
+        explicit_http_config:
+          http2_protocol_options:
+            connection_keepalive: {interval: 30s, timeout: 5s}
+        ",
+    );
 }
 
 /// The `transport_socket` of a cluster of pickers serving TLS (`--picker-ca` and the rest); nothing for
@@ -441,9 +466,14 @@ fn picker_tls(out: &mut Yaml, options: &EnvoyOptions) {
     if let Some(sni) = &tls.sni {
         out.line(8, &format!("sni: {}", quoted(sni)));
     }
-    out.line(8, "common_tls_context:");
-    out.line(10, "alpn_protocols: [h2]");
-    out.line(10, "validation_context:");
+    out.block(
+        8,
+        "
+        common_tls_context:
+          alpn_protocols: [h2]
+          validation_context:
+        ",
+    );
     out.line(
         12,
         &format!(

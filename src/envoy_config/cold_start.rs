@@ -131,10 +131,15 @@ pub(super) fn fail_open_cluster(out: &mut Yaml, max_retries: u32) {
             "here (cluster.workers_fail_open.upstream_rq_retry), connections and their failures on the child.",
         ],
     );
-    out.line(4, "connect_timeout: 2s");
-    out.line(4, "lb_policy: CLUSTER_PROVIDED");
-    out.line(4, "circuit_breakers:");
-    out.line(6, "thresholds:");
+    out.block(
+        4,
+        "
+        connect_timeout: 2s
+        lb_policy: CLUSTER_PROVIDED
+        circuit_breakers:
+          thresholds:
+        ",
+    );
     out.line(6, &format!("- {{max_retries: {max_retries}}}"));
     out.typed_extension(
         4,

@@ -148,8 +148,13 @@ pub(super) fn admin(out: &mut Yaml, options: &EnvoyOptions) {
             "that monitor with actions such as envoy.overload_actions.shrink_heap and stop_accepting_requests.",
         ],
     );
-    out.line(0, "overload_manager:");
-    out.line(2, "resource_monitors:");
+    out.block(
+        0,
+        "
+        overload_manager:
+          resource_monitors:
+        ",
+    );
     out.typed_entry(
         2,
         "envoy.resource_monitors.global_downstream_max_connections",
@@ -159,9 +164,14 @@ pub(super) fn admin(out: &mut Yaml, options: &EnvoyOptions) {
 }
 
 pub(super) fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
-    out.line(2, "listeners:");
-    out.line(2, "- name: llm");
-    out.line(4, "address:");
+    out.block(
+        2,
+        "
+        listeners:
+        - name: llm
+          address:
+        ",
+    );
     out.socket_address(6, options.listen);
     out.comment(
         4,
@@ -172,8 +182,13 @@ pub(super) fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) 
             "limit is the route's request_body_buffer_limit below.",
         ],
     );
-    out.line(4, "filter_chains:");
-    out.line(4, "- filters:");
+    out.block(
+        4,
+        "
+        filter_chains:
+        - filters:
+        ",
+    );
     out.typed_entry(
         6,
         "envoy.filters.network.http_connection_manager",
@@ -213,12 +228,17 @@ pub(super) fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) 
 }
 
 fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
-    out.line(10, "route_config:");
-    out.line(12, "name: llm");
-    out.line(12, "virtual_hosts:");
-    out.line(12, "- name: llm");
-    out.line(14, "domains: [\"*\"]");
-    out.line(14, "routes:");
+    out.block(
+        10,
+        "
+        route_config:
+          name: llm
+          virtual_hosts:
+          - name: llm
+            domains: [\"*\"]
+            routes:
+        ",
+    );
     match fail_open_route(config, options.mode) {
         None => {
             out.line(14, "- match: {prefix: \"/\"}");
@@ -246,9 +266,14 @@ fn route_config(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
                     "override_host no request to read), hence the split.",
                 ],
             );
-            out.line(14, "- match:");
-            out.line(18, "prefix: \"/\"");
-            out.line(18, "dynamic_metadata:");
+            out.block(
+                14,
+                "
+                - match:
+                    prefix: \"/\"
+                    dynamic_metadata:
+                ",
+            );
             out.line(18, &format!("- filter: {LB_NAMESPACE}"));
             out.line(20, &format!("path: [{{key: {DESTINATION}}}]"));
             out.line(20, "value: {present_match: true}");

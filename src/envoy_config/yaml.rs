@@ -22,6 +22,24 @@ impl Yaml {
         self.text.push('\n');
     }
 
+    /// Static lines written as the YAML they are: `text`'s non-blank lines, less the indentation they
+    /// share, at `indent`. The text may open and close on lines of its own, so that the source shows
+    /// the block as it comes out.
+    pub(super) fn block(&mut self, indent: usize, text: &str) {
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|line| !line.trim().is_empty())
+            .collect();
+        let shared = lines
+            .iter()
+            .map(|line| line.len() - line.trim_start().len())
+            .min()
+            .unwrap_or(0);
+        for line in lines {
+            self.line(indent, line.get(shared..).unwrap_or(line));
+        }
+    }
+
     /// A comment block. Consecutive entries form one paragraph, re-wrapped to [`COMMENT_WIDTH`]; an empty
     /// entry separates paragraphs; an entry starting with a space is kept verbatim on its own line.
     pub(super) fn comment(&mut self, indent: usize, entries: &[&str]) {
