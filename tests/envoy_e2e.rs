@@ -893,29 +893,24 @@ async fn sse_streams_pass_through_intact_and_unbuffered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_five_megabyte_prompt_reaches_the_worker_whole_in_duplex_mode() {
-    const PROMPT_BYTES: usize = 5_000_000;
-    // Room for 1.25M tokens.
-    let stack = Stack::start(Setup {
-        max_body_bytes: Some(8 << 20),
-        tune: room_for_huge_prompts,
-        ..Setup::new(BodyMode::Duplex)
-    })
-    .await;
-    let body = completion(&text("big", PROMPT_BYTES));
-    assert!(body.len() > PROMPT_BYTES && body.len() < 8 << 20);
-    let reply = stack.complete(body).await;
-    assert_served_whole(&stack, &reply, PROMPT_BYTES);
+    five_megabytes_reach_the_worker_whole(BodyMode::Duplex).await;
 }
 
 /// Streamed mode: Envoy queues the chunks it has sent (up to the route's limit) until cachepick,
 /// which answers the headers only once the body is whole, lets each through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_five_megabyte_prompt_reaches_the_worker_whole_in_streamed_mode() {
+    five_megabytes_reach_the_worker_whole(BodyMode::Streamed).await;
+}
+
+/// A 5 MB prompt under an 8 MiB body limit, with the pool given room for its 1.25M tokens, is routed
+/// and reaches the worker byte for byte.
+async fn five_megabytes_reach_the_worker_whole(mode: BodyMode) {
     const PROMPT_BYTES: usize = 5_000_000;
     let stack = Stack::start(Setup {
         max_body_bytes: Some(8 << 20),
         tune: room_for_huge_prompts,
-        ..Setup::new(BodyMode::Streamed)
+        ..Setup::new(mode)
     })
     .await;
     let body = completion(&text("big", PROMPT_BYTES));

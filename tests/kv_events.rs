@@ -120,17 +120,21 @@ async fn admin(worker: SocketAddr, path: &str, body: Value) {
     );
 }
 
-/// The picker's KV event stream of worker `worker`, rank 0, from `/debug/snapshot`.
-async fn stream(stage: &Stage, worker: u64) -> Value {
-    let snapshot = request(
+/// The picker's `/debug/snapshot`.
+async fn snapshot(stage: &Stage) -> Value {
+    request(
         Method::GET,
         stage.picker.metrics_listen(),
         "/debug/snapshot",
         None,
     )
     .await
-    .json();
-    let streams = snapshot["pools"][0]["kv_events"]
+    .json()
+}
+
+/// The picker's KV event stream of worker `worker`, rank 0, from `/debug/snapshot`.
+async fn stream(stage: &Stage, worker: u64) -> Value {
+    let streams = snapshot(stage).await["pools"][0]["kv_events"]
         .as_array()
         .expect("kv_events streams")
         .clone();
@@ -342,14 +346,7 @@ async fn a_restarted_worker_is_credited_nothing_a_second_after_it_is_back() {
     let stream = stream(&stage, 1).await;
     assert_eq!(reset_count(&stream, "restart"), 1, "{stream:#}");
     // The roster knows it too: the worker counts a restart.
-    let snapshot = request(
-        Method::GET,
-        stage.picker.metrics_listen(),
-        "/debug/snapshot",
-        None,
-    )
-    .await
-    .json();
+    let snapshot = snapshot(&stage).await;
     let restarts = snapshot["pools"][0]["workers"][1]["restarts"].as_u64();
     assert!(restarts >= Some(1), "{snapshot:#}");
     stage.stop().await.unwrap();

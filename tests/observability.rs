@@ -548,6 +548,20 @@ fn near(value: Option<f64>, expected: f64) -> bool {
     value.is_some_and(|value| (value - expected).abs() < 1e-3)
 }
 
+/// The pool's ready pods, average queue, average running requests and average KV usage are
+/// `expected`, in that order.
+fn pool_gauges_are(samples: &[PromSample], pool: &[(&str, &str)], expected: [f64; 4]) -> bool {
+    [
+        "inference_pool_ready_pods",
+        "inference_pool_average_queue_size",
+        "inference_pool_average_running_requests",
+        "inference_pool_average_kv_cache_utilization",
+    ]
+    .iter()
+    .zip(expected)
+    .all(|(name, expected)| near(value(samples, name, pool), expected))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gie_pool_gauges_follow_the_workers_metrics() {
     let stack = Gateway::start(3, |_| {}, None).await;
@@ -564,23 +578,7 @@ async fn the_gie_pool_gauges_follow_the_workers_metrics() {
     }
     let first = workers[0].to_string();
     wait_metrics(&stack, "three ready workers, averaged", |samples| {
-        near(value(samples, "inference_pool_ready_pods", &pool), 3.0)
-            && near(
-                value(samples, "inference_pool_average_queue_size", &pool),
-                2.0,
-            )
-            && near(
-                value(samples, "inference_pool_average_running_requests", &pool),
-                1.0,
-            )
-            && near(
-                value(
-                    samples,
-                    "inference_pool_average_kv_cache_utilization",
-                    &pool,
-                ),
-                0.3,
-            )
+        pool_gauges_are(samples, &pool, [3.0, 2.0, 1.0, 0.3])
             && near(
                 value(
                     samples,
@@ -600,23 +598,7 @@ async fn the_gie_pool_gauges_follow_the_workers_metrics() {
         &stack,
         "the failing worker leaves the averages",
         |samples| {
-            near(value(samples, "inference_pool_ready_pods", &pool), 2.0)
-                && near(
-                    value(samples, "inference_pool_average_queue_size", &pool),
-                    2.5,
-                )
-                && near(
-                    value(samples, "inference_pool_average_running_requests", &pool),
-                    1.0,
-                )
-                && near(
-                    value(
-                        samples,
-                        "inference_pool_average_kv_cache_utilization",
-                        &pool,
-                    ),
-                    0.3,
-                )
+            pool_gauges_are(samples, &pool, [2.0, 2.5, 1.0, 0.3])
                 && value(
                     samples,
                     "inference_pool_per_pod_queue_size",
