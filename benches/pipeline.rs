@@ -13,7 +13,7 @@ use cachepick::config::{self, Overrides};
 use cachepick::load::PoolLoad;
 use cachepick::policy::Outcome;
 use cachepick::route::Picker;
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Bencher, Criterion, Throughput, criterion_group, criterion_main};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
@@ -36,6 +36,12 @@ fn picker() -> Picker {
 
 const CHAT: &str = "/v1/chat/completions";
 
+/// Times `run` on a fresh picker (an empty segment cache and index) each iteration; building the picker
+/// is not timed, and neither is dropping what `run` returns.
+fn on_fresh_picker<O>(b: &mut Bencher<'_>, run: impl FnMut(Picker) -> O) {
+    b.iter_batched(picker, run, BatchSize::PerIteration)
+}
+
 /// The prompt's size in tokens, as a fresh picker counts it.
 fn prompt_tokens(body: &[u8]) -> u64 {
     picker().prepare(CHAT, body).unwrap().prompt_tokens
@@ -57,11 +63,7 @@ fn bench_pipeline(c: &mut Criterion) {
     let mut group = c.benchmark_group("prepare_8k_10_turns");
     group.throughput(Throughput::Bytes(body.len() as u64));
     group.bench_function("cold", |b| {
-        b.iter_batched(
-            picker,
-            |picker| black_box(picker.prepare(CHAT, &body).unwrap()),
-            BatchSize::PerIteration,
-        )
+        on_fresh_picker(b, |picker| black_box(picker.prepare(CHAT, &body).unwrap()))
     });
     let warm = picker();
     route(&warm, &body, &mut rng);
@@ -77,15 +79,12 @@ fn bench_pipeline(c: &mut Criterion) {
     let mut group = c.benchmark_group("route_220kb");
     group.throughput(Throughput::Bytes(big.len() as u64));
     group.bench_function("cold", |b| {
-        b.iter_batched(
-            picker,
-            |picker| {
-                let mut rng = SmallRng::seed_from_u64(1);
-                route(&picker, &big, &mut rng);
-                picker
-            },
-            BatchSize::PerIteration,
-        )
+        on_fresh_picker(b, |picker| {
+            let mut rng = SmallRng::seed_from_u64(1);
+            route(&picker, &big, &mut rng);
+            // Returned, so that its drop is not timed.
+            picker
+        })
     });
     let warm = picker();
     route(&warm, &big, &mut rng);
