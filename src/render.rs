@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use crate::events::stream::StreamView;
-use crate::policy::Outcome;
+use crate::policy::{Outcome, RateSource};
 use crate::prefix::DepthSource;
 use crate::route::{AdmissionView, Explanation, PoolReport};
 use crate::worker::WorkerId;
@@ -184,6 +184,11 @@ fn cell(value: Option<u64>) -> String {
     value.map_or_else(|| "-".to_owned(), |value| value.to_string())
 }
 
+/// Microseconds as milliseconds with one decimal.
+fn millis(us: u64) -> String {
+    format!("{}.{} ms", us / 1000, us % 1000 / 100)
+}
+
 /// `cachepick explain`: the pool, the prompt's blocks, the owners and the decision with its trace.
 pub fn explanation(explanation: &Explanation) -> String {
     let prepared = &explanation.prepared;
@@ -267,6 +272,27 @@ pub fn explanation(explanation: &Explanation) -> String {
             );
         }
     }
+    let trace = explanation.outcome.trace();
+    for predicted in &trace.predictions {
+        let p = &predicted.prediction;
+        let source = match p.rate_source {
+            RateSource::Learned => "learned",
+            RateSource::Configured => "configured",
+        };
+        let _ = writeln!(
+            out,
+            "predict: {} cached {} tokens, {} uncached ahead ({} sent since its reading): queue {}, \
+             prefill {}, first token {} at {} tokens/s ({source})",
+            endpoint(predicted.worker),
+            predicted.cached_tokens,
+            p.ahead_tokens,
+            p.dispatched_tokens,
+            millis(p.queue_us),
+            millis(p.prefill_us),
+            millis(predicted.ttft_us),
+            p.rate,
+        );
+    }
     match &explanation.outcome {
         Outcome::Route(decision) => {
             let fallbacks: Vec<String> =
@@ -287,7 +313,7 @@ pub fn explanation(explanation: &Explanation) -> String {
             let _ = writeln!(out, "decision: refuse {}", refused.reason.as_str());
         }
     }
-    let trace = serde_json::to_string_pretty(explanation.outcome.trace()).unwrap_or_default();
+    let trace = serde_json::to_string_pretty(trace).unwrap_or_default();
     let _ = writeln!(out, "trace:   {trace}");
     out
 }

@@ -405,8 +405,8 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
 
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert!(is_fresh(&state.snapshot(), 0));
-    state.dispatches().record(WorkerId(0));
-    state.dispatches().record(WorkerId(0));
+    state.dispatches().record(WorkerId(0), 0);
+    state.dispatches().record(WorkerId(0), 0);
 
     engine.set(Mode::Status(503));
     tokio::time::sleep(Duration::from_millis(150)).await;
@@ -463,12 +463,12 @@ async fn requests_dispatched_while_a_scrape_is_in_flight_stay_counted() {
     let engine = FakeEngine::start(Mode::Slow(Duration::from_millis(80), body)).await;
     let mut pool = Pool::new(&config("vllm", QUICK, &[(engine.addr, "")]));
     let load = Arc::clone(&pool.load);
-    load.dispatches().record(WorkerId(0));
+    load.dispatches().record(WorkerId(0), 0);
     let scraping = pool.scraper.round();
     let dispatching = async {
         tokio::time::sleep(Duration::from_millis(30)).await;
         for _ in 0..5 {
-            load.dispatches().record(WorkerId(0));
+            load.dispatches().record(WorkerId(0), 0);
         }
     };
     tokio::join!(scraping, dispatching);

@@ -23,8 +23,8 @@ use serde::Serialize;
 use cachepick_decode::{duration, size};
 
 use super::{
-    Config, Discovery, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection, PolicyConfig,
-    PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
+    Config, Discovery, GateUnit, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection,
+    PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 
@@ -138,6 +138,11 @@ struct Policy {
     min_load_choices: Option<usize>,
     min_match_tokens: Option<u64>,
     pin_depth_ratio: Option<f64>,
+    /// Written only for the prefill-time unit, or where a pool's unit differs from the top level's.
+    gate_unit: Option<&'static str>,
+    divert_margin: Option<String>,
+    saturation_wait_floor: Option<Option<String>>,
+    prefill_tokens_per_second: Option<u64>,
     balance_abs_threshold: Option<u64>,
     balance_rel_threshold: Option<f64>,
     cache_threshold: Option<f64>,
@@ -154,8 +159,19 @@ impl Policy {
         };
         match &policy.mode {
             Mode::CacheAware(knobs) => {
-                section.worker_queue_limit = Some(knobs.gate.map(|gate| gate.limit()));
-                section.saturation_queue_floor = Some(knobs.gate.and_then(|gate| gate.floor()));
+                match knobs.wait {
+                    None => {
+                        section.worker_queue_limit = Some(knobs.gate.map(|gate| gate.limit()));
+                        section.saturation_queue_floor =
+                            Some(knobs.gate.and_then(|gate| gate.floor()));
+                    }
+                    Some(wait) => {
+                        section.gate_unit = Some(GateUnit::PrefillTime.as_str());
+                        section.divert_margin = Some(duration::format(wait.divert_margin));
+                        section.saturation_wait_floor = Some(wait.floor.map(duration::format));
+                        section.prefill_tokens_per_second = wait.fallback_rate.map(NonZeroU64::get);
+                    }
+                }
                 section.min_load_choices = Some(knobs.min_load_choices.get());
                 section.min_match_tokens = Some(knobs.min_match_tokens);
                 section.pin_depth_ratio = Some(knobs.pin_depth_ratio.get());
@@ -183,8 +199,28 @@ impl Policy {
                 ..mine
             };
         }
+        // A pool whose unit differs says so, even when it is the default one.
+        let unit_of = |policy: &PolicyConfig| {
+            policy
+                .cache_aware()
+                .map_or(GateUnit::default(), |knobs| match knobs.wait {
+                    Some(_) => GateUnit::PrefillTime,
+                    None => GateUnit::Requests,
+                })
+        };
+        let gate_unit = (unit_of(pool) != unit_of(base)).then(|| unit_of(pool).as_str());
         Policy {
             mode: None,
+            gate_unit,
+            divert_margin: differs(mine.divert_margin, theirs.divert_margin),
+            saturation_wait_floor: differs(
+                mine.saturation_wait_floor,
+                theirs.saturation_wait_floor,
+            ),
+            prefill_tokens_per_second: differs(
+                mine.prefill_tokens_per_second,
+                theirs.prefill_tokens_per_second,
+            ),
             worker_queue_limit: differs(mine.worker_queue_limit, theirs.worker_queue_limit),
             saturation_queue_floor: differs(
                 mine.saturation_queue_floor,

@@ -2,6 +2,7 @@
 //! through `check`.
 
 mod discovery;
+mod gate_unit;
 mod overload;
 mod security;
 
@@ -733,7 +734,8 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
             ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
              "policy.worker_queue_limt (line 2)",
              "unknown key; expected one of: mode, worker_queue_limit, saturation_queue_floor, min_load_choices, \
-              min_match_tokens, pin_depth_ratio, balance_abs_threshold, balance_rel_threshold, cache_threshold, \
+              min_match_tokens, pin_depth_ratio, gate_unit, divert_margin, saturation_wait_floor, \
+              prefill_tokens_per_second, balance_abs_threshold, balance_rel_threshold, cache_threshold, \
               max_fallbacks"),
             ("unknown worker key", pool("        weight: 2\n"), &NO_FLAGS,
              "pools[0].workers[0].weight (line 6)",

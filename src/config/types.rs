@@ -238,8 +238,12 @@ impl Default for Mode {
 /// The knobs of `cache_aware`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheAwareKnobs {
-    /// The queue gate and its saturation floor; `None` is pure prefix affinity.
+    /// The queue gate and its saturation floor in requests (`gate_unit: requests`); `None` under the
+    /// prefill-time unit, and for pure prefix affinity.
     pub gate: Option<QueueGate>,
+    /// The gate and floor in predicted prefill time (`gate_unit: prefill_time`); when set, `gate` is
+    /// `None` (the validator never builds both).
+    pub wait: Option<WaitGate>,
     /// Power-of-k sampling for off-owner picks.
     pub min_load_choices: NonZeroUsize,
     /// An owner must hold at least this many leading prompt tokens to count as one.
@@ -258,6 +262,7 @@ impl Default for CacheAwareKnobs {
     fn default() -> Self {
         CacheAwareKnobs {
             gate: Some(QueueGate::default_gate()),
+            wait: None,
             min_load_choices: NonZeroUsize::new(Self::DEFAULT_MIN_LOAD_CHOICES)
                 .unwrap_or(NonZeroUsize::MIN),
             min_match_tokens: Self::DEFAULT_MIN_MATCH_TOKENS,
@@ -355,6 +360,62 @@ impl QueueGate {
     /// The fleet is saturated when no worker has a fresh reading below this, per rank.
     pub fn floor(self) -> Option<u64> {
         self.floor.map(NonZeroU64::get)
+    }
+}
+
+/// How the gate and the saturation floor measure a worker's queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GateUnit {
+    /// Requests waiting, per data-parallel rank: `worker_queue_limit`, `saturation_queue_floor`.
+    #[default]
+    Requests,
+    /// Predicted prefill time: `divert_margin`, `saturation_wait_floor`, `prefill_tokens_per_second`.
+    PrefillTime,
+}
+
+impl GateUnit {
+    pub const ALL: [GateUnit; 2] = [GateUnit::Requests, GateUnit::PrefillTime];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GateUnit::Requests => "requests",
+            GateUnit::PrefillTime => "prefill_time",
+        }
+    }
+}
+
+/// The gate and floor in predicted prefill time (see `policy`).
+///
+/// An owner keeps the request unless its predicted time to first token — the uncached tokens ahead of
+/// the request and its own uncached prompt, over the worker's prefill rate — exceeds the best
+/// alternative's by more than `divert_margin`. The fleet is saturated when no worker is predicted to
+/// start the request's prefill within `floor`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WaitGate {
+    /// How much sooner an alternative must be predicted to deliver the first token for a diversion.
+    pub divert_margin: Duration,
+    /// `saturation_wait_floor`; `None` turns the saturation pin off.
+    pub floor: Option<Duration>,
+    /// `prefill_tokens_per_second` per data-parallel rank, used where the rate is not learned yet;
+    /// `None` leaves such a worker's prediction unknown (its gate fails open).
+    pub fallback_rate: Option<NonZeroU64>,
+}
+
+impl WaitGate {
+    /// A diversion must be predicted to save at least this much: a cold prefill elsewhere costs the
+    /// fleet more than the one request's wait.
+    pub const DEFAULT_DIVERT_MARGIN: Duration = Duration::from_millis(500);
+    /// No worker able to start within this is a saturated fleet.
+    pub const DEFAULT_FLOOR: Duration = Duration::from_secs(1);
+}
+
+impl Default for WaitGate {
+    fn default() -> Self {
+        WaitGate {
+            divert_margin: Self::DEFAULT_DIVERT_MARGIN,
+            floor: Some(Self::DEFAULT_FLOOR),
+            fallback_rate: None,
+        }
     }
 }
 

@@ -1,4 +1,5 @@
-//! Router-local dispatch counts: requests sent to each worker since its last complete reading.
+//! Router-local dispatch counts: requests sent to each worker since its last complete reading, and
+//! their uncached prompt tokens as predicted at the decision.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -12,12 +13,14 @@ use crate::worker::WorkerId;
 #[derive(Debug)]
 pub struct DispatchTable {
     counts: Vec<AtomicU64>,
+    tokens: Vec<AtomicU64>,
 }
 
 impl DispatchTable {
     pub fn new(workers: usize) -> Self {
         DispatchTable {
             counts: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            tokens: (0..workers).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -32,25 +35,32 @@ impl DispatchTable {
 
     /// Forgets every request counted for `id`: its worker left, restarted, or the slot has a new one.
     pub fn reset(&self, id: WorkerId) {
-        if let Some(count) = self.counts.get(id.index()) {
-            count.store(0, Ordering::Relaxed);
+        for table in [&self.counts, &self.tokens] {
+            if let Some(slot) = table.get(id.index()) {
+                slot.store(0, Ordering::Relaxed);
+            }
         }
     }
 
-    /// Counts one request sent to `id`.
-    pub fn record(&self, id: WorkerId) {
+    /// Counts one request sent to `id`, bringing `uncached_tokens` the worker is predicted to compute.
+    pub fn record(&self, id: WorkerId, uncached_tokens: u64) {
         if let Some(count) = self.counts.get(id.index()) {
             count.fetch_add(1, Ordering::Relaxed);
         }
+        if let Some(tokens) = self.tokens.get(id.index()) {
+            tokens.fetch_add(uncached_tokens, Ordering::Relaxed);
+        }
     }
 
-    /// Forgets `count` requests sent to `id`: a newer reading covers them. Requests sent since that
-    /// reading was requested stay counted.
-    pub fn forget(&self, id: WorkerId, count: u64) {
-        if let Some(slot) = self.counts.get(id.index()) {
-            let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
-                Some(current.saturating_sub(count))
-            });
+    /// Forgets `count` requests and `tokens` uncached tokens sent to `id`: a newer reading covers
+    /// them. What was sent since that reading was requested stays counted.
+    pub fn forget(&self, id: WorkerId, count: u64, tokens: u64) {
+        for (table, amount) in [(&self.counts, count), (&self.tokens, tokens)] {
+            if let Some(slot) = table.get(id.index()) {
+                let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
+                    Some(current.saturating_sub(amount))
+                });
+            }
         }
     }
 }
@@ -60,5 +70,11 @@ impl DispatchCounts for DispatchTable {
         self.counts
             .get(id.index())
             .map_or(0, |count| count.load(Ordering::Relaxed))
+    }
+
+    fn uncached_since_reading(&self, id: WorkerId) -> u64 {
+        self.tokens
+            .get(id.index())
+            .map_or(0, |tokens| tokens.load(Ordering::Relaxed))
     }
 }

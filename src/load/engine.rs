@@ -36,6 +36,29 @@ pub struct Report {
     pub malformed: usize,
     /// What tells one run of the engine from the next.
     pub identity: Identity,
+    /// Cumulative prefill counters, summed over every series, from which the prefill rate is learned.
+    pub progress: Progress,
+}
+
+/// An engine's cumulative prefill counters, summed over its ranks: prompt tokens, the part of them the
+/// prefix cache served, and requests that produced their first token. Every replica scraping the worker
+/// sees the same numbers, so what is learned from them is shared without talking to one another.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Progress {
+    /// `prompt_tokens_total` (vLLM V1 counts a prompt when its prefill completes).
+    pub prompt_tokens: Option<f64>,
+    /// Prompt tokens the prefix cache served: vLLM's `prefix_cache_hits_total`, SGLang's
+    /// `cached_tokens_total`.
+    pub cached_tokens: Option<f64>,
+    /// `time_to_first_token_seconds_count`: requests whose prefill completed.
+    pub first_tokens: Option<f64>,
+}
+
+impl Progress {
+    /// Prompt tokens the engine had to compute: prompt minus cached, when both are reported.
+    pub fn uncached_tokens(&self) -> Option<f64> {
+        Some(self.prompt_tokens? - self.cached_tokens?)
+    }
 }
 
 /// What tells one run of an engine from the next: a restart resets both.
@@ -97,8 +120,12 @@ struct Names {
     cache_info_labels: (&'static str, &'static str),
     /// Labels naming the data-parallel rank, tried in order.
     rank_labels: &'static [&'static str],
-    /// A counter that grows while the engine runs and starts from zero with it.
+    /// A counter that grows while the engine runs and starts from zero with it: prompt tokens.
     served: &'static str,
+    /// The prompt tokens served from the prefix cache.
+    cached: &'static str,
+    /// The first-token histogram's count.
+    first_tokens: &'static str,
 }
 
 const VLLM: Names = Names {
@@ -113,6 +140,8 @@ const VLLM: Names = Names {
     cache_info_labels: ("block_size", "num_gpu_blocks"),
     rank_labels: &["engine", "dp_rank"],
     served: "vllm:prompt_tokens_total",
+    cached: "vllm:prefix_cache_hits_total",
+    first_tokens: "vllm:time_to_first_token_seconds_count",
 };
 
 const SGLANG: Names = Names {
@@ -126,6 +155,8 @@ const SGLANG: Names = Names {
     cache_info_labels: ("page_size", "num_pages"),
     rank_labels: &["dp_rank"],
     served: "sglang:prompt_tokens_total",
+    cached: "sglang:cached_tokens_total",
+    first_tokens: "sglang:time_to_first_token_seconds_count",
 };
 
 impl Names {
@@ -145,6 +176,8 @@ impl Names {
             || Some(name) == self.max_running
             || name == self.cache_info
             || name == self.served
+            || name == self.cached
+            || name == self.first_tokens
             || name == START_TIME
     }
 }
@@ -181,7 +214,19 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
     let mut samples = prom::samples(text, |name| names.wants(name));
     let mut malformed = 0;
     let mut identity = Identity::default();
+    let mut progress = Progress::default();
     for sample in samples.by_ref() {
+        if sample.name == names.cached || sample.name == names.first_tokens {
+            let field = if sample.name == names.cached {
+                &mut progress.cached_tokens
+            } else {
+                &mut progress.first_tokens
+            };
+            if sample.value.is_finite() && sample.value >= 0.0 {
+                *field = Some(field.unwrap_or(0.0) + sample.value);
+            }
+            continue;
+        }
         if sample.name == START_TIME || sample.name == names.served {
             if sample.value.is_finite() {
                 let field = if sample.name == START_TIME {
@@ -264,10 +309,12 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
             running: names.running,
         });
     }
+    progress.prompt_tokens = identity.served;
     Ok(Report {
         ranks,
         malformed,
         identity,
+        progress,
     })
 }
 
@@ -365,6 +412,7 @@ pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError
         ranks,
         malformed,
         identity: Identity::default(),
+        progress: Progress::default(),
     })
 }
 

@@ -12,6 +12,7 @@ mod fetch;
 mod inspect;
 mod pool;
 mod prom;
+mod rate;
 mod roster;
 mod samples;
 mod scrape;
@@ -19,14 +20,16 @@ mod snapshot;
 mod tls;
 
 pub use dispatch::DispatchTable;
-pub use engine::{ExtractError, Identity, RankLoad, Report, from_loads_json, from_metrics};
+pub use engine::{
+    ExtractError, Identity, Progress, RankLoad, Report, from_loads_json, from_metrics,
+};
 pub use fetch::ScrapeError;
 pub use inspect::{PoolView, WorkerView};
 pub use pool::{PoolLoad, RosterObserver, ScrapeObserver};
 pub use prom::{Labels, Sample, Samples, samples};
 pub use scrape::Scraper;
 pub use snapshot::{
-    Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading,
-    ScrapeOutcome, ScrapeStatus, Tier, WorkerState,
+    Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, PrefillEstimate,
+    Reading, ScrapeOutcome, ScrapeStatus, Tier, TokenDispatches, WorkerState,
 };
 pub use tls::ScrapeTlsClient;

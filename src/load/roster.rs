@@ -24,6 +24,7 @@ use prometheus::IntCounter;
 use super::engine::{Identity, Report};
 use super::fetch::{ScrapeError, Target};
 use super::pool::{PoolLoad, RosterObserver, ScrapeObserver, configured_capacity};
+use super::rate::PrefillMeter;
 use super::samples::RankSamples;
 use super::snapshot::{
     Capacity, DispatchCounts, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState,
@@ -50,6 +51,8 @@ struct Tracked {
     failures: u32,
     /// The engine run the last answer came from.
     identity: Option<Identity>,
+    /// What its counters teach about its prefill.
+    meter: PrefillMeter,
     /// When the state last changed to `Restarted` or `Draining`.
     since: Instant,
 }
@@ -60,8 +63,9 @@ pub(super) struct Scrape {
     pub(super) target: Arc<Target>,
     /// The slot's occupant, which the result must still be when it arrives.
     generation: u64,
-    /// The worker's dispatch count when the request was sent: a newer reading covers those requests.
-    dispatched: u64,
+    /// The worker's dispatch count and uncached tokens when the request was sent: a newer reading
+    /// covers those requests.
+    dispatched: (u64, u64),
 }
 
 impl Scrape {
@@ -83,7 +87,7 @@ pub(super) struct Fetched {
     pub(super) generation: u64,
     /// When the request was sent: the samples it brings are that old.
     pub(super) sent: Instant,
-    pub(super) dispatched: u64,
+    pub(super) dispatched: (u64, u64),
     pub(super) result: Result<Report, ScrapeError>,
 }
 
@@ -178,6 +182,7 @@ impl Roster {
                 .collect(),
             failures: 0,
             identity: None,
+            meter: PrefillMeter::default(),
             since: now,
         }
     }
@@ -218,7 +223,10 @@ impl Roster {
             id,
             target: Arc::clone(&worker.target),
             generation: worker.state.generation,
-            dispatched: dispatches.since_reading(worker.id),
+            dispatched: (
+                dispatches.since_reading(worker.id),
+                dispatches.uncached_since_reading(worker.id),
+            ),
         })
     }
 
@@ -413,8 +421,9 @@ impl Roster {
                     && report.identity.restarted_since(earlier)
                 {
                     restarted = true;
-                    // The old run's samples describe a cache that is gone.
+                    // The old run's samples describe a cache that is gone, its counters a run that is.
                     worker.ranks.clear();
+                    worker.meter.reset();
                 }
                 worker.identity = Some(report.identity);
                 let before = worker.state.reading.map(|reading| reading.captured_at);
@@ -428,8 +437,14 @@ impl Roster {
                 {
                     // The engine's numbers cover what was sent before the request, not what was sent
                     // while it was in flight.
-                    dispatches.forget(worker.id, dispatched);
+                    dispatches.forget(worker.id, dispatched.0, dispatched.1);
                     idle = reading.load.waiting == 0 && reading.load.running == 0;
+                    worker.meter.observe(
+                        reading.captured_at,
+                        &report.progress,
+                        reading.load.waiting,
+                    );
+                    worker.state.prefill = worker.meter.estimate();
                 }
                 if was_failing {
                     tracing::info!(pool = label, worker = %worker.state.endpoint, "worker scrape recovered");

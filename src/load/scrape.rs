@@ -210,7 +210,7 @@ impl Scraper {
                     id,
                     generation: u64::MAX,
                     sent: clock(),
-                    dispatched: 0,
+                    dispatched: (0, 0),
                     result: Err(ScrapeError::Url("no such worker".into())),
                 };
                 return (round, fetched);

@@ -42,6 +42,16 @@ pub struct Capacity {
     pub max_total_tokens: Option<u64>,
 }
 
+/// A worker's prefill as learned from its engine's counters, in wall time; `None` until enough has
+/// been seen (see `load::rate`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PrefillEstimate {
+    /// Uncached prompt tokens the worker (all its ranks) computes per second while requests wait.
+    pub tokens_per_second: Option<u64>,
+    /// Uncached prompt tokens a request brings, on average.
+    pub uncached_per_request: Option<u64>,
+}
+
 /// A worker as the policy sees it at one instant.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerState {
@@ -60,6 +70,8 @@ pub struct WorkerState {
     pub ranks: u32,
     pub capacity: Capacity,
     pub reading: Option<Reading>,
+    /// What the worker's counters taught about its prefill (see `load::rate`).
+    pub prefill: PrefillEstimate,
     /// How the last scrape went, for operators; the policy never reads it.
     pub scrape: ScrapeStatus,
 }
@@ -117,6 +129,7 @@ impl WorkerState {
             ranks: 1,
             capacity: Capacity::default(),
             reading: None,
+            prefill: PrefillEstimate::default(),
             scrape: ScrapeStatus::default(),
         }
     }
@@ -306,6 +319,11 @@ impl PoolSnapshot {
 /// on requests the engine may already be running.
 pub trait DispatchCounts {
     fn since_reading(&self, id: WorkerId) -> u64;
+
+    /// Uncached prompt tokens of those requests, as the picker predicted them when it sent them.
+    fn uncached_since_reading(&self, _id: WorkerId) -> u64 {
+        0
+    }
 }
 
 /// A plain per-worker vector of counts, indexed by [`WorkerId`]; missing entries count as zero.
@@ -315,5 +333,19 @@ pub struct Dispatches<'a>(pub &'a [u64]);
 impl DispatchCounts for Dispatches<'_> {
     fn since_reading(&self, id: WorkerId) -> u64 {
         self.0.get(id.index()).copied().unwrap_or(0)
+    }
+}
+
+/// Per-worker `(requests, uncached tokens)` dispatched since the last reading, indexed by [`WorkerId`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokenDispatches<'a>(pub &'a [(u64, u64)]);
+
+impl DispatchCounts for TokenDispatches<'_> {
+    fn since_reading(&self, id: WorkerId) -> u64 {
+        self.0.get(id.index()).map_or(0, |(count, _)| *count)
+    }
+
+    fn uncached_since_reading(&self, id: WorkerId) -> u64 {
+        self.0.get(id.index()).map_or(0, |(_, tokens)| *tokens)
     }
 }

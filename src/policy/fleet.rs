@@ -2,8 +2,10 @@
 //! the proxy's subset, each with its reading, match depth and verdicts computed once.
 
 use super::rank::{self, Member};
-use super::trace::OwnerVerdict;
+use super::trace::{OwnerVerdict, Predicted};
+use super::wait;
 use super::{LoadView, RequestFacts};
+use crate::config::WaitGate;
 use crate::load::{Lifecycle, Tier, WorkerState};
 use crate::prefix::OwnerMatch;
 
@@ -18,12 +20,14 @@ pub(super) struct Fleet<'a> {
 }
 
 impl<'a> Fleet<'a> {
-    /// `limit` is the queue gate's, `None` when the mode has no gate (every gate verdict is then `Off`).
+    /// `limit` is the queue gate's, `None` when the mode has no gate (every gate verdict is then `Off`);
+    /// `wait` is the prefill-time gate's, which predicts each member and judges it against the best.
     pub fn new(
         request: &RequestFacts<'_>,
         owners: &[OwnerMatch],
         load: &LoadView<'a>,
         limit: Option<u64>,
+        wait: Option<&WaitGate>,
     ) -> Fleet<'a> {
         let snapshot = load.snapshot;
         // Leading tokens each worker holds, by worker index; duplicates keep the deepest match.
@@ -53,6 +57,7 @@ impl<'a> Fleet<'a> {
                 gate: rank::gate(limit.map(|limit| per_worker(limit, state)), fresh),
                 admission: rank::admission(state, fresh, request.prompt_tokens),
                 dispatched: load.dispatches.since_reading(state.id),
+                prediction: None,
             }
         };
         // New and unreachable workers serve only when no answering one is left: fail-open survives
@@ -75,11 +80,36 @@ impl<'a> Fleet<'a> {
         if members.is_empty() {
             members = last_resort.into_iter().map(member).collect();
         }
+        if let Some(wait) = wait {
+            for member in &mut members {
+                let dispatched = load.dispatches.uncached_since_reading(member.id());
+                member.prediction = wait::predict(member, request.prompt_tokens, dispatched, wait);
+            }
+            let best = wait::best_ttft(&members);
+            for member in &mut members {
+                member.gate = wait::gate(member, best, wait);
+            }
+        }
         Fleet {
             members,
             matching_workers: matched.iter().filter(|depth| **depth > 0).count(),
             unknown_workers,
         }
+    }
+
+    /// Every member's prediction, for the trace (empty outside the prefill-time unit).
+    pub fn predictions(&self) -> Vec<Predicted> {
+        self.members
+            .iter()
+            .filter_map(|member| {
+                member.prediction.map(|prediction| Predicted {
+                    worker: member.id(),
+                    cached_tokens: member.matched_tokens,
+                    prediction,
+                    ttft_us: prediction.ttft_us(),
+                })
+            })
+            .collect()
     }
 
     /// Index matches that did not count when `counted` of them did.

@@ -48,10 +48,33 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
     // Owners the gate turned away; the saturation rungs may take them back.
     let queued: Vec<Member<'_>> = owners
         .iter()
-        .filter(|owner| matches!(owner.gate, Gate::Queued { .. }))
+        .filter(|owner| owner.gate.turns_away())
         .copied()
         .collect();
     let mut gate_voided = false;
+    // Rung 2 in the prefill-time unit: the pin when no worker can start the prefill within the floor.
+    if let (Some(floor), false) = (config.wait.and_then(|wait| wait.floor), queued.is_empty()) {
+        trace.saturation = starts_within(fleet, floor);
+        if trace.saturation.is_saturated() {
+            gate_voided = true;
+            let pinnable = || queued.iter().filter(|owner| owner.admission.admits());
+            let deepest = pinnable()
+                .map(|owner| owner.matched_tokens)
+                .max()
+                .unwrap_or(0);
+            let cutoff = config.pin_depth_ratio.get() * deepest as f64;
+            let eligible: Vec<Member<'_>> = pinnable()
+                .filter(|owner| owner.matched_tokens as f64 >= cutoff)
+                .copied()
+                .collect();
+            let (ranked, source) = rank::take_ranked(eligible, ranks, rank::least_pressured);
+            trace.pressure = source;
+            trace.rung = Rung::SaturationPin;
+            if let Some(outcome) = route(&ranked, Reason::SaturationPin, &mut trace, fleet, ranks) {
+                return outcome;
+            }
+        }
+    }
     if let (Some(gate), false) = (config.gate, queued.is_empty()) {
         let pinnable = || {
             queued
@@ -111,7 +134,7 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
             Reason::CacheMiss
         } else if selected.matched_tokens >= min_match {
             match selected.gate {
-                Gate::Queued { .. } => Reason::AllQueued,
+                Gate::Queued { .. } | Gate::Later { .. } => Reason::AllQueued,
                 _ => Reason::CapacityFallback,
             }
         } else if gate_voided {
@@ -138,6 +161,13 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
     } else {
         (open, Rung::OffOwnerGateAndAdmission)
     };
+    // In the prefill-time unit a diversion goes where the gate predicted it pays: the soonest worker.
+    let diverting = config.wait.is_some() && !queued.is_empty() && !gate_voided;
+    let pick = if config.wait.is_some() {
+        rank::soonest
+    } else {
+        rank::least_loaded
+    };
     let ranked = if pool.is_empty() {
         // Nobody can take the request by its engine's own limits: send it where the wait is shortest
         // rather than refuse it, since the limits are estimates and the engine queues.
@@ -145,6 +175,9 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         trace.pressure = source;
         trace.rung = Rung::LeastPressured;
         ranked
+    } else if diverting {
+        trace.rung = rung;
+        rank::take_ranked(pool, ranks, rank::soonest).0
     } else {
         rank::sample(&mut pool, config.min_load_choices.get(), rng);
         trace.sampled = pool
@@ -155,7 +188,7 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
             })
             .collect();
         trace.rung = rung;
-        rank::take_ranked(pool, ranks, rank::least_loaded).0
+        rank::take_ranked(pool, ranks, pick).0
     };
     let reason = ranked.first().map_or(Reason::CacheMiss, off_owner_reason);
     match route(&ranked, reason, &mut trace, fleet, ranks) {
@@ -206,6 +239,24 @@ fn off_owner_tier(member: &Member<'_>) -> u8 {
         (false, true) => 1,
         _ => 2,
     }
+}
+
+/// Looks for a fleet worker predicted to start the request's prefill within `floor`: the evidence that
+/// diverting can pay off. A worker without a prediction is no such evidence (fail-closed).
+fn starts_within(fleet: &[Member<'_>], floor: std::time::Duration) -> Saturation {
+    let floor_us = u64::try_from(floor.as_micros()).unwrap_or(u64::MAX);
+    for member in fleet {
+        if let Some(prediction) = member.prediction
+            && prediction.queue_us < floor_us
+        {
+            return Saturation::StartsSoon {
+                witness: member.id(),
+                queue_us: prediction.queue_us,
+                floor_us,
+            };
+        }
+    }
+    Saturation::NoneStartsSoon { floor_us }
 }
 
 /// Looks for a fleet worker whose fresh queue is below `per_rank` times its ranks: the evidence that

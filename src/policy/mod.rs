@@ -40,6 +40,22 @@
 //! The gate fails open (a worker without a fresh reading passes it) while the saturation check fails
 //! closed (a worker without a fresh reading is no evidence of idleness): missing signal keeps the request
 //! with its prefix owner either way.
+//!
+//! **The prefill-time unit** (`gate_unit: prefill_time`, see `wait.rs`) keeps the ladder's shape and
+//! changes what the gate and the floor measure. Each fleet worker gets a prediction for this request:
+//! the uncached tokens ahead of it over the worker's prefill rate (queue), and its own uncached prompt
+//! there — the worker's cached prefix counted, whatever its depth — over the same rate (prefill).
+//! 1. An owner passes the gate unless its queue + prefill exceeds the best admitted worker's by more
+//!    than `divert_margin` ([`Gate::Later`]): a diversion happens only where it is predicted to pay.
+//! 2. The pin fires when some owner was turned away and no fleet worker is predicted to start the
+//!    prefill within `saturation_wait_floor` ([`Saturation::NoneStartsSoon`]); among the turned-away
+//!    owners that pass hard admission and match `pin_depth_ratio` of the deepest, the least queue wins.
+//! 3. There is no all-queued rung: a fleet queued alike keeps every owner within the margin.
+//! 4. A diversion goes to the worker predicted soonest; a request without an owner samples
+//!    `min_load_choices` workers passing the gate and takes the one predicted soonest.
+//!
+//! A worker without a fresh reading or a rate has no prediction: it passes the gate and is no
+//! evidence for the floor, as in the request unit.
 // Decisions are reproducible: no clock reads here (clippy.toml); `now` is an argument.
 #![deny(clippy::disallowed_methods)]
 
@@ -49,6 +65,7 @@ mod modes;
 mod outcome;
 mod rank;
 mod trace;
+mod wait;
 
 #[cfg(test)]
 mod tests;
@@ -59,7 +76,8 @@ use rand::Rng;
 
 pub use outcome::{Decision, Outcome, Reason, RefuseReason, Refused};
 pub use trace::{
-    Admission, Balance, Gate, OwnerVerdict, PressureSource, Rung, Sampled, Saturation, Trace,
+    Admission, Balance, Gate, OwnerVerdict, Predicted, Prediction, PressureSource, RateSource,
+    Rung, Sampled, Saturation, Trace,
 };
 
 use crate::config::{Mode, PolicyConfig};
@@ -77,11 +95,13 @@ pub fn decide<R: Rng + ?Sized>(
     config: &PolicyConfig,
     rng: &mut R,
 ) -> Outcome {
+    let wait = config.cache_aware().and_then(|knobs| knobs.wait.as_ref());
     let fleet = fleet::Fleet::new(
         request,
         owners,
         load,
         config.gate().map(|gate| gate.limit()),
+        wait,
     );
     let trace = Trace {
         snapshot_version: load.snapshot.version,
@@ -92,6 +112,7 @@ pub fn decide<R: Rng + ?Sized>(
             .iter()
             .filter(|member| member.fresh.is_some())
             .count(),
+        predictions: fleet.predictions(),
         ..Trace::default()
     };
     if fleet.members.is_empty() {

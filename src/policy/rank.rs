@@ -6,7 +6,7 @@
 
 use rand::Rng;
 
-use super::trace::{Admission, Gate, PressureSource};
+use super::trace::{Admission, Gate, Prediction, PressureSource};
 use crate::load::{EngineLoad, WorkerState};
 use crate::worker::WorkerId;
 
@@ -19,6 +19,8 @@ pub(super) struct Member<'a> {
     pub gate: Gate,
     pub admission: Admission,
     pub dispatched: u64,
+    /// Under the prefill-time unit, what the worker is predicted to take for this request.
+    pub prediction: Option<Prediction>,
 }
 
 impl Member<'_> {
@@ -37,6 +39,9 @@ impl Member<'_> {
 
     fn pressure_key(&self, source: PressureSource) -> [u64; 3] {
         match (source, self.fresh) {
+            (PressureSource::PredictedWait, _) => self
+                .prediction
+                .map_or([u64::MAX; 3], |p| [p.queue_us, p.ttft_us(), 0]),
             (PressureSource::UncachedTokens, Some(load)) => [
                 load.waiting_uncached_tokens.unwrap_or(u64::MAX),
                 load.waiting,
@@ -98,6 +103,10 @@ pub(super) fn admission(
 pub(super) fn pressure_source<'a, 'm: 'a>(
     set: impl Iterator<Item = &'a Member<'m>>,
 ) -> PressureSource {
+    let set: Vec<&Member<'m>> = set.collect();
+    if !set.is_empty() && set.iter().all(|member| member.prediction.is_some()) {
+        return PressureSource::PredictedWait;
+    }
     let mut source = PressureSource::UncachedTokens;
     for member in set {
         match member.fresh {
@@ -149,6 +158,26 @@ pub(super) fn least_loaded(set: &[Member<'_>]) -> Option<Pick> {
     Some(Pick {
         index,
         source: None,
+    })
+}
+
+/// Index of the member predicted to deliver the first token soonest (members without a prediction
+/// last), then the least loaded, then the lowest id.
+pub(super) fn soonest(set: &[Member<'_>]) -> Option<Pick> {
+    let index = set
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, member)| {
+            (
+                member.prediction.map_or(u64::MAX, |p| p.ttft_us()),
+                member.load(),
+                member.id(),
+            )
+        })
+        .map(|(index, _)| index)?;
+    Some(Pick {
+        index,
+        source: Some(PressureSource::PredictedWait),
     })
 }
 

@@ -14,11 +14,14 @@ use rand::rngs::SmallRng;
 use super::*;
 use crate::config::{
     BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, PolicyConfig, QueueGate, RelThreshold,
+    WaitGate,
 };
 use crate::load::{
-    Capacity, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, Reading, WorkerState,
+    Capacity, EngineLoad, Lifecycle, PoolSnapshot, Reading, TokenDispatches, WorkerState,
 };
 use crate::worker::{Role, WorkerId};
+
+mod wait;
 
 const BLOCK: u64 = 64;
 const FRESHNESS: Duration = Duration::from_secs(3);
@@ -45,7 +48,8 @@ fn config(limit: Option<u64>, floor: Option<u64>) -> PolicyConfig {
 struct Case {
     workers: Vec<WorkerState>,
     owners: Vec<OwnerMatch>,
-    dispatches: Vec<u64>,
+    /// Requests and their uncached tokens sent to each worker since its reading.
+    dispatches: Vec<(u64, u64)>,
     config: PolicyConfig,
     prompt_tokens: u64,
     allowed: Option<Vec<WorkerId>>,
@@ -89,7 +93,7 @@ impl Case {
             },
         });
         self.workers.push(state);
-        self.dispatches.push(0);
+        self.dispatches.push((0, 0));
         self
     }
 
@@ -151,7 +155,13 @@ impl Case {
     }
 
     fn dispatched(mut self, count: u64) -> Self {
-        *self.dispatches.last_mut().unwrap() = count;
+        self.dispatches.last_mut().unwrap().0 = count;
+        self
+    }
+
+    /// The last added worker was sent `tokens` uncached tokens since its reading.
+    fn dispatched_tokens(mut self, tokens: u64) -> Self {
+        self.dispatches.last_mut().unwrap().1 = tokens;
         self
     }
 
@@ -162,7 +172,7 @@ impl Case {
 
     fn decide_with(&self, rng: &mut SmallRng) -> Outcome {
         let snapshot = PoolSnapshot::new(42, FRESHNESS, self.workers.clone());
-        let dispatches = Dispatches(&self.dispatches);
+        let dispatches = TokenDispatches(&self.dispatches);
         let load = LoadView {
             snapshot: &snapshot,
             dispatches: &dispatches,
@@ -1018,7 +1028,7 @@ fn load_for_the_balance_counts_dispatches_and_running_requests() {
     assert_eq!(case.pick(), (1, Reason::Imbalanced));
     // Seventy would be within the absolute threshold (70 − 10 = 60).
     let mut case = case;
-    case.dispatches[0] = 70;
+    case.dispatches[0].0 = 70;
     assert_eq!(case.pick(), (0, Reason::BalancedOwner));
 }
 
@@ -1095,7 +1105,7 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
         any::<u64>(),
         prop::option::of(prop::collection::vec(0_u32..70, 0..8)),
         (
-            0_u8..4,
+            0_u8..5,
             0_u64..20,
             1.01_f64..3.0,
             0.0_f64..=1.0,
@@ -1110,6 +1120,21 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                 let mode = match mode {
                     0 => Mode::CacheAware(CacheAwareKnobs {
                         gate,
+                        wait: None,
+                        min_load_choices: NonZeroUsize::new(k).unwrap(),
+                        min_match_tokens: min_match,
+                        pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
+                    }),
+                    // The prefill-time unit, its knobs drawn from the same numbers.
+                    4 => Mode::CacheAware(CacheAwareKnobs {
+                        gate: None,
+                        wait: Some(WaitGate {
+                            divert_margin: Duration::from_millis(100 * knobs.map_or(0, |k| k.0)),
+                            floor: knobs
+                                .and_then(|k| k.1)
+                                .map(|floor| Duration::from_millis(250 * floor)),
+                            fallback_rate: NonZeroU64::new(abs * 1000),
+                        }),
                         min_load_choices: NonZeroUsize::new(k).unwrap(),
                         min_match_tokens: min_match,
                         pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
@@ -1134,7 +1159,15 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                     case = case
                         .worker(reading.map(|(waiting, _, _)| waiting))
                         .dispatched(dispatched)
+                        .dispatched_tokens(dispatched * 700)
                         .with(|w| {
+                            // Half the workers have learned a rate, some a mean request.
+                            if dispatched % 2 == 0 {
+                                w.prefill.tokens_per_second = Some(3_000 * (dispatched + 1));
+                            }
+                            if blocks % 3 == 0 {
+                                w.prefill.uncached_per_request = Some(blocks * 40);
+                            }
                             if let (Some(r), Some((_, running, uncached))) =
                                 (w.reading.as_mut(), reading)
                             {
@@ -1230,7 +1263,7 @@ fn load_of(case: &Case, id: WorkerId) -> u64 {
     let engine = snapshot
         .fresh_load(id, case.now)
         .map_or(0, |load| load.waiting.saturating_add(load.running));
-    engine.saturating_add(case.dispatches[id.index()])
+    engine.saturating_add(case.dispatches[id.index()].0)
 }
 
 proptest! {

@@ -30,6 +30,10 @@ pub struct Trace {
     pub pressure: Option<PressureSource>,
     /// Workers drawn for an off-owner pick, with their load, in draw order.
     pub sampled: Vec<Sampled>,
+    /// Prefill-time unit: every fleet worker's prediction for this request, in worker order (a worker
+    /// without a fresh reading or a rate has none and is absent).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub predictions: Vec<Predicted>,
     /// `round_robin`: the request's number in the pool's sequence (its turn is this modulo the fleet).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sequence: Option<u64>,
@@ -43,7 +47,7 @@ impl Trace {
     pub fn deepest_queued_owner_tokens(&self) -> Option<u64> {
         self.owners
             .iter()
-            .filter(|owner| matches!(owner.gate, Gate::Queued { .. }))
+            .filter(|owner| owner.gate.turns_away())
             .map(|owner| owner.matched_tokens)
             .max()
     }
@@ -69,11 +73,20 @@ pub enum Gate {
     Open { waiting: u64 },
     /// Fresh reading at or above the limit.
     Queued { waiting: u64 },
+    /// Prefill-time unit: predicted TTFT within `divert_margin` of the best admitted worker's.
+    Within { ttft_us: u64, best_us: u64 },
+    /// Prefill-time unit: predicted TTFT later than the best admitted worker's by more than the margin.
+    Later { ttft_us: u64, best_us: u64 },
 }
 
 impl Gate {
     pub fn passes(self) -> bool {
-        !matches!(self, Gate::Queued { .. })
+        !self.turns_away()
+    }
+
+    /// The gate turned the worker away: queued at the limit, or predicted later than the margin allows.
+    pub fn turns_away(self) -> bool {
+        matches!(self, Gate::Queued { .. } | Gate::Later { .. })
     }
 }
 
@@ -120,6 +133,23 @@ pub enum Saturation {
     /// No fleet worker has a fresh reading below the threshold (the floor, or the limit without one),
     /// per data-parallel rank; the witnesses above carry their own worker's threshold.
     Saturated { threshold: u64 },
+    /// Prefill-time unit: this fleet worker is predicted to start the request's prefill within the floor.
+    StartsSoon {
+        witness: WorkerId,
+        queue_us: u64,
+        floor_us: u64,
+    },
+    /// Prefill-time unit: no fleet worker is predicted to start the request's prefill within the floor.
+    NoneStartsSoon { floor_us: u64 },
+}
+
+impl Saturation {
+    pub fn is_saturated(self) -> bool {
+        matches!(
+            self,
+            Saturation::Saturated { .. } | Saturation::NoneStartsSoon { .. }
+        )
+    }
 }
 
 /// The rung of the ladder that produced the outcome.
@@ -172,6 +202,20 @@ pub enum PressureSource {
     Queue,
     /// Some compared worker has no fresh reading: requests this picker dispatched since the last reading.
     RouterLocal,
+    /// Prefill-time unit: predicted queue wait, then predicted TTFT.
+    PredictedWait,
+}
+
+/// One worker's prediction, as the trace shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Predicted {
+    pub worker: WorkerId,
+    /// Leading prompt tokens the index credits to the worker (counted in its prefill whatever their depth).
+    pub cached_tokens: u64,
+    #[serde(flatten)]
+    pub prediction: Prediction,
+    /// queue + prefill.
+    pub ttft_us: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -179,4 +223,37 @@ pub struct Sampled {
     pub worker: WorkerId,
     /// waiting + running + dispatched since the last fresh reading.
     pub load: u64,
+}
+
+/// Where a prediction's rate came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RateSource {
+    /// Learned from the worker's counters.
+    Learned,
+    /// `prefill_tokens_per_second`, the counters having taught nothing yet.
+    Configured,
+}
+
+/// One worker's prediction for one request: the numbers the time-unit ladder compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Prediction {
+    /// Uncached tokens ahead of the request.
+    pub ahead_tokens: u64,
+    /// Of them, sent by this picker since the reading.
+    pub dispatched_tokens: u64,
+    /// Prefill tokens per second, the whole worker.
+    pub rate: u64,
+    pub rate_source: RateSource,
+    /// ahead ÷ rate.
+    pub queue_us: u64,
+    /// The request's own uncached prompt ÷ rate.
+    pub prefill_us: u64,
+}
+
+impl Prediction {
+    /// Predicted time to first token: the queue, then the request's own prefill.
+    pub fn ttft_us(&self) -> u64 {
+        self.queue_us.saturating_add(self.prefill_us)
+    }
 }

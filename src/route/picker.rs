@@ -519,14 +519,18 @@ impl<'p> Pinned<'p> {
             &prepared.block_hashes,
             &self.snapshot,
         );
-        pool.load.dispatches().record(decision.selected);
-        let held = prepared
+        let matched = prepared
             .owners
             .iter()
             .find(|owner| owner.worker == decision.selected)
-            .map_or(0, |owner| {
-                owner.matched_tokens / u64::from(self.block_size().max(1))
-            });
+            .map_or(0, |owner| owner.matched_tokens);
+        // The tokens the worker will compute, as the index predicts them: its share of the queue ahead
+        // of the next request until a reading covers it.
+        pool.load.dispatches().record(
+            decision.selected,
+            prepared.prompt_tokens.saturating_sub(matched),
+        );
+        let held = matched / u64::from(self.block_size().max(1));
         self.feedback.then(|| Credit {
             pool: prepared.pool,
             worker: decision.selected,

@@ -6,11 +6,12 @@
 //! then against the mode in force, so one mistake gives one message, at the scope that made it.
 
 use std::num::{NonZeroU64, NonZeroUsize};
+use std::time::Duration;
 
 use super::Validator;
 use crate::config::{
-    BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, ModeKind, Overrides, PolicyConfig, QueueGate,
-    RelThreshold,
+    BalanceKnobs, CacheAwareKnobs, DepthRatio, GateUnit, Mode, ModeKind, Overrides, PolicyConfig,
+    QueueGate, RelThreshold, WaitGate,
 };
 use cachepick_decode::{
     Decode, Field, Map, Origin, Phase, Reported, Res, Val, at_least_one, at_least_one_usize,
@@ -24,6 +25,10 @@ const POLICY_KEYS: &[&str] = &[
     "min_load_choices",
     "min_match_tokens",
     "pin_depth_ratio",
+    "gate_unit",
+    "divert_margin",
+    "saturation_wait_floor",
+    "prefill_tokens_per_second",
     "balance_abs_threshold",
     "balance_rel_threshold",
     "cache_threshold",
@@ -61,6 +66,26 @@ impl Validator<'_> {
         let min_match_tokens = self.opt(map, "min_match_tokens", Self::integer);
         let pin_depth_ratio = self.opt(map, "pin_depth_ratio", Self::number);
         let pin_depth_ratio = self.check_opt(pin_depth_ratio, share);
+        let unit = self.opt(map, "gate_unit", |v, node, at| {
+            v.keyword(node, at, &GateUnit::ALL, GateUnit::as_str)
+        });
+        let divert_margin = self.opt(map, "divert_margin", Self::duration);
+        let wait_floor = match map.null_at("saturation_wait_floor") {
+            Some(place) => Ok(Some(Val {
+                value: None,
+                at: place.origin(),
+            })),
+            None => self
+                .opt(map, "saturation_wait_floor", Self::duration)
+                .map(|floor| {
+                    floor.map(|Val { value, at }| Val {
+                        value: Some(value),
+                        at,
+                    })
+                }),
+        };
+        let rate = self.opt(map, "prefill_tokens_per_second", Self::integer);
+        let rate = self.check_opt(rate, at_least_one);
         let abs_threshold = self.opt(map, "balance_abs_threshold", Self::integer);
         let rel_threshold = self.opt(map, "balance_rel_threshold", Self::number);
         let rel_threshold = self.check_opt(rel_threshold, |factor| {
@@ -97,6 +122,10 @@ impl Validator<'_> {
             min_load_choices: choices,
             min_match_tokens,
             pin_depth_ratio,
+            unit,
+            divert_margin,
+            wait_floor,
+            rate,
             abs_threshold,
             rel_threshold,
             cache_threshold,
@@ -180,6 +209,38 @@ impl Validator<'_> {
                 misplaced.push((*knob, reported));
             }
         }
+        // Under `cache_aware`, a gate key of the other unit is the same mistake.
+        let unit: Res<Val<GateUnit>> = match (keys.unit.clone(), parent) {
+            (Ok(Some(unit)), _) => Ok(unit),
+            (Ok(None), Some(parent)) => parent.keys.unit.clone().map(|unit| {
+                unit.unwrap_or(Val {
+                    value: GateUnit::default(),
+                    at: Origin::Default,
+                })
+            }),
+            (Ok(None), None) => Ok(Val {
+                value: GateUnit::default(),
+                at: Origin::Default,
+            }),
+            (Err(reported), _) => Err(reported),
+        };
+        let inherits_unit = matches!(keys.unit, Ok(None)) && parent.is_some();
+        if let (Ok(mode), Ok(unit)) = (&mode, &unit)
+            && mode.value == ModeKind::CacheAware
+        {
+            for (knob, at) in given
+                .iter()
+                .filter(|(knob, _)| knob.unit().is_some_and(|wanted| wanted != unit.value))
+            {
+                let wanted = knob.unit().map_or("", GateUnit::as_str);
+                let message = format!(
+                    "ignored by {}: remove it (it only applies to gate_unit {wanted})",
+                    unit_by(unit, inherits_unit)
+                );
+                let reported = self.report(Phase::Cross, at.clone(), message);
+                misplaced.push((*knob, reported));
+            }
+        }
         let own = |knob: Knob| misplaced.iter().find(|(k, _)| *k == knob).map(|(_, r)| *r);
         let limit_here = !matches!(keys.limit, Ok(None));
         let floor_here = !matches!(keys.floor, Ok(None));
@@ -196,6 +257,10 @@ impl Validator<'_> {
             min_load_choices: inherit!(min_load_choices, own(Knob::MinLoadChoices)),
             min_match_tokens: inherit!(min_match_tokens, own(Knob::MinMatchTokens)),
             pin_depth_ratio: inherit!(pin_depth_ratio, own(Knob::PinDepthRatio)),
+            unit: unit.clone().map(Some),
+            divert_margin: inherit!(divert_margin, own(Knob::DivertMargin)),
+            wait_floor: inherit!(wait_floor, own(Knob::SaturationWaitFloor)),
+            rate: inherit!(rate, own(Knob::PrefillTokensPerSecond)),
             abs_threshold: inherit!(abs_threshold, own(Knob::BalanceAbsThreshold)),
             rel_threshold: inherit!(rel_threshold, own(Knob::BalanceRelThreshold)),
             cache_threshold: inherit!(cache_threshold, own(Knob::CacheThreshold)),
@@ -238,8 +303,28 @@ impl Validator<'_> {
         let mode = match mode {
             ModeKind::CacheAware => {
                 let defaults = CacheAwareKnobs::default();
+                let unit = keys
+                    .unit
+                    .clone()?
+                    .map_or(GateUnit::default(), |unit| unit.value);
+                let (gate, wait) = match unit {
+                    GateUnit::Requests => (gate?, None),
+                    GateUnit::PrefillTime => {
+                        let wait = WaitGate::default();
+                        let wait = WaitGate {
+                            divert_margin: value_or(
+                                keys.divert_margin.clone(),
+                                wait.divert_margin,
+                            )?,
+                            floor: value_or(keys.wait_floor.clone(), wait.floor)?,
+                            fallback_rate: keys.rate.clone()?.map(|rate| rate.value),
+                        };
+                        (None, Some(wait))
+                    }
+                };
                 Mode::CacheAware(CacheAwareKnobs {
-                    gate: gate?,
+                    gate,
+                    wait,
                     min_load_choices: value_or(
                         keys.min_load_choices.clone(),
                         defaults.min_load_choices,
@@ -372,18 +457,26 @@ enum Knob {
     MinLoadChoices,
     MinMatchTokens,
     PinDepthRatio,
+    GateUnit,
+    DivertMargin,
+    SaturationWaitFloor,
+    PrefillTokensPerSecond,
     BalanceAbsThreshold,
     BalanceRelThreshold,
     CacheThreshold,
 }
 
 impl Knob {
-    const ALL: [Knob; 8] = [
+    const ALL: [Knob; 12] = [
         Knob::WorkerQueueLimit,
         Knob::SaturationQueueFloor,
         Knob::MinLoadChoices,
         Knob::MinMatchTokens,
         Knob::PinDepthRatio,
+        Knob::GateUnit,
+        Knob::DivertMargin,
+        Knob::SaturationWaitFloor,
+        Knob::PrefillTokensPerSecond,
         Knob::BalanceAbsThreshold,
         Knob::BalanceRelThreshold,
         Knob::CacheThreshold,
@@ -396,6 +489,10 @@ impl Knob {
             Knob::MinLoadChoices => "min_load_choices",
             Knob::MinMatchTokens => "min_match_tokens",
             Knob::PinDepthRatio => "pin_depth_ratio",
+            Knob::GateUnit => "gate_unit",
+            Knob::DivertMargin => "divert_margin",
+            Knob::SaturationWaitFloor => "saturation_wait_floor",
+            Knob::PrefillTokensPerSecond => "prefill_tokens_per_second",
             Knob::BalanceAbsThreshold => "balance_abs_threshold",
             Knob::BalanceRelThreshold => "balance_rel_threshold",
             Knob::CacheThreshold => "cache_threshold",
@@ -409,10 +506,25 @@ impl Knob {
             | Knob::SaturationQueueFloor
             | Knob::MinLoadChoices
             | Knob::MinMatchTokens
-            | Knob::PinDepthRatio => ModeKind::CacheAware,
+            | Knob::PinDepthRatio
+            | Knob::GateUnit
+            | Knob::DivertMargin
+            | Knob::SaturationWaitFloor
+            | Knob::PrefillTokensPerSecond => ModeKind::CacheAware,
             Knob::BalanceAbsThreshold | Knob::BalanceRelThreshold | Knob::CacheThreshold => {
                 ModeKind::BalanceThreshold
             }
+        }
+    }
+
+    /// The gate unit that reads it; `None` for a key every unit reads.
+    fn unit(self) -> Option<GateUnit> {
+        match self {
+            Knob::WorkerQueueLimit | Knob::SaturationQueueFloor => Some(GateUnit::Requests),
+            Knob::DivertMargin | Knob::SaturationWaitFloor | Knob::PrefillTokensPerSecond => {
+                Some(GateUnit::PrefillTime)
+            }
+            _ => None,
         }
     }
 
@@ -445,6 +557,11 @@ struct PolicyKeys {
     min_load_choices: Field<NonZeroUsize>,
     min_match_tokens: Field<u64>,
     pin_depth_ratio: Field<DepthRatio>,
+    unit: Field<GateUnit>,
+    divert_margin: Field<Duration>,
+    /// `Some(None)` is `null`: the time floor off.
+    wait_floor: Field<Option<Duration>>,
+    rate: Field<NonZeroU64>,
     abs_threshold: Field<u64>,
     rel_threshold: Field<RelThreshold>,
     cache_threshold: Field<DepthRatio>,
@@ -470,6 +587,10 @@ impl Resolved {
                 min_load_choices: Err(reported),
                 min_match_tokens: Err(reported),
                 pin_depth_ratio: Err(reported),
+                unit: Err(reported),
+                divert_margin: Err(reported),
+                wait_floor: Err(reported),
+                rate: Err(reported),
                 abs_threshold: Err(reported),
                 rel_threshold: Err(reported),
                 cache_threshold: Err(reported),
@@ -493,6 +614,19 @@ fn inherit<T: Clone>(
     match (own, parent) {
         (Ok(None), Some(parent)) => parent.clone(),
         (own, _) => own,
+    }
+}
+
+/// How a misplaced key's message names the gate unit in force.
+fn unit_by(unit: &Val<GateUnit>, inherited: bool) -> String {
+    let name = unit.value.as_str();
+    match &unit.at {
+        Origin::Yaml { path, line } if inherited => {
+            format!("{path} {name} (line {line}), which this pool inherits")
+        }
+        Origin::Yaml { path, line } => format!("{path} {name} (line {line})"),
+        Origin::Flag(flag) => format!("{flag} {name}"),
+        Origin::Default => format!("policy.gate_unit {name} (the default)"),
     }
 }
 

@@ -11,7 +11,7 @@ use prometheus::IntCounter;
 
 use super::*;
 use crate::config::{self, Config, Overrides};
-use crate::load::engine::RankLoad;
+use crate::load::engine::{Progress, RankLoad};
 use crate::load::snapshot::EngineLoad;
 
 const FRESHNESS: Duration = Duration::from_secs(3);
@@ -337,6 +337,7 @@ fn report(ranks: &[Option<(u64, u64)>], run: f64) -> Report {
             start_time: Some(run),
             served: None,
         },
+        progress: Progress::default(),
     }
 }
 
@@ -747,7 +748,7 @@ fn a_newer_complete_reading_forgets_the_dispatches_it_covers_and_a_restart_all_o
     let mut harness = Harness::new(&[8000]);
     let id = WorkerId(0);
     let record = |harness: &Harness, count: u64| {
-        (0..count).for_each(|_| harness.roster.pool.dispatches().record(id));
+        (0..count).for_each(|_| harness.roster.pool.dispatches().record(id, 0));
     };
     let counted = |harness: &Harness| harness.roster.pool.dispatches().since_reading(id);
     record(&harness, 3);

@@ -1,0 +1,138 @@
+//! `gate_unit` and the prefill-time keys: decoded, defaulted, inherited, emitted, and each key of
+//! the other unit refused where it was given (file or flag).
+
+use std::num::NonZeroU64;
+use std::time::Duration;
+
+use super::super::*;
+
+const POOL: &str = super::POOL;
+
+fn wait_of(config: &Config) -> Option<WaitGate> {
+    config.policy.cache_aware().and_then(|knobs| knobs.wait)
+}
+
+#[test]
+fn the_request_unit_is_the_default_and_builds_no_time_gate() {
+    let config = super::accepted(POOL, &Overrides::default());
+    assert_eq!(wait_of(&config), None);
+    assert_eq!(config.policy.gate(), Some(QueueGate::default_gate()));
+}
+
+#[test]
+fn the_prefill_time_unit_takes_its_defaults_and_turns_the_request_gate_off() {
+    let config = super::accepted(
+        &format!("policy: {{gate_unit: prefill_time}}\n{POOL}"),
+        &Overrides::default(),
+    );
+    assert_eq!(wait_of(&config), Some(WaitGate::default()));
+    assert_eq!(config.policy.gate(), None);
+    let config = super::accepted(
+        &format!(
+            "policy:\n  gate_unit: prefill_time\n  divert_margin: 250ms\n  saturation_wait_floor: null\n  \
+             prefill_tokens_per_second: 12000\n{POOL}"
+        ),
+        &Overrides::default(),
+    );
+    assert_eq!(
+        wait_of(&config),
+        Some(WaitGate {
+            divert_margin: Duration::from_millis(250),
+            floor: None,
+            fallback_rate: NonZeroU64::new(12_000),
+        })
+    );
+}
+
+#[test]
+fn keys_of_the_other_unit_are_refused_where_they_were_given() {
+    let messages = super::messages(
+        &format!("policy:\n  gate_unit: prefill_time\n  worker_queue_limit: 8\n{POOL}"),
+        &Overrides::default(),
+    );
+    assert_eq!(
+        messages,
+        [
+            "policy.worker_queue_limit (line 3): ignored by policy.gate_unit prefill_time (line 2): remove \
+          it (it only applies to gate_unit requests)"
+        ]
+    );
+    let flag = Overrides {
+        worker_queue_limit: Some(8),
+        ..Overrides::default()
+    };
+    let messages = super::messages(
+        &format!("policy: {{gate_unit: prefill_time}}\n{POOL}"),
+        &flag,
+    );
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].starts_with("--worker-queue-limit"),
+        "{messages:?}"
+    );
+    let messages = super::messages(
+        &format!("policy: {{divert_margin: 1s}}\n{POOL}"),
+        &Overrides::default(),
+    );
+    assert_eq!(
+        messages,
+        [
+            "policy.divert_margin (line 1): ignored by policy.gate_unit requests (the default): remove it \
+          (it only applies to gate_unit prefill_time)"
+        ]
+    );
+}
+
+#[test]
+fn bad_values_are_each_reported() {
+    let messages = super::messages(
+        &format!(
+            "policy:\n  gate_unit: seconds\n  divert_margin: soon\n  saturation_wait_floor: -1s\n  \
+             prefill_tokens_per_second: 0\n{POOL}"
+        ),
+        &Overrides::default(),
+    );
+    assert_eq!(messages.len(), 4, "{messages:?}");
+    assert!(
+        messages[0].contains("gate_unit (line 2)")
+            && messages[0].contains("requests, prefill_time")
+    );
+    assert!(messages[3].contains("prefill_tokens_per_second (line 5): must be at least 1"));
+}
+
+#[test]
+fn a_pool_inherits_the_unit_and_may_change_it() {
+    let source = "policy: {gate_unit: prefill_time, divert_margin: 2s}\n\
+        pools:\n  - model: a\n    engine: vllm\n    workers: [{endpoint: 10.0.0.1:8000}]\n  \
+        - model: b\n    engine: vllm\n    policy: {gate_unit: requests, worker_queue_limit: 6}\n    \
+        workers: [{endpoint: 10.0.0.2:8000}]\n  \
+        - model: c\n    engine: vllm\n    policy: {worker_queue_limit: 6}\n    \
+        workers: [{endpoint: 10.0.0.3:8000}]\n";
+    let messages = super::messages(source, &Overrides::default());
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].starts_with("pools[2].policy.worker_queue_limit")
+            && messages[0].contains("which this pool inherits"),
+        "{messages:?}"
+    );
+    let fixed = source.replace("    policy: {worker_queue_limit: 6}\n", "");
+    let config = super::accepted(&fixed, &Overrides::default());
+    let wait = |pool: usize| config.pools[pool].policy.cache_aware().and_then(|k| k.wait);
+    assert_eq!(
+        wait(0).map(|w| w.divert_margin),
+        Some(Duration::from_secs(2))
+    );
+    assert_eq!(wait(1), None);
+    assert_eq!(config.pools[1].policy.gate().map(QueueGate::limit), Some(6));
+    // Emitted and read back: the same configuration, the second pool saying its unit.
+    let yaml = config.to_yaml();
+    let again = super::accepted(&yaml, &Overrides::default());
+    assert_eq!(again, config, "{yaml}");
+    assert!(yaml.contains("gate_unit: requests"), "{yaml}");
+    assert!(
+        yaml.contains(
+            "  gate_unit: prefill_time\n  divert_margin: 2s\n  saturation_wait_floor: 1s\n"
+        ),
+        "{yaml}"
+    );
+}

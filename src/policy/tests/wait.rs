@@ -1,0 +1,330 @@
+//! The ladder in the prefill-time unit. Unless a test says otherwise: a configured rate of 10,000
+//! tokens a second per rank, a divert margin of 500 ms, a floor of 1 s, a 2,048-token prompt and
+//! 64-token blocks — so 10,000 uncached tokens ahead are 1 s of queue, and a cold prompt 204.8 ms.
+
+use super::*;
+
+const RATE: u64 = 10_000;
+
+fn timed(margin_ms: u64, floor_ms: Option<u64>, rate: Option<u64>) -> PolicyConfig {
+    PolicyConfig {
+        mode: Mode::CacheAware(CacheAwareKnobs {
+            gate: None,
+            wait: Some(WaitGate {
+                divert_margin: Duration::from_millis(margin_ms),
+                floor: floor_ms.map(Duration::from_millis),
+                fallback_rate: rate.and_then(NonZeroU64::new),
+            }),
+            ..CacheAwareKnobs::default()
+        }),
+        ..PolicyConfig::default()
+    }
+}
+
+impl Case {
+    fn timed() -> Self {
+        Case::new(timed(500, Some(1000), Some(RATE)))
+    }
+
+    /// Adds a worker with `tokens` uncached tokens queued (as SGLang reports them).
+    fn queued(self, tokens: u64) -> Self {
+        self.worker(Some(u64::from(tokens > 0))).uncached(tokens)
+    }
+}
+
+fn prediction_of(decision: &Decision, worker: u32) -> Predicted {
+    *decision
+        .trace
+        .predictions
+        .iter()
+        .find(|p| p.worker == WorkerId(worker))
+        .unwrap_or_else(|| panic!("no prediction for worker {worker}: {:?}", decision.trace))
+}
+
+#[test]
+fn an_owner_with_a_short_queue_in_tokens_keeps_the_request_however_many_requests_wait() {
+    // Ten short chats waiting: the request-count gate (limit 4) diverts, the time gate does not.
+    let tokens = |case: Case| case.owner(10, 32).uncached(500).worker(Some(0));
+    assert_eq!(tokens(Case::gated()).pick(), (1, Reason::CacheWorkerQueued));
+    let decision = tokens(Case::timed()).routed();
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    let owner = prediction_of(&decision, 0);
+    assert_eq!(
+        (
+            owner.prediction.queue_us,
+            owner.prediction.prefill_us,
+            owner.cached_tokens
+        ),
+        (50_000, 0, 2048)
+    );
+    assert_eq!(prediction_of(&decision, 1).ttft_us, 204_800);
+}
+
+#[test]
+fn an_owner_whose_queue_costs_more_than_a_cold_prefill_elsewhere_plus_the_margin_is_passed_over() {
+    // 40k tokens ahead: 4 s, against 204.8 ms cold on the idle worker.
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .worker(Some(0))
+        .routed();
+    assert_eq!(pick_of(&decision), (1, Reason::CacheWorkerQueued));
+    assert_eq!(
+        decision.trace.owners[0].gate,
+        Gate::Later {
+            ttft_us: 4_000_000,
+            best_us: 204_800
+        }
+    );
+    assert!(matches!(
+        decision.trace.saturation,
+        Saturation::StartsSoon {
+            witness: WorkerId(1),
+            queue_us: 0,
+            floor_us: 1_000_000
+        }
+    ));
+    assert_eq!(decision.diverted_tokens(), Some(32 * BLOCK));
+}
+
+#[test]
+fn the_margin_is_the_boundary_of_a_divert() {
+    // Owner: 7,048 tokens ahead = 704.8 ms. Idle cold worker: 204.8 ms. Difference: exactly 500 ms.
+    let at = Case::timed().owner(1, 32).uncached(7_048).worker(Some(0));
+    assert_eq!(at.pick(), (0, Reason::CacheHit));
+    let above = Case::timed().owner(1, 32).uncached(7_049).worker(Some(0));
+    assert_eq!(above.pick(), (1, Reason::CacheWorkerQueued));
+}
+
+#[test]
+fn the_alternative_s_own_cached_prefix_counts() {
+    // A shallower owner (16 of 32 blocks) with an empty queue is predicted sooner than a cold worker.
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .worker(Some(0))
+        .owner(0, 16)
+        .routed();
+    assert_eq!(pick_of(&decision), (2, Reason::CacheHit));
+    assert_eq!(prediction_of(&decision, 2).prediction.prefill_us, 102_400);
+}
+
+#[test]
+fn a_saturated_fleet_pins_to_the_owner() {
+    // Nobody can start within 1 s: the owner (4 s) keeps the request though a cold worker at 2 s is
+    // predicted sooner.
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .queued(20_000)
+        .routed();
+    assert_eq!(pick_of(&decision), (0, Reason::SaturationPin));
+    assert_eq!(
+        decision.trace.saturation,
+        Saturation::NoneStartsSoon {
+            floor_us: 1_000_000
+        }
+    );
+    assert_eq!(decision.trace.pressure, Some(PressureSource::PredictedWait));
+}
+
+#[test]
+fn one_worker_able_to_start_within_the_floor_blocks_the_pin() {
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .queued(20_000)
+        .queued(5_000)
+        .routed();
+    // The diversion goes to the soonest worker: 0.5 s queue + 0.2 s prefill.
+    assert_eq!(pick_of(&decision), (2, Reason::CacheWorkerQueued));
+    assert!(matches!(
+        decision.trace.saturation,
+        Saturation::StartsSoon {
+            witness: WorkerId(2),
+            queue_us: 500_000,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn the_pin_takes_the_least_waiting_of_the_deep_enough_owners() {
+    // Two queued owners; the shallower one (16 ≥ 0.5 × 32 blocks) waits less.
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .owner(1, 16)
+        .uncached(38_000)
+        .queued(20_000)
+        .routed();
+    assert_eq!(pick_of(&decision), (1, Reason::SaturationPin));
+}
+
+#[test]
+fn the_floor_boundary_is_strict() {
+    // A worker exactly 1 s from starting does not relieve the fleet.
+    let case = Case::timed().owner(1, 32).uncached(40_000).queued(10_000);
+    assert_eq!(case.pick(), (0, Reason::SaturationPin));
+    let case = Case::timed().owner(1, 32).uncached(40_000).queued(9_999);
+    assert_eq!(case.pick(), (1, Reason::CacheWorkerQueued));
+}
+
+#[test]
+fn without_a_floor_a_queued_owner_is_diverted_from_whatever_the_fleet() {
+    let case = Case::new(timed(500, None, Some(RATE)))
+        .owner(1, 32)
+        .uncached(40_000)
+        .queued(20_000);
+    assert_eq!(case.pick(), (1, Reason::CacheWorkerQueued));
+}
+
+#[test]
+fn unknown_readings_and_rates_fail_open() {
+    // The owner has no fresh reading: its gate is unread and it keeps the request.
+    let unread = Case::timed().worker(None).owns(32).worker(Some(0));
+    let decision = unread.routed();
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    assert_eq!(decision.trace.owners[0].gate, Gate::Unread);
+    // No rate learned and none configured: nothing is predicted, affinity holds.
+    let blind = Case::new(timed(500, Some(1000), None))
+        .owner(1, 32)
+        .uncached(40_000)
+        .worker(Some(0));
+    let decision = blind.routed();
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    assert!(decision.trace.predictions.is_empty());
+}
+
+#[test]
+fn a_fleet_worker_without_a_reading_is_no_evidence_against_the_pin() {
+    let case = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .queued(20_000)
+        .worker(None);
+    assert_eq!(case.pick(), (0, Reason::SaturationPin));
+}
+
+#[test]
+fn a_learned_rate_wins_over_the_configured_one_and_scales_the_prediction() {
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .with(|w| w.prefill.tokens_per_second = Some(80_000))
+        .worker(Some(0))
+        .routed();
+    // 40k tokens at 80k/s: 0.5 s, within the margin of the idle worker's 204.8 ms.
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    let owner = prediction_of(&decision, 0).prediction;
+    assert_eq!(
+        (owner.rate, owner.rate_source, owner.queue_us),
+        (80_000, RateSource::Learned, 500_000)
+    );
+    assert_eq!(
+        prediction_of(&decision, 1).prediction.rate_source,
+        RateSource::Configured
+    );
+}
+
+#[test]
+fn a_configured_rate_is_per_rank() {
+    let decision = Case::timed()
+        .owner(1, 32)
+        .uncached(40_000)
+        .with(|w| w.ranks = 4)
+        .worker(Some(0))
+        .routed();
+    // Four ranks: 40k tokens at 40k/s = 1 s.
+    assert_eq!(prediction_of(&decision, 0).prediction.queue_us, 1_000_000);
+}
+
+#[test]
+fn a_queue_reported_as_a_count_is_priced_at_the_learned_tokens_per_request() {
+    // vLLM: 4 waiting, 10k uncached tokens each on average = 4 s.
+    let learned = Case::timed()
+        .owner(4, 32)
+        .with(|w| w.prefill.uncached_per_request = Some(10_000))
+        .worker(Some(0));
+    let decision = learned.routed();
+    assert_eq!(prediction_of(&decision, 0).prediction.ahead_tokens, 40_000);
+    assert_eq!(pick_of(&decision), (1, Reason::CacheWorkerQueued));
+    // Nothing learned yet: each waiting request stands in as this one's own uncached part on the
+    // worker (a full hit here: nothing), so the owner keeps it.
+    let unlearned = Case::timed().owner(4, 32).worker(Some(0));
+    assert_eq!(unlearned.pick(), (0, Reason::CacheHit));
+}
+
+#[test]
+fn this_picker_s_dispatches_since_the_reading_join_the_queue() {
+    let decision = Case::timed()
+        .owner(0, 32)
+        .dispatched(3)
+        .dispatched_tokens(30_000)
+        .worker(Some(0))
+        .routed();
+    let owner = prediction_of(&decision, 0).prediction;
+    assert_eq!(
+        (owner.ahead_tokens, owner.dispatched_tokens),
+        (30_000, 30_000)
+    );
+    assert_eq!(pick_of(&decision), (1, Reason::CacheWorkerQueued));
+}
+
+#[test]
+fn a_cache_miss_goes_to_the_sampled_worker_predicted_soonest() {
+    // No owner: both workers are sampled (k = 2), the one with fewer tokens ahead wins even though
+    // more requests wait there.
+    let decision = Case::timed()
+        .worker(Some(1))
+        .uncached(30_000)
+        .worker(Some(6))
+        .uncached(600)
+        .routed();
+    assert_eq!(pick_of(&decision), (1, Reason::CacheMiss));
+}
+
+#[test]
+fn the_request_unit_is_untouched_by_learned_rates() {
+    // The same fleet under limit 4: learned numbers change nothing, and nothing is predicted.
+    let decision = Case::gated()
+        .owner(3, 32)
+        .uncached(90_000)
+        .with(|w| w.prefill.tokens_per_second = Some(1_000))
+        .worker(Some(0))
+        .routed();
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    assert!(decision.trace.predictions.is_empty());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn the_time_pin_never_fires_while_a_fleet_worker_can_start_within_the_floor(case in arbitrary_case()) {
+        let Some(floor) = case.config.cache_aware().and_then(|k| k.wait).and_then(|w| w.floor) else {
+            return Ok(());
+        };
+        let floor_us = floor.as_micros() as u64;
+        if let Outcome::Route(decision) = case.decide() {
+            let soon = decision.trace.predictions.iter().any(|p| p.prediction.queue_us < floor_us);
+            if soon {
+                prop_assert_ne!(decision.reason, Reason::SaturationPin);
+            }
+            if decision.reason == Reason::SaturationPin {
+                let owner = decision.trace.owners.iter().find(|o| o.worker == decision.selected);
+                prop_assert!(owner.is_some_and(|o| o.gate.turns_away() && o.admission.admits()));
+            }
+            if decision.reason == Reason::CacheWorkerQueued {
+                // A diversion happens only where it is predicted to pay by more than the margin.
+                let margin = case.config.cache_aware().and_then(|k| k.wait).unwrap().divert_margin;
+                let chosen = decision.trace.predictions.iter().find(|p| p.worker == decision.selected);
+                for owner in &decision.trace.owners {
+                    if let (Gate::Later { ttft_us, .. }, Some(chosen)) = (owner.gate, chosen) {
+                        prop_assert!(chosen.ttft_us + (margin.as_micros() as u64) < ttft_us);
+                    }
+                }
+            }
+        }
+    }
+}

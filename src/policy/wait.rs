@@ -1,0 +1,91 @@
+//! The prefill-time unit: each fleet worker's predicted wait and prefill for this request, and the
+//! gate verdicts that compare them.
+//!
+//! For worker *m* and a request of *P* prompt tokens, *c* of them cached on *m*:
+//!
+//! - **ahead** = uncached tokens queued on *m*: SGLang's `num_waiting_uncached_tokens` where the
+//!   engine reports it, else waiting × the uncached tokens a request brings there on average (learned
+//!   from the engine's counters; this request's own uncached part until it is learned); plus the
+//!   uncached tokens this picker sent since the reading (its router-local window, exact for its own).
+//! - **rate** = the prefill rate learned from *m*'s counters, else `prefill_tokens_per_second` × ranks.
+//! - **queue** = ahead ÷ rate; **prefill** = (*P* − *c*) ÷ rate; predicted TTFT = queue + prefill.
+//!
+//! A worker without a fresh reading, or without a rate, has no prediction: its gate fails open (as
+//! `Gate::Unread` in the request unit) and it is no evidence for the floor (fail-closed). Arithmetic is
+//! in integer microseconds, so orderings stay total.
+
+use super::rank::Member;
+use super::trace::{Gate, Prediction, RateSource};
+use crate::config::WaitGate;
+use crate::load::WorkerState;
+
+/// The worker's prefill rate and where it came from; `None` when neither is known.
+fn rate(state: &WorkerState, wait: &WaitGate) -> Option<(u64, RateSource)> {
+    match (state.prefill.tokens_per_second, wait.fallback_rate) {
+        (Some(rate), _) if rate > 0 => Some((rate, RateSource::Learned)),
+        (_, Some(per_rank)) => Some((
+            per_rank.get().saturating_mul(u64::from(state.ranks.max(1))),
+            RateSource::Configured,
+        )),
+        _ => None,
+    }
+}
+
+/// Microseconds to compute `tokens` at `rate` tokens a second.
+fn micros(tokens: u64, rate: u64) -> u64 {
+    let us = u128::from(tokens) * 1_000_000 / u128::from(rate.max(1));
+    u64::try_from(us).unwrap_or(u64::MAX)
+}
+
+/// `member`'s prediction for a request of `prompt_tokens`, with `dispatched_tokens` sent there since
+/// its reading.
+pub(super) fn predict(
+    member: &Member<'_>,
+    prompt_tokens: u64,
+    dispatched_tokens: u64,
+    wait: &WaitGate,
+) -> Option<Prediction> {
+    let load = member.fresh?;
+    let (rate, rate_source) = rate(member.state, wait)?;
+    let own = prompt_tokens.saturating_sub(member.matched_tokens);
+    let queued = match load.waiting_uncached_tokens {
+        Some(tokens) => tokens,
+        None => {
+            let per_request = member.state.prefill.uncached_per_request.unwrap_or(own);
+            load.waiting.saturating_mul(per_request)
+        }
+    };
+    let ahead_tokens = queued.saturating_add(dispatched_tokens);
+    Some(Prediction {
+        ahead_tokens,
+        dispatched_tokens,
+        rate,
+        rate_source,
+        queue_us: micros(ahead_tokens, rate),
+        prefill_us: micros(own, rate),
+    })
+}
+
+/// The least predicted TTFT among members that pass hard admission; `None` when none is predicted.
+pub(super) fn best_ttft(members: &[Member<'_>]) -> Option<u64> {
+    members
+        .iter()
+        .filter(|member| member.admission.admits())
+        .filter_map(|member| member.prediction.map(|p| p.ttft_us()))
+        .min()
+}
+
+/// The time gate's verdict on `member`: it keeps the request unless its predicted TTFT exceeds the
+/// best admitted worker's by more than the margin.
+pub(super) fn gate(member: &Member<'_>, best_us: Option<u64>, wait: &WaitGate) -> Gate {
+    let (Some(prediction), Some(best_us)) = (member.prediction, best_us) else {
+        return Gate::Unread;
+    };
+    let ttft_us = prediction.ttft_us();
+    let margin = u64::try_from(wait.divert_margin.as_micros()).unwrap_or(u64::MAX);
+    if ttft_us <= best_us.saturating_add(margin) {
+        Gate::Within { ttft_us, best_us }
+    } else {
+        Gate::Later { ttft_us, best_us }
+    }
+}
