@@ -127,6 +127,11 @@ struct LoadGauges {
     /// `cachepick_worker_reading_age_seconds{pool,worker}`: age of the reading's oldest DP rank; absent
     /// until a worker's first reading.
     reading_age: GaugeVec,
+    /// `cachepick_worker_prefill_tokens_per_second{pool,worker}` and
+    /// `cachepick_worker_uncached_tokens_per_request{pool,worker}`: what the worker's counters taught
+    /// (`load::rate`); absent until learned.
+    prefill_rate: IntGaugeVec,
+    uncached_per_request: IntGaugeVec,
     /// `cachepick_workers_fresh{pool}` / `cachepick_workers_stale{pool}`.
     workers_fresh: IntGaugeVec,
     workers_stale: IntGaugeVec,
@@ -167,6 +172,22 @@ impl Metrics {
                 Opts::new(
                     "cachepick_worker_reading_age_seconds",
                     "Age of each worker's current load reading (its oldest DP rank).",
+                ),
+                &["pool", "worker"],
+            )?,
+            prefill_rate: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_worker_prefill_tokens_per_second",
+                    "Uncached prompt tokens each worker computes per second while requests wait, learned \
+                     from its engine's counters; the prefill-time gate's rate. Absent until learned.",
+                ),
+                &["pool", "worker"],
+            )?,
+            uncached_per_request: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_worker_uncached_tokens_per_request",
+                    "Uncached prompt tokens a request brings to each worker on average, learned from its \
+                     engine's counters: the price of one waiting request where the engine reports a count.",
                 ),
                 &["pool", "worker"],
             )?,
@@ -572,17 +593,30 @@ impl LoadGauges {
             return Vec::new();
         };
         self.reading_age.reset();
+        self.prefill_rate.reset();
+        self.uncached_per_request.reset();
         self.gie.reset();
         for pool in pools.iter() {
             let snapshot = pool.snapshot();
             self.gie.set(pool.label(), &snapshot, now);
             let mut fresh = 0_i64;
             for worker in snapshot.workers() {
+                let endpoint = worker.endpoint.to_string();
+                let labels = [pool.label(), endpoint.as_str()];
+                for (gauge, value) in [
+                    (&self.prefill_rate, worker.prefill.tokens_per_second),
+                    (&self.uncached_per_request, worker.prefill.uncached_per_request),
+                ] {
+                    if let Some(value) = value {
+                        gauge
+                            .with_label_values(&labels)
+                            .set(i64::try_from(value).unwrap_or(i64::MAX));
+                    }
+                }
                 let Some(reading) = &worker.reading else {
                     continue;
                 };
                 let age = now.saturating_duration_since(reading.captured_at);
-                let endpoint = worker.endpoint.to_string();
                 self.reading_age
                     .with_label_values(&[pool.label(), endpoint.as_str()])
                     .set(age.as_secs_f64());
@@ -609,6 +643,8 @@ impl LoadGauges {
             }
         }
         let mut families = self.reading_age.collect();
+        families.extend(self.prefill_rate.collect());
+        families.extend(self.uncached_per_request.collect());
         families.extend(self.workers_fresh.collect());
         families.extend(self.workers_stale.collect());
         families.extend(self.workers.collect());
@@ -661,6 +697,8 @@ impl Collector for SharedCollector {
     fn desc(&self) -> Vec<&Desc> {
         let gauges = &self.0;
         let mut descs = gauges.reading_age.desc();
+        descs.extend(gauges.prefill_rate.desc());
+        descs.extend(gauges.uncached_per_request.desc());
         descs.extend(gauges.workers_fresh.desc());
         descs.extend(gauges.workers_stale.desc());
         descs.extend(gauges.workers.desc());

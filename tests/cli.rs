@@ -404,6 +404,65 @@ async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
     assert!(stderr(&refused).contains("400"), "{}", stderr(&refused));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_prints_each_workers_prediction_under_the_prefill_time_unit() {
+    // Four requests wait on the first worker, none on the second; the rate is configured.
+    let busy = FakeEngine::start(Mode::Body("text/plain", vllm_metrics(&[(0, 4, 2, 0.1)]))).await;
+    let idle = FakeEngine::start(Mode::Body("text/plain", vllm_metrics(&[(0, 0, 2, 0.1)]))).await;
+    let config = write_config(&format!(
+        "policy: {{gate_unit: prefill_time, prefill_tokens_per_second: 1000}}\n\
+         pools:\n  - model: m\n    engine: vllm\n    block_size: 16\n    workers:\n\
+         \x20     - endpoint: \"{}\"\n      - endpoint: \"{}\"\n",
+        busy.addr, idle.addr
+    ));
+    let body = write_config(
+        r#"{"model": "m", "messages": [{"role": "user", "content": "Which worker is predicted to start this prefill first?"}]}"#,
+    );
+    let (config_path, body_path) = (
+        config.path().to_str().unwrap().to_owned(),
+        body.path().to_str().unwrap().to_owned(),
+    );
+    let output = tokio::task::spawn_blocking(move || {
+        cachepick(&["explain", "--config", &config_path, "--body", &body_path, "--json"])
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let explanation: serde_json::Value =
+        serde_json::from_str(&stdout(&output)).expect("JSON output");
+    let tokens = explanation["prepared"]["prompt_tokens"].as_u64().unwrap();
+    let predictions = explanation["outcome"]["trace"]["predictions"].as_array().unwrap();
+    assert_eq!(predictions.len(), 2, "{explanation}");
+    // Nothing learned yet: each waiting request stands in as this prompt, 1,000 tokens a second.
+    assert_eq!(predictions[0]["ahead_tokens"], 4 * tokens, "{explanation}");
+    assert_eq!(predictions[0]["queue_us"], 4 * tokens * 1000, "{explanation}");
+    assert_eq!(predictions[0]["rate_source"], "configured");
+    assert_eq!(predictions[1]["ahead_tokens"], 0);
+    assert_eq!(predictions[1]["prefill_us"], tokens * 1000);
+    assert_eq!(explanation["outcome"]["reason"], "cache_miss");
+
+    let (config_path, body_path) = (
+        config.path().to_str().unwrap().to_owned(),
+        body.path().to_str().unwrap().to_owned(),
+    );
+    let text = tokio::task::spawn_blocking(move || {
+        cachepick(&["explain", "--config", &config_path, "--body", &body_path])
+    })
+    .await
+    .unwrap();
+    let text = stdout(&text);
+    assert!(
+        text.contains(&format!(
+            "predict: {} cached 0 tokens, {} uncached ahead (0 sent since its reading): queue {}.0 ms",
+            busy.addr,
+            4 * tokens,
+            4 * tokens
+        )),
+        "{text}"
+    );
+    assert!(text.contains(&format!("decision: cache_miss -> {}", idle.addr)), "{text}");
+}
+
 #[test]
 fn envoy_config_writes_the_pickers_tls_and_refuses_flags_that_do_not_fit() {
     let config = write_config(

@@ -52,12 +52,22 @@ pub struct Progress {
     pub cached_tokens: Option<f64>,
     /// `time_to_first_token_seconds_count`: requests whose prefill completed.
     pub first_tokens: Option<f64>,
+    /// vLLM's `prefix_cache_queries_total`: prompt tokens looked up when a request is scheduled. vLLM
+    /// counts `prompt_tokens_total` when the prefill completes, so the difference is the prompt tokens
+    /// of the prefills in progress.
+    pub queried_tokens: Option<f64>,
 }
 
 impl Progress {
     /// Prompt tokens the engine had to compute: prompt minus cached, when both are reported.
     pub fn uncached_tokens(&self) -> Option<f64> {
         Some(self.prompt_tokens? - self.cached_tokens?)
+    }
+
+    /// Prompt tokens of the requests whose prefill is under way (cached part included), where the
+    /// engine counts lookups at scheduling and prompts at completion (vLLM).
+    pub fn prefilling_tokens(&self) -> Option<f64> {
+        Some((self.queried_tokens? - self.prompt_tokens?).max(0.0))
     }
 }
 
@@ -126,6 +136,8 @@ struct Names {
     cached: &'static str,
     /// The first-token histogram's count.
     first_tokens: &'static str,
+    /// Prompt tokens looked up in the prefix cache at scheduling, where the engine reports them.
+    queried: Option<&'static str>,
 }
 
 const VLLM: Names = Names {
@@ -142,6 +154,7 @@ const VLLM: Names = Names {
     served: "vllm:prompt_tokens_total",
     cached: "vllm:prefix_cache_hits_total",
     first_tokens: "vllm:time_to_first_token_seconds_count",
+    queried: Some("vllm:prefix_cache_queries_total"),
 };
 
 const SGLANG: Names = Names {
@@ -157,6 +170,7 @@ const SGLANG: Names = Names {
     served: "sglang:prompt_tokens_total",
     cached: "sglang:cached_tokens_total",
     first_tokens: "sglang:time_to_first_token_seconds_count",
+    queried: None,
 };
 
 impl Names {
@@ -178,6 +192,7 @@ impl Names {
             || name == self.served
             || name == self.cached
             || name == self.first_tokens
+            || Some(name) == self.queried
             || name == START_TIME
     }
 }
@@ -216,11 +231,16 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
     let mut identity = Identity::default();
     let mut progress = Progress::default();
     for sample in samples.by_ref() {
-        if sample.name == names.cached || sample.name == names.first_tokens {
+        if sample.name == names.cached
+            || sample.name == names.first_tokens
+            || Some(sample.name) == names.queried
+        {
             let field = if sample.name == names.cached {
                 &mut progress.cached_tokens
-            } else {
+            } else if sample.name == names.first_tokens {
                 &mut progress.first_tokens
+            } else {
+                &mut progress.queried_tokens
             };
             if sample.value.is_finite() && sample.value >= 0.0 {
                 *field = Some(field.unwrap_or(0.0) + sample.value);

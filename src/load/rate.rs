@@ -40,6 +40,8 @@ pub struct PrefillMeter {
     busy_seconds: f64,
     request_tokens: f64,
     requests: f64,
+    /// Prefilling tokens at the last two readings, newest first.
+    prefilling: [Option<f64>; 2],
 }
 
 /// The counters at one reading.
@@ -63,6 +65,9 @@ impl PrefillMeter {
         let Some(uncached) = progress.uncached_tokens().filter(|value| value.is_finite()) else {
             return;
         };
+        if self.last.is_none_or(|last| at > last.at) {
+            self.prefilling = [progress.prefilling_tokens(), self.prefilling[0]];
+        }
         let mark = Mark {
             at,
             uncached,
@@ -99,9 +104,14 @@ impl PrefillMeter {
             .then(|| self.busy_tokens / self.busy_seconds);
         let per_request =
             (self.requests >= MIN_REQUESTS).then(|| self.request_tokens.max(0.0) / self.requests);
+        let prefilling = match self.prefilling {
+            [Some(now), Some(before)] => whole(now.min(before)).or(Some(0)),
+            _ => None,
+        };
         PrefillEstimate {
             tokens_per_second: rate.and_then(whole),
             uncached_per_request: per_request.and_then(whole),
+            prefilling_tokens: prefilling,
         }
     }
 }
@@ -121,7 +131,29 @@ mod tests {
             prompt_tokens: Some(prompt),
             cached_tokens: Some(cached),
             first_tokens: Some(first),
+            queried_tokens: None,
         }
+    }
+
+    #[test]
+    fn a_prefill_under_way_counts_only_once_two_readings_see_it() {
+        let start = Instant::now();
+        let mut meter = PrefillMeter::default();
+        let reading = |queried: f64| Progress {
+            queried_tokens: Some(queried),
+            ..progress(50_000.0, 10_000.0, 10.0)
+        };
+        // A 1k prompt caught mid-step, then gone: never counted.
+        meter.observe(start, &reading(50_000.0), 0);
+        assert_eq!(meter.estimate().prefilling_tokens, None, "one reading is not enough");
+        meter.observe(start + Duration::from_millis(200), &reading(51_000.0), 0);
+        assert_eq!(meter.estimate().prefilling_tokens, Some(0));
+        meter.observe(start + Duration::from_millis(400), &reading(50_000.0), 0);
+        assert_eq!(meter.estimate().prefilling_tokens, Some(0));
+        // A 100k prompt seen by two readings in a row.
+        meter.observe(start + Duration::from_millis(600), &reading(150_000.0), 1);
+        meter.observe(start + Duration::from_millis(800), &reading(150_000.0), 1);
+        assert_eq!(meter.estimate().prefilling_tokens, Some(100_000));
     }
 
     /// A worker prefilling `rate` uncached tokens a second, `per_request` each, scraped every
@@ -222,6 +254,7 @@ mod tests {
             prompt_tokens: Some(1e6),
             cached_tokens: None,
             first_tokens: Some(10.0),
+            queried_tokens: None,
         };
         for second in 0..20 {
             meter.observe(start + Duration::from_secs(second), &blind, 5);

@@ -4,9 +4,12 @@
 //! For worker *m* and a request of *P* prompt tokens, *c* of them cached on *m*:
 //!
 //! - **ahead** = uncached tokens queued on *m*: SGLang's `num_waiting_uncached_tokens` where the
-//!   engine reports it, else waiting × the uncached tokens a request brings there on average (learned
-//!   from the engine's counters; this request's own uncached part until it is learned); plus the
-//!   uncached tokens this picker sent since the reading (its router-local window, exact for its own).
+//!   engine reports it (its chunked prefill's remainder included), else waiting × the uncached tokens a
+//!   request brings there on average (learned from the engine's counters; this request's own uncached
+//!   part until it is learned) plus half the prompt tokens of the prefills under way (vLLM's lookups
+//!   less its completed prompts, seen by two readings in a row: a long prefill is on average half
+//!   done); plus the uncached tokens this picker sent since the reading (its router-local window,
+//!   exact for its own).
 //! - **rate** = the prefill rate learned from *m*'s counters, else `prefill_tokens_per_second` × ranks.
 //! - **queue** = ahead ÷ rate; **prefill** = (*P* − *c*) ÷ rate; predicted TTFT = queue + prefill.
 //!
@@ -55,7 +58,11 @@ pub(super) fn predict(
             load.waiting.saturating_mul(per_request)
         }
     };
-    let ahead_tokens = queued.saturating_add(dispatched_tokens);
+    // A prefill under way is, on average, half done when a request arrives behind it.
+    let prefilling = member.state.prefill.prefilling_tokens.unwrap_or(0) / 2;
+    let ahead_tokens = queued
+        .saturating_add(prefilling)
+        .saturating_add(dispatched_tokens);
     Some(Prediction {
         ahead_tokens,
         dispatched_tokens,

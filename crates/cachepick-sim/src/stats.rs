@@ -62,7 +62,8 @@ impl RankStats {
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RankCounters {
-    /// Prompt tokens of admitted requests.
+    /// Prompt tokens, counted as the engine counts them: under the step model vLLM's when a prompt's
+    /// prefill completes, SGLang's when it is scheduled; under the slots model when it is admitted.
     pub prompt_tokens: u64,
     /// Output tokens produced.
     pub generation_tokens: u64,

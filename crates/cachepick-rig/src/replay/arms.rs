@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use cachepick::config::{self, Config};
+use cachepick::config::{self, Config, WaitGate};
 use cachepick_sim::{KvEventsConfig, KvEventsFormat, SimConfig, Timing};
 
 use super::IndexMode;
@@ -13,8 +13,10 @@ use crate::stage::{StageError, on_free_ports};
 
 /// Every policy the tool knows, by name: the `policy:` section it applies. `{limit}`, `{floor}` and
 /// `{block}` are filled from the fleet as `cachepick sim --emit-config` sizes them ([`gate_limits`]) and
-/// the KV block size in tokens.
-pub const POLICIES: [(&str, &str); 8] = [
+/// the KV block size in tokens; `{margin}` and `{wait_floor}` are the prefill-time unit's defaults
+/// ([`WaitGate`]) in the simulator's wall time ([`wall`]). The prefill-time arms configure no rate:
+/// they run on what the picker learns from the engines' counters, as a deployment does.
+pub const POLICIES: [(&str, &str); 10] = [
     ("round_robin", "mode: round_robin"),
     ("least_load", "mode: least_load"),
     ("balance_threshold", "mode: balance_threshold"),
@@ -35,6 +37,14 @@ pub const POLICIES: [(&str, &str); 8] = [
     (
         "gate_floor_min_match_1block",
         "worker_queue_limit: {limit}\nsaturation_queue_floor: {floor}\nmin_match_tokens: {block}",
+    ),
+    (
+        "time_floor",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}",
+    ),
+    (
+        "time",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: null",
     ),
 ];
 
@@ -65,12 +75,25 @@ pub const DEFAULT_BURST_POLICIES: [&str; 4] = [
 pub fn policy_yaml(name: &str, sim: &SimConfig) -> Option<String> {
     let (_, template) = POLICIES.iter().find(|(known, _)| *known == name)?;
     let (limit, floor) = gate_limits(sim);
+    let wait = WaitGate::default();
     Some(
         template
             .replace("{limit}", &limit.to_string())
             .replace("{floor}", &floor.to_string())
-            .replace("{block}", &sim.block_size.to_string()),
+            .replace("{block}", &sim.block_size.to_string())
+            .replace("{margin}", &wall(sim, wait.divert_margin))
+            .replace(
+                "{wait_floor}",
+                &wall(sim, wait.floor.unwrap_or(WaitGate::DEFAULT_FLOOR)),
+            ),
     )
+}
+
+/// A GPU duration as the simulator's wall time (`time_scale` wall seconds per model second), written
+/// as the configuration reads it, to the microsecond.
+pub fn wall(sim: &SimConfig, gpu: std::time::Duration) -> String {
+    let us = (gpu.as_secs_f64() * sim.params.time_scale * 1e6).round().max(0.0) as u64;
+    format!("{}.{:03}ms", us / 1000, us % 1000)
 }
 
 /// The queue gate's limit and the saturation floor for `sim`'s fleet, as the simulator's emitted
@@ -304,6 +327,14 @@ mod tests {
             policy_yaml("gate_floor", &sim()).as_deref(),
             Some("worker_queue_limit: 4\nsaturation_queue_floor: 2")
         );
+        let mut scaled = sim();
+        scaled.params.time_scale = 2.5;
+        assert_eq!(
+            policy_yaml("time_floor", &scaled).as_deref(),
+            Some("gate_unit: prefill_time\ndivert_margin: 1250.000ms\nsaturation_wait_floor: 2500.000ms")
+        );
+        assert!(apply_policy(GENERATED, &policy_yaml("time_floor", &scaled).unwrap()).is_ok());
+        assert!(apply_policy(GENERATED, &policy_yaml("time", &scaled).unwrap()).is_ok());
         let slots = default_fleet(&Scenario::Burst, 4.0, Timing::Slots);
         assert_eq!(slots.params.max_running.get(), 8);
         assert_eq!(gate_limits(&slots), (2, 1));

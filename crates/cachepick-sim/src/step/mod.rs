@@ -330,6 +330,13 @@ impl StepRank {
             if seq.pending() > 0 {
                 continue;
             }
+            // vLLM V1 counts a prompt's tokens when its prefill completes, with its first output
+            // (`IterationStats.update_from_output`, `is_prefilling`); its cache hits when the request
+            // is scheduled. The difference is the prefill in progress, which readers can see.
+            if seq.generated == 0 && self.limits.engine == Engine::Vllm {
+                self.counters.prompt_tokens =
+                    self.counters.prompt_tokens.saturating_add(seq.prompt_len);
+            }
             if seq.generated < seq.max_tokens {
                 seq.generated = seq.generated.saturating_add(1);
                 self.counters.generation_tokens = self.counters.generation_tokens.saturating_add(1);

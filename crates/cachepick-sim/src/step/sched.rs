@@ -315,7 +315,10 @@ fn admit(rank: &mut StepRank, id: RequestId, budget: u64) -> Option<Admitted> {
         let cached = u32::try_from(cached).unwrap_or(u32::MAX);
         seq.cached = Some(cached);
         let counters = &mut rank.counters;
-        counters.prompt_tokens = counters.prompt_tokens.saturating_add(seq.prompt_len);
+        // SGLang counts a prompt when it is scheduled; vLLM when its prefill completes (`complete`).
+        if rank.limits.engine == Engine::Sglang {
+            counters.prompt_tokens = counters.prompt_tokens.saturating_add(seq.prompt_len);
+        }
         counters.prefix_queried_tokens = counters
             .prefix_queried_tokens
             .saturating_add(seq.prompt_len);
