@@ -605,7 +605,10 @@ impl LoadGauges {
                 let labels = [pool.label(), endpoint.as_str()];
                 for (gauge, value) in [
                     (&self.prefill_rate, worker.prefill.tokens_per_second),
-                    (&self.uncached_per_request, worker.prefill.uncached_per_request),
+                    (
+                        &self.uncached_per_request,
+                        worker.prefill.uncached_per_request,
+                    ),
                 ] {
                     if let Some(value) = value {
                         gauge

@@ -423,7 +423,14 @@ async fn explain_prints_each_workers_prediction_under_the_prefill_time_unit() {
         body.path().to_str().unwrap().to_owned(),
     );
     let output = tokio::task::spawn_blocking(move || {
-        cachepick(&["explain", "--config", &config_path, "--body", &body_path, "--json"])
+        cachepick(&[
+            "explain",
+            "--config",
+            &config_path,
+            "--body",
+            &body_path,
+            "--json",
+        ])
     })
     .await
     .unwrap();
@@ -431,11 +438,17 @@ async fn explain_prints_each_workers_prediction_under_the_prefill_time_unit() {
     let explanation: serde_json::Value =
         serde_json::from_str(&stdout(&output)).expect("JSON output");
     let tokens = explanation["prepared"]["prompt_tokens"].as_u64().unwrap();
-    let predictions = explanation["outcome"]["trace"]["predictions"].as_array().unwrap();
+    let predictions = explanation["outcome"]["trace"]["predictions"]
+        .as_array()
+        .unwrap();
     assert_eq!(predictions.len(), 2, "{explanation}");
     // Nothing learned yet: each waiting request stands in as this prompt, 1,000 tokens a second.
     assert_eq!(predictions[0]["ahead_tokens"], 4 * tokens, "{explanation}");
-    assert_eq!(predictions[0]["queue_us"], 4 * tokens * 1000, "{explanation}");
+    assert_eq!(
+        predictions[0]["queue_us"],
+        4 * tokens * 1000,
+        "{explanation}"
+    );
     assert_eq!(predictions[0]["rate_source"], "configured");
     assert_eq!(predictions[1]["ahead_tokens"], 0);
     assert_eq!(predictions[1]["prefill_us"], tokens * 1000);
@@ -460,7 +473,10 @@ async fn explain_prints_each_workers_prediction_under_the_prefill_time_unit() {
         )),
         "{text}"
     );
-    assert!(text.contains(&format!("decision: cache_miss -> {}", idle.addr)), "{text}");
+    assert!(
+        text.contains(&format!("decision: cache_miss -> {}", idle.addr)),
+        "{text}"
+    );
 }
 
 #[test]

@@ -145,7 +145,11 @@ mod tests {
         };
         // A 1k prompt caught mid-step, then gone: never counted.
         meter.observe(start, &reading(50_000.0), 0);
-        assert_eq!(meter.estimate().prefilling_tokens, None, "one reading is not enough");
+        assert_eq!(
+            meter.estimate().prefilling_tokens,
+            None,
+            "one reading is not enough"
+        );
         meter.observe(start + Duration::from_millis(200), &reading(51_000.0), 0);
         assert_eq!(meter.estimate().prefilling_tokens, Some(0));
         meter.observe(start + Duration::from_millis(400), &reading(50_000.0), 0);
