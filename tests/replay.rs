@@ -232,6 +232,51 @@ fn a_short_agents_replay_keeps_its_long_prefixes_cached() {
     );
 }
 
+/// The re-implemented peers (llm-d's sticky-until-saturated rule, Dynamo's KV-router cost) run as arms
+/// at one and three router replicas, each request's decision labelled with the rule, and both keep the
+/// agents' long prefixes cached as an affinity router does.
+#[test]
+fn the_reimplemented_peers_run_at_one_and_three_replicas() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let (stdout, _) = replay(&[
+        "--scenario",
+        "agents",
+        "--duration-scale",
+        "0.05",
+        "--policies",
+        "none",
+        "--peer",
+        "llm-d,dynamo",
+        "--replicas",
+        "1,3",
+        "--no-oracle",
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    let report = report(&out);
+    let ideal = report["ideal_hit_rate"].as_f64().expect("ideal");
+    let arms = report["policies"].as_array().expect("arms");
+    let labels: Vec<&str> = arms.iter().filter_map(|arm| arm["arm"].as_str()).collect();
+    assert_eq!(
+        labels,
+        [
+            "llm-d/sticky (re-impl)/x1",
+            "llm-d/sticky (re-impl)/x3",
+            "dynamo/kv (re-impl)/x1",
+            "dynamo/kv (re-impl)/x3"
+        ],
+        "{stdout}"
+    );
+    for arm in arms {
+        let rule = arm["policy"].as_str().expect("rule");
+        assert_eq!(arm["ok"], arm["requests"], "{arm}");
+        assert_eq!(arm["reasons"][rule], arm["requests"], "{arm}");
+        let hit = arm["hit_rate"].as_f64().expect("hit rate");
+        assert!(hit > ideal * 0.5 && hit <= ideal, "{arm}: ideal {ideal}");
+    }
+}
+
 /// Two picker replicas behind one real Envoy, both index modes, and a worker crash: Envoy round-robins
 /// the requests' ext_proc streams over the replicas (each replica's `/metrics` counts its decisions),
 /// both index modes run (the events arm on the simulator's KV event streams), and the fault arm's

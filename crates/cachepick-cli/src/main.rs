@@ -298,6 +298,11 @@ struct ReplayArgs {
     /// file names its own.
     #[arg(long, value_parser = parse_timing, default_value = "step")]
     timing: cachepick_sim::Timing,
+    /// Re-implemented peers that cannot be installed here, one arm per --replicas count each, their
+    /// load local to each router replica: llm-d (its "sticky until saturated" prefix-affinity filter
+    /// with the token-load scorer), dynamo (its KV router's overlap-weighted cost), comma-separated.
+    #[arg(long, value_name = "PEER", value_delimiter = ',', value_parser = cachepick_rig::replay::peers::PeerRule::parse)]
+    peer: Vec<cachepick_rig::replay::peers::PeerRule>,
     /// Leave out the oracle's arm (the routing limit, run last under the step model).
     #[arg(long)]
     no_oracle: bool,
@@ -724,6 +729,7 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     options.seed = args.seed;
     options.duration_scale = args.duration_scale;
     options.timing = args.timing;
+    options.peers = args.peer.clone();
     options.oracle = !args.no_oracle;
     let replay = cachepick_rig::replay::run(&options).await?;
     println!("\n{}", replay.table);

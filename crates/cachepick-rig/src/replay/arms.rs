@@ -9,6 +9,7 @@ use cachepick_sim::{KvEventsConfig, KvEventsFormat, SimConfig, Timing};
 
 use super::IndexMode;
 use super::front::Front;
+use super::peers::PeerRule;
 use crate::stage::{StageError, on_free_ports};
 
 /// Every policy the tool knows, by name: the `policy:` section it applies. `{limit}`, `{floor}` and
@@ -16,7 +17,7 @@ use crate::stage::{StageError, on_free_ports};
 /// the KV block size in tokens; `{margin}` and `{wait_floor}` are the prefill-time unit's defaults
 /// ([`WaitGate`]) in the simulator's wall time ([`wall`]). The prefill-time arms configure no rate:
 /// they run on what the picker learns from the engines' counters, as a deployment does.
-pub const POLICIES: [(&str, &str); 10] = [
+pub const POLICIES: [(&str, &str); 11] = [
     ("round_robin", "mode: round_robin"),
     ("least_load", "mode: least_load"),
     ("balance_threshold", "mode: balance_threshold"),
@@ -45,6 +46,12 @@ pub const POLICIES: [(&str, &str); 10] = [
     (
         "time",
         "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: null",
+    ),
+    // A cache miss goes to the worker predicted soonest of the whole fleet, not of two sampled.
+    (
+        "time_floor_all",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
+         min_load_choices: 64",
     ),
 ];
 
@@ -92,7 +99,9 @@ pub fn policy_yaml(name: &str, sim: &SimConfig) -> Option<String> {
 /// A GPU duration as the simulator's wall time (`time_scale` wall seconds per model second), written
 /// as the configuration reads it, to the microsecond.
 pub fn wall(sim: &SimConfig, gpu: std::time::Duration) -> String {
-    let us = (gpu.as_secs_f64() * sim.params.time_scale * 1e6).round().max(0.0) as u64;
+    let us = (gpu.as_secs_f64() * sim.params.time_scale * 1e6)
+        .round()
+        .max(0.0) as u64;
     format!("{}.{:03}ms", us / 1000, us % 1000)
 }
 
@@ -185,6 +194,9 @@ pub(super) enum ArmKind {
     Front(Front),
     /// The routing limit ([`oracle`](super::oracle)); the policy fields do not apply.
     Oracle,
+    /// A re-implemented peer ([`peers`](super::peers)) with the arm's replicas; the policy and index
+    /// fields do not apply.
+    Peer(PeerRule),
 }
 
 impl Arm {
@@ -198,6 +210,29 @@ impl Arm {
             replicas: 1,
             kind: ArmKind::Front(front.clone()),
         }
+    }
+
+    /// A re-implemented peer's arms, one per replica count: labelled like the policies' (`/x<n>` when
+    /// the run uses more than one replica anywhere).
+    pub fn peers(rule: PeerRule, replicas: &[usize]) -> Vec<Arm> {
+        let show_replicas = replicas != [1];
+        replicas
+            .iter()
+            .map(|&count| {
+                let mut label = rule.label().to_owned();
+                if show_replicas {
+                    let _ = write!(label, "/x{count}");
+                }
+                Arm {
+                    policy: rule.label().to_owned(),
+                    label,
+                    yaml: String::new(),
+                    index_mode: IndexMode::Events,
+                    replicas: count,
+                    kind: ArmKind::Peer(rule),
+                }
+            })
+            .collect()
     }
 
     /// The oracle's arm.
@@ -331,7 +366,9 @@ mod tests {
         scaled.params.time_scale = 2.5;
         assert_eq!(
             policy_yaml("time_floor", &scaled).as_deref(),
-            Some("gate_unit: prefill_time\ndivert_margin: 1250.000ms\nsaturation_wait_floor: 2500.000ms")
+            Some(
+                "gate_unit: prefill_time\ndivert_margin: 1250.000ms\nsaturation_wait_floor: 2500.000ms"
+            )
         );
         assert!(apply_policy(GENERATED, &policy_yaml("time_floor", &scaled).unwrap()).is_ok());
         assert!(apply_policy(GENERATED, &policy_yaml("time", &scaled).unwrap()).is_ok());

@@ -14,6 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 
 use super::oracle::Oracle;
+use super::peers::{PeerRouter, Ticket};
 use super::trace::{Item, PromptBuilder};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER};
 
@@ -27,6 +28,9 @@ pub enum Route {
     Proxy(SocketAddr),
     Direct(PickerClient),
     Oracle(Arc<Oracle>),
+    /// A re-implemented peer ([`super::peers`]): it chooses, the request goes straight to the worker,
+    /// and its ticket tells the peer's replica of the first chunk and the end.
+    Peer(Arc<PeerRouter>),
 }
 
 /// How one request ended.
@@ -149,8 +153,31 @@ async fn one(
         ..Sample::default()
     };
     let started = Instant::now();
+    // Held to the end of the request: dropping it ends the request's load on the peer's replica.
+    let mut ticket: Option<Ticket> = None;
     let (addr, headers) = match route {
         Route::Proxy(addr) => (addr, Vec::new()),
+        Route::Peer(router) => {
+            // Like the oracle's, the choice hashes the prompt against every worker: off the runtime.
+            let (chooser, text) = (Arc::clone(&router), prompt.to_owned());
+            let chosen = tokio::task::spawn_blocking(move || chooser.choose(&text))
+                .await
+                .ok()
+                .flatten();
+            let Some(chosen) = chosen else {
+                sample.reason = "the peer had no worker".to_owned();
+                return sample;
+            };
+            let to = (
+                chosen.worker,
+                vec![
+                    (DECISION_HEADER, router.rule().label().to_owned()),
+                    (PREFIX_TOKENS_HEADER, chosen.cached_tokens.to_string()),
+                ],
+            );
+            ticket = Some(chosen);
+            to
+        }
         Route::Oracle(oracle) => {
             // The prediction reads every rank's state under its lock: off the runtime's workers.
             let prompt = prompt.to_owned();
@@ -238,6 +265,9 @@ async fn one(
         if let Some(data) = frame.data_ref() {
             if sample.ttft.is_none() && data.windows(6).any(|window| window == b"data: ") {
                 sample.ttft = Some(started.elapsed());
+                if let Some(ticket) = &mut ticket {
+                    ticket.first_token();
+                }
             }
             tail.extend_from_slice(data);
             if tail.len() > 16 * 1024 {

@@ -24,6 +24,7 @@ pub mod fault;
 pub mod front;
 pub mod oracle;
 mod output;
+pub mod peers;
 pub mod report;
 mod runner;
 pub mod svg;
@@ -176,6 +177,8 @@ pub struct ReplayOptions {
     pub load: f64,
     /// The default fleet's timing model (a `--config` file names its own).
     pub timing: Timing,
+    /// Re-implemented peers ([`peers`]), one arm per replica count each, after the fronts.
+    pub peers: Vec<peers::PeerRule>,
     /// Run the oracle's arm after the others (the step model only).
     pub oracle: bool,
     /// Print progress lines.
@@ -209,6 +212,7 @@ impl ReplayOptions {
             fronts: Vec::new(),
             load: 1.0,
             timing: Timing::Step,
+            peers: Vec::new(),
             oracle: true,
             verbose: true,
         }
@@ -431,6 +435,9 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     let mut arms = arms(&names, &sim, &modes, &replicas);
     arms.extend(options.fronts.iter().map(Arm::front));
+    for rule in &options.peers {
+        arms.extend(Arm::peers(*rule, &replicas));
+    }
     if options.oracle && sim.timing == Timing::Step {
         arms.push(Arm::oracle());
     }
@@ -566,7 +573,7 @@ fn policy_names(
     let names: Vec<String> = if options.policies.iter().any(|name| name == NO_POLICIES) {
         Vec::new()
     } else if options.policies.is_empty() {
-        let defaults: &[&str] = if !options.fronts.is_empty() {
+        let defaults: &[&str] = if !options.fronts.is_empty() || !options.peers.is_empty() {
             &DEFAULT_FRONT_POLICIES
         } else if burst {
             &DEFAULT_BURST_POLICIES

@@ -14,6 +14,7 @@ use super::drive::{self, Route, Sample};
 use super::fault::{self, FaultReport};
 use super::front::{self, Front, KvSources};
 use super::oracle::Oracle;
+use super::peers::{PeerRouter, PeerRule};
 use super::report::PolicyReport;
 use super::trace::{Item, PromptBuilder};
 use super::{IndexMode, ReplayError, ReplayOptions, utilisation};
@@ -49,6 +50,7 @@ impl Workload<'_> {
             ArmKind::Picker => self.picker(arm).await,
             ArmKind::Front(front) => self.front(arm, front).await,
             ArmKind::Oracle => self.oracle(arm).await,
+            ArmKind::Peer(rule) => self.peer(arm, *rule).await,
         }
     }
 
@@ -208,6 +210,24 @@ impl Workload<'_> {
             fleet.stop().await;
         }
         report.index_mode = "-".to_owned();
+        report.utilisation = utilisation;
+        Ok(report)
+    }
+}
+
+impl Workload<'_> {
+    /// A re-implemented peer on a fresh fleet it reads in process, with the arm's router replicas.
+    async fn peer(&self, arm: &Arm, rule: PeerRule) -> Result<PolicyReport, ReplayError> {
+        let fleet = Arc::new(Fleet::start(self.sim).await.map_err(StageError::from)?);
+        let router = PeerRouter::new(Arc::clone(&fleet), rule, arm.replicas, self.options.seed);
+        let route = Route::Peer(Arc::new(router));
+        let (samples, wall, utilisation) = self.drive(&route, &fleet).await;
+        let mut report = self.report(arm, "", &samples, &fleet, wall);
+        drop(route);
+        if let Ok(fleet) = Arc::try_unwrap(fleet) {
+            fleet.stop().await;
+        }
+        report.index_mode = "true cache".to_owned();
         report.utilisation = utilisation;
         Ok(report)
     }

@@ -397,6 +397,20 @@ impl Worker {
             })
             .collect()
     }
+
+    /// What each rank's cache holds of a prompt of these token ids, rank by rank: the true state, as
+    /// an index fed by KV events would see it with no lag (`cachepick replay`'s re-implemented peer
+    /// routers read it). Empty for a worker that is down.
+    pub fn cached_tokens(&self, tokens: &[u32]) -> Vec<u32> {
+        let Some(incarnation) = current(&self.shared) else {
+            return Vec::new();
+        };
+        incarnation
+            .ranks
+            .iter()
+            .map(|state| lock(state).engine.cached_tokens(tokens))
+            .collect()
+    }
 }
 
 impl Worker {
