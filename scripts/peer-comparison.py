@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The peer comparison in BENCHMARKS.md, on the simulator's step model: cachepick (gate + floor, gate,
-affinity; through a real Envoy; gate + floor also with the engines' KV events, at one and three picker
-replicas) against smg (cache_aware, round_robin) and vllm-router (cache_aware, kv_aware on the KV events),
-beside the oracle (the routing limit), on the Mooncake trace, the burst scenario and the prefill-heavy
+affinity, the prefill-time unit's time + floor; through a real Envoy; gate + floor and time + floor also
+with the engines' KV events, at one and three picker replicas) against smg (cache_aware, round_robin),
+vllm-router (cache_aware, kv_aware on the KV events) and the re-implemented llm-d and Dynamo rules (at one
+and three router replicas, `--peer`), beside the oracle (the routing limit), on the Mooncake trace, the burst scenario and the prefill-heavy
 agents scenario, at a load below the knee, at the knee and above it, over several seeds. Every run is two
 `cachepick replay`s (the main arms, then the events arms); this script only runs them and puts their
 report.json files side by side (mean over seeds, with the range).
@@ -52,13 +53,15 @@ def replay(args, scenario, load, seed, out, extra):
 
 def run(args, scenario, load, seed, bin_dir):
     out = os.path.join(args.out, f"{scenario['name']}-load{load}-seed{seed}")
-    main = ["--policies", "gate_floor,gate,affinity"]
+    main = ["--policies", "gate_floor,gate,affinity,time_floor"]
     for front in fronts(bin_dir):
         main += ["--front", front]
     replay(args, scenario, load, seed, out, main)
-    # The KV event arms: gate + floor on the engines' events, one picker and three behind one Envoy.
+    # The KV event arms: gate + floor and time + floor on the engines' events, one picker and three
+    # behind one Envoy; the re-implemented peers at one and three router replicas beside them.
     replay(args, scenario, load, seed, os.path.join(out, "events"),
-           ["--policies", "gate_floor", "--index", "events", "--replicas", "1,3", "--no-oracle"])
+           ["--policies", "gate_floor,time_floor", "--index", "events", "--replicas", "1,3",
+            "--peer", "llm-d,dynamo", "--no-oracle"])
     return out
 
 
@@ -121,6 +124,14 @@ LABELS = {
     "affinity": "cachepick affinity",
     "gate_floor/events/x1": "cachepick gate + floor, events ×1",
     "gate_floor/events/x3": "cachepick gate + floor, events ×3",
+    "time_floor": "cachepick time + floor",
+    "time_floor_all": "cachepick time + floor, misses to the whole fleet",
+    "time_floor/events/x1": "cachepick time + floor, events ×1",
+    "time_floor/events/x3": "cachepick time + floor, events ×3",
+    "llm-d/sticky (re-impl)/x1": "llm-d sticky (re-impl) ×1",
+    "llm-d/sticky (re-impl)/x3": "llm-d sticky (re-impl) ×3",
+    "dynamo/kv (re-impl)/x1": "Dynamo KV (re-impl) ×1",
+    "dynamo/kv (re-impl)/x3": "Dynamo KV (re-impl) ×3",
 }
 
 
@@ -137,7 +148,8 @@ def arms_of(run_dir):
         scale = report["fleet"]["time_scale"]
         arms += report["policies"]
     # cachepick's rows first, the events rows right after gate + floor, the oracle last.
-    order = ["gate_floor", "gate_floor/events/x1", "gate_floor/events/x3", "gate", "affinity"]
+    order = ["gate_floor", "gate_floor/events/x1", "gate_floor/events/x3", "gate", "affinity",
+             "time_floor", "time_floor_all", "time_floor/events/x1", "time_floor/events/x3"]
     arms.sort(key=lambda a: (a["arm"] == "oracle",
                              order.index(a["arm"]) if a["arm"] in order else len(order)))
     return arms, scale
