@@ -24,8 +24,13 @@ mod support {
 use support::bodies;
 
 fn picker() -> Picker {
+    picker_with("")
+}
+
+/// 16 workers of one pool with `pool` (indented as the pool's keys) added to its section.
+fn picker_with(pool: &str) -> Picker {
     let mut yaml =
-        String::from("pools:\n  - model: m\n    engine: vllm\n    block_size: 64\n    workers:\n");
+        format!("pools:\n  - model: m\n    engine: vllm\n    block_size: 64\n{pool}    workers:\n");
     for port in 1..=16 {
         yaml.push_str(&format!("      - endpoint: 127.0.0.1:{port}\n"));
     }
@@ -33,6 +38,11 @@ fn picker() -> Picker {
     let loads = PoolLoad::for_pools(&config);
     Picker::new(&config, &loads).unwrap()
 }
+
+/// The owner index from the engines' KV events, under each gate unit.
+const EVENTS_REQUESTS: &str = "    index:\n      mode: events\n";
+const EVENTS_PREFILL_TIME: &str =
+    "    index:\n      mode: events\n    policy:\n      gate_unit: prefill_time\n";
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -93,6 +103,36 @@ fn bench_pipeline(c: &mut Criterion) {
     });
     group.finish();
     println!("route_220kb: {} bytes, {tokens} tokens", big.len());
+
+    // (e) An agent turn of about 100k tokens, cold (a fresh picker: nothing tokenized or cached), on
+    // the events index, under each gate unit: the decisions a core makes per second on the prompts
+    // llm-d's operations guide sizes its routers for (100k/1k agentic prompts).
+    let agent = bodies::chat("m", 5, 9_000);
+    let tokens = prompt_tokens(&agent);
+    let mut group = c.benchmark_group("route_agent_100k_events_cold");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(20);
+    for (name, pool) in [
+        ("requests", EVENTS_REQUESTS),
+        ("prefill_time", EVENTS_PREFILL_TIME),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || picker_with(pool),
+                |picker| {
+                    let mut rng = SmallRng::seed_from_u64(1);
+                    route(&picker, &agent, &mut rng);
+                    picker
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+    println!(
+        "route_agent_100k_events_cold: {} bytes, {tokens} tokens",
+        agent.len()
+    );
 }
 
 criterion_group!(benches, bench_pipeline);
