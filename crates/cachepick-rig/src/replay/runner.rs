@@ -201,33 +201,38 @@ impl Workload<'_> {
 
     /// The oracle on a fresh fleet it reads in process.
     async fn oracle(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
-        let fleet = Arc::new(Fleet::start(self.sim).await.map_err(StageError::from)?);
-        let route = Route::Oracle(Arc::new(Oracle::new(Arc::clone(&fleet))));
-        let (samples, wall, utilisation) = self.drive(&route, &fleet).await;
-        let mut report = self.report(arm, "", &samples, &fleet, wall);
-        drop(route);
-        if let Ok(fleet) = Arc::try_unwrap(fleet) {
-            fleet.stop().await;
-        }
-        report.index_mode = "-".to_owned();
-        report.utilisation = utilisation;
-        Ok(report)
+        self.in_process(arm, "-", |fleet| {
+            Route::Oracle(Arc::new(Oracle::new(fleet)))
+        })
+        .await
     }
-}
 
-impl Workload<'_> {
     /// A re-implemented peer on a fresh fleet it reads in process, with the arm's router replicas.
     async fn peer(&self, arm: &Arm, rule: PeerRule) -> Result<PolicyReport, ReplayError> {
+        let seed = self.options.seed;
+        self.in_process(arm, "true cache", |fleet| {
+            Route::Peer(Arc::new(PeerRouter::new(fleet, rule, arm.replicas, seed)))
+        })
+        .await
+    }
+
+    /// An arm whose router reads the fleet in process: `route` is built on a fresh fleet, the workload
+    /// driven along it, and the fleet stopped once the route has let it go.
+    async fn in_process(
+        &self,
+        arm: &Arm,
+        index_mode: &str,
+        route: impl FnOnce(Arc<Fleet>) -> Route,
+    ) -> Result<PolicyReport, ReplayError> {
         let fleet = Arc::new(Fleet::start(self.sim).await.map_err(StageError::from)?);
-        let router = PeerRouter::new(Arc::clone(&fleet), rule, arm.replicas, self.options.seed);
-        let route = Route::Peer(Arc::new(router));
+        let route = route(Arc::clone(&fleet));
         let (samples, wall, utilisation) = self.drive(&route, &fleet).await;
         let mut report = self.report(arm, "", &samples, &fleet, wall);
         drop(route);
         if let Ok(fleet) = Arc::try_unwrap(fleet) {
             fleet.stop().await;
         }
-        report.index_mode = "true cache".to_owned();
+        report.index_mode = index_mode.to_owned();
         report.utilisation = utilisation;
         Ok(report)
     }
