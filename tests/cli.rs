@@ -43,6 +43,31 @@ fn write_config(text: &str) -> tempfile::NamedTempFile {
     file
 }
 
+/// `cachepick explain --config CONFIG --body BODY` and `extra`, run off the async runtime (the tests
+/// serve fake engines on it while the command scrapes them).
+async fn explain(config: &std::path::Path, body: &std::path::Path, extra: &[&str]) -> Output {
+    let mut args: Vec<String> = [
+        "explain",
+        "--config",
+        path_str(config),
+        "--body",
+        path_str(body),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    args.extend(extra.iter().map(|arg| (*arg).to_owned()));
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cachepick(&args)
+    })
+    .await
+    .unwrap()
+}
+
+fn path_str(path: &std::path::Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
@@ -339,22 +364,7 @@ async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
         r#"{"model": "m", "messages": [{"role": "system", "content": "You are terse and exact, and you answer in one line."},
             {"role": "user", "content": "Which worker serves this request, and why does it hold the prefix of my prompt?"}]}"#,
     );
-    let (config_path, body_path) = (
-        config.path().to_str().unwrap().to_owned(),
-        body.path().to_str().unwrap().to_owned(),
-    );
-    let output = tokio::task::spawn_blocking(move || {
-        cachepick(&[
-            "explain",
-            "--config",
-            &config_path,
-            "--body",
-            &body_path,
-            "--json",
-        ])
-    })
-    .await
-    .unwrap();
+    let output = explain(config.path(), body.path(), &["--json"]).await;
     assert!(output.status.success(), "stderr: {}", stderr(&output));
     let explanation: serde_json::Value =
         serde_json::from_str(&stdout(&output)).expect("JSON output");
@@ -372,15 +382,7 @@ async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
         "the worker was scraped first"
     );
 
-    let (config_path, body_path) = (
-        config.path().to_str().unwrap().to_owned(),
-        body.path().to_str().unwrap().to_owned(),
-    );
-    let text = tokio::task::spawn_blocking(move || {
-        cachepick(&["explain", "--config", &config_path, "--body", &body_path])
-    })
-    .await
-    .unwrap();
+    let text = explain(config.path(), body.path(), &[]).await;
     let text = stdout(&text);
     assert!(text.contains("pool:    m"), "{text}");
     assert!(
@@ -393,13 +395,7 @@ async fn explain_shows_the_pool_tokens_blocks_and_decision_for_a_body() {
     );
 
     let bad = write_config(r#"{"model": "m", "messages": "hello"}"#);
-    let config_path = config.path().to_str().unwrap().to_owned();
-    let bad_path = bad.path().to_str().unwrap().to_owned();
-    let refused = tokio::task::spawn_blocking(move || {
-        cachepick(&["explain", "--config", &config_path, "--body", &bad_path])
-    })
-    .await
-    .unwrap();
+    let refused = explain(config.path(), bad.path(), &[]).await;
     assert_eq!(refused.status.code(), Some(1));
     assert!(stderr(&refused).contains("400"), "{}", stderr(&refused));
 }
@@ -418,22 +414,7 @@ async fn explain_prints_each_workers_prediction_under_the_prefill_time_unit() {
     let body = write_config(
         r#"{"model": "m", "messages": [{"role": "user", "content": "Which worker is predicted to start this prefill first?"}]}"#,
     );
-    let (config_path, body_path) = (
-        config.path().to_str().unwrap().to_owned(),
-        body.path().to_str().unwrap().to_owned(),
-    );
-    let output = tokio::task::spawn_blocking(move || {
-        cachepick(&[
-            "explain",
-            "--config",
-            &config_path,
-            "--body",
-            &body_path,
-            "--json",
-        ])
-    })
-    .await
-    .unwrap();
+    let output = explain(config.path(), body.path(), &["--json"]).await;
     assert!(output.status.success(), "stderr: {}", stderr(&output));
     let explanation: serde_json::Value =
         serde_json::from_str(&stdout(&output)).expect("JSON output");
@@ -454,15 +435,7 @@ async fn explain_prints_each_workers_prediction_under_the_prefill_time_unit() {
     assert_eq!(predictions[1]["prefill_us"], tokens * 1000);
     assert_eq!(explanation["outcome"]["reason"], "cache_miss");
 
-    let (config_path, body_path) = (
-        config.path().to_str().unwrap().to_owned(),
-        body.path().to_str().unwrap().to_owned(),
-    );
-    let text = tokio::task::spawn_blocking(move || {
-        cachepick(&["explain", "--config", &config_path, "--body", &body_path])
-    })
-    .await
-    .unwrap();
+    let text = explain(config.path(), body.path(), &[]).await;
     let text = stdout(&text);
     assert!(
         text.contains(&format!(
