@@ -39,6 +39,14 @@ impl<'a> Fleet<'a> {
                 None => unknown_workers += 1,
             }
         }
+        // The KV tokens hard admission charges a worker holding `matched` of the prompt. The request
+        // unit charges the whole prompt, as the seed does. The prefill-time unit charges what the
+        // worker lacks: a cold alternative needs the whole prompt, so charging the owner the same would
+        // send a saturated fleet's long prompts to the workers that must compute and hold all of them.
+        let kv_charge = |matched: u64| match wait {
+            Some(_) => request.prompt_tokens.saturating_sub(matched),
+            None => request.prompt_tokens,
+        };
         let member = |state: &'a WorkerState| {
             let fresh = state
                 .reading
@@ -55,7 +63,7 @@ impl<'a> Fleet<'a> {
                 fresh,
                 matched_tokens,
                 gate: rank::gate(limit.map(|limit| per_worker(limit, state)), fresh),
-                admission: rank::admission(state, fresh, request.prompt_tokens),
+                admission: rank::admission(state, fresh, kv_charge(matched_tokens)),
                 dispatched: load.dispatches.since_reading(state.id),
                 prediction: None,
             }

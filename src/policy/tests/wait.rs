@@ -297,6 +297,77 @@ fn the_request_unit_is_untouched_by_learned_rates() {
     assert!(decision.trace.predictions.is_empty());
 }
 
+impl Case {
+    /// The last added worker holds `used` of `total` KV tokens in running requests.
+    fn kv(self, used: u64, total: u64) -> Self {
+        self.with(|w| {
+            w.capacity.max_total_tokens = Some(total);
+            w.reading.as_mut().unwrap().load.used_tokens = Some(used);
+        })
+    }
+}
+
+#[test]
+fn hard_admission_charges_each_worker_the_part_of_the_prompt_it_does_not_hold() {
+    // 1,000 tokens free on the owner, which holds 24 of the prompt's 32 blocks: the 512 it lacks fit.
+    // A cold worker with 1,500 free would need all 2,048.
+    let fleet = |case: Case| {
+        case.owner(0, 24)
+            .kv(9_000, 10_000)
+            .worker(Some(0))
+            .kv(8_500, 10_000)
+    };
+    let decision = fleet(Case::timed()).routed();
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    assert_eq!(decision.trace.owners[0].admission, Admission::Admitted);
+    // The request unit charges the whole prompt, as the seed does: the owner is KV-full there.
+    let seed = fleet(Case::gated()).routed();
+    assert_eq!(
+        seed.trace.owners[0].admission,
+        Admission::KvFull {
+            used_tokens: 9_000,
+            request_tokens: 2_048,
+            max_total_tokens: 10_000
+        }
+    );
+    assert_ne!(seed.reason, Reason::CacheHit);
+}
+
+#[test]
+fn a_fleet_out_of_kv_keeps_the_request_on_the_owner_rather_than_a_cold_worker() {
+    // Every worker near full: the owner lacks 8 blocks it has room for, the cold workers would need the
+    // whole prompt, so the owner is the only one admitted and its queue is the best wait there is.
+    let decision = Case::timed()
+        .owner(1, 24)
+        .uncached(40_000)
+        .kv(9_400, 10_000)
+        .queued(20_000)
+        .kv(9_000, 10_000)
+        .queued(30_000)
+        .kv(9_000, 10_000)
+        .routed();
+    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
+    assert_eq!(decision.trace.owners[0].admission, Admission::Admitted);
+}
+
+#[test]
+fn an_owner_short_of_room_even_for_its_uncached_part_fails_admission() {
+    let decision = Case::timed()
+        .owner(0, 24)
+        .kv(9_600, 10_000)
+        .worker(Some(0))
+        .routed();
+    assert_eq!(
+        decision.trace.owners[0].admission,
+        Admission::KvFull {
+            used_tokens: 9_600,
+            request_tokens: 512,
+            max_total_tokens: 10_000
+        }
+    );
+    assert_eq!(pick_of(&decision), (1, Reason::CapacityFallback));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
