@@ -263,6 +263,8 @@ struct Load<'c> {
     unreachable_after: u32,
     drain_timeout: String,
     tls: Option<ScrapeTls<'c>>,
+    prefill_rate_half_life: String,
+    prefill_rate_warmup: String,
 }
 
 /// A byte size: `4MiB` when a binary unit holds it exactly, else a bare number of bytes.
@@ -438,6 +440,8 @@ impl<'c> From<&'c Config> for File<'c> {
                     key_file: tls.files.identity.as_ref().map(|(_, key)| key.as_path()),
                     server_name: tls.server_name.as_deref(),
                 }),
+                prefill_rate_half_life: duration::format(config.load.rate.half_life),
+                prefill_rate_warmup: duration::format(config.load.rate.warmup),
             },
             overload: Overload::from(&config.overload),
             feedback: Feedback {

@@ -686,6 +686,10 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "load.scrape_timeout (line 2)", "must be greater than 0"),
             ("zero freshness", load("  freshness: 0s\n"), &NO_FLAGS,
              "load.freshness (line 2)", "must be greater than 0"),
+            ("zero rate half-life", load("  prefill_rate_half_life: 0s\n"), &NO_FLAGS,
+             "load.prefill_rate_half_life (line 2)", "must be greater than 0"),
+            ("rate warm-up without unit", load("  prefill_rate_warmup: 5\n"), &NO_FLAGS,
+             "load.prefill_rate_warmup (line 2)", "expected a duration"),
             ("duration without unit", load("  freshness: 3\n"), &NO_FLAGS,
              "load.freshness (line 2)",
              "expected a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h), got `3`"),
@@ -1668,6 +1672,18 @@ fn the_lifecycle_keys_are_read_and_checked() {
     .to_string();
     assert!(error.contains("load.unreachable_after (line 1)"), "{error}");
     assert!(error.contains("load.drain_timeout (line 1)"), "{error}");
+}
+
+#[test]
+fn the_prefill_rate_window_is_read_and_defaults_to_30s_and_5s() {
+    let source =
+        format!("load:\n  prefill_rate_half_life: 2m\n  prefill_rate_warmup: 750ms\n{POOL}");
+    let config = parse(&source, "t", &Overrides::default()).unwrap();
+    assert_eq!(config.load.rate.half_life, Duration::from_secs(120));
+    assert_eq!(config.load.rate.warmup, Duration::from_millis(750));
+    let defaults = parse(POOL, "t", &Overrides::default()).unwrap();
+    assert_eq!(defaults.load.rate.half_life, Duration::from_secs(30));
+    assert_eq!(defaults.load.rate.warmup, Duration::from_secs(5));
 }
 
 #[test]

@@ -455,6 +455,27 @@ pub struct LoadConfig {
     pub drain_timeout: Duration,
     /// `load.tls`: how `https://` scrape URLs are verified; `None` allows `http://` URLs only.
     pub tls: Option<ScrapeTls>,
+    /// How the prefill rate and tokens per request are learned from the engines' counters.
+    pub rate: RateWindow,
+}
+
+/// The time constants of the prefill-rate estimate (`load/rate.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateWindow {
+    /// Half of an estimate's weight is older than this (`load.prefill_rate_half_life`).
+    pub half_life: Duration,
+    /// Queued time behind a rate before it is given (`load.prefill_rate_warmup`).
+    pub warmup: Duration,
+}
+
+impl Default for RateWindow {
+    /// A change of traffic mix is followed within a minute; a few long prefills complete in the warm-up.
+    fn default() -> Self {
+        RateWindow {
+            half_life: Duration::from_secs(30),
+            warmup: Duration::from_secs(5),
+        }
+    }
 }
 
 impl LoadConfig {
@@ -481,6 +502,7 @@ impl Default for LoadConfig {
                 .unwrap_or(NonZeroU32::MIN),
             drain_timeout: Self::DEFAULT_DRAIN_TIMEOUT,
             tls: None,
+            rate: RateWindow::default(),
         }
     }
 }

@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use super::{
     Config, Discovery, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides,
-    PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig, WorkerTemplate,
+    PolicyConfig, PoolConfig, RateWindow, TokenizerConfig, UnknownSubset, WorkerConfig,
+    WorkerTemplate,
 };
 use crate::worker::{Engine, Role};
 use cachepick_decode::duration;
@@ -63,6 +64,8 @@ const LOAD_KEYS: &[&str] = &[
     "unreachable_after",
     "drain_timeout",
     "tls",
+    "prefill_rate_half_life",
+    "prefill_rate_warmup",
 ];
 const POOL_KEYS: &[&str] = &[
     "model",
@@ -325,6 +328,9 @@ impl Validator<'_> {
         );
         let drain = self.positive_duration(map, "drain_timeout", defaults.drain_timeout);
         let tls = self.scrape_tls(map);
+        let half_life =
+            self.positive_duration(map, "prefill_rate_half_life", defaults.rate.half_life);
+        let warmup = self.positive_duration(map, "prefill_rate_warmup", defaults.rate.warmup);
         timeout_fits?;
         freshness_lasts?;
         Ok(LoadConfig {
@@ -336,6 +342,10 @@ impl Validator<'_> {
             max_body_bytes: body?.value,
             max_concurrent_scrapes: scrapes?.value,
             tls: tls?,
+            rate: RateWindow {
+                half_life: half_life?.value,
+                warmup: warmup?.value,
+            },
         })
     }
 

@@ -13,28 +13,26 @@
 //!   about the rate and are skipped, so an idle spell keeps what was learned.
 //! - **Tokens per request.** Uncached tokens over first tokens, across every interval.
 //!
-//! Both are exponentially weighted sums with a half-life of [`HALF_LIFE`] of the time they count, so
-//! a change of traffic mix or of hardware is followed within a minute. vLLM counts a prompt when its
+//! Both are exponentially weighted sums with a half-life (`load.prefill_rate_half_life`, 30 s) of the
+//! time they count, so a change of traffic mix or of hardware is followed within a minute. vLLM counts a prompt when its
 //! prefill completes and its cache hits when it is scheduled, so one interval's difference can even
-//! be negative; the sums absorb that, and no estimate is given before [`MIN_BUSY`] of queued time and
+//! be negative; the sums absorb that, and no estimate is given before `load.prefill_rate_warmup` (5 s) of queued time and
 //! [`MIN_REQUESTS`] first tokens are behind it.
 #![deny(clippy::disallowed_methods)]
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::engine::Progress;
 use super::snapshot::PrefillEstimate;
+use crate::config::RateWindow;
 
-/// How much of the past an estimate weighs: half of it is older than this.
-pub const HALF_LIFE: Duration = Duration::from_secs(30);
-/// Queued time before a rate is given: a few long prefills have to complete inside it.
-pub const MIN_BUSY: Duration = Duration::from_secs(5);
 /// First tokens before a per-request mean is given.
 pub const MIN_REQUESTS: f64 = 4.0;
 
 /// One worker's learning state; reset when its engine restarts.
 #[derive(Clone, Debug, Default)]
 pub struct PrefillMeter {
+    window: RateWindow,
     last: Option<Mark>,
     busy_tokens: f64,
     busy_seconds: f64,
@@ -54,9 +52,16 @@ struct Mark {
 }
 
 impl PrefillMeter {
-    /// Forgets everything: the counters start again with a new run of the engine.
+    pub fn new(window: RateWindow) -> Self {
+        PrefillMeter {
+            window,
+            ..PrefillMeter::default()
+        }
+    }
+
+    /// Forgets everything learned: the counters start again with a new run of the engine.
     pub fn reset(&mut self) {
-        *self = PrefillMeter::default();
+        *self = PrefillMeter::new(self.window);
     }
 
     /// Takes one complete reading: the counters `progress` as of `at`, with `waiting` requests queued.
@@ -84,7 +89,7 @@ impl PrefillMeter {
         };
         self.last = Some(mark);
         let seconds = elapsed.as_secs_f64();
-        let keep = 0.5_f64.powf(seconds / HALF_LIFE.as_secs_f64());
+        let keep = 0.5_f64.powf(seconds / self.window.half_life.as_secs_f64());
         let tokens = uncached - last.uncached;
         if last.queued && mark.queued {
             self.busy_tokens = self.busy_tokens * keep + tokens;
@@ -100,7 +105,8 @@ impl PrefillMeter {
 
     /// What has been learned so far.
     pub fn estimate(&self) -> PrefillEstimate {
-        let rate = (self.busy_seconds >= MIN_BUSY.as_secs_f64() && self.busy_tokens > 0.0)
+        let rate = (self.busy_seconds >= self.window.warmup.as_secs_f64()
+            && self.busy_tokens > 0.0)
             .then(|| self.busy_tokens / self.busy_seconds);
         let per_request =
             (self.requests >= MIN_REQUESTS).then(|| self.request_tokens.max(0.0) / self.requests);
@@ -124,6 +130,8 @@ fn whole(value: f64) -> Option<u64> {
 #[cfg(test)]
 #[allow(clippy::disallowed_methods)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn progress(prompt: f64, cached: f64, first: f64) -> Progress {
@@ -193,6 +201,40 @@ mod tests {
         assert_eq!(early.estimate().tokens_per_second, None);
         let later = steady(12_000.0, 3_000.0, Duration::from_millis(200), 6);
         assert_eq!(later.estimate().tokens_per_second, Some(12_000));
+    }
+
+    #[test]
+    fn the_warm_up_and_the_half_life_are_the_configured_ones() {
+        let window = RateWindow {
+            half_life: Duration::from_secs(3),
+            warmup: Duration::from_millis(500),
+        };
+        let start = Instant::now();
+        let mut meter = PrefillMeter::new(window);
+        let mut uncached = 0.0;
+        let mut at = start;
+        // 1 s at 10k tokens a second, then 9 s (three half-lives) at 20k.
+        for (rate, steps) in [(10_000.0, 5), (20_000.0, 45)] {
+            for _ in 0..steps {
+                meter.observe(at, &progress(uncached, 0.0, uncached / 1_000.0), 2);
+                at += Duration::from_millis(200);
+                uncached += rate * 0.2;
+            }
+            if rate < 15_000.0 {
+                // 0.8 s of queued intervals behind it: past the 500 ms warm-up, not the default 5 s.
+                assert_eq!(meter.estimate().tokens_per_second, Some(10_000));
+            }
+        }
+        let learned = meter.estimate().tokens_per_second.unwrap();
+        assert!(
+            (18_500..20_000).contains(&learned),
+            "three half-lives on, the old rate weighs about an eighth: {learned}"
+        );
+        meter.reset();
+        assert_eq!(
+            meter.window, window,
+            "a restart keeps the configured window"
+        );
     }
 
     #[test]

@@ -29,7 +29,7 @@ use super::samples::RankSamples;
 use super::snapshot::{
     Capacity, DispatchCounts, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState,
 };
-use crate::config::{LoadConfig, PoolConfig, WorkerConfig};
+use crate::config::{LoadConfig, PoolConfig, RateWindow, WorkerConfig};
 use crate::worker::{Engine, WorkerId};
 
 /// A warning that the gate is blind is repeated at most this often per pool.
@@ -98,6 +98,7 @@ pub(super) struct Roster {
     freshness: Duration,
     drain_timeout: Duration,
     unreachable_after: NonZeroU32,
+    rate: RateWindow,
     /// By increasing id.
     workers: Vec<Tracked>,
     /// Slots no worker holds, lowest first.
@@ -131,6 +132,7 @@ impl Roster {
             freshness: config.freshness,
             drain_timeout: config.drain_timeout,
             unreachable_after: config.unreachable_after,
+            rate: config.rate,
             workers: Vec::new(),
             free: (0..slots).collect(),
             generation: 0,
@@ -182,7 +184,7 @@ impl Roster {
                 .collect(),
             failures: 0,
             identity: None,
-            meter: PrefillMeter::default(),
+            meter: PrefillMeter::new(self.rate),
             since: now,
         }
     }

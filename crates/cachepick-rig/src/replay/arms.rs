@@ -3,6 +3,7 @@
 //! of (policy × index mode × replicas, then the other routers, then the oracle).
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use cachepick::config::{self, Config, WaitGate};
 use cachepick_sim::{KvEventsConfig, KvEventsFormat, SimConfig, Timing};
@@ -123,22 +124,33 @@ pub fn gate_limits(sim: &SimConfig) -> (u32, u32) {
 /// Applies the `policy:` section `policy` to the generated cachepick configuration `generated`, on fresh
 /// loopback ports, and validates the result.
 pub fn apply_policy(generated: &str, policy: &str) -> Result<Config, StageError> {
-    apply_arm(generated, policy, IndexMode::Approximate)
+    apply_arm(generated, policy, None, IndexMode::Approximate)
 }
 
-/// [`apply_policy`], with every pool's owner index in `mode`: `index: {mode: <mode>}` in each pool,
-/// written only when the mode is not `approximate` (the default, and until the product knows the key,
-/// an unknown one that validation refuses).
-pub fn apply_arm(generated: &str, policy: &str, mode: IndexMode) -> Result<Config, StageError> {
+/// [`apply_policy`], with every pool's owner index in `mode` (`index: {mode: <mode>}` in each pool,
+/// written only when the mode is not `approximate`, the default) and, when given, `load` as the `load:`
+/// section.
+pub fn apply_arm(
+    generated: &str,
+    policy: &str,
+    load: Option<&str>,
+    mode: IndexMode,
+) -> Result<Config, StageError> {
     on_free_ports(
-        &arm_text(generated, policy, mode)?,
+        &arm_text(generated, policy, load, mode)?,
         "the replay configuration",
         config::Overrides::default(),
     )
 }
 
-/// The text [`apply_arm`] validates: `generated` with the `policy:` section and every pool's index mode.
-pub fn arm_text(generated: &str, policy: &str, mode: IndexMode) -> Result<String, StageError> {
+/// The text [`apply_arm`] validates: `generated` with the `policy:` section, the `load:` section when
+/// given, and every pool's index mode.
+pub fn arm_text(
+    generated: &str,
+    policy: &str,
+    load: Option<&str>,
+    mode: IndexMode,
+) -> Result<String, StageError> {
     let invalid = |what: &str, error: serde_yaml::Error| {
         StageError::Compose(format!("{what} is not YAML: {error}"))
     };
@@ -146,8 +158,14 @@ pub fn arm_text(generated: &str, policy: &str, mode: IndexMode) -> Result<String
         .map_err(|error| invalid("the generated configuration", error))?;
     let section: serde_yaml::Value =
         serde_yaml::from_str(policy).map_err(|error| invalid("the policy section", error))?;
+    let load: Option<serde_yaml::Value> = load
+        .map(|text| serde_yaml::from_str(text).map_err(|error| invalid("the load section", error)))
+        .transpose()?;
     if let serde_yaml::Value::Mapping(map) = &mut root {
         map.insert("policy".into(), section);
+        if let Some(load) = load {
+            map.insert("load".into(), load);
+        }
         if mode != IndexMode::Approximate
             && let Some(serde_yaml::Value::Sequence(pools)) = map.get_mut("pools")
         {
@@ -161,6 +179,33 @@ pub fn arm_text(generated: &str, policy: &str, mode: IndexMode) -> Result<String
         }
     }
     serde_yaml::to_string(&root).map_err(|error| invalid("the configuration", error))
+}
+
+/// The shortest scrape interval a replay runs, in wall time: below it the scrapes of a fast replay
+/// would take the cores the fleet and Envoy need.
+const MIN_WALL_SCRAPE: Duration = Duration::from_millis(25);
+
+/// The `load:` section a replay gives cachepick: the product's defaults (scrape every 1 s, 500 ms
+/// timeout, 3 s freshness; prefill rate half-life 30 s, warm-up 5 s) as model time, so a compressed
+/// replay sees its engines as often, and learns their rate as fast, as a production picker would —
+/// neither staler nor fresher. The interval is at least [`MIN_WALL_SCRAPE`] of wall time, with the
+/// timeout and freshness in the defaults' proportions to it.
+pub fn load_yaml(sim: &SimConfig) -> String {
+    let defaults = config::LoadConfig::default();
+    let model = |d: Duration| d.mul_f64(sim.params.time_scale.max(0.0));
+    let interval = model(defaults.scrape_interval).max(MIN_WALL_SCRAPE);
+    let ratio =
+        |d: Duration| interval.mul_f64(d.as_secs_f64() / defaults.scrape_interval.as_secs_f64());
+    let ms = |d: Duration| format!("{}.{:03}ms", d.as_micros() / 1000, d.as_micros() % 1000);
+    format!(
+        "scrape_interval: {}\nscrape_timeout: {}\nfreshness: {}\nprefill_rate_half_life: {}\n\
+         prefill_rate_warmup: {}",
+        ms(interval),
+        ms(ratio(defaults.scrape_timeout)),
+        ms(ratio(defaults.freshness)),
+        ms(model(defaults.rate.half_life)),
+        ms(model(defaults.rate.warmup)),
+    )
 }
 
 /// THE one place that turns the simulator's KV event publisher on, for an `events` arm's fleet.
@@ -333,7 +378,7 @@ mod tests {
     #[test]
     fn the_index_mode_is_written_into_every_pool_only_when_not_approximate() {
         let pools = |mode| -> Vec<serde_yaml::Value> {
-            let text = arm_text(GENERATED, "mode: round_robin", mode).expect("composed");
+            let text = arm_text(GENERATED, "mode: round_robin", None, mode).expect("composed");
             let root: serde_yaml::Value = serde_yaml::from_str(&text).expect("YAML");
             assert_eq!(root["policy"]["mode"].as_str(), Some("round_robin"));
             root["pools"].as_sequence().cloned().expect("pools")
@@ -346,13 +391,38 @@ mod tests {
         for pool in &pools(IndexMode::Approximate) {
             assert!(pool.get("index").is_none(), "{pool:?}");
         }
-        let approximate = apply_arm(GENERATED, "mode: round_robin", IndexMode::Approximate);
+        let approximate = apply_arm(GENERATED, "mode: round_robin", None, IndexMode::Approximate);
         assert!(approximate.is_ok(), "{approximate:?}");
         // Until the product knows `pools[].index`, the key is an unknown one, and says where it is.
-        match apply_arm(GENERATED, "mode: round_robin", IndexMode::Events) {
+        match apply_arm(GENERATED, "mode: round_robin", None, IndexMode::Events) {
             Ok(config) => assert_eq!(config.pools.len(), 2),
             Err(error) => assert!(error.to_string().contains("index"), "{error}"),
         }
+    }
+
+    #[test]
+    fn the_load_section_is_the_product_s_defaults_in_model_time() {
+        let mut fast = sim();
+        fast.params.time_scale = 0.125;
+        let text = load_yaml(&fast);
+        assert_eq!(
+            text,
+            "scrape_interval: 125.000ms\nscrape_timeout: 62.500ms\nfreshness: 375.000ms\n\
+             prefill_rate_half_life: 3750.000ms\nprefill_rate_warmup: 625.000ms"
+        );
+        let config = apply_arm(
+            GENERATED,
+            "mode: round_robin",
+            Some(&text),
+            IndexMode::Approximate,
+        )
+        .expect("valid");
+        assert_eq!(config.load.rate.warmup, Duration::from_millis(625));
+        // A very fast replay keeps the wall-time floor, and the timeout and freshness around it.
+        fast.params.time_scale = 0.001;
+        assert!(load_yaml(&fast).starts_with(
+            "scrape_interval: 25.000ms\nscrape_timeout: 12.500ms\nfreshness: 75.000ms\n"
+        ));
     }
 
     #[test]

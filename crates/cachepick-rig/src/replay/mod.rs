@@ -50,7 +50,7 @@ use trace::{Item, PromptBuilder};
 
 pub use arms::{
     DEFAULT_BURST_POLICIES, DEFAULT_FRONT_POLICIES, DEFAULT_TRACE_POLICIES, NO_POLICIES, POLICIES,
-    apply_arm, apply_policy, arm_text, enable_sim_events, gate_limits, policy_yaml,
+    apply_arm, apply_policy, arm_text, enable_sim_events, gate_limits, load_yaml, policy_yaml,
 };
 
 /// The workload.

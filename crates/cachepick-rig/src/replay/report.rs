@@ -60,6 +60,10 @@ pub struct PolicyReport {
     pub fault: Option<FaultReport>,
     /// The `policy:` section the picker ran with (empty for a front).
     pub policy_yaml: String,
+    /// The `load:` section the picker ran with: scrape timing and the prefill-rate window, the product's
+    /// defaults in model time (absent for a front and the in-process arms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load_yaml: Option<String>,
     /// The other router this arm ran instead of cachepick: its command template or URL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub front: Option<String>,
@@ -227,6 +231,7 @@ impl PolicyReport {
             replica_decisions: Vec::new(),
             fault: None,
             policy_yaml: policy_yaml.to_owned(),
+            load_yaml: None,
             front: None,
             front_counters: Vec::new(),
             utilisation: None,

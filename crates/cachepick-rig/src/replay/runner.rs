@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cachepick_sim::SimConfig;
 use cachepick_sim::fleet::Fleet;
 
-use super::arms::{Arm, ArmKind, apply_arm, enable_sim_events};
+use super::arms::{Arm, ArmKind, apply_arm, enable_sim_events, load_yaml};
 use super::drive::{self, Route, Sample};
 use super::fault::{self, FaultReport};
 use super::front::{self, Front, KvSources};
@@ -104,8 +104,9 @@ impl Workload<'_> {
         if arm.index_mode == IndexMode::Events {
             enable_sim_events(&mut sim);
         }
+        let load = load_yaml(&sim);
         let mut stage = Stage::start(&sim, |generated| {
-            apply_arm(generated, &arm.yaml, arm.index_mode)
+            apply_arm(generated, &arm.yaml, Some(&load), arm.index_mode)
         })
         .await?
         .with_replicas(arm.replicas)
@@ -153,6 +154,7 @@ impl Workload<'_> {
         stage.stop().await?;
         report.index_mode = arm.index_mode.as_str().to_owned();
         report.replicas = arm.replicas;
+        report.load_yaml = Some(load);
         report.replica_decisions = replica_decisions;
         report.fault = fault;
         report.utilisation = utilisation;
