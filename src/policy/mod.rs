@@ -53,6 +53,9 @@
 //! 3. There is no all-queued rung: a fleet queued alike keeps every owner within the margin.
 //! 4. A diversion goes to the worker predicted soonest; a request without an owner samples
 //!    `min_load_choices` workers passing the gate and takes the one predicted soonest.
+//! 5. Hard admission's KV check charges each worker the prompt tokens it does not hold, not the whole
+//!    prompt: a cold worker needs all of them, so charging the owner the same sends a nearly KV-full
+//!    fleet's long prompts to the workers that must compute and hold every token.
 //!
 //! A worker without a fresh reading or a rate has no prediction: it passes the gate and is no
 //! evidence for the floor, as in the request unit.

@@ -181,28 +181,30 @@ pub fn arm_text(
     serde_yaml::to_string(&root).map_err(|error| invalid("the configuration", error))
 }
 
-/// The shortest scrape interval a replay runs, in wall time: below it the scrapes of a fast replay
-/// would take the cores the fleet and Envoy need.
-const MIN_WALL_SCRAPE: Duration = Duration::from_millis(25);
+/// The shortest scrape timeout a replay gives, in wall time. The replay's processes share two cores,
+/// where a scrape can wait tens of milliseconds for a core; a timeout counts towards `unreachable`, so a
+/// timeout scaled below that would take answering workers out of the fleet, which no production picker
+/// with a 500 ms timeout sees.
+const MIN_WALL_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// The `load:` section a replay gives cachepick: the product's defaults (scrape every 1 s, 500 ms
 /// timeout, 3 s freshness; prefill rate half-life 30 s, warm-up 5 s) as model time, so a compressed
-/// replay sees its engines as often, and learns their rate as fast, as a production picker would —
-/// neither staler nor fresher. The interval is at least [`MIN_WALL_SCRAPE`] of wall time, with the
-/// timeout and freshness in the defaults' proportions to it.
+/// replay sees its engines as often, and learns their rate as fast, as a production picker would. The
+/// timeout is at least [`MIN_WALL_TIMEOUT`] of wall time, and the interval at least the timeout.
 pub fn load_yaml(sim: &SimConfig) -> String {
     let defaults = config::LoadConfig::default();
     let model = |d: Duration| d.mul_f64(sim.params.time_scale.max(0.0));
-    let interval = model(defaults.scrape_interval).max(MIN_WALL_SCRAPE);
-    let ratio =
-        |d: Duration| interval.mul_f64(d.as_secs_f64() / defaults.scrape_interval.as_secs_f64());
+    let timeout = model(defaults.scrape_timeout).max(MIN_WALL_TIMEOUT);
+    let interval = model(defaults.scrape_interval).max(timeout);
+    let freshness =
+        interval.mul_f64(defaults.freshness.as_secs_f64() / defaults.scrape_interval.as_secs_f64());
     let ms = |d: Duration| format!("{}.{:03}ms", d.as_micros() / 1000, d.as_micros() % 1000);
     format!(
         "scrape_interval: {}\nscrape_timeout: {}\nfreshness: {}\nprefill_rate_half_life: {}\n\
          prefill_rate_warmup: {}",
         ms(interval),
-        ms(ratio(defaults.scrape_timeout)),
-        ms(ratio(defaults.freshness)),
+        ms(timeout),
+        ms(freshness),
         ms(model(defaults.rate.half_life)),
         ms(model(defaults.rate.warmup)),
     )
@@ -407,7 +409,7 @@ mod tests {
         let text = load_yaml(&fast);
         assert_eq!(
             text,
-            "scrape_interval: 125.000ms\nscrape_timeout: 62.500ms\nfreshness: 375.000ms\n\
+            "scrape_interval: 125.000ms\nscrape_timeout: 100.000ms\nfreshness: 375.000ms\n\
              prefill_rate_half_life: 3750.000ms\nprefill_rate_warmup: 625.000ms"
         );
         let config = apply_arm(
@@ -418,10 +420,10 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(config.load.rate.warmup, Duration::from_millis(625));
-        // A very fast replay keeps the wall-time floor, and the timeout and freshness around it.
+        // A very fast replay keeps the wall-time floor, with the interval and freshness around it.
         fast.params.time_scale = 0.001;
         assert!(load_yaml(&fast).starts_with(
-            "scrape_interval: 25.000ms\nscrape_timeout: 12.500ms\nfreshness: 75.000ms\n"
+            "scrape_interval: 100.000ms\nscrape_timeout: 100.000ms\nfreshness: 300.000ms\n"
         ));
     }
 

@@ -64,6 +64,10 @@ pub struct PolicyReport {
     /// defaults in model time (absent for a front and the in-process arms).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub load_yaml: Option<String>,
+    /// The pickers' scrapes of the engines by outcome, summed over replicas (empty for a front): how
+    /// often the load picture was refreshed, and how often it failed.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub scrapes: BTreeMap<String, u64>,
     /// The other router this arm ran instead of cachepick: its command template or URL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub front: Option<String>,
@@ -232,6 +236,7 @@ impl PolicyReport {
             fault: None,
             policy_yaml: policy_yaml.to_owned(),
             load_yaml: None,
+            scrapes: BTreeMap::new(),
             front: None,
             front_counters: Vec::new(),
             utilisation: None,

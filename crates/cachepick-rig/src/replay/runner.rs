@@ -2,6 +2,7 @@
 //! front, or the oracle; the same workload driven open-loop, the fleet's load watched, and the arm's
 //! report.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -132,8 +133,13 @@ impl Workload<'_> {
         let ((samples, wall, utilisation), crashed) =
             tokio::join!(self.drive(&route, &stage.fleet), crashing);
         let mut replica_decisions = Vec::new();
+        let mut scrapes = BTreeMap::new();
         for picker in stage.pickers() {
-            replica_decisions.push(decisions(picker.metrics_listen()).await);
+            let read = decisions(picker.metrics_listen()).await;
+            for (outcome, count) in read.as_ref().map(|(_, s)| s.clone()).unwrap_or_default() {
+                *scrapes.entry(outcome).or_insert(0) += count;
+            }
+            replica_decisions.push(read.map(|(total, _)| total));
         }
         let fault = self
             .options
@@ -155,6 +161,7 @@ impl Workload<'_> {
         report.index_mode = arm.index_mode.as_str().to_owned();
         report.replicas = arm.replicas;
         report.load_yaml = Some(load);
+        report.scrapes = scrapes;
         report.replica_decisions = replica_decisions;
         report.fault = fault;
         report.utilisation = utilisation;
@@ -240,11 +247,31 @@ impl Workload<'_> {
     }
 }
 
-/// The decisions a picker made: `cachepick_decisions_total` over every pool and reason, from its
-/// `/metrics`; `None` when they cannot be read.
-async fn decisions(metrics: std::net::SocketAddr) -> Option<u64> {
+/// The decisions a picker made (`cachepick_decisions_total` over every pool and reason) and its scrapes
+/// of the engines by outcome (`cachepick_scrapes_total`), from its `/metrics`; `None` when they cannot
+/// be read.
+async fn decisions(metrics: std::net::SocketAddr) -> Option<(u64, BTreeMap<String, u64>)> {
     let text = crate::scrape_metrics(metrics, Duration::from_secs(5)).await?;
-    Some(decision_total(&text))
+    Some((decision_total(&text), scrape_outcomes(&text)))
+}
+
+/// Σ `cachepick_scrapes_total{…}` by its `outcome` label in a Prometheus exposition.
+fn scrape_outcomes(exposition: &str) -> BTreeMap<String, u64> {
+    let mut outcomes = BTreeMap::new();
+    for line in exposition
+        .lines()
+        .filter(|line| line.starts_with("cachepick_scrapes_total{"))
+    {
+        let outcome = line
+            .split("outcome=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next());
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let (Some(outcome), Some(value)) = (outcome, value) {
+            *outcomes.entry(outcome.to_owned()).or_insert(0) += value as u64;
+        }
+    }
+    outcomes
 }
 
 /// Σ `cachepick_decisions_total{…}` in a Prometheus exposition.
