@@ -191,6 +191,12 @@ impl Stack {
 /// A panic in a decision, through Envoy in `mode`: the client gets a worker's 200, not a 5xx.
 async fn panic_is_served_by_the_fallback(mode: BodyMode) {
     require_fault_injection();
+    // The injected panic must reach the picker's handler within the decision's deadline. The default
+    // hook under RUST_BACKTRACE symbolises the debug binary first, which on a loaded machine outlasts
+    // Envoy's message timeout (Envoy then fails open itself and the panic is never counted); this hook
+    // prints the message alone.
+    static QUIET: std::sync::Once = std::sync::Once::new();
+    QUIET.call_once(|| std::panic::set_hook(Box::new(|info| eprintln!("{info}"))));
     let stack = Stack::start(mode, "", TokenizerConfig::Bytes).await;
     let reply = bounded(
         "a request whose decision panics",
