@@ -99,10 +99,16 @@ pub fn policy_yaml(name: &str, sim: &SimConfig) -> Option<String> {
 
 /// A GPU duration as the simulator's wall time (`time_scale` wall seconds per model second), written
 /// as the configuration reads it, to the microsecond.
-pub fn wall(sim: &SimConfig, gpu: std::time::Duration) -> String {
+pub fn wall(sim: &SimConfig, gpu: Duration) -> String {
     let us = (gpu.as_secs_f64() * sim.params.time_scale * 1e6)
         .round()
         .max(0.0) as u64;
+    written(Duration::from_micros(us))
+}
+
+/// `duration` as the configuration reads it, in milliseconds to the microsecond.
+fn written(duration: Duration) -> String {
+    let us = duration.as_micros();
     format!("{}.{:03}ms", us / 1000, us % 1000)
 }
 
@@ -198,15 +204,14 @@ pub fn load_yaml(sim: &SimConfig) -> String {
     let interval = model(defaults.scrape_interval).max(timeout);
     let freshness =
         interval.mul_f64(defaults.freshness.as_secs_f64() / defaults.scrape_interval.as_secs_f64());
-    let ms = |d: Duration| format!("{}.{:03}ms", d.as_micros() / 1000, d.as_micros() % 1000);
     format!(
         "scrape_interval: {}\nscrape_timeout: {}\nfreshness: {}\nprefill_rate_half_life: {}\n\
          prefill_rate_warmup: {}",
-        ms(interval),
-        ms(timeout),
-        ms(freshness),
-        ms(model(defaults.rate.half_life)),
-        ms(model(defaults.rate.warmup)),
+        written(interval),
+        written(timeout),
+        written(freshness),
+        written(model(defaults.rate.half_life)),
+        written(model(defaults.rate.warmup)),
     )
 }
 
