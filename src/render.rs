@@ -277,6 +277,7 @@ pub fn explanation(explanation: &Explanation) -> String {
         let p = &predicted.prediction;
         let source = match p.rate_source {
             RateSource::Learned => "learned",
+            RateSource::Pool => "pool",
             RateSource::Configured => "configured",
         };
         let _ = writeln!(

@@ -89,9 +89,11 @@ impl<'a> Fleet<'a> {
             members = last_resort.into_iter().map(member).collect();
         }
         if let Some(wait) = wait {
+            let pool = wait::pool_rate(members.iter().map(|member| member.state));
             for member in &mut members {
                 let dispatched = load.dispatches.uncached_since_reading(member.id());
-                member.prediction = wait::predict(member, request.prompt_tokens, dispatched, wait);
+                member.prediction =
+                    wait::predict(member, request.prompt_tokens, dispatched, pool, wait);
             }
             let best = wait::best_ttft(&members);
             for member in &mut members {

@@ -57,7 +57,11 @@
 //!    prompt: a cold worker needs all of them, so charging the owner the same sends a nearly KV-full
 //!    fleet's long prompts to the workers that must compute and hold every token.
 //!
-//! A worker without a fresh reading or a rate has no prediction: it passes the gate and is no
+//! 6. A worker whose counters taught no rate yet is priced at the median per-rank rate the other
+//!    fleet workers learned, before the configured one: a worker that never queued is the one a
+//!    diversion should find, and leaving it unpriced sends every diversion to whoever queued first.
+//!
+//! A worker without a fresh reading or any rate has no prediction: it passes the gate and is no
 //! evidence for the floor, as in the request unit.
 // Decisions are reproducible: no clock reads here (clippy.toml); `now` is an argument.
 #![deny(clippy::disallowed_methods)]

@@ -231,7 +231,10 @@ pub struct Sampled {
 pub enum RateSource {
     /// Learned from the worker's counters.
     Learned,
-    /// `prefill_tokens_per_second`, the counters having taught nothing yet.
+    /// The median per-rank rate the fleet's other workers learned, the worker's own counters having
+    /// taught nothing yet.
+    Pool,
+    /// `prefill_tokens_per_second`, no worker's counters having taught anything yet.
     Configured,
 }
 

@@ -10,7 +10,10 @@
 //!   less its completed prompts, seen by two readings in a row: a long prefill is on average half
 //!   done); plus the uncached tokens this picker sent since the reading (its router-local window,
 //!   exact for its own).
-//! - **rate** = the prefill rate learned from *m*'s counters, else `prefill_tokens_per_second` × ranks.
+//! - **rate** = the prefill rate learned from *m*'s counters; else the median per-rank rate the other
+//!   fleet workers learned, × *m*'s ranks (a worker that has never queued has taught nothing, yet it
+//!   runs the pool's hardware — pricing it as unknown would send every diversion to the one worker
+//!   that queued first); else `prefill_tokens_per_second` × ranks.
 //! - **queue** = ahead ÷ rate; **prefill** = (*P* − *c*) ÷ rate; predicted TTFT = queue + prefill.
 //!
 //! A worker without a fresh reading, or without a rate, has no prediction: its gate fails open (as
@@ -22,16 +25,39 @@ use super::trace::{Gate, Prediction, RateSource};
 use crate::config::WaitGate;
 use crate::load::WorkerState;
 
-/// The worker's prefill rate and where it came from; `None` when neither is known.
-fn rate(state: &WorkerState, wait: &WaitGate) -> Option<(u64, RateSource)> {
-    match (state.prefill.tokens_per_second, wait.fallback_rate) {
-        (Some(rate), _) if rate > 0 => Some((rate, RateSource::Learned)),
-        (_, Some(per_rank)) => Some((
-            per_rank.get().saturating_mul(u64::from(state.ranks.max(1))),
-            RateSource::Configured,
-        )),
+/// The worker's prefill rate and where it came from; `None` when none is known. `pool_per_rank` is
+/// [`pool_rate`] of the fleet.
+fn rate(
+    state: &WorkerState,
+    pool_per_rank: Option<u64>,
+    wait: &WaitGate,
+) -> Option<(u64, RateSource)> {
+    let ranks = u64::from(state.ranks.max(1));
+    match (
+        state.prefill.tokens_per_second,
+        pool_per_rank,
+        wait.fallback_rate,
+    ) {
+        (Some(rate), _, _) if rate > 0 => Some((rate, RateSource::Learned)),
+        (_, Some(per_rank), _) => Some((per_rank.saturating_mul(ranks), RateSource::Pool)),
+        (_, _, Some(per_rank)) => {
+            Some((per_rank.get().saturating_mul(ranks), RateSource::Configured))
+        }
         _ => None,
     }
+}
+
+/// The median per-rank rate of the workers that learned one (the lower middle of an even count, so
+/// one fast outlier never sets it); `None` when none has.
+pub(super) fn pool_rate<'a>(states: impl Iterator<Item = &'a WorkerState>) -> Option<u64> {
+    let mut per_rank: Vec<u64> = states
+        .filter_map(|state| {
+            let rate = state.prefill.tokens_per_second.filter(|rate| *rate > 0)?;
+            Some((rate / u64::from(state.ranks.max(1))).max(1))
+        })
+        .collect();
+    per_rank.sort_unstable();
+    per_rank.get(per_rank.len().saturating_sub(1) / 2).copied()
 }
 
 /// Microseconds to compute `tokens` at `rate` tokens a second.
@@ -41,15 +67,16 @@ fn micros(tokens: u64, rate: u64) -> u64 {
 }
 
 /// `member`'s prediction for a request of `prompt_tokens`, with `dispatched_tokens` sent there since
-/// its reading.
+/// its reading; `pool_per_rank` is [`pool_rate`] of the fleet.
 pub(super) fn predict(
     member: &Member<'_>,
     prompt_tokens: u64,
     dispatched_tokens: u64,
+    pool_per_rank: Option<u64>,
     wait: &WaitGate,
 ) -> Option<Prediction> {
     let load = member.fresh?;
-    let (rate, rate_source) = rate(member.state, wait)?;
+    let (rate, rate_source) = rate(member.state, pool_per_rank, wait)?;
     let own = prompt_tokens.saturating_sub(member.matched_tokens);
     let queued = match load.waiting_uncached_tokens {
         Some(tokens) => tokens,

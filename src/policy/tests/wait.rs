@@ -221,10 +221,68 @@ fn a_learned_rate_wins_over_the_configured_one_and_scales_the_prediction() {
         (owner.rate, owner.rate_source, owner.queue_us),
         (80_000, RateSource::Learned, 500_000)
     );
+    // The idle worker has learned nothing itself: it borrows the fleet's learned rate before the
+    // configured one.
+    let idle = prediction_of(&decision, 1).prediction;
+    assert_eq!((idle.rate, idle.rate_source), (80_000, RateSource::Pool));
+}
+
+#[test]
+fn a_worker_that_never_queued_borrows_the_fleet_s_learned_rate_so_misses_do_not_herd() {
+    // No configured rate. Worker 0 queued long enough to learn 10k tokens a second and has 40k
+    // tokens waiting; worker 1 (two ranks) never queued, so its counters taught nothing. Pricing it
+    // as unknown would send the miss to the one worker with a prediction: the busy one.
+    let decision = Case::new(timed(500, Some(1000), None))
+        .queued(40_000)
+        .with(|w| w.prefill.tokens_per_second = Some(10_000))
+        .worker(Some(0))
+        .with(|w| w.ranks = 2)
+        .choices(64)
+        .routed();
+    assert_eq!(pick_of(&decision), (1, Reason::CacheMiss));
+    let idle = prediction_of(&decision, 1).prediction;
     assert_eq!(
-        prediction_of(&decision, 1).prediction.rate_source,
-        RateSource::Configured
+        (idle.rate, idle.rate_source, idle.prefill_us),
+        (20_000, RateSource::Pool, 102_400)
     );
+    // Nobody has learned anything and nothing is configured: no predictions at all.
+    let blind = Case::new(timed(500, Some(1000), None))
+        .queued(40_000)
+        .worker(Some(0))
+        .routed();
+    assert!(blind.trace.predictions.is_empty(), "{:?}", blind.trace);
+}
+
+#[test]
+fn the_fleet_s_rate_is_the_median_per_rank_so_one_fast_outlier_does_not_set_it() {
+    let learned = |rates: &[(Option<u64>, u32)]| {
+        let states: Vec<WorkerState> = rates
+            .iter()
+            .enumerate()
+            .map(|(i, (rate, ranks))| {
+                let endpoint = SocketAddr::from(([127, 0, 0, 1], 18000 + i as u16));
+                let mut state = WorkerState::new(WorkerId(i as u32), endpoint, Role::Both);
+                state.prefill.tokens_per_second = *rate;
+                state.ranks = *ranks;
+                state
+            })
+            .collect();
+        crate::policy::wait::pool_rate(states.iter())
+    };
+    assert_eq!(learned(&[(None, 1), (None, 4)]), None);
+    assert_eq!(learned(&[(Some(9_000), 1), (None, 1)]), Some(9_000));
+    // Per rank: 40k over four ranks is 10k; the outlier's 100k is not the answer, nor the mean.
+    assert_eq!(
+        learned(&[
+            (Some(40_000), 4),
+            (Some(100_000), 1),
+            (Some(8_000), 1),
+            (None, 1)
+        ]),
+        Some(10_000)
+    );
+    // An even count takes the lower middle.
+    assert_eq!(learned(&[(Some(8_000), 1), (Some(12_000), 1)]), Some(8_000));
 }
 
 #[test]
