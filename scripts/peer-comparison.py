@@ -53,14 +53,14 @@ def replay(args, scenario, load, seed, out, extra):
 
 def run(args, scenario, load, seed, bin_dir):
     out = os.path.join(args.out, f"{scenario['name']}-load{load}-seed{seed}")
-    main = ["--policies", "gate_floor,gate,affinity,time_floor"]
+    main = ["--policies", args.policies]
     for front in fronts(bin_dir):
         main += ["--front", front]
     replay(args, scenario, load, seed, out, main)
     # The KV event arms: gate + floor and time + floor on the engines' events, one picker and three
     # behind one Envoy; the re-implemented peers at one and three router replicas beside them.
     replay(args, scenario, load, seed, os.path.join(out, "events"),
-           ["--policies", "gate_floor,time_floor", "--index", "events", "--replicas", "1,3",
+           ["--policies", args.events_policies, "--index", "events", "--replicas", "1,3",
             "--peer", "llm-d,dynamo", "--no-oracle"])
     return out
 
@@ -128,6 +128,8 @@ LABELS = {
     "time_floor_all": "cachepick time + floor, misses to the whole fleet",
     "time_floor/events/x1": "cachepick time + floor, events ×1",
     "time_floor/events/x3": "cachepick time + floor, events ×3",
+    "time_floor_all/events/x1": "cachepick time + floor, misses to the whole fleet, events ×1",
+    "time_floor_all/events/x3": "cachepick time + floor, misses to the whole fleet, events ×3",
     "llm-d/sticky (re-impl)/x1": "llm-d sticky (re-impl) ×1",
     "llm-d/sticky (re-impl)/x3": "llm-d sticky (re-impl) ×3",
     "dynamo/kv (re-impl)/x1": "Dynamo KV (re-impl) ×1",
@@ -149,7 +151,8 @@ def arms_of(run_dir):
         arms += report["policies"]
     # cachepick's rows first, the events rows right after gate + floor, the oracle last.
     order = ["gate_floor", "gate_floor/events/x1", "gate_floor/events/x3", "gate", "affinity",
-             "time_floor", "time_floor_all", "time_floor/events/x1", "time_floor/events/x3"]
+             "time_floor", "time_floor/events/x1", "time_floor/events/x3", "time_floor_all",
+             "time_floor_all/events/x1", "time_floor_all/events/x3"]
     arms.sort(key=lambda a: (a["arm"] == "oracle",
                              order.index(a["arm"]) if a["arm"] in order else len(order)))
     return arms, scale
@@ -282,6 +285,10 @@ def main():
     parser.add_argument("--scenarios", default="trace,burst,agents")
     parser.add_argument("--out", default=os.path.join(ROOT, "target/peer-comparison"))
     parser.add_argument("--again", action="store_true", help="re-run runs whose report exists")
+    parser.add_argument("--policies", default="gate_floor,gate,affinity,time_floor",
+                        help="cachepick's arms in the main replay, beside the fronts and the oracle")
+    parser.add_argument("--events-policies", default="gate_floor,time_floor",
+                        help="cachepick's arms on the KV events, at one and three replicas")
     parser.add_argument("--summarise-only", action="store_true")
     parser.add_argument("--rerun-front", metavar="PROGRAM",
                         help="measure only this router's arms again in every existing run (smg, vllm-router)")

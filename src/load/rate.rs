@@ -12,6 +12,10 @@
 //!   queue ahead of a new request drains. Intervals with an empty queue at either end say nothing
 //!   about the rate and are skipped, so an idle spell keeps what was learned.
 //! - **Tokens per request.** Uncached tokens over first tokens, across every interval.
+//! - **Prefills under way** (vLLM: lookups counted at scheduling less prompts counted at completion),
+//!   at the latest reading, times the share of recent lookups the cache did not serve. The latest
+//!   reading, not the lesser of two: a long prefill started just before a scrape is the work a new
+//!   request waits behind, while the dispatch that caused it is forgotten at that same reading.
 //!
 //! Both are exponentially weighted sums with a half-life (`load.prefill_rate_half_life`, 30 s) of the
 //! time they count, so a change of traffic mix or of hardware is followed within a minute. vLLM counts a prompt when its
@@ -38,8 +42,12 @@ pub struct PrefillMeter {
     busy_seconds: f64,
     request_tokens: f64,
     requests: f64,
-    /// Prefilling tokens at the last two readings, newest first.
-    prefilling: [Option<f64>; 2],
+    /// Lookups and cache hits counted at scheduling (vLLM), exponentially weighted: the share of a
+    /// scheduled prompt the engine must compute.
+    looked_up: f64,
+    hit: f64,
+    /// Prompt tokens of the prefills under way at the latest reading (cached part included).
+    prefilling: Option<f64>,
 }
 
 /// The counters at one reading.
@@ -48,6 +56,8 @@ struct Mark {
     at: Instant,
     uncached: f64,
     first_tokens: Option<f64>,
+    queried: Option<f64>,
+    cached: Option<f64>,
     queued: bool,
 }
 
@@ -71,12 +81,14 @@ impl PrefillMeter {
             return;
         };
         if self.last.is_none_or(|last| at > last.at) {
-            self.prefilling = [progress.prefilling_tokens(), self.prefilling[0]];
+            self.prefilling = progress.prefilling_tokens();
         }
         let mark = Mark {
             at,
             uncached,
             first_tokens: progress.first_tokens,
+            queried: progress.queried_tokens,
+            cached: progress.cached_tokens,
             queued: waiting > 0,
         };
         let Some(last) = self.last else {
@@ -101,6 +113,14 @@ impl PrefillMeter {
             self.request_tokens = self.request_tokens * keep + tokens;
             self.requests = self.requests * keep + (now - before);
         }
+        if let (Some(q0), Some(q1), Some(c0), Some(c1)) =
+            (last.queried, mark.queried, last.cached, mark.cached)
+            && q1 >= q0
+            && c1 >= c0
+        {
+            self.looked_up = self.looked_up * keep + (q1 - q0);
+            self.hit = self.hit * keep + (c1 - c0);
+        }
     }
 
     /// What has been learned so far.
@@ -110,10 +130,16 @@ impl PrefillMeter {
             .then(|| self.busy_tokens / self.busy_seconds);
         let per_request =
             (self.requests >= MIN_REQUESTS).then(|| self.request_tokens.max(0.0) / self.requests);
-        let prefilling = match self.prefilling {
-            [Some(now), Some(before)] => whole(now.min(before)).or(Some(0)),
-            _ => None,
+        // The prefills under way are priced at the share of recent lookups the cache did not serve:
+        // an agent's 100k-token turn running on a warm worker is 95k tokens it need not compute.
+        let uncached_share = if self.looked_up > 0.0 {
+            (1.0 - self.hit / self.looked_up).clamp(0.0, 1.0)
+        } else {
+            1.0
         };
+        let prefilling = self
+            .prefilling
+            .map(|tokens| whole(tokens * uncached_share).unwrap_or(0));
         PrefillEstimate {
             tokens_per_second: rate.and_then(whole),
             uncached_per_request: per_request.and_then(whole),
@@ -144,28 +170,49 @@ mod tests {
     }
 
     #[test]
-    fn a_prefill_under_way_counts_only_once_two_readings_see_it() {
+    fn a_prefill_under_way_counts_from_the_reading_that_sees_it_at_the_share_the_cache_missed() {
         let start = Instant::now();
         let mut meter = PrefillMeter::default();
-        let reading = |queried: f64| Progress {
+        // Lookups, hits and completed prompts at one reading.
+        let reading = |queried: f64, hits: f64, prompt: f64| Progress {
+            prompt_tokens: Some(prompt),
+            cached_tokens: Some(hits),
+            first_tokens: Some(10.0),
             queried_tokens: Some(queried),
-            ..progress(50_000.0, 10_000.0, 10.0)
         };
-        // A 1k prompt caught mid-step, then gone: never counted.
-        meter.observe(start, &reading(50_000.0), 0);
-        assert_eq!(
-            meter.estimate().prefilling_tokens,
-            None,
-            "one reading is not enough"
+        meter.observe(start, &reading(50_000.0, 10_000.0, 50_000.0), 0);
+        assert_eq!(meter.estimate().prefilling_tokens, Some(0));
+        // A cold 100k prompt scheduled just before this reading: all of it counts at once, since
+        // the dispatch that sent it is forgotten at this same reading.
+        meter.observe(
+            start + Duration::from_millis(200),
+            &reading(150_000.0, 10_000.0, 50_000.0),
+            1,
         );
-        meter.observe(start + Duration::from_millis(200), &reading(51_000.0), 0);
-        assert_eq!(meter.estimate().prefilling_tokens, Some(0));
-        meter.observe(start + Duration::from_millis(400), &reading(50_000.0), 0);
-        assert_eq!(meter.estimate().prefilling_tokens, Some(0));
-        // A 100k prompt seen by two readings in a row.
-        meter.observe(start + Duration::from_millis(600), &reading(150_000.0), 1);
-        meter.observe(start + Duration::from_millis(800), &reading(150_000.0), 1);
         assert_eq!(meter.estimate().prefilling_tokens, Some(100_000));
+        // It completes: nothing under way.
+        meter.observe(
+            start + Duration::from_millis(400),
+            &reading(150_000.0, 10_000.0, 150_000.0),
+            0,
+        );
+        assert_eq!(meter.estimate().prefilling_tokens, Some(0));
+        // A mostly warm one (100k looked up, 90k hit): under way, but only its cold part is work.
+        // Priced over the lookups so far (200k looked up, 90k hit): about 55k of its 100k count.
+        meter.observe(
+            start + Duration::from_millis(600),
+            &reading(250_000.0, 100_000.0, 150_000.0),
+            1,
+        );
+        let under_way = meter.estimate().prefilling_tokens.unwrap();
+        assert!(
+            (40_000..60_000).contains(&under_way),
+            "priced at the missed share of recent lookups: {under_way}"
+        );
+        // An engine without the lookup counter (SGLang): nothing is known to be under way.
+        let mut sglang = PrefillMeter::default();
+        sglang.observe(start, &progress(50_000.0, 10_000.0, 10.0), 1);
+        assert_eq!(sglang.estimate().prefilling_tokens, None);
     }
 
     /// A worker prefilling `rate` uncached tokens a second, `per_request` each, scraped every

@@ -50,9 +50,8 @@ pub struct PrefillEstimate {
     pub tokens_per_second: Option<u64>,
     /// Uncached prompt tokens a request brings, on average.
     pub uncached_per_request: Option<u64>,
-    /// Prompt tokens (cached part included) of the prefills under way at this reading and the one
-    /// before it — the lesser of the two, so a short prefill caught mid-step is not mistaken for a
-    /// long one; where the engine's counters tell (vLLM).
+    /// Uncached prompt tokens of the prefills under way at the latest reading (their prompt tokens
+    /// times the share of recent lookups the cache missed), where the engine's counters tell (vLLM).
     pub prefilling_tokens: Option<u64>,
 }
 

@@ -6,9 +6,9 @@
 //! - **ahead** = uncached tokens queued on *m*: SGLang's `num_waiting_uncached_tokens` where the
 //!   engine reports it (its chunked prefill's remainder included), else waiting × the uncached tokens a
 //!   request brings there on average (learned from the engine's counters; this request's own uncached
-//!   part until it is learned) plus half the prompt tokens of the prefills under way (vLLM's lookups
-//!   less its completed prompts, seen by two readings in a row: a long prefill is on average half
-//!   done); plus the uncached tokens this picker sent since the reading (its router-local window,
+//!   part until it is learned) plus half the uncached tokens of the prefills under way at the reading
+//!   (vLLM's lookups less its completed prompts, times the share the cache missed: a long prefill is
+//!   on average half done); plus the uncached tokens this picker sent since the reading (its router-local window,
 //!   exact for its own).
 //! - **rate** = the prefill rate learned from *m*'s counters; else the median per-rank rate the other
 //!   fleet workers learned, × *m*'s ranks (a worker that has never queued has taught nothing, yet it
