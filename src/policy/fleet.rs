@@ -65,6 +65,7 @@ impl<'a> Fleet<'a> {
                 gate: rank::gate(limit.map(|limit| per_worker(limit, state)), fresh),
                 admission: rank::admission(state, fresh, kv_charge(matched_tokens)),
                 dispatched: load.dispatches.since_reading(state.id),
+                work: None,
                 prediction: None,
             }
         };
@@ -92,8 +93,8 @@ impl<'a> Fleet<'a> {
             let pool = wait::pool_rate(members.iter().map(|member| member.state));
             for member in &mut members {
                 let dispatched = load.dispatches.uncached_since_reading(member.id());
-                member.prediction =
-                    wait::predict(member, request.prompt_tokens, dispatched, pool, wait);
+                member.work = wait::work(member, request.prompt_tokens, dispatched);
+                member.prediction = wait::predict(member, member.work, dispatched, pool, wait);
             }
             let best = wait::best_ttft(&members);
             for member in &mut members {

@@ -7,6 +7,7 @@
 use rand::Rng;
 
 use super::trace::{Admission, Gate, Prediction, PressureSource};
+use super::wait::Work;
 use crate::load::{EngineLoad, WorkerState};
 use crate::worker::WorkerId;
 
@@ -19,6 +20,9 @@ pub(super) struct Member<'a> {
     pub gate: Gate,
     pub admission: Admission,
     pub dispatched: u64,
+    /// Under the prefill-time unit, the tokens it must compute before and for this request's first
+    /// token (known with a fresh reading, rate or not).
+    pub work: Option<Work>,
     /// Under the prefill-time unit, what the worker is predicted to take for this request.
     pub prediction: Option<Prediction>,
 }
@@ -162,7 +166,10 @@ pub(super) fn least_loaded(set: &[Member<'_>]) -> Option<Pick> {
 }
 
 /// Index of the member predicted to deliver the first token soonest (members without a prediction
-/// last), then the least loaded, then the lowest id.
+/// last); then the fewest tokens to compute before and for the first token, which orders the
+/// unpriced ones as their TTFTs would on one rate — before any worker's counters have taught a rate,
+/// the request count alone cannot tell a worker starting a 30k-token prefill from an idle one; then
+/// the least loaded, then the lowest id.
 pub(super) fn soonest(set: &[Member<'_>]) -> Option<Pick> {
     let index = set
         .iter()
@@ -170,6 +177,7 @@ pub(super) fn soonest(set: &[Member<'_>]) -> Option<Pick> {
         .min_by_key(|(_, member)| {
             (
                 member.prediction.map_or(u64::MAX, |p| p.ttft_us()),
+                member.work.map_or(u64::MAX, |w| w.total()),
                 member.load(),
                 member.id(),
             )

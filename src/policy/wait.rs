@@ -11,9 +11,9 @@
 //!   on average half done); plus the uncached tokens this picker sent since the reading (its router-local window,
 //!   exact for its own).
 //! - **rate** = the prefill rate learned from *m*'s counters; else the median per-rank rate the other
-//!   fleet workers learned, × *m*'s ranks (a worker that has never queued has taught nothing, yet it
+//!   fleet workers learned, × *m*'s ranks (a worker that has never been busy has taught nothing, yet it
 //!   runs the pool's hardware — pricing it as unknown would send every diversion to the one worker
-//!   that queued first); else `prefill_tokens_per_second` × ranks.
+//!   that was busy first); else `prefill_tokens_per_second` × ranks.
 //! - **queue** = ahead ÷ rate; **prefill** = (*P* − *c*) ÷ rate; predicted TTFT = queue + prefill.
 //!
 //! A worker without a fresh reading, or without a rate, has no prediction: its gate fails open (as
@@ -66,17 +66,14 @@ fn micros(tokens: u64, rate: u64) -> u64 {
     u64::try_from(us).unwrap_or(u64::MAX)
 }
 
-/// `member`'s prediction for a request of `prompt_tokens`, with `dispatched_tokens` sent there since
-/// its reading; `pool_per_rank` is [`pool_rate`] of the fleet.
-pub(super) fn predict(
+/// The uncached tokens ahead of the request on `member` and its own uncached part there, with
+/// `dispatched_tokens` sent since the reading; `None` without a fresh reading. Needs no rate.
+pub(super) fn work(
     member: &Member<'_>,
     prompt_tokens: u64,
     dispatched_tokens: u64,
-    pool_per_rank: Option<u64>,
-    wait: &WaitGate,
-) -> Option<Prediction> {
+) -> Option<Work> {
     let load = member.fresh?;
-    let (rate, rate_source) = rate(member.state, pool_per_rank, wait)?;
     let own = prompt_tokens.saturating_sub(member.matched_tokens);
     let queued = match load.waiting_uncached_tokens {
         Some(tokens) => tokens,
@@ -87,16 +84,46 @@ pub(super) fn predict(
     };
     // A prefill under way is, on average, half done when a request arrives behind it.
     let prefilling = member.state.prefill.prefilling_tokens.unwrap_or(0) / 2;
-    let ahead_tokens = queued
-        .saturating_add(prefilling)
-        .saturating_add(dispatched_tokens);
+    Some(Work {
+        ahead_tokens: queued
+            .saturating_add(prefilling)
+            .saturating_add(dispatched_tokens),
+        own_tokens: own,
+    })
+}
+
+/// What a worker has to compute before and for this request's first token, in tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Work {
+    pub ahead_tokens: u64,
+    pub own_tokens: u64,
+}
+
+impl Work {
+    /// Ahead plus own: on workers of one rate, the order of their predicted TTFTs.
+    pub fn total(&self) -> u64 {
+        self.ahead_tokens.saturating_add(self.own_tokens)
+    }
+}
+
+/// `member`'s prediction from its `work` (see [`work`]); `pool_per_rank` is [`pool_rate`] of the
+/// fleet.
+pub(super) fn predict(
+    member: &Member<'_>,
+    work: Option<Work>,
+    dispatched_tokens: u64,
+    pool_per_rank: Option<u64>,
+    wait: &WaitGate,
+) -> Option<Prediction> {
+    let work = work?;
+    let (rate, rate_source) = rate(member.state, pool_per_rank, wait)?;
     Some(Prediction {
-        ahead_tokens,
+        ahead_tokens: work.ahead_tokens,
         dispatched_tokens,
         rate,
         rate_source,
-        queue_us: micros(ahead_tokens, rate),
-        prefill_us: micros(own, rate),
+        queue_us: micros(work.ahead_tokens, rate),
+        prefill_us: micros(work.own_tokens, rate),
     })
 }
 

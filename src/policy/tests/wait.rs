@@ -457,3 +457,24 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn before_any_rate_is_learned_a_miss_goes_to_the_least_work_not_the_fewest_requests() {
+    // No rate anywhere. Worker 0 runs one request, a 30k-token prefill under way (vLLM's counters);
+    // worker 1 runs three decodes. By requests worker 0 is the lighter; by the tokens to compute
+    // before this request's first token (15k on average ahead of it against none) worker 1 is.
+    let case = Case::new(timed(500, Some(1000), None))
+        .worker(Some(0))
+        .running(1)
+        .with(|w| w.prefill.prefilling_tokens = Some(30_000))
+        .worker(Some(0))
+        .running(3)
+        .choices(64);
+    let decision = case.routed();
+    assert_eq!(pick_of(&decision), (1, Reason::CacheMiss));
+    assert!(decision.trace.predictions.is_empty(), "nothing is priced");
+    // The request unit, on the same readings, takes the fewest requests.
+    let mut counted = case;
+    counted.config = Case::gated().config;
+    assert_eq!(counted.choices(64).pick(), (0, Reason::CacheMiss));
+}
