@@ -46,7 +46,7 @@ pub struct Capacity {
 /// been seen (see `load::rate`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PrefillEstimate {
-    /// Uncached prompt tokens the worker (all its ranks) computes per second while busy prefilling.
+    /// Uncached prompt tokens the worker (all its ranks) computes per second while requests wait.
     pub tokens_per_second: Option<u64>,
     /// Uncached prompt tokens a request brings, on average.
     pub uncached_per_request: Option<u64>,

@@ -58,8 +58,8 @@
 //!    fleet's long prompts to the workers that must compute and hold every token.
 //!
 //! 6. A worker whose counters taught no rate yet is priced at the median per-rank rate the other
-//!    fleet workers learned, before the configured one: a worker that was never busy is the one a
-//!    diversion should find, and leaving it unpriced sends every diversion to whoever was busy first.
+//!    fleet workers learned, before the configured one: a worker that never queued is the one a
+//!    diversion should find, and leaving it unpriced sends every diversion to whoever queued first.
 //!
 //! A worker without a fresh reading or any rate has no prediction: it passes the gate and is no
 //! evidence for the floor, as in the request unit. Off-owner picks then order the unpriced workers

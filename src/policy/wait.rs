@@ -11,9 +11,9 @@
 //!   on average half done); plus the uncached tokens this picker sent since the reading (its router-local window,
 //!   exact for its own).
 //! - **rate** = the prefill rate learned from *m*'s counters; else the median per-rank rate the other
-//!   fleet workers learned, × *m*'s ranks (a worker that has never been busy has taught nothing, yet it
+//!   fleet workers learned, × *m*'s ranks (a worker that has never queued has taught nothing, yet it
 //!   runs the pool's hardware — pricing it as unknown would send every diversion to the one worker
-//!   that was busy first); else `prefill_tokens_per_second` × ranks.
+//!   that queued first); else `prefill_tokens_per_second` × ranks.
 //! - **queue** = ahead ÷ rate; **prefill** = (*P* − *c*) ÷ rate; predicted TTFT = queue + prefill.
 //!
 //! A worker without a fresh reading, or without a rate, has no prediction: its gate fails open (as
