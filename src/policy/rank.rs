@@ -6,8 +6,7 @@
 
 use rand::Rng;
 
-use super::trace::{Admission, Gate, Prediction, PressureSource};
-use super::wait::Work;
+use super::trace::{Admission, Gate, Prediction, PressureSource, Work};
 use crate::load::{EngineLoad, WorkerState};
 use crate::worker::WorkerId;
 

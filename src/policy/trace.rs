@@ -260,3 +260,17 @@ impl Prediction {
         self.queue_us.saturating_add(self.prefill_us)
     }
 }
+
+/// What a worker has to compute before and for this request's first token, in tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Work {
+    pub ahead_tokens: u64,
+    pub own_tokens: u64,
+}
+
+impl Work {
+    /// Ahead plus own: on workers of one rate, the order of their predicted TTFTs.
+    pub fn total(&self) -> u64 {
+        self.ahead_tokens.saturating_add(self.own_tokens)
+    }
+}

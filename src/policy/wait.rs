@@ -21,7 +21,7 @@
 //! in integer microseconds, so orderings stay total.
 
 use super::rank::Member;
-use super::trace::{Gate, Prediction, RateSource};
+use super::trace::{Gate, Prediction, RateSource, Work};
 use crate::config::WaitGate;
 use crate::load::WorkerState;
 
@@ -90,20 +90,6 @@ pub(super) fn work(
             .saturating_add(dispatched_tokens),
         own_tokens: own,
     })
-}
-
-/// What a worker has to compute before and for this request's first token, in tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Work {
-    pub ahead_tokens: u64,
-    pub own_tokens: u64,
-}
-
-impl Work {
-    /// Ahead plus own: on workers of one rate, the order of their predicted TTFTs.
-    pub fn total(&self) -> u64 {
-        self.ahead_tokens.saturating_add(self.own_tokens)
-    }
 }
 
 /// `member`'s prediction from its `work` (see [`work`]); `pool_per_rank` is [`pool_rate`] of the
