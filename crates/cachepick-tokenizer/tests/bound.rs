@@ -200,13 +200,26 @@ fn thread_cpu() -> Duration {
     Duration::from_nanos(nanos)
 }
 
-/// The least of three measurements of `work`'s CPU time on this thread.
+/// CPU time a measurement must cover. Some kernels update `schedstat` only at the scheduler tick
+/// (4 ms at 250 Hz), so one short run reads as 0 or one whole tick; repeating the work until it
+/// covers many ticks makes the per-run figure accurate to a few per cent.
+const MEASURED_CPU: Duration = Duration::from_millis(80);
+
+/// The least of three measurements of `work`'s CPU time per run on this thread, each repeating it
+/// until it has used [`MEASURED_CPU`].
 fn least_of_three(mut work: impl FnMut()) -> Duration {
     (0..3)
         .map(|_| {
             let started = thread_cpu();
-            work();
-            thread_cpu().saturating_sub(started)
+            let mut runs = 0_u32;
+            loop {
+                work();
+                runs += 1;
+                let spent = thread_cpu().saturating_sub(started);
+                if spent >= MEASURED_CPU || runs >= 10_000 {
+                    break spent / runs;
+                }
+            }
         })
         .min()
         .unwrap()
