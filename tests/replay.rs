@@ -151,6 +151,8 @@ fn a_tiny_trace_replays_over_ext_proc_for_two_policies() {
     assert!(out.join("table.md").is_file());
 }
 
+/// A short burst through a real Envoy: cachepick's arms, a re-implemented peer and the oracle, each
+/// answer proxied by Envoy and each decision echoed by the worker that served it.
 #[test]
 fn a_tiny_burst_replays_through_envoy() {
     let envoy = envoy::binary();
@@ -165,6 +167,8 @@ fn a_tiny_burst_replays_through_envoy() {
         "4",
         "--policies",
         "gate,gate_floor",
+        "--peer",
+        "llm-d",
         "--via",
         "envoy",
         "--envoy",
@@ -176,10 +180,23 @@ fn a_tiny_burst_replays_through_envoy() {
     assert!(stdout.contains("burst hit"), "{stdout}");
     let report = report(&out);
     assert_eq!(report["via"], "envoy");
+    let arms: Vec<&str> = report["policies"]
+        .as_array()
+        .expect("policies")
+        .iter()
+        .filter_map(|policy| policy["arm"].as_str())
+        .collect();
+    assert_eq!(
+        arms,
+        ["gate", "gate_floor", "llm-d/sticky (re-impl)", "oracle"],
+        "{stdout}"
+    );
     for policy in report["policies"].as_array().expect("policies") {
         let requests = policy["requests"].as_u64().expect("requests");
         assert!(requests > 5, "{policy}");
         assert_eq!(policy["ok"].as_u64(), Some(requests), "{policy}");
+        // Every arm pays the same path: the in-process routers decide behind the same Envoy.
+        assert_eq!(policy["through_envoy"].as_u64(), Some(requests), "{policy}");
         assert!(
             policy["hit_rate"].as_f64().is_some_and(|hit| hit > 0.0),
             "{policy}"

@@ -224,6 +224,32 @@ impl Envoy {
         )
     }
 
+    /// Waits until Envoy counts every host of `cluster` healthy (its active health check has passed):
+    /// before that Envoy fails open past an ext_proc server it does not trust yet.
+    pub async fn wait_healthy(&self, cluster: &str, within: Duration) -> Result<(), String> {
+        let (healthy, total) = (
+            format!("cluster.{cluster}.membership_healthy"),
+            format!("cluster.{cluster}.membership_total"),
+        );
+        let deadline = Instant::now() + within;
+        loop {
+            let stats = self.stats(&[&healthy, &total]).await.unwrap_or_default();
+            let value = |name: &str| stats.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+            if let (Some(healthy), Some(total)) = (value(&healthy), value(&total))
+                && total > 0
+                && healthy == total
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "cluster {cluster} not healthy after {within:?}: {stats:?}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// `vhost.llm.vcluster.<reason>.upstream_rq_total` lines with a non-zero count.
     pub async fn vcluster_totals(&self) -> Option<Vec<String>> {
         let stats = admin_get(self.admin, "/stats?filter=vcluster").await?;

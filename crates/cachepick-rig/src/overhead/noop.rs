@@ -52,6 +52,10 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use cachepick::extproc::{
+    DECISION_HEADER, DESTINATION, LB_NAMESPACE, PREFIX_TOKENS_HEADER, SELECTED_HEADER,
+};
+
 /// The header the probe sets: the one cachepick's decision travels in, which the worker echoes.
 pub const PROBE_HEADER: &str = cachepick::extproc::DECISION_HEADER;
 /// The decision [`Reply::Route`] sends, where cachepick sends a reason such as `cache_miss`.
@@ -142,31 +146,11 @@ impl NoopServer {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let tally = Arc::new(Tally::default());
-        let (reporter, health) = tonic_health::server::health_reporter();
-        reporter
-            .set_service_status(EXT_PROC_SERVICE, tonic_health::ServingStatus::Serving)
-            .await;
         let processor = ExternalProcessorServer::new(Noop {
             tally: Arc::clone(&tally),
             reply,
-        })
-        .max_decoding_message_size(MAX_MESSAGE);
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            // The reporter must live as long as the server, or health answers go stale.
-            let _reporter = reporter;
-            let _ = tonic::transport::Server::builder()
-                .http2_keepalive_interval(Some(HTTP2_KEEPALIVE_INTERVAL))
-                .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE_TIMEOUT))
-                .add_service(health)
-                .add_service(processor)
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = stopped.await;
-                })
-                .await;
         });
+        let (stop, task) = serve_processor(listener, processor).await;
         Ok(NoopServer {
             addr,
             tally,
@@ -207,6 +191,36 @@ impl Drop for NoopServer {
         }
         self.task.abort();
     }
+}
+
+/// Serves `processor` on `listener` as cachepick serves its own (gRPC health SERVING for the ext_proc
+/// service, TCP_NODELAY, the same HTTP/2 keepalive, a decode limit that takes a whole buffered body)
+/// until the returned sender fires or is dropped.
+pub(crate) async fn serve_processor<P: ExternalProcessor>(
+    listener: tokio::net::TcpListener,
+    processor: ExternalProcessorServer<P>,
+) -> (oneshot::Sender<()>, JoinHandle<()>) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status(EXT_PROC_SERVICE, tonic_health::ServingStatus::Serving)
+        .await;
+    let processor = processor.max_decoding_message_size(MAX_MESSAGE);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        // The reporter must live as long as the server, or health answers go stale.
+        let _reporter = reporter;
+        let _ = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(HTTP2_KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(HTTP2_KEEPALIVE_TIMEOUT))
+            .add_service(health)
+            .add_service(processor)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
+            .await;
+    });
+    (stop, task)
 }
 
 struct Noop {
@@ -379,7 +393,7 @@ async fn drive(
     }
 }
 
-fn answer(response: processing_response::Response) -> ProcessingResponse {
+pub(crate) fn answer(response: processing_response::Response) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(response),
         ..ProcessingResponse::default()
@@ -436,17 +450,27 @@ fn route(
     worker: SocketAddr,
     wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
 ) -> ProcessingResponse {
-    use cachepick::extproc::{
-        DECISION_HEADER, DESTINATION, LB_NAMESPACE, PREFIX_TOKENS_HEADER, SELECTED_HEADER,
-    };
+    routing_answer(
+        worker,
+        &[(DECISION_HEADER, ROUTE_LABEL), (PREFIX_TOKENS_HEADER, "0")],
+        wrap,
+    )
+}
+
+/// A routing answer in cachepick's shape: `worker` in its destination and selected headers and in the
+/// `envoy.lb` metadata, and `headers` set beside them (the decision, the credited prefix, …).
+pub(crate) fn routing_answer(
+    worker: SocketAddr,
+    headers: &[(&str, &str)],
+    wrap: impl FnOnce(CommonResponse) -> processing_response::Response,
+) -> ProcessingResponse {
     let worker = worker.to_string();
     let set_headers = [
         (DESTINATION, worker.as_str()),
         (SELECTED_HEADER, worker.as_str()),
-        (DECISION_HEADER, ROUTE_LABEL),
-        (PREFIX_TOKENS_HEADER, "0"),
     ]
     .into_iter()
+    .chain(headers.iter().copied())
     .map(|(key, value)| header(key, value))
     .collect();
     let common = CommonResponse {

@@ -13,8 +13,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 
-use super::oracle::Oracle;
-use super::peers::{PeerRouter, Ticket};
+use super::behind::{InProcess, REQUEST_ID_HEADER, Tickets};
+use super::peers::Ticket;
 use super::trace::{Item, PromptBuilder};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER};
 
@@ -22,15 +22,20 @@ use crate::client::{Client as PickerClient, Verdict};
 
 /// Where requests go: to an HTTP router in front of the workers (Envoy with cachepick, or another
 /// router under comparison), to the picker over ext_proc and then to the chosen worker, or to the
-/// worker the oracle chooses from the fleet's true state.
+/// worker an in-process router (a re-implemented peer, the oracle) chooses, directly or through Envoy.
 #[derive(Clone)]
 pub enum Route {
     Proxy(SocketAddr),
     Direct(PickerClient),
-    Oracle(Arc<Oracle>),
-    /// A re-implemented peer ([`super::peers`]): it chooses, the request goes straight to the worker,
-    /// and its ticket tells the peer's replica of the first chunk and the end.
-    Peer(Arc<PeerRouter>),
+    /// An in-process router asked directly; the request goes straight to the worker it chose, and a
+    /// peer's ticket is told of the first chunk and the end.
+    InProcess(InProcess),
+    /// Envoy in front, its ext_proc an in-process router's server ([`super::behind`]), which files a
+    /// peer's ticket under the request's number for the driver to settle.
+    Behind {
+        envoy: SocketAddr,
+        tickets: Arc<Tickets>,
+    },
 }
 
 /// How one request ended.
@@ -64,6 +69,8 @@ pub struct Sample {
     /// Leading prompt tokens the picker credited that worker with (its `x-cachepick-prefix-tokens`, as
     /// the worker received it); `None` when the worker was not told.
     pub prefix_tokens: Option<u64>,
+    /// The answer came through Envoy (it carries [`ENVOY_UPSTREAM_TIME`]).
+    pub through_envoy: bool,
     pub ttft: Option<Duration>,
     pub e2e: Option<Duration>,
     pub prompt_tokens: u64,
@@ -74,6 +81,8 @@ pub struct Sample {
 }
 
 const PATH: &str = "/v1/completions";
+/// The header Envoy's router adds to every answer it proxied from an upstream.
+const ENVOY_UPSTREAM_TIME: &str = "x-envoy-upstream-service-time";
 /// How long one request may take, from sending it to the end of its streamed answer.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
 
@@ -123,7 +132,7 @@ pub async fn drive(
         let phase = item.phase;
         let first_block = item.hash_ids.first().copied();
         tasks.push(tokio::spawn(async move {
-            let mut sample = one(&http, route, body, &prompt).await;
+            let mut sample = one(&http, route, body, &prompt, index as u64).await;
             sample.index = index;
             sample.phase = phase;
             sample.first_block = first_block;
@@ -147,6 +156,7 @@ async fn one(
     route: Route,
     body: String,
     prompt: &str,
+    id: u64,
 ) -> Sample {
     let mut sample = Sample {
         end: End::Error,
@@ -155,49 +165,24 @@ async fn one(
     let started = Instant::now();
     // Held to the end of the request: dropping it ends the request's load on the peer's replica.
     let mut ticket: Option<Ticket> = None;
+    // Settles a ticket filed behind Envoy when the request ends, however it ends.
+    let mut settle: Option<Settle> = None;
     let (addr, headers) = match route {
         Route::Proxy(addr) => (addr, Vec::new()),
-        Route::Peer(router) => {
-            // Like the oracle's, the choice hashes the prompt against every worker: off the runtime.
-            let (chooser, text) = (Arc::clone(&router), prompt.to_owned());
-            let chosen = tokio::task::spawn_blocking(move || chooser.choose(&text))
-                .await
-                .ok()
-                .flatten();
-            let Some(chosen) = chosen else {
-                sample.reason = "the peer had no worker".to_owned();
-                return sample;
-            };
-            let to = (
-                chosen.worker,
-                vec![
-                    (DECISION_HEADER, router.rule().label().to_owned()),
-                    (PREFIX_TOKENS_HEADER, chosen.cached_tokens.to_string()),
-                ],
-            );
-            ticket = Some(chosen);
-            to
+        Route::Behind { envoy, tickets } => {
+            settle = Some(Settle { tickets, id });
+            (envoy, vec![(REQUEST_ID_HEADER, id.to_string())])
         }
-        Route::Oracle(oracle) => {
-            // The prediction reads every rank's state under its lock: off the runtime's workers.
-            let prompt = prompt.to_owned();
-            let choice = tokio::task::spawn_blocking(move || oracle.choose(&prompt))
-                .await
-                .ok()
-                .flatten();
-            let Some(choice) = choice else {
-                sample.reason = "the oracle had no prediction".to_owned();
+        Route::InProcess(router) => match router.decide(prompt.to_owned()).await {
+            Ok(decided) => {
+                ticket = decided.ticket;
+                (decided.worker, decided.headers)
+            }
+            Err(reason) => {
+                sample.reason = reason;
                 return sample;
-            };
-            (
-                choice.worker,
-                vec![
-                    (DECISION_HEADER, super::oracle::LABEL.to_owned()),
-                    (PREFIX_TOKENS_HEADER, choice.cached_tokens.to_string()),
-                    (cachepick_sim::server::DISPATCH_TAG, choice.tag.to_string()),
-                ],
-            )
-        }
+            }
+        },
         Route::Direct(client) => match client.decide(PATH, body.as_bytes()).await {
             Ok(Verdict::Route {
                 endpoints,
@@ -254,6 +239,7 @@ async fn one(
     sample.prefix_tokens = header(&format!("x-sim-echo-{PREFIX_TOKENS_HEADER}"))
         .and_then(|tokens| tokens.trim().parse().ok());
     sample.worker = header("x-served-by");
+    sample.through_envoy = response.headers().contains_key(ENVOY_UPSTREAM_TIME);
     let mut body = response.into_body();
     let mut tail = Vec::new();
     loop {
@@ -267,6 +253,9 @@ async fn one(
                 sample.ttft = Some(started.elapsed());
                 if let Some(ticket) = &mut ticket {
                     ticket.first_token();
+                }
+                if let Some(settle) = &settle {
+                    settle.tickets.first_token(settle.id);
                 }
             }
             tail.extend_from_slice(data);
@@ -290,6 +279,18 @@ async fn one(
         }
     }
     sample
+}
+
+/// Request `id`'s ticket behind Envoy, let go when the request ends.
+struct Settle {
+    tickets: Arc<Tickets>,
+    id: u64,
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        self.tickets.settle(self.id);
+    }
 }
 
 /// Requests per worker, in a stable order.

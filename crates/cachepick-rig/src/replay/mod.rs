@@ -19,6 +19,7 @@
 
 pub mod agents;
 pub mod arms;
+pub mod behind;
 pub mod drive;
 pub mod fault;
 pub mod front;

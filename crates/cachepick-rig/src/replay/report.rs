@@ -78,6 +78,9 @@ pub struct PolicyReport {
     /// How busy the fleet was over the arrival window, read from the engines.
     pub utilisation: Option<Utilisation>,
     pub requests: usize,
+    /// Requests whose answer came through Envoy (it carries Envoy's `x-envoy-upstream-service-time`):
+    /// with `--via envoy`, every arm's, the in-process routers' too.
+    pub through_envoy: usize,
     pub ok: usize,
     pub errors: usize,
     pub refusals: usize,
@@ -241,6 +244,7 @@ impl PolicyReport {
             front_counters: Vec::new(),
             utilisation: None,
             requests: samples.len(),
+            through_envoy: samples.iter().filter(|s| s.through_envoy).count(),
             ok: count(End::Ok),
             errors: count(End::Error),
             refusals: count(End::Refused),

@@ -3,6 +3,7 @@
 //! report.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,6 +12,7 @@ use cachepick_sim::SimConfig;
 use cachepick_sim::fleet::Fleet;
 
 use super::arms::{Arm, ArmKind, apply_arm, enable_sim_events, load_yaml};
+use super::behind::{self, InProcess};
 use super::drive::{self, Route, Sample};
 use super::fault::{self, FaultReport};
 use super::front::{self, Front, KvSources};
@@ -20,7 +22,14 @@ use super::report::PolicyReport;
 use super::trace::{Item, PromptBuilder};
 use super::{IndexMode, ReplayError, ReplayOptions, utilisation};
 use crate::client::Client as PickerClient;
+use crate::envoy::Envoy;
 use crate::stage::{Stage, StageError};
+use cachepick::envoy_config::{BodyMode, EnvoyOptions};
+
+/// Envoy's cluster of ext_proc servers in the generated bootstrap.
+const PICKER_CLUSTER: &str = "cachepick";
+/// How long an arm's Envoy may take to count its ext_proc server healthy.
+const READY_WITHIN: Duration = Duration::from_secs(20);
 
 /// How often the fleet's slots and queues are read during an arm.
 const READ_LOAD_EVERY: Duration = Duration::from_millis(100);
@@ -114,6 +123,16 @@ impl Workload<'_> {
         .await?;
         if let Some(path) = self.envoy {
             stage = stage.with_envoy(path).await?;
+            // As for the in-process routers: no request is sent until Envoy trusts every replica.
+            if let Some(envoy) = &stage.envoy {
+                envoy
+                    .wait_healthy(PICKER_CLUSTER, READY_WITHIN)
+                    .await
+                    .map_err(|message| StageError::Envoy {
+                        path: path.display().to_string(),
+                        message,
+                    })?;
+            }
         }
         let route = match &stage.envoy {
             Some(envoy) => Route::Proxy(envoy.listen),
@@ -211,7 +230,7 @@ impl Workload<'_> {
     /// The oracle on a fresh fleet it reads in process.
     async fn oracle(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
         self.in_process(arm, "-", |fleet| {
-            Route::Oracle(Arc::new(Oracle::new(fleet)))
+            InProcess::Oracle(Arc::new(Oracle::new(fleet)))
         })
         .await
     }
@@ -220,24 +239,52 @@ impl Workload<'_> {
     async fn peer(&self, arm: &Arm, rule: PeerRule) -> Result<PolicyReport, ReplayError> {
         let seed = self.options.seed;
         self.in_process(arm, "true cache", |fleet| {
-            Route::Peer(Arc::new(PeerRouter::new(fleet, rule, arm.replicas, seed)))
+            InProcess::Peer(Arc::new(PeerRouter::new(fleet, rule, arm.replicas, seed)))
         })
         .await
     }
 
-    /// An arm whose router reads the fleet in process: `route` is built on a fresh fleet, the workload
-    /// driven along it, and the fleet stopped once the route has let it go.
+    /// An arm whose router reads the fleet in process: `router` is built on a fresh fleet, put behind
+    /// the same Envoy bootstrap as cachepick when the replay runs through Envoy ([`behind`]), the
+    /// workload driven, and the fleet stopped once everything has let it go.
     async fn in_process(
         &self,
         arm: &Arm,
         index_mode: &str,
-        route: impl FnOnce(Arc<Fleet>) -> Route,
+        router: impl FnOnce(Arc<Fleet>) -> InProcess,
     ) -> Result<PolicyReport, ReplayError> {
         let fleet = Arc::new(Fleet::start(self.sim).await.map_err(StageError::from)?);
-        let route = route(Arc::clone(&fleet));
-        let (samples, wall, utilisation) = self.drive(&route, &fleet).await;
+        let router = router(Arc::clone(&fleet));
+        let (samples, wall, utilisation) = match self.envoy {
+            Some(path) => {
+                let tickets = Arc::new(behind::Tickets::default());
+                let proxied = async {
+                    let server = behind::Server::start(router, Arc::clone(&tickets))
+                        .await
+                        .map_err(StageError::Port)?;
+                    let envoy = behind_envoy(path, &fleet, server.addr()).await?;
+                    let route = Route::Behind {
+                        envoy: envoy.listen,
+                        tickets: Arc::clone(&tickets),
+                    };
+                    let driven = self.drive(&route, &fleet).await;
+                    drop(envoy);
+                    drop(server);
+                    Ok::<_, StageError>(driven)
+                };
+                match proxied.await {
+                    Ok(driven) => driven,
+                    Err(error) => {
+                        if let Ok(fleet) = Arc::try_unwrap(fleet) {
+                            fleet.stop().await;
+                        }
+                        return Err(error.into());
+                    }
+                }
+            }
+            None => self.drive(&Route::InProcess(router), &fleet).await,
+        };
         let mut report = self.report(arm, "", &samples, &fleet, wall);
-        drop(route);
         if let Ok(fleet) = Arc::try_unwrap(fleet) {
             fleet.stop().await;
         }
@@ -245,6 +292,40 @@ impl Workload<'_> {
         report.utilisation = utilisation;
         Ok(report)
     }
+}
+
+/// The Envoy at `path` in front of `fleet` on the bootstrap cachepick generates for it, its ext_proc
+/// cluster at `server` ([`behind::bootstrap`]), once Envoy counts that server healthy.
+async fn behind_envoy(path: &Path, fleet: &Fleet, server: SocketAddr) -> Result<Envoy, StageError> {
+    let config = crate::stage::on_free_ports(
+        &fleet.cachepick_config(),
+        "the fleet's generated configuration",
+        cachepick::config::Overrides::default(),
+    )?;
+    let envoy_error = |message: String| StageError::Envoy {
+        path: path.display().to_string(),
+        message,
+    };
+    let envoy = Envoy::start_rendered(path, None, |listen, admin| {
+        let generated = cachepick::envoy_config::render(
+            &config,
+            &EnvoyOptions {
+                mode: BodyMode::Buffered,
+                listen,
+                admin,
+                pickers: vec![server],
+                ..EnvoyOptions::for_config(&config)
+            },
+        );
+        behind::bootstrap(&generated, &fleet.endpoints())
+    })
+    .await
+    .map_err(envoy_error)?;
+    envoy
+        .wait_healthy(PICKER_CLUSTER, READY_WITHIN)
+        .await
+        .map_err(envoy_error)?;
+    Ok(envoy)
 }
 
 /// The decisions a picker made (`cachepick_decisions_total` over every pool and reason) and its scrapes
