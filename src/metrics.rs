@@ -132,6 +132,9 @@ struct LoadGauges {
     /// (`load::rate`); absent until learned.
     prefill_rate: IntGaugeVec,
     uncached_per_request: IntGaugeVec,
+    /// `cachepick_pool_dispatch_share{pool}`: requests reaching the pool per request this replica sends
+    /// it (`load::share`), the factor on the time unit's window of own dispatches.
+    dispatch_share: GaugeVec,
     /// `cachepick_workers_fresh{pool}` / `cachepick_workers_stale{pool}`.
     workers_fresh: IntGaugeVec,
     workers_stale: IntGaugeVec,
@@ -190,6 +193,15 @@ impl Metrics {
                      engine's counters: the price of one waiting request where the engine reports a count.",
                 ),
                 &["pool", "worker"],
+            )?,
+            dispatch_share: GaugeVec::new(
+                Opts::new(
+                    "cachepick_pool_dispatch_share",
+                    "Requests reaching the pool's workers (from their engines' counters) per request this \
+                     replica sends them: about 1 alone, about N among N replicas; the prefill-time gate \
+                     scales this replica's dispatches since each reading by it.",
+                ),
+                &["pool"],
             )?,
             workers_fresh: IntGaugeVec::new(
                 Opts::new(
@@ -627,6 +639,9 @@ impl LoadGauges {
                     fresh += 1;
                 }
             }
+            self.dispatch_share
+                .with_label_values(&[pool.label()])
+                .set(pool.dispatches().share());
             let total = i64::try_from(snapshot.workers().len()).unwrap_or(i64::MAX);
             self.workers_fresh
                 .with_label_values(&[pool.label()])
@@ -648,6 +663,7 @@ impl LoadGauges {
         let mut families = self.reading_age.collect();
         families.extend(self.prefill_rate.collect());
         families.extend(self.uncached_per_request.collect());
+        families.extend(self.dispatch_share.collect());
         families.extend(self.workers_fresh.collect());
         families.extend(self.workers_stale.collect());
         families.extend(self.workers.collect());
@@ -702,6 +718,7 @@ impl Collector for SharedCollector {
         let mut descs = gauges.reading_age.desc();
         descs.extend(gauges.prefill_rate.desc());
         descs.extend(gauges.uncached_per_request.desc());
+        descs.extend(gauges.dispatch_share.desc());
         descs.extend(gauges.workers_fresh.desc());
         descs.extend(gauges.workers_stale.desc());
         descs.extend(gauges.workers.desc());

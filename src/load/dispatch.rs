@@ -14,6 +14,9 @@ use crate::worker::WorkerId;
 pub struct DispatchTable {
     counts: Vec<AtomicU64>,
     tokens: Vec<AtomicU64>,
+    /// The pool's arrivals per own dispatch (`share.rs`), as `f64` bits: how much of what reaches the
+    /// workers between readings this replica cannot see; the window's uncached tokens are scaled by it.
+    share: AtomicU64,
 }
 
 impl DispatchTable {
@@ -21,6 +24,7 @@ impl DispatchTable {
         DispatchTable {
             counts: (0..workers).map(|_| AtomicU64::new(0)).collect(),
             tokens: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            share: AtomicU64::new(1.0_f64.to_bits()),
         }
     }
 
@@ -31,6 +35,16 @@ impl DispatchTable {
 
     pub fn is_empty(&self) -> bool {
         self.counts.is_empty()
+    }
+
+    /// Requests reaching the pool per request this replica sends it (at least 1).
+    pub fn share(&self) -> f64 {
+        f64::from_bits(self.share.load(Ordering::Relaxed))
+    }
+
+    pub(super) fn set_share(&self, share: f64) {
+        self.share
+            .store(share.max(1.0).to_bits(), Ordering::Relaxed);
     }
 
     /// Forgets every request counted for `id`: its worker left, restarted, or the slot has a new one.
@@ -72,9 +86,13 @@ impl DispatchCounts for DispatchTable {
             .map_or(0, |count| count.load(Ordering::Relaxed))
     }
 
+    /// This replica's own uncached tokens since the reading, times the pool's share: the request-count
+    /// rules see the own count alone ([`DispatchCounts::since_reading`]), as the seed defines them.
     fn uncached_since_reading(&self, id: WorkerId) -> u64 {
-        self.tokens
+        let own = self
+            .tokens
             .get(id.index())
-            .map_or(0, |tokens| tokens.load(Ordering::Relaxed))
+            .map_or(0, |tokens| tokens.load(Ordering::Relaxed));
+        (own as f64 * self.share()).round() as u64
     }
 }

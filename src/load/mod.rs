@@ -16,6 +16,7 @@ mod rate;
 mod roster;
 mod samples;
 mod scrape;
+mod share;
 mod snapshot;
 mod tls;
 

@@ -26,6 +26,7 @@ use super::fetch::{ScrapeError, Target};
 use super::pool::{PoolLoad, RosterObserver, ScrapeObserver, configured_capacity};
 use super::rate::PrefillMeter;
 use super::samples::RankSamples;
+use super::share::{Arrivals, ShareMeter};
 use super::snapshot::{
     Capacity, DispatchCounts, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState,
 };
@@ -53,6 +54,8 @@ struct Tracked {
     identity: Option<Identity>,
     /// What its counters teach about its prefill.
     meter: PrefillMeter,
+    /// Its counters at the last reading, for the requests that reached it from every router.
+    arrivals: Arrivals,
     /// When the state last changed to `Restarted` or `Draining`.
     since: Instant,
 }
@@ -113,6 +116,8 @@ pub(super) struct Roster {
     last_full_warning: Option<Instant>,
     observer: Arc<dyn ScrapeObserver>,
     roster: Option<Arc<dyn RosterObserver>>,
+    /// Arrivals at the pool's workers against this replica's dispatches (`share.rs`).
+    share: ShareMeter,
 }
 
 impl Roster {
@@ -143,6 +148,7 @@ impl Roster {
             last_full_warning: None,
             observer,
             roster: None,
+            share: ShareMeter::default(),
         };
         for (worker, state) in pool_config.workers.iter().zip(first.workers()) {
             roster.free.remove(&state.id.0);
@@ -185,6 +191,7 @@ impl Roster {
             failures: 0,
             identity: None,
             meter: PrefillMeter::new(self.rate),
+            arrivals: Arrivals::default(),
             since: now,
         }
     }
@@ -426,6 +433,7 @@ impl Roster {
                     // The old run's samples describe a cache that is gone, its counters a run that is.
                     worker.ranks.clear();
                     worker.meter.reset();
+                    worker.arrivals.reset();
                 }
                 worker.identity = Some(report.identity);
                 let before = worker.state.reading.map(|reading| reading.captured_at);
@@ -440,6 +448,13 @@ impl Roster {
                     // The engine's numbers cover what was sent before the request, not what was sent
                     // while it was in flight.
                     dispatches.forget(worker.id, dispatched.0, dispatched.1);
+                    if let Some(arrived) = worker
+                        .arrivals
+                        .observe(report.progress.first_tokens, reading.load.waiting)
+                    {
+                        self.share.observe(arrived, dispatched.0);
+                        dispatches.set_share(self.share.scale());
+                    }
                     idle = reading.load.waiting == 0 && reading.load.running == 0;
                     worker.meter.observe(
                         reading.captured_at,

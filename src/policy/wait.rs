@@ -9,7 +9,9 @@
 //!   part until it is learned) plus half the uncached tokens of the prefills under way at the reading
 //!   (vLLM's lookups less its completed prompts, times the share the cache missed: a long prefill is
 //!   on average half done); plus the uncached tokens this picker sent since the reading (its router-local window,
-//!   exact for its own).
+//!   exact for its own), times the pool's dispatch share (`load::share`: requests reaching the pool per
+//!   request this replica sends, from the engines' counters), so a replica prices the volume the
+//!   others send unseen.
 //! - **rate** = the prefill rate learned from *m*'s counters; else the median per-rank rate the other
 //!   fleet workers learned, × *m*'s ranks (a worker that has never queued has taught nothing, yet it
 //!   runs the pool's hardware — pricing it as unknown would send every diversion to the one worker

@@ -765,6 +765,58 @@ fn a_newer_complete_reading_forgets_the_dispatches_it_covers_and_a_restart_all_o
 }
 
 #[test]
+fn arrivals_from_every_router_scale_the_time_units_window_but_never_the_request_count() {
+    let mut harness = Harness::new(&[8000]);
+    let id = WorkerId(0);
+    // This replica sends one request of 100 uncached tokens per reading; the engine's first tokens
+    // show three arrivals per reading: two other replicas send as many.
+    for reading in 0..200_u32 {
+        harness.roster.pool.dispatches().record(id, 100);
+        let scrape = harness.begin(8000);
+        let mut answered = report(&[Some((0, 0))], 1.0);
+        answered.progress.first_tokens = Some(f64::from(reading) * 3.0);
+        harness.deliver(8000, scrape, Ok(answered));
+        harness.step(Wait(Duration::from_millis(10)));
+    }
+    let dispatches = harness.roster.pool.dispatches();
+    assert!(
+        (dispatches.share() - 3.0).abs() < 0.1,
+        "{}",
+        dispatches.share()
+    );
+    dispatches.record(id, 100);
+    assert_eq!(
+        dispatches.since_reading(id),
+        1,
+        "the seed's count is the replica's own"
+    );
+    let scaled = dispatches.uncached_since_reading(id);
+    assert!((290..=310).contains(&scaled), "{scaled}");
+    // A restart's counters start over: the share is kept, the worker's baseline is not.
+    let scrape = harness.begin(8000);
+    harness.deliver(8000, scrape, Ok(report(&[Some((0, 0))], 2.0)));
+    assert!((harness.roster.pool.dispatches().share() - 3.0).abs() < 0.1);
+}
+
+#[test]
+fn one_replica_alone_reads_a_share_of_one() {
+    let mut harness = Harness::new(&[8000]);
+    let id = WorkerId(0);
+    for reading in 0..200_u32 {
+        // Two sent per reading, two arrive; the queue grows and drains as readings fall late or early.
+        (0..2).for_each(|_| harness.roster.pool.dispatches().record(id, 50));
+        let waiting = [0, 1, 0, 0][reading as usize % 4];
+        let scrape = harness.begin(8000);
+        let mut answered = report(&[Some((waiting, 0))], 1.0);
+        answered.progress.first_tokens = Some(f64::from(reading * 2) - waiting as f64);
+        harness.deliver(8000, scrape, Ok(answered));
+        harness.step(Wait(Duration::from_millis(10)));
+    }
+    let share = harness.roster.pool.dispatches().share();
+    assert!((1.0..1.05).contains(&share), "{share}");
+}
+
+#[test]
 fn followers_hear_of_a_roster_change_only_when_who_is_in_the_pool_or_their_state_changes() {
     let mut harness = Harness::new(&[8000]);
     let changes = harness.roster.pool.roster_changes();

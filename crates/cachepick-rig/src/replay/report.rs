@@ -55,6 +55,9 @@ pub struct PolicyReport {
     /// Decisions each replica made (`cachepick_decisions_total` summed, from its `/metrics`), in
     /// replica order; `None` for a replica whose metrics could not be read.
     pub replica_decisions: Vec<Option<u64>>,
+    /// Each replica's `cachepick_pool_dispatch_share` at the end (the largest over its pools), in
+    /// replica order; `None` where it could not be read.
+    pub replica_shares: Vec<Option<f64>>,
     /// The fault arm's stale credits, when the run crashed a worker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fault: Option<FaultReport>,
@@ -236,6 +239,7 @@ impl PolicyReport {
             index_mode: "approximate".to_owned(),
             replicas: 1,
             replica_decisions: Vec::new(),
+            replica_shares: Vec::new(),
             fault: None,
             policy_yaml: policy_yaml.to_owned(),
             load_yaml: None,
@@ -439,7 +443,13 @@ pub fn replica_decisions(reports: &[PolicyReport]) -> String {
             .enumerate()
             .map(|(index, count)| {
                 let count = count.map_or_else(|| "?".to_owned(), |n| n.to_string());
-                format!("replica {index} {count}")
+                let share = r
+                    .replica_shares
+                    .get(index)
+                    .copied()
+                    .flatten()
+                    .map_or_else(String::new, |share| format!(" (dispatch share {share:.2})"));
+                format!("replica {index} {count}{share}")
             })
             .collect();
         let _ = writeln!(out, "- {}: {}", r.arm, counts.join(", "));

@@ -152,13 +152,15 @@ impl Workload<'_> {
         let ((samples, wall, utilisation), crashed) =
             tokio::join!(self.drive(&route, &stage.fleet), crashing);
         let mut replica_decisions = Vec::new();
+        let mut replica_shares = Vec::new();
         let mut scrapes = BTreeMap::new();
         for picker in stage.pickers() {
             let read = decisions(picker.metrics_listen()).await;
-            for (outcome, count) in read.as_ref().map(|(_, s)| s.clone()).unwrap_or_default() {
+            for (outcome, count) in read.as_ref().map(|(_, s, _)| s.clone()).unwrap_or_default() {
                 *scrapes.entry(outcome).or_insert(0) += count;
             }
-            replica_decisions.push(read.map(|(total, _)| total));
+            replica_shares.push(read.as_ref().and_then(|read| read.2));
+            replica_decisions.push(read.map(|(total, _, _)| total));
         }
         let fault = self
             .options
@@ -182,6 +184,7 @@ impl Workload<'_> {
         report.load_yaml = Some(load);
         report.scrapes = scrapes;
         report.replica_decisions = replica_decisions;
+        report.replica_shares = replica_shares;
         report.fault = fault;
         report.utilisation = utilisation;
         Ok(report)
@@ -328,12 +331,21 @@ async fn behind_envoy(path: &Path, fleet: &Fleet, server: SocketAddr) -> Result<
     Ok(envoy)
 }
 
-/// The decisions a picker made (`cachepick_decisions_total` over every pool and reason) and its scrapes
-/// of the engines by outcome (`cachepick_scrapes_total`), from its `/metrics`; `None` when they cannot
-/// be read.
-async fn decisions(metrics: std::net::SocketAddr) -> Option<(u64, BTreeMap<String, u64>)> {
+/// What one picker replica read, from its `/metrics`: its decisions, its scrapes by outcome, its
+/// dispatch share.
+type Read = (u64, BTreeMap<String, u64>, Option<f64>);
+
+/// The decisions a picker made (`cachepick_decisions_total` over every pool and reason), its scrapes
+/// of the engines by outcome (`cachepick_scrapes_total`) and its largest `cachepick_pool_dispatch_share`,
+/// from its `/metrics`; `None` when they cannot be read.
+async fn decisions(metrics: std::net::SocketAddr) -> Option<Read> {
     let text = crate::scrape_metrics(metrics, Duration::from_secs(5)).await?;
-    Some((decision_total(&text), scrape_outcomes(&text)))
+    let share = text
+        .lines()
+        .filter(|line| line.starts_with("cachepick_pool_dispatch_share{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .reduce(f64::max);
+    Some((decision_total(&text), scrape_outcomes(&text), share))
 }
 
 /// Σ `cachepick_scrapes_total{…}` by its `outcome` label in a Prometheus exposition.
