@@ -21,6 +21,7 @@ mod families;
 mod gie;
 mod kv_events;
 mod overload;
+mod replica_sync;
 mod security;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
@@ -28,6 +29,7 @@ use gie::GiePoolGauges;
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
 pub use overload::{OverloadMetrics, RefusedCommit};
+use replica_sync::{ReplicaSyncCollector, ReplicaSyncCounters};
 use security::SecurityMetrics;
 pub use security::{DebugListener, HttpRefusal};
 
@@ -112,6 +114,7 @@ pub struct Metrics {
     load: Arc<LoadGauges>,
     index: Arc<IndexGauges>,
     kv_events: Arc<KvEventGauges>,
+    replica_sync: Arc<ReplicaSyncCounters>,
     discovery: Arc<DiscoveryGauges>,
     /// `cachepick_config_reloads_total{outcome}`.
     config_reloads: IntCounterVec,
@@ -395,6 +398,7 @@ impl Metrics {
             load,
             index,
             kv_events: Arc::new(KvEventGauges::new()?),
+            replica_sync: Arc::new(ReplicaSyncCounters::new()?),
             discovery: Arc::new(DiscoveryGauges::new()?),
             config_reloads,
             security: SecurityMetrics::new()?,
@@ -418,6 +422,9 @@ impl Metrics {
         registry.register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
         registry.register(Box::new(IndexCollector(Arc::clone(&metrics.index))))?;
         registry.register(Box::new(KvEventCollector(Arc::clone(&metrics.kv_events))))?;
+        registry.register(Box::new(ReplicaSyncCollector(Arc::clone(
+            &metrics.replica_sync,
+        ))))?;
         registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
         registry.register(Box::new(metrics.config_reloads.clone()))?;
         metrics.security.register(registry)?;
@@ -458,6 +465,11 @@ impl Metrics {
         self.config_reloads
             .with_label_values(&[outcome.as_str()])
             .inc();
+    }
+
+    /// Reports `cachepick_replica_sync_*` from `stats`, from now on.
+    pub fn watch_replica_sync(&self, stats: Arc<crate::load::SyncStats>) {
+        self.replica_sync.watch(stats);
     }
 
     /// Reports `cachepick_kv_events_*` for the streams `source` lists, from now on.

@@ -18,7 +18,7 @@ use crate::discovery::kubernetes::KubernetesSource;
 use crate::events::EventFeeds;
 use crate::extproc;
 use crate::health::Readiness;
-use crate::load::{PoolLoad, PoolView, ScrapeTlsClient, Scraper};
+use crate::load::{PoolLoad, PoolView, ReplicaSync, ScrapeTlsClient, Scraper};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource, ExplainFuture};
 use crate::prefix::EventIndex;
@@ -143,6 +143,30 @@ pub async fn serve_prepared(
     let picker = Picker::with_tokenizers(config, &loads, tokenizers);
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     let mut tasks = tokio::task::JoinSet::new();
+    if let Some(sync) = &config.replica_sync {
+        let bind_error = |source| AppError::Bind {
+            addr: sync.listen,
+            source,
+        };
+        let replica = ReplicaSync::bind(sync).map_err(bind_error)?;
+        for load in &loads {
+            load.announce_through(Arc::clone(&replica));
+        }
+        metrics.watch_replica_sync(replica.stats());
+        let bounds = config
+            .pools
+            .iter()
+            .zip(&loads)
+            .map(|(pool, load)| (Arc::clone(load), pool.max_model_len.get()))
+            .collect();
+        tracing::info!(
+            listen = %replica.local_addr().map_err(bind_error)?,
+            peers = sync.peers.len(),
+            "replica sync on: dispatches are announced to the peers"
+        );
+        tasks.spawn(Arc::clone(&replica).receive(bounds, stopped_future()));
+        tasks.spawn(Arc::clone(&replica).resolve(stopped_future()));
+    }
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
         let scraper = match service.roster(index) {
             Some(roster) => scraper.with_roster(roster),

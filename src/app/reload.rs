@@ -294,6 +294,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     differs("metrics_http", old.metrics_http == new.metrics_http);
     differs("overload", old.overload == new.overload);
     differs("unknown_subset", old.unknown_subset == new.unknown_subset);
+    differs("replica_sync", old.replica_sync == new.replica_sync);
     if old.pools.len() != new.pools.len() {
         refused.push(format!(
             "pools: {} pools instead of {} (restart to add or remove a pool)",

@@ -54,7 +54,17 @@ struct File<'c> {
     load: Load<'c>,
     overload: Overload,
     feedback: Feedback,
+    replica_sync: Option<ReplicaSync>,
     pools: Vec<Pool<'c>>,
+}
+
+/// `replica_sync`, every key written.
+#[derive(Serialize)]
+struct ReplicaSync {
+    listen: SocketAddr,
+    peers: Vec<String>,
+    max_datagrams_per_second: u32,
+    resolve_interval: String,
 }
 
 /// `feedback`, every key written.
@@ -448,6 +458,12 @@ impl<'c> From<&'c Config> for File<'c> {
                 enabled: config.feedback.enabled,
                 wait: duration::format(config.feedback.wait),
             },
+            replica_sync: config.replica_sync.as_ref().map(|sync| ReplicaSync {
+                listen: sync.listen,
+                peers: sync.peers.iter().map(ToString::to_string).collect(),
+                max_datagrams_per_second: sync.max_datagrams_per_second.get(),
+                resolve_interval: duration::format(sync.resolve_interval),
+            }),
             pools: config
                 .pools
                 .iter()

@@ -17,6 +17,7 @@ mod overload;
 mod tests;
 mod types;
 mod types_security;
+mod types_sync;
 mod validate;
 
 use std::net::SocketAddr;
@@ -26,6 +27,7 @@ pub use cachepick_decode::{ConfigError, Origin, Problem};
 pub use overload::OverloadConfig;
 pub use types::*;
 pub use types_security::*;
+pub use types_sync::*;
 
 /// Values given as command-line flags; each replaces the file's value and is validated like it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -4,6 +4,7 @@
 mod discovery;
 mod gate_unit;
 mod overload;
+mod replica_sync;
 mod security;
 
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
@@ -152,6 +153,7 @@ fn the_full_example_is_accepted_with_its_values() {
         overload: OverloadConfig::default(),
         unknown_subset: UnknownSubset::Refuse,
         feedback: FeedbackConfig::default(),
+        replica_sync: None,
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),

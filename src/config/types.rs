@@ -46,6 +46,9 @@ pub struct Config {
     pub unknown_subset: UnknownSubset,
     /// `feedback:`: learning from what Envoy reports was served.
     pub feedback: FeedbackConfig,
+    /// `replica_sync:`: dispatches shared with the other picker replicas; `None`: each replica prices
+    /// only its own between readings.
+    pub replica_sync: Option<super::ReplicaSyncConfig>,
 }
 
 /// `unknown_subset`: the answer to a request whose proxy subset hint names only endpoints the pool does

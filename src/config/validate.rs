@@ -38,6 +38,7 @@ mod index;
 mod overload;
 mod policy;
 mod security;
+mod sync;
 
 const ROOT_KEYS: &[&str] = &[
     "listen",
@@ -54,6 +55,7 @@ const ROOT_KEYS: &[&str] = &[
     "overload",
     "unknown_subset",
     "feedback",
+    "replica_sync",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -269,6 +271,7 @@ impl Validator<'_> {
         });
         listeners_apart?;
         let feedback = self.feedback(&root);
+        let replica_sync = self.replica_sync(&root);
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -284,6 +287,7 @@ impl Validator<'_> {
             overload: overload?,
             unknown_subset: unknown_subset?.map_or(UnknownSubset::default(), |given| given.value),
             feedback: feedback?,
+            replica_sync: replica_sync?,
         })
     }
 

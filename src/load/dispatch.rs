@@ -1,5 +1,6 @@
 //! Router-local dispatch counts: requests sent to each worker since its last complete reading, and
-//! their uncached prompt tokens as predicted at the decision.
+//! their uncached prompt tokens as predicted at the decision; beside them, the dispatches the other
+//! picker replicas announced (`replica_sync`, `sync.rs`) over the same window.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -14,6 +15,10 @@ use crate::worker::WorkerId;
 pub struct DispatchTable {
     counts: Vec<AtomicU64>,
     tokens: Vec<AtomicU64>,
+    /// The other replicas' announced dispatches and their uncached tokens, kept apart from this
+    /// replica's: the request-count gate counts its own, as the seed defines it.
+    peer_counts: Vec<AtomicU64>,
+    peer_tokens: Vec<AtomicU64>,
     /// The pool's arrivals per own dispatch (`share.rs`), as `f64` bits: how much of what reaches the
     /// workers between readings this replica cannot see; the window's uncached tokens are scaled by it.
     share: AtomicU64,
@@ -21,9 +26,12 @@ pub struct DispatchTable {
 
 impl DispatchTable {
     pub fn new(workers: usize) -> Self {
+        let zeros = || (0..workers).map(|_| AtomicU64::new(0)).collect();
         DispatchTable {
-            counts: (0..workers).map(|_| AtomicU64::new(0)).collect(),
-            tokens: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            counts: zeros(),
+            tokens: zeros(),
+            peer_counts: zeros(),
+            peer_tokens: zeros(),
             share: AtomicU64::new(1.0_f64.to_bits()),
         }
     }
@@ -49,7 +57,12 @@ impl DispatchTable {
 
     /// Forgets every request counted for `id`: its worker left, restarted, or the slot has a new one.
     pub fn reset(&self, id: WorkerId) {
-        for table in [&self.counts, &self.tokens] {
+        for table in [
+            &self.counts,
+            &self.tokens,
+            &self.peer_counts,
+            &self.peer_tokens,
+        ] {
             if let Some(slot) = table.get(id.index()) {
                 slot.store(0, Ordering::Relaxed);
             }
@@ -66,10 +79,40 @@ impl DispatchTable {
         }
     }
 
-    /// Forgets `count` requests and `tokens` uncached tokens sent to `id`: a newer reading covers
-    /// them. What was sent since that reading was requested stays counted.
-    pub fn forget(&self, id: WorkerId, count: u64, tokens: u64) {
-        for (table, amount) in [(&self.counts, count), (&self.tokens, tokens)] {
+    /// Counts one request another replica announced it sent to `id`, bringing `uncached_tokens`.
+    pub fn record_peer(&self, id: WorkerId, uncached_tokens: u64) {
+        if let Some(count) = self.peer_counts.get(id.index()) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(tokens) = self.peer_tokens.get(id.index()) {
+            tokens.fetch_add(uncached_tokens, Ordering::Relaxed);
+        }
+    }
+
+    /// What is counted for `id` now: the window a scrape's request closes.
+    pub fn window(&self, id: WorkerId) -> Window {
+        let read = |table: &[AtomicU64]| {
+            table
+                .get(id.index())
+                .map_or(0, |slot| slot.load(Ordering::Relaxed))
+        };
+        Window {
+            count: read(&self.counts),
+            tokens: read(&self.tokens),
+            peer_count: read(&self.peer_counts),
+            peer_tokens: read(&self.peer_tokens),
+        }
+    }
+
+    /// Forgets what `window` counted for `id`: a newer reading covers it. What was sent (or
+    /// announced) since that reading was requested stays counted.
+    pub fn forget(&self, id: WorkerId, window: Window) {
+        for (table, amount) in [
+            (&self.counts, window.count),
+            (&self.tokens, window.tokens),
+            (&self.peer_counts, window.peer_count),
+            (&self.peer_tokens, window.peer_tokens),
+        ] {
             if let Some(slot) = table.get(id.index()) {
                 let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
                     Some(current.saturating_sub(amount))
@@ -86,13 +129,65 @@ impl DispatchCounts for DispatchTable {
             .map_or(0, |count| count.load(Ordering::Relaxed))
     }
 
-    /// This replica's own uncached tokens since the reading, times the pool's share: the request-count
-    /// rules see the own count alone ([`DispatchCounts::since_reading`]), as the seed defines them.
+    /// The uncached tokens this replica sent and its peers announced since the reading, times the
+    /// pool's share of what neither covers: the request-count rules see the own count alone
+    /// ([`DispatchCounts::since_reading`]), as the seed defines them.
     fn uncached_since_reading(&self, id: WorkerId) -> u64 {
-        let own = self
-            .tokens
-            .get(id.index())
-            .map_or(0, |tokens| tokens.load(Ordering::Relaxed));
-        (own as f64 * self.share()).round() as u64
+        let window = self.window(id);
+        let seen = window.tokens.saturating_add(window.peer_tokens);
+        (seen as f64 * self.share()).round() as u64
+    }
+}
+
+/// What a [`DispatchTable`] counts for one worker at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    /// Requests this replica sent, and their uncached tokens.
+    pub count: u64,
+    pub tokens: u64,
+    /// Requests the other replicas announced, and their uncached tokens.
+    pub peer_count: u64,
+    pub peer_tokens: u64,
+}
+
+impl Window {
+    /// Requests seen sent, by this replica or announced by its peers.
+    pub fn seen(&self) -> u64 {
+        self.count.saturating_add(self.peer_count)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reading_forgets_what_its_request_covered_and_the_peers_tokens_count_with_the_own() {
+        let table = DispatchTable::new(2);
+        let id = WorkerId(1);
+        table.record(id, 1_000);
+        table.record_peer(id, 4_000);
+        let covered = table.window(id);
+        // Sent and announced while the scrape was out: the reading does not cover them.
+        table.record(id, 300);
+        table.record_peer(id, 200);
+        assert_eq!(table.uncached_since_reading(id), 5_500);
+        table.forget(id, covered);
+        assert_eq!(
+            table.window(id),
+            Window {
+                count: 1,
+                tokens: 300,
+                peer_count: 1,
+                peer_tokens: 200,
+            }
+        );
+        // The request-count gate counts this replica's own, as the seed defines it.
+        assert_eq!(table.since_reading(id), 1);
+        // What neither this replica sent nor its peers announced is priced by the share.
+        table.set_share(2.0);
+        assert_eq!(table.uncached_since_reading(id), 1_000);
+        table.reset(id);
+        assert_eq!(table.window(id), Window::default());
     }
 }

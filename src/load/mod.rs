@@ -18,9 +18,10 @@ mod samples;
 mod scrape;
 mod share;
 mod snapshot;
+mod sync;
 mod tls;
 
-pub use dispatch::DispatchTable;
+pub use dispatch::{DispatchTable, Window};
 pub use engine::{
     ExtractError, Identity, Progress, RankLoad, Report, from_loads_json, from_metrics,
 };
@@ -33,4 +34,5 @@ pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, PrefillEstimate,
     Reading, ScrapeOutcome, ScrapeStatus, Tier, TokenDispatches, WorkerState,
 };
+pub use sync::{Announcement, Received, ReplicaSync, SyncStats};
 pub use tls::ScrapeTlsClient;

@@ -2,7 +2,8 @@
 //! counts, discovery's desired set, the round and roster-change counters) and the two observer traits
 //! the scraper reports to ([`ScrapeObserver`] for metrics, [`RosterObserver`] for the request path).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use arc_swap::ArcSwap;
 use prometheus::IntCounter;
@@ -10,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::dispatch::DispatchTable;
 use super::snapshot::{Capacity, PoolSnapshot, ScrapeOutcome, WorkerState};
+use super::sync::ReplicaSync;
 use crate::config::{Config, LoadConfig, ModelMatch, PoolConfig, WorkerConfig};
 use crate::worker::WorkerId;
 
@@ -42,6 +44,8 @@ pub struct PoolLoad {
     restarts: mpsc::UnboundedSender<WorkerId>,
     /// Taken by the pool's scraper.
     restart_reports: Mutex<Option<mpsc::UnboundedReceiver<WorkerId>>>,
+    /// `replica_sync`: where each dispatch is announced to the other replicas, once set at start-up.
+    sync: OnceLock<Arc<ReplicaSync>>,
 }
 
 impl PoolLoad {
@@ -79,6 +83,7 @@ impl PoolLoad {
             roster: watch::channel(0).0,
             restarts,
             restart_reports: Mutex::new(Some(restart_reports)),
+            sync: OnceLock::new(),
         })
     }
 
@@ -94,6 +99,20 @@ impl PoolLoad {
 
     pub fn dispatches(&self) -> &DispatchTable {
         &self.dispatches
+    }
+
+    /// Announces this pool's dispatches to the other replicas through `sync` from now on.
+    pub fn announce_through(&self, sync: Arc<ReplicaSync>) {
+        let _ = self.sync.set(sync);
+    }
+
+    /// Counts one request sent to worker `id` at `endpoint`, bringing `uncached_tokens`, and
+    /// announces it to the other replicas when `replica_sync` is on.
+    pub fn dispatched(&self, id: WorkerId, endpoint: SocketAddr, uncached_tokens: u64) {
+        self.dispatches.record(id, uncached_tokens);
+        if let Some(sync) = self.sync.get() {
+            sync.announce(&self.label, endpoint, uncached_tokens);
+        }
     }
 
     /// Completed scrape rounds; a pool is ready once this is at least 1.

@@ -21,15 +21,14 @@ use std::time::{Duration, Instant};
 
 use prometheus::IntCounter;
 
+use super::dispatch::Window;
 use super::engine::{Identity, Report};
 use super::fetch::{ScrapeError, Target};
 use super::pool::{PoolLoad, RosterObserver, ScrapeObserver, configured_capacity};
 use super::rate::PrefillMeter;
 use super::samples::RankSamples;
 use super::share::{Arrivals, ShareMeter};
-use super::snapshot::{
-    Capacity, DispatchCounts, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState,
-};
+use super::snapshot::{Capacity, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState};
 use crate::config::{LoadConfig, PoolConfig, RateWindow, WorkerConfig};
 use crate::worker::{Engine, WorkerId};
 
@@ -66,9 +65,8 @@ pub(super) struct Scrape {
     pub(super) target: Arc<Target>,
     /// The slot's occupant, which the result must still be when it arrives.
     generation: u64,
-    /// The worker's dispatch count and uncached tokens when the request was sent: a newer reading
-    /// covers those requests.
-    dispatched: (u64, u64),
+    /// What was counted for the worker when the request was sent: a newer reading covers it.
+    dispatched: Window,
 }
 
 impl Scrape {
@@ -90,7 +88,7 @@ pub(super) struct Fetched {
     pub(super) generation: u64,
     /// When the request was sent: the samples it brings are that old.
     pub(super) sent: Instant,
-    pub(super) dispatched: (u64, u64),
+    pub(super) dispatched: Window,
     pub(super) result: Result<Report, ScrapeError>,
 }
 
@@ -232,10 +230,7 @@ impl Roster {
             id,
             target: Arc::clone(&worker.target),
             generation: worker.state.generation,
-            dispatched: (
-                dispatches.since_reading(worker.id),
-                dispatches.uncached_since_reading(worker.id),
-            ),
+            dispatched: dispatches.window(worker.id),
         })
     }
 
@@ -447,12 +442,12 @@ impl Roster {
                 {
                     // The engine's numbers cover what was sent before the request, not what was sent
                     // while it was in flight.
-                    dispatches.forget(worker.id, dispatched.0, dispatched.1);
+                    dispatches.forget(worker.id, dispatched);
                     if let Some(arrived) = worker
                         .arrivals
                         .observe(report.progress.first_tokens, reading.load.waiting)
                     {
-                        self.share.observe(arrived, dispatched.0);
+                        self.share.observe(arrived, dispatched.seen());
                         dispatches.set_share(self.share.scale());
                     }
                     idle = reading.load.waiting == 0 && reading.load.running == 0;

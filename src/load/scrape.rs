@@ -18,6 +18,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::time::MissedTickBehavior;
 
+use super::dispatch::Window;
 use super::fetch::{ScrapeError, fetch};
 use super::pool::{PoolLoad, RosterObserver, ScrapeObserver};
 use super::roster::{Fetched, Roster};
@@ -210,7 +211,7 @@ impl Scraper {
                     id,
                     generation: u64::MAX,
                     sent: clock(),
-                    dispatched: (0, 0),
+                    dispatched: Window::default(),
                     result: Err(ScrapeError::Url("no such worker".into())),
                 };
                 return (round, fetched);

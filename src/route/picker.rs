@@ -526,8 +526,9 @@ impl<'p> Pinned<'p> {
             .map_or(0, |owner| owner.matched_tokens);
         // The tokens the worker will compute, as the index predicts them: its share of the queue ahead
         // of the next request until a reading covers it.
-        pool.load.dispatches().record(
+        pool.load.dispatched(
             decision.selected,
+            worker.endpoint,
             prepared.prompt_tokens.saturating_sub(matched),
         );
         let held = matched / u64::from(self.block_size().max(1));

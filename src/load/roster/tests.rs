@@ -11,6 +11,7 @@ use prometheus::IntCounter;
 
 use super::*;
 use crate::config::{self, Config, Overrides};
+use crate::load::DispatchCounts;
 use crate::load::engine::{Progress, RankLoad};
 use crate::load::snapshot::EngineLoad;
 

@@ -1,0 +1,82 @@
+//! `cachepick_replica_sync_*`: the announcements this replica sent its peers and what became of the
+//! ones it received, read off the sync's counters each time `/metrics` is read. No series exist
+//! while `replica_sync` is off.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntCounterVec, Opts};
+
+use super::families::{descs, samples};
+use crate::load::{Received, SyncStats};
+
+#[derive(Debug)]
+pub(super) struct ReplicaSyncCounters {
+    source: Mutex<Option<Arc<SyncStats>>>,
+    sent: IntCounterVec,
+    received: IntCounterVec,
+}
+
+impl ReplicaSyncCounters {
+    pub(super) fn new() -> Result<ReplicaSyncCounters, prometheus::Error> {
+        Ok(ReplicaSyncCounters {
+            source: Mutex::new(None),
+            sent: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_replica_sync_sent_total",
+                    "Dispatch announcements sent to the replica_sync peers (one per peer and \
+                     dispatch), by outcome: ok, or failed when the socket refused it (buffer full, \
+                     no route); a failed one is priced through the dispatch share instead.",
+                ),
+                &["outcome"],
+            )?,
+            received: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_replica_sync_received_total",
+                    "Datagrams received on replica_sync.listen, by what became of them: accepted, \
+                     own, unknown_source, malformed, unknown_worker, over_budget.",
+                ),
+                &["outcome"],
+            )?,
+        })
+    }
+
+    pub(super) fn watch(&self, stats: Arc<SyncStats>) {
+        *self.source.lock().unwrap_or_else(PoisonError::into_inner) = Some(stats);
+    }
+}
+
+/// The registered collector.
+pub(super) struct ReplicaSyncCollector(pub(super) Arc<ReplicaSyncCounters>);
+
+impl Collector for ReplicaSyncCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        descs(&[&self.0.sent, &self.0.received])
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let source = self
+            .0
+            .source
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let Some(stats) = source else {
+            return Vec::new();
+        };
+        let sent = self.0.sent.clone();
+        sent.reset();
+        let (ok, failed) = stats.sent();
+        sent.with_label_values(&["ok"]).inc_by(ok);
+        sent.with_label_values(&["failed"]).inc_by(failed);
+        let received = self.0.received.clone();
+        received.reset();
+        for outcome in Received::ALL {
+            received
+                .with_label_values(&[outcome.as_str()])
+                .inc_by(stats.received(outcome));
+        }
+        samples(&[&sent, &received])
+    }
+}
