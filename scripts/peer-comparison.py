@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The peer comparison in BENCHMARKS.md, on the simulator's step model: cachepick (gate + floor, gate,
 affinity, the prefill-time unit's time + floor; through a real Envoy; gate + floor and time + floor also
-with the engines' KV events, at one and three picker replicas) against smg (cache_aware, round_robin),
+with the engines' KV events, at one and three picker replicas, the three with and without `replica_sync`) against smg (cache_aware, round_robin),
 vllm-router (cache_aware, kv_aware on the KV events) and the re-implemented llm-d and Dynamo rules (at one
 and three router replicas, `--peer`), beside the oracle (the routing limit), on the Mooncake trace, the burst scenario and the prefill-heavy
 agents scenario, at a load below the knee, at the knee and above it, over several seeds. Every run is two
@@ -61,7 +61,7 @@ def run(args, scenario, load, seed, bin_dir):
     # behind one Envoy; the re-implemented peers at one and three router replicas beside them.
     replay(args, scenario, load, seed, os.path.join(out, "events"),
            ["--policies", args.events_policies, "--index", "events", "--replicas", "1,3",
-            "--peer", "llm-d,dynamo", "--no-oracle"])
+            "--replica-sync", "--peer", "llm-d,dynamo", "--no-oracle"])
     return out
 
 
@@ -130,6 +130,9 @@ LABELS = {
     "time_floor/events/x3": "cachepick time + floor, events ×3",
     "time_floor_all/events/x1": "cachepick time + floor, misses to the whole fleet, events ×1",
     "time_floor_all/events/x3": "cachepick time + floor, misses to the whole fleet, events ×3",
+    "gate_floor/events/x3+sync": "cachepick gate + floor, events ×3, replica sync",
+    "time_floor/events/x3+sync": "cachepick time + floor, events ×3, replica sync",
+    "time_floor_all/events/x3+sync": "cachepick time + floor, misses to the whole fleet, events ×3, replica sync",
     "llm-d/sticky (re-impl)/x1": "llm-d sticky (re-impl) ×1",
     "llm-d/sticky (re-impl)/x3": "llm-d sticky (re-impl) ×3",
     "dynamo/kv (re-impl)/x1": "Dynamo KV (re-impl) ×1",

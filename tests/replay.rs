@@ -362,6 +362,75 @@ fn two_replicas_share_the_decisions_through_envoy_and_the_crash_is_reported() {
     check_replicated_chart(&out);
 }
 
+/// Two replicas behind one real Envoy, with and without `replica_sync`: the synced arm's replicas each
+/// accept every decision the other made (announced over UDP on loopback), the unsynced arm's none.
+#[test]
+fn two_synced_replicas_hear_every_decision_the_other_made() {
+    let envoy = envoy::binary();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("tiny.jsonl");
+    std::fs::write(&trace, tiny_trace()).expect("write trace");
+    let out = dir.path().join("out");
+    let (stdout, _) = replay(&[
+        "--trace",
+        trace.to_str().expect("utf-8 path"),
+        "--policies",
+        "time_floor_all",
+        "--speedup",
+        "2",
+        "--replicas",
+        "2",
+        "--replica-sync",
+        "--index",
+        "events",
+        "--no-oracle",
+        "--envoy",
+        envoy.to_str().expect("utf-8 path"),
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert!(
+        stdout.contains("| time_floor_all/events/x2+sync |"),
+        "{stdout}"
+    );
+    let report = report(&out);
+    let policies = report["policies"].as_array().expect("policies");
+    let arms: Vec<&str> = policies
+        .iter()
+        .filter_map(|arm| arm["arm"].as_str())
+        .collect();
+    assert_eq!(
+        arms,
+        ["time_floor_all/events/x2", "time_floor_all/events/x2+sync"]
+    );
+    let plain = &policies[0];
+    assert_eq!(plain["replica_sync"], false);
+    assert_eq!(plain["replica_synced"], serde_json::json!([null, null]));
+    let synced = &policies[1];
+    assert_eq!(synced["replica_sync"], true);
+    let decided: Vec<u64> = synced["replica_decisions"]
+        .as_array()
+        .expect("decisions")
+        .iter()
+        .map(|n| n.as_u64().expect("both replicas read"))
+        .collect();
+    let heard: Vec<u64> = synced["replica_synced"]
+        .as_array()
+        .expect("synced")
+        .iter()
+        .map(|n| n.as_u64().expect("both replicas synced"))
+        .collect();
+    assert!(
+        decided.iter().all(|n| *n > 0),
+        "both replicas decided: {decided:?}"
+    );
+    assert_eq!(
+        heard,
+        [decided[1], decided[0]],
+        "each hears the other's decisions"
+    );
+}
+
 /// One arm of the two-replica run: both replicas decided, and the crash's windows are reported.
 fn check_replicated_arm(arm: &serde_json::Value) {
     assert_eq!(arm["policy"], "gate");

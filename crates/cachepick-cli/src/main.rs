@@ -306,6 +306,14 @@ struct ReplayArgs {
     /// Leave out the oracle's arm (the routing limit, run last under the step model).
     #[arg(long)]
     no_oracle: bool,
+    /// cachepick's scrape interval in model time, e.g. `250ms` (default: the product's 1 s); the
+    /// timeout and freshness keep their proportions to it.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    scrape_interval: Option<std::time::Duration>,
+    /// Each cachepick arm of more than one replica also runs with `replica_sync` between its
+    /// replicas (labelled `/x<n>+sync`).
+    #[arg(long)]
+    replica_sync: bool,
 }
 
 /// `cachepick demo`.
@@ -731,6 +739,8 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     options.timing = args.timing;
     options.peers = args.peer.clone();
     options.oracle = !args.no_oracle;
+    options.scrape_interval = args.scrape_interval;
+    options.replica_sync = args.replica_sync;
     let replay = cachepick_rig::replay::run(&options).await?;
     println!("\n{}", replay.table);
     for skipped in &replay.skipped {

@@ -214,6 +214,14 @@ impl Stage {
             let mut config = self.picker.config().clone();
             config.listen = crate::free_port().map_err(StageError::Port)?;
             config.metrics_listen = crate::free_port().map_err(StageError::Port)?;
+            // Replica i hears its peers on the i-th address of the list they share.
+            let position = self.replicas.len() + 1;
+            if let Some(sync) = &mut config.replica_sync
+                && let Some(cachepick::config::PeerAddress::Socket(listen)) =
+                    sync.peers.get(position)
+            {
+                sync.listen = *listen;
+            }
             let mut replica = Picker::spawn(config);
             replica.ready(READY_WITHIN).await?;
             self.replicas.push(replica);

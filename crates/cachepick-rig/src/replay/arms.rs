@@ -195,15 +195,18 @@ const MIN_WALL_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// The `load:` section a replay gives cachepick: the product's defaults (scrape every 1 s, 500 ms
 /// timeout, 3 s freshness; prefill rate half-life 30 s, warm-up 5 s) as model time, so a compressed
-/// replay sees its engines as often, and learns their rate as fast, as a production picker would. The
-/// timeout is at least [`MIN_WALL_TIMEOUT`] of wall time, and the interval at least the timeout.
-pub fn load_yaml(sim: &SimConfig) -> String {
+/// replay sees its engines as often, and learns their rate as fast, as a production picker would.
+/// `interval` (model time) replaces the default scrape interval, the timeout and freshness keeping
+/// their proportions to it, so the drift between replicas can be measured against it. The timeout is
+/// at least [`MIN_WALL_TIMEOUT`] of wall time, and the interval at least the timeout.
+pub fn load_yaml(sim: &SimConfig, interval: Option<Duration>) -> String {
     let defaults = config::LoadConfig::default();
     let model = |d: Duration| d.mul_f64(sim.params.time_scale.max(0.0));
-    let timeout = model(defaults.scrape_timeout).max(MIN_WALL_TIMEOUT);
-    let interval = model(defaults.scrape_interval).max(timeout);
-    let freshness =
-        interval.mul_f64(defaults.freshness.as_secs_f64() / defaults.scrape_interval.as_secs_f64());
+    let asked = interval.unwrap_or(defaults.scrape_interval);
+    let ratio = |d: Duration| d.as_secs_f64() / defaults.scrape_interval.as_secs_f64();
+    let timeout = model(asked.mul_f64(ratio(defaults.scrape_timeout))).max(MIN_WALL_TIMEOUT);
+    let interval = model(asked).max(timeout);
+    let freshness = interval.mul_f64(ratio(defaults.freshness));
     format!(
         "scrape_interval: {}\nscrape_timeout: {}\nfreshness: {}\nprefill_rate_half_life: {}\n\
          prefill_rate_warmup: {}",
@@ -234,6 +237,8 @@ pub(super) struct Arm {
     pub yaml: String,
     pub index_mode: IndexMode,
     pub replicas: usize,
+    /// Its replicas announce their dispatches to one another (`replica_sync`).
+    pub sync: bool,
     pub kind: ArmKind,
 }
 
@@ -260,6 +265,7 @@ impl Arm {
             yaml: String::new(),
             index_mode: IndexMode::Approximate,
             replicas: 1,
+            sync: false,
             kind: ArmKind::Front(front.clone()),
         }
     }
@@ -281,6 +287,7 @@ impl Arm {
                     yaml: String::new(),
                     index_mode: IndexMode::Events,
                     replicas: count,
+                    sync: false,
                     kind: ArmKind::Peer(rule),
                 }
             })
@@ -295,18 +302,21 @@ impl Arm {
             yaml: String::new(),
             index_mode: IndexMode::Approximate,
             replicas: 1,
+            sync: false,
             kind: ArmKind::Oracle,
         }
     }
 }
 
 /// Every arm, policy by policy: the policy's name, then `/<mode>` when the run compares modes or uses a
-/// non-default one, then `/x<n>` when it uses more than one replica anywhere.
+/// non-default one, then `/x<n>` when it uses more than one replica anywhere. With `sync`, each arm of
+/// more than one replica has a twin whose replicas announce their dispatches (`/x<n>+sync`).
 pub(super) fn arms(
     names: &[String],
     sim: &SimConfig,
     modes: &[IndexMode],
     replicas: &[usize],
+    sync: bool,
 ) -> Vec<Arm> {
     let show_mode = modes != [IndexMode::Approximate];
     let show_replicas = replicas != [1];
@@ -323,14 +333,24 @@ pub(super) fn arms(
                 if show_replicas {
                     let _ = write!(label, "/x{count}");
                 }
-                arms.push(Arm {
+                let arm = Arm {
                     label,
                     policy: name.clone(),
                     yaml: yaml.clone(),
                     index_mode,
                     replicas: count,
+                    sync: false,
                     kind: ArmKind::Picker,
-                });
+                };
+                if sync && count > 1 {
+                    let mut synced = arm.clone();
+                    synced.label.push_str("+sync");
+                    synced.sync = true;
+                    arms.push(arm);
+                    arms.push(synced);
+                } else {
+                    arms.push(arm);
+                }
             }
         }
     }
@@ -348,8 +368,12 @@ mod tests {
     }
 
     fn labels(modes: &[IndexMode], replicas: &[usize]) -> Vec<String> {
+        labels_synced(modes, replicas, false)
+    }
+
+    fn labels_synced(modes: &[IndexMode], replicas: &[usize], sync: bool) -> Vec<String> {
         let names = ["gate".to_owned(), "gate_floor".to_owned()];
-        arms(&names, &sim(), modes, replicas)
+        arms(&names, &sim(), modes, replicas, sync)
             .into_iter()
             .map(|arm| arm.label)
             .collect()
@@ -375,6 +399,18 @@ mod tests {
         assert_eq!(
             labels(&[Events], &[1]),
             ["gate/events", "gate_floor/events"]
+        );
+        // A synced twin for each arm of several replicas, none for one replica.
+        assert_eq!(
+            labels_synced(&[Events], &[1, 3], true),
+            [
+                "gate/events/x1",
+                "gate/events/x3",
+                "gate/events/x3+sync",
+                "gate_floor/events/x1",
+                "gate_floor/events/x3",
+                "gate_floor/events/x3+sync"
+            ]
         );
         assert_eq!("events".parse(), Ok(Events));
         assert!("exact".parse::<IndexMode>().is_err());
@@ -411,7 +447,7 @@ mod tests {
     fn the_load_section_is_the_product_s_defaults_in_model_time() {
         let mut fast = sim();
         fast.params.time_scale = 0.125;
-        let text = load_yaml(&fast);
+        let text = load_yaml(&fast, None);
         assert_eq!(
             text,
             "scrape_interval: 125.000ms\nscrape_timeout: 100.000ms\nfreshness: 375.000ms\n\
@@ -427,9 +463,16 @@ mod tests {
         assert_eq!(config.load.rate.warmup, Duration::from_millis(625));
         // A very fast replay keeps the wall-time floor, with the interval and freshness around it.
         fast.params.time_scale = 0.001;
-        assert!(load_yaml(&fast).starts_with(
+        assert!(load_yaml(&fast, None).starts_with(
             "scrape_interval: 100.000ms\nscrape_timeout: 100.000ms\nfreshness: 300.000ms\n"
         ));
+        // An interval asked for in model time brings its timeout and freshness with it.
+        fast.params.time_scale = 0.5;
+        assert!(
+            load_yaml(&fast, Some(Duration::from_millis(250))).starts_with(
+                "scrape_interval: 125.000ms\nscrape_timeout: 100.000ms\nfreshness: 375.000ms\n"
+            )
+        );
     }
 
     #[test]

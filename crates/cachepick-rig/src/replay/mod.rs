@@ -182,6 +182,11 @@ pub struct ReplayOptions {
     pub peers: Vec<peers::PeerRule>,
     /// Run the oracle's arm after the others (the step model only).
     pub oracle: bool,
+    /// cachepick's scrape interval in model time (`None`: the product's default), to measure how the
+    /// drift between replicas grows with it.
+    pub scrape_interval: Option<Duration>,
+    /// Each arm of more than one replica also runs with `replica_sync` between its replicas.
+    pub replica_sync: bool,
     /// Print progress lines.
     pub verbose: bool,
 }
@@ -215,6 +220,8 @@ impl ReplayOptions {
             timing: Timing::Step,
             peers: Vec::new(),
             oracle: true,
+            scrape_interval: None,
+            replica_sync: false,
             verbose: true,
         }
     }
@@ -434,7 +441,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
             });
         }
     }
-    let mut arms = arms(&names, &sim, &modes, &replicas);
+    let mut arms = arms(&names, &sim, &modes, &replicas, options.replica_sync);
     arms.extend(options.fronts.iter().map(Arm::front));
     for rule in &options.peers {
         arms.extend(Arm::peers(*rule, &replicas));

@@ -58,6 +58,13 @@ pub struct PolicyReport {
     /// Each replica's `cachepick_pool_dispatch_share` at the end (the largest over its pools), in
     /// replica order; `None` where it could not be read.
     pub replica_shares: Vec<Option<f64>>,
+    /// The arm's replicas ran `replica_sync`.
+    #[serde(default)]
+    pub replica_sync: bool,
+    /// The peers' announcements each replica accepted (`replica_sync`), in replica order; `None`
+    /// without the sync or where its metrics could not be read.
+    #[serde(default)]
+    pub replica_synced: Vec<Option<u64>>,
     /// The fault arm's stale credits, when the run crashed a worker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fault: Option<FaultReport>,
@@ -240,6 +247,8 @@ impl PolicyReport {
             replicas: 1,
             replica_decisions: Vec::new(),
             replica_shares: Vec::new(),
+            replica_sync: false,
+            replica_synced: Vec::new(),
             fault: None,
             policy_yaml: policy_yaml.to_owned(),
             load_yaml: None,
@@ -449,7 +458,13 @@ pub fn replica_decisions(reports: &[PolicyReport]) -> String {
                     .copied()
                     .flatten()
                     .map_or_else(String::new, |share| format!(" (dispatch share {share:.2})"));
-                format!("replica {index} {count}{share}")
+                let synced = r
+                    .replica_synced
+                    .get(index)
+                    .copied()
+                    .flatten()
+                    .map_or_else(String::new, |n| format!(" (accepted {n} from its peers)"));
+                format!("replica {index} {count}{share}{synced}")
             })
             .collect();
         let _ = writeln!(out, "- {}: {}", r.arm, counts.join(", "));

@@ -24,7 +24,9 @@ use super::{IndexMode, ReplayError, ReplayOptions, utilisation};
 use crate::client::Client as PickerClient;
 use crate::envoy::Envoy;
 use crate::stage::{Stage, StageError};
+use cachepick::config::{PeerAddress, ReplicaSyncConfig};
 use cachepick::envoy_config::{BodyMode, EnvoyOptions};
+use std::num::NonZeroU32;
 
 /// Envoy's cluster of ext_proc servers in the generated bootstrap.
 const PICKER_CLUSTER: &str = "cachepick";
@@ -114,9 +116,28 @@ impl Workload<'_> {
         if arm.index_mode == IndexMode::Events {
             enable_sim_events(&mut sim);
         }
-        let load = load_yaml(&sim);
+        let load = load_yaml(&sim, self.options.scrape_interval);
+        let sync = if arm.sync {
+            let peers = (0..arm.replicas)
+                .map(|_| crate::free_port())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(StageError::Port)?;
+            peers.first().map(|&listen| ReplicaSyncConfig {
+                listen,
+                peers: peers.iter().copied().map(PeerAddress::Socket).collect(),
+                resolve_interval: ReplicaSyncConfig::DEFAULT_RESOLVE_INTERVAL,
+                max_datagrams_per_second: NonZeroU32::new(
+                    ReplicaSyncConfig::DEFAULT_MAX_DATAGRAMS_PER_SECOND,
+                )
+                .unwrap_or(NonZeroU32::MIN),
+            })
+        } else {
+            None
+        };
         let mut stage = Stage::start(&sim, |generated| {
-            apply_arm(generated, &arm.yaml, Some(&load), arm.index_mode)
+            let mut config = apply_arm(generated, &arm.yaml, Some(&load), arm.index_mode)?;
+            config.replica_sync = sync.clone();
+            Ok(config)
         })
         .await?
         .with_replicas(arm.replicas)
@@ -153,14 +174,20 @@ impl Workload<'_> {
             tokio::join!(self.drive(&route, &stage.fleet), crashing);
         let mut replica_decisions = Vec::new();
         let mut replica_shares = Vec::new();
+        let mut replica_synced = Vec::new();
         let mut scrapes = BTreeMap::new();
         for picker in stage.pickers() {
             let read = decisions(picker.metrics_listen()).await;
-            for (outcome, count) in read.as_ref().map(|(_, s, _)| s.clone()).unwrap_or_default() {
+            for (outcome, count) in read
+                .as_ref()
+                .map(|read| read.scrapes.clone())
+                .unwrap_or_default()
+            {
                 *scrapes.entry(outcome).or_insert(0) += count;
             }
-            replica_shares.push(read.as_ref().and_then(|read| read.2));
-            replica_decisions.push(read.map(|(total, _, _)| total));
+            replica_shares.push(read.as_ref().and_then(|read| read.share));
+            replica_synced.push(read.as_ref().and_then(|read| read.synced));
+            replica_decisions.push(read.map(|read| read.decisions));
         }
         let fault = self
             .options
@@ -185,6 +212,8 @@ impl Workload<'_> {
         report.scrapes = scrapes;
         report.replica_decisions = replica_decisions;
         report.replica_shares = replica_shares;
+        report.replica_synced = replica_synced;
+        report.replica_sync = arm.sync;
         report.fault = fault;
         report.utilisation = utilisation;
         Ok(report)
@@ -331,13 +360,19 @@ async fn behind_envoy(path: &Path, fleet: &Fleet, server: SocketAddr) -> Result<
     Ok(envoy)
 }
 
-/// What one picker replica read, from its `/metrics`: its decisions, its scrapes by outcome, its
-/// dispatch share.
-type Read = (u64, BTreeMap<String, u64>, Option<f64>);
+/// What one picker replica read, from its `/metrics`.
+struct Read {
+    /// `cachepick_decisions_total` over every pool and reason.
+    decisions: u64,
+    /// `cachepick_scrapes_total` by outcome.
+    scrapes: BTreeMap<String, u64>,
+    /// The largest `cachepick_pool_dispatch_share`.
+    share: Option<f64>,
+    /// The peers' announcements it accepted (`replica_sync`); `None` without the sync.
+    synced: Option<u64>,
+}
 
-/// The decisions a picker made (`cachepick_decisions_total` over every pool and reason), its scrapes
-/// of the engines by outcome (`cachepick_scrapes_total`) and its largest `cachepick_pool_dispatch_share`,
-/// from its `/metrics`; `None` when they cannot be read.
+/// One picker replica's [`Read`] from its `/metrics`; `None` when they cannot be read.
 async fn decisions(metrics: std::net::SocketAddr) -> Option<Read> {
     let text = crate::scrape_metrics(metrics, Duration::from_secs(5)).await?;
     let share = text
@@ -345,7 +380,19 @@ async fn decisions(metrics: std::net::SocketAddr) -> Option<Read> {
         .filter(|line| line.starts_with("cachepick_pool_dispatch_share{"))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .reduce(f64::max);
-    Some((decision_total(&text), scrape_outcomes(&text), share))
+    let synced = text
+        .lines()
+        .find(|line| {
+            line.starts_with("cachepick_replica_sync_received_total{outcome=\"accepted\"}")
+        })
+        .and_then(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|value| value as u64);
+    Some(Read {
+        decisions: decision_total(&text),
+        scrapes: scrape_outcomes(&text),
+        share,
+        synced,
+    })
 }
 
 /// Σ `cachepick_scrapes_total{…}` by its `outcome` label in a Prometheus exposition.
