@@ -150,7 +150,7 @@ pub async fn serve_prepared(
         };
         let replica = ReplicaSync::bind(sync).map_err(bind_error)?;
         for load in &loads {
-            load.announce_through(Arc::clone(&replica));
+            load.announce_through(Arc::clone(&replica) as Arc<dyn crate::load::Announce>);
         }
         metrics.watch_replica_sync(replica.stats());
         let bounds = config

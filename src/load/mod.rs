@@ -27,7 +27,7 @@ pub use engine::{
 };
 pub use fetch::ScrapeError;
 pub use inspect::{PoolView, WorkerView};
-pub use pool::{PoolLoad, RosterObserver, ScrapeObserver};
+pub use pool::{Announce, PoolLoad, RosterObserver, ScrapeObserver};
 pub use prom::{Labels, Sample, Samples, samples};
 pub use scrape::Scraper;
 pub use snapshot::{

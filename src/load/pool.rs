@@ -11,7 +11,6 @@ use tokio::sync::{mpsc, watch};
 
 use super::dispatch::DispatchTable;
 use super::snapshot::{Capacity, PoolSnapshot, ScrapeOutcome, WorkerState};
-use super::sync::ReplicaSync;
 use crate::config::{Config, LoadConfig, ModelMatch, PoolConfig, WorkerConfig};
 use crate::worker::WorkerId;
 
@@ -25,6 +24,12 @@ pub trait ScrapeObserver: Send + Sync {
     fn watch_pool(&self, pool: Arc<PoolLoad>);
     /// `worker` left `pool`: its counters go, so a churning fleet does not grow the metrics forever.
     fn worker_left(&self, pool: &str, worker: &str);
+}
+
+/// Where a pool's dispatches are announced to the other picker replicas (`replica_sync`,
+/// implemented by `sync::ReplicaSync`); never blocks.
+pub trait Announce: Send + Sync + std::fmt::Debug {
+    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64);
 }
 
 /// What the request path shares with a pool's scraper: the current snapshot and the dispatch counts.
@@ -45,7 +50,7 @@ pub struct PoolLoad {
     /// Taken by the pool's scraper.
     restart_reports: Mutex<Option<mpsc::UnboundedReceiver<WorkerId>>>,
     /// `replica_sync`: where each dispatch is announced to the other replicas, once set at start-up.
-    sync: OnceLock<Arc<ReplicaSync>>,
+    sync: OnceLock<Arc<dyn Announce>>,
 }
 
 impl PoolLoad {
@@ -102,7 +107,7 @@ impl PoolLoad {
     }
 
     /// Announces this pool's dispatches to the other replicas through `sync` from now on.
-    pub fn announce_through(&self, sync: Arc<ReplicaSync>) {
+    pub fn announce_through(&self, sync: Arc<dyn Announce>) {
         let _ = self.sync.set(sync);
     }
 

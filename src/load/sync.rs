@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use tokio::net::UdpSocket;
 
-use super::pool::PoolLoad;
+use super::pool::{Announce, PoolLoad};
 use crate::config::{PeerAddress, ReplicaSyncConfig};
 
 const MAGIC: &[u8; 4] = b"CPS1";
@@ -241,26 +241,6 @@ impl ReplicaSync {
         Arc::clone(&self.stats)
     }
 
-    /// Tells every peer that this replica sent `uncached_tokens` to `worker` of `pool`. Never blocks.
-    pub fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64) {
-        let announcement = Announcement {
-            origin: self.origin,
-            pool,
-            worker,
-            uncached_tokens,
-        };
-        let Some(datagram) = announcement.encode() else {
-            return;
-        };
-        for peer in self.peers.load().iter() {
-            let counter = match self.sender.send_to(&datagram, *peer) {
-                Ok(_) => &self.stats.sent,
-                Err(_) => &self.stats.send_failed,
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
     /// Receives the peers' announcements into `pools`' dispatch tables until `shutdown` resolves.
     /// `pools` pairs each pool with the most uncached tokens one of its requests can bring.
     pub async fn receive(
@@ -381,6 +361,28 @@ impl ReplicaSync {
         load.dispatches()
             .record_peer(worker.id, announcement.uncached_tokens.min(*most));
         Received::Accepted
+    }
+}
+
+impl Announce for ReplicaSync {
+    /// Tells every peer that this replica sent `uncached_tokens` to `worker` of `pool`. Never blocks.
+    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64) {
+        let announcement = Announcement {
+            origin: self.origin,
+            pool,
+            worker,
+            uncached_tokens,
+        };
+        let Some(datagram) = announcement.encode() else {
+            return;
+        };
+        for peer in self.peers.load().iter() {
+            let counter = match self.sender.send_to(&datagram, *peer) {
+                Ok(_) => &self.stats.sent,
+                Err(_) => &self.stats.send_failed,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
