@@ -26,6 +26,7 @@ pub mod front;
 pub mod oracle;
 mod output;
 pub mod peers;
+pub mod rates;
 pub mod report;
 mod runner;
 pub mod svg;
@@ -543,6 +544,13 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     if !per_replica.is_empty() {
         table.push_str("\ndecisions per picker replica:\n");
         table.push_str(&per_replica);
+    }
+    let rates = report::learned_rates(&reports);
+    if !rates.is_empty() {
+        table.push_str(
+            "\nprefill rates the picker learned (model time; median over workers, model tokens/s):\n",
+        );
+        table.push_str(&rates);
     }
     let stale = report::stale_credits(&reports);
     if !stale.is_empty() {

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use super::drive::{End, Sample};
 use super::fault::FaultReport;
+use super::rates::RateReport;
 use super::utilisation::Utilisation;
 
 /// Percentiles in milliseconds.
@@ -87,6 +88,9 @@ pub struct PolicyReport {
     pub front_counters: Vec<String>,
     /// How busy the fleet was over the arrival window, read from the engines.
     pub utilisation: Option<Utilisation>,
+    /// What the picker learned of its workers' prefill rates, and when (cachepick's arms only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_rates: Option<RateReport>,
     pub requests: usize,
     /// Requests whose answer came through Envoy (it carries Envoy's `x-envoy-upstream-service-time`):
     /// with `--via envoy`, every arm's, the in-process routers' too.
@@ -256,6 +260,7 @@ impl PolicyReport {
             front: None,
             front_counters: Vec::new(),
             utilisation: None,
+            prefill_rates: None,
             requests: samples.len(),
             through_envoy: samples.iter().filter(|s| s.through_envoy).count(),
             ok: count(End::Ok),
@@ -468,6 +473,31 @@ pub fn replica_decisions(reports: &[PolicyReport]) -> String {
             })
             .collect();
         let _ = writeln!(out, "- {}: {}", r.arm, counts.join(", "));
+    }
+    out
+}
+
+/// When each cachepick arm's picker learned its workers' prefill rates, one line per arm that read
+/// them.
+pub fn learned_rates(reports: &[PolicyReport]) -> String {
+    let mut out = String::new();
+    let seconds = |s: Option<f64>| s.map_or_else(|| "never".to_owned(), |s| format!("{s:.1} s"));
+    for r in reports {
+        let Some(rates) = &r.prefill_rates else {
+            continue;
+        };
+        let median = rates
+            .final_median
+            .map_or_else(|| "none".to_owned(), |m| format!("{m:.0}"));
+        let _ = writeln!(
+            out,
+            "- {}: first worker {}, every worker {}, median within {:.0}% from {}, final median {median}",
+            r.arm,
+            seconds(rates.first_s),
+            seconds(rates.all_s),
+            super::rates::SETTLED_WITHIN * 100.0,
+            seconds(rates.settled_s),
+        );
     }
     out
 }

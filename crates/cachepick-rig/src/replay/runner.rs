@@ -18,6 +18,7 @@ use super::fault::{self, FaultReport};
 use super::front::{self, Front, KvSources};
 use super::oracle::Oracle;
 use super::peers::{PeerRouter, PeerRule};
+use super::rates;
 use super::report::PolicyReport;
 use super::trace::{Item, PromptBuilder};
 use super::{IndexMode, ReplayError, ReplayOptions, utilisation};
@@ -35,6 +36,8 @@ const READY_WITHIN: Duration = Duration::from_secs(20);
 
 /// How often the fleet's slots and queues are read during an arm.
 const READ_LOAD_EVERY: Duration = Duration::from_millis(100);
+/// How often a picker's learned prefill rates are read during an arm (wall time).
+const READ_RATES_EVERY: Duration = Duration::from_millis(250);
 
 /// What every arm of one replay shares.
 pub(super) struct Workload<'a> {
@@ -170,8 +173,26 @@ impl Workload<'_> {
                 None => None,
             }
         };
-        let ((samples, wall, utilisation), crashed) =
-            tokio::join!(self.drive(&route, &stage.fleet), crashing);
+        // The first replica's learned prefill rates over the arrival window (every replica reads the
+        // same counters, so one stands for all).
+        let first = stage.pickers().next().map(|picker| picker.metrics_listen());
+        let rates = async {
+            match first {
+                Some(metrics) => Some(
+                    rates::watch(
+                        metrics,
+                        self.window(),
+                        READ_RATES_EVERY,
+                        self.sim.params.time_scale,
+                        stage.fleet.endpoints().len(),
+                    )
+                    .await,
+                ),
+                None => None,
+            }
+        };
+        let ((samples, wall, utilisation), crashed, rates) =
+            tokio::join!(self.drive(&route, &stage.fleet), crashing, rates);
         let mut replica_decisions = Vec::new();
         let mut replica_shares = Vec::new();
         let mut replica_synced = Vec::new();
@@ -216,6 +237,7 @@ impl Workload<'_> {
         report.replica_sync = arm.sync;
         report.fault = fault;
         report.utilisation = utilisation;
+        report.prefill_rates = rates;
         Ok(report)
     }
 
