@@ -14,7 +14,7 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use cachepick::config::{CacheAwareKnobs, Mode, PolicyConfig, QueueGate};
+use cachepick::config::{CacheAwareKnobs, Gating, Mode, PolicyConfig, QueueGate};
 use cachepick::load::{Capacity, Dispatches, EngineLoad, PoolSnapshot, Reading, WorkerState};
 use cachepick::policy::{LoadView, OwnerMatch, RequestFacts, decide};
 use cachepick::worker::{Role, WorkerId};
@@ -62,9 +62,11 @@ fn fleet(n: usize, now: Instant, saturated: bool) -> (PoolSnapshot, Vec<OwnerMat
 fn bench_decide(c: &mut Criterion) {
     let config = PolicyConfig {
         mode: Mode::CacheAware(CacheAwareKnobs {
-            gate: QueueGate::new(NonZeroU64::new(4).unwrap(), NonZeroU64::new(2)),
             min_load_choices: NonZeroUsize::new(2).unwrap(),
-            ..CacheAwareKnobs::default()
+            ..CacheAwareKnobs::with_gating(Gating::Requests(QueueGate::new(
+                NonZeroU64::new(4).unwrap(),
+                NonZeroU64::new(2),
+            )))
         }),
         ..PolicyConfig::default()
     };

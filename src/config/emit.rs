@@ -23,7 +23,7 @@ use serde::Serialize;
 use cachepick_decode::{duration, size};
 
 use super::{
-    Config, Discovery, GateUnit, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection,
+    Config, Discovery, GateUnit, Gating, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection,
     PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
@@ -148,7 +148,8 @@ struct Policy {
     min_load_choices: Option<usize>,
     min_match_tokens: Option<u64>,
     pin_depth_ratio: Option<f64>,
-    /// Written only for the prefill-time unit, or where a pool's unit differs from the top level's.
+    /// Written at the top level under `cache_aware`, and in a pool where its unit differs from the top
+    /// level's: the file then reads the same whatever the default unit is.
     gate_unit: Option<&'static str>,
     divert_margin: Option<String>,
     saturation_wait_floor: Option<Option<String>>,
@@ -169,14 +170,13 @@ impl Policy {
         };
         match &policy.mode {
             Mode::CacheAware(knobs) => {
-                match knobs.wait {
-                    None => {
-                        section.worker_queue_limit = Some(knobs.gate.map(|gate| gate.limit()));
-                        section.saturation_queue_floor =
-                            Some(knobs.gate.and_then(|gate| gate.floor()));
+                section.gate_unit = Some(knobs.gating.unit().as_str());
+                match knobs.gating {
+                    Gating::Requests(gate) => {
+                        section.worker_queue_limit = Some(gate.map(|gate| gate.limit()));
+                        section.saturation_queue_floor = Some(gate.and_then(|gate| gate.floor()));
                     }
-                    Some(wait) => {
-                        section.gate_unit = Some(GateUnit::PrefillTime.as_str());
+                    Gating::PrefillTime(wait) => {
                         section.divert_margin = Some(duration::format(wait.divert_margin));
                         section.saturation_wait_floor = Some(wait.floor.map(duration::format));
                         section.prefill_tokens_per_second = wait.fallback_rate.map(NonZeroU64::get);
@@ -213,10 +213,7 @@ impl Policy {
         let unit_of = |policy: &PolicyConfig| {
             policy
                 .cache_aware()
-                .map_or(GateUnit::default(), |knobs| match knobs.wait {
-                    Some(_) => GateUnit::PrefillTime,
-                    None => GateUnit::Requests,
-                })
+                .map_or(GateUnit::default(), |knobs| knobs.gating.unit())
         };
         let gate_unit = (unit_of(pool) != unit_of(base)).then(|| unit_of(pool).as_str());
         Policy {

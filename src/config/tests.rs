@@ -117,13 +117,12 @@ fn addr(text: &str) -> SocketAddr {
     text.parse().unwrap()
 }
 
-/// The default cache-aware policy with a queue gate.
+/// The default cache-aware policy with a request-unit queue gate.
 fn gated(limit: u64, floor: u64) -> PolicyConfig {
     PolicyConfig {
-        mode: Mode::CacheAware(CacheAwareKnobs {
-            gate: QueueGate::new(NonZeroU64::new(limit).unwrap(), NonZeroU64::new(floor)),
-            ..CacheAwareKnobs::default()
-        }),
+        mode: Mode::CacheAware(CacheAwareKnobs::with_gating(Gating::Requests(
+            QueueGate::new(NonZeroU64::new(limit).unwrap(), NonZeroU64::new(floor)),
+        ))),
         ..PolicyConfig::default()
     }
 }
@@ -297,14 +296,12 @@ fn defaults_fill_a_minimal_file() {
     assert_eq!(config.policy, PolicyConfig::default());
     assert_eq!(config.policy.mode.kind(), ModeKind::CacheAware);
     let knobs = config.policy.cache_aware().unwrap();
-    // The gate and its floor are the product's point: on unless turned off with `null`.
-    assert_eq!(knobs.gate, Some(QueueGate::default_gate()));
-    assert_eq!(
-        knobs.gate.map(|gate| (gate.limit(), gate.floor())),
-        Some((4, Some(2)))
-    );
+    // The gate and its floor are the product's point: on by default, in predicted prefill time, with
+    // off-owner picks weighing the whole fleet.
+    assert_eq!(knobs.gating, Gating::PrefillTime(WaitGate::default()));
+    assert_eq!(config.policy.gate(), None);
     assert_eq!(knobs.min_match_tokens, 1024);
-    assert_eq!(knobs.min_load_choices.get(), 2);
+    assert_eq!(knobs.min_load_choices.get(), 64);
     assert_eq!(knobs.pin_depth_ratio.get(), 0.5);
     assert_eq!(config.policy.max_fallbacks, 2);
     assert_eq!(config.pools[0].policy, config.policy);
@@ -532,7 +529,7 @@ fn the_effective_config_uses_the_file_keys_and_readable_durations() {
         "    load_source: metrics\n",
         "\nmax_body_bytes: 8MiB\n",
         "  segment_cache_entries: 16384\n  default_cache_blocks: 16384\n",
-        "  worker_queue_limit: 4\n  saturation_queue_floor: 2\n",
+        "  gate_unit: prefill_time\n  divert_margin: 500ms\n  saturation_wait_floor: 1s\n",
     ] {
         assert!(minimal.contains(present), "{present:?} not in\n{minimal}");
     }
@@ -1052,9 +1049,11 @@ pools:
     let config = parse(source, "t", &NO_FLAGS).unwrap();
     let cache_aware = |limit: u64, floor: u64| PolicyConfig {
         mode: Mode::CacheAware(CacheAwareKnobs {
-            gate: QueueGate::new(NonZeroU64::new(limit).unwrap(), NonZeroU64::new(floor)),
             min_match_tokens: 512,
-            ..CacheAwareKnobs::default()
+            ..CacheAwareKnobs::with_gating(Gating::Requests(QueueGate::new(
+                NonZeroU64::new(limit).unwrap(),
+                NonZeroU64::new(floor),
+            )))
         }),
         max_fallbacks: 3,
     };
@@ -1131,7 +1130,7 @@ pools:
     let knobs = |policy: &PolicyConfig| {
         let knobs = policy.cache_aware().unwrap();
         (
-            knobs.gate.map(QueueGate::limit),
+            knobs.queue_gate().map(QueueGate::limit),
             knobs.min_load_choices.get(),
         )
     };
@@ -1222,7 +1221,8 @@ pools:
     assert!(
             yaml.contains(
                 "policy:\n  mode: cache_aware\n  worker_queue_limit: 4\n  saturation_queue_floor: 2\n  \
-                 min_load_choices: 2\n  min_match_tokens: 1024\n  pin_depth_ratio: 0.5\n  max_fallbacks: 2\n"
+                 min_load_choices: 2\n  min_match_tokens: 1024\n  pin_depth_ratio: 0.5\n  gate_unit: requests\n  \
+                 max_fallbacks: 2\n"
             ),
             "{yaml}"
         );

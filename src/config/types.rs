@@ -164,7 +164,7 @@ impl PolicyConfig {
 
     /// The queue gate; `None` without one, and under every mode but `cache_aware`.
     pub fn gate(&self) -> Option<QueueGate> {
-        self.cache_aware().and_then(|knobs| knobs.gate)
+        self.cache_aware().and_then(CacheAwareKnobs::queue_gate)
     }
 }
 
@@ -241,12 +241,8 @@ impl Default for Mode {
 /// The knobs of `cache_aware`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CacheAwareKnobs {
-    /// The queue gate and its saturation floor in requests (`gate_unit: requests`); `None` under the
-    /// prefill-time unit, and for pure prefix affinity.
-    pub gate: Option<QueueGate>,
-    /// The gate and floor in predicted prefill time (`gate_unit: prefill_time`); when set, `gate` is
-    /// `None` (the validator never builds both).
-    pub wait: Option<WaitGate>,
+    /// What the queue gate and its saturation floor measure, with their thresholds.
+    pub gating: Gating,
     /// Power-of-k sampling for off-owner picks.
     pub min_load_choices: NonZeroUsize,
     /// An owner must hold at least this many leading prompt tokens to count as one.
@@ -256,21 +252,89 @@ pub struct CacheAwareKnobs {
 }
 
 impl CacheAwareKnobs {
+    /// Off-owner picks under the request unit sample two workers: a count of waiting requests says
+    /// too little to trust its exact minimum, and several replicas taking it would all land together.
     pub const DEFAULT_MIN_LOAD_CHOICES: usize = 2;
+    /// Off-owner picks under the prefill-time unit weigh the whole fleet (any k at least the fleet's
+    /// size is its exact minimum): a prediction in seconds tells a worker starting a long prefill from
+    /// an idle one, which a sample of two misses (BENCHMARKS.md, the held-out seeds).
+    pub const DEFAULT_MIN_LOAD_CHOICES_PREFILL_TIME: usize = 64;
     pub const DEFAULT_MIN_MATCH_TOKENS: u64 = 1024;
     pub const DEFAULT_PIN_DEPTH_RATIO: f64 = 0.5;
+
+    /// `min_load_choices` when the configuration does not set it, by the unit in force.
+    pub fn default_min_load_choices(unit: GateUnit) -> NonZeroUsize {
+        let k = match unit {
+            GateUnit::Requests => Self::DEFAULT_MIN_LOAD_CHOICES,
+            GateUnit::PrefillTime => Self::DEFAULT_MIN_LOAD_CHOICES_PREFILL_TIME,
+        };
+        NonZeroUsize::new(k).unwrap_or(NonZeroUsize::MIN)
+    }
+
+    /// These knobs with `gating` in place of theirs, and `min_load_choices` that unit's default.
+    pub fn with_gating(gating: Gating) -> Self {
+        CacheAwareKnobs {
+            min_load_choices: Self::default_min_load_choices(gating.unit()),
+            gating,
+            ..CacheAwareKnobs::default()
+        }
+    }
+
+    /// The request-unit queue gate; `None` under the prefill-time unit or without a gate.
+    pub fn queue_gate(&self) -> Option<QueueGate> {
+        match self.gating {
+            Gating::Requests(gate) => gate,
+            Gating::PrefillTime(_) => None,
+        }
+    }
+
+    /// The prefill-time gate; `None` under the request unit.
+    pub fn wait(&self) -> Option<&WaitGate> {
+        match &self.gating {
+            Gating::Requests(_) => None,
+            Gating::PrefillTime(wait) => Some(wait),
+        }
+    }
 }
 
 impl Default for CacheAwareKnobs {
     fn default() -> Self {
+        let gating = Gating::default();
         CacheAwareKnobs {
-            gate: Some(QueueGate::default_gate()),
-            wait: None,
-            min_load_choices: NonZeroUsize::new(Self::DEFAULT_MIN_LOAD_CHOICES)
-                .unwrap_or(NonZeroUsize::MIN),
+            min_load_choices: Self::default_min_load_choices(gating.unit()),
+            gating,
             min_match_tokens: Self::DEFAULT_MIN_MATCH_TOKENS,
             pin_depth_ratio: DepthRatio::new(Self::DEFAULT_PIN_DEPTH_RATIO)
                 .unwrap_or(DepthRatio::ZERO),
+        }
+    }
+}
+
+/// The queue gate and its saturation floor, in one unit or the other; one value, so a policy never
+/// holds both.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Gating {
+    /// Requests waiting per rank (`gate_unit: requests`): the seed's `worker_queue_limit` and
+    /// `saturation_queue_floor`; `None` is pure prefix affinity (no gate, no floor).
+    Requests(Option<QueueGate>),
+    /// Predicted prefill time (`gate_unit: prefill_time`).
+    PrefillTime(WaitGate),
+}
+
+impl Gating {
+    pub fn unit(&self) -> GateUnit {
+        match self {
+            Gating::Requests(_) => GateUnit::Requests,
+            Gating::PrefillTime(_) => GateUnit::PrefillTime,
+        }
+    }
+}
+
+impl Default for Gating {
+    fn default() -> Self {
+        match GateUnit::default() {
+            GateUnit::Requests => Gating::Requests(Some(QueueGate::default_gate())),
+            GateUnit::PrefillTime => Gating::PrefillTime(WaitGate::default()),
         }
     }
 }
@@ -367,12 +431,17 @@ impl QueueGate {
 }
 
 /// How the gate and the saturation floor measure a worker's queue.
+///
+/// The default is the prefill time, chosen by measurement (BENCHMARKS.md, the held-out seeds): a
+/// count of waiting requests weighs a 100k-token agent turn like a 200-token chat. A scope that gives
+/// `worker_queue_limit` or `saturation_queue_floor` (file or flag) without `gate_unit` runs the request
+/// unit, so the seed's configurations and flags keep their meaning.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GateUnit {
     /// Requests waiting, per data-parallel rank: `worker_queue_limit`, `saturation_queue_floor`.
-    #[default]
     Requests,
     /// Predicted prefill time: `divert_margin`, `saturation_wait_floor`, `prefill_tokens_per_second`.
+    #[default]
     PrefillTime,
 }
 

@@ -53,7 +53,7 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         .collect();
     let mut gate_voided = false;
     // Rung 2 in the prefill-time unit: the pin when no worker can start the prefill within the floor.
-    if let (Some(floor), false) = (config.wait.and_then(|wait| wait.floor), queued.is_empty()) {
+    if let (Some(floor), false) = (config.wait().and_then(|wait| wait.floor), queued.is_empty()) {
         trace.saturation = starts_within(fleet, floor);
         if trace.saturation.is_saturated() {
             gate_voided = true;
@@ -75,7 +75,7 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
             }
         }
     }
-    if let (Some(gate), false) = (config.gate, queued.is_empty()) {
+    if let (Some(gate), false) = (config.queue_gate(), queued.is_empty()) {
         let pinnable = || {
             queued
                 .iter()
@@ -162,8 +162,8 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         (open, Rung::OffOwnerGateAndAdmission)
     };
     // In the prefill-time unit a diversion goes where the gate predicted it pays: the soonest worker.
-    let diverting = config.wait.is_some() && !queued.is_empty() && !gate_voided;
-    let pick = if config.wait.is_some() {
+    let diverting = config.wait().is_some() && !queued.is_empty() && !gate_voided;
+    let pick = if config.wait().is_some() {
         rank::soonest
     } else {
         rank::least_loaded

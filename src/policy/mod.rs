@@ -88,7 +88,7 @@ pub use trace::{
     Rung, Sampled, Saturation, Trace,
 };
 
-use crate::config::{Mode, PolicyConfig};
+use crate::config::{CacheAwareKnobs, Mode, PolicyConfig};
 use crate::load::{DispatchCounts, PoolSnapshot};
 /// The owner index's answer, which the policy reads; defined beside the index that produces it.
 pub use crate::prefix::OwnerMatch;
@@ -103,7 +103,7 @@ pub fn decide<R: Rng + ?Sized>(
     config: &PolicyConfig,
     rng: &mut R,
 ) -> Outcome {
-    let wait = config.cache_aware().and_then(|knobs| knobs.wait.as_ref());
+    let wait = config.cache_aware().and_then(CacheAwareKnobs::wait);
     let fleet = fleet::Fleet::new(
         request,
         owners,

@@ -13,7 +13,7 @@ use rand::rngs::SmallRng;
 
 use super::*;
 use crate::config::{
-    BalanceKnobs, CacheAwareKnobs, DepthRatio, Mode, PolicyConfig, QueueGate, RelThreshold,
+    BalanceKnobs, CacheAwareKnobs, DepthRatio, Gating, Mode, PolicyConfig, QueueGate, RelThreshold,
     WaitGate,
 };
 use crate::load::{
@@ -35,10 +35,9 @@ fn gate(limit: u64, floor: Option<u64>) -> Option<QueueGate> {
 
 fn config(limit: Option<u64>, floor: Option<u64>) -> PolicyConfig {
     PolicyConfig {
-        mode: Mode::CacheAware(CacheAwareKnobs {
-            gate: limit.and_then(|limit| gate(limit, floor)),
-            ..CacheAwareKnobs::default()
-        }),
+        mode: Mode::CacheAware(CacheAwareKnobs::with_gating(Gating::Requests(
+            limit.and_then(|limit| gate(limit, floor)),
+        ))),
         ..PolicyConfig::default()
     }
 }
@@ -1119,16 +1118,14 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                 let (mode, abs, rel, cache, sequence) = mode;
                 let mode = match mode {
                     0 => Mode::CacheAware(CacheAwareKnobs {
-                        gate,
-                        wait: None,
+                        gating: Gating::Requests(gate),
                         min_load_choices: NonZeroUsize::new(k).unwrap(),
                         min_match_tokens: min_match,
                         pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
                     }),
                     // The prefill-time unit, its knobs drawn from the same numbers.
                     4 => Mode::CacheAware(CacheAwareKnobs {
-                        gate: None,
-                        wait: Some(WaitGate {
+                        gating: Gating::PrefillTime(WaitGate {
                             divert_margin: Duration::from_millis(100 * knobs.map_or(0, |k| k.0)),
                             floor: knobs
                                 .and_then(|k| k.1)

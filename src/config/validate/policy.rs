@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use super::Validator;
 use crate::config::{
-    BalanceKnobs, CacheAwareKnobs, DepthRatio, GateUnit, Mode, ModeKind, Overrides, PolicyConfig,
-    QueueGate, RelThreshold, WaitGate,
+    BalanceKnobs, CacheAwareKnobs, DepthRatio, GateUnit, Gating, Mode, ModeKind, Overrides,
+    PolicyConfig, QueueGate, RelThreshold, WaitGate,
 };
 use cachepick_decode::{
     Decode, Field, Map, Origin, Phase, Reported, Res, Val, at_least_one, at_least_one_usize,
@@ -111,8 +111,11 @@ impl Validator<'_> {
             {
                 given.push((knob, Origin::Flag(name)));
             }
+            // `null` is given too: `worker_queue_limit: null` turns the request unit's gate off.
             if let Some((_, at)) = map.get(knob.key()) {
                 given.push((knob, at.origin()));
+            } else if let Some(place) = map.null_at(knob.key()) {
+                given.push((knob, place.origin()));
             }
         }
         let keys = PolicyKeys {
@@ -209,19 +212,29 @@ impl Validator<'_> {
                 misplaced.push((*knob, reported));
             }
         }
-        // Under `cache_aware`, a gate key of the other unit is the same mistake.
+        // The unit in force: this scope's `gate_unit`, else the parent's own; without either, a
+        // request-unit key given here or in the parent implies the request unit (the seed's files and
+        // flags keep their meaning), else the default. Under `cache_aware`, a gate key of the other unit
+        // is the same mistake as a key of another mode.
+        let implied = given
+            .iter()
+            .find(|(knob, _)| knob.unit() == Some(GateUnit::Requests))
+            .map(|(knob, at)| (*knob, at.clone()))
+            .or_else(|| parent.and_then(|parent| parent.implied.clone()));
+        let unset = || Val {
+            value: match implied {
+                Some(_) => GateUnit::Requests,
+                None => GateUnit::default(),
+            },
+            at: Origin::Default,
+        };
         let unit: Res<Val<GateUnit>> = match (keys.unit.clone(), parent) {
             (Ok(Some(unit)), _) => Ok(unit),
-            (Ok(None), Some(parent)) => parent.keys.unit.clone().map(|unit| {
-                unit.unwrap_or(Val {
-                    value: GateUnit::default(),
-                    at: Origin::Default,
-                })
+            (Ok(None), Some(parent)) => parent.keys.unit.clone().map(|unit| match unit {
+                Some(unit) if unit.at != Origin::Default => unit,
+                _ => unset(),
             }),
-            (Ok(None), None) => Ok(Val {
-                value: GateUnit::default(),
-                at: Origin::Default,
-            }),
+            (Ok(None), None) => Ok(unset()),
             (Err(reported), _) => Err(reported),
         };
         let inherits_unit = matches!(keys.unit, Ok(None)) && parent.is_some();
@@ -235,7 +248,7 @@ impl Validator<'_> {
                 let wanted = knob.unit().map_or("", GateUnit::as_str);
                 let message = format!(
                     "ignored by {}: remove it (it only applies to gate_unit {wanted})",
-                    unit_by(unit, inherits_unit)
+                    unit_by(unit, inherits_unit, implied.as_ref())
                 );
                 let reported = self.report(Phase::Cross, at.clone(), message);
                 misplaced.push((*knob, reported));
@@ -282,6 +295,7 @@ impl Validator<'_> {
             keys: effective,
             gate,
             policy,
+            implied,
         }
     }
 
@@ -307,27 +321,25 @@ impl Validator<'_> {
                     .unit
                     .clone()?
                     .map_or(GateUnit::default(), |unit| unit.value);
-                let (gate, wait) = match unit {
-                    GateUnit::Requests => (gate?, None),
+                let gating = match unit {
+                    GateUnit::Requests => Gating::Requests(gate?),
                     GateUnit::PrefillTime => {
                         let wait = WaitGate::default();
-                        let wait = WaitGate {
+                        Gating::PrefillTime(WaitGate {
                             divert_margin: value_or(
                                 keys.divert_margin.clone(),
                                 wait.divert_margin,
                             )?,
                             floor: value_or(keys.wait_floor.clone(), wait.floor)?,
                             fallback_rate: keys.rate.clone()?.map(|rate| rate.value),
-                        };
-                        (None, Some(wait))
+                        })
                     }
                 };
                 Mode::CacheAware(CacheAwareKnobs {
-                    gate,
-                    wait,
+                    gating,
                     min_load_choices: value_or(
                         keys.min_load_choices.clone(),
-                        defaults.min_load_choices,
+                        CacheAwareKnobs::default_min_load_choices(unit),
                     )?,
                     min_match_tokens: value_or(
                         keys.min_match_tokens.clone(),
@@ -574,6 +586,9 @@ pub(super) struct Resolved {
     keys: PolicyKeys,
     gate: Res<Option<QueueGate>>,
     pub(super) policy: Res<PolicyConfig>,
+    /// The request-unit key, given here or inherited, that implies the request unit where no
+    /// `gate_unit` is set.
+    implied: Option<(Knob, Origin)>,
 }
 
 impl Resolved {
@@ -598,6 +613,7 @@ impl Resolved {
             },
             gate: Err(reported),
             policy: Err(reported),
+            implied: None,
         }
     }
 }
@@ -617,9 +633,21 @@ fn inherit<T: Clone>(
     }
 }
 
-/// How a misplaced key's message names the gate unit in force.
-fn unit_by(unit: &Val<GateUnit>, inherited: bool) -> String {
+/// How a misplaced key's message names the gate unit in force; `implied` is the request-unit key
+/// that implies it where no `gate_unit` is set.
+fn unit_by(unit: &Val<GateUnit>, inherited: bool, implied: Option<&(Knob, Origin)>) -> String {
     let name = unit.value.as_str();
+    match (&unit.at, implied) {
+        (Origin::Default, Some((knob, at))) if unit.value == GateUnit::Requests => {
+            let by = match at {
+                Origin::Yaml { path, line } => format!("{path} (line {line})"),
+                Origin::Flag(flag) => (*flag).to_owned(),
+                Origin::Default => knob.key().to_owned(),
+            };
+            return format!("policy.gate_unit {name}, implied by {by}");
+        }
+        _ => {}
+    }
     match &unit.at {
         Origin::Yaml { path, line } if inherited => {
             format!("{path} {name} (line {line}), which this pool inherits")

@@ -9,13 +9,14 @@ const RATE: u64 = 10_000;
 fn timed(margin_ms: u64, floor_ms: Option<u64>, rate: Option<u64>) -> PolicyConfig {
     PolicyConfig {
         mode: Mode::CacheAware(CacheAwareKnobs {
-            gate: None,
-            wait: Some(WaitGate {
+            // These tables were written for sampling two off-owner workers; the whole-fleet default
+            // has tests of its own.
+            min_load_choices: NonZeroUsize::new(2).unwrap(),
+            ..CacheAwareKnobs::with_gating(Gating::PrefillTime(WaitGate {
                 divert_margin: Duration::from_millis(margin_ms),
                 floor: floor_ms.map(Duration::from_millis),
                 fallback_rate: rate.and_then(NonZeroU64::new),
-            }),
-            ..CacheAwareKnobs::default()
+            }))
         }),
         ..PolicyConfig::default()
     }
@@ -431,7 +432,7 @@ proptest! {
 
     #[test]
     fn the_time_pin_never_fires_while_a_fleet_worker_can_start_within_the_floor(case in arbitrary_case()) {
-        let Some(floor) = case.config.cache_aware().and_then(|k| k.wait).and_then(|w| w.floor) else {
+        let Some(floor) = case.config.cache_aware().and_then(|k| k.wait().copied()).and_then(|w| w.floor) else {
             return Ok(());
         };
         let floor_us = floor.as_micros() as u64;
@@ -446,7 +447,7 @@ proptest! {
             }
             if decision.reason == Reason::CacheWorkerQueued {
                 // A diversion happens only where it is predicted to pay by more than the margin.
-                let margin = case.config.cache_aware().and_then(|k| k.wait).unwrap().divert_margin;
+                let margin = case.config.cache_aware().and_then(|k| k.wait().copied()).unwrap().divert_margin;
                 let chosen = decision.trace.predictions.iter().find(|p| p.worker == decision.selected);
                 for owner in &decision.trace.owners {
                     if let (Gate::Later { ttft_us, .. }, Some(chosen)) = (owner.gate, chosen) {

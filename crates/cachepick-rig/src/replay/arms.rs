@@ -40,15 +40,18 @@ pub const POLICIES: [(&str, &str); 11] = [
         "gate_floor_min_match_1block",
         "worker_queue_limit: {limit}\nsaturation_queue_floor: {floor}\nmin_match_tokens: {block}",
     ),
+    // A cache miss samples two workers, as the request unit does.
     (
         "time_floor",
-        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
+         min_load_choices: 2",
     ),
     (
         "time",
         "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: null",
     ),
-    // A cache miss goes to the worker predicted soonest of the whole fleet, not of two sampled.
+    // A cache miss goes to the worker predicted soonest of the whole fleet, not of two sampled: the
+    // product's default policy, its durations written in the simulator's wall time.
     (
         "time_floor_all",
         "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
@@ -487,7 +490,8 @@ mod tests {
         assert_eq!(
             policy_yaml("time_floor", &scaled).as_deref(),
             Some(
-                "gate_unit: prefill_time\ndivert_margin: 1250.000ms\nsaturation_wait_floor: 2500.000ms"
+                "gate_unit: prefill_time\ndivert_margin: 1250.000ms\nsaturation_wait_floor: 2500.000ms\n\
+                 min_load_choices: 2"
             )
         );
         assert!(apply_policy(GENERATED, &policy_yaml("time_floor", &scaled).unwrap()).is_ok());
