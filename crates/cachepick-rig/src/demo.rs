@@ -1,7 +1,8 @@
 //! `cachepick demo`: the whole product on one machine in one command — a simulated fleet, the picker,
 //! and a real Envoy in front when one is installed — driven by the burst workload of `cachepick replay`
 //! (conversations sharing long prefixes: steady, a burst well above capacity, steady again) with the
-//! fleet's generated policy (queue gate and saturation floor), then a short report and where to look.
+//! product's default policy (the gate and the floor in predicted prefill time, its durations in the
+//! simulator's wall time), then a short report and where to look.
 //!
 //! It is one replay run with one policy and a shorter report: the same [`Stage`], driver and figures.
 //! Without Envoy the demo drives the picker over its ext_proc gRPC interface (the same messages Envoy
@@ -11,16 +12,17 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use cachepick::config::{Config, Overrides};
+use cachepick::config::Config;
 use cachepick_sim::Engine;
 
 use crate::client::Client as PickerClient;
 use crate::envoy::Envoy;
+use crate::replay::arms::{apply_policy, policy_yaml};
 use crate::replay::drive::{self, Route};
 use crate::replay::report::{PhaseFigures, PolicyReport};
 use crate::replay::trace::{self, BURST_PHASES, PromptBuilder};
 use crate::replay::{Scenario, default_fleet};
-use crate::stage::{Stage, StageError, on_free_ports};
+use crate::stage::{Stage, StageError};
 use crate::{find_envoy, nz};
 
 /// What `cachepick demo` runs.
@@ -52,8 +54,8 @@ const SPEEDUP: f64 = 4.0;
 /// The demo's share of the burst scenario's 100 s of trace time: 56 s, 14 s at [`SPEEDUP`].
 const SCALE: f64 = 0.56;
 const MAX_IN_FLIGHT: usize = 2_000;
-/// The policy the demo runs: the fleet's generated one, a queue gate and a saturation floor.
-const POLICY: &str = "gate_floor";
+/// The policy the demo runs: the product's default, as the replay names it.
+const POLICY: &str = "time_floor_all";
 
 /// Runs the demo and prints its report to stdout.
 pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
@@ -69,10 +71,9 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     let items = trace::burst(options.seed, scale);
     let prompts = PromptBuilder::new(&sim.tokenizer, options.seed);
 
-    let mut stage = Stage::start(&sim, |generated| {
-        on_free_ports(generated, "the demo configuration", Overrides::default())
-    })
-    .await?;
+    let policy = policy_yaml(POLICY, &sim)
+        .ok_or_else(|| StageError::Compose(format!("no policy named {POLICY}")))?;
+    let mut stage = Stage::start(&sim, |generated| apply_policy(generated, &policy)).await?;
     let endpoints: Vec<String> = stage
         .fleet
         .endpoints()
