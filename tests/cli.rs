@@ -81,8 +81,11 @@ fn check_accepts_the_example_and_prints_the_effective_config() {
     let output = check(&example(), &[]);
     assert!(output.status.success(), "stderr: {}", stderr(&output));
     let effective: serde_yaml::Value = serde_yaml::from_str(&stdout(&output)).expect("YAML output");
-    assert_eq!(effective["policy"]["worker_queue_limit"], 4);
-    assert_eq!(effective["policy"]["saturation_queue_floor"], 2);
+    assert_eq!(effective["policy"]["gate_unit"], "prefill_time");
+    assert_eq!(effective["policy"]["divert_margin"], "500ms");
+    // The SGLang pool counts waiting requests, as its own gate_unit says.
+    assert_eq!(effective["pools"][1]["policy"]["gate_unit"], "requests");
+    assert_eq!(effective["pools"][1]["policy"]["worker_queue_limit"], 6);
     assert_eq!(
         effective["pools"][0]["workers"][1]["role"], "both",
         "defaults are filled in"
@@ -102,10 +105,22 @@ fn the_effective_config_is_itself_a_valid_config() {
     assert_eq!(stdout(&first), stdout(&second));
 }
 
+/// A file in the seed's request unit: its keys given, no `gate_unit`.
+const REQUEST_UNIT: &str = "\
+policy:
+  worker_queue_limit: 4
+  saturation_queue_floor: 2
+pools:
+  - model: m
+    engine: vllm
+    workers: [{endpoint: 10.0.0.1:8000}]
+";
+
 #[test]
 fn flags_override_the_file() {
+    let file = write_config(REQUEST_UNIT);
     let output = check(
-        &example(),
+        file.path(),
         &[
             "--worker-queue-limit",
             "8",
@@ -167,11 +182,24 @@ pools:
 
 #[test]
 fn a_flag_that_breaks_an_invariant_is_named_in_the_message() {
-    let output = check(&example(), &["--saturation-queue-floor", "9"]);
+    let file = write_config(REQUEST_UNIT);
+    let output = check(file.path(), &["--saturation-queue-floor", "9"]);
     assert_eq!(output.status.code(), Some(2));
     let message = stderr(&output);
     assert!(message.contains("--saturation-queue-floor"), "{message}");
     assert!(message.contains("must be at most"), "{message}");
+}
+
+#[test]
+fn a_request_unit_flag_on_a_prefill_time_file_is_refused_with_the_line_that_chose_the_unit() {
+    // The shipped example names gate_unit: prefill_time; the seed's flags do not silently switch it.
+    let output = check(&example(), &["--worker-queue-limit", "8"]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = stderr(&output);
+    assert!(
+        message.contains("--worker-queue-limit: ignored by policy.gate_unit prefill_time (line"),
+        "{message}"
+    );
 }
 
 #[test]
