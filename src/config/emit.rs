@@ -306,11 +306,22 @@ struct Pool<'c> {
     policy: Policy,
     index: Option<Index<'c>>,
     max_workers: usize,
+    pd: Option<Pd>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     workers: Vec<Worker<'c>>,
     dns: Option<Dns<'c>>,
     kubernetes: Option<Kubernetes<'c>>,
     template: Option<Template>,
+}
+
+/// `pools[].pd`, every key written.
+#[derive(Serialize)]
+struct Pd {
+    handshake: crate::config::Handshake,
+    prefill_timeout: String,
+    max_inflight_prefills: usize,
+    decode_choices: usize,
+    max_prefill_response_bytes: Size,
 }
 
 #[serde_with::skip_serializing_none]
@@ -509,6 +520,13 @@ impl<'c> Pool<'c> {
                 commit_share: pool.index.commit_share.get(),
             }),
             max_workers: pool.max_workers.get(),
+            pd: pool.pd.as_ref().map(|pd| Pd {
+                handshake: pd.handshake,
+                prefill_timeout: duration::format(pd.prefill_timeout),
+                max_inflight_prefills: pd.max_inflight_prefills.get(),
+                decode_choices: pd.decode_choices.get(),
+                max_prefill_response_bytes: pd.max_prefill_response_bytes.get().into(),
+            }),
             dns: match &pool.discovery {
                 Discovery::Dns(dns) => Some(Dns {
                     name: &dns.name,

@@ -16,6 +16,7 @@ mod overload;
 #[cfg(test)]
 mod tests;
 mod types;
+mod types_pd;
 mod types_security;
 mod types_sync;
 mod validate;
@@ -26,6 +27,7 @@ use std::path::Path;
 pub use cachepick_decode::{ConfigError, Origin, Problem};
 pub use overload::OverloadConfig;
 pub use types::*;
+pub use types_pd::*;
 pub use types_security::*;
 pub use types_sync::*;
 

@@ -4,6 +4,7 @@
 mod discovery;
 mod gate_unit;
 mod overload;
+mod pd;
 mod replica_sync;
 mod security;
 
@@ -194,6 +195,7 @@ fn the_full_example_is_accepted_with_its_values() {
                 discovery: Discovery::Static,
                 template: WorkerTemplate::default(),
                 max_workers: NonZeroUsize::new(256).unwrap(),
+                pd: None,
             },
             PoolConfig {
                 model: ModelMatch::Any,
@@ -251,6 +253,7 @@ fn the_full_example_is_accepted_with_its_values() {
                     ..WorkerTemplate::default()
                 },
                 max_workers: NonZeroUsize::new(256).unwrap(),
+                pd: None,
             },
         ],
     };

@@ -639,6 +639,9 @@ pub struct PoolConfig {
     pub template: WorkerTemplate,
     /// Workers the pool can hold at once: per-worker state is allocated for this many.
     pub max_workers: NonZeroUsize,
+    /// `pd:`: prefill on the `prefill` workers, decode on the `decode` workers, and the handshake
+    /// between them; `None`: an aggregated pool, whose `decode` workers take no requests.
+    pub pd: Option<super::PdConfig>,
 }
 
 impl PoolConfig {

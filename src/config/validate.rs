@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{
-    Config, Discovery, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides,
+    Config, Discovery, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides, PdConfig,
     PolicyConfig, PoolConfig, RateWindow, TokenizerConfig, UnknownSubset, WorkerConfig,
     WorkerTemplate,
 };
@@ -36,6 +36,7 @@ mod discovery;
 mod feedback;
 mod index;
 mod overload;
+mod pd;
 mod policy;
 mod security;
 mod sync;
@@ -85,6 +86,7 @@ const POOL_KEYS: &[&str] = &[
     "kubernetes",
     "template",
     "max_workers",
+    "pd",
 ];
 const WORKER_KEYS: &[&str] = &[
     "endpoint",
@@ -127,6 +129,7 @@ struct PoolDraft {
     discovery: Res<Discovery>,
     template: Res<WorkerTemplate>,
     max_workers: Res<NonZeroUsize>,
+    pd: Res<Option<PdConfig>>,
 }
 
 struct WorkerDraft {
@@ -183,6 +186,7 @@ impl PoolDraft {
             discovery: self.discovery?,
             template: self.template?,
             max_workers: self.max_workers?,
+            pd: self.pd?,
         })
     }
 }
@@ -452,7 +456,27 @@ impl Validator<'_> {
         let engine = engine.map(|engine| engine.value);
         let index = self.index(&map);
         let source = self.source(&map, at, engine.ok(), &index);
+        let pd = self.pd(&map, engine.as_ref().ok().copied());
+        let pd = match (pd, &source.workers) {
+            (Ok(Some(pd)), Ok(workers)) if !workers.is_empty() => {
+                let decodes = workers
+                    .iter()
+                    .flatten()
+                    .filter(|worker| matches!(worker.role, Ok(Role::Decode)))
+                    .count();
+                if decodes == 0 {
+                    let at = map.place_of("pd").origin();
+                    let message = "a PD pool needs at least one worker with role: decode (its \
+                                   prefill workers take role: prefill)";
+                    Err(self.report(Phase::Value, at, message))
+                } else {
+                    Ok(Some(pd))
+                }
+            }
+            (pd, _) => pd,
+        };
         Ok(PoolDraft {
+            pd,
             workers: source.workers,
             discovery: source.discovery,
             template: source.template,

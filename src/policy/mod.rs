@@ -67,6 +67,7 @@
 // Decisions are reproducible: no clock reads here (clippy.toml); `now` is an argument.
 #![deny(clippy::disallowed_methods)]
 
+mod decode;
 mod fleet;
 mod ladder;
 mod modes;
@@ -82,6 +83,7 @@ use std::time::Instant;
 
 use rand::Rng;
 
+pub use decode::{DecodePick, DecodeReason, decide_decode};
 pub use outcome::{Decision, Outcome, Reason, RefuseReason, Refused};
 pub use trace::{
     Admission, Balance, Gate, OwnerVerdict, Predicted, Prediction, PressureSource, RateSource,

@@ -21,6 +21,7 @@ use crate::load::{
 };
 use crate::worker::{Role, WorkerId};
 
+mod pd;
 mod wait;
 
 const BLOCK: u64 = 64;

@@ -562,6 +562,7 @@ fn a_pool_config_builds_its_tokenizer() {
         discovery: crate::config::Discovery::Static,
         template: Default::default(),
         max_workers: NonZeroUsize::new(8).unwrap(),
+        pd: None,
     };
     let pool = PoolTokenizer::new(&config).unwrap();
     assert_eq!(

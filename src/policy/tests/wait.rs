@@ -23,12 +23,12 @@ fn timed(margin_ms: u64, floor_ms: Option<u64>, rate: Option<u64>) -> PolicyConf
 }
 
 impl Case {
-    fn timed() -> Self {
+    pub(super) fn timed() -> Self {
         Case::new(timed(500, Some(1000), Some(RATE)))
     }
 
     /// Adds a worker with `tokens` uncached tokens queued (as SGLang reports them).
-    fn queued(self, tokens: u64) -> Self {
+    pub(super) fn queued(self, tokens: u64) -> Self {
         self.worker(Some(u64::from(tokens > 0))).uncached(tokens)
     }
 }

@@ -1,0 +1,52 @@
+//! `pools[].pd`: a pool whose prompts prefill on one worker and decode on another.
+
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+/// How a PD pool's two legs find each other: the engines' handshake cachepick performs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Handshake {
+    /// vLLM's NixlConnector, two-stage: cachepick sends the prefill worker the request capped at one
+    /// output token with `kv_transfer_params: {do_remote_decode: true}`, waits for the parameters it
+    /// returns, and hands the request to the decode worker with them; the decode worker pulls the KV.
+    Nixl,
+}
+
+impl Handshake {
+    pub const ALL: [Handshake; 1] = [Handshake::Nixl];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Handshake::Nixl => "nixl",
+        }
+    }
+}
+
+/// `pools[].pd`: each request gets two picks, the prefill worker by the pool's policy over its
+/// `prefill` workers and the decode worker by decode pressure over its `decode` workers, and
+/// cachepick performs the handshake between them. Without it a pool's `decode` workers take no
+/// requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PdConfig {
+    pub handshake: Handshake,
+    /// The longest the prefill leg may take, from its dispatch to its parameters; past it the leg is
+    /// cancelled and the decode worker prefills the request itself. The stream deadline
+    /// (`overload.stream_deadline`) bounds it too.
+    pub prefill_timeout: Duration,
+    /// Prefill legs in flight at once, over every stream of this pool. A request over the bound is
+    /// sent to its decode worker to prefill locally, so no burst of clients holds unbounded
+    /// connections and memory.
+    pub max_inflight_prefills: NonZeroUsize,
+    /// Decode workers sampled per request (power of k); the least pressured wins.
+    pub decode_choices: NonZeroUsize,
+    /// The largest prefill-leg response read (it carries one token and the transfer parameters).
+    pub max_prefill_response_bytes: NonZeroUsize,
+}
+
+impl PdConfig {
+    pub const DEFAULT_PREFILL_TIMEOUT: Duration = Duration::from_secs(20);
+    pub const DEFAULT_MAX_INFLIGHT_PREFILLS: usize = 512;
+    pub const DEFAULT_DECODE_CHOICES: usize = 2;
+    pub const DEFAULT_MAX_PREFILL_RESPONSE_BYTES: usize = 1 << 20;
+}
