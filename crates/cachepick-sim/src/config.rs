@@ -227,6 +227,46 @@ pub struct SimParams {
     pub time_scale: f64,
     /// Share of requests failed with a 500 before they are queued, in [0, 1].
     pub failure_rate: f64,
+    /// How a vLLM worker behaves as either leg of a disaggregated request.
+    pub pd: PdParams,
+}
+
+/// vLLM's NixlConnector as the simulator models it (`kv_role: kv_both`: any vLLM worker serves either
+/// leg, the router decides). A prefill leg (`kv_transfer_params.do_remote_decode`) that ends on its
+/// output cap answers the parameters a decode worker pulls with, and leases its prompt's KV for
+/// `lease`; a decode leg (`do_remote_prefill`) claims the lease from the prefill worker, waits while
+/// the KV it lacks crosses its link, then runs with those tokens held. Not modelled: the prefill
+/// worker's blocks stay evictable during the lease (vLLM pins them), and only the decode side's link
+/// is shared.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PdParams {
+    /// The decode worker's link, bytes per second, shared first come first served by its transfers.
+    /// 50 GB/s is one 400 Gb/s RDMA NIC per GPU.
+    pub link_bytes_per_second: f64,
+    /// How long (model time) a prefill worker keeps a finished prefill's KV for its decode worker
+    /// (vLLM's `kv_lease_duration`, 30 s).
+    pub lease: Duration,
+    /// What a decode worker does when the KV cannot be pulled (vLLM's `kv_load_failure_policy`).
+    pub load_failure: LoadFailure,
+}
+
+/// vLLM's `kv_load_failure_policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadFailure {
+    /// The request fails (vLLM's default).
+    Fail,
+    /// The decode worker prefills the prompt itself.
+    Recompute,
+}
+
+impl Default for PdParams {
+    fn default() -> Self {
+        PdParams {
+            link_bytes_per_second: 50e9,
+            lease: Duration::from_secs(30),
+            load_failure: LoadFailure::Fail,
+        }
+    }
 }
 
 impl SimParams {
@@ -275,6 +315,7 @@ impl SimParams {
             jitter: 0.0,
             time_scale: 1.0,
             failure_rate: 0.0,
+            pd: PdParams::default(),
         }
     }
 

@@ -413,6 +413,7 @@ impl Decoder<'_> {
             jitter: jitter?.value,
             time_scale: time_scale?.value,
             failure_rate: failure_rate?.value,
+            pd: base.pd.clone(),
         })
     }
 

@@ -69,7 +69,11 @@ pub(super) enum Scrape {
 /// The ranks' stats with the fake values applied.
 fn reported(shared: &Shared, incarnation: &Incarnation) -> Vec<RankStats> {
     let fake = lock(&shared.controls).fake;
-    let mut stats = incarnation.stats();
+    let mut stats = incarnation.stats(
+        shared
+            .transferring
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
     if let Some(fake) = fake {
         for rank in &mut stats {
             if let Some(waiting) = fake.waiting {
@@ -324,7 +328,11 @@ fn state_json(shared: &Shared, incarnation: &Incarnation) -> Vec<u8> {
         })
         .collect();
     let ranks: Vec<serde_json::Value> = incarnation
-        .stats()
+        .stats(
+            shared
+                .transferring
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
         .iter()
         .zip(streams)
         .map(|(rank, stream)| {

@@ -153,12 +153,15 @@ impl RankEngine {
         }
     }
 
-    /// Submits a request; `Err` is the model's refusal.
+    /// Submits a request; `Err` is the model's refusal. `remote` leading prompt tokens were prefilled
+    /// elsewhere and pulled here (the step model holds them; the slots model, which has no PD, ignores
+    /// them).
     pub fn submit(
         &mut self,
         id: RequestId,
         prompt: &[u32],
         output: u32,
+        remote: u32,
         received: Instant,
     ) -> Result<Submitted, crate::model::Refusal> {
         match self {
@@ -176,7 +179,7 @@ impl RankEngine {
                 wake,
                 ..
             } => {
-                model.submit(id, prompt, output)?;
+                model.submit_remote(id, prompt, output, u64::from(remote))?;
                 let (progress, receiver) = watch::channel(Progress::default());
                 requests.insert(id, Handle { progress, received });
                 wake.notify_one();

@@ -22,11 +22,11 @@ use tokio::time::Instant;
 use cachepick_tokenizer::{Chat, ChatTurn, Tokenizer};
 
 use super::engine::{Progress, Submitted};
-use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, sleep_unpaused};
-use crate::config::Timing;
+use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, nixl, sleep_unpaused};
+use crate::config::{LoadFailure, Timing};
 use crate::model::{Refusal, RequestId};
 use crate::timing;
-use crate::wire::{self, Api, Outcome, Prompt, SimRequest};
+use crate::wire::{self, Api, KvTransfer, Outcome, Prompt, SimRequest};
 
 /// A request known to a rank's model; its drop tells the model the request ended.
 struct Ticket {
@@ -98,11 +98,42 @@ pub(super) async fn generate(
             .unwrap_or(Duration::ZERO);
         tokio::time::sleep_until(received + front).await;
     }
+    // A decode leg pulls the KV its prefill worker leased before the scheduler can run it.
+    let transfer = match &request.kv_transfer {
+        Some(KvTransfer::RemotePrefill {
+            engine_id,
+            request_id,
+            host,
+            port,
+        }) => {
+            let held = incarnation
+                .rank(0)
+                .map_or(0, |rank| rank.engine.cached_tokens(&prompt));
+            match nixl::pull(&shared, engine_id, request_id, host, *port, held).await {
+                Ok(pulled) => Transfer::Pulled(pulled),
+                Err(why) => match params.pd.load_failure {
+                    LoadFailure::Fail => {
+                        return error(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            &format!("KV transfer failed (kv_load_failure_policy fail): {why}"),
+                        );
+                    }
+                    LoadFailure::Recompute => Transfer::Recomputed,
+                },
+            }
+        }
+        Some(KvTransfer::RemoteDecode) => Transfer::Leased,
+        None => Transfer::None,
+    };
+    let remote = match &transfer {
+        Transfer::Pulled(pulled) => pulled.tokens,
+        _ => 0,
+    };
     let (ticket, submitted, rank_index) = {
         let Some((rank_index, mut rank)) = incarnation.least_loaded() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "no engine rank");
         };
-        let submitted = rank.engine.submit(id, &prompt, output, received);
+        let submitted = rank.engine.submit(id, &prompt, output, remote, received);
         rank.publish_events();
         arrival.arrived();
         let submitted = match submitted {
@@ -169,12 +200,25 @@ pub(super) async fn generate(
         served_by: shared.id.clone(),
         rank: (shared.spec.dp_size > 1).then_some(rank_index),
         cached: cached_tokens,
+        transfer,
     };
     if request.stream {
         stream_response(run, request, headers)
     } else {
         complete_response(run, headers).await
     }
+}
+
+/// Which leg of a disaggregated request this is, as the response headers report it.
+enum Transfer {
+    /// Aggregated: prefilled here.
+    None,
+    /// A prefill leg: its KV is leased for a decode worker.
+    Leased,
+    /// A decode leg that pulled its KV.
+    Pulled(nixl::Pulled),
+    /// A decode leg whose pull failed, prefilled here (`kv_load_failure_policy: recompute`).
+    Recomputed,
 }
 
 fn api_prefix(api: Api) -> &'static str {
@@ -291,6 +335,7 @@ struct ResponseHeaders {
     served_by: String,
     rank: Option<usize>,
     cached: u32,
+    transfer: Transfer,
 }
 
 impl ResponseHeaders {
@@ -302,6 +347,21 @@ impl ResponseHeaders {
         headers.insert("x-cached-tokens", HeaderValue::from(self.cached));
         if let Some(rank) = self.rank {
             headers.insert("x-served-by-rank", HeaderValue::from(rank));
+        }
+        // Which leg this was, and for a decode leg where its KV came from.
+        let kind = match &self.transfer {
+            Transfer::None => "local",
+            Transfer::Leased => "leased",
+            Transfer::Pulled(_) => "pulled",
+            Transfer::Recomputed => "recomputed",
+        };
+        headers.insert("x-kv-transfer", HeaderValue::from_static(kind));
+        if let Transfer::Pulled(pulled) = &self.transfer {
+            if let Ok(value) = HeaderValue::from_str(&pulled.prefill_worker) {
+                headers.insert("x-prefilled-by", value);
+            }
+            headers.insert("x-kv-pulled-tokens", HeaderValue::from(pulled.tokens));
+            headers.insert("x-kv-moved-tokens", HeaderValue::from(pulled.moved));
         }
     }
 }
@@ -435,7 +495,17 @@ async fn complete_response(mut run: Run, headers: ResponseHeaders) -> Response<B
     }
     run.finish();
     let text = run.text(0, run.output);
-    let body = wire::response_body(run.api, &run.outcome(&text, run.output));
+    let mut body = wire::response_body(run.api, &run.outcome(&text, run.output));
+    // A prefill leg that ended on its cap answers the parameters its decode worker pulls with.
+    if matches!(headers.transfer, Transfer::Leased) {
+        let params = nixl::lease(
+            &run.shared,
+            &run.ticket.incarnation,
+            &run.id,
+            run.prompt_tokens,
+        );
+        body = nixl::with_params(body, &params);
+    }
     let mut response = json(StatusCode::OK, body);
     headers.apply(&mut response);
     response

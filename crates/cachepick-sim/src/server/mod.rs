@@ -57,6 +57,7 @@ mod admin;
 mod engine;
 mod generate;
 mod life;
+mod nixl;
 
 use engine::RankEngine;
 
@@ -175,6 +176,8 @@ struct Incarnation {
     ranks: Vec<Mutex<Rank>>,
     /// When this run started, in seconds since the Unix epoch.
     started: f64,
+    /// Finished prefills' KV kept for their decode workers (`nixl`); a restart loses them.
+    leases: nixl::Leases,
 }
 
 impl Incarnation {
@@ -200,7 +203,11 @@ impl Incarnation {
                 })
             })
             .collect();
-        Incarnation { ranks, started }
+        Incarnation {
+            ranks,
+            started,
+            leases: nixl::Leases::default(),
+        }
     }
 
     fn rank(&self, index: usize) -> Option<MutexGuard<'_, Rank>> {
@@ -223,12 +230,20 @@ impl Incarnation {
             .find(|(index, _)| *index == chosen)
     }
 
-    fn stats(&self) -> Vec<RankStats> {
+    /// Every rank's stats; `transferring` decode legs (waiting for their KV) count as waiting on the
+    /// first rank, as vLLM counts `WAITING_FOR_REMOTE_KVS` requests in `num_requests_waiting`.
+    fn stats(&self, transferring: u64) -> Vec<RankStats> {
         self.ranks
             .iter()
-            .map(|rank| RankStats {
-                process_start_time: self.started,
-                ..lock(rank).stats()
+            .enumerate()
+            .map(|(index, rank)| {
+                let stats = lock(rank).stats();
+                let extra = if index == 0 { transferring } else { 0 };
+                RankStats {
+                    process_start_time: self.started,
+                    waiting: stats.waiting.saturating_add(extra),
+                    ..stats
+                }
             })
             .collect()
     }
@@ -275,6 +290,10 @@ struct Shared {
     last_start: Mutex<f64>,
     /// Tags of tagged requests that have reached a rank (or ended) and that their sender has not taken.
     arrived: Mutex<std::collections::HashSet<u64>>,
+    /// Decode legs waiting for their KV to be pulled (`nixl`).
+    transferring: AtomicU64,
+    /// When the worker's link is free of the transfers queued on it.
+    link_free: Mutex<tokio::time::Instant>,
 }
 
 /// A simulated worker. Dropping it stops its server.
@@ -332,6 +351,8 @@ impl Worker {
             kv_publisher,
             last_start: Mutex::new(0.0),
             arrived: Mutex::new(std::collections::HashSet::new()),
+            transferring: AtomicU64::new(0),
+            link_free: Mutex::new(tokio::time::Instant::now()),
             spec,
         });
         launch(&shared, listener, kv_listeners);
@@ -368,7 +389,13 @@ impl Worker {
 
     /// Every rank's state and counters now.
     pub fn stats(&self) -> Vec<RankStats> {
-        current(&self.shared).map_or_else(Vec::new, |incarnation| incarnation.stats())
+        current(&self.shared).map_or_else(Vec::new, |incarnation| {
+            incarnation.stats(
+                self.shared
+                    .transferring
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
     }
 
     pub fn params(&self) -> SimParams {
@@ -609,6 +636,9 @@ async fn route(
         }
         (&Method::GET, "/model_info" | "/get_model_info") if engine == Engine::Sglang => {
             json(StatusCode::OK, expo::model_info_json(&identity(&shared)))
+        }
+        (&Method::GET, claim) if engine == Engine::Vllm && claim.starts_with("/sim/nixl/") => {
+            nixl::claim(&shared, &incarnation, claim)
         }
         (&Method::POST, "/reset_prefix_cache") if engine == Engine::Vllm => {
             reset_prefix_cache(&incarnation)

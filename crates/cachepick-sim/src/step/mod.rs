@@ -118,6 +118,10 @@ struct Seq {
     hold: Hold,
     /// Tokens the cache held at its first admission: the `cached_tokens` of its usage.
     cached: Option<u32>,
+    /// Leading prompt tokens whose KV another worker computed and this rank pulls (vLLM's NIXL
+    /// `do_remote_prefill`): they are not computed here, but their blocks are allocated and cached as
+    /// if they were. A preemption loses them, and the request then computes its prompt itself.
+    remote: u64,
 }
 
 impl Seq {
@@ -243,6 +247,18 @@ impl StepRank {
         prompt: &[u32],
         max_tokens: u32,
     ) -> Result<(), Refusal> {
+        self.submit_remote(id, prompt, max_tokens, 0)
+    }
+
+    /// [`submit`](Self::submit) a request whose first `remote` prompt tokens were prefilled by another
+    /// worker and transferred here: its first admission counts them as held.
+    pub fn submit_remote(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        max_tokens: u32,
+        remote: u64,
+    ) -> Result<(), Refusal> {
         if self.seqs.contains_key(&id) {
             return Err(self.refuse(Refusal::DuplicateId { id }));
         }
@@ -288,6 +304,7 @@ impl StepRank {
                 generated: 0,
                 hold: Hold::default(),
                 cached: None,
+                remote: remote.min(prompt_len),
             },
         );
         self.waiting.push_back(id);

@@ -46,6 +46,9 @@ pub struct Profile {
     /// SGLang's `chunked_prefill_size` and `max_prefill_tokens` on this GPU.
     pub sglang_chunk: u32,
     pub sglang_max_prefill: u32,
+    /// KV bytes one token occupies on the whole worker: 2 (K and V) × layers × KV heads × head dim ×
+    /// dtype bytes. What a prefill/decode transfer moves per token.
+    pub kv_bytes_per_token: u64,
 }
 
 /// Llama-3.1-8B-Instruct, bf16, one H100 SXM 80GB: the default.
@@ -95,6 +98,8 @@ impl Profile {
             vllm_max_seqs: 1024,
             sglang_chunk: 8192,
             sglang_max_prefill: 16_384,
+            // 2 × 32 layers × 8 KV heads × 128 × 2 bytes (bf16): 128 KiB.
+            kv_bytes_per_token: 131_072,
         }
     }
 
@@ -119,6 +124,8 @@ impl Profile {
             attention_pair: 1.33e-9,
             kv_read: 36e-9,
             kv_blocks: 128_273,
+            // 2 × 80 layers × 8 KV heads × 128 × 2 bytes (bf16): 320 KiB, over the four GPUs.
+            kv_bytes_per_token: 327_680,
             ..Profile::llama31_8b_h100()
         }
     }

@@ -301,7 +301,9 @@ struct Admitted {
 /// the chunk's KV fits; counts its prefix lookup on its first admission.
 fn admit(rank: &mut StepRank, id: RequestId, budget: u64) -> Option<Admitted> {
     let seq = rank.seqs.get(&id)?;
-    let cached = hit(rank, seq);
+    let local = hit(rank, seq);
+    // Transferred tokens are held like cached ones, leaving at least one to compute.
+    let cached = local.max(seq.remote.min(seq.num_tokens().saturating_sub(1)));
     let tokens = seq.num_tokens().saturating_sub(cached).min(budget);
     let holder = super::Holder {
         hold: Hold::default(),
@@ -322,7 +324,8 @@ fn admit(rank: &mut StepRank, id: RequestId, budget: u64) -> Option<Admitted> {
         counters.prefix_queried_tokens = counters
             .prefix_queried_tokens
             .saturating_add(seq.prompt_len);
-        counters.prefix_hit_tokens = counters.prefix_hit_tokens.saturating_add(u64::from(cached));
+        // The prefix cache's own hits: a transfer is no hit of this rank's cache.
+        counters.prefix_hit_tokens = counters.prefix_hit_tokens.saturating_add(local);
         Some(cached)
     } else {
         None
@@ -352,6 +355,7 @@ fn preempt(rank: &mut StepRank, id: RequestId) {
     rank.pool.release(&seq.hashes, seq.hold);
     seq.hold = Hold::default();
     seq.computed = 0;
+    seq.remote = 0;
     match rank.limits.engine {
         Engine::Vllm => rank.waiting.push_front(id),
         Engine::Sglang => rank.waiting.push_back(id),

@@ -30,6 +30,7 @@ mod response;
 mod tests;
 
 pub use request::parse;
+
 pub use response::{error_body, output_token, response_body, stream_chunk, stream_end};
 
 /// Arrays and objects in `tools` nest at most this deep. The simulator hands `tools` to a chat template
@@ -102,6 +103,23 @@ pub struct SimRequest {
     /// Whether a streamed OpenAI response ends with a usage chunk; always `false` without `stream` and
     /// for `/generate`, whose every event carries the token counts anyway.
     pub include_usage: bool,
+    /// vLLM's `kv_transfer_params` (OpenAI APIs only): which leg of a disaggregated request this is.
+    pub kv_transfer: Option<KvTransfer>,
+}
+
+/// A disaggregated request's leg, as vLLM's NixlConnector reads `kv_transfer_params`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvTransfer {
+    /// `do_remote_decode: true`: the prefill leg; its KV is kept for a decode worker to pull.
+    RemoteDecode,
+    /// `do_remote_prefill: true`: the decode leg; the KV is pulled from the prefill worker that
+    /// answered these parameters.
+    RemotePrefill {
+        engine_id: String,
+        request_id: String,
+        host: String,
+        port: u16,
+    },
 }
 
 /// Why a body was refused. Every variant names the member at fault, so a client can fix its request from
@@ -131,6 +149,8 @@ pub enum WireError {
     Batched(&'static str),
     #[error("`stream_options` is only allowed when `stream` is true")]
     StreamOptionsWithoutStream,
+    #[error("`kv_transfer_params` with `do_remote_prefill` needs `{0}`")]
+    KvTransferField(&'static str),
     #[error("`{field}` nests deeper than {MAX_TOOLS_DEPTH} levels")]
     TooDeep { field: &'static str },
 }

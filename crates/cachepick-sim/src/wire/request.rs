@@ -7,7 +7,7 @@ use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-use super::{Api, MAX_TOOLS_DEPTH, Message, Prompt, SimRequest, WireError};
+use super::{Api, KvTransfer, MAX_TOOLS_DEPTH, Message, Prompt, SimRequest, WireError};
 
 /// Reads a request body sent to `api`'s path.
 pub fn parse(api: Api, body: &[u8]) -> Result<SimRequest, WireError> {
@@ -60,6 +60,10 @@ pub fn parse(api: Api, body: &[u8]) -> Result<SimRequest, WireError> {
             (prompt, max_tokens, false)
         }
     };
+    let kv_transfer = match (api, members.get("kv_transfer_params")) {
+        (Api::Chat | Api::Completion, Some(raw)) => kv_transfer(raw)?,
+        _ => None,
+    };
     Ok(SimRequest {
         api,
         model,
@@ -67,7 +71,47 @@ pub fn parse(api: Api, body: &[u8]) -> Result<SimRequest, WireError> {
         max_tokens,
         stream,
         include_usage,
+        kv_transfer,
     })
+}
+
+/// `kv_transfer_params`: an object; `do_remote_prefill` needs the prefill worker's engine, request,
+/// host and port, as vLLM's connector does. Anything else is an aggregated request.
+fn kv_transfer(raw: &RawValue) -> Result<Option<KvTransfer>, WireError> {
+    let invalid = || WireError::Invalid {
+        field: "kv_transfer_params".to_owned(),
+        expected: "an object",
+    };
+    let value: Value = serde_json::from_str(raw.get()).map_err(|_| invalid())?;
+    let Some(params) = value.as_object() else {
+        return if value.is_null() {
+            Ok(None)
+        } else {
+            Err(invalid())
+        };
+    };
+    let flag = |key: &str| params.get(key).and_then(Value::as_bool).unwrap_or(false);
+    if flag("do_remote_prefill") {
+        let text = |key: &'static str| {
+            params
+                .get(key)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or(WireError::KvTransferField(key))
+        };
+        let port = params
+            .get("remote_port")
+            .and_then(Value::as_u64)
+            .and_then(|port| u16::try_from(port).ok())
+            .ok_or(WireError::KvTransferField("remote_port"))?;
+        return Ok(Some(KvTransfer::RemotePrefill {
+            engine_id: text("remote_engine_id")?,
+            request_id: text("remote_request_id")?,
+            host: text("remote_host")?,
+            port,
+        }));
+    }
+    Ok(flag("do_remote_decode").then_some(KvTransfer::RemoteDecode))
 }
 
 /// An object's members in the order written, each kept as its raw JSON text. Reading values raw keeps
