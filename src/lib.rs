@@ -15,6 +15,8 @@
 //! - [`prefix`]: chained block hashes of a prompt and the owner index of which worker holds them.
 //! - [`route`]: the request path — body → pool → tokens → block hashes → owners → decision → commit on
 //!   one load snapshot — and the service that answers each request (route or refuse) in domain terms.
+//! - [`pd`]: a prefill/decode pool's handshake — the prefill leg cachepick sends itself (vLLM NIXL's
+//!   two-stage relay) and the decode leg's body with the parameters spliced in.
 //! - [`protocol`]: the names cachepick speaks on the wire — headers, metadata keys, health services.
 //! - [`connections`]: a listener's open connections, their streams and idleness, and the room made at
 //!   the cap by closing the one idle longest; [`health`]: readiness shared by both listeners.
@@ -41,6 +43,7 @@ pub mod health;
 pub mod load;
 pub mod metrics;
 pub mod metrics_server;
+pub mod pd;
 pub mod policy;
 pub mod prefix;
 pub mod protocol;

@@ -21,6 +21,7 @@ mod families;
 mod gie;
 mod kv_events;
 mod overload;
+mod pd;
 mod replica_sync;
 mod security;
 
@@ -29,6 +30,7 @@ use gie::GiePoolGauges;
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
 pub use overload::{OverloadMetrics, RefusedCommit};
+pub use pd::PdMetrics;
 use replica_sync::{ReplicaSyncCollector, ReplicaSyncCounters};
 use security::SecurityMetrics;
 pub use security::{DebugListener, HttpRefusal};
@@ -122,6 +124,8 @@ pub struct Metrics {
     security: SecurityMetrics,
     /// Shedding, admission and the answer-time histogram (`overload.rs`).
     pub overload: OverloadMetrics,
+    /// Prefill/decode pools' decode picks and prefill legs (`pd.rs`).
+    pub pd: PdMetrics,
 }
 
 /// Gauges read off the current snapshots of every watched pool at collection time.
@@ -403,6 +407,7 @@ impl Metrics {
             config_reloads,
             security: SecurityMetrics::new()?,
             overload: OverloadMetrics::new()?,
+            pd: PdMetrics::new()?,
         };
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
@@ -429,6 +434,7 @@ impl Metrics {
         registry.register(Box::new(metrics.config_reloads.clone()))?;
         metrics.security.register(registry)?;
         metrics.overload.register(registry)?;
+        metrics.pd.register(registry)?;
         Ok(metrics)
     }
 

@@ -33,6 +33,13 @@ pub const DECISION_HEADER: &str = "x-cachepick-decision";
 pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
 /// Leading prompt tokens the selected worker is credited with holding.
 pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
+/// A prefill/decode request's prefill worker (`ip:port`), chosen by the ladder; the destination is
+/// its decode worker.
+pub const PREFILL_HEADER: &str = "x-cachepick-prefill-endpoint";
+/// Why a prefill/decode request's decode worker was chosen (`decode_hit`, `decode_pressure`, ...).
+pub const DECODE_DECISION_HEADER: &str = "x-cachepick-decode-decision";
+/// What became of a prefill/decode request's prefill leg (`remote_prefill`, `local_prefill_failed`, ...).
+pub const PD_HEADER: &str = "x-cachepick-pd";
 /// The stable label of a refusal, on cachepick's own (immediate) answers.
 pub const REFUSAL_HEADER: &str = "x-cachepick-refusal-reason";
 

@@ -326,7 +326,7 @@ fn the_simulator_crate_depends_on_no_product_crate() {
 const LAYERS: [&[&str]; 8] = [
     &["worker", "protocol", "tls", "auth", "connections", "health"],
     &["config"],
-    &["request", "tokenize", "prefix", "load", "discovery"],
+    &["request", "tokenize", "prefix", "load", "discovery", "pd"],
     &["policy", "events"],
     &["metrics"],
     &["route"],

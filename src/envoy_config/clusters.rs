@@ -43,15 +43,18 @@ fn generation_limits(out: &mut Yaml, retries: bool) {
     );
 }
 
-/// The endpoints of the workers that take requests (role prefill or both), or of those that do not
-/// (decode-only), in configuration order.
+/// The endpoints of the workers that take requests (role prefill or both, and every worker of a
+/// prefill/decode pool), or of those that do not (an aggregated pool's decode-only workers), in
+/// configuration order.
 fn endpoints(config: &Config, takes_requests: bool) -> impl Iterator<Item = SocketAddr> + '_ {
     config
         .pools
         .iter()
-        .flat_map(|pool| &pool.workers)
-        .filter(move |worker| worker.role.serves_prefill() == takes_requests)
-        .map(|worker| worker.endpoint)
+        .flat_map(|pool| pool.workers.iter().map(move |worker| (pool, worker)))
+        .filter(move |(pool, worker)| {
+            (worker.role.serves_prefill() || pool.pd.is_some()) == takes_requests
+        })
+        .map(|(_, worker)| worker.endpoint)
 }
 
 /// A cluster's static `load_assignment` of IP endpoints.

@@ -278,8 +278,16 @@ impl EnvoyOptions {
             listen: Self::DEFAULT_LISTEN,
             admin: Self::DEFAULT_ADMIN,
             pickers: vec![picker_address(config.listen)],
-            // The picker's decision deadline is derived from the same value, so it ends first.
-            message_timeout: config.overload.message_timeout,
+            // The picker's decision deadline is derived from the same value, so it ends first. A
+            // prefill/decode pool's answer also waits for its prefill leg (`pd.prefill_timeout`).
+            message_timeout: config.overload.message_timeout
+                + config
+                    .pools
+                    .iter()
+                    .filter_map(|pool| pool.pd.as_ref())
+                    .map(|pd| pd.prefill_timeout)
+                    .max()
+                    .unwrap_or_default(),
             source: None,
             picker_tls: None,
         }

@@ -25,8 +25,9 @@ use tonic::metadata::MetadataValue;
 
 use super::lb;
 use crate::protocol::{
-    DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER, RefusalReason,
-    SELECTED_HEADER, SHED_METADATA, error_json,
+    DECISION_HEADER, DECODE_DECISION_HEADER, DESTINATION, PD_HEADER, PREFILL_HEADER,
+    PREFIX_TOKENS_HEADER, REFUSAL_HEADER, RefusalReason, SELECTED_HEADER, SHED_METADATA,
+    error_json,
 };
 use crate::route::{Refusal, Routed};
 
@@ -79,27 +80,69 @@ impl Held<'_> {
 /// A routed request's answer, in the order Envoy expects it: the headers response of a header-only
 /// request; in duplex and streamed mode (`delayed`: the headers response waited for the body) the
 /// headers response, then what was held; else (buffered) the body response.
+///
+/// With `replaced`, `held.body` is a new body for the upstream (a prefill/decode request's decode leg):
+/// the body response carries it whole and sets its length (buffered), it is what streams back
+/// (duplex), or it replaces the first chunk and the others are cleared (streamed).
 pub(super) fn routed(
     routed: &Routed,
     spoofed: &[String],
     held: Held<'_>,
     ending: Ending,
     delayed: bool,
+    replaced: bool,
 ) -> Vec<ProcessingResponse> {
-    let in_headers = || lb::with_metadata(routed, headers_response(mutation(spoofed, routed)));
+    let in_headers =
+        || lb::with_metadata(routed, headers_response(mutation(spoofed, routed, None)));
     match (ending, delayed) {
         (Ending::Headers, _) => vec![in_headers()],
+        (_, true) if replaced && !held.echoes => {
+            let mut responses = vec![in_headers()];
+            responses.extend(replaced_chunks(held));
+            if ending == Ending::Trailers {
+                responses.push(trailers());
+            }
+            responses
+        }
         (_, true) => continued(in_headers(), held, ending),
-        (_, false) => vec![lb::with_metadata(
-            routed,
+        (_, false) => {
+            let length = replaced.then_some(held.body.len());
+            vec![lb::with_metadata(
+                routed,
+                response(processing_response::Response::RequestBody(BodyResponse {
+                    response: Some(CommonResponse {
+                        header_mutation: Some(mutation(spoofed, routed, length)),
+                        body_mutation: replaced.then(|| BodyMutation {
+                            mutation: Some(body_mutation::Mutation::Body(held.body.to_vec())),
+                        }),
+                        ..CommonResponse::default()
+                    }),
+                })),
+            )]
+        }
+    }
+}
+
+/// Streamed mode with a new body: the first chunk's answer replaces it with the whole new body, every
+/// later chunk's clears it.
+fn replaced_chunks(held: Held<'_>) -> Vec<ProcessingResponse> {
+    (0..held.chunks.max(1))
+        .map(|index| {
+            let mutation = if index == 0 {
+                body_mutation::Mutation::Body(held.body.to_vec())
+            } else {
+                body_mutation::Mutation::ClearBody(true)
+            };
             response(processing_response::Response::RequestBody(BodyResponse {
                 response: Some(CommonResponse {
-                    header_mutation: Some(mutation(spoofed, routed)),
+                    body_mutation: Some(BodyMutation {
+                        mutation: Some(mutation),
+                    }),
                     ..CommonResponse::default()
                 }),
-            })),
-        )],
-    }
+            }))
+        })
+        .collect()
 }
 
 /// A duplex or streamed request given up on after its body arrived, continued without a destination:
@@ -276,18 +319,35 @@ fn streamed_body(body: &[u8], ends: bool) -> Vec<ProcessingResponse> {
 
 /// The destination and decision headers, overwriting whatever the client sent, and the removal of the
 /// client's other `x-cachepick-*` headers.
-fn mutation(spoofed: &[String], routed: &Routed) -> HeaderMutation {
+/// A prefill/decode request also names its prefill worker, its decode reason and its prefill leg's
+/// outcome; a buffered body replaced for the upstream gets its new `content-length`.
+fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) -> HeaderMutation {
     let selected = routed
         .endpoints
         .first()
         .map(ToString::to_string)
         .unwrap_or_default();
-    let set = [
+    let mut set = vec![
         (DESTINATION, routed.destination()),
         (SELECTED_HEADER, selected),
         (DECISION_HEADER, routed.label().to_owned()),
         (PREFIX_TOKENS_HEADER, routed.matched_tokens.to_string()),
     ];
+    if let Some(pd) = &routed.pd {
+        let prefill = pd
+            .prefilled_by
+            .or_else(|| pd.prefill.first().copied())
+            .map(|worker| worker.to_string())
+            .unwrap_or_default();
+        set.push((PREFILL_HEADER, prefill));
+        set.push((DECODE_DECISION_HEADER, pd.decode.reason.as_str().to_owned()));
+        if let Some(handoff) = pd.handoff {
+            set.push((PD_HEADER, handoff.as_str().to_owned()));
+        }
+    }
+    if let Some(length) = content_length {
+        set.push(("content-length", length.to_string()));
+    }
     let remove_headers = spoofed
         .iter()
         .filter(|key| !set.iter().any(|(name, _)| name == key))

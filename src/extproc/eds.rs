@@ -123,7 +123,7 @@ fn assignments_of(pools: &[Arc<PoolLoad>]) -> Assignments {
             pool.snapshot()
                 .workers()
                 .iter()
-                .filter(|worker| worker.lifecycle.in_envoy() && worker.role.serves_prefill())
+                .filter(|worker| worker.lifecycle.in_envoy() && pool.takes_requests(worker.role))
                 .map(|worker| worker.endpoint)
                 .collect::<Vec<_>>()
         })

@@ -23,6 +23,7 @@ mod handoff;
 mod lb;
 mod listener;
 mod process;
+mod relay;
 mod served;
 mod transport;
 

@@ -41,6 +41,7 @@ use super::handoff::{self, Decided, Pending};
 #[cfg(feature = "fault-injection")]
 use super::handoff::{FAULT_HEADER, Fault};
 use super::lb;
+use super::relay;
 use super::served::{self, Follow};
 use crate::metrics::StreamEnd;
 use crate::protocol::{DESTINATION, OWNED_PREFIX, RefusalReason};
@@ -107,6 +108,9 @@ struct Exchange {
     content_encoding: Option<String>,
     /// The configured tenant header's value.
     tenant: Option<String>,
+    /// `x-request-id` and `authorization`, which a prefill/decode request's prefill leg carries too.
+    request_id: Option<String>,
+    authorization: Option<Vec<u8>>,
     body: Vec<u8>,
     /// The whole body once the decision is owed: shared with the decision (a cheap clone), so the answer
     /// can still re-emit it in duplex mode when the decision is given up on.
@@ -169,6 +173,8 @@ impl Exchange {
             spoofed: Vec::new(),
             content_encoding: None,
             tenant: None,
+            request_id: None,
+            authorization: None,
             body: Vec::new(),
             whole: Bytes::new(),
             forwarding: false,
@@ -268,11 +274,41 @@ async fn drive(
             Step::Decide(ending) => {
                 let request = exchange.pending(ending);
                 match handoff::decide(service, request, &mut inbound, out, stream_end).await {
-                    Decided::Route(routed) => {
-                        let held = exchange.held(&exchange.whole, exchange.chunks);
+                    Decided::Route(mut routed) => {
+                        // A prefill/decode request's prefill leg runs before Envoy is answered.
+                        let source = relay::LegSource {
+                            path: &exchange.path,
+                            body: &exchange.whole,
+                            content_encoding: exchange.content_encoding.as_deref(),
+                            request_id: exchange.request_id.as_deref(),
+                            authorization: exchange.authorization.as_deref(),
+                        };
+                        let replaced = match relay::prefill(
+                            service,
+                            &mut routed,
+                            source,
+                            &mut inbound,
+                            stream_end,
+                        )
+                        .await
+                        {
+                            Ok(replaced) => replaced,
+                            Err(relay::Gone) => {
+                                service.metrics().overload.shed(RefusalReason::Cancelled);
+                                return StreamEnd::Reset;
+                            }
+                        };
+                        let body = replaced.as_deref().unwrap_or(&exchange.whole);
+                        let held = exchange.held(body, exchange.chunks);
                         let delayed = exchange.headers_pending;
-                        let responses =
-                            answer::routed(&routed, &exchange.spoofed, held, ending, delayed);
+                        let responses = answer::routed(
+                            &routed,
+                            &exchange.spoofed,
+                            held,
+                            ending,
+                            delayed,
+                            replaced.is_some(),
+                        );
                         (responses, Answer::Route(routed))
                     }
                     Decided::Refuse(refusal) => {
@@ -391,6 +427,10 @@ fn on_headers(
         } else if key == "content-encoding" {
             exchange.content_encoding =
                 Some(String::from_utf8_lossy(&header.raw_value).into_owned());
+        } else if key == "x-request-id" {
+            exchange.request_id = Some(String::from_utf8_lossy(&header.raw_value).into_owned());
+        } else if key == "authorization" {
+            exchange.authorization = Some(header.raw_value.clone());
         } else if service.salt_header() == Some(key.as_str()) {
             exchange.tenant = Some(String::from_utf8_lossy(&header.raw_value).into_owned());
         } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION)

@@ -47,6 +47,8 @@ pub struct PoolLoad {
     roster: watch::Sender<u64>,
     /// Restarts seen elsewhere (a KV event stream whose sequence started over), for the scraper.
     restarts: mpsc::UnboundedSender<WorkerId>,
+    /// A prefill/decode pool (`pools[].pd`): its decode workers take requests too (their decode legs).
+    disaggregated: bool,
     /// Taken by the pool's scraper.
     restart_reports: Mutex<Option<mpsc::UnboundedReceiver<WorkerId>>>,
     /// `replica_sync`: where each dispatch is announced to the other replicas, once set at start-up.
@@ -89,7 +91,14 @@ impl PoolLoad {
             restarts,
             restart_reports: Mutex::new(Some(restart_reports)),
             sync: OnceLock::new(),
+            disaggregated: pool.pd.is_some(),
         })
+    }
+
+    /// Whether Envoy must know `role`'s workers: those that take requests, which in a prefill/decode
+    /// pool include the decode workers (each request's decode leg goes to one).
+    pub fn takes_requests(&self, role: crate::worker::Role) -> bool {
+        role.serves_prefill() || self.disaggregated
     }
 
     /// The pool's name in metrics and logs: its model, or `*`.

@@ -128,7 +128,7 @@ pub fn decide_decode<R: Rng + ?Sized>(
             let j = rng.random_range(i..sampled.len());
             sampled.swap(i, j);
         }
-        let best = *sampled[..k].iter().min_by_key(|member| member.key())?;
+        let best = *sampled.get(..k)?.iter().min_by_key(|member| member.key())?;
         let owner = admitted
             .iter()
             .filter(|member| member.matched_tokens >= min_match_tokens.max(1))

@@ -56,6 +56,9 @@ pub struct Routed {
     /// What the commit credited, for the response's report to settle (`feedback.enabled`).
     #[serde(skip)]
     pub credit: Option<Credit>,
+    /// In a prefill/decode pool: the prefill leg's workers and the decode pick. `endpoints` are then
+    /// the decode worker and its fallbacks, and `reason` the prefill worker's.
+    pub pd: Option<Box<super::PdRoute>>,
 }
 
 impl Routed {

@@ -114,9 +114,11 @@ pub(super) struct PoolRoute {
     tokenizer: PoolTokenizer,
     pub(super) index: Arc<dyn PoolIndex>,
     /// The pool's policy; a reloaded file replaces it whole, and each decision reads one.
-    policy: ArcSwap<PolicyConfig>,
+    pub(super) policy: ArcSwap<PolicyConfig>,
     /// Decisions taken so far under `round_robin`: the next request's turn.
     sequence: AtomicU64,
+    /// A prefill/decode pool's handshake (`pools[].pd`); `None` for an aggregated pool.
+    pub(super) relay: Option<Arc<crate::pd::Relay>>,
 }
 
 impl PoolRoute {
@@ -203,6 +205,10 @@ impl Picker {
                     tokenizer,
                     index,
                     sequence: AtomicU64::new(0),
+                    relay: pool
+                        .pd
+                        .as_ref()
+                        .map(|pd| Arc::new(crate::pd::Relay::new(pd))),
                 }
             })
             .collect();
@@ -339,6 +345,14 @@ impl Picker {
         self.max_body_bytes
     }
 
+    /// The handshake of the prefill/decode pool labelled `pool`; `None` for an aggregated pool.
+    pub fn relay(&self, pool: &str) -> Option<Arc<crate::pd::Relay>> {
+        self.pools
+            .iter()
+            .find(|route| route.load.label() == pool)
+            .and_then(|route| route.relay.clone())
+    }
+
     /// Bytes each pool's segment cache holds, by pool label.
     pub fn segment_cache_bytes(&self) -> Vec<(String, u64)> {
         self.pools
@@ -403,9 +417,9 @@ impl Picker {
 /// A prepared request on its pool's load snapshot, taken once by [`Picker::pin`]: the subset mapping,
 /// the decision, the commit and the endpoints all read this snapshot, so they cannot disagree.
 pub struct Pinned<'p> {
-    pool: &'p PoolRoute,
-    prepared: &'p Prepared,
-    snapshot: Arc<PoolSnapshot>,
+    pub(super) pool: &'p PoolRoute,
+    pub(super) prepared: &'p Prepared,
+    pub(super) snapshot: Arc<PoolSnapshot>,
     feedback: bool,
 }
 

@@ -391,6 +391,7 @@ impl Service {
             prompt_tokens: 0,
             passthrough: true,
             credit: None,
+            pd: None,
         })
     }
 
@@ -437,6 +438,7 @@ impl Service {
             prompt_tokens: prepared.prompt_tokens,
             passthrough,
             credit: None,
+            pd: None,
         })
     }
 
@@ -494,7 +496,23 @@ impl Service {
             }
             Commit::DryRun => None,
         };
-        let endpoints = pinned.endpoints(decision);
+        let mut endpoints = pinned.endpoints(decision);
+        // A PD pool's request has a second pick: its decode worker, where Envoy sends it.
+        let pd = pinned
+            .decide_decode(decision, Instant::now(), &mut rand::rng())
+            .map(|(route, decode)| {
+                if commit.is_live() {
+                    pinned.commit_decode(&route.decode);
+                    self.metrics
+                        .pd
+                        .record_decode(&prepared.pool_label, route.decode.reason);
+                }
+                endpoints = decode;
+                Box::new(route)
+            });
+        // The response comes from the decode worker, which the credit (the prefill worker's) does not
+        // name: a PD request is learned from its decisions and the engines' events, not from reports.
+        let credit = if pd.is_some() { None } else { credit };
         if commit.is_live() {
             let block_size = pinned.block_size().max(1);
             let diverted_blocks = decision
@@ -517,6 +535,7 @@ impl Service {
             prompt_tokens: prepared.prompt_tokens,
             passthrough: false,
             credit,
+            pd,
         })
     }
 

@@ -1,0 +1,102 @@
+//! A prefill/decode (PD) pool's second pick: the decode worker of a request whose prefill worker the
+//! ladder chose, read off the same snapshot, and committed beside it.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use rand::Rng;
+use serde::Serialize;
+
+use super::picker::Pinned;
+use crate::policy::{Decision, DecodePick, LoadView, RequestFacts, decide_decode};
+
+/// The two legs of a request routed in a PD pool.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PdRoute {
+    /// The chosen prefill worker, then the ladder's next best, which replaces it if it fails.
+    pub prefill: Vec<SocketAddr>,
+    /// The decode worker and why.
+    pub decode: DecodePick,
+    /// What became of the prefill leg, once it ran (`extproc` runs it before answering Envoy).
+    pub handoff: Option<crate::pd::Handoff>,
+    /// The prefill worker whose KV the decode worker pulls.
+    pub prefilled_by: Option<SocketAddr>,
+}
+
+impl Pinned<'_> {
+    /// In a PD pool, the decode pick for the request whose prefill `decision` chose, with the decode
+    /// endpoints (the selected one, then its fallbacks); `None` for an aggregated pool, or when the pool
+    /// has no routable decode worker (the prefill worker then serves the request whole).
+    pub(super) fn decide_decode<R: Rng + ?Sized>(
+        &self,
+        decision: &Decision,
+        now: Instant,
+        rng: &mut R,
+    ) -> Option<(PdRoute, Vec<SocketAddr>)> {
+        let pd = self.pool.config.pd.as_ref()?;
+        let view = LoadView {
+            snapshot: &self.snapshot,
+            dispatches: self.pool.load.dispatches(),
+            now,
+        };
+        let facts = RequestFacts {
+            prompt_tokens: self.prepared.prompt_tokens,
+            // The proxy's subset hint names the endpoints of the request's one upstream leg; the
+            // decode fleet is the pool's own.
+            allowed: None,
+            sequence: 0,
+        };
+        let policy = self.pool.policy.load();
+        let min_match = policy
+            .cache_aware()
+            .map_or(1, |knobs| knobs.min_match_tokens);
+        let pick = decide_decode(
+            &facts,
+            &self.prepared.owners,
+            &view,
+            pd.decode_choices.get(),
+            min_match,
+            self.max_fallbacks(),
+            rng,
+        )?;
+        let endpoints: Vec<SocketAddr> = std::iter::once(pick.selected)
+            .chain(pick.fallbacks.iter().copied())
+            .filter_map(|id| self.snapshot.worker(id).map(|worker| worker.endpoint))
+            .collect();
+        let prefill = self.endpoints(decision).into_iter().take(2).collect();
+        Some((
+            PdRoute {
+                prefill,
+                decode: pick,
+                handoff: None,
+                prefilled_by: None,
+            },
+            endpoints,
+        ))
+    }
+
+    /// Records a decode leg: one more request in flight on the decode worker, and the prompt's blocks
+    /// there, since vLLM's decode worker keeps the KV it pulls (or computes) in its prefix cache.
+    pub(super) fn commit_decode(&self, pick: &DecodePick) {
+        let Some(worker) = self
+            .snapshot
+            .worker(pick.selected)
+            .filter(|worker| worker.routable())
+        else {
+            return;
+        };
+        self.pool.record(
+            pick.selected,
+            worker.capacity.max_total_tokens,
+            &self.prepared.block_hashes,
+            &self.snapshot,
+        );
+        self.pool.load.dispatched(
+            pick.selected,
+            worker.endpoint,
+            self.prepared
+                .prompt_tokens
+                .saturating_sub(pick.matched_tokens),
+        );
+    }
+}

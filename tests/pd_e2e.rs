@@ -1,0 +1,348 @@
+//! A prefill/decode (PD) pool end to end: a simulated vLLM fleet of prefill and decode workers,
+//! cachepick in process, and a real Envoy 1.40 on the bootstrap `envoy_config::render` generates.
+//!
+//! Each request takes two legs: cachepick sends the prefill leg itself (vLLM NIXL's two-stage relay)
+//! and Envoy sends the decode leg, with the prefill worker's `kv_transfer_params`, to the decode worker
+//! cachepick named. The simulator's headers say which worker served each leg and whether the KV was
+//! pulled (`x-kv-transfer: pulled`, `x-prefilled-by`) or computed by the decode worker itself (`local`),
+//! and cachepick's headers, echoed by the worker, say why. Faults: a dead prefill worker, both dead,
+//! a dead decode worker, and the picker gone.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
+
+mod support {
+    pub mod envoy;
+    pub mod provision;
+    pub mod sim_client;
+    pub mod sim_fleet;
+}
+
+use support::{envoy, sim_client, sim_fleet};
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::StatusCode;
+use serde_json::{Value, json};
+
+use cachepick::config::{self, Config, Overrides, PdConfig};
+use cachepick::envoy_config::{self, BodyMode};
+use cachepick::worker::Role;
+use cachepick_rig::stage::{Picker, READY_WITHIN};
+use cachepick_sim::Engine;
+use cachepick_sim::fleet::Fleet;
+use sim_client::{CHAT, COMPLETIONS, Client, MODEL, Reply, Streamed};
+
+const ECHO_PD: &str = "x-sim-echo-x-cachepick-pd";
+const ECHO_PREFILL: &str = "x-sim-echo-x-cachepick-prefill-endpoint";
+const ECHO_DECODE_DECISION: &str = "x-sim-echo-x-cachepick-decode-decision";
+const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
+
+/// Two prefill workers (0, 1) and two decode workers (2, 3) of one vLLM pool, cachepick, Envoy.
+struct Stack {
+    fleet: Fleet,
+    config: Config,
+    gateway: SocketAddr,
+    client: Client,
+    picker: Option<Picker>,
+    _envoy: envoy::Envoy,
+}
+
+impl Stack {
+    async fn start(mode: BodyMode) -> Stack {
+        let sim = sim_fleet::config(Engine::Vllm, 4);
+        let fleet = sim_fleet::start(&sim).await;
+        let generated = fleet.cachepick_config();
+        let mut config =
+            config::parse(&generated, "the PD configuration", &envoy::free_listeners())
+                .unwrap_or_else(|error| panic!("{error}\n{generated}"));
+        config.load.scrape_interval = Duration::from_millis(100);
+        config.load.scrape_timeout = Duration::from_millis(80);
+        config.load.freshness = Duration::from_millis(500);
+        let pool = &mut config.pools[0];
+        for (index, worker) in pool.workers.iter_mut().enumerate() {
+            worker.role = if index < 2 {
+                Role::Prefill
+            } else {
+                Role::Decode
+            };
+        }
+        pool.pd = Some(PdConfig {
+            prefill_timeout: Duration::from_secs(5),
+            ..pd_defaults()
+        });
+        // The edits bypassed validation: round-trip them through it.
+        let effective = config.to_yaml();
+        let config = config::parse(
+            &effective,
+            "the edited PD configuration",
+            &Overrides::default(),
+        )
+        .unwrap_or_else(|error| panic!("{error}\n{effective}"));
+        assert!(config.pools[0].pd.is_some(), "{effective}");
+        let mut picker = Picker::spawn(config.clone());
+        if let Err(error) = picker.ready(READY_WITHIN).await {
+            panic!("cachepick on {} is not ready: {error}", config.listen);
+        }
+        let options = envoy::free_options(&config, mode);
+        let gateway = options.listen;
+        let yaml = envoy_config::render(&config, &options);
+        let envoy = envoy::Envoy::start(&yaml).await;
+        Stack {
+            fleet,
+            config,
+            gateway,
+            client: Client::new(),
+            picker: Some(picker),
+            _envoy: envoy,
+        }
+    }
+
+    fn prefill_workers(&self) -> Vec<String> {
+        self.config.pools[0].workers[..2]
+            .iter()
+            .map(|worker| worker.endpoint.to_string())
+            .collect()
+    }
+
+    fn decode_workers(&self) -> Vec<String> {
+        self.config.pools[0].workers[2..]
+            .iter()
+            .map(|worker| worker.endpoint.to_string())
+            .collect()
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> Reply {
+        self.client.post(self.gateway, path, body).await
+    }
+
+    async fn stream(&self, path: &str, body: &Value) -> Streamed {
+        self.client.stream(self.gateway, path, body).await
+    }
+}
+
+fn pd_defaults() -> PdConfig {
+    let yaml = "pools:\n  - model: m\n    engine: vllm\n    pd: {}\n    workers:\n      - {endpoint: \
+                127.0.0.1:1, role: prefill}\n      - {endpoint: 127.0.0.1:2, role: decode}\n";
+    config::parse(yaml, "defaults", &Overrides::default())
+        .unwrap()
+        .pools[0]
+        .pd
+        .clone()
+        .unwrap()
+}
+
+fn chat(text: &str, stream: bool) -> Value {
+    let mut body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 6,
+    });
+    if stream {
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+fn completion(text: &str, stream: bool) -> Value {
+    let mut body = json!({"model": MODEL, "prompt": text, "max_tokens": 6});
+    if stream {
+        body["stream"] = json!(true);
+    }
+    body
+}
+
+fn prompt(seed: usize) -> String {
+    format!(
+        "request {seed}: {}",
+        "the quick brown fox jumps over the lazy dog ".repeat(40)
+    )
+}
+
+/// The two legs a response reports: (decode worker, prefill worker, transfer, handoff).
+fn legs(headers: &http::HeaderMap) -> (String, String, String, String) {
+    let get = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    (
+        get("x-served-by"),
+        get("x-prefilled-by"),
+        get("x-kv-transfer"),
+        get(ECHO_PD),
+    )
+}
+
+async fn both_legs_for_every_api(mode: BodyMode) {
+    let stack = Stack::start(mode).await;
+    let (prefill, decode) = (stack.prefill_workers(), stack.decode_workers());
+    for (index, (path, streaming)) in [
+        (CHAT, false),
+        (CHAT, true),
+        (COMPLETIONS, false),
+        (COMPLETIONS, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let text = prompt(index);
+        let body = if path == CHAT {
+            chat(&text, streaming)
+        } else {
+            completion(&text, streaming)
+        };
+        let headers = if streaming {
+            let streamed = stack.stream(path, &body).await;
+            assert_eq!(streamed.status, StatusCode::OK, "{path} {streamed:?}");
+            assert!(
+                streamed.done(),
+                "{path}: the stream ends with [DONE]: {streamed:?}"
+            );
+            let tokens: usize = streamed
+                .events
+                .iter()
+                .filter_map(|event| event.json())
+                .filter_map(|chunk| {
+                    let choice = chunk["choices"].get(0)?.clone();
+                    let text = choice["delta"]["content"]
+                        .as_str()
+                        .or(choice["text"].as_str())?
+                        .to_owned();
+                    (!text.is_empty()).then_some(1)
+                })
+                .sum();
+            assert!(tokens >= 1, "{path}: streamed no text");
+            streamed.headers
+        } else {
+            let reply = stack.post(path, &body).await;
+            assert_eq!(reply.status, StatusCode::OK, "{path}: {}", reply.text());
+            assert_eq!(
+                reply.usage().completion_tokens,
+                6,
+                "the decode leg keeps max_tokens"
+            );
+            // The decode worker holds the pulled prompt but the token it computes itself.
+            assert_eq!(
+                reply.usage().cached_tokens + 1,
+                reply.usage().prompt_tokens,
+                "{}",
+                reply.text()
+            );
+            reply.headers
+        };
+        let (served_by, prefilled_by, transfer, handoff) = legs(&headers);
+        assert!(
+            decode.contains(&served_by),
+            "{path}: decoded on {served_by}, not a decode worker"
+        );
+        assert!(
+            prefill.contains(&prefilled_by),
+            "{path}: prefilled on {prefilled_by:?}"
+        );
+        assert_eq!(transfer, "pulled", "{path}");
+        assert_eq!(handoff, "remote_prefill", "{path}");
+        let echoed = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(
+            echoed(ECHO_PREFILL),
+            prefilled_by,
+            "cachepick names the prefill worker"
+        );
+        assert!(
+            ["decode_pressure", "decode_hit"].contains(&echoed(ECHO_DECODE_DECISION).as_str()),
+            "{headers:?}"
+        );
+        assert!(!echoed(ECHO_DECISION).is_empty());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_both_legs_for_every_api() {
+    both_legs_for_every_api(BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplex_both_legs_for_every_api() {
+    both_legs_for_every_api(BodyMode::Duplex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_both_legs_for_every_api() {
+    both_legs_for_every_api(BodyMode::Streamed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_fault_leaves_the_client_served_and_says_why() {
+    let stack = Stack::start(BodyMode::Buffered).await;
+    let decode = stack.decode_workers();
+
+    // One prefill worker dies: until a scrape shows it, a request chosen for it is re-sent to the
+    // other; after, the ladder no longer chooses it. Either way the KV is pulled.
+    stack.fleet.worker(0).unwrap().kill().await;
+    for index in 0..4 {
+        let reply = stack
+            .post(COMPLETIONS, &completion(&prompt(100 + index), false))
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let (served_by, prefilled_by, transfer, handoff) = legs(&reply.headers);
+        assert!(decode.contains(&served_by));
+        assert_eq!(prefilled_by, stack.prefill_workers()[1]);
+        assert_eq!(transfer, "pulled");
+        assert!(
+            ["remote_prefill", "remote_prefill_retried"].contains(&handoff.as_str()),
+            "{handoff}"
+        );
+    }
+
+    // Both prefill workers dead: the decode worker prefills the request itself, and says so.
+    stack.fleet.worker(1).unwrap().kill().await;
+    let reply = stack.post(CHAT, &chat(&prompt(200), false)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let (served_by, _, transfer, handoff) = legs(&reply.headers);
+    assert!(decode.contains(&served_by));
+    assert_eq!(transfer, "local");
+    assert_eq!(handoff, "local_prefill_failed");
+    stack.fleet.worker(0).unwrap().restart().await.unwrap();
+    stack.fleet.worker(1).unwrap().restart().await.unwrap();
+
+    // A decode worker dies: Envoy's connect-failure retry takes the decode leg to the other decode
+    // worker, which pulls the same lease.
+    stack.fleet.worker(2).unwrap().kill().await;
+    for index in 0..4 {
+        let reply = stack
+            .post(COMPLETIONS, &completion(&prompt(300 + index), false))
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let (served_by, _, transfer, _) = legs(&reply.headers);
+        assert_eq!(served_by, decode[1]);
+        assert!(
+            ["pulled", "local"].contains(&transfer.as_str()),
+            "{transfer}"
+        );
+    }
+    stack.fleet.worker(2).unwrap().restart().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_picker_gone_envoy_fails_open_to_an_aggregated_worker() {
+    let mut stack = Stack::start(BodyMode::Buffered).await;
+    let reply = stack.post(CHAT, &chat(&prompt(1), false)).await;
+    assert_eq!(legs(&reply.headers).2, "pulled");
+    stack.picker.take().unwrap().stop().await.unwrap();
+    // vLLM workers serve either leg (`kv_both`): without parameters any of them prefills and decodes
+    // the request itself.
+    let reply = stack.post(CHAT, &chat(&prompt(2), false)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(legs(&reply.headers).2, "local");
+    assert!(reply.headers.get(ECHO_PD).is_none());
+}
