@@ -314,6 +314,23 @@ pub fn explanation(explanation: &Explanation) -> String {
             let _ = writeln!(out, "decision: refuse {}", refused.reason.as_str());
         }
     }
+    if let Some(decode) = &explanation.decode {
+        let fallbacks: Vec<String> = decode.fallbacks.iter().map(|id| endpoint(*id)).collect();
+        let _ = writeln!(
+            out,
+            "decode:   {} -> {} (pressure {}, holds {} tokens, {} decode workers; fallbacks: {})",
+            decode.reason.as_str(),
+            endpoint(decode.selected),
+            decode.pressure,
+            decode.matched_tokens,
+            decode.fleet,
+            if fallbacks.is_empty() {
+                "none".to_owned()
+            } else {
+                fallbacks.join(", ")
+            }
+        );
+    }
     let trace = serde_json::to_string_pretty(trace).unwrap_or_default();
     let _ = writeln!(out, "trace:   {trace}");
     out

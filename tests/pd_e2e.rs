@@ -51,6 +51,10 @@ struct Stack {
 
 impl Stack {
     async fn start(mode: BodyMode) -> Stack {
+        Stack::with_timeout(mode, Duration::from_secs(5)).await
+    }
+
+    async fn with_timeout(mode: BodyMode, prefill_timeout: Duration) -> Stack {
         let sim = sim_fleet::config(Engine::Vllm, 4);
         let fleet = sim_fleet::start(&sim).await;
         let generated = fleet.cachepick_config();
@@ -69,7 +73,7 @@ impl Stack {
             };
         }
         pool.pd = Some(PdConfig {
-            prefill_timeout: Duration::from_secs(5),
+            prefill_timeout,
             ..pd_defaults()
         });
         // The edits bypassed validation: round-trip them through it.
@@ -345,4 +349,58 @@ async fn with_the_picker_gone_envoy_fails_open_to_an_aggregated_worker() {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert_eq!(legs(&reply.headers).2, "local");
     assert!(reply.headers.get(ECHO_PD).is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_leg_past_its_deadline_is_prefilled_by_the_decode_worker() {
+    let stack = Stack::with_timeout(BodyMode::Duplex, Duration::from_millis(600)).await;
+    // Paused prefill workers accept the leg and never answer it.
+    for index in 0..2 {
+        let addr = stack.fleet.worker(index).unwrap().addr();
+        let paused = stack.client.post(addr, "/admin/pause", &json!({})).await;
+        assert_eq!(paused.status, StatusCode::OK, "{}", paused.text());
+    }
+    let started = std::time::Instant::now();
+    let reply = stack.post(CHAT, &chat(&prompt(7), false)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let (served_by, _, transfer, handoff) = legs(&reply.headers);
+    assert!(stack.decode_workers().contains(&served_by));
+    assert_eq!(
+        (transfer.as_str(), handoff.as_str()),
+        ("local", "local_prefill_failed")
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "the deadline was kept"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_both_picks() {
+    let stack = Stack::start(BodyMode::Buffered).await;
+    let metrics = stack.picker.as_ref().unwrap().metrics_listen();
+    let explained = stack
+        .client
+        .post(
+            metrics,
+            "/debug/explain?path=/v1/chat/completions",
+            &chat(&prompt(9), false),
+        )
+        .await;
+    assert_eq!(explained.status, StatusCode::OK, "{}", explained.text());
+    let explained = explained.json();
+    let selected = explained["outcome"]["selected"].as_u64().unwrap() as usize;
+    let decode = explained["decode"]["selected"].as_u64().unwrap() as usize;
+    let endpoints = explained["endpoints"].as_array().unwrap();
+    assert!(
+        stack
+            .prefill_workers()
+            .contains(&endpoints[selected].as_str().unwrap().to_owned())
+    );
+    assert!(
+        stack
+            .decode_workers()
+            .contains(&endpoints[decode].as_str().unwrap().to_owned())
+    );
+    assert_eq!(explained["decode"]["fleet"], 2, "{explained:#}");
 }

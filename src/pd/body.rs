@@ -136,9 +136,10 @@ mod tests {
             ),
             "{text}"
         );
+        // An empty object gets the member alone, no comma.
         assert_eq!(
             decode_body(b" { } ", &params).unwrap(),
-            format!("{{\"kv_transfer_params\":{}}}", params.get()).into_bytes()
+            format!(" {{ \"kv_transfer_params\":{}}}", params.get()).into_bytes()
         );
         assert!(decode_body(b"[1]", &params).is_none());
         assert!(decode_body(b"", &params).is_none());

@@ -36,6 +36,10 @@ pub struct Explanation {
     /// only GPU blocks make an owner, but a prompt may still be in a CPU or disk tier.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<WorkerTiers>,
+    /// In a prefill/decode pool, the decode pick routing would make beside the prefill decision (the
+    /// prefill leg itself does not run in a dry run).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode: Option<crate::policy::DecodePick>,
 }
 
 /// One worker's blocks per tier, as its engine's KV events report them.
@@ -70,6 +74,7 @@ impl Explanation {
                 Vec::new()
             },
             depth_sources,
+            decode: None,
         }
     }
 }

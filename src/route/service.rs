@@ -206,7 +206,12 @@ impl Service {
             };
             let streams = self.streams(&prepared.pool_label);
             let depth_sources = self.picker.depth_sources(&prepared);
-            Explanation::new(&pinned, outcome, label, passthrough, depth_sources, streams)
+            let mut explanation =
+                Explanation::new(&pinned, outcome, label, passthrough, depth_sources, streams);
+            if let Answer::Route(Routed { pd: Some(pd), .. }) = &answer {
+                explanation.decode = Some(pd.decode.clone());
+            }
+            explanation
         });
         Routing {
             answer,
