@@ -38,6 +38,9 @@ pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
 pub const PREFILL_HEADER: &str = "x-cachepick-prefill-endpoint";
 /// Why a prefill/decode request's decode worker was chosen (`decode_hit`, `decode_pressure`, ...).
 pub const DECODE_DECISION_HEADER: &str = "x-cachepick-decode-decision";
+/// llm-d's decode sidecar reads the prefill worker (`ip:port`) from this header (`pd.handshake:
+/// sidecar`); a client's copy is always removed.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// What became of a prefill/decode request's prefill leg (`remote_prefill`, `local_prefill_failed`, ...).
 pub const PD_HEADER: &str = "x-cachepick-pd";
 /// The stable label of a refusal, on cachepick's own (immediate) answers.

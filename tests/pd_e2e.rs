@@ -26,7 +26,7 @@ use std::time::Duration;
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use cachepick::config::{self, Config, Overrides, PdConfig};
+use cachepick::config::{self, Config, Handshake, Overrides, PdConfig};
 use cachepick::envoy_config::{self, BodyMode};
 use cachepick::worker::Role;
 use cachepick_rig::stage::{Picker, READY_WITHIN};
@@ -55,7 +55,34 @@ impl Stack {
     }
 
     async fn with_timeout(mode: BodyMode, prefill_timeout: Duration) -> Stack {
-        let sim = sim_fleet::config(Engine::Vllm, 4);
+        Stack::with_pd(
+            mode,
+            PdConfig {
+                prefill_timeout,
+                ..PdConfig::default()
+            },
+        )
+        .await
+    }
+
+    async fn with_pd(mode: BodyMode, pd: PdConfig) -> Stack {
+        Stack::with_fleet(Engine::Vllm, mode, Some(pd)).await
+    }
+
+    /// Two SGLang prefill workers (`disaggregation_mode: prefill`) and two decode workers, in the pool
+    /// the simulator writes for them (`pd: {handshake: bootstrap}`, each prefill worker's bootstrap
+    /// port).
+    async fn sglang(mode: BodyMode) -> Stack {
+        Stack::with_fleet(Engine::Sglang, mode, None).await
+    }
+
+    /// `pd`: the vLLM pool's section, its first two workers prefill; `None` takes the simulator's
+    /// own disaggregated SGLang fleet.
+    async fn with_fleet(engine: Engine, mode: BodyMode, pd: Option<PdConfig>) -> Stack {
+        let mut sim = sim_fleet::config(engine, 4);
+        if pd.is_none() {
+            sim.prefill_workers = Some(2);
+        }
         let fleet = sim_fleet::start(&sim).await;
         let generated = fleet.cachepick_config();
         let mut config =
@@ -65,17 +92,16 @@ impl Stack {
         config.load.scrape_timeout = Duration::from_millis(80);
         config.load.freshness = Duration::from_millis(500);
         let pool = &mut config.pools[0];
-        for (index, worker) in pool.workers.iter_mut().enumerate() {
-            worker.role = if index < 2 {
-                Role::Prefill
-            } else {
-                Role::Decode
-            };
+        if let Some(pd) = pd {
+            for (index, worker) in pool.workers.iter_mut().enumerate() {
+                worker.role = if index < 2 {
+                    Role::Prefill
+                } else {
+                    Role::Decode
+                };
+            }
+            pool.pd = Some(pd);
         }
-        pool.pd = Some(PdConfig {
-            prefill_timeout,
-            ..pd_defaults()
-        });
         // The edits bypassed validation: round-trip them through it.
         let effective = config.to_yaml();
         let config = config::parse(
@@ -126,17 +152,6 @@ impl Stack {
     }
 }
 
-fn pd_defaults() -> PdConfig {
-    let yaml = "pools:\n  - model: m\n    engine: vllm\n    pd: {}\n    workers:\n      - {endpoint: \
-                127.0.0.1:1, role: prefill}\n      - {endpoint: 127.0.0.1:2, role: decode}\n";
-    config::parse(yaml, "defaults", &Overrides::default())
-        .unwrap()
-        .pools[0]
-        .pd
-        .clone()
-        .unwrap()
-}
-
 fn chat(text: &str, stream: bool) -> Value {
     let mut body = json!({
         "model": MODEL,
@@ -182,8 +197,11 @@ fn legs(headers: &http::HeaderMap) -> (String, String, String, String) {
     )
 }
 
-async fn both_legs_for_every_api(mode: BodyMode) {
-    let stack = Stack::start(mode).await;
+async fn both_legs_for_every_api(engine: Engine, mode: BodyMode) {
+    let stack = match engine {
+        Engine::Vllm => Stack::start(mode).await,
+        Engine::Sglang => Stack::sglang(mode).await,
+    };
     let (prefill, decode) = (stack.prefill_workers(), stack.decode_workers());
     for (index, (path, streaming)) in [
         (CHAT, false),
@@ -272,17 +290,27 @@ async fn both_legs_for_every_api(mode: BodyMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buffered_both_legs_for_every_api() {
-    both_legs_for_every_api(BodyMode::Buffered).await;
+    both_legs_for_every_api(Engine::Vllm, BodyMode::Buffered).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplex_both_legs_for_every_api() {
-    both_legs_for_every_api(BodyMode::Duplex).await;
+    both_legs_for_every_api(Engine::Vllm, BodyMode::Duplex).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_both_legs_for_every_api() {
-    both_legs_for_every_api(BodyMode::Streamed).await;
+    both_legs_for_every_api(Engine::Vllm, BodyMode::Streamed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_buffered_both_legs_for_every_api() {
+    both_legs_for_every_api(Engine::Sglang, BodyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_streamed_both_legs_for_every_api() {
+    both_legs_for_every_api(Engine::Sglang, BodyMode::Streamed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,4 +431,110 @@ async fn explain_names_both_picks() {
             .contains(&endpoints[decode].as_str().unwrap().to_owned())
     );
     assert_eq!(explained["decode"]["fleet"], 2, "{explained:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecar_handshake_names_the_prefill_worker_beside_the_decode_destination() {
+    let pd = PdConfig {
+        handshake: Handshake::Sidecar,
+        ..PdConfig::default()
+    };
+    let stack = Stack::with_pd(BodyMode::Buffered, pd).await;
+    // A client's own x-prefiller-host-port never reaches the decode worker's sidecar.
+    let body = serde_json::to_vec(&chat(&prompt(11), false)).unwrap();
+    let response = stack.client.send_raw(
+        http::Method::POST,
+        stack.gateway,
+        CHAT,
+        &[
+            ("content-type", "application/json"),
+            ("x-prefiller-host-port", "10.9.9.9:1"),
+        ],
+        body,
+    );
+    let reply = sim_client::read_whole(response.await).await.unwrap();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let header = |name: &str| {
+        reply
+            .headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let prefiller = header("x-sim-echo-x-prefiller-host-port");
+    assert!(
+        stack.prefill_workers().contains(&prefiller),
+        "{prefiller:?}"
+    );
+    assert_eq!(header(ECHO_PREFILL), prefiller);
+    assert!(stack.decode_workers().contains(&header("x-served-by")));
+    // cachepick sent no leg: the (simulated, sidecar-less) decode worker prefilled it itself.
+    assert_eq!(header("x-kv-transfer"), "local");
+    assert!(reply.headers.get(ECHO_PD).is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_faults_fail_with_the_engines_stated_cause() {
+    let mut stack = Stack::sglang(BodyMode::Buffered).await;
+    let (prefill, decode) = (stack.prefill_workers(), stack.decode_workers());
+
+    // A prefill worker dies. SGLang's decode worker cannot prefill alone: a request whose room names
+    // the dead worker fails once its heartbeats do, with SGLang's KVTransferError; once a scrape
+    // shows the worker gone the ladder no longer chooses it.
+    stack.fleet.worker(0).unwrap().kill().await;
+    let mut failed = 0;
+    for index in 0..6 {
+        let reply = stack
+            .post(COMPLETIONS, &completion(&prompt(100 + index), false))
+            .await;
+        let (served_by, prefilled_by, transfer, _) = legs(&reply.headers);
+        if reply.status == StatusCode::OK {
+            assert!(decode.contains(&served_by));
+            assert_eq!(
+                (prefilled_by.as_str(), transfer.as_str()),
+                (prefill[1].as_str(), "pulled")
+            );
+        } else {
+            failed += 1;
+            assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert!(reply.text().contains("KVTransferError"), "{}", reply.text());
+            assert!(reply.text().contains(&prefill[0]), "{}", reply.text());
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for index in 0..4 {
+        let reply = stack.post(CHAT, &chat(&prompt(150 + index), false)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "after {failed} failures: {}",
+            reply.text()
+        );
+        assert_eq!(legs(&reply.headers).1, prefill[1]);
+    }
+    stack.fleet.worker(0).unwrap().restart().await.unwrap();
+
+    // A decode worker dies: Envoy's connect-failure retry takes the decode leg to the other one,
+    // which joins the same room.
+    stack.fleet.worker(2).unwrap().kill().await;
+    for index in 0..4 {
+        let reply = stack
+            .post(COMPLETIONS, &completion(&prompt(300 + index), false))
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let (served_by, _, transfer, _) = legs(&reply.headers);
+        assert_eq!(
+            (served_by.as_str(), transfer.as_str()),
+            (decode[1].as_str(), "pulled")
+        );
+    }
+    stack.fleet.worker(2).unwrap().restart().await.unwrap();
+
+    // The picker gone: Envoy fails open with the client's body, which names no room; whichever
+    // worker gets it refuses it with SGLang's 400 and says why.
+    stack.picker.take().unwrap().stop().await.unwrap();
+    let reply = stack.post(CHAT, &chat(&prompt(400), false)).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
+    assert!(reply.text().contains("bootstrap_room"), "{}", reply.text());
 }

@@ -322,6 +322,9 @@ struct Pd {
     max_inflight_prefills: usize,
     decode_choices: usize,
     max_prefill_response_bytes: Size,
+    /// Only read with the bootstrap handshake.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bootstrap_port: Option<u16>,
 }
 
 #[serde_with::skip_serializing_none]
@@ -419,6 +422,7 @@ struct Worker<'c> {
     #[serde(flatten)]
     engine: EngineKeys,
     kv_events: Option<KvEvents>,
+    bootstrap_port: Option<u16>,
 }
 
 impl<'c> From<&'c Config> for File<'c> {
@@ -526,6 +530,8 @@ impl<'c> Pool<'c> {
                 max_inflight_prefills: pd.max_inflight_prefills.get(),
                 decode_choices: pd.decode_choices.get(),
                 max_prefill_response_bytes: pd.max_prefill_response_bytes.get().into(),
+                bootstrap_port: (pd.handshake == crate::config::Handshake::Bootstrap)
+                    .then_some(pd.bootstrap_port),
             }),
             dns: match &pool.discovery {
                 Discovery::Dns(dns) => Some(Dns {
@@ -576,6 +582,7 @@ impl<'c> Pool<'c> {
                         worker.max_total_tokens,
                     ),
                     kv_events: kv_events(worker),
+                    bootstrap_port: worker.bootstrap_port,
                 })
                 .collect(),
         }

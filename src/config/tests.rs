@@ -189,6 +189,7 @@ fn the_full_example_is_accepted_with_its_values() {
                         live: addr("10.0.0.11:5557"),
                         replay: None,
                     },
+                    bootstrap_port: None,
                 }],
                 policy: gated(4, 2),
                 index: IndexConfig::default(),
@@ -222,6 +223,7 @@ fn the_full_example_is_accepted_with_its_values() {
                             live: addr("10.0.0.21:5557"),
                             replay: Some(addr("10.0.0.21:5558")),
                         },
+                        bootstrap_port: None,
                     },
                     WorkerConfig {
                         endpoint: addr("[fd00::22]:30000"),
@@ -237,6 +239,7 @@ fn the_full_example_is_accepted_with_its_values() {
                             live: addr("10.0.0.22:6000"),
                             replay: Some(addr("[fd00::22]:5558")),
                         },
+                        bootstrap_port: None,
                     },
                 ],
                 policy: gated(16, 8),
@@ -340,6 +343,7 @@ fn defaults_fill_a_minimal_file() {
                 live: addr("10.0.0.1:5557"),
                 replay: None,
             },
+            bootstrap_port: None,
         }]
     );
     assert_eq!(pool.workers[0].scrape_url(), "http://10.0.0.1:8000/metrics");

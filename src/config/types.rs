@@ -681,6 +681,9 @@ pub struct WorkerConfig {
     /// from `kv_events` or the pool's `index.kv_events` ports on the endpoint's IP; read only in
     /// `events` mode.
     pub kv_events: KvEventEndpoints,
+    /// SGLang's bootstrap server of a prefill worker in a `pd: {handshake: bootstrap}` pool; `None`
+    /// takes the pool's `pd.bootstrap_port` on the endpoint's IP.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// An engine's KV event sockets, for its data-parallel rank 0.
@@ -901,6 +904,7 @@ impl WorkerTemplate {
                     .kv_replay_port
                     .map(|port| SocketAddr::new(endpoint.ip(), port)),
             },
+            bootstrap_port: None,
         }
     }
 }

@@ -11,14 +11,24 @@ pub enum Handshake {
     /// output token with `kv_transfer_params: {do_remote_decode: true}`, waits for the parameters it
     /// returns, and hands the request to the decode worker with them; the decode worker pulls the KV.
     Nixl,
+    /// SGLang's bootstrap rendezvous: cachepick mints a room, sends the prefill worker the client's body
+    /// with `bootstrap_host`, `bootstrap_port` and `bootstrap_room` from its own client (drained, not
+    /// waited for), and hands the decode worker the same body, which joins the room and receives the KV.
+    Bootstrap,
+    /// llm-d's decode sidecar performs the handshake (any connector it supports, SGLang's included):
+    /// cachepick names the prefill worker in `x-prefiller-host-port` beside the decode destination, whose
+    /// endpoint is the sidecar's port, and sends no leg itself.
+    Sidecar,
 }
 
 impl Handshake {
-    pub const ALL: [Handshake; 1] = [Handshake::Nixl];
+    pub const ALL: [Handshake; 3] = [Handshake::Nixl, Handshake::Bootstrap, Handshake::Sidecar];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Handshake::Nixl => "nixl",
+            Handshake::Bootstrap => "bootstrap",
+            Handshake::Sidecar => "sidecar",
         }
     }
 }
@@ -42,6 +52,9 @@ pub struct PdConfig {
     pub decode_choices: NonZeroUsize,
     /// The largest prefill-leg response read (it carries one token and the transfer parameters).
     pub max_prefill_response_bytes: NonZeroUsize,
+    /// `bootstrap`: the port of a prefill worker's bootstrap server when the worker names none
+    /// (SGLang's `--disaggregation-bootstrap-port`, 8998).
+    pub bootstrap_port: u16,
 }
 
 impl PdConfig {
@@ -49,4 +62,20 @@ impl PdConfig {
     pub const DEFAULT_MAX_INFLIGHT_PREFILLS: usize = 512;
     pub const DEFAULT_DECODE_CHOICES: usize = 2;
     pub const DEFAULT_MAX_PREFILL_RESPONSE_BYTES: usize = 1 << 20;
+    pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+}
+
+impl Default for PdConfig {
+    /// The NIXL handshake with every default bound.
+    fn default() -> Self {
+        let count = |n: usize| NonZeroUsize::new(n).unwrap_or(NonZeroUsize::MIN);
+        PdConfig {
+            handshake: Handshake::Nixl,
+            prefill_timeout: PdConfig::DEFAULT_PREFILL_TIMEOUT,
+            max_inflight_prefills: count(PdConfig::DEFAULT_MAX_INFLIGHT_PREFILLS),
+            decode_choices: count(PdConfig::DEFAULT_DECODE_CHOICES),
+            max_prefill_response_bytes: count(PdConfig::DEFAULT_MAX_PREFILL_RESPONSE_BYTES),
+            bootstrap_port: PdConfig::DEFAULT_BOOTSTRAP_PORT,
+        }
+    }
 }

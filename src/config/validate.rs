@@ -98,6 +98,7 @@ const WORKER_KEYS: &[&str] = &[
     "max_running_requests",
     "max_total_tokens",
     "kv_events",
+    "bootstrap_port",
 ];
 
 const HTTP_URL: &str =
@@ -143,6 +144,7 @@ struct WorkerDraft {
     max_running_requests: Res<Option<NonZeroU64>>,
     max_total_tokens: Res<Option<NonZeroU64>>,
     kv_events: Res<KvEventEndpoints>,
+    bootstrap_port: Field<u16>,
 }
 
 /// What a worker's engine is, beyond its address.
@@ -215,6 +217,7 @@ impl WorkerDraft {
             max_running_requests: self.max_running_requests?,
             max_total_tokens: self.max_total_tokens?,
             kv_events: self.kv_events?,
+            bootstrap_port: self.bootstrap_port?.map(|port| port.value),
         })
     }
 }
@@ -457,24 +460,7 @@ impl Validator<'_> {
         let index = self.index(&map);
         let source = self.source(&map, at, engine.ok(), &index);
         let pd = self.pd(&map, engine.as_ref().ok().copied());
-        let pd = match (pd, &source.workers) {
-            (Ok(Some(pd)), Ok(workers)) if !workers.is_empty() => {
-                let decodes = workers
-                    .iter()
-                    .flatten()
-                    .filter(|worker| matches!(worker.role, Ok(Role::Decode)))
-                    .count();
-                if decodes == 0 {
-                    let at = map.place_of("pd").origin();
-                    let message = "a PD pool needs at least one worker with role: decode (its \
-                                   prefill workers take role: prefill)";
-                    Err(self.report(Phase::Value, at, message))
-                } else {
-                    Ok(Some(pd))
-                }
-            }
-            (pd, _) => pd,
-        };
+        let pd = self.pd_workers(&map, pd, &source.workers);
         Ok(PoolDraft {
             pd,
             workers: source.workers,
@@ -550,8 +536,10 @@ impl Validator<'_> {
             (Err(reported), ..) | (_, Err(reported), ..) | (.., Err(reported), _) => Err(*reported),
             (.., Err(reported)) => Err(reported),
         };
+        let bootstrap_port = self.opt(&map, "bootstrap_port", Self::port);
         Ok(WorkerDraft {
             kv_events,
+            bootstrap_port,
             endpoint,
             metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
             load_source: keys.load_source,

@@ -8,11 +8,11 @@ use super::{
     BodyMode, EXT_PROC_FILTER, EnvoyOptions, REQUEST_HEADERS_TIMEOUT, REQUEST_TIMEOUT,
     fail_open_route, picker_address, upstream_cluster,
 };
-use crate::config::Config;
+use crate::config::{Config, Handshake};
 use crate::policy::Reason;
 use crate::protocol::{
     DECISION_HEADER, DESTINATION, FEEDBACK_METADATA, LB_NAMESPACE, OWNED_PREFIX, PASSTHROUGH,
-    RESPONSE_CODE_ATTRIBUTE, UPSTREAM_ADDRESS_ATTRIBUTE,
+    PREFILLER_HEADER, RESPONSE_CODE_ATTRIBUTE, UPSTREAM_ADDRESS_ATTRIBUTE,
 };
 
 pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
@@ -419,6 +419,14 @@ fn http_filters(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
         16,
         &format!("- remove_on_match: {{key_matcher: {{prefix: \"{OWNED_PREFIX}\"}}}}"),
     );
+    // A pool whose decode sidecar reads the prefill worker from a header: a client must not name it.
+    if config.pools.iter().any(|pool| {
+        pool.pd
+            .as_ref()
+            .is_some_and(|pd| pd.handshake == Handshake::Sidecar)
+    }) {
+        out.line(16, &format!("- remove: {PREFILLER_HEADER}"));
+    }
     out.comment(
         10,
         &["2. cachepick: reads the request, picks the worker, sets the headers above. Must precede the router."],

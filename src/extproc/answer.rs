@@ -26,8 +26,8 @@ use tonic::metadata::MetadataValue;
 use super::lb;
 use crate::protocol::{
     DECISION_HEADER, DECODE_DECISION_HEADER, DESTINATION, PD_HEADER, PREFILL_HEADER,
-    PREFIX_TOKENS_HEADER, REFUSAL_HEADER, RefusalReason, SELECTED_HEADER, SHED_METADATA,
-    error_json,
+    PREFILLER_HEADER, PREFIX_TOKENS_HEADER, REFUSAL_HEADER, RefusalReason, SELECTED_HEADER,
+    SHED_METADATA, error_json,
 };
 use crate::route::{Refusal, Routed};
 
@@ -339,6 +339,9 @@ fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) 
             .or_else(|| pd.prefill.first().copied())
             .map(|worker| worker.to_string())
             .unwrap_or_default();
+        if pd.handshake == crate::config::Handshake::Sidecar {
+            set.push((PREFILLER_HEADER, prefill.clone()));
+        }
         set.push((PREFILL_HEADER, prefill));
         set.push((DECODE_DECISION_HEADER, pd.decode.reason.as_str().to_owned()));
         if let Some(handoff) = pd.handoff {

@@ -44,7 +44,7 @@ use super::lb;
 use super::relay;
 use super::served::{self, Follow};
 use crate::metrics::StreamEnd;
-use crate::protocol::{DESTINATION, OWNED_PREFIX, RefusalReason};
+use crate::protocol::{DESTINATION, OWNED_PREFIX, PREFILLER_HEADER, RefusalReason};
 use crate::route::admission::BodyShare;
 use crate::route::{Answer, Refusal, Service};
 
@@ -198,6 +198,8 @@ async fn drive(
     follow: &Follow,
 ) -> StreamEnd {
     let mut exchange = Exchange::new(service.admission().budget().share());
+    // An SGLang prefill leg in flight, aborted if its decode leg is never handed to Envoy.
+    let mut dispatched = None;
     loop {
         let left = stream_end.saturating_duration_since(Instant::now());
         let wait = MESSAGE_DEADLINE.min(left);
@@ -283,7 +285,7 @@ async fn drive(
                             request_id: exchange.request_id.as_deref(),
                             authorization: exchange.authorization.as_deref(),
                         };
-                        let replaced = match relay::prefill(
+                        let prefilled = match relay::prefill(
                             service,
                             &mut routed,
                             source,
@@ -292,12 +294,14 @@ async fn drive(
                         )
                         .await
                         {
-                            Ok(replaced) => replaced,
+                            Ok(prefilled) => prefilled,
                             Err(relay::Gone) => {
                                 service.metrics().overload.shed(RefusalReason::Cancelled);
                                 return StreamEnd::Reset;
                             }
                         };
+                        dispatched = prefilled.dispatched;
+                        let replaced = prefilled.body;
                         let body = replaced.as_deref().unwrap_or(&exchange.whole);
                         let held = exchange.held(body, exchange.chunks);
                         let delayed = exchange.headers_pending;
@@ -343,7 +347,11 @@ async fn drive(
             sent = sent && out.send(Ok(response)).await.is_ok();
         }
         if !sent {
+            // Dropping an SGLang prefill leg whose decode leg never left aborts it.
             return StreamEnd::Reset;
+        }
+        if let Some(leg) = dispatched.take() {
+            leg.release();
         }
         // A routed request's credit waits for the response's report; anything else ends here.
         return served::follow(service, follow, &mut inbound, out, answer).await;
@@ -433,7 +441,7 @@ fn on_headers(
             exchange.authorization = Some(header.raw_value.clone());
         } else if service.salt_header() == Some(key.as_str()) {
             exchange.tenant = Some(String::from_utf8_lossy(&header.raw_value).into_owned());
-        } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION)
+        } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION || key == PREFILLER_HEADER)
             && !exchange.spoofed.contains(&key)
         {
             exchange.spoofed.push(key);

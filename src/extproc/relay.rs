@@ -1,12 +1,18 @@
 //! A prefill/decode request between its decision and its answer: the prefill leg runs (`pd`) while
-//! the stream is watched, so a client that goes away takes its prefill leg with it.
+//! the stream is watched, so a client that goes away takes its prefill leg with it. An SGLang leg
+//! (`bootstrap`) is sent and not waited for: it is aborted if the answer never reaches Envoy, and
+//! otherwise ends with the engines (SGLang's decode worker aborts its room at the prefill worker when
+//! its client leaves).
+
+use std::sync::Arc;
 
 use bytes::Bytes;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use tokio::time::Instant;
 use tonic::Streaming;
 
-use crate::pd::{Handoff, Leg, Relayed};
+use crate::config::Handshake;
+use crate::pd::{Dispatched, Handoff, Leg, Relayed};
 use crate::route::{Routed, Service};
 
 /// What a stream knows of its request that the prefill leg needs.
@@ -21,21 +27,57 @@ pub(super) struct LegSource<'a> {
 /// The client went away while its prefill leg ran.
 pub(super) struct Gone;
 
-/// Runs `routed`'s prefill leg, if it has one, until `stream_end`: the decode leg's body (`None`: the
-/// client's, untouched), with the outcome recorded in `routed.pd`, the metrics and the log.
+/// The decode leg's body (`None`: the client's, untouched) and an SGLang prefill leg in flight.
+pub(super) struct Prefilled {
+    pub body: Option<Vec<u8>>,
+    pub dispatched: Option<Dispatched>,
+}
+
+/// Runs `routed`'s prefill leg, if it has one, until `stream_end` (an SGLang leg: until sent), with
+/// the outcome recorded in `routed.pd`, the metrics and the log.
 pub(super) async fn prefill(
-    service: &Service,
+    service: &Arc<Service>,
     routed: &mut Routed,
     source: LegSource<'_>,
     inbound: &mut Streaming<ProcessingRequest>,
     stream_end: Instant,
-) -> Result<Option<Vec<u8>>, Gone> {
+) -> Result<Prefilled, Gone> {
+    let none = Prefilled {
+        body: None,
+        dispatched: None,
+    };
     let Some(pd) = routed.pd.as_mut() else {
-        return Ok(None);
+        return Ok(none);
     };
     let Some(relay) = service.picker().relay(&routed.pool) else {
-        return Ok(None);
+        return Ok(none);
     };
+    if relay.config().handshake == Handshake::Bootstrap {
+        let leg = Leg {
+            path: source.path,
+            body: source.body.clone(),
+            request_id: source.request_id,
+            authorization: source.authorization,
+            prefill: &pd.prefill,
+        };
+        let (metrics, pool) = (Arc::clone(service), routed.pool.clone());
+        let sent = relay.rendezvous(leg, move |ended, took| {
+            if let Err(why) = &ended {
+                tracing::info!(pool = %pool, why = %why, seconds = took.as_secs_f64(), "prefill leg failed");
+            }
+            metrics.metrics().pd.record_leg_end(&pool, ended.is_ok());
+        });
+        service
+            .metrics()
+            .pd
+            .record_handoff(&routed.pool, sent.handoff, 0, 0.0);
+        pd.handoff = Some(sent.handoff);
+        pd.prefilled_by = sent.prefill;
+        return Ok(Prefilled {
+            body: sent.body,
+            dispatched: sent.dispatched,
+        });
+    }
     // The answer must still reach Envoy before the stream's deadline.
     let deadline =
         stream_end - ANSWER_TIME.min(stream_end.saturating_duration_since(Instant::now()));
@@ -86,7 +128,10 @@ pub(super) async fn prefill(
     );
     pd.handoff = Some(relayed.handoff);
     pd.prefilled_by = relayed.prefill;
-    Ok(relayed.body)
+    Ok(Prefilled {
+        body: relayed.body,
+        dispatched: None,
+    })
 }
 
 /// What is kept of the stream's deadline for the answer to reach Envoy.

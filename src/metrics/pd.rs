@@ -75,6 +75,13 @@ impl PdMetrics {
             .inc();
     }
 
+    /// An SGLang prefill leg, sent and not waited for, has ended: a failure is counted.
+    pub fn record_leg_end(&self, pool: &str, ok: bool) {
+        if !ok {
+            self.failures.with_label_values(&[pool]).inc();
+        }
+    }
+
     /// One finished prefill leg and its failed attempts.
     pub fn record_handoff(&self, pool: &str, handoff: Handoff, failures: usize, seconds: f64) {
         self.handoffs

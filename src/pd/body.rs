@@ -47,6 +47,12 @@ pub fn prefill_body(path: &str, body: &[u8]) -> Option<Vec<u8>> {
 /// sent are overridden: a client never names the worker the KV comes from. `None` when the body does
 /// not end as a JSON object.
 pub fn decode_body(body: &[u8], params: &RawValue) -> Option<Vec<u8>> {
+    append_members(body, &format!("\"kv_transfer_params\":{}", params.get()))
+}
+
+/// `body` with `members` (`"key":value,...`) added after its last member. `None` when the body does
+/// not end as a JSON object.
+pub(super) fn append_members(body: &[u8], members: &str) -> Option<Vec<u8>> {
     let close = body.iter().rposition(|byte| !byte.is_ascii_whitespace())?;
     if body.get(close) != Some(&b'}') {
         return None;
@@ -56,14 +62,12 @@ pub fn decode_body(body: &[u8], params: &RawValue) -> Option<Vec<u8>> {
         .iter()
         .rposition(|byte| !byte.is_ascii_whitespace())?;
     let empty = body.get(before) == Some(&b'{');
-    let member = params.get();
-    let mut out = Vec::with_capacity(body.len() + member.len() + 24);
+    let mut out = Vec::with_capacity(body.len() + members.len() + 2);
     out.extend_from_slice(body.get(..close)?);
     if !empty {
         out.push(b',');
     }
-    out.extend_from_slice(b"\"kv_transfer_params\":");
-    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(members.as_bytes());
     out.push(b'}');
     Some(out)
 }

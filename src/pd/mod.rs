@@ -20,6 +20,7 @@
 //! dropped — its connection closed, which makes vLLM abort the request — when the client goes away.
 
 mod body;
+mod bootstrap;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,9 +37,12 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::config::PdConfig;
+use crate::config::{PdConfig, WorkerConfig};
 
 pub use body::{decode_body, prefill_body};
+pub use bootstrap::{Dispatched, rendezvous_body};
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// What became of a request's prefill leg. The label values are public: `x-cachepick-pd` and
 /// `cachepick_pd_handoffs_total{outcome}`.
@@ -117,13 +121,29 @@ pub struct Relayed {
 
 /// One PD pool's prefill legs: its client to the prefill workers and its bound of legs in flight.
 pub struct Relay {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: HttpClient,
     inflight: Arc<Semaphore>,
     config: PdConfig,
+    /// `bootstrap`: the rooms this relay mints, and the prefill workers' own bootstrap ports (a worker
+    /// not named takes `pd.bootstrap_port`).
+    rooms: bootstrap::Rooms,
+    bootstrap_ports: std::collections::HashMap<SocketAddr, u16>,
+}
+
+/// An SGLang request's prefill leg, sent and not waited for.
+pub struct Rendezvous {
+    pub handoff: Handoff,
+    /// The prefill worker that was sent the leg.
+    pub prefill: Option<SocketAddr>,
+    /// Both legs' body; `None`: the client's, untouched (the leg was not sent).
+    pub body: Option<Vec<u8>>,
+    /// The leg in flight.
+    pub dispatched: Option<Dispatched>,
 }
 
 impl Relay {
-    pub fn new(config: &PdConfig) -> Relay {
+    /// `workers` are the pool's, read for their bootstrap ports.
+    pub fn new(config: &PdConfig, workers: &[WorkerConfig]) -> Relay {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
@@ -133,6 +153,65 @@ impl Relay {
                 .build(connector),
             inflight: Arc::new(Semaphore::new(config.max_inflight_prefills.get())),
             config: config.clone(),
+            rooms: bootstrap::Rooms::new(),
+            bootstrap_ports: workers
+                .iter()
+                .filter_map(|worker| Some((worker.endpoint, worker.bootstrap_port?)))
+                .collect(),
+        }
+    }
+
+    /// SGLang's rendezvous: mints a room, sends the chosen prefill worker the client's body with it
+    /// (not waited for; `on_end` hears how the leg ended and how long it took) and answers the same
+    /// body for the decode worker. SGLang's decode worker cannot prefill alone, so a leg that cannot
+    /// be sent (the bound of legs in flight, a body that is not a JSON object) leaves the body as the
+    /// client sent it, which the decode worker refuses with its own 400.
+    pub fn rendezvous(
+        &self,
+        leg: Leg<'_>,
+        on_end: impl FnOnce(Result<(), String>, Duration) + Send + 'static,
+    ) -> Rendezvous {
+        let unsent = |handoff| Rendezvous {
+            handoff,
+            prefill: None,
+            body: None,
+            dispatched: None,
+        };
+        let Some(&worker) = leg.prefill.first() else {
+            return unsent(Handoff::LocalPrefillFailed);
+        };
+        let Ok(permit) = Arc::clone(&self.inflight).try_acquire_owned() else {
+            return unsent(Handoff::LocalPrefillSaturated);
+        };
+        let port = self
+            .bootstrap_ports
+            .get(&worker)
+            .copied()
+            .unwrap_or(self.config.bootstrap_port);
+        let room = self.rooms.mint();
+        let Some(body) = rendezvous_body(&leg.body, worker, port, room) else {
+            return unsent(Handoff::LocalPrefillUnreadable);
+        };
+        let client = self.client.clone();
+        let outbound = bootstrap::Outbound {
+            path: leg.path.to_owned(),
+            body: Bytes::from(body.clone()),
+            request_id: leg.request_id.map(str::to_owned),
+            authorization: leg.authorization.map(<[u8]>::to_vec),
+        };
+        let limit = self.config.max_prefill_response_bytes.get();
+        let timeout = self.config.prefill_timeout;
+        let task = tokio::spawn(async move {
+            let _permit = permit;
+            let started = Instant::now();
+            let ended = bootstrap::send(&client, worker, outbound, limit, timeout).await;
+            on_end(ended, started.elapsed());
+        });
+        Rendezvous {
+            handoff: Handoff::RemotePrefill,
+            prefill: Some(worker),
+            body: Some(body),
+            dispatched: Some(Dispatched::new(task)),
         }
     }
 

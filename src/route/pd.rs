@@ -13,6 +13,8 @@ use crate::policy::{Decision, DecodePick, LoadView, RequestFacts, decide_decode}
 /// The two legs of a request routed in a PD pool.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PdRoute {
+    /// Who performs the handshake: cachepick (`nixl`) or the decode worker's sidecar.
+    pub handshake: crate::config::Handshake,
     /// The chosen prefill worker, then the ladder's next best, which replaces it if it fails.
     pub prefill: Vec<SocketAddr>,
     /// The decode worker and why.
@@ -66,6 +68,7 @@ impl Pinned<'_> {
         let prefill = self.endpoints(decision).into_iter().take(2).collect();
         Some((
             PdRoute {
+                handshake: pd.handshake,
                 prefill,
                 decode: pick,
                 handoff: None,

@@ -205,10 +205,12 @@ impl Picker {
                     tokenizer,
                     index,
                     sequence: AtomicU64::new(0),
+                    // A sidecar performs its own handshake: cachepick sends no leg.
                     relay: pool
                         .pd
                         .as_ref()
-                        .map(|pd| Arc::new(crate::pd::Relay::new(pd))),
+                        .filter(|pd| pd.handshake != crate::config::Handshake::Sidecar)
+                        .map(|pd| Arc::new(crate::pd::Relay::new(pd, &pool.workers))),
                 }
             })
             .collect();

@@ -421,8 +421,9 @@ async fn a_config_swapped_for_a_fifo_is_refused_and_reload_and_sigterm_keep_work
         until(Duration::from_secs(5), "SIGHUP counted", || {
             picker.reloads("invalid") == invalid + 1
         });
+        // The counter moves before the log line is written: wait for the line too.
         assert!(
-            picker.log().contains("trigger=\"SIGHUP\""),
+            picker.logged(Duration::from_secs(5), "trigger=\"SIGHUP\""),
             "{}",
             picker.log()
         );

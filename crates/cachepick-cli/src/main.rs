@@ -290,6 +290,10 @@ struct ReplayArgs {
     /// Seed of the fleet and of the synthetic scenario.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// A prefill/decode fleet: the first N workers prefill, the rest decode, and every cachepick arm
+    /// runs its pool with `pd: {}` (vLLM, --via envoy). A front is told the roles with {worker:I}.
+    #[arg(long, value_name = "N")]
+    pd: Option<usize>,
     /// Synthetic scenarios: multiplies the workload's length (the burst's phases, the span over which
     /// agent sessions start).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
@@ -740,6 +744,7 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     options.timing = args.timing;
     options.peers = args.peer.clone();
     options.oracle = !args.no_oracle;
+    options.pd_prefill = args.pd;
     options.scrape_interval = args.scrape_interval;
     options.replica_sync = args.replica_sync;
     let replay = cachepick_rig::replay::run(&options).await?;

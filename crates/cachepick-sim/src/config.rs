@@ -75,6 +75,10 @@ pub struct SimConfig {
     pub params: SimParams,
     /// KV cache events published over ZeroMQ as the engine does; `None` publishes nothing.
     pub kv_events: Option<KvEventsConfig>,
+    /// SGLang only: the first N workers run `disaggregation_mode: prefill` and the rest `decode`;
+    /// `None` runs every worker aggregated. (vLLM's workers serve either leg of a disaggregated
+    /// request without a mode.)
+    pub prefill_workers: Option<u32>,
 }
 
 impl SimConfig {
@@ -101,6 +105,7 @@ impl SimConfig {
             timing: Timing::Step,
             params: SimParams::step(engine, &Profile::default()),
             kv_events: None,
+            prefill_workers: None,
         }
     }
 }

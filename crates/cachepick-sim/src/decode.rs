@@ -276,6 +276,7 @@ impl Decoder<'_> {
             timing: timing?.value,
             params: params?,
             kv_events: kv_events?,
+            prefill_workers: None,
         })
     }
 

@@ -22,8 +22,8 @@ use tokio::net::TcpListener;
 
 use cachepick_tokenizer::{TokenizeError, Tokenizer};
 
-use crate::config::{SimConfig, Timing, TokenizerConfig};
-use crate::server::{KvEventsSpec, StartError, Worker, WorkerSpec};
+use crate::config::{Engine, SimConfig, Timing, TokenizerConfig};
+use crate::server::{Disaggregation, KvEventsSpec, StartError, Worker, WorkerSpec};
 
 /// Why the fleet could not start.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +78,11 @@ impl Fleet {
                 tokenizer_name: tokenizer_name(&config.tokenizer),
                 params: config.params.clone(),
                 kv_events: kv_events_spec(config, index)?,
+                disaggregation: match (config.engine, config.prefill_workers) {
+                    (Engine::Sglang, Some(prefill)) if index < prefill => Disaggregation::Prefill,
+                    (Engine::Sglang, Some(_)) => Disaggregation::Decode,
+                    _ => Disaggregation::Null,
+                },
             };
             let worker = Worker::start(spec)
                 .await
@@ -174,9 +179,26 @@ impl Fleet {
                 yaml_string(&absolute(template).display().to_string())
             );
         }
+        // A disaggregated SGLang fleet: the picker performs the bootstrap rendezvous, and each prefill
+        // worker's bootstrap server answers on its own port.
+        let prefill_workers = match config.engine {
+            Engine::Sglang => config.prefill_workers,
+            Engine::Vllm => None,
+        };
+        if prefill_workers.is_some() {
+            let _ = writeln!(out, "    pd: {{handshake: bootstrap}}");
+        }
         let _ = writeln!(out, "    workers:");
-        for worker in &self.workers {
+        for (index, worker) in self.workers.iter().enumerate() {
             let _ = writeln!(out, "      - endpoint: {}", worker.addr());
+            if let Some(prefill) = prefill_workers {
+                if u32::try_from(index).is_ok_and(|index| index < prefill) {
+                    let port = worker.addr().port();
+                    let _ = writeln!(out, "        role: prefill\n        bootstrap_port: {port}");
+                } else {
+                    let _ = writeln!(out, "        role: decode");
+                }
+            }
             if config.dp_size.get() > 1 {
                 let _ = writeln!(out, "        dp_size: {}", config.dp_size);
             }

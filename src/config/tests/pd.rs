@@ -65,12 +65,65 @@ fn every_problem_of_a_bad_section_is_listed() {
 }
 
 #[test]
-fn sglang_pools_and_pools_without_a_decode_worker_are_refused() {
-    let sglang = messages(&pool("sglang", "    pd: {}\n")).join("\n");
+fn each_engine_takes_its_own_handshake_and_the_sidecar() {
+    let sglang = accepted(&pool("sglang", "    pd: {}\n"));
+    let pd = sglang.pools[0].pd.as_ref().unwrap();
+    assert_eq!(pd.handshake, Handshake::Bootstrap);
+    assert_eq!(pd.bootstrap_port, PdConfig::DEFAULT_BOOTSTRAP_PORT);
+    for (engine, handshake) in [("sglang", "sidecar"), ("vllm", "sidecar")] {
+        let pd = format!("    pd: {{handshake: {handshake}}}\n");
+        assert_eq!(
+            accepted(&pool(engine, &pd)).pools[0]
+                .pd
+                .as_ref()
+                .unwrap()
+                .handshake,
+            Handshake::Sidecar
+        );
+    }
+    let nixl = messages(&pool("sglang", "    pd: {handshake: nixl}\n")).join("\n");
     assert!(
-        sglang.contains("bootstrap rendezvous is not implemented"),
-        "{sglang}"
+        nixl.contains("engine sglang takes handshake bootstrap"),
+        "{nixl}"
     );
+    let bootstrap = messages(&pool("vllm", "    pd: {handshake: bootstrap}\n")).join("\n");
+    assert!(
+        bootstrap.contains("engine vllm takes handshake nixl"),
+        "{bootstrap}"
+    );
+}
+
+#[test]
+fn a_prefill_worker_names_its_bootstrap_server_and_no_other_worker_may() {
+    let yaml = "pools:\n  - model: m\n    engine: sglang\n    pd: {bootstrap_port: 9000}\n    workers:\n      \
+                - {endpoint: 10.0.0.1:8000, role: prefill, bootstrap_port: 9100}\n      - {endpoint: \
+                10.0.0.3:8000, role: prefill}\n      - {endpoint: 10.0.0.2:8000, role: decode}\n";
+    let config = accepted(yaml);
+    let given = &config.pools[0];
+    assert_eq!(given.pd.as_ref().unwrap().bootstrap_port, 9000);
+    assert_eq!(given.workers[0].bootstrap_port, Some(9100));
+    assert_eq!(given.workers[1].bootstrap_port, None);
+    let again = parse(&config.to_yaml(), "emitted", &Overrides::default()).unwrap();
+    assert_eq!(again.pools[0], config.pools[0]);
+    // On a decode worker, or in a pool without the rendezvous, the port is read by nothing.
+    let misplaced = messages(&yaml.replace("role: decode}", "role: decode, bootstrap_port: 1}"));
+    assert_eq!(misplaced.len(), 1, "{misplaced:?}");
+    assert!(misplaced[0].contains("bootstrap_port is read only on a prefill worker"));
+    let nixl = messages(
+        &yaml
+            .replace("engine: sglang", "engine: vllm")
+            .replace("{bootstrap_port: 9000}", "{}"),
+    );
+    assert_eq!(nixl.len(), 1, "{nixl:?}");
+    let pool_port = messages(&pool("vllm", "    pd: {bootstrap_port: 9000}\n")).join("\n");
+    assert!(
+        pool_port.contains("read only with handshake: bootstrap"),
+        "{pool_port}"
+    );
+}
+
+#[test]
+fn pools_without_a_decode_worker_are_refused() {
     let no_decode = messages(
         "pools:\n  - model: m\n    engine: vllm\n    pd: {}\n    workers:\n      - {endpoint: \
          10.0.0.1:8000, role: prefill}\n",

@@ -1,8 +1,8 @@
 //! `pools[].pd`: the handshake and the bounds of a prefill/decode pool's prefill legs.
 
-use super::Validator;
+use super::{Validator, WorkerDraft};
 use crate::config::{Handshake, PdConfig};
-use crate::worker::Engine;
+use crate::worker::{Engine, Role};
 use cachepick_decode::{Decode, Map, Phase, Res};
 
 const PD_KEYS: &[&str] = &[
@@ -11,6 +11,7 @@ const PD_KEYS: &[&str] = &[
     "max_inflight_prefills",
     "decode_choices",
     "max_prefill_response_bytes",
+    "bootstrap_port",
 ];
 
 impl Validator<'_> {
@@ -24,13 +25,43 @@ impl Validator<'_> {
         let handshake = self.opt(&map, "handshake", |v, node, at| {
             v.keyword(node, at, &Handshake::ALL, Handshake::as_str)
         });
-        // Only vLLM's handshake exists; an SGLang pool is refused whatever it names.
-        let handshake = match engine {
-            Some(Engine::Sglang) => {
-                let at = map.place_of("handshake").origin();
-                handshake.and_then(|_| Err(self.report(Phase::Value, at, SGLANG)))
+        // Each engine has its own handshake; the sidecar speaks either.
+        let handshake = match (handshake, engine) {
+            (Ok(None), Some(Engine::Sglang)) => Ok(Handshake::Bootstrap),
+            (Ok(None), _) => Ok(Handshake::Nixl),
+            (Ok(Some(given)), Some(engine)) => match (given.value, engine) {
+                (Handshake::Nixl, Engine::Sglang) | (Handshake::Bootstrap, Engine::Vllm) => {
+                    let message = format!(
+                        "handshake {} is {}'s; engine {} takes handshake {} (or sidecar, for \
+                         llm-d's decode sidecar)",
+                        given.value.as_str(),
+                        if given.value == Handshake::Nixl {
+                            "vLLM"
+                        } else {
+                            "SGLang"
+                        },
+                        engine.as_str(),
+                        if engine == Engine::Sglang {
+                            "bootstrap"
+                        } else {
+                            "nixl"
+                        },
+                    );
+                    Err(self.report(Phase::Cross, given.at, message))
+                }
+                (value, _) => Ok(value),
+            },
+            (Ok(Some(given)), None) => Ok(given.value),
+            (Err(reported), _) => Err(reported),
+        };
+        let bootstrap_port = self.opt(&map, "bootstrap_port", Self::port);
+        let bootstrap_port = match (bootstrap_port, &handshake) {
+            (Ok(Some(port)), Ok(handshake)) if *handshake != Handshake::Bootstrap => {
+                let message = "bootstrap_port is read only with handshake: bootstrap";
+                Err(self.report(Phase::Cross, port.at, message))
             }
-            _ => handshake.map(|given| given.map_or(Handshake::Nixl, |given| given.value)),
+            (Ok(port), _) => Ok(port.map_or(PdConfig::DEFAULT_BOOTSTRAP_PORT, |port| port.value)),
+            (Err(reported), _) => Err(reported),
         };
         let prefill_timeout =
             self.positive_duration(&map, "prefill_timeout", PdConfig::DEFAULT_PREFILL_TIMEOUT);
@@ -51,11 +82,48 @@ impl Validator<'_> {
             max_inflight_prefills: inflight?,
             decode_choices: choices?,
             max_prefill_response_bytes: response?.value,
+            bootstrap_port: bootstrap_port?,
         }))
     }
-}
 
-/// Why an SGLang pool cannot be disaggregated yet.
-const SGLANG: &str = "engine sglang has no PD handshake in cachepick yet: SGLang's bootstrap \
-                      rendezvous is not implemented; run the pool aggregated (no pd key) or behind \
-                      SGLang's own router";
+    /// A PD pool's workers: at least one decodes, and a worker's `bootstrap_port` is read only as a
+    /// prefill worker of a `bootstrap` pool. Judged on the workers that were read.
+    pub(super) fn pd_workers(
+        &mut self,
+        pool: &Map,
+        pd: Res<Option<PdConfig>>,
+        workers: &Res<Vec<Res<WorkerDraft>>>,
+    ) -> Res<Option<PdConfig>> {
+        let Ok(workers) = workers else {
+            return pd;
+        };
+        let bootstrap = matches!(&pd, Ok(Some(pd)) if pd.handshake == Handshake::Bootstrap);
+        for worker in workers.iter().flatten() {
+            if let Ok(Some(port)) = &worker.bootstrap_port
+                && !(bootstrap && matches!(worker.role, Ok(Role::Prefill | Role::Both)))
+            {
+                let message = "bootstrap_port is read only on a prefill worker of a pool with \
+                               pd: {handshake: bootstrap}";
+                self.report(Phase::Cross, port.at.clone(), message);
+            }
+        }
+        match pd {
+            Ok(Some(pd)) if !workers.is_empty() => {
+                let decodes = workers
+                    .iter()
+                    .flatten()
+                    .filter(|worker| matches!(worker.role, Ok(Role::Decode)))
+                    .count();
+                if decodes == 0 {
+                    let at = pool.place_of("pd").origin();
+                    let message = "a PD pool needs at least one worker with role: decode (its \
+                                   prefill workers take role: prefill)";
+                    Err(self.report(Phase::Value, at, message))
+                } else {
+                    Ok(Some(pd))
+                }
+            }
+            pd => pd,
+        }
+    }
+}

@@ -42,7 +42,7 @@ pub enum FrontError {
     )]
     NoPort(String),
     #[error(
-        "--front `{0}` names no `{{workers}}` or `{{workers_csv}}`: the router must be told the fleet's \
+        "--front `{0}` names no `{{workers}}`, `{{workers_csv}}` or `{{worker:N}}`: the router must be told the fleet's \
          workers, which are new for every arm"
     )]
     NoWorkers(String),
@@ -90,7 +90,10 @@ impl Front {
         if !template.contains("{port}") {
             return Err(FrontError::NoPort(template.to_owned()));
         }
-        if !template.contains("{workers}") && !template.contains("{workers_csv}") {
+        if !["{workers}", "{workers_csv}", "{worker:"]
+            .iter()
+            .any(|placeholder| template.contains(placeholder))
+        {
             return Err(FrontError::NoWorkers(template.to_owned()));
         }
         Ok(Front {
@@ -195,7 +198,7 @@ pub fn wants_kv_events(template: &str) -> bool {
 
 /// The template with its placeholders filled: `{workers}` the workers' URLs separated by spaces,
 /// `{workers_csv}` by commas, `{port}` and `{metrics_port}` free loopback ports, `{host}` 127.0.0.1,
-/// `{model}` the model the workers serve;
+/// `{model}` the model the workers serve, `{worker:N}` worker N's URL alone;
 /// `{kv_events}` and `{kv_events_replay}` the workers' event endpoints ([`KvSources`]) separated by
 /// spaces, and `{kv_events:FLAG}` / `{kv_events_replay:FLAG}` the same with `FLAG` before each entry,
 /// for a router whose flag repeats once per worker (vllm-router's `--kv-event-source`). Other braces
@@ -221,6 +224,22 @@ pub fn expand(
         .replace("{model}", model)
         .replace("{kv_events}", &kv.live.join(" "))
         .replace("{kv_events_replay}", &kv.replay.join(" "));
+    // `{worker:N}`: worker N's URL alone, for a router given each worker's role (a PD fleet).
+    while let Some(start) = text.find("{worker:") {
+        let rest = text.get(start + "{worker:".len()..).unwrap_or_default();
+        let Some((index, _)) = rest.split_once('}') else {
+            break;
+        };
+        let Some(url) = index
+            .parse::<usize>()
+            .ok()
+            .and_then(|index| urls.get(index))
+        else {
+            break;
+        };
+        let end = start + "{worker:".len() + index.len() + 1;
+        text.replace_range(start..end, url);
+    }
     for (name, entries) in [
         ("{kv_events_replay:", &kv.replay),
         ("{kv_events:", &kv.live),
@@ -501,6 +520,19 @@ mod tests {
              http://127.0.0.1:8002=tcp://127.0.0.1:5003,tcp://127.0.0.1:5004"
         );
         assert!(wants_kv_events("x {kv_events:--f}") && !wants_kv_events("x {workers}"));
+        // A PD front names each worker's role.
+        let roles = expand(
+            "r --prefill {worker:0} --decode {worker:1} {worker:9}",
+            &workers,
+            9000,
+            9001,
+            &kv,
+            "m",
+        );
+        assert_eq!(
+            roles,
+            "r --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 {worker:9}"
+        );
     }
 
     #[test]

@@ -188,6 +188,9 @@ pub struct ReplayOptions {
     pub scrape_interval: Option<Duration>,
     /// Each arm of more than one replica also runs with `replica_sync` between its replicas.
     pub replica_sync: bool,
+    /// A prefill/decode fleet: the first N workers prefill, the rest decode; every cachepick arm's pool
+    /// gets `pd: {}` (vLLM fleets, through Envoy only). `None`: aggregated.
+    pub pd_prefill: Option<usize>,
     /// Print progress lines.
     pub verbose: bool,
 }
@@ -223,6 +226,7 @@ impl ReplayOptions {
             oracle: true,
             scrape_interval: None,
             replica_sync: false,
+            pd_prefill: None,
             verbose: true,
         }
     }
@@ -262,6 +266,10 @@ pub enum ReplayError {
     ReplicasNeedEnvoy(usize),
     #[error("--replicas must be at least 1")]
     NoReplicas,
+    #[error(
+        "--pd {prefill}: a PD replay needs a vLLM fleet of more than {prefill} workers, at least one prefilling, and --via envoy (the decode leg's body is Envoy's to send)"
+    )]
+    PdFleet { prefill: usize },
     #[error("--crash-worker {index}: the fleet has {workers} workers (0 to {last})", last = .workers.saturating_sub(1))]
     CrashWorker { index: usize, workers: usize },
     #[error("unknown scenario `{0}`; known: burst, agents (a trace is given with --trace instead)")]
@@ -428,6 +436,16 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     if most > 1 && options.via != Via::Envoy {
         return Err(ReplayError::ReplicasNeedEnvoy(most));
     }
+    if let Some(prefill) = options.pd_prefill {
+        let workers = sim.workers.get() as usize;
+        if prefill == 0
+            || prefill >= workers
+            || sim.engine != cachepick_sim::Engine::Vllm
+            || options.via != Via::Envoy
+        {
+            return Err(ReplayError::PdFleet { prefill });
+        }
+    }
     let modes = if options.index_modes.is_empty() {
         vec![IndexMode::Approximate]
     } else {
@@ -444,10 +462,12 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     let mut arms = arms(&names, &sim, &modes, &replicas, options.replica_sync);
     arms.extend(options.fronts.iter().map(Arm::front));
-    for rule in &options.peers {
+    // The in-process peers and the oracle route aggregated: no PD form of them exists yet.
+    let aggregated = options.pd_prefill.is_none();
+    for rule in options.peers.iter().filter(|_| aggregated) {
         arms.extend(Arm::peers(*rule, &replicas));
     }
-    if options.oracle && sim.timing == Timing::Step {
+    if options.oracle && sim.timing == Timing::Step && aggregated {
         arms.push(Arm::oracle());
     }
     let envoy_path = match options.via {

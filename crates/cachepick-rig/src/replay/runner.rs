@@ -137,9 +137,13 @@ impl Workload<'_> {
         } else {
             None
         };
+        let pd_prefill = self.options.pd_prefill;
         let mut stage = Stage::start(&sim, |generated| {
             let mut config = apply_arm(generated, &arm.yaml, Some(&load), arm.index_mode)?;
             config.replica_sync = sync.clone();
+            if let Some(prefill) = pd_prefill {
+                disaggregate(&mut config, prefill);
+            }
             Ok(config)
         })
         .await?
@@ -444,6 +448,21 @@ fn decision_total(exposition: &str) -> u64 {
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .map(|value| value as u64)
         .sum()
+}
+
+/// Makes every pool of `config` a prefill/decode pool: its first `prefill` workers prefill, the rest
+/// decode, with the default handshake bounds.
+fn disaggregate(config: &mut cachepick::config::Config, prefill: usize) {
+    for pool in &mut config.pools {
+        for (index, worker) in pool.workers.iter_mut().enumerate() {
+            worker.role = if index < prefill {
+                cachepick::worker::Role::Prefill
+            } else {
+                cachepick::worker::Role::Decode
+            };
+        }
+        pool.pd = Some(cachepick::config::PdConfig::default());
+    }
 }
 
 #[cfg(test)]

@@ -515,6 +515,10 @@ pub struct Identity<'a> {
     pub max_model_len: u32,
     /// The tokenizer the worker uses, as SGLang reports `tokenizer_path`.
     pub tokenizer: &'a str,
+    /// SGLang's `disaggregation_mode`: `null`, `prefill` or `decode`.
+    pub disaggregation: &'static str,
+    /// The port SGLang's bootstrap server answers on (the simulator's: the worker's own).
+    pub bootstrap_port: u16,
 }
 
 impl Identity<'_> {
@@ -592,7 +596,8 @@ pub fn server_info_json(id: &Identity) -> Vec<u8> {
         "max_running_requests": id.max_running,
         "max_total_num_tokens": id.max_total_num_tokens(),
         "context_length": id.max_model_len,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": id.disaggregation,
+        "disaggregation_bootstrap_port": id.bootstrap_port,
         "disable_radix_cache": false,
         "skip_tokenizer_init": false,
         "is_embedding": false,

@@ -258,6 +258,8 @@ fn identity(engine: Engine) -> Identity<'static> {
         kv_blocks: 8192,
         max_model_len: 131_072,
         tokenizer: "bytes",
+        disaggregation: "null",
+        bootstrap_port: 8998,
     }
 }
 
@@ -292,6 +294,7 @@ fn discovery_documents_carry_their_fields() {
         ("max_total_num_tokens", json!(8192 * 16)),
         ("context_length", json!(131_072)),
         ("disaggregation_mode", json!("null")),
+        ("disaggregation_bootstrap_port", json!(8998)),
         ("version", json!(SGLANG_VERSION)),
     ];
     for (key, value) in expected {

@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use cachepick_tokenizer::{Chat, ChatTurn, Tokenizer};
 
+use super::bootstrap::{self, Disaggregation};
 use super::engine::{Progress, Submitted};
 use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, nixl, sleep_unpaused};
 use crate::config::{LoadFailure, Timing};
@@ -54,10 +55,25 @@ pub(super) async fn generate(
     body: Bytes,
     mut arrival: Arrival,
 ) -> Response<Body> {
-    let request = match read(&shared, api, &body) {
+    let mut request = match read(&shared, api, &body) {
         Ok(request) => request,
         Err((status, message)) => return error(status, &message),
     };
+    // SGLang's prefill worker computes the prompt and one token, answered whole; its router drains it.
+    let mode = shared.spec.disaggregation;
+    if mode == Disaggregation::Prefill {
+        request.max_tokens = Some(1);
+        request.stream = false;
+    }
+    if mode != Disaggregation::Null && request.bootstrap.is_none() {
+        let message = format!(
+            "a {} worker (disaggregation_mode {}) needs bootstrap_host, bootstrap_port and \
+             bootstrap_room",
+            mode.as_str(),
+            mode.as_str()
+        );
+        return error(StatusCode::BAD_REQUEST, &message);
+    }
     let params = shared.params.load_full();
     if params.failure_rate > 0.0 && lock(&shared.rng).random::<f64>() < params.failure_rate {
         if let Some(mut rank) = incarnation.rank(0) {
@@ -123,7 +139,33 @@ pub(super) async fn generate(
             }
         }
         Some(KvTransfer::RemoteDecode) => Transfer::Leased,
-        None => Transfer::None,
+        None => match (mode, &request.bootstrap) {
+            (Disaggregation::Prefill, Some(rendezvous)) => Transfer::Room(rendezvous.room),
+            (Disaggregation::Decode, Some(rendezvous)) => {
+                let held = incarnation
+                    .rank(0)
+                    .map_or(0, |rank| rank.engine.cached_tokens(&prompt));
+                let pulled = bootstrap::pull(
+                    &shared,
+                    &rendezvous.host,
+                    rendezvous.port,
+                    rendezvous.room,
+                    held,
+                )
+                .await;
+                match pulled {
+                    Ok(pulled) => Transfer::Pulled(pulled),
+                    Err(why) => {
+                        let message = format!(
+                            "Decode transfer failed for request rid=bootstrap_room {}: {why}",
+                            rendezvous.room
+                        );
+                        return error(StatusCode::INTERNAL_SERVER_ERROR, &message);
+                    }
+                }
+            }
+            _ => Transfer::None,
+        },
     };
     let remote = match &transfer {
         Transfer::Pulled(pulled) => pulled.tokens,
@@ -215,6 +257,8 @@ enum Transfer {
     None,
     /// A prefill leg: its KV is leased for a decode worker.
     Leased,
+    /// An SGLang prefill leg: its KV waits in this bootstrap room for the decode worker.
+    Room(u64),
     /// A decode leg that pulled its KV.
     Pulled(nixl::Pulled),
     /// A decode leg whose pull failed, prefilled here (`kv_load_failure_policy: recompute`).
@@ -351,7 +395,7 @@ impl ResponseHeaders {
         // Which leg this was, and for a decode leg where its KV came from.
         let kind = match &self.transfer {
             Transfer::None => "local",
-            Transfer::Leased => "leased",
+            Transfer::Leased | Transfer::Room(_) => "leased",
             Transfer::Pulled(_) => "pulled",
             Transfer::Recomputed => "recomputed",
         };
@@ -505,6 +549,14 @@ async fn complete_response(mut run: Run, headers: ResponseHeaders) -> Response<B
             run.prompt_tokens,
         );
         body = nixl::with_params(body, &params);
+    }
+    if let Transfer::Room(room) = headers.transfer {
+        bootstrap::hold(
+            &run.shared,
+            &run.ticket.incarnation,
+            room,
+            run.prompt_tokens,
+        );
     }
     let mut response = json(StatusCode::OK, body);
     headers.apply(&mut response);

@@ -54,6 +54,7 @@ use crate::stats::{Histogram, RankStats};
 use crate::wire::{self, Api};
 
 mod admin;
+mod bootstrap;
 mod engine;
 mod generate;
 mod life;
@@ -62,6 +63,7 @@ mod nixl;
 use engine::RankEngine;
 
 pub use admin::{FakeMetrics, MetricsMode};
+pub use bootstrap::Disaggregation;
 pub(crate) use generate::tokens;
 
 use admin::{Controls, Scrape, admin, metrics};
@@ -116,6 +118,8 @@ pub struct WorkerSpec {
     pub params: SimParams,
     /// KV cache events; `None` publishes nothing.
     pub kv_events: Option<KvEventsSpec>,
+    /// SGLang's `disaggregation_mode`; always `Null` for vLLM, whose workers serve either leg.
+    pub disaggregation: Disaggregation,
 }
 
 /// How a worker publishes KV cache events, and on which ports.
@@ -178,6 +182,8 @@ struct Incarnation {
     started: f64,
     /// Finished prefills' KV kept for their decode workers (`nixl`); a restart loses them.
     leases: nixl::Leases,
+    /// Finished SGLang prefills waiting for their decode workers (`bootstrap`); a restart loses them.
+    rooms: bootstrap::Rooms,
 }
 
 impl Incarnation {
@@ -207,6 +213,7 @@ impl Incarnation {
             ranks,
             started,
             leases: nixl::Leases::default(),
+            rooms: bootstrap::Rooms::default(),
         }
     }
 
@@ -567,14 +574,17 @@ async fn accept_loop(
     connections.shutdown().await;
 }
 
-/// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`), renamed
+/// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`, and llm-d's
+/// `x-prefiller-host-port`), renamed
 /// `x-sim-echo-<name>`: what a gateway in front told this worker, visible to the client and to tests.
 fn routing_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, HeaderValue)> {
     headers
         .iter()
         .filter(|(name, _)| {
             let name = name.as_str();
-            name.starts_with("x-gateway-") || name.starts_with("x-cachepick-")
+            name.starts_with("x-gateway-")
+                || name.starts_with("x-cachepick-")
+                || name == "x-prefiller-host-port"
         })
         .filter_map(|(name, value)| {
             let echoed = format!("x-sim-echo-{}", name.as_str());
@@ -639,6 +649,9 @@ async fn route(
         }
         (&Method::GET, claim) if engine == Engine::Vllm && claim.starts_with("/sim/nixl/") => {
             nixl::claim(&shared, &incarnation, claim)
+        }
+        (&Method::GET, room) if engine == Engine::Sglang && room.starts_with("/sim/bootstrap/") => {
+            bootstrap::join(&shared, &incarnation, room).await
         }
         (&Method::POST, "/reset_prefix_cache") if engine == Engine::Vllm => {
             reset_prefix_cache(&incarnation)
@@ -706,6 +719,8 @@ fn identity(shared: &Shared) -> Identity<'_> {
         kv_blocks: u64::from(params.kv_blocks.get()),
         max_model_len: params.max_model_len.get(),
         tokenizer: &shared.spec.tokenizer_name,
+        disaggregation: shared.spec.disaggregation.as_str(),
+        bootstrap_port: shared.spec.addr.port(),
     }
 }
 

@@ -152,18 +152,7 @@ pub(super) async fn pull(
                 .await
                 .map_err(|_| format!("the prefill worker {addr} did not answer the handshake"))??;
         let moved = tokens.saturating_sub(held);
-        let params = shared.params.load_full();
-        let bytes = u64::from(moved).saturating_mul(params.profile.kv_bytes_per_token);
-        let seconds = bytes as f64 / params.pd.link_bytes_per_second.max(1.0) * params.time_scale;
-        let duration = Duration::try_from_secs_f64(seconds).unwrap_or(Duration::ZERO);
-        // The decode worker's link carries its transfers one after another.
-        let done = {
-            let mut free = lock(&shared.link_free);
-            let start = (*free).max(Instant::now());
-            *free = start + duration;
-            *free
-        };
-        tokio::time::sleep_until(done).await;
+        cross_link(shared, moved).await;
         Ok(Pulled {
             tokens,
             moved,
@@ -173,6 +162,23 @@ pub(super) async fn pull(
     .await;
     shared_count.fetch_sub(1, Ordering::Relaxed);
     result
+}
+
+/// Waits while `tokens` of KV cross this (decode) worker's link: `tokens × kv_bytes_per_token / link
+/// bandwidth`, transfers queued first come first served.
+pub(super) async fn cross_link(shared: &Shared, tokens: u32) {
+    let params = shared.params.load_full();
+    let bytes = u64::from(tokens).saturating_mul(params.profile.kv_bytes_per_token);
+    let seconds = bytes as f64 / params.pd.link_bytes_per_second.max(1.0) * params.time_scale;
+    let duration = Duration::try_from_secs_f64(seconds).unwrap_or(Duration::ZERO);
+    // The decode worker's link carries its transfers one after another.
+    let done = {
+        let mut free = lock(&shared.link_free);
+        let start = (*free).max(Instant::now());
+        *free = start + duration;
+        *free
+    };
+    tokio::time::sleep_until(done).await;
 }
 
 async fn claim_over_http(

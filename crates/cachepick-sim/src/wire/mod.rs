@@ -105,6 +105,18 @@ pub struct SimRequest {
     pub include_usage: bool,
     /// vLLM's `kv_transfer_params` (OpenAI APIs only): which leg of a disaggregated request this is.
     pub kv_transfer: Option<KvTransfer>,
+    /// SGLang's rendezvous (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`), on either leg of a
+    /// disaggregated request; `None` when the body names no room.
+    pub bootstrap: Option<Bootstrap>,
+}
+
+/// Where a disaggregated SGLang request's two legs meet: the prefill worker's bootstrap server and the
+/// room both legs name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub host: String,
+    pub port: u16,
+    pub room: u64,
 }
 
 /// A disaggregated request's leg, as vLLM's NixlConnector reads `kv_transfer_params`.
@@ -149,6 +161,8 @@ pub enum WireError {
     Batched(&'static str),
     #[error("`stream_options` is only allowed when `stream` is true")]
     StreamOptionsWithoutStream,
+    #[error("`bootstrap_room` needs `{0}`")]
+    BootstrapField(&'static str),
     #[error("`kv_transfer_params` with `do_remote_prefill` needs `{0}`")]
     KvTransferField(&'static str),
     #[error("`{field}` nests deeper than {MAX_TOOLS_DEPTH} levels")]

@@ -7,7 +7,7 @@ use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-use super::{Api, KvTransfer, MAX_TOOLS_DEPTH, Message, Prompt, SimRequest, WireError};
+use super::{Api, Bootstrap, KvTransfer, MAX_TOOLS_DEPTH, Message, Prompt, SimRequest, WireError};
 
 /// Reads a request body sent to `api`'s path.
 pub fn parse(api: Api, body: &[u8]) -> Result<SimRequest, WireError> {
@@ -64,6 +64,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<SimRequest, WireError> {
         (Api::Chat | Api::Completion, Some(raw)) => kv_transfer(raw)?,
         _ => None,
     };
+    let bootstrap = bootstrap(&members)?;
     Ok(SimRequest {
         api,
         model,
@@ -72,7 +73,33 @@ pub fn parse(api: Api, body: &[u8]) -> Result<SimRequest, WireError> {
         stream,
         include_usage,
         kv_transfer,
+        bootstrap,
     })
+}
+
+/// SGLang's three rendezvous fields: a room needs the prefill worker's host and bootstrap port, as
+/// SGLang's decode worker does to find it. Batched (list) forms are not simulated.
+fn bootstrap(members: &Members<'_>) -> Result<Option<Bootstrap>, WireError> {
+    let value = |key: &str| -> Option<Value> {
+        members
+            .get(key)
+            .and_then(|raw| serde_json::from_str::<Value>(raw.get()).ok())
+    };
+    let Some(room) = value("bootstrap_room") else {
+        return Ok(None);
+    };
+    let room = room.as_u64().ok_or(WireError::Invalid {
+        field: "bootstrap_room".to_owned(),
+        expected: "a non-negative integer",
+    })?;
+    let host = value("bootstrap_host")
+        .and_then(|host| host.as_str().map(str::to_owned))
+        .ok_or(WireError::BootstrapField("bootstrap_host"))?;
+    let port = value("bootstrap_port")
+        .and_then(|port| port.as_u64())
+        .and_then(|port| u16::try_from(port).ok())
+        .ok_or(WireError::BootstrapField("bootstrap_port"))?;
+    Ok(Some(Bootstrap { host, port, room }))
 }
 
 /// `kv_transfer_params`: an object; `do_remote_prefill` needs the prefill worker's engine, request,
