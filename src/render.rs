@@ -331,6 +331,13 @@ pub fn explanation(explanation: &Explanation) -> String {
             }
         );
     }
+    if let Some(local) = explanation.local_prefill {
+        let _ = writeln!(
+            out,
+            "prefill:  on the decode worker, no remote leg ({})",
+            crate::route::local_handoff(local).as_str()
+        );
+    }
     let trace = serde_json::to_string_pretty(trace).unwrap_or_default();
     let _ = writeln!(out, "trace:   {trace}");
     out

@@ -538,3 +538,46 @@ async fn sglang_faults_fail_with_the_engines_stated_cause() {
     assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text());
     assert!(reply.text().contains("bootstrap_room"), "{}", reply.text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_its_decode_worker_holds_is_prefilled_there_and_says_why() {
+    // Off by default (BENCHMARKS.md): Dynamo's isl_bounding shape, as an operator would turn it on.
+    let pd = PdConfig {
+        local_prefill_tokens: 2048,
+        ..PdConfig::default()
+    };
+    let stack = Stack::with_pd(BodyMode::Buffered, pd).await;
+    // Past min_match_tokens (1024), so the decode worker's copy counts as a match.
+    let text = prompt(500).repeat(4);
+    let first = stack.post(CHAT, &chat(&text, false)).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    let (decoded_on, _, transfer, handoff) = legs(&first.headers);
+    assert_eq!(
+        (transfer.as_str(), handoff.as_str()),
+        ("pulled", "remote_prefill")
+    );
+    // Until a reading after it (every 100 ms), the first request counts as pressure on its decode
+    // worker, and affinity is taken only where it costs no pressure.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The same conversation one turn on: its decode worker holds all but the new turn, a suffix
+    // short in tokens and in share (local_prefill_tokens 2048, local_prefill_share 0.7).
+    let mut next = chat(&text, false);
+    next["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": "ok"}),
+        json!({"role": "user", "content": "and then?"}),
+    ]);
+    let reply = stack.post(CHAT, &next).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let (served_by, _, transfer, handoff) = legs(&reply.headers);
+    assert_eq!(served_by, decoded_on, "{:?}", reply.headers);
+    assert_eq!(
+        (transfer.as_str(), handoff.as_str()),
+        ("local", "local_prefill_short_suffix")
+    );
+    assert!(reply.usage().cached_tokens > 0, "{}", reply.text());
+    let echoed = reply
+        .headers
+        .get(ECHO_DECODE_DECISION)
+        .and_then(|value| value.to_str().ok());
+    assert_eq!(echoed, Some("decode_hit"));
+}

@@ -213,6 +213,67 @@ fn a_tiny_burst_replays_through_envoy() {
     svg(&out.join("burst_timeline.svg"));
 }
 
+/// The same burst on a prefill/decode fleet: cachepick's arm and the PD oracle each make both picks
+/// and send vLLM's NIXL prefill leg, through the same Envoy, and every request is served.
+#[test]
+fn a_tiny_burst_replays_on_a_prefill_decode_fleet_with_the_pd_oracle() {
+    let envoy = envoy::binary();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("out");
+    let (stdout, _) = replay(&[
+        "--scenario",
+        "burst",
+        "--duration-scale",
+        "0.05",
+        "--speedup",
+        "4",
+        "--policies",
+        "gate_floor",
+        "--pd",
+        "2",
+        "--via",
+        "envoy",
+        "--envoy",
+        envoy.to_str().expect("utf-8 path"),
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    let report = report(&out);
+    let arms: Vec<&str> = report["policies"]
+        .as_array()
+        .expect("policies")
+        .iter()
+        .filter_map(|policy| policy["arm"].as_str())
+        .collect();
+    assert_eq!(arms, ["gate_floor", "oracle"], "{stdout}");
+    for policy in report["policies"].as_array().expect("policies") {
+        let requests = policy["requests"].as_u64().expect("requests");
+        assert!(requests > 5, "{policy}");
+        assert_eq!(policy["ok"].as_u64(), Some(requests), "{policy}");
+        assert_eq!(policy["through_envoy"].as_u64(), Some(requests), "{policy}");
+        // Only the two decode workers answer clients: each prefill leg is cachepick's (or the
+        // oracle's) own request, not the client's.
+        let served: Vec<u64> = policy["worker_requests"]
+            .as_object()
+            .expect("worker_requests")
+            .values()
+            .filter_map(serde_json::Value::as_u64)
+            .collect();
+        assert_eq!(
+            served.iter().filter(|count| **count == 0).count(),
+            2,
+            "{policy}"
+        );
+        assert_eq!(served.iter().sum::<u64>(), requests, "{policy}");
+        // vLLM reports the pulled prompt as held: every decode leg pulled its KV.
+        assert!(
+            policy["hit_rate"].as_f64().is_some_and(|hit| hit > 0.9),
+            "{policy}"
+        );
+    }
+    assert!(stdout.contains("TTFT p90 ÷ oracle"), "{stdout}");
+}
+
 /// The prefill-heavy agents scenario, shortened: sessions whose long system prompts and growing
 /// histories the cache-aware rows keep hitting, far beyond round robin, with the oracle beside them.
 #[test]

@@ -325,6 +325,13 @@ struct Pd {
     /// Only read with the bootstrap handshake.
     #[serde(skip_serializing_if = "Option::is_none")]
     bootstrap_port: Option<u16>,
+    /// Not read with the bootstrap handshake.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local_prefill_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local_prefill_share: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local_prefill_when_queued: Option<bool>,
 }
 
 #[serde_with::skip_serializing_none]
@@ -532,6 +539,12 @@ impl<'c> Pool<'c> {
                 max_prefill_response_bytes: pd.max_prefill_response_bytes.get().into(),
                 bootstrap_port: (pd.handshake == crate::config::Handshake::Bootstrap)
                     .then_some(pd.bootstrap_port),
+                local_prefill_tokens: (pd.handshake != crate::config::Handshake::Bootstrap)
+                    .then_some(pd.local_prefill_tokens),
+                local_prefill_share: (pd.handshake != crate::config::Handshake::Bootstrap)
+                    .then_some(pd.local_prefill_share.get()),
+                local_prefill_when_queued: (pd.handshake != crate::config::Handshake::Bootstrap)
+                    .then_some(pd.local_prefill_when_queued),
             }),
             dns: match &pool.discovery {
                 Discovery::Dns(dns) => Some(Dns {

@@ -37,7 +37,7 @@ impl Handshake {
 /// `prefill` workers and the decode worker by decode pressure over its `decode` workers, and
 /// cachepick performs the handshake between them. Without it a pool's `decode` workers take no
 /// requests.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PdConfig {
     pub handshake: Handshake,
     /// The longest the prefill leg may take, from its dispatch to its parameters; past it the leg is
@@ -55,6 +55,14 @@ pub struct PdConfig {
     /// `bootstrap`: the port of a prefill worker's bootstrap server when the worker names none
     /// (SGLang's `--disaggregation-bootstrap-port`, 8998).
     pub bootstrap_port: u16,
+    /// Conditional disaggregation: the decode worker prefills a request itself when what it lacks of
+    /// the prompt is at most this many tokens and at most `local_prefill_share` of the prompt, and it
+    /// has room; 0 turns it off. `nixl` and `sidecar` only: SGLang's decode worker cannot prefill.
+    pub local_prefill_tokens: u64,
+    pub local_prefill_share: super::DepthRatio,
+    /// ... and when the prompt's prefill owner was passed over as queued while the decode worker holds
+    /// the prefix.
+    pub local_prefill_when_queued: bool,
 }
 
 impl PdConfig {
@@ -63,6 +71,9 @@ impl PdConfig {
     pub const DEFAULT_DECODE_CHOICES: usize = 2;
     pub const DEFAULT_MAX_PREFILL_RESPONSE_BYTES: usize = 1 << 20;
     pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+    /// Off: measured on the step model, the rule costs more than it saves (BENCHMARKS.md).
+    pub const DEFAULT_LOCAL_PREFILL_TOKENS: u64 = 0;
+    pub const DEFAULT_LOCAL_PREFILL_SHARE: f64 = 0.7;
 }
 
 impl Default for PdConfig {
@@ -76,6 +87,10 @@ impl Default for PdConfig {
             decode_choices: count(PdConfig::DEFAULT_DECODE_CHOICES),
             max_prefill_response_bytes: count(PdConfig::DEFAULT_MAX_PREFILL_RESPONSE_BYTES),
             bootstrap_port: PdConfig::DEFAULT_BOOTSTRAP_PORT,
+            local_prefill_tokens: PdConfig::DEFAULT_LOCAL_PREFILL_TOKENS,
+            local_prefill_share: super::DepthRatio::new(PdConfig::DEFAULT_LOCAL_PREFILL_SHARE)
+                .unwrap_or(super::DepthRatio::ZERO),
+            local_prefill_when_queued: false,
         }
     }
 }

@@ -339,7 +339,8 @@ fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) 
             .or_else(|| pd.prefill.first().copied())
             .map(|worker| worker.to_string())
             .unwrap_or_default();
-        if pd.handshake == crate::config::Handshake::Sidecar {
+        // A request its decode worker prefills itself names no prefill worker to the sidecar.
+        if pd.handshake == crate::config::Handshake::Sidecar && pd.local.is_none() {
             set.push((PREFILLER_HEADER, prefill.clone()));
         }
         set.push((PREFILL_HEADER, prefill));

@@ -49,6 +49,16 @@ pub(super) async fn prefill(
     let Some(pd) = routed.pd.as_mut() else {
         return Ok(none);
     };
+    // Conditional disaggregation chose the decode worker to prefill: no leg, said so.
+    if let Some(local) = pd.local {
+        let handoff = crate::route::local_handoff(local);
+        service
+            .metrics()
+            .pd
+            .record_handoff(&routed.pool, handoff, 0, 0.0);
+        pd.handoff = Some(handoff);
+        return Ok(none);
+    }
     let Some(relay) = service.picker().relay(&routed.pool) else {
         return Ok(none);
     };

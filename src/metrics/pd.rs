@@ -38,7 +38,9 @@ impl PdMetrics {
                     "Prefill legs of prefill/decode requests, by outcome: remote_prefill, \
                      remote_prefill_retried (the second prefill worker answered), or the decode worker \
                      prefilled locally: local_prefill_failed, local_prefill_no_params, \
-                     local_prefill_saturated (pd.max_inflight_prefills), local_prefill_unreadable.",
+                     local_prefill_saturated (pd.max_inflight_prefills), local_prefill_unreadable; or \
+                     conditional disaggregation kept the request on its decode worker: \
+                     local_prefill_short_suffix, local_prefill_owner_queued.",
                 ),
                 &["pool", "outcome"],
             )?,

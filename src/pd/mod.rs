@@ -62,16 +62,23 @@ pub enum Handoff {
     /// The body cannot be re-written for a prefill leg (compressed, or not a chat or completion): the
     /// decode worker prefills locally.
     LocalPrefillUnreadable,
+    /// Conditional disaggregation: the decode worker lacks little of the prompt and has room.
+    LocalPrefillShortSuffix,
+    /// Conditional disaggregation: the prompt's prefill owner is queued and the decode worker holds
+    /// the prefix.
+    LocalPrefillOwnerQueued,
 }
 
 impl Handoff {
-    pub const ALL: [Handoff; 6] = [
+    pub const ALL: [Handoff; 8] = [
         Handoff::RemotePrefill,
         Handoff::RemotePrefillRetried,
         Handoff::LocalPrefillFailed,
         Handoff::LocalPrefillNoParams,
         Handoff::LocalPrefillSaturated,
         Handoff::LocalPrefillUnreadable,
+        Handoff::LocalPrefillShortSuffix,
+        Handoff::LocalPrefillOwnerQueued,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -82,6 +89,8 @@ impl Handoff {
             Handoff::LocalPrefillNoParams => "local_prefill_no_params",
             Handoff::LocalPrefillSaturated => "local_prefill_saturated",
             Handoff::LocalPrefillUnreadable => "local_prefill_unreadable",
+            Handoff::LocalPrefillShortSuffix => "local_prefill_short_suffix",
+            Handoff::LocalPrefillOwnerQueued => "local_prefill_owner_queued",
         }
     }
 

@@ -220,3 +220,51 @@ impl<'a> Candidate<'a> {
         (self.pressure(), used, self.state.id)
     }
 }
+
+/// Why a request of a PD pool skips its remote prefill and is prefilled by its decode worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LocalPrefill {
+    /// What the decode worker lacks of the prompt is short, in tokens and as a share of the prompt,
+    /// and the decode worker has room: a transfer and a second queue would cost more than computing it.
+    ShortSuffix,
+    /// The prompt's prefill owner was passed over as queued (`cache_worker_queued`) and the decode
+    /// worker holds the prefix: it prefills warm what a diverted prefill worker would prefill cold.
+    OwnerQueued,
+}
+
+/// When a decode worker prefills a request itself (`pd.local_prefill_*`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LocalRule {
+    /// The longest uncached suffix the decode worker prefills itself; 0 turns the rule off.
+    pub max_suffix_tokens: u64,
+    /// ... and the suffix's largest share of the prompt, in `[0, 1]`.
+    pub max_suffix_share: f64,
+    /// Whether [`LocalPrefill::OwnerQueued`] applies.
+    pub when_owner_queued: bool,
+}
+
+/// Whether the decode worker `pick` prefills the request itself, given the prefill pick's reason. Pure.
+/// A decode worker without room by its reading (`decode_capacity_fallback`) never does.
+pub fn local_prefill(
+    prompt_tokens: u64,
+    pick: &DecodePick,
+    prefill_reason: super::Reason,
+    rule: &LocalRule,
+) -> Option<LocalPrefill> {
+    if pick.reason == DecodeReason::DecodeCapacityFallback || prompt_tokens == 0 {
+        return None;
+    }
+    if rule.when_owner_queued
+        && prefill_reason == super::Reason::CacheWorkerQueued
+        && pick.reason == DecodeReason::DecodeHit
+    {
+        return Some(LocalPrefill::OwnerQueued);
+    }
+    let suffix = prompt_tokens.saturating_sub(pick.matched_tokens);
+    let share = suffix as f64 / prompt_tokens as f64;
+    (rule.max_suffix_tokens > 0
+        && suffix <= rule.max_suffix_tokens
+        && share <= rule.max_suffix_share)
+        .then_some(LocalPrefill::ShortSuffix)
+}

@@ -83,7 +83,7 @@ use std::time::Instant;
 
 use rand::Rng;
 
-pub use decode::{DecodePick, DecodeReason, decide_decode};
+pub use decode::{DecodePick, DecodeReason, LocalPrefill, LocalRule, decide_decode, local_prefill};
 pub use outcome::{Decision, Outcome, Reason, RefuseReason, Refused};
 pub use trace::{
     Admission, Balance, Gate, OwnerVerdict, Predicted, Prediction, PressureSource, RateSource,

@@ -40,6 +40,9 @@ pub struct Explanation {
     /// prefill leg itself does not run in a dry run).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode: Option<crate::policy::DecodePick>,
+    /// Conditional disaggregation: the decode worker would prefill the request itself, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_prefill: Option<crate::policy::LocalPrefill>,
 }
 
 /// One worker's blocks per tier, as its engine's KV events report them.
@@ -75,6 +78,7 @@ impl Explanation {
             },
             depth_sources,
             decode: None,
+            local_prefill: None,
         }
     }
 }

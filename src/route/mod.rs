@@ -35,7 +35,7 @@ pub use admission::{Admission, AdmissionView, CommitGate};
 pub use answer::{Answer, Commit, ExplainInput, Inbound, Refusal, Routed, Routing};
 pub use credit::{Credit, ServedReport, Settled};
 pub use explain::Explanation;
-pub use pd::PdRoute;
+pub use pd::{PdRoute, local_handoff};
 pub use picker::{Allowance, Picker, PickerError, Pinned, RequestError};
 pub use prepared::Prepared;
 pub use service::Service;

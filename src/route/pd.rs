@@ -8,7 +8,29 @@ use rand::Rng;
 use serde::Serialize;
 
 use super::picker::Pinned;
-use crate::policy::{Decision, DecodePick, LoadView, RequestFacts, decide_decode};
+use crate::config::{Handshake, PdConfig};
+use crate::policy::{
+    Decision, DecodePick, LoadView, LocalPrefill, LocalRule, RequestFacts, decide_decode,
+    local_prefill,
+};
+
+/// The handoff of a request conditional disaggregation keeps on its decode worker.
+pub fn local_handoff(local: LocalPrefill) -> crate::pd::Handoff {
+    match local {
+        LocalPrefill::ShortSuffix => crate::pd::Handoff::LocalPrefillShortSuffix,
+        LocalPrefill::OwnerQueued => crate::pd::Handoff::LocalPrefillOwnerQueued,
+    }
+}
+
+/// The conditional-disaggregation rule of `pd`; `None` where the decode worker cannot prefill
+/// (SGLang's `bootstrap`).
+fn local_rule(pd: &PdConfig) -> Option<LocalRule> {
+    (pd.handshake != Handshake::Bootstrap).then_some(LocalRule {
+        max_suffix_tokens: pd.local_prefill_tokens,
+        max_suffix_share: pd.local_prefill_share.get(),
+        when_owner_queued: pd.local_prefill_when_queued,
+    })
+}
 
 /// The two legs of a request routed in a PD pool.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -23,6 +45,9 @@ pub struct PdRoute {
     pub handoff: Option<crate::pd::Handoff>,
     /// The prefill worker whose KV the decode worker pulls.
     pub prefilled_by: Option<SocketAddr>,
+    /// Conditional disaggregation: the decode worker prefills the request itself, and why (no leg is
+    /// sent).
+    pub local: Option<LocalPrefill>,
 }
 
 impl Pinned<'_> {
@@ -66,6 +91,9 @@ impl Pinned<'_> {
             .filter_map(|id| self.snapshot.worker(id).map(|worker| worker.endpoint))
             .collect();
         let prefill = self.endpoints(decision).into_iter().take(2).collect();
+        let local = local_rule(pd).and_then(|rule| {
+            local_prefill(self.prepared.prompt_tokens, &pick, decision.reason, &rule)
+        });
         Some((
             PdRoute {
                 handshake: pd.handshake,
@@ -73,6 +101,7 @@ impl Pinned<'_> {
                 decode: pick,
                 handoff: None,
                 prefilled_by: None,
+                local,
             },
             endpoints,
         ))

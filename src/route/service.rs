@@ -210,6 +210,7 @@ impl Service {
                 Explanation::new(&pinned, outcome, label, passthrough, depth_sources, streams);
             if let Answer::Route(Routed { pd: Some(pd), .. }) = &answer {
                 explanation.decode = Some(pd.decode.clone());
+                explanation.local_prefill = pd.local;
             }
             explanation
         });
@@ -491,30 +492,37 @@ impl Service {
     /// never reaches, so the gate is asked first — then counted and logged.
     fn routed(&self, pinned: &Pinned<'_>, decision: &Decision, commit: Commit<'_>) -> Answer {
         let prepared = pinned.prepared();
+        // A PD pool's request has a second pick: its decode worker, where Envoy sends it.
+        let decode = pinned.decide_decode(decision, Instant::now(), &mut rand::rng());
+        // A request its decode worker prefills itself never reaches the prefill worker: not credited.
+        let prefilled_remotely = decode
+            .as_ref()
+            .is_none_or(|(route, _)| route.local.is_none());
         let credit = match commit {
             Commit::Live(gate) => {
                 if let Err(refused) = gate.check() {
                     self.metrics.overload.commit_refused(refused);
                     return Answer::Shed(refused.into());
                 }
-                pinned.commit(decision)
+                if prefilled_remotely {
+                    pinned.commit(decision)
+                } else {
+                    None
+                }
             }
             Commit::DryRun => None,
         };
         let mut endpoints = pinned.endpoints(decision);
-        // A PD pool's request has a second pick: its decode worker, where Envoy sends it.
-        let pd = pinned
-            .decide_decode(decision, Instant::now(), &mut rand::rng())
-            .map(|(route, decode)| {
-                if commit.is_live() {
-                    pinned.commit_decode(&route.decode);
-                    self.metrics
-                        .pd
-                        .record_decode(&prepared.pool_label, route.decode.reason);
-                }
-                endpoints = decode;
-                Box::new(route)
-            });
+        let pd = decode.map(|(route, decode)| {
+            if commit.is_live() {
+                pinned.commit_decode(&route.decode);
+                self.metrics
+                    .pd
+                    .record_decode(&prepared.pool_label, route.decode.reason);
+            }
+            endpoints = decode;
+            Box::new(route)
+        });
         // The response comes from the decode worker, which the credit (the prefill worker's) does not
         // name: a PD request is learned from its decisions and the engines' events, not from reports.
         let credit = if pd.is_some() { None } else { credit };

@@ -294,6 +294,9 @@ struct ReplayArgs {
     /// runs its pool with `pd: {}` (vLLM, --via envoy). A front is told the roles with {worker:I}.
     #[arg(long, value_name = "N")]
     pd: Option<usize>,
+    /// With --pd: cachepick's `pd.local_prefill_tokens` (0: every prefill is remote).
+    #[arg(long, value_name = "TOKENS", requires = "pd")]
+    pd_local_prefill_tokens: Option<u64>,
     /// Synthetic scenarios: multiplies the workload's length (the burst's phases, the span over which
     /// agent sessions start).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
@@ -745,6 +748,7 @@ async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     options.peers = args.peer.clone();
     options.oracle = !args.no_oracle;
     options.pd_prefill = args.pd;
+    options.pd_local_prefill_tokens = args.pd_local_prefill_tokens;
     options.scrape_interval = args.scrape_interval;
     options.replica_sync = args.replica_sync;
     let replay = cachepick_rig::replay::run(&options).await?;

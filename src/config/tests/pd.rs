@@ -134,3 +134,47 @@ fn pools_without_a_decode_worker_are_refused() {
         "{no_decode}"
     );
 }
+
+#[test]
+fn conditional_disaggregation_is_off_by_default_and_refused_where_it_cannot_act() {
+    let pd = accepted(&pool("vllm", "    pd: {}\n")).pools[0]
+        .pd
+        .clone()
+        .unwrap();
+    assert_eq!(
+        pd.local_prefill_tokens,
+        PdConfig::DEFAULT_LOCAL_PREFILL_TOKENS
+    );
+    assert_eq!(
+        pd.local_prefill_share.get(),
+        PdConfig::DEFAULT_LOCAL_PREFILL_SHARE
+    );
+    assert_eq!(pd.local_prefill_tokens, 0);
+    assert!(!pd.local_prefill_when_queued);
+    let given = accepted(&pool(
+        "vllm",
+        "    pd: {local_prefill_tokens: 2048, local_prefill_share: 0.25, local_prefill_when_queued: true}\n",
+    ));
+    let pd = given.pools[0].pd.as_ref().unwrap();
+    assert_eq!(pd.local_prefill_tokens, 2048);
+    assert_eq!(pd.local_prefill_share.get(), 0.25);
+    assert!(pd.local_prefill_when_queued);
+    let again = parse(&given.to_yaml(), "emitted", &Overrides::default()).unwrap();
+    assert_eq!(again.pools[0].pd, given.pools[0].pd);
+    let problems = messages(&pool(
+        "vllm",
+        "    pd: {local_prefill_share: 1.5, local_prefill_tokens: -1}\n",
+    ))
+    .join("\n");
+    for key in ["local_prefill_share", "local_prefill_tokens"] {
+        assert!(problems.contains(key), "{key} missing from:\n{problems}");
+    }
+    let sglang = messages(&pool("sglang", "    pd: {local_prefill_tokens: 512}\n")).join("\n");
+    assert!(
+        sglang.contains("cannot prefill a request itself"),
+        "{sglang}"
+    );
+    // And the SGLang pool's emitted form carries none of them.
+    let emitted = accepted(&pool("sglang", "    pd: {}\n")).to_yaml();
+    assert!(!emitted.contains("local_prefill"), "{emitted}");
+}

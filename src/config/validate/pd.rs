@@ -1,7 +1,7 @@
 //! `pools[].pd`: the handshake and the bounds of a prefill/decode pool's prefill legs.
 
 use super::{Validator, WorkerDraft};
-use crate::config::{Handshake, PdConfig};
+use crate::config::{DepthRatio, Handshake, PdConfig};
 use crate::worker::{Engine, Role};
 use cachepick_decode::{Decode, Map, Phase, Res};
 
@@ -12,6 +12,9 @@ const PD_KEYS: &[&str] = &[
     "decode_choices",
     "max_prefill_response_bytes",
     "bootstrap_port",
+    "local_prefill_tokens",
+    "local_prefill_share",
+    "local_prefill_when_queued",
 ];
 
 impl Validator<'_> {
@@ -63,6 +66,28 @@ impl Validator<'_> {
             (Ok(port), _) => Ok(port.map_or(PdConfig::DEFAULT_BOOTSTRAP_PORT, |port| port.value)),
             (Err(reported), _) => Err(reported),
         };
+        let local_tokens = self.opt(&map, "local_prefill_tokens", Self::integer);
+        let local_share = self.opt(&map, "local_prefill_share", Self::number);
+        let local_share = self.check_opt(local_share, |value| {
+            DepthRatio::new(value).ok_or_else(|| format!("must be between 0 and 1, got {value}"))
+        });
+        let when_queued = self.opt(&map, "local_prefill_when_queued", Self::boolean);
+        // SGLang's decode worker cannot prefill alone: the rule has nothing to choose there.
+        if let Ok(Handshake::Bootstrap) = handshake {
+            for key in [
+                "local_prefill_tokens",
+                "local_prefill_share",
+                "local_prefill_when_queued",
+            ] {
+                if map.get(key).is_some() {
+                    let message = format!(
+                        "{key} is read only with handshake nixl or sidecar: SGLang's decode worker \
+                         cannot prefill a request itself"
+                    );
+                    self.report(Phase::Cross, map.place_of(key).origin(), message);
+                }
+            }
+        }
         let prefill_timeout =
             self.positive_duration(&map, "prefill_timeout", PdConfig::DEFAULT_PREFILL_TIMEOUT);
         let inflight = self.positive_count(
@@ -83,6 +108,16 @@ impl Validator<'_> {
             decode_choices: choices?,
             max_prefill_response_bytes: response?.value,
             bootstrap_port: bootstrap_port?,
+            local_prefill_tokens: local_tokens?
+                .map_or(PdConfig::DEFAULT_LOCAL_PREFILL_TOKENS, |given| given.value),
+            local_prefill_share: local_share?.map_or_else(
+                || {
+                    DepthRatio::new(PdConfig::DEFAULT_LOCAL_PREFILL_SHARE)
+                        .unwrap_or(DepthRatio::ZERO)
+                },
+                |given| given.value,
+            ),
+            local_prefill_when_queued: when_queued?.is_some_and(|given| given.value),
         }))
     }
 

@@ -147,3 +147,78 @@ fn idle_decode_workers_never_block_the_pin_in_either_unit() {
     // And the decode pick of the same request goes to a decode worker.
     assert!(timed.decode_of(2).0 >= 1);
 }
+
+fn pick(reason: DecodeReason, matched_tokens: u64) -> DecodePick {
+    DecodePick {
+        selected: WorkerId(0),
+        fallbacks: Vec::new(),
+        reason,
+        matched_tokens,
+        pressure: 0,
+        fleet: 2,
+    }
+}
+
+const DYNAMO: LocalRule = LocalRule {
+    max_suffix_tokens: 2048,
+    max_suffix_share: 0.7,
+    when_owner_queued: true,
+};
+
+#[test]
+fn a_short_uncached_suffix_is_prefilled_by_the_decode_worker_that_has_room() {
+    let local = |prompt, matched, reason, rule: &LocalRule| {
+        local_prefill(prompt, &pick(reason, matched), Reason::CacheMiss, rule)
+    };
+    // 1,000 of 8,000 tokens missing: short in tokens and in share.
+    assert_eq!(
+        local(8000, 7000, DecodeReason::DecodeHit, &DYNAMO),
+        Some(LocalPrefill::ShortSuffix)
+    );
+    // A short cold prompt is all suffix (share 1 > 0.7): it still goes to a prefill worker.
+    assert_eq!(local(1500, 0, DecodeReason::DecodePressure, &DYNAMO), None);
+    // Long in tokens though small in share.
+    assert_eq!(
+        local(100_000, 90_000, DecodeReason::DecodeHit, &DYNAMO),
+        None
+    );
+    // A decode worker without room never prefills.
+    assert_eq!(
+        local(8000, 7000, DecodeReason::DecodeCapacityFallback, &DYNAMO),
+        None
+    );
+    // 0 tokens turns the rule off.
+    let off = LocalRule {
+        max_suffix_tokens: 0,
+        ..DYNAMO
+    };
+    assert_eq!(local(8000, 7000, DecodeReason::DecodeHit, &off), None);
+}
+
+#[test]
+fn a_queued_owner_with_the_prefix_on_the_decode_worker_keeps_the_request_there() {
+    let queued = |reason, rule: &LocalRule| {
+        local_prefill(40_000, &pick(reason, 8192), Reason::CacheWorkerQueued, rule)
+    };
+    assert_eq!(
+        queued(DecodeReason::DecodeHit, &DYNAMO),
+        Some(LocalPrefill::OwnerQueued)
+    );
+    // Without the prefix on the decode worker, the diverted prefill worker prefills it.
+    assert_eq!(queued(DecodeReason::DecodePressure, &DYNAMO), None);
+    let never = LocalRule {
+        when_owner_queued: false,
+        ..DYNAMO
+    };
+    assert_eq!(queued(DecodeReason::DecodeHit, &never), None);
+    // Any other prefill reason keeps the remote prefill.
+    assert_eq!(
+        local_prefill(
+            40_000,
+            &pick(DecodeReason::DecodeHit, 8192),
+            Reason::CacheHit,
+            &DYNAMO
+        ),
+        None
+    );
+}

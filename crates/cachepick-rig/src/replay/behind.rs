@@ -28,8 +28,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, HeadersResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
-    processing_request, processing_response,
+    BodyMutation, BodyResponse, HeadersResponse, ProcessingRequest, ProcessingResponse,
+    TrailersResponse, body_mutation, processing_request, processing_response,
 };
 use futures_util::Stream;
 use serde_yaml::Value;
@@ -60,6 +60,8 @@ pub struct Decided {
     pub worker: SocketAddr,
     pub headers: Vec<(&'static str, String)>,
     pub ticket: Option<Ticket>,
+    /// A prefill/decode fleet's prefill leg: its worker and dispatch tag (`worker` decodes).
+    pub prefill: Option<(SocketAddr, u64)>,
 }
 
 impl InProcess {
@@ -85,6 +87,28 @@ impl InProcess {
                         (PREFIX_TOKENS_HEADER, ticket.cached_tokens.to_string()),
                     ],
                     ticket: Some(ticket),
+                    prefill: None,
+                })
+            }
+            InProcess::Oracle(oracle) if oracle.prefill_workers().is_some() => {
+                let choice = oracle
+                    .choose_pd(prompt)
+                    .ok_or_else(|| "the oracle had no prediction".to_owned())?;
+                Ok(Decided {
+                    worker: choice.decode.worker,
+                    headers: vec![
+                        (DECISION_HEADER, oracle::LABEL.to_owned()),
+                        (
+                            PREFIX_TOKENS_HEADER,
+                            choice.prefill.cached_tokens.to_string(),
+                        ),
+                        (
+                            cachepick_sim::server::DISPATCH_TAG,
+                            choice.decode.tag.to_string(),
+                        ),
+                    ],
+                    ticket: None,
+                    prefill: Some((choice.prefill.worker, choice.prefill.tag)),
                 })
             }
             InProcess::Oracle(oracle) => {
@@ -99,6 +123,7 @@ impl InProcess {
                         (cachepick_sim::server::DISPATCH_TAG, choice.tag.to_string()),
                     ],
                     ticket: None,
+                    prefill: None,
                 })
             }
         }
@@ -256,15 +281,31 @@ async fn decision(
     let Some(prompt) = prompt_of(body) else {
         return undecided();
     };
-    let Ok(decided) = router.decide(prompt).await else {
+    let Ok(mut decided) = router.decide(prompt).await else {
         return undecided();
     };
+    // A prefill/decode fleet: the prefill leg first, as cachepick's relay sends it; the decode worker
+    // gets the parameters, or the plain body to prefill itself when the leg failed.
+    let decode_body = match decided.prefill {
+        Some((worker, tag)) => prefill_leg(worker, tag, body).await,
+        None => None,
+    };
+    if let Some(replaced) = &decode_body {
+        decided
+            .headers
+            .push(("content-length", replaced.len().to_string()));
+    }
     let headers: Vec<(&str, &str)> = decided
         .headers
         .iter()
         .map(|(name, value)| (*name, value.as_str()))
         .collect();
-    let response = routing_answer(decided.worker, &headers, |common| {
+    let response = routing_answer(decided.worker, &headers, |mut common| {
+        if let Some(replaced) = decode_body {
+            common.body_mutation = Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::Body(replaced)),
+            });
+        }
         processing_response::Response::RequestBody(BodyResponse {
             response: Some(common),
         })
@@ -273,6 +314,32 @@ async fn decision(
         tickets.file(id, ticket);
     }
     response
+}
+
+/// vLLM's NIXL prefill leg to `worker` (tagged for the oracle's count): the decode leg's body with the
+/// parameters it answers, or `None` when it failed or answered none.
+async fn prefill_leg(worker: SocketAddr, tag: u64, body: &[u8]) -> Option<Vec<u8>> {
+    use http_body_util::{BodyExt, Full};
+    let path = "/v1/completions";
+    let tagged = cachepick::pd::prefill_body(path, body)?;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let request = http::Request::post(format!("http://{worker}{path}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(cachepick_sim::server::DISPATCH_TAG, tag.to_string())
+        .body(Full::new(bytes::Bytes::from(tagged)))
+        .ok()?;
+    let response = client.request(request).await.ok()?;
+    if response.status() != http::StatusCode::OK {
+        return None;
+    }
+    let answer = response.into_body().collect().await.ok()?.to_bytes();
+    let answer: serde_json::Value = serde_json::from_slice(&answer).ok()?;
+    let params = answer
+        .get("kv_transfer_params")
+        .filter(|params| params.is_object())?;
+    let raw = serde_json::value::to_raw_value(params).ok()?;
+    cachepick::pd::decode_body(body, &raw)
 }
 
 /// The completion's prompt: the string `prompt` of a JSON body.

@@ -191,6 +191,9 @@ pub struct ReplayOptions {
     /// A prefill/decode fleet: the first N workers prefill, the rest decode; every cachepick arm's pool
     /// gets `pd: {}` (vLLM fleets, through Envoy only). `None`: aggregated.
     pub pd_prefill: Option<usize>,
+    /// With `pd_prefill`: the cachepick arms' `pd.local_prefill_tokens` (0: every request's prefill is
+    /// remote); `None` keeps the default.
+    pub pd_local_prefill_tokens: Option<u64>,
     /// Print progress lines.
     pub verbose: bool,
 }
@@ -227,6 +230,7 @@ impl ReplayOptions {
             scrape_interval: None,
             replica_sync: false,
             pd_prefill: None,
+            pd_local_prefill_tokens: None,
             verbose: true,
         }
     }
@@ -462,12 +466,12 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     let mut arms = arms(&names, &sim, &modes, &replicas, options.replica_sync);
     arms.extend(options.fronts.iter().map(Arm::front));
-    // The in-process peers and the oracle route aggregated: no PD form of them exists yet.
+    // The in-process peers route aggregated: no PD form of them exists. The oracle has one.
     let aggregated = options.pd_prefill.is_none();
     for rule in options.peers.iter().filter(|_| aggregated) {
         arms.extend(Arm::peers(*rule, &replicas));
     }
-    if options.oracle && sim.timing == Timing::Step && aggregated {
+    if options.oracle && sim.timing == Timing::Step {
         arms.push(Arm::oracle());
     }
     let envoy_path = match options.via {

@@ -15,6 +15,12 @@
 //!
 //! Greedy per request, like every router here: it does not plan for the requests after this one. A tie
 //! (two idle ranks) goes to the one holding more of the prompt, then to the lower worker index.
+//!
+//! On a prefill/decode fleet ([`Oracle::disaggregated`]) it makes both picks from the same true state:
+//! the prefill worker with the lowest predicted time to its one token, over the prefill workers, and
+//! the decode worker where a one-token request would start soonest (its queue and its running batch),
+//! over the decode workers. The decode pick does not see the link: a transfer queued on a decode
+//! worker is invisible to it until it ends.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -42,6 +48,15 @@ pub struct Oracle {
     fleet: Arc<Fleet>,
     /// Requests sent and not yet in their worker's queue, and the next tag.
     in_flight: Mutex<(Vec<Sent>, u64)>,
+    /// A prefill/decode fleet: the first this many workers prefill, the rest decode.
+    prefill: Option<usize>,
+}
+
+/// Both legs of a request on a prefill/decode fleet.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PdChoice {
+    pub prefill: Choice,
+    pub decode: Choice,
 }
 
 /// Where the oracle sends a request, and what it predicted.
@@ -60,20 +75,59 @@ impl Oracle {
         Oracle {
             fleet,
             in_flight: Mutex::new((Vec::new(), 0)),
+            prefill: None,
         }
     }
 
-    /// The worker with the lowest predicted TTFT for a completion whose prompt is `text`, counted as in
-    /// flight to it from now on; `None` when no worker predicts (none is up, or the fleet runs the slots
-    /// model).
-    pub fn choose(&self, text: &str) -> Option<Choice> {
+    /// The oracle of a prefill/decode fleet whose first `prefill` workers prefill.
+    pub fn disaggregated(fleet: Arc<Fleet>, prefill: usize) -> Oracle {
+        Oracle {
+            prefill: Some(prefill),
+            ..Oracle::new(fleet)
+        }
+    }
+
+    /// The prefill workers' count on a prefill/decode fleet.
+    pub fn prefill_workers(&self) -> Option<usize> {
+        self.prefill
+    }
+
+    /// Both picks for a completion whose prompt is `text`, each counted as in flight to its worker;
+    /// `None` on an aggregated fleet or when a side has no prediction.
+    pub fn choose_pd(&self, text: &str) -> Option<PdChoice> {
+        let prefill = self.prefill?;
         let tokens = self.fleet.tokenize(text).ok()?;
-        // One decision at a time, so two requests sent together see each other.
+        let probe = tokens.get(..1).unwrap_or_default().to_vec();
         let mut guard = self
             .in_flight
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let (in_flight, next_tag) = &mut *guard;
+        self.forget_arrived(in_flight);
+        let workers = self.fleet.workers().len();
+        let now = Instant::now();
+        let mut pick = |range: std::ops::Range<usize>, predicted: &[u32], tracked: Vec<u32>| {
+            let tag = *next_tag;
+            let (index, choice) = self.best(in_flight, predicted, tag, range)?;
+            *next_tag = next_tag.wrapping_add(1);
+            in_flight.push(Sent {
+                worker: index,
+                tag,
+                at: now,
+                tokens: tracked,
+            });
+            Some(choice)
+        };
+        let first = pick(0..prefill, &tokens, tokens.clone())?;
+        let decode = pick(prefill..workers, &probe, probe.clone())?;
+        Some(PdChoice {
+            prefill: first,
+            decode,
+        })
+    }
+
+    /// Drops the dispatches their workers have queued, and those never reported.
+    fn forget_arrived(&self, in_flight: &mut Vec<Sent>) {
         let now = Instant::now();
         for (index, worker) in self.fleet.workers().iter().enumerate() {
             let tags: Vec<u64> = in_flight
@@ -87,12 +141,22 @@ impl Oracle {
                     && now.duration_since(sent.at) < FORGET_AFTER
             });
         }
-        let tag = *next_tag;
-        let (index, choice) = self
-            .fleet
+    }
+
+    /// The worker of `range` with the lowest predicted TTFT for `tokens` behind what is in flight to
+    /// it; a tie goes to the one holding more of them.
+    fn best(
+        &self,
+        in_flight: &[Sent],
+        tokens: &[u32],
+        tag: u64,
+        range: std::ops::Range<usize>,
+    ) -> Option<(usize, Choice)> {
+        self.fleet
             .workers()
             .iter()
             .enumerate()
+            .filter(|(index, _)| range.contains(index))
             .flat_map(|(index, worker)| {
                 let sent: Vec<&[u32]> = in_flight
                     .iter()
@@ -100,7 +164,7 @@ impl Oracle {
                     .map(|sent| sent.tokens.as_slice())
                     .collect();
                 let addr = worker.addr();
-                worker.outlook(&tokens, &sent).into_iter().map(move |rank| {
+                worker.outlook(tokens, &sent).into_iter().map(move |rank| {
                     (
                         index,
                         Choice {
@@ -116,12 +180,29 @@ impl Oracle {
                 a.predicted_ttft
                     .total_cmp(&b.predicted_ttft)
                     .then(b.cached_tokens.cmp(&a.cached_tokens))
-            })?;
+            })
+    }
+
+    /// The worker with the lowest predicted TTFT for a completion whose prompt is `text`, counted as in
+    /// flight to it from now on; `None` when no worker predicts (none is up, or the fleet runs the slots
+    /// model).
+    pub fn choose(&self, text: &str) -> Option<Choice> {
+        let tokens = self.fleet.tokenize(text).ok()?;
+        // One decision at a time, so two requests sent together see each other.
+        let mut guard = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (in_flight, next_tag) = &mut *guard;
+        self.forget_arrived(in_flight);
+        let tag = *next_tag;
+        let workers = self.fleet.workers().len();
+        let (index, choice) = self.best(in_flight, &tokens, tag, 0..workers)?;
         *next_tag = next_tag.wrapping_add(1);
         in_flight.push(Sent {
             worker: index,
             tag,
-            at: now,
+            at: Instant::now(),
             tokens,
         });
         Some(choice)

@@ -137,12 +137,18 @@ impl Workload<'_> {
         } else {
             None
         };
-        let pd_prefill = self.options.pd_prefill;
+        let (pd_prefill, local_tokens) = (
+            self.options.pd_prefill,
+            self.options.pd_local_prefill_tokens,
+        );
         let mut stage = Stage::start(&sim, |generated| {
             let mut config = apply_arm(generated, &arm.yaml, Some(&load), arm.index_mode)?;
             config.replica_sync = sync.clone();
             if let Some(prefill) = pd_prefill {
                 disaggregate(&mut config, prefill);
+                for pd in config.pools.iter_mut().filter_map(|pool| pool.pd.as_mut()) {
+                    pd.local_prefill_tokens = local_tokens.unwrap_or(pd.local_prefill_tokens);
+                }
             }
             Ok(config)
         })
@@ -287,8 +293,12 @@ impl Workload<'_> {
 
     /// The oracle on a fresh fleet it reads in process.
     async fn oracle(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
+        let prefill = self.options.pd_prefill;
         self.in_process(arm, "-", |fleet| {
-            InProcess::Oracle(Arc::new(Oracle::new(fleet)))
+            InProcess::Oracle(Arc::new(match prefill {
+                Some(prefill) => Oracle::disaggregated(fleet, prefill),
+                None => Oracle::new(fleet),
+            }))
         })
         .await
     }
@@ -320,7 +330,8 @@ impl Workload<'_> {
                     let server = behind::Server::start(router, Arc::clone(&tickets))
                         .await
                         .map_err(StageError::Port)?;
-                    let envoy = behind_envoy(path, &fleet, server.addr()).await?;
+                    let envoy =
+                        behind_envoy(path, &fleet, server.addr(), self.options.pd_prefill).await?;
                     let route = Route::Behind {
                         envoy: envoy.listen,
                         tickets: Arc::clone(&tickets),
@@ -354,12 +365,21 @@ impl Workload<'_> {
 
 /// The Envoy at `path` in front of `fleet` on the bootstrap cachepick generates for it, its ext_proc
 /// cluster at `server` ([`behind::bootstrap`]), once Envoy counts that server healthy.
-async fn behind_envoy(path: &Path, fleet: &Fleet, server: SocketAddr) -> Result<Envoy, StageError> {
-    let config = crate::stage::on_free_ports(
+/// `prefill`: a prefill/decode fleet, whose bootstrap waits for the prefill leg as cachepick's does.
+async fn behind_envoy(
+    path: &Path,
+    fleet: &Fleet,
+    server: SocketAddr,
+    prefill: Option<usize>,
+) -> Result<Envoy, StageError> {
+    let mut config = crate::stage::on_free_ports(
         &fleet.cachepick_config(),
         "the fleet's generated configuration",
         cachepick::config::Overrides::default(),
     )?;
+    if let Some(prefill) = prefill {
+        disaggregate(&mut config, prefill);
+    }
     let envoy_error = |message: String| StageError::Envoy {
         path: path.display().to_string(),
         message,
