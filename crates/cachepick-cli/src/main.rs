@@ -388,6 +388,10 @@ struct SimArgs {
     /// The step model's GPU profile by name (overrides `profile`); `llama31-8b-h100-bf16` by default.
     #[arg(long, value_name = "NAME")]
     profile: Option<String>,
+    /// SGLang: the first N workers run `disaggregation_mode: prefill`, the rest `decode` (overrides
+    /// `prefill_workers`); the emitted configuration is then a PD pool.
+    #[arg(long, value_name = "N")]
+    prefill_workers: Option<u64>,
     /// Write a cachepick configuration fronting the fleet to FILE.
     #[arg(long, value_name = "FILE")]
     emit_config: Option<PathBuf>,
@@ -431,6 +435,7 @@ impl SimArgs {
             kv_events: self.kv_events,
             timing: self.timing,
             profile: self.profile.clone(),
+            prefill_workers: self.prefill_workers,
         };
         match &self.config {
             Some(path) => cachepick_sim::decode::load(path, &overrides),

@@ -30,6 +30,7 @@ const SIM_KEYS: &[&str] = &[
     "tokenizer",
     "chat_template",
     "dp_size",
+    "prefill_workers",
     "kv_events",
 ];
 /// The keys of `kv_events:`.
@@ -105,6 +106,8 @@ pub struct SimOverrides {
     pub timing: Option<Timing>,
     /// `--profile NAME`
     pub profile: Option<String>,
+    /// `--prefill-workers N`
+    pub prefill_workers: Option<u64>,
 }
 
 /// Reads and validates a simulator file (`cachepick sim --config`), with `overrides` applied.
@@ -236,6 +239,34 @@ impl Decoder<'_> {
                 at_least_one_u32(n)
             }
         });
+        // SGLang's disaggregation: the first N workers prefill, the rest decode; at least one of each.
+        let prefill_workers = self.opt(&map, "prefill_workers", Self::integer);
+        let prefill_workers = overridden(
+            prefill_workers,
+            overrides.prefill_workers,
+            "--prefill-workers",
+        );
+        let prefill_workers = match (prefill_workers, &engine, &workers) {
+            (Ok(Some(given)), Ok(engine), Ok(workers)) => {
+                let total = u64::from(workers.value.get());
+                if *engine != Engine::Sglang {
+                    let message = "prefill_workers is SGLang's disaggregation_mode: vLLM's workers \
+                                   serve either leg of a disaggregated request without one";
+                    Err(self.report(Phase::Cross, given.at, message))
+                } else if given.value == 0 || given.value >= total {
+                    let message = format!(
+                        "must leave at least one prefill and one decode worker: 1 to {}, got {}",
+                        total.saturating_sub(1),
+                        given.value
+                    );
+                    Err(self.report(Phase::Value, given.at, message))
+                } else {
+                    Ok(u32::try_from(given.value).ok())
+                }
+            }
+            (Err(reported), ..) => Err(reported),
+            _ => Ok(None),
+        };
 
         let timing = self.opt(&map, "timing", |v, node, at| {
             v.keyword(node, at, &Timing::ALL, Timing::as_str)
@@ -276,7 +307,7 @@ impl Decoder<'_> {
             timing: timing?.value,
             params: params?,
             kv_events: kv_events?,
-            prefill_workers: None,
+            prefill_workers: prefill_workers?,
         })
     }
 
@@ -553,6 +584,34 @@ mod tests {
             }
             Err(error) => panic!("unexpected {error}"),
         }
+    }
+
+    #[test]
+    fn prefill_workers_split_an_sglang_fleet_and_nothing_else() {
+        let flags = SimOverrides {
+            engine: Some(Engine::Sglang),
+            workers: Some(4),
+            ..SimOverrides::default()
+        };
+        let config = parse("prefill_workers: 1\n", "sim.yaml", &flags).unwrap();
+        assert_eq!(config.prefill_workers, Some(1));
+        let flag = SimOverrides {
+            prefill_workers: Some(2),
+            ..flags.clone()
+        };
+        assert_eq!(parse("", "cli", &flag).unwrap().prefill_workers, Some(2));
+        for (file, expected) in [
+            ("prefill_workers: 4\n", "1 to 3, got 4"),
+            ("prefill_workers: 0\n", "1 to 3, got 0"),
+        ] {
+            let error = parse(file, "sim.yaml", &flags).unwrap_err().to_string();
+            assert!(error.contains(expected), "{file}: {error}");
+        }
+        let vllm = "engine: vllm\nworkers: 4\nprefill_workers: 1\n";
+        let error = parse(vllm, "sim.yaml", &SimOverrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("SGLang's disaggregation_mode"), "{error}");
     }
 
     #[test]
