@@ -24,6 +24,19 @@ pub(super) struct LegSource<'a> {
     pub authorization: Option<&'a [u8]>,
 }
 
+impl LegSource<'_> {
+    /// The prefill leg to `prefill` (the chosen worker, then its replacement).
+    fn leg<'a>(&'a self, prefill: &'a [std::net::SocketAddr]) -> Leg<'a> {
+        Leg {
+            path: self.path,
+            body: self.body.clone(),
+            request_id: self.request_id,
+            authorization: self.authorization,
+            prefill,
+        }
+    }
+}
+
 /// The client went away while its prefill leg ran.
 pub(super) struct Gone;
 
@@ -63,13 +76,7 @@ pub(super) async fn prefill(
         return Ok(none);
     };
     if relay.config().handshake == Handshake::Bootstrap {
-        let leg = Leg {
-            path: source.path,
-            body: source.body.clone(),
-            request_id: source.request_id,
-            authorization: source.authorization,
-            prefill: &pd.prefill,
-        };
+        let leg = source.leg(&pd.prefill);
         let (metrics, pool) = (Arc::clone(service), routed.pool.clone());
         let sent = relay.rendezvous(leg, move |ended, took| {
             if let Err(why) = &ended {
@@ -105,13 +112,7 @@ pub(super) async fn prefill(
             elapsed: std::time::Duration::ZERO,
         }
     } else {
-        let leg = Leg {
-            path: source.path,
-            body: source.body.clone(),
-            request_id: source.request_id,
-            authorization: source.authorization,
-            prefill: &pd.prefill,
-        };
+        let leg = source.leg(&pd.prefill);
         let run = relay.prefill(leg, deadline);
         tokio::pin!(run);
         loop {

@@ -16,9 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
-use http::{Request, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http::StatusCode;
+use http_body_util::{BodyExt, Limited};
 use tokio::task::JoinHandle;
 
 use super::body::append_members;
@@ -93,25 +92,13 @@ pub(super) async fn send(
     limit: usize,
     timeout: Duration,
 ) -> Result<(), String> {
-    let mut request = Request::post(format!("http://{worker}{}", outbound.path))
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-        .body(Full::new(outbound.body))
-        .map_err(|error| error.to_string())?;
-    let headers = request.headers_mut();
-    if let Some(id) = outbound
-        .request_id
-        .as_deref()
-        .and_then(|id| HeaderValue::from_str(id).ok())
-    {
-        headers.insert("x-request-id", id);
-    }
-    if let Some(value) = outbound
-        .authorization
-        .as_deref()
-        .and_then(|value| HeaderValue::from_bytes(value).ok())
-    {
-        headers.insert(AUTHORIZATION, value);
-    }
+    let request = super::leg_request(
+        worker,
+        &outbound.path,
+        outbound.body,
+        outbound.request_id.as_deref(),
+        outbound.authorization.as_deref(),
+    )?;
     let leg = async {
         let response = client
             .request(request)

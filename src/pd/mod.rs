@@ -300,20 +300,7 @@ impl Relay {
         leg: &Leg<'_>,
         body: Bytes,
     ) -> Result<Option<Box<serde_json::value::RawValue>>, String> {
-        let mut request = Request::post(format!("http://{worker}{}", leg.path))
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .body(Full::new(body))
-            .map_err(|error| error.to_string())?;
-        let headers = request.headers_mut();
-        if let Some(id) = leg.request_id.and_then(|id| HeaderValue::from_str(id).ok()) {
-            headers.insert("x-request-id", id);
-        }
-        if let Some(value) = leg
-            .authorization
-            .and_then(|value| HeaderValue::from_bytes(value).ok())
-        {
-            headers.insert(AUTHORIZATION, value);
-        }
+        let request = leg_request(worker, leg.path, body, leg.request_id, leg.authorization)?;
         let response = self
             .client
             .request(request)
@@ -332,6 +319,29 @@ impl Relay {
         body::params_of(&bytes)
             .map_err(|error| format!("the answer is not the engine's JSON: {error}"))
     }
+}
+
+/// A prefill leg's request to `worker`: the client's `x-request-id`, so both legs share it as vLLM's
+/// proxies do, and its `authorization`, which an engine started with `--api-key` requires on both.
+fn leg_request(
+    worker: SocketAddr,
+    path: &str,
+    body: Bytes,
+    request_id: Option<&str>,
+    authorization: Option<&[u8]>,
+) -> Result<Request<Full<Bytes>>, String> {
+    let mut request = Request::post(format!("http://{worker}{path}"))
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .body(Full::new(body))
+        .map_err(|error| error.to_string())?;
+    let headers = request.headers_mut();
+    if let Some(id) = request_id.and_then(|id| HeaderValue::from_str(id).ok()) {
+        headers.insert("x-request-id", id);
+    }
+    if let Some(value) = authorization.and_then(|value| HeaderValue::from_bytes(value).ok()) {
+        headers.insert(AUTHORIZATION, value);
+    }
+    Ok(request)
 }
 
 /// The chosen prefill worker, then one replacement.

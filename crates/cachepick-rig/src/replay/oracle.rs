@@ -98,12 +98,8 @@ impl Oracle {
         let prefill = self.prefill?;
         let tokens = self.fleet.tokenize(text).ok()?;
         let probe = tokens.get(..1).unwrap_or_default().to_vec();
-        let mut guard = self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut guard = self.in_flight();
         let (in_flight, next_tag) = &mut *guard;
-        self.forget_arrived(in_flight);
         let workers = self.fleet.workers().len();
         let now = Instant::now();
         let mut pick = |range: std::ops::Range<usize>, predicted: &[u32], tracked: Vec<u32>| {
@@ -124,6 +120,17 @@ impl Oracle {
             prefill: first,
             decode,
         })
+    }
+
+    /// The dispatches still in flight and the next tag, held for one decision at a time so two
+    /// requests sent together see each other.
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, (Vec<Sent>, u64)> {
+        let mut guard = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.forget_arrived(&mut guard.0);
+        guard
     }
 
     /// Drops the dispatches their workers have queued, and those never reported.
@@ -188,13 +195,8 @@ impl Oracle {
     /// model).
     pub fn choose(&self, text: &str) -> Option<Choice> {
         let tokens = self.fleet.tokenize(text).ok()?;
-        // One decision at a time, so two requests sent together see each other.
-        let mut guard = self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut guard = self.in_flight();
         let (in_flight, next_tag) = &mut *guard;
-        self.forget_arrived(in_flight);
         let tag = *next_tag;
         let workers = self.fleet.workers().len();
         let (index, choice) = self.best(in_flight, &tokens, tag, 0..workers)?;

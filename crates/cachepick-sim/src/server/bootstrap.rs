@@ -24,15 +24,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use http::{Response, StatusCode};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Body, Incarnation, Shared, error, json, lock, nixl};
+use super::nixl::{self, FetchFailure};
+use super::{Body, Incarnation, Shared, error, json, lock};
 
 /// SGLang's `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` and `BOOTSTRAP_TIMEOUT`, model time.
 const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
@@ -144,9 +141,11 @@ async fn join_and_cross(
     held: u32,
 ) -> Result<nixl::Pulled, String> {
     let started = Instant::now();
-    let (tokens, prefill_worker) = match join_over_http(addr, room).await {
+    let (tokens, prefill_worker) = match nixl::fetch_kv(addr, &format!("/sim/bootstrap/{room}"))
+        .await
+    {
         Ok(joined) => joined,
-        Err(JoinFailure::Unreachable(why)) => {
+        Err(FetchFailure::Unreachable(why)) => {
             // SGLang's decode worker notices a dead prefill instance only when its heartbeats fail.
             tokio::time::sleep_until(started + scaled(shared, HEARTBEAT_WINDOW)).await;
             return Err(format!(
@@ -154,7 +153,7 @@ async fn join_and_cross(
                  ({why})"
             ));
         }
-        Err(JoinFailure::Refused(why)) => {
+        Err(FetchFailure::Refused(why)) => {
             return Err(format!(
                 "KVTransferError: the prefill instance {addr} did not serve room {room}: {why}"
             ));
@@ -167,46 +166,4 @@ async fn join_and_cross(
         moved,
         prefill_worker,
     })
-}
-
-/// Why a join failed: the bootstrap server did not answer, or answered without the room.
-enum JoinFailure {
-    Unreachable(String),
-    Refused(String),
-}
-
-async fn join_over_http(addr: SocketAddr, room: u64) -> Result<(u32, String), JoinFailure> {
-    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
-    let request = Request::get(format!("http://{addr}/sim/bootstrap/{room}"))
-        .body(Empty::new())
-        .map_err(|problem| JoinFailure::Refused(problem.to_string()))?;
-    let response = client
-        .request(request)
-        .await
-        .map_err(|problem| JoinFailure::Unreachable(problem.to_string()))?;
-    let status = response.status();
-    let body = Limited::new(response.into_body(), 64 << 10)
-        .collect()
-        .await
-        .map_err(|problem| JoinFailure::Unreachable(problem.to_string()))?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(JoinFailure::Refused(format!(
-            "{status}: {}",
-            String::from_utf8_lossy(&body)
-        )));
-    }
-    let value: serde_json::Value = serde_json::from_slice(&body)
-        .map_err(|problem| JoinFailure::Refused(problem.to_string()))?;
-    let tokens = value
-        .get("tokens")
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|tokens| u32::try_from(tokens).ok())
-        .ok_or_else(|| JoinFailure::Refused("the room names no tokens".to_owned()))?;
-    let served_by = value
-        .get("served_by")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
-    Ok((tokens, served_by))
 }

@@ -186,34 +186,54 @@ async fn claim_over_http(
     engine_id: &str,
     request_id: &str,
 ) -> Result<(u32, String), String> {
+    fetch_kv(addr, &format!("/sim/nixl/{engine_id}/{request_id}"))
+        .await
+        .map_err(|failure| match failure {
+            FetchFailure::Unreachable(problem) => {
+                format!("the prefill worker {addr} is unreachable: {problem}")
+            }
+            FetchFailure::Refused(problem) => {
+                format!("the prefill worker {addr} refused the pull ({problem})")
+            }
+        })
+}
+
+/// Why a decode worker could not take KV from a prefill worker: no answer, or an answer without it.
+pub(super) enum FetchFailure {
+    Unreachable(String),
+    Refused(String),
+}
+
+/// `GET path` on the prefill worker at `addr` (a NIXL claim, an SGLang room): the tokens it hands
+/// over and the worker's name for itself.
+pub(super) async fn fetch_kv(addr: SocketAddr, path: &str) -> Result<(u32, String), FetchFailure> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
-    let uri = format!("http://{addr}/sim/nixl/{engine_id}/{request_id}");
-    let request = Request::get(uri)
+    let request = Request::get(format!("http://{addr}{path}"))
         .body(Empty::new())
-        .map_err(|problem| problem.to_string())?;
+        .map_err(|problem| FetchFailure::Refused(problem.to_string()))?;
     let response = client
         .request(request)
         .await
-        .map_err(|problem| format!("the prefill worker {addr} is unreachable: {problem}"))?;
+        .map_err(|problem| FetchFailure::Unreachable(problem.to_string()))?;
     let status = response.status();
     let body = Limited::new(response.into_body(), 64 << 10)
         .collect()
         .await
-        .map_err(|problem| problem.to_string())?
+        .map_err(|problem| FetchFailure::Unreachable(problem.to_string()))?
         .to_bytes();
     if !status.is_success() {
-        return Err(format!(
-            "the prefill worker {addr} refused the pull ({status}): {}",
+        return Err(FetchFailure::Refused(format!(
+            "{status}: {}",
             String::from_utf8_lossy(&body)
-        ));
+        )));
     }
-    let value: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|problem| problem.to_string())?;
+    let value: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|problem| FetchFailure::Refused(problem.to_string()))?;
     let tokens = value
         .get("tokens")
         .and_then(serde_json::Value::as_u64)
         .and_then(|tokens| u32::try_from(tokens).ok())
-        .ok_or("the prefill worker's lease names no tokens")?;
+        .ok_or_else(|| FetchFailure::Refused("the answer names no tokens".to_owned()))?;
     let served_by = value
         .get("served_by")
         .and_then(serde_json::Value::as_str)
