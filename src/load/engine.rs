@@ -330,6 +330,11 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
         });
     }
     progress.prompt_tokens = identity.served;
+    // SGLang creates `cached_tokens_total` at its first cache hit: until then a worker reporting prompt
+    // tokens has had none cached, not an unknown number (its rate is learnable from the start).
+    if engine == Engine::Sglang && progress.prompt_tokens.is_some() {
+        progress.cached_tokens.get_or_insert(0.0);
+    }
     Ok(Report {
         ranks,
         malformed,
@@ -513,6 +518,21 @@ mod tests {
             5,
             "tp_rank 2 wins over 3 in any order"
         );
+    }
+
+    #[test]
+    fn sglang_without_a_cache_hit_yet_has_cached_none_of_its_prompt_tokens() {
+        let text = "sglang:num_queue_reqs 0\nsglang:num_running_reqs 0\n\
+                    sglang:prompt_tokens_total{model_name=\"m\"} 5000\n";
+        let progress = from_metrics(Engine::Sglang, text, 1).unwrap().progress;
+        assert_eq!(progress.uncached_tokens(), Some(5000.0));
+        let hit = format!("{text}sglang:cached_tokens_total{{model_name=\"m\"}} 1200\n");
+        let progress = from_metrics(Engine::Sglang, &hit, 1).unwrap().progress;
+        assert_eq!(progress.uncached_tokens(), Some(3800.0));
+        // vLLM always writes its hit counter: one missing means the reading cannot say.
+        let vllm = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:prompt_tokens_total 5000\n";
+        let progress = from_metrics(Engine::Vllm, vllm, 1).unwrap().progress;
+        assert_eq!(progress.uncached_tokens(), None);
     }
 
     #[test]

@@ -434,6 +434,22 @@ fn sglang(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         &|_| Num::Float(1.0),
     );
     token_counters(out, "sglang", ranks, &labels);
+    // SGLang's tokenizer manager creates this counter at a rank's first cache hit: a worker that has
+    // had none writes no series at all. (SGLang counts when a request finishes; the simulator when its
+    // prefill does, as for vLLM's counters.)
+    let hit: Vec<&RankStats> = ranks
+        .iter()
+        .filter(|rank| rank.counters.prefix_hit_tokens > 0)
+        .collect();
+    if !hit.is_empty() {
+        let name = "sglang:cached_tokens_total";
+        out.family(name, "counter", "Number of cached prompt tokens.");
+        for rank in hit {
+            let owned = labels(rank);
+            let borrowed: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            out.sample(name, &borrowed, Num::Int(rank.counters.prefix_hit_tokens));
+        }
+    }
     out.per_rank(
         (
             "sglang:num_requests_total",

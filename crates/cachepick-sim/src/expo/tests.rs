@@ -229,6 +229,14 @@ fn counters_and_info_carry_the_rank_numbers() {
     };
     assert_eq!(value("sglang:cache_hit_rate", "0").value, 0.25);
     assert_eq!(value("sglang:num_requests_total", "2").value, 44.0);
+    assert_eq!(value("sglang:cached_tokens_total", "2").value, 3000.0);
+    // A worker without a cache hit yet writes no cached-tokens series, as SGLang's counter is created
+    // at the first hit.
+    let mut cold = stats.clone();
+    for rank in &mut cold {
+        rank.counters.prefix_hit_tokens = 0;
+    }
+    assert!(!render_metrics(Engine::Sglang, MODEL, &cold).contains("sglang:cached_tokens_total"));
     let info = value("sglang:cache_config_info", "2");
     assert_eq!(
         (label(info, "page_size"), label(info, "num_pages")),
