@@ -57,7 +57,8 @@ pub struct PdConfig {
     pub bootstrap_port: u16,
     /// Conditional disaggregation: the decode worker prefills a request itself when what it lacks of
     /// the prompt is at most this many tokens and at most `local_prefill_share` of the prompt, and it
-    /// has room; 0 turns it off. `nixl` and `sidecar` only: SGLang's decode worker cannot prefill.
+    /// is not busy (room by its reading, nothing waiting, nothing sent since); 0 turns it off. `nixl`
+    /// and `sidecar` only: SGLang's decode worker cannot prefill.
     pub local_prefill_tokens: u64,
     pub local_prefill_share: super::DepthRatio,
     /// ... and when the prompt's prefill owner was passed over as queued while the decode worker holds

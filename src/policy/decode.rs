@@ -71,6 +71,9 @@ pub struct DecodePick {
     pub matched_tokens: u64,
     /// The selected worker's pressure (waiting + running + dispatched).
     pub pressure: u64,
+    /// The selected worker's waiting requests (transfer waits included) plus those dispatched since
+    /// its reading; `None` without a fresh reading.
+    pub waiting: Option<u64>,
     /// Decode workers the pick chose from.
     pub fleet: usize,
 }
@@ -159,6 +162,9 @@ pub fn decide_decode<R: Rng + ?Sized>(
         reason,
         matched_tokens: selected.matched_tokens,
         pressure: selected.pressure(),
+        waiting: selected
+            .fresh
+            .map(|load| load.waiting.saturating_add(selected.dispatched)),
         fleet,
     })
 }
@@ -245,14 +251,20 @@ pub struct LocalRule {
 }
 
 /// Whether the decode worker `pick` prefills the request itself, given the prefill pick's reason. Pure.
-/// A decode worker without room by its reading (`decode_capacity_fallback`) never does.
+///
+/// A busy decode worker never does (Dynamo's decode veto): one without room by its reading
+/// (`decode_capacity_fallback`), one with a request waiting or dispatched since its reading, or one
+/// without a fresh reading. A local prefill shares the decode worker's step with every running
+/// decode, so it pays only where nothing queues behind it; measured without this veto, decode workers
+/// that took every short suffix became the prefill bottleneck (BENCHMARKS.md).
 pub fn local_prefill(
     prompt_tokens: u64,
     pick: &DecodePick,
     prefill_reason: super::Reason,
     rule: &LocalRule,
 ) -> Option<LocalPrefill> {
-    if pick.reason == DecodeReason::DecodeCapacityFallback || prompt_tokens == 0 {
+    let busy = pick.reason == DecodeReason::DecodeCapacityFallback || pick.waiting != Some(0);
+    if busy || prompt_tokens == 0 {
         return None;
     }
     if rule.when_owner_queued

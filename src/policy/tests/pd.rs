@@ -155,6 +155,7 @@ fn pick(reason: DecodeReason, matched_tokens: u64) -> DecodePick {
         reason,
         matched_tokens,
         pressure: 0,
+        waiting: Some(0),
         fleet: 2,
     }
 }
@@ -187,6 +188,23 @@ fn a_short_uncached_suffix_is_prefilled_by_the_decode_worker_that_has_room() {
         local(8000, 7000, DecodeReason::DecodeCapacityFallback, &DYNAMO),
         None
     );
+    // A busy decode worker never prefills: a request waiting or dispatched since its reading, or no
+    // fresh reading to say it is idle.
+    for waiting in [Some(1), None] {
+        let busy = DecodePick {
+            waiting,
+            ..pick(DecodeReason::DecodeHit, 7000)
+        };
+        assert_eq!(local_prefill(8000, &busy, Reason::CacheMiss, &DYNAMO), None);
+        let queued = DecodePick {
+            waiting,
+            ..pick(DecodeReason::DecodeHit, 8192)
+        };
+        assert_eq!(
+            local_prefill(40_000, &queued, Reason::CacheWorkerQueued, &DYNAMO),
+            None
+        );
+    }
     // 0 tokens turns the rule off.
     let off = LocalRule {
         max_suffix_tokens: 0,
