@@ -147,6 +147,8 @@ struct LoadGauges {
     workers_stale: IntGaugeVec,
     /// `cachepick_workers{pool,state}`: workers in each lifecycle state.
     workers: IntGaugeVec,
+    /// `cachepick_worker_info{pool,worker,role}` = 1: the role to join onto any per-worker series.
+    info: IntGaugeVec,
     /// The Gateway API Inference Extension's `inference_pool_*{name}` gauges (`gie.rs`).
     gie: GiePoolGauges,
     pools: Mutex<Vec<Arc<PoolLoad>>>,
@@ -233,6 +235,14 @@ impl Metrics {
                      empty cache).",
                 ),
                 &["pool", "state"],
+            )?,
+            info: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_worker_info",
+                    "1 for each worker of each pool, with its role (prefill, decode or both): join it onto \
+                     a per-worker series, e.g. `* on(pool, worker) group_left(role) cachepick_worker_info`.",
+                ),
+                &["pool", "worker", "role"],
             )?,
             gie: GiePoolGauges::new()?,
             pools: Mutex::new(Vec::new()),
@@ -625,6 +635,7 @@ impl LoadGauges {
         self.reading_age.reset();
         self.prefill_rate.reset();
         self.uncached_per_request.reset();
+        self.info.reset();
         self.gie.reset();
         for pool in pools.iter() {
             let snapshot = pool.snapshot();
@@ -633,6 +644,9 @@ impl LoadGauges {
             for worker in snapshot.workers() {
                 let endpoint = worker.endpoint.to_string();
                 let labels = [pool.label(), endpoint.as_str()];
+                self.info
+                    .with_label_values(&[pool.label(), endpoint.as_str(), worker.role.as_str()])
+                    .set(1);
                 for (gauge, value) in [
                     (&self.prefill_rate, worker.prefill.tokens_per_second),
                     (
@@ -685,6 +699,7 @@ impl LoadGauges {
         families.extend(self.workers_fresh.collect());
         families.extend(self.workers_stale.collect());
         families.extend(self.workers.collect());
+        families.extend(self.info.collect());
         families.extend(self.gie.collect());
         families
     }

@@ -33,6 +33,13 @@ pub const DECISION_HEADER: &str = "x-cachepick-decision";
 pub const SELECTED_HEADER: &str = "x-cachepick-endpoint";
 /// Leading prompt tokens the selected worker is credited with holding.
 pub const PREFIX_TOKENS_HEADER: &str = "x-cachepick-prefix-tokens";
+/// The prefill-time policies' predicted time to first token on the selected (prefill) worker, in
+/// milliseconds with three decimals: its queue ahead plus the request's own uncached prefill, each
+/// divided by the worker's learned rate. Absent where no prediction was made.
+pub const PREDICTED_TTFT_HEADER: &str = "x-cachepick-predicted-ttft-ms";
+/// A prefill/decode request's decode pressure: the decode worker's waiting and running requests by its
+/// reading, plus those sent to it since.
+pub const DECODE_PRESSURE_HEADER: &str = "x-cachepick-decode-pressure";
 /// A prefill/decode request's prefill worker (`ip:port`), chosen by the ladder; the destination is
 /// its decode worker.
 pub const PREFILL_HEADER: &str = "x-cachepick-prefill-endpoint";

@@ -37,6 +37,7 @@ use sim_client::{CHAT, COMPLETIONS, Client, MODEL, Reply, Streamed};
 const ECHO_PD: &str = "x-sim-echo-x-cachepick-pd";
 const ECHO_PREFILL: &str = "x-sim-echo-x-cachepick-prefill-endpoint";
 const ECHO_DECODE_DECISION: &str = "x-sim-echo-x-cachepick-decode-decision";
+const ECHO_DECODE_PRESSURE: &str = "x-sim-echo-x-cachepick-decode-pressure";
 const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
 
 /// Two prefill workers (0, 1) and two decode workers (2, 3) of one vLLM pool, cachepick, Envoy.
@@ -284,6 +285,10 @@ async fn both_legs_for_every_api(engine: Engine, mode: BodyMode) {
             ["decode_pressure", "decode_hit"].contains(&echoed(ECHO_DECODE_DECISION).as_str()),
             "{headers:?}"
         );
+        assert!(
+            echoed(ECHO_DECODE_PRESSURE).parse::<u64>().is_ok(),
+            "the decode pick's pressure is a count: {headers:?}"
+        );
         assert!(!echoed(ECHO_DECISION).is_empty());
     }
 }
@@ -431,6 +436,26 @@ async fn explain_names_both_picks() {
             .contains(&endpoints[decode].as_str().unwrap().to_owned())
     );
     assert_eq!(explained["decode"]["fleet"], 2, "{explained:#}");
+    // Each worker's role is in the exposition, to join onto its per-worker series.
+    let exposition = stack.client.get(metrics, "/metrics").await.text();
+    let pool = match &stack.config.pools[0].model {
+        cachepick::config::ModelMatch::Exact(name) => name.clone(),
+        cachepick::config::ModelMatch::Any => "*".to_owned(),
+    };
+    for (workers, role) in [
+        (stack.prefill_workers(), "prefill"),
+        (stack.decode_workers(), "decode"),
+    ] {
+        for worker in workers {
+            let line = format!(
+                "cachepick_worker_info{{pool=\"{pool}\",role=\"{role}\",worker=\"{worker}\"}} 1"
+            );
+            assert!(
+                exposition.lines().any(|l| l == line),
+                "missing {line} in\n{exposition}"
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -446,6 +446,11 @@ async fn a_worker_that_flips_between_healthy_and_failing_goes_stale_and_fresh_ag
             .render()
             .contains("cachepick_workers_fresh{pool=\"m\"} 1")
     );
+    let info = format!(
+        "cachepick_worker_info{{pool=\"m\",role=\"both\",worker=\"{}\"}} 1",
+        engine.addr
+    );
+    assert!(pool.metrics.render().lines().any(|line| line == info));
     let errors = pool
         .metrics
         .scrapes

@@ -25,9 +25,9 @@ use tonic::metadata::MetadataValue;
 
 use super::lb;
 use crate::protocol::{
-    DECISION_HEADER, DECODE_DECISION_HEADER, DESTINATION, PD_HEADER, PREFILL_HEADER,
-    PREFILLER_HEADER, PREFIX_TOKENS_HEADER, REFUSAL_HEADER, RefusalReason, SELECTED_HEADER,
-    SHED_METADATA, error_json,
+    DECISION_HEADER, DECODE_DECISION_HEADER, DECODE_PRESSURE_HEADER, DESTINATION, PD_HEADER,
+    PREDICTED_TTFT_HEADER, PREFILL_HEADER, PREFILLER_HEADER, PREFIX_TOKENS_HEADER, REFUSAL_HEADER,
+    RefusalReason, SELECTED_HEADER, SHED_METADATA, error_json,
 };
 use crate::route::{Refusal, Routed};
 
@@ -333,6 +333,12 @@ fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) 
         (DECISION_HEADER, routed.label().to_owned()),
         (PREFIX_TOKENS_HEADER, routed.matched_tokens.to_string()),
     ];
+    if let Some(us) = routed.predicted_ttft_us {
+        set.push((
+            PREDICTED_TTFT_HEADER,
+            format!("{}.{:03}", us / 1000, us % 1000),
+        ));
+    }
     if let Some(pd) = &routed.pd {
         let prefill = pd
             .prefilled_by
@@ -345,6 +351,7 @@ fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) 
         }
         set.push((PREFILL_HEADER, prefill));
         set.push((DECODE_DECISION_HEADER, pd.decode.reason.as_str().to_owned()));
+        set.push((DECODE_PRESSURE_HEADER, pd.decode.pressure.to_string()));
         if let Some(handoff) = pd.handoff {
             set.push((PD_HEADER, handoff.as_str().to_owned()));
         }
@@ -384,5 +391,53 @@ fn response(response: processing_response::Response) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(response),
         ..ProcessingResponse::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Reason;
+
+    fn routed(predicted_ttft_us: Option<u64>) -> Routed {
+        Routed {
+            pool: "m".to_owned(),
+            endpoints: vec!["127.0.0.1:8000".parse().unwrap()],
+            reason: Reason::CacheHit,
+            matched_tokens: 4096,
+            prompt_tokens: 5000,
+            passthrough: false,
+            predicted_ttft_us,
+            credit: None,
+            pd: None,
+        }
+    }
+
+    fn value(mutation: &HeaderMutation, name: &str) -> Option<String> {
+        mutation
+            .set_headers
+            .iter()
+            .filter_map(|option| option.header.as_ref())
+            .find(|header| header.key == name)
+            .map(|header| String::from_utf8_lossy(&header.raw_value).into_owned())
+    }
+
+    #[test]
+    fn a_prediction_is_sent_in_milliseconds_and_its_absence_sends_nothing() {
+        let predicted = mutation(&[], &routed(Some(12_345)), None);
+        assert_eq!(
+            value(&predicted, PREDICTED_TTFT_HEADER).as_deref(),
+            Some("12.345")
+        );
+        let sub_ms = mutation(&[], &routed(Some(7)), None);
+        assert_eq!(
+            value(&sub_ms, PREDICTED_TTFT_HEADER).as_deref(),
+            Some("0.007")
+        );
+        // A client's copy is removed, not kept, when cachepick made no prediction.
+        let spoofed = [PREDICTED_TTFT_HEADER.to_owned()];
+        let none = mutation(&spoofed, &routed(None), None);
+        assert_eq!(value(&none, PREDICTED_TTFT_HEADER), None);
+        assert_eq!(none.remove_headers, spoofed);
     }
 }

@@ -53,6 +53,9 @@ pub struct Routed {
     pub prompt_tokens: u64,
     /// No prompt: routed by load alone ([`PASSTHROUGH`]), not counted as a decision.
     pub passthrough: bool,
+    /// The prefill-time unit's predicted time to first token on the selected (prefill) worker, in
+    /// microseconds; `None` for the request-unit policies and a worker without a prediction.
+    pub predicted_ttft_us: Option<u64>,
     /// What the commit credited, for the response's report to settle (`feedback.enabled`).
     #[serde(skip)]
     pub credit: Option<Credit>,

@@ -396,6 +396,7 @@ impl Service {
             matched_tokens: 0,
             prompt_tokens: 0,
             passthrough: true,
+            predicted_ttft_us: None,
             credit: None,
             pd: None,
         })
@@ -443,6 +444,7 @@ impl Service {
             matched_tokens: 0,
             prompt_tokens: prepared.prompt_tokens,
             passthrough,
+            predicted_ttft_us: None,
             credit: None,
             pd: None,
         })
@@ -547,6 +549,12 @@ impl Service {
             matched_tokens: decision.matched_tokens,
             prompt_tokens: prepared.prompt_tokens,
             passthrough: false,
+            predicted_ttft_us: decision
+                .trace
+                .predictions
+                .iter()
+                .find(|predicted| predicted.worker == decision.selected)
+                .map(|predicted| predicted.ttft_us),
             credit,
             pd,
         })
