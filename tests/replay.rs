@@ -217,10 +217,30 @@ fn a_tiny_burst_replays_through_envoy() {
 /// and send vLLM's NIXL prefill leg, through the same Envoy, and every request is served.
 #[test]
 fn a_tiny_burst_replays_on_a_prefill_decode_fleet_with_the_pd_oracle() {
+    tiny_pd_burst(&[]);
+}
+
+/// The same on an SGLang fleet, whose workers run `disaggregation_mode` prefill and decode: both
+/// arms perform the bootstrap rendezvous (a decode worker refuses a request without a room, so a
+/// request served is a rendezvous made).
+#[test]
+fn a_tiny_burst_replays_on_an_sglang_prefill_decode_fleet_with_the_pd_oracle() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fleet = dir.path().join("sglang.yaml");
+    std::fs::write(
+        &fleet,
+        "engine: sglang\nworkers: 4\ntokenizer: {kind: bytes}\nkv_blocks: 4096\ntime_scale: 0.25\n",
+    )
+    .expect("write the fleet");
+    tiny_pd_burst(&["--config", fleet.to_str().expect("utf-8 path")]);
+}
+
+fn tiny_pd_burst(fleet: &[&str]) {
     let envoy = envoy::binary();
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("out");
-    let (stdout, _) = replay(&[
+    let mut args = fleet.to_vec();
+    args.extend([
         "--scenario",
         "burst",
         "--duration-scale",
@@ -238,6 +258,7 @@ fn a_tiny_burst_replays_on_a_prefill_decode_fleet_with_the_pd_oracle() {
         "--out",
         out.to_str().expect("utf-8 path"),
     ]);
+    let (stdout, _) = replay(&args);
     let report = report(&out);
     let arms: Vec<&str> = report["policies"]
         .as_array()
@@ -265,7 +286,7 @@ fn a_tiny_burst_replays_on_a_prefill_decode_fleet_with_the_pd_oracle() {
             "{policy}"
         );
         assert_eq!(served.iter().sum::<u64>(), requests, "{policy}");
-        // vLLM reports the pulled prompt as held: every decode leg pulled its KV.
+        // Both engines report the pulled prompt as held: every decode leg pulled its KV.
         assert!(
             policy["hit_rate"].as_f64().is_some_and(|hit| hit > 0.9),
             "{policy}"

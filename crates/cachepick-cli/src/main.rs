@@ -291,7 +291,9 @@ struct ReplayArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// A prefill/decode fleet: the first N workers prefill, the rest decode, and every cachepick arm
-    /// runs its pool with `pd: {}` (vLLM, --via envoy). A front is told the roles with {worker:I}.
+    /// runs its pool disaggregated (vLLM: NIXL; SGLang, from a --config naming `engine: sglang`: the
+    /// bootstrap rendezvous), --via envoy. A front is told the roles with {worker:I} (worker I's URL)
+    /// and {worker_port:I} (its port, an SGLang prefill worker's bootstrap port in the simulator).
     #[arg(long, value_name = "N")]
     pd: Option<usize>,
     /// With --pd: cachepick's `pd.local_prefill_tokens` (0: every prefill is remote).

@@ -60,8 +60,17 @@ pub struct Decided {
     pub worker: SocketAddr,
     pub headers: Vec<(&'static str, String)>,
     pub ticket: Option<Ticket>,
-    /// A prefill/decode fleet's prefill leg: its worker and dispatch tag (`worker` decodes).
-    pub prefill: Option<(SocketAddr, u64)>,
+    /// A prefill/decode fleet's prefill leg (`worker` decodes).
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// Where a request's prefill leg goes, tagged for the oracle's count, and by which handshake.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillLeg {
+    pub worker: SocketAddr,
+    pub tag: u64,
+    /// SGLang's bootstrap rendezvous (the legs run together); else vLLM's NIXL relay (prefill first).
+    pub bootstrap: bool,
 }
 
 impl InProcess {
@@ -108,7 +117,11 @@ impl InProcess {
                         ),
                     ],
                     ticket: None,
-                    prefill: Some((choice.prefill.worker, choice.prefill.tag)),
+                    prefill: Some(PrefillLeg {
+                        worker: choice.prefill.worker,
+                        tag: choice.prefill.tag,
+                        bootstrap: oracle.engine() == cachepick_sim::Engine::Sglang,
+                    }),
                 })
             }
             InProcess::Oracle(oracle) => {
@@ -284,10 +297,12 @@ async fn decision(
     let Ok(mut decided) = router.decide(prompt).await else {
         return undecided();
     };
-    // A prefill/decode fleet: the prefill leg first, as cachepick's relay sends it; the decode worker
-    // gets the parameters, or the plain body to prefill itself when the leg failed.
+    // A prefill/decode fleet, as cachepick's relay runs it: vLLM's prefill leg first, the decode
+    // worker given its parameters (or the plain body to prefill itself when the leg failed); SGLang's
+    // prefill leg sent beside the decode leg, both with the same room.
     let decode_body = match decided.prefill {
-        Some((worker, tag)) => prefill_leg(worker, tag, body).await,
+        Some(leg) if leg.bootstrap => rendezvous(leg, body),
+        Some(leg) => prefill_leg(leg.worker, leg.tag, body).await,
         None => None,
     };
     if let Some(replaced) = &decode_body {
@@ -340,6 +355,30 @@ async fn prefill_leg(worker: SocketAddr, tag: u64, body: &[u8]) -> Option<Vec<u8
         .filter(|params| params.is_object())?;
     let raw = serde_json::value::to_raw_value(params).ok()?;
     cachepick::pd::decode_body(body, &raw)
+}
+
+/// SGLang's rendezvous for `leg`: a fresh room spliced into the body (the simulator's bootstrap server
+/// is on the prefill worker's own port), the prefill leg sent and drained in the background, and the
+/// same body returned for the decode leg; `None` when the body is not a JSON object.
+fn rendezvous(leg: PrefillLeg, body: &[u8]) -> Option<Vec<u8>> {
+    use http_body_util::{BodyExt, Full};
+    static ROOMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let room = ROOMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let joined = cachepick::pd::rendezvous_body(body, leg.worker, leg.worker.port(), room)?;
+    let request = http::Request::post(format!("http://{}/v1/completions", leg.worker))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(cachepick_sim::server::DISPATCH_TAG, leg.tag.to_string())
+        .body(Full::new(bytes::Bytes::from(joined.clone())))
+        .ok()?;
+    tokio::spawn(async move {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<Full<bytes::Bytes>>();
+        if let Ok(response) = client.request(request).await {
+            let _ = response.into_body().collect().await;
+        }
+    });
+    Some(joined)
 }
 
 /// The completion's prompt: the string `prompt` of a JSON body.

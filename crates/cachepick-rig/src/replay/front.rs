@@ -198,7 +198,7 @@ pub fn wants_kv_events(template: &str) -> bool {
 
 /// The template with its placeholders filled: `{workers}` the workers' URLs separated by spaces,
 /// `{workers_csv}` by commas, `{port}` and `{metrics_port}` free loopback ports, `{host}` 127.0.0.1,
-/// `{model}` the model the workers serve, `{worker:N}` worker N's URL alone;
+/// `{model}` the model the workers serve, `{worker:N}` worker N's URL alone and `{worker_port:N}` its port;
 /// `{kv_events}` and `{kv_events_replay}` the workers' event endpoints ([`KvSources`]) separated by
 /// spaces, and `{kv_events:FLAG}` / `{kv_events_replay:FLAG}` the same with `FLAG` before each entry,
 /// for a router whose flag repeats once per worker (vllm-router's `--kv-event-source`). Other braces
@@ -224,6 +224,26 @@ pub fn expand(
         .replace("{model}", model)
         .replace("{kv_events}", &kv.live.join(" "))
         .replace("{kv_events_replay}", &kv.replay.join(" "));
+    // `{worker_port:N}`: worker N's port alone (an SGLang prefill worker's bootstrap port in the
+    // simulator, which serves the rendezvous on the worker's own port).
+    while let Some(start) = text.find("{worker_port:") {
+        let rest = text
+            .get(start + "{worker_port:".len()..)
+            .unwrap_or_default();
+        let Some((index, _)) = rest.split_once('}') else {
+            break;
+        };
+        let Some(port) = index
+            .parse::<usize>()
+            .ok()
+            .and_then(|index| workers.get(index))
+            .map(|addr| addr.port().to_string())
+        else {
+            break;
+        };
+        let end = start + "{worker_port:".len() + index.len() + 1;
+        text.replace_range(start..end, &port);
+    }
     // `{worker:N}`: worker N's URL alone, for a router given each worker's role (a PD fleet).
     while let Some(start) = text.find("{worker:") {
         let rest = text.get(start + "{worker:".len()..).unwrap_or_default();
@@ -532,6 +552,19 @@ mod tests {
         assert_eq!(
             roles,
             "r --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 {worker:9}"
+        );
+        // An SGLang PD front names each prefill worker's bootstrap port too.
+        let sglang = expand(
+            "smg --prefill {worker:0} {worker_port:0} --decode {worker:1} {worker_port:9}",
+            &workers,
+            9000,
+            9001,
+            &kv,
+            "m",
+        );
+        assert_eq!(
+            sglang,
+            "smg --prefill http://127.0.0.1:8001 8001 --decode http://127.0.0.1:8002 {worker_port:9}"
         );
     }
 

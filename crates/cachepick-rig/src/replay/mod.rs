@@ -271,7 +271,7 @@ pub enum ReplayError {
     #[error("--replicas must be at least 1")]
     NoReplicas,
     #[error(
-        "--pd {prefill}: a PD replay needs a vLLM fleet of more than {prefill} workers, at least one prefilling, and --via envoy (the decode leg's body is Envoy's to send)"
+        "--pd {prefill}: a PD replay needs a fleet of more than {prefill} workers, at least one prefilling, --via envoy (the decode leg's body is Envoy's to send), and a simulator file whose prefill_workers, if it names them, are the same {prefill}"
     )]
     PdFleet { prefill: usize },
     #[error("--crash-worker {index}: the fleet has {workers} workers (0 to {last})", last = .workers.saturating_sub(1))]
@@ -442,12 +442,18 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     if let Some(prefill) = options.pd_prefill {
         let workers = sim.workers.get() as usize;
+        let named = sim.prefill_workers.map(|named| named as usize);
         if prefill == 0
             || prefill >= workers
-            || sim.engine != cachepick_sim::Engine::Vllm
             || options.via != Via::Envoy
+            || named.is_some_and(|named| named != prefill)
         {
             return Err(ReplayError::PdFleet { prefill });
+        }
+        // SGLang's workers must know their roles (a decode worker refuses a request without a room);
+        // vLLM's serve either leg as the request asks.
+        if sim.engine == Engine::Sglang {
+            sim.prefill_workers = u32::try_from(prefill).ok();
         }
     }
     let modes = if options.index_modes.is_empty() {

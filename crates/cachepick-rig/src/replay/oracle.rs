@@ -87,6 +87,11 @@ impl Oracle {
         }
     }
 
+    /// The fleet's engine, whose handshake a prefill/decode fleet's legs follow.
+    pub fn engine(&self) -> cachepick_sim::Engine {
+        self.fleet.config().engine
+    }
+
     /// The prefill workers' count on a prefill/decode fleet.
     pub fn prefill_workers(&self) -> Option<usize> {
         self.prefill

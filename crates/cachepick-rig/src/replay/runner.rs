@@ -471,7 +471,8 @@ fn decision_total(exposition: &str) -> u64 {
 }
 
 /// Makes every pool of `config` a prefill/decode pool: its first `prefill` workers prefill, the rest
-/// decode, with the default handshake bounds.
+/// decode. A pool the fleet already wrote as one (SGLang's, with its bootstrap ports) keeps its
+/// handshake; any other gets NIXL's with the default bounds.
 fn disaggregate(config: &mut cachepick::config::Config, prefill: usize) {
     for pool in &mut config.pools {
         for (index, worker) in pool.workers.iter_mut().enumerate() {
@@ -481,7 +482,8 @@ fn disaggregate(config: &mut cachepick::config::Config, prefill: usize) {
                 cachepick::worker::Role::Decode
             };
         }
-        pool.pd = Some(cachepick::config::PdConfig::default());
+        pool.pd
+            .get_or_insert_with(cachepick::config::PdConfig::default);
     }
 }
 
