@@ -196,6 +196,22 @@ pub fn wants_kv_events(template: &str) -> bool {
     template.contains("{kv_events")
 }
 
+/// Replaces each `{NAME:I}` (`prefix` is `{NAME:`) by `values[I]`; one whose index is out of range or
+/// unreadable is left as written, and so is everything after it.
+fn fill_indexed(text: &mut String, prefix: &str, values: &[String]) {
+    while let Some(start) = text.find(prefix) {
+        let rest = text.get(start + prefix.len()..).unwrap_or_default();
+        let Some((index, _)) = rest.split_once('}') else {
+            break;
+        };
+        let Some(value) = index.parse::<usize>().ok().and_then(|i| values.get(i)) else {
+            break;
+        };
+        let end = start + prefix.len() + index.len() + 1;
+        text.replace_range(start..end, value);
+    }
+}
+
 /// The template with its placeholders filled: `{workers}` the workers' URLs separated by spaces,
 /// `{workers_csv}` by commas, `{port}` and `{metrics_port}` free loopback ports, `{host}` 127.0.0.1,
 /// `{model}` the model the workers serve, `{worker:N}` worker N's URL alone and `{worker_port:N}` its port;
@@ -224,42 +240,12 @@ pub fn expand(
         .replace("{model}", model)
         .replace("{kv_events}", &kv.live.join(" "))
         .replace("{kv_events_replay}", &kv.replay.join(" "));
-    // `{worker_port:N}`: worker N's port alone (an SGLang prefill worker's bootstrap port in the
-    // simulator, which serves the rendezvous on the worker's own port).
-    while let Some(start) = text.find("{worker_port:") {
-        let rest = text
-            .get(start + "{worker_port:".len()..)
-            .unwrap_or_default();
-        let Some((index, _)) = rest.split_once('}') else {
-            break;
-        };
-        let Some(port) = index
-            .parse::<usize>()
-            .ok()
-            .and_then(|index| workers.get(index))
-            .map(|addr| addr.port().to_string())
-        else {
-            break;
-        };
-        let end = start + "{worker_port:".len() + index.len() + 1;
-        text.replace_range(start..end, &port);
-    }
-    // `{worker:N}`: worker N's URL alone, for a router given each worker's role (a PD fleet).
-    while let Some(start) = text.find("{worker:") {
-        let rest = text.get(start + "{worker:".len()..).unwrap_or_default();
-        let Some((index, _)) = rest.split_once('}') else {
-            break;
-        };
-        let Some(url) = index
-            .parse::<usize>()
-            .ok()
-            .and_then(|index| urls.get(index))
-        else {
-            break;
-        };
-        let end = start + "{worker:".len() + index.len() + 1;
-        text.replace_range(start..end, url);
-    }
+    // `{worker:N}`: worker N's URL alone, for a router given each worker's role (a PD fleet);
+    // `{worker_port:N}`: its port alone (an SGLang prefill worker's bootstrap port in the simulator,
+    // which serves the rendezvous on the worker's own port).
+    let ports: Vec<String> = workers.iter().map(|addr| addr.port().to_string()).collect();
+    fill_indexed(&mut text, "{worker_port:", &ports);
+    fill_indexed(&mut text, "{worker:", &urls);
     for (name, entries) in [
         ("{kv_events_replay:", &kv.replay),
         ("{kv_events:", &kv.live),
