@@ -514,6 +514,79 @@ fn envoy_config_writes_the_pickers_tls_and_refuses_flags_that_do_not_fit() {
     assert_eq!(yaml.matches("UpstreamTlsContext").count(), 2, "{yaml}");
 }
 
+/// `--log-format json` writes one JSON object per line with the fields at the top level, with no
+/// colour codes when stdout is a pipe (`NO_COLOR` unset), and `RUST_LOG=debug` leaves the HTTP/2 and
+/// gRPC stacks at `info`. A `RUST_LOG` that does not parse is refused at start.
+#[test]
+fn serve_logs_json_lines_without_colour_or_transport_noise() {
+    let config = write_config(
+        "\
+pools:
+  - model: m
+    engine: sglang
+    workers: [{endpoint: 127.0.0.1:1}]
+",
+    );
+    let args = [serve::ANY_PORTS.as_slice(), &["--log-format", "json"]].concat();
+    let mut command = serve::command(config.path(), &args, "debug");
+    command.env_remove("NO_COLOR");
+    let (server, lines) = serve::spawn_logged(&mut command);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    let listen = loop {
+        let line = lines
+            .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+            .unwrap_or_else(|_| panic!("no listen record in {seen:#?}"));
+        assert!(!line.contains('\u{1b}'), "colour in a pipe: {line:?}");
+        let record: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        assert!(
+            record["level"].is_string() && record["timestamp"].is_string(),
+            "{record}"
+        );
+        seen.push(record.clone());
+        if let Some(listen) = record["listen"].as_str() {
+            break listen.to_owned();
+        }
+    };
+    // A gRPC health check drives h2 and tonic, which at debug would log every frame.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{listen}")).unwrap();
+        let channel = endpoint.connect().await.expect("connects");
+        let mut client = HealthClient::new(channel);
+        let request = HealthCheckRequest {
+            service: "liveness".to_owned(),
+        };
+        client.check(request).await.expect("liveness answers");
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    drop(server);
+    for line in lines.try_iter() {
+        let record: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        let target = record["target"].as_str().unwrap_or_default();
+        let level = record["level"].as_str().unwrap_or_default();
+        let transport = ["h2", "hyper", "tonic", "tower"]
+            .iter()
+            .any(|name| target == *name || target.starts_with(&format!("{name}::")));
+        assert!(
+            !(transport && matches!(level, "DEBUG" | "TRACE")),
+            "transport noise at debug: {record}"
+        );
+    }
+
+    let refused = serve::command(config.path(), &serve::ANY_PORTS, "cachepick=loud")
+        .output()
+        .expect("serve runs");
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("cachepick=loud"),
+        "{}",
+        stderr(&refused)
+    );
+}
+
 #[test]
 fn serve_stops_at_start_up_on_a_certificate_it_cannot_read() {
     let config = write_config(

@@ -9,6 +9,8 @@ use clap::{Args, Parser, Subcommand};
 
 use cachepick::config::{self, Config, Overrides};
 
+mod logs;
+
 /// Exit status for a configuration that cannot be used.
 const EXIT_BAD_CONFIG: u8 = 2;
 
@@ -26,7 +28,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the external processor; the file is read again when it changes and on SIGHUP.
-    Serve(ConfigArgs),
+    Serve(ServeArgs),
     /// Validate the configuration and print the effective configuration as YAML.
     Check(ConfigArgs),
     /// Explain how a request body would be routed: pool, tokens, blocks, owners and the policy's trace.
@@ -446,6 +448,16 @@ impl SimArgs {
     }
 }
 
+/// `serve`'s flags: the configuration's, and how it logs.
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Log records as text lines or as one JSON object per line (`RUST_LOG` sets the level).
+    #[arg(long, value_enum, default_value_t = logs::LogFormat::Text)]
+    log_format: logs::LogFormat,
+}
+
 /// The configuration file and the flags that override it.
 #[derive(Args)]
 struct ConfigArgs {
@@ -527,18 +539,21 @@ fn main() -> ExitCode {
             print!("{}", config.to_yaml());
             ExitCode::SUCCESS
         }),
-        Command::Serve(args) => with_prepared(&args, |config, prepared| {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .init();
+        Command::Serve(args) => with_prepared(&args.config, |config, prepared| {
+            let spec = std::env::var("RUST_LOG").ok();
+            let filter = match logs::filter(spec.as_deref()) {
+                Ok(filter) => filter,
+                Err(error) => {
+                    eprintln!("cachepick: {error}");
+                    return ExitCode::from(2);
+                }
+            };
+            logs::init(args.log_format, filter);
             run("cachepick", async {
                 cachepick::app::serve_prepared(
                     &config,
                     prepared,
-                    Some(args.reload()),
+                    Some(args.config.reload()),
                     shutdown_signal(),
                 )
                 .await?;

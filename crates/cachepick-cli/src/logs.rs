@@ -1,0 +1,84 @@
+//! `serve`'s log output: text lines for people or one JSON record per line for pipelines, coloured
+//! only on a terminal, with the HTTP/2, gRPC and TLS stacks held at `info` unless `RUST_LOG` names
+//! them (at `debug` they write hundreds of lines a second beside a handful of decisions).
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+/// How each log record is written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// `timestamp LEVEL target: message field=value ...`
+    #[default]
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and every field at the top
+    /// level (reload errors included).
+    Json,
+}
+
+/// Dependencies whose `debug` and `trace` output is transport noise, not routing.
+const QUIET: [&str; 7] = [
+    "h2",
+    "hyper",
+    "hyper_util",
+    "tower",
+    "tonic",
+    "rustls",
+    "mio",
+];
+
+/// The filter for `spec` (`RUST_LOG`, `info` when unset): each [`QUIET`] crate it does not name is
+/// held at `info`. A spec that does not parse is refused with the parser's reason.
+pub fn filter(spec: Option<&str>) -> Result<EnvFilter, String> {
+    let spec = spec.unwrap_or("info");
+    let mut directives = spec.to_owned();
+    for name in QUIET {
+        if !spec.split(',').any(|directive| {
+            directive.split(['=', '[']).next().is_some_and(|target| {
+                target.trim() == name || target.trim().starts_with(&format!("{name}::"))
+            })
+        }) {
+            directives.push_str(&format!(",{name}=info"));
+        }
+    }
+    EnvFilter::builder()
+        .parse(&directives)
+        .map_err(|error| format!("RUST_LOG={spec:?}: {error}"))
+}
+
+/// Installs the subscriber. Records go to stdout; colour only when stdout is a terminal and
+/// `NO_COLOR` is unset.
+pub fn init(format: LogFormat, filter: EnvFilter) {
+    let ansi = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_crates_stay_at_info_unless_named() {
+        let quiet = filter(Some("debug")).unwrap().to_string();
+        for name in QUIET {
+            assert!(quiet.contains(&format!("{name}=info")), "{quiet}");
+        }
+        // A crate the operator names keeps the operator's level.
+        let named = filter(Some("info,h2=trace")).unwrap().to_string();
+        assert!(
+            named.contains("h2=trace") && !named.contains("h2=info"),
+            "{named}"
+        );
+        assert!(named.contains("tonic=info"), "{named}");
+        assert!(filter(None).unwrap().to_string().contains("info"));
+        let bad = filter(Some("cachepick=loud")).unwrap_err();
+        assert!(bad.contains("cachepick=loud"), "{bad}");
+    }
+}
