@@ -249,9 +249,20 @@ pub fn explanation(explanation: &Explanation) -> String {
                 ),
             })
             .unwrap_or_default();
+        // A match the ladder does not count says which rule dropped it, with both numbers.
+        let ignored = explanation
+            .min_match_tokens
+            .filter(|min| owner.matched_tokens < *min)
+            .map(|min| {
+                format!(
+                    " — not an owner: {} tokens < min_match_tokens {min}",
+                    owner.matched_tokens
+                )
+            })
+            .unwrap_or_default();
         let _ = writeln!(
             out,
-            "owner:   {} holds {} tokens{source}",
+            "owner:   {} holds {} tokens{source}{ignored}",
             endpoint(owner.worker),
             owner.matched_tokens
         );
@@ -346,6 +357,52 @@ pub fn explanation(explanation: &Explanation) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same short chat twice, under the default `min_match_tokens` (1024): the second is a miss,
+    /// and explain says why, with the rule and both numbers.
+    #[test]
+    fn a_match_below_min_match_tokens_is_named_with_the_rule_and_its_numbers() {
+        use crate::route::{Commit, CommitGate, Inbound, Picker, Service};
+        let yaml = "pools:\n  - model: m\n    engine: vllm\n    tokenizer: {kind: bytes}\n    workers:\n\
+                    \x20     - endpoint: 127.0.0.1:1\n      - endpoint: 127.0.0.1:2\n";
+        let config = crate::config::parse(yaml, "t", &crate::config::Overrides::default()).unwrap();
+        let loads = crate::load::PoolLoad::for_pools(&config);
+        let picker = Picker::new(&config, &loads).unwrap();
+        let service = Service::new(
+            picker,
+            std::sync::Arc::new(crate::metrics::Metrics::new().unwrap()),
+        );
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "a short question, asked twice ".repeat(20)}],
+        }))
+        .unwrap();
+        let inbound = Inbound {
+            path: "/v1/chat/completions",
+            method: Some("POST"),
+            body: Some(&body),
+            subset: None,
+            content_encoding: None,
+            tenant: None,
+        };
+        let _ = service.route(&inbound, Commit::Live(&CommitGate::open()));
+        let explained = service.explain(&inbound).unwrap();
+        assert_eq!(explained.min_match_tokens, Some(1024));
+        let held = explained
+            .prepared
+            .owners
+            .first()
+            .expect("the first request's worker")
+            .matched_tokens;
+        assert!(held > 0 && held < 1024, "{held}");
+        let text = explanation(&explained);
+        assert!(
+            text.contains(&format!(
+                "not an owner: {held} tokens < min_match_tokens 1024"
+            )),
+            "{text}"
+        );
+    }
 
     #[test]
     fn admission_reads_as_one_line_and_its_counts() {

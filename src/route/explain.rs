@@ -43,6 +43,10 @@ pub struct Explanation {
     /// Conditional disaggregation: the decode worker would prefill the request itself, and why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_prefill: Option<crate::policy::LocalPrefill>,
+    /// The cache-aware ladder's `min_match_tokens`: a worker holding fewer of the prompt's tokens is no
+    /// owner (it is counted in the trace's `ignored_matches`). Absent for the other modes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_match_tokens: Option<u64>,
 }
 
 /// One worker's blocks per tier, as its engine's KV events report them.
@@ -79,6 +83,12 @@ impl Explanation {
             depth_sources,
             decode: None,
             local_prefill: None,
+            min_match_tokens: pinned
+                .pool
+                .policy
+                .load()
+                .cache_aware()
+                .map(|knobs| knobs.min_match_tokens),
         }
     }
 }
