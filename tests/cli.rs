@@ -37,6 +37,14 @@ fn example() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/cachepick.yaml")
 }
 
+/// One pool whose only worker never answers: `serve` starts, and stays not ready.
+const UNREACHABLE_WORKER: &str = "\
+pools:
+  - model: m
+    engine: sglang
+    workers: [{endpoint: 127.0.0.1:1}]
+";
+
 fn write_config(text: &str) -> tempfile::NamedTempFile {
     let mut file = tempfile::NamedTempFile::new().expect("temp file");
     file.write_all(text.as_bytes()).expect("write config");
@@ -211,14 +219,7 @@ fn a_missing_config_file_is_a_config_error() {
 
 #[test]
 fn serve_answers_grpc_health_and_stops_on_sigterm() {
-    let config = write_config(
-        "\
-pools:
-  - model: m
-    engine: sglang
-    workers: [{endpoint: 127.0.0.1:1}]
-",
-    );
+    let config = write_config(UNREACHABLE_WORKER);
     let args = [serve::ANY_PORTS.as_slice(), &["--shutdown-grace", "200ms"]].concat();
     let child = serve::command(config.path(), &args, "info")
         .spawn()
@@ -519,14 +520,7 @@ fn envoy_config_writes_the_pickers_tls_and_refuses_flags_that_do_not_fit() {
 /// gRPC stacks at `info`. A `RUST_LOG` that does not parse is refused at start.
 #[test]
 fn serve_logs_json_lines_without_colour_or_transport_noise() {
-    let config = write_config(
-        "\
-pools:
-  - model: m
-    engine: sglang
-    workers: [{endpoint: 127.0.0.1:1}]
-",
-    );
+    let config = write_config(UNREACHABLE_WORKER);
     let args = [serve::ANY_PORTS.as_slice(), &["--log-format", "json"]].concat();
     let mut command = serve::command(config.path(), &args, "debug");
     command.env_remove("NO_COLOR");

@@ -337,8 +337,7 @@ async fn prefill_leg(worker: SocketAddr, tag: u64, body: &[u8]) -> Option<Vec<u8
     use http_body_util::{BodyExt, Full};
     let path = "/v1/completions";
     let tagged = cachepick::pd::prefill_body(path, body)?;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Full<bytes::Bytes>>();
+    let client = leg_client();
     let request = http::Request::post(format!("http://{worker}{path}"))
         .header(http::header::CONTENT_TYPE, "application/json")
         .header(cachepick_sim::server::DISPATCH_TAG, tag.to_string())
@@ -371,14 +370,20 @@ fn rendezvous(leg: PrefillLeg, body: &[u8]) -> Option<Vec<u8>> {
         .body(Full::new(bytes::Bytes::from(joined.clone())))
         .ok()?;
     tokio::spawn(async move {
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build_http::<Full<bytes::Bytes>>();
+        let client = leg_client();
         if let Ok(response) = client.request(request).await {
             let _ = response.into_body().collect().await;
         }
     });
     Some(joined)
+}
+
+/// The plain HTTP client a prefill leg is sent with.
+fn leg_client() -> hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+> {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
 }
 
 /// The completion's prompt: the string `prompt` of a JSON body.
