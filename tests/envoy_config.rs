@@ -62,7 +62,9 @@ fn parse_config(yaml: &str) -> Config {
 fn shipped_options(config: &Config, mode: BodyMode) -> EnvoyOptions {
     EnvoyOptions {
         mode,
-        source: Some(EXAMPLE.to_owned()),
+        command: Some(format!(
+            "cachepick envoy-config --config {EXAMPLE} --mode {mode}"
+        )),
         ..EnvoyOptions::for_config(config)
     }
 }
@@ -601,13 +603,23 @@ fn cachepick(args: &[&str]) -> std::process::Output {
         .expect("the cachepick binary runs")
 }
 
+/// The regeneration command the CLI writes for `args`: the command line itself, shell-quoted.
+fn command_for(args: &[&str]) -> Option<String> {
+    Some(envoy_config::command_line(
+        std::iter::once("cachepick")
+            .chain(args.iter().copied())
+            .map(str::to_owned),
+    ))
+}
+
 #[test]
 fn the_cli_prints_what_render_returns() {
     let config = example();
     let path = root().join(EXAMPLE);
     let path = path.to_str().expect("a UTF-8 path");
     for mode in BodyMode::ALL {
-        let output = cachepick(&["envoy-config", "--config", path, "--mode", mode.as_str()]);
+        let args = ["envoy-config", "--config", path, "--mode", mode.as_str()];
+        let output = cachepick(&args);
         assert!(
             output.status.success(),
             "{}",
@@ -617,7 +629,7 @@ fn the_cli_prints_what_render_returns() {
             &config,
             &EnvoyOptions {
                 mode,
-                source: Some(path.to_owned()),
+                command: command_for(&args),
                 ..EnvoyOptions::for_config(&config)
             },
         );
@@ -630,7 +642,7 @@ fn the_cli_prints_what_render_returns() {
 
     // Without --mode: buffered. The flags move Envoy's listener and admin, and --listen (cachepick's
     // own address, as in every other command) moves the picker cluster.
-    let output = cachepick(&[
+    let args = [
         "envoy-config",
         "--config",
         path,
@@ -640,7 +652,8 @@ fn the_cli_prints_what_render_returns() {
         "127.0.0.1:19901",
         "--listen",
         "0.0.0.0:9102",
-    ]);
+    ];
+    let output = cachepick(&args);
     assert!(
         output.status.success(),
         "{}",
@@ -660,7 +673,7 @@ fn the_cli_prints_what_render_returns() {
         &EnvoyOptions {
             listen: "0.0.0.0:8080".parse().unwrap(),
             admin: "127.0.0.1:19901".parse().unwrap(),
-            source: Some(path.to_owned()),
+            command: command_for(&args),
             ..EnvoyOptions::for_config(&moved)
         },
     );
@@ -671,10 +684,113 @@ fn the_cli_prints_what_render_returns() {
         vec!["127.0.0.1:9102".parse::<SocketAddr>().unwrap()],
         "cachepick listening everywhere is dialled on loopback"
     );
+    // The regeneration line keeps every flag, --listen included (without it the file it regenerates
+    // would point Envoy at the wrong port, and fail-open would hide the loss).
+    assert!(stdout.contains(
+        "--envoy-listen 0.0.0.0:8080 --envoy-admin 127.0.0.1:19901 --listen 0.0.0.0:9102 > FILE"
+    ));
+}
+
+/// The command under "regenerate with" in a generated file's header, without its `> FILE`.
+fn regenerate_command(text: &str) -> &str {
+    let line = text.lines().nth(1).expect("a header of more than one line");
+    line.trim_start_matches('#')
+        .trim()
+        .strip_suffix(" > FILE")
+        .unwrap_or_else(|| panic!("no `> FILE` on the regeneration line: {line}"))
+}
+
+/// Runs `command` in a POSIX shell in `dir`, with the `cachepick` under test first on the PATH.
+fn shell(command: &str, dir: &Path) -> std::process::Output {
+    let binary = cachepick_rig::cachepick_binary();
+    let bin_dir = binary.parent().expect("the binary's directory");
+    let path = std::env::join_paths(std::iter::once(bin_dir.to_path_buf()).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))
+    .expect("a PATH");
+    Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .current_dir(dir)
+        .env("PATH", path)
+        .output()
+        .expect("sh runs")
+}
+
+/// Following a file's "regenerate with" line gives the file back byte for byte: for the shipped files,
+/// and for a command with every kind of flag (cachepick's own `--listen` and policy overrides, a
+/// `--flag=value`, a path a shell must quote, a picker by name and one by IPv6 literal).
+#[test]
+fn the_regenerate_line_reproduces_the_file_exactly() {
+    for mode in BodyMode::ALL {
+        let shipped = std::fs::read_to_string(root().join("envoy").join(mode.shipped_file()))
+            .expect("the shipped file is readable");
+        let command = regenerate_command(&shipped);
+        let again = shell(command, root());
+        assert!(
+            again.status.success(),
+            "`{command}`: {}",
+            String::from_utf8_lossy(&again.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&again.stdout) == shipped,
+            "`{command}` does not give envoy/{} back",
+            mode.shipped_file()
+        );
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("the fleet's config.yaml");
+    std::fs::write(&file, LOOPBACK_FLEET).unwrap();
+    let file = file.to_str().unwrap();
+    let output = cachepick(&[
+        "envoy-config",
+        "--config",
+        file,
+        "--mode=duplex",
+        "--listen",
+        "0.0.0.0:19555",
+        "--worker-queue-limit",
+        "7",
+        "--envoy-listen",
+        "127.0.0.1:10555",
+        "--picker",
+        "localhost:19555",
+        "--picker",
+        "[::1]:19556",
+    ]);
     assert!(
-        stdout
-            .contains("--mode buffered --envoy-listen 0.0.0.0:8080 --envoy-admin 127.0.0.1:19901")
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
     );
+    let first = String::from_utf8(output.stdout).unwrap();
+    let command = regenerate_command(&first);
+    assert!(
+        command.contains(" --listen 0.0.0.0:19555 ") && command.contains("'[::1]:19556'"),
+        "{command}"
+    );
+    let again = shell(command, dir.path());
+    assert!(
+        again.status.success(),
+        "`{command}`: {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&again.stdout), first, "`{command}`");
+
+    // The named picker makes both picker clusters resolve by DNS, and Envoy takes the result.
+    let bootstrap = yaml(&first);
+    for name in ["cachepick", "cachepick_xds"] {
+        let picker_cluster = cluster(&bootstrap, name).expect("a picker cluster");
+        assert_eq!(
+            str_of(&picker_cluster["cluster_type"]["name"]),
+            "envoy.cluster.dns",
+            "{name}"
+        );
+    }
+    if let Err(error) = envoy::validate_yaml(&first) {
+        panic!("{error}");
+    }
 }
 
 /// Picker replicas behind one Envoy: the `cachepick` cluster lists every replica, round-robins them, and
@@ -691,7 +807,7 @@ fn several_pickers_are_listed_round_robined_and_accepted_by_envoy() {
             &config,
             &EnvoyOptions {
                 mode,
-                pickers: pickers.clone(),
+                pickers: pickers.iter().copied().map(Into::into).collect(),
                 ..EnvoyOptions::for_config(&config)
             },
         );
@@ -728,8 +844,8 @@ fn several_pickers_are_listed_round_robined_and_accepted_by_envoy() {
     let expected = envoy_config::render(
         &config,
         &EnvoyOptions {
-            pickers: pickers.clone(),
-            source: Some(file.to_owned()),
+            pickers: pickers.iter().copied().map(Into::into).collect(),
+            command: command_for(&args),
             ..EnvoyOptions::for_config(&config)
         },
     );
@@ -737,7 +853,7 @@ fn several_pickers_are_listed_round_robined_and_accepted_by_envoy() {
     assert_eq!(stdout, expected);
     // The header's regeneration command names the replicas.
     assert!(
-        stdout.contains("--picker 127.0.0.1:19101 --picker 127.0.0.1:19102 --picker [::1]:19103"),
+        stdout.contains("--picker 127.0.0.1:19101 --picker 127.0.0.1:19102 --picker '[::1]:19103'"),
         "{stdout}"
     );
 }

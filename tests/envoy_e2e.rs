@@ -73,6 +73,8 @@ struct Setup {
     max_body_bytes: Option<usize>,
     /// Applied to the simulator's configuration before the fleet starts.
     tune: fn(&mut SimConfig),
+    /// Envoy dials the picker by this DNS name (`--picker NAME:PORT`) rather than by its address.
+    picker_name: Option<&'static str>,
 }
 
 impl Setup {
@@ -81,6 +83,7 @@ impl Setup {
             mode,
             max_body_bytes: None,
             tune: |_| {},
+            picker_name: None,
         }
     }
 }
@@ -154,12 +157,19 @@ impl Stack {
 
         // (c) a real Envoy running the bootstrap generated from the same configuration.
         let gateway = loopback(envoy::free_port());
-        let options = EnvoyOptions {
+        let mut options = EnvoyOptions {
             mode: setup.mode,
             listen: gateway,
             admin: loopback(envoy::free_port()),
             ..EnvoyOptions::for_config(&config)
         };
+        if let Some(name) = setup.picker_name {
+            options.pickers = vec![
+                format!("{name}:{}", config.listen.port())
+                    .parse()
+                    .expect("a picker name"),
+            ];
+        }
         let yaml = envoy_config::render(&config, &options);
         let envoy = envoy::Envoy::start(&yaml).await;
 
@@ -514,11 +524,33 @@ macro_rules! in_both_body_modes {
 // === 1. requests land where the picker says ===
 
 async fn requests_land_where_the_picker_says(mode: BodyMode) {
-    let stack = Stack::start(Setup::new(mode)).await;
+    land_where_the_picker_says(&Stack::start(Setup::new(mode)).await).await;
+}
+
+in_both_body_modes!(requests_land_where_the_picker_says);
+
+/// `--picker NAME:PORT` (a Kubernetes Service, say): Envoy resolves the name itself, and the picker it
+/// reaches decides as one named by address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_picker_named_by_dns_decides_as_one_named_by_address() {
+    let stack = Stack::start(Setup {
+        picker_name: Some("localhost"),
+        ..Setup::new(BodyMode::Buffered)
+    })
+    .await;
+    assert!(
+        stack.yaml.contains("envoy.cluster.dns") && stack.yaml.contains("\"localhost\""),
+        "{}",
+        stack.yaml
+    );
+    land_where_the_picker_says(&stack).await;
+}
+
+async fn land_where_the_picker_says(stack: &Stack) {
     let prompts: Vec<String> = (0..5).map(|i| text(&format!("land-{i}"), 2048)).collect();
     let mut owners = Vec::new();
     for prompt in &prompts {
-        let first = routed(&stack, &stack.chat(prompt, &[]).await);
+        let first = routed(stack, &stack.chat(prompt, &[]).await);
         assert_eq!(first.decision, "cache_miss", "a new prompt: {first:?}");
         assert_eq!(
             first.cached_tokens, 0,
@@ -528,7 +560,7 @@ async fn requests_land_where_the_picker_says(mode: BodyMode) {
     }
     for (prompt, owner) in prompts.iter().zip(&owners) {
         let reply = stack.chat(prompt, &[]).await;
-        let again = routed(&stack, &reply);
+        let again = routed(stack, &reply);
         assert_eq!(again.decision, "cache_hit", "a repeated prompt: {again:?}");
         assert_eq!(
             &again.served_by, owner,
@@ -544,8 +576,6 @@ async fn requests_land_where_the_picker_says(mode: BodyMode) {
         assert!(credited >= MIN_MATCH_TOKENS, "prefix tokens {credited}");
     }
 }
-
-in_both_body_modes!(requests_land_where_the_picker_says);
 
 // === 2. a client cannot steer ===
 

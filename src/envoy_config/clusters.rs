@@ -5,7 +5,10 @@ use std::net::SocketAddr;
 
 use super::cold_start::{ColdStart, dns_cluster_type};
 use super::yaml::{Yaml, duration, socket_address};
-use super::{EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, WORKERS_CLUSTER, WorkersSource, XDS_CLUSTER};
+use super::{
+    EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, PickerAddr, WORKERS_CLUSTER, WorkersSource,
+    XDS_CLUSTER,
+};
 use crate::config::{Config, DnsDiscovery};
 use crate::protocol::{DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SELECTED_HEADER};
 
@@ -55,20 +58,6 @@ fn endpoints(config: &Config, takes_requests: bool) -> impl Iterator<Item = Sock
             (worker.role.serves_prefill() || pool.pd.is_some()) == takes_requests
         })
         .map(|(_, worker)| worker.endpoint)
-}
-
-/// A cluster's static `load_assignment` of IP endpoints.
-fn load_assignment(
-    out: &mut Yaml,
-    cluster_name: &str,
-    endpoints: impl IntoIterator<Item = SocketAddr>,
-) {
-    out.load_assignment(
-        cluster_name,
-        endpoints
-            .into_iter()
-            .map(|endpoint| socket_address(endpoint.ip(), endpoint.port())),
-    );
 }
 
 pub(super) fn workers_cluster(out: &mut Yaml, config: &Config, cold: Option<&ColdStart<'_>>) {
@@ -215,10 +204,7 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions, eds_first: 
     } else {
         out.comment(4, &["cachepick's ext_proc server (its `listen`)."]);
     }
-    out.line(4, "type: STATIC");
-    if options.pickers.len() > 1 {
-        out.line(4, "lb_policy: ROUND_ROBIN");
-    }
+    picker_discovery(out, options);
     out.line(4, "connect_timeout: 1s");
     circuit_breakers(
         out,
@@ -274,7 +260,7 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions, eds_first: 
     out.line(6, "healthy_panic_threshold: {value: 0}");
     picker_http2(out);
     picker_tls(out, options);
-    load_assignment(out, "cachepick", options.pickers.iter().copied());
+    picker_endpoints(out, "cachepick", options);
 }
 
 /// `eds_cluster_config`: the workers' endpoints from cachepick's EDS over [`XDS_CLUSTER`]; `cold` says
@@ -407,14 +393,57 @@ pub(super) fn xds_cluster(out: &mut Yaml, options: &EnvoyOptions) {
             "roster under the same version.",
         ],
     );
-    out.line(4, "type: STATIC");
-    if options.pickers.len() > 1 {
-        out.line(4, "lb_policy: ROUND_ROBIN");
-    }
+    picker_discovery(out, options);
     out.line(4, "connect_timeout: 1s");
     picker_http2(out);
     picker_tls(out, options);
-    load_assignment(out, XDS_CLUSTER, options.pickers.iter().copied());
+    picker_endpoints(out, XDS_CLUSTER, options);
+}
+
+/// How a cluster of pickers finds its endpoints: the addresses as given (`STATIC`), or, when any is a
+/// name, Envoy's own resolution of it (`STRICT_DNS`: every address a name answers is an endpoint, so a
+/// headless Service lists each replica), and round robin over more than one.
+fn picker_discovery(out: &mut Yaml, options: &EnvoyOptions) {
+    if options.pickers.iter().any(PickerAddr::is_name) {
+        out.comment(
+            4,
+            &[
+                "STRICT_DNS (the DnsCluster form): Envoy resolves the picker's name itself, again every 5 s (or at the",
+                "answer's TTL, if sooner), and every address in the answer is an endpoint, health-checked on its own.",
+                "Behind a headless Service that is one endpoint per ready picker pod; behind a ClusterIP it is the",
+                "one virtual IP, kube-proxy spreads the connections, and the health check asks whichever pod it",
+                "reaches, so prefer a headless Service.",
+            ],
+        );
+        out.typed_extension(
+            4,
+            "cluster_type",
+            "envoy.cluster.dns",
+            "envoy.extensions.clusters.dns.v3.DnsCluster",
+        );
+        out.line(8, "dns_refresh_rate: 5s");
+        out.line(8, "respect_dns_ttl: true");
+        out.comment(
+            8,
+            &["IPv4 when the name has it, else IPv6: a dual-stack pod is one endpoint, not two."],
+        );
+        out.line(8, "dns_lookup_family: V4_PREFERRED");
+    } else {
+        out.line(4, "type: STATIC");
+    }
+    if options.pickers.len() > 1 || options.pickers.iter().any(PickerAddr::is_name) {
+        out.line(4, "lb_policy: ROUND_ROBIN");
+    }
+}
+
+fn picker_endpoints(out: &mut Yaml, cluster_name: &str, options: &EnvoyOptions) {
+    out.load_assignment(
+        cluster_name,
+        options.pickers.iter().map(|picker| {
+            let (host, port) = picker.host_and_port();
+            socket_address(host, port)
+        }),
+    );
 }
 
 /// The HTTP/2 options of a cluster of pickers (ext_proc and EDS both speak gRPC to them).

@@ -1,9 +1,13 @@
 //! How `cachepick envoy-config`'s flags and the configuration combine into [`EnvoyOptions`]: a flag
 //! given wins, a flag left out takes the configuration's default, and the `--picker-*` TLS flags must
-//! fit the configuration's `tls`.
+//! fit the configuration's `tls`. A `--picker` is an IP literal or a DNS name ([`PickerAddr`]); the
+//! command line itself is kept, quoted for a POSIX shell ([`command_line`]), so the file's header
+//! reproduces the file exactly.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::str::FromStr;
 
 use super::{BodyMode, EnvoyOptions, PickerTls, PickerTlsError};
 use crate::config::Config;
@@ -18,7 +22,7 @@ pub struct EnvoyFlags {
     /// `--envoy-admin`.
     pub admin: SocketAddr,
     /// `--picker`, repeated; none means the picker at the configuration's `listen`.
-    pub pickers: Vec<SocketAddr>,
+    pub pickers: Vec<PickerAddr>,
     /// `--picker-ca`.
     pub picker_ca: Option<PathBuf>,
     /// `--picker-client-cert`.
@@ -27,8 +31,105 @@ pub struct EnvoyFlags {
     pub picker_client_key: Option<PathBuf>,
     /// `--picker-sni`.
     pub picker_sni: Option<String>,
-    /// The configuration file as the command line named it, echoed in the bootstrap's header.
-    pub source: String,
+    /// The command line as given ([`command_line`]), echoed in the bootstrap's header as the way to
+    /// regenerate it.
+    pub command: String,
+}
+
+/// Where Envoy reaches one picker replica: an IP literal, or a DNS name (a Kubernetes Service, say)
+/// that Envoy resolves itself, re-resolving as the name's answers change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PickerAddr {
+    Ip(SocketAddr),
+    Name { host: String, port: u16 },
+}
+
+impl PickerAddr {
+    /// Whether Envoy must resolve this address (the clusters of pickers are then `STRICT_DNS`).
+    pub fn is_name(&self) -> bool {
+        matches!(self, PickerAddr::Name { .. })
+    }
+
+    /// The host as Envoy's `socket_address` takes it (an IPv6 literal without brackets) and the port.
+    pub(super) fn host_and_port(&self) -> (String, u16) {
+        match self {
+            PickerAddr::Ip(addr) => (addr.ip().to_string(), addr.port()),
+            PickerAddr::Name { host, port } => (host.clone(), *port),
+        }
+    }
+}
+
+impl From<SocketAddr> for PickerAddr {
+    fn from(addr: SocketAddr) -> Self {
+        PickerAddr::Ip(addr)
+    }
+}
+
+impl fmt::Display for PickerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PickerAddr::Ip(addr) => write!(f, "{addr}"),
+            PickerAddr::Name { host, port } => write!(f, "{host}:{port}"),
+        }
+    }
+}
+
+impl FromStr for PickerAddr {
+    type Err = String;
+
+    /// `IP:PORT` (`[v6]:PORT`) or `NAME:PORT`, where NAME is a DNS name: dot-separated labels of
+    /// letters, digits and inner hyphens, at most 253 characters.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if let Ok(addr) = text.parse::<SocketAddr>() {
+            return Ok(PickerAddr::Ip(addr));
+        }
+        let Some((host, port)) = text.rsplit_once(':') else {
+            return Err(format!("expected IP:PORT or NAME:PORT, got `{text}`"));
+        };
+        let port: u16 = port
+            .parse()
+            .map_err(|_| format!("`{port}` in `{text}` is not a port (0-65535)"))?;
+        if port == 0 {
+            return Err(format!("port 0 in `{text}` cannot be dialled"));
+        }
+        let label_ok = |label: &str| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        };
+        let name = host.strip_suffix('.').unwrap_or(host);
+        if name.is_empty() || name.len() > 253 || !name.split('.').all(label_ok) {
+            return Err(format!(
+                "`{host}` in `{text}` is neither an IP address nor a DNS name"
+            ));
+        }
+        Ok(PickerAddr::Name {
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+/// `args` as one line a POSIX shell runs with the same arguments: an argument of characters that need
+/// no quoting as it is, any other in single quotes (a quote inside as `'\''`). A control character
+/// cannot sit on a comment line, so it is written `?` (the line no longer reproduces that argument).
+pub fn command_line(args: impl IntoIterator<Item = String>) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "@%+=:,./-_".contains(c);
+    args.into_iter()
+        .map(|arg| {
+            let arg = super::yaml::one_line(&arg);
+            if !arg.is_empty() && arg.chars().all(plain) {
+                arg
+            } else {
+                format!("'{}'", arg.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 impl EnvoyOptions {
@@ -52,7 +153,7 @@ impl EnvoyOptions {
             } else {
                 flags.pickers
             },
-            source: Some(flags.source),
+            command: Some(flags.command),
             picker_tls,
             ..defaults
         })
@@ -82,7 +183,7 @@ mod tests {
             picker_client_cert: None,
             picker_client_key: None,
             picker_sni: None,
-            source: "deploy/cachepick.yaml".to_owned(),
+            command: "cachepick envoy-config --config deploy/cachepick.yaml".to_owned(),
         }
     }
 
@@ -96,12 +197,15 @@ mod tests {
         assert_eq!(options.mode, BodyMode::Duplex);
         assert_eq!(options.listen, flags().listen);
         assert_eq!(options.admin, flags().admin);
-        assert_eq!(options.source.as_deref(), Some("deploy/cachepick.yaml"));
+        assert_eq!(
+            options.command.as_deref(),
+            Some("cachepick envoy-config --config deploy/cachepick.yaml")
+        );
     }
 
     #[test]
     fn pickers_given_replace_the_default_in_their_order() {
-        let pickers: Vec<SocketAddr> = ["10.0.0.2:9002", "10.0.0.1:9002"]
+        let pickers: Vec<PickerAddr> = ["10.0.0.2:9002", "picker.llm.svc:9002"]
             .iter()
             .map(|addr| addr.parse().expect("addr"))
             .collect();
@@ -134,6 +238,57 @@ mod tests {
         assert_eq!(
             EnvoyOptions::from_flags(&plain, half_pair),
             Err(PickerTlsError::HalfPair)
+        );
+    }
+
+    #[test]
+    fn a_picker_is_an_ip_literal_or_a_dns_name_and_nothing_else() {
+        assert_eq!(
+            "[::1]:9002".parse::<PickerAddr>(),
+            Ok(PickerAddr::Ip("[::1]:9002".parse().expect("addr")))
+        );
+        let name = "cachepick.llm.svc.cluster.local:9002"
+            .parse::<PickerAddr>()
+            .expect("a name");
+        assert!(name.is_name());
+        assert_eq!(name.to_string(), "cachepick.llm.svc.cluster.local:9002");
+        assert_eq!(
+            name.host_and_port(),
+            ("cachepick.llm.svc.cluster.local".to_owned(), 9002)
+        );
+        for bad in [
+            "cachepick",
+            "cachepick:",
+            "cachepick:0",
+            "cachepick:70000",
+            "-picker:9002",
+            "pick_er:9002",
+            "a..b:9002",
+            "http://cachepick:9002",
+            ":9002",
+        ] {
+            assert!(bad.parse::<PickerAddr>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_quoted_for_a_shell() {
+        let line = command_line(
+            [
+                "cachepick",
+                "envoy-config",
+                "--config",
+                "my dir/it's.yaml",
+                "--picker",
+                "[::1]:9002",
+                "--listen=0.0.0.0:9102",
+                "",
+            ]
+            .map(str::to_owned),
+        );
+        assert_eq!(
+            line,
+            "cachepick envoy-config --config 'my dir/it'\\''s.yaml' --picker '[::1]:9002' --listen=0.0.0.0:9102 ''"
         );
     }
 }

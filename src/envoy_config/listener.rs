@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::yaml::{Yaml, duration, one_line};
 use super::{
     BodyMode, EXT_PROC_FILTER, EnvoyOptions, REQUEST_HEADERS_TIMEOUT, REQUEST_TIMEOUT,
-    fail_open_route, picker_address, upstream_cluster,
+    command_line, fail_open_route, picker_address, upstream_cluster,
 };
 use crate::config::{Config, Handshake};
 use crate::policy::Reason;
@@ -16,42 +16,11 @@ use crate::protocol::{
 };
 
 pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
-    let source = options
-        .source
+    let command = options
+        .command
         .as_deref()
         .map(one_line)
-        .unwrap_or_else(|| "CACHEPICK.YAML".to_owned());
-    let mut command = format!(
-        "cachepick envoy-config --config {source} --mode {}",
-        options.mode
-    );
-    if options.listen != EnvoyOptions::DEFAULT_LISTEN {
-        command.push_str(&format!(" --envoy-listen {}", options.listen));
-    }
-    if options.admin != EnvoyOptions::DEFAULT_ADMIN {
-        command.push_str(&format!(" --envoy-admin {}", options.admin));
-    }
-    if options.pickers != [picker_address(config.listen)] {
-        for picker in &options.pickers {
-            command.push_str(&format!(" --picker {picker}"));
-        }
-    }
-    if let Some(tls) = &options.picker_tls {
-        command.push_str(&format!(
-            " --picker-ca {}",
-            one_line(&tls.ca_file.display().to_string())
-        ));
-        if let Some((cert, key)) = &tls.client_cert {
-            command.push_str(&format!(
-                " --picker-client-cert {} --picker-client-key {}",
-                one_line(&cert.display().to_string()),
-                one_line(&key.display().to_string())
-            ));
-        }
-        if let Some(sni) = &tls.sni {
-            command.push_str(&format!(" --picker-sni {}", one_line(sni)));
-        }
-    }
+        .unwrap_or_else(|| command_from_options(config, options));
     let summary = match options.mode {
         BodyMode::Buffered => {
             "Mode buffered: Envoy buffers each request body and sends it to cachepick in one message; \
@@ -109,6 +78,38 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
         ],
     );
     out.line(0, "");
+}
+
+/// The regeneration command when the caller gave none (the library's users): the options that differ
+/// from the defaults as flags, the configuration file a placeholder.
+fn command_from_options(config: &Config, options: &EnvoyOptions) -> String {
+    let mut args: Vec<String> = ["cachepick", "envoy-config", "--config", "CACHEPICK.YAML"]
+        .map(str::to_owned)
+        .into();
+    let mut flag = |name: &str, value: String| args.extend([name.to_owned(), value]);
+    flag("--mode", options.mode.to_string());
+    if options.listen != EnvoyOptions::DEFAULT_LISTEN {
+        flag("--envoy-listen", options.listen.to_string());
+    }
+    if options.admin != EnvoyOptions::DEFAULT_ADMIN {
+        flag("--envoy-admin", options.admin.to_string());
+    }
+    if options.pickers != [picker_address(config.listen).into()] {
+        for picker in &options.pickers {
+            flag("--picker", picker.to_string());
+        }
+    }
+    if let Some(tls) = &options.picker_tls {
+        flag("--picker-ca", tls.ca_file.display().to_string());
+        if let Some((cert, key)) = &tls.client_cert {
+            flag("--picker-client-cert", cert.display().to_string());
+            flag("--picker-client-key", key.display().to_string());
+        }
+        if let Some(sni) = &tls.sni {
+            flag("--picker-sni", sni.clone());
+        }
+    }
+    command_line(args)
 }
 
 /// The node Envoy names itself as to cachepick's EDS (Envoy requires an id and a cluster for any xDS

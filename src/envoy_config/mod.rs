@@ -47,7 +47,7 @@ mod listener;
 mod yaml;
 
 pub use cold_start::{BOOTSTRAP_CLUSTER, ColdStart, FAIL_OPEN_CLUSTER};
-pub use flags::EnvoyFlags;
+pub use flags::{EnvoyFlags, PickerAddr, command_line};
 
 use clusters::{original_dst_cluster, picker_cluster, worker_limits, workers_cluster, xds_cluster};
 use cold_start::{bootstrap_cluster, fail_open_cluster};
@@ -181,13 +181,15 @@ pub struct EnvoyOptions {
     pub admin: SocketAddr,
     /// Where Envoy reaches cachepick's ext_proc server: one address, [`picker_address`] of
     /// `config.listen`, by default; several are replicas of the picker, which Envoy round-robins per
-    /// request. Never empty in a useful bootstrap ([`render`] falls back to the default when it is).
-    pub pickers: Vec<SocketAddr>,
+    /// request; a DNS name (a Kubernetes Service) is resolved by Envoy, every address it answers being a
+    /// replica. Never empty in a useful bootstrap ([`render`] falls back to the default when it is).
+    pub pickers: Vec<PickerAddr>,
     /// Per-message ext_proc deadline (not used by [`BodyMode::Duplex`], where Envoy applies none).
     pub message_timeout: Duration,
-    /// How the configuration file was named on the command line, echoed in the header comment so the
-    /// file says how to regenerate it; `None` writes a placeholder.
-    pub source: Option<String>,
+    /// The command line that generated the file ([`command_line`]), echoed in the header comment so the
+    /// file says how to regenerate itself exactly; `None` writes a command from these options, with a
+    /// placeholder for the configuration file.
+    pub command: Option<String>,
     /// TLS from Envoy to the pickers (the ext_proc and EDS clusters), for a cachepick with `tls:`;
     /// `None` is plain text.
     pub picker_tls: Option<PickerTls>,
@@ -277,7 +279,7 @@ impl EnvoyOptions {
             mode: BodyMode::Buffered,
             listen: Self::DEFAULT_LISTEN,
             admin: Self::DEFAULT_ADMIN,
-            pickers: vec![picker_address(config.listen)],
+            pickers: vec![picker_address(config.listen).into()],
             // The picker's decision deadline is derived from the same value, so it ends first. A
             // prefill/decode pool's answer also waits for its prefill leg (`pd.prefill_timeout`).
             message_timeout: config.overload.message_timeout
@@ -288,7 +290,7 @@ impl EnvoyOptions {
                     .map(|pd| pd.prefill_timeout)
                     .max()
                     .unwrap_or_default(),
-            source: None,
+            command: None,
             picker_tls: None,
         }
     }
@@ -313,7 +315,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
     let defaulted;
     let options = if options.pickers.is_empty() {
         defaulted = EnvoyOptions {
-            pickers: vec![picker_address(config.listen)],
+            pickers: vec![picker_address(config.listen).into()],
             ..options.clone()
         };
         &defaulted
@@ -610,7 +612,7 @@ mod tests {
             ..EnvoyOptions::for_config(&config)
         };
         assert_eq!(render(&config, &none), one);
-        let pickers: Vec<SocketAddr> = ["127.0.0.1:9101", "127.0.0.1:9102", "[::1]:9103"]
+        let pickers: Vec<PickerAddr> = ["127.0.0.1:9101", "127.0.0.1:9102", "[::1]:9103"]
             .iter()
             .map(|addr| addr.parse().expect("addr"))
             .collect();
@@ -634,7 +636,7 @@ mod tests {
         }
         assert!(!picker_cluster.contains("port_value: 9002}"));
         assert!(
-            yaml.contains("--picker 127.0.0.1:9101 --picker 127.0.0.1:9102 --picker [::1]:9103")
+            yaml.contains("--picker 127.0.0.1:9101 --picker 127.0.0.1:9102 --picker '[::1]:9103'")
         );
     }
 

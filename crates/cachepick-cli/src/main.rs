@@ -81,10 +81,12 @@ enum Command {
         /// Envoy's admin interface.
         #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_ADMIN)]
         envoy_admin: SocketAddr,
-        /// A cachepick replica's ext_proc address; repeat for several replicas, which Envoy
-        /// round-robins per request (default: the configuration's `listen`, on loopback if unspecified).
-        #[arg(long = "picker", value_name = "IP:PORT")]
-        pickers: Vec<SocketAddr>,
+        /// A cachepick replica's ext_proc address, IP:PORT or NAME:PORT (a DNS name Envoy resolves,
+        /// such as a Kubernetes Service: every address it answers is a replica); repeat for several
+        /// replicas, which Envoy round-robins per request (default: the configuration's `listen`, on
+        /// loopback if unspecified).
+        #[arg(long = "picker", value_name = "IP:PORT|NAME:PORT")]
+        pickers: Vec<cachepick::envoy_config::PickerAddr>,
         /// The CA bundle Envoy verifies the picker's certificate with (required when the configuration
         /// has `tls:`); a path on Envoy's side.
         #[arg(long, value_name = "FILE")]
@@ -621,7 +623,15 @@ fn main() -> ExitCode {
                 picker_client_cert,
                 picker_client_key,
                 picker_sni,
-                source: args.config.display().to_string(),
+                // The header's "regenerate with" line: this very command, so following it reproduces
+                // the file byte for byte whatever flags it was given.
+                command: cachepick::envoy_config::command_line(
+                    std::iter::once("cachepick".to_owned()).chain(
+                        std::env::args_os()
+                            .skip(1)
+                            .map(|arg| arg.to_string_lossy().into_owned()),
+                    ),
+                ),
             };
             let options = match cachepick::envoy_config::EnvoyOptions::from_flags(&config, flags) {
                 Ok(options) => options,

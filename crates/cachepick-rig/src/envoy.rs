@@ -55,7 +55,7 @@ impl Envoy {
                     mode,
                     listen,
                     admin,
-                    pickers: pickers.to_vec(),
+                    pickers: pickers.iter().copied().map(Into::into).collect(),
                     ..EnvoyOptions::for_config(config)
                 },
             ))

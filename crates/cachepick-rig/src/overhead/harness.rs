@@ -262,7 +262,7 @@ impl Rig {
                     mode: cell.mode.unwrap_or(BodyMode::Buffered),
                     listen,
                     admin,
-                    pickers: vec![picker_at],
+                    pickers: vec![picker_at.into()],
                     ..EnvoyOptions::for_config(config)
                 };
                 let server = match cell.arm {

@@ -460,7 +460,7 @@ mod tests {
         let generated = render(
             &config,
             &EnvoyOptions {
-                pickers: vec![server],
+                pickers: vec![server.into()],
                 ..EnvoyOptions::for_config(&config)
             },
         );

@@ -391,7 +391,7 @@ async fn behind_envoy(
                 mode: BodyMode::Buffered,
                 listen,
                 admin,
-                pickers: vec![server],
+                pickers: vec![server.into()],
                 ..EnvoyOptions::for_config(&config)
             },
         );
