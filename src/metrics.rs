@@ -24,6 +24,7 @@ mod overload;
 mod pd;
 mod replica_sync;
 mod security;
+mod workers;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
 use gie::GiePoolGauges;
@@ -33,6 +34,7 @@ pub use overload::{OverloadMetrics, RefusedCommit};
 pub use pd::PdMetrics;
 use replica_sync::{ReplicaSyncCollector, ReplicaSyncCounters};
 use security::SecurityMetrics;
+use workers::WorkerDecisions;
 pub use security::{DebugListener, HttpRefusal};
 
 use crate::config::ReloadOutcome;
@@ -91,6 +93,8 @@ pub struct Metrics {
     pub scrapes: IntCounterVec,
     /// `cachepick_decisions_total{pool,reason}`.
     decisions: IntCounterVec,
+    /// `cachepick_worker_decisions_total{pool,worker,reason}`.
+    worker_decisions: WorkerDecisions,
     /// `cachepick_refusals_total{pool,reason}`.
     refusals: IntCounterVec,
     /// `cachepick_passthrough_total{pool}`.
@@ -329,6 +333,7 @@ impl Metrics {
                 ),
                 &["pool", "reason"],
             )?,
+            worker_decisions: WorkerDecisions::new()?,
             refusals: IntCounterVec::new(
                 Opts::new(
                     "cachepick_refusals_total",
@@ -422,6 +427,8 @@ impl Metrics {
         let registry = &metrics.registry;
         registry.register(Box::new(metrics.scrapes.clone()))?;
         registry.register(Box::new(metrics.decisions.clone()))?;
+        metrics.worker_decisions.register(registry)?;
+        workers::register_process(registry)?;
         registry.register(Box::new(metrics.refusals.clone()))?;
         registry.register(Box::new(metrics.passthrough.clone()))?;
         registry.register(Box::new(metrics.unknown_subset.clone()))?;
@@ -530,13 +537,15 @@ impl Metrics {
         self.unknown_subset.with_label_values(&[pool]).inc();
     }
 
-    /// One routed request: `cachepick_decisions_total{pool,reason}` += 1; `cachepick_prefix_match_ratio`
+    /// One routed request to `worker`: `cachepick_decisions_total{pool,reason}` and
+    /// `cachepick_worker_decisions_total{pool,worker,reason}` += 1; `cachepick_prefix_match_ratio`
     /// observes `matched / prompt` (0 for an empty prompt, clamped to [0, 1]);
     /// `cachepick_diverted_prefix_blocks` observes `diverted_blocks` only when `Some` (a real diversion
     /// off an owner).
     pub fn record_decision(
         &self,
         pool: &str,
+        worker: &str,
         reason: Reason,
         prompt_tokens: u64,
         matched_tokens: u64,
@@ -545,6 +554,7 @@ impl Metrics {
         self.decisions
             .with_label_values(&[pool, reason.as_str()])
             .inc();
+        self.worker_decisions.inc(pool, worker, reason);
         let ratio = if prompt_tokens == 0 {
             0.0
         } else {
@@ -617,6 +627,7 @@ impl ScrapeObserver for Metrics {
     }
 
     fn worker_left(&self, pool: &str, worker: &str) {
+        self.worker_decisions.forget(pool, worker);
         for outcome in ScrapeOutcome::ALL {
             let _ = self
                 .scrapes
@@ -872,11 +883,11 @@ mod tests {
     #[test]
     fn decisions_count_reasons_and_observe_match_and_diversion() {
         let metrics = Metrics::new().unwrap();
-        metrics.record_decision("p", Reason::CacheHit, 100, 50, None);
-        metrics.record_decision("p", Reason::CacheWorkerQueued, 100, 0, Some(3));
+        metrics.record_decision("p", "127.0.0.1:1", Reason::CacheHit, 100, 50, None);
+        metrics.record_decision("p", "127.0.0.1:1", Reason::CacheWorkerQueued, 100, 0, Some(3));
         // An empty prompt matches nothing; a match beyond the prompt is clamped to 1.
-        metrics.record_decision("p", Reason::CacheMiss, 0, 0, None);
-        metrics.record_decision("p", Reason::CacheHit, 10, 20, None);
+        metrics.record_decision("p", "127.0.0.1:1", Reason::CacheMiss, 0, 0, None);
+        metrics.record_decision("p", "127.0.0.1:1", Reason::CacheHit, 10, 20, None);
         let text = metrics.render();
 
         assert_line(
@@ -891,6 +902,25 @@ mod tests {
             &text,
             "cachepick_decisions_total{pool=\"p\",reason=\"cache_miss\"} 1",
         );
+        assert_line(
+            &text,
+            "cachepick_worker_decisions_total{pool=\"p\",reason=\"cache_hit\",worker=\"127.0.0.1:1\"} 2",
+        );
+        // A worker that leaves takes its series with it: the label set stays bounded by the fleet.
+        ScrapeObserver::worker_left(&metrics, "p", "127.0.0.1:1");
+        assert_no_series(&metrics.render(), "cachepick_worker_decisions_total{");
+        #[cfg(target_os = "linux")]
+        for name in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+        ] {
+            assert!(
+                text.lines().any(|line| line.starts_with(&format!("{name} "))),
+                "{name} is missing"
+            );
+        }
 
         for (le, count) in [
             ("0", 2),

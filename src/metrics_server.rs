@@ -247,7 +247,8 @@ async fn route(request: Request<Incoming>, shared: &Shared) -> Response<Full<Byt
         return response;
     }
     match (path, debug) {
-        ("/livez", _) => {
+        // `/healthz` is the name many load balancers probe by default; it means what `/livez` does.
+        ("/livez" | "/healthz", _) => {
             if method == Method::GET {
                 respond(StatusCode::OK, TEXT, Bytes::from_static(b"live\n"))
             } else {
@@ -537,6 +538,14 @@ mod tests {
         let addr = start_ready(None, HttpLimits::default(), readiness.clone()).await;
         let reply = call(addr, Method::GET, "/readyz", full(b"")).await;
         assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        // Alive while not ready: liveness under both its names.
+        for path in ["/livez", "/healthz"] {
+            assert_eq!(
+                call(addr, Method::GET, path, full(b"")).await.status,
+                StatusCode::OK,
+                "{path}"
+            );
+        }
         readiness.set(true);
         assert_eq!(
             call(addr, Method::GET, "/readyz", full(b"")).await.status,

@@ -304,6 +304,23 @@ fn the_rules_pass_promtool_check_and_their_unit_tests() {
     assert!(alerts.len() >= 5, "{alerts:?}");
     assert_eq!(firing, alerts, "alerts shown firing");
     assert_eq!(silent, alerts, "alerts shown silent");
+
+    // Every alert tells the person paged what it means and what to do first.
+    for group in load_rules()["groups"].as_sequence().expect("groups") {
+        for rule in group["rules"].as_sequence().expect("rules") {
+            let Some(alert) = rule["alert"].as_str() else {
+                continue;
+            };
+            for annotation in ["summary", "description", "runbook"] {
+                assert!(
+                    rule["annotations"][annotation]
+                        .as_str()
+                        .is_some_and(|text| text.len() > 20),
+                    "{alert} has no {annotation}"
+                );
+            }
+        }
+    }
 }
 
 #[test]

@@ -431,6 +431,7 @@ impl Service {
         if live && !passthrough {
             self.metrics.record_decision(
                 &prepared.pool_label,
+                &endpoints[0].to_string(),
                 Reason::CacheMiss,
                 prepared.prompt_tokens,
                 0,
@@ -515,6 +516,8 @@ impl Service {
             Commit::DryRun => None,
         };
         let mut endpoints = pinned.endpoints(decision);
+        // The decided worker (a PD pool's prefill worker), before the decode pick takes its place.
+        let selected = endpoints.first().copied();
         let pd = decode.map(|(route, decode)| {
             if commit.is_live() {
                 pinned.commit_decode(&route.decode);
@@ -535,6 +538,7 @@ impl Service {
                 .map(|tokens| tokens / u64::from(block_size));
             self.metrics.record_decision(
                 &prepared.pool_label,
+                &selected.map(|worker| worker.to_string()).unwrap_or_default(),
                 decision.reason,
                 prepared.prompt_tokens,
                 decision.matched_tokens,
