@@ -124,6 +124,8 @@ pub struct Metrics {
     discovery: Arc<DiscoveryGauges>,
     /// `cachepick_config_reloads_total{outcome}`.
     config_reloads: IntCounterVec,
+    /// `cachepick_config_keys_changed_total`.
+    config_keys_changed: IntCounter,
     /// The HTTP listener's bounds, refused debug calls, TLS (`security.rs`).
     security: SecurityMetrics,
     /// Shedding, admission and the answer-time histogram (`overload.rs`).
@@ -420,6 +422,10 @@ impl Metrics {
             replica_sync: Arc::new(ReplicaSyncCounters::new()?),
             discovery: Arc::new(DiscoveryGauges::new()?),
             config_reloads,
+            config_keys_changed: IntCounter::new(
+                "cachepick_config_keys_changed_total",
+                "Configuration keys changed by applied reloads (each reload's log line lists them, old → new).",
+            )?,
             security: SecurityMetrics::new()?,
             overload: OverloadMetrics::new()?,
             pd: PdMetrics::new()?,
@@ -449,6 +455,7 @@ impl Metrics {
         ))))?;
         registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
         registry.register(Box::new(metrics.config_reloads.clone()))?;
+        registry.register(Box::new(metrics.config_keys_changed.clone()))?;
         metrics.security.register(registry)?;
         metrics.overload.register(registry)?;
         metrics.pd.register(registry)?;
@@ -488,6 +495,11 @@ impl Metrics {
         self.config_reloads
             .with_label_values(&[outcome.as_str()])
             .inc();
+    }
+
+    /// An applied reload changed `keys` keys: `cachepick_config_keys_changed_total` += keys.
+    pub fn record_reload_changes(&self, keys: usize) {
+        self.config_keys_changed.inc_by(keys as u64);
     }
 
     /// Reports `cachepick_replica_sync_*` from `stats`, from now on.

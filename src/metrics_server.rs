@@ -42,6 +42,9 @@ pub type ExplainFuture =
 
 /// What the debug endpoints read; `app` adapts the request service to it.
 pub trait DebugSource: Send + Sync + 'static {
+    /// `GET /debug/config`: the running configuration as YAML, every key with its effective value
+    /// (defaults, flags and the last applied reload included), secrets redacted.
+    fn config_yaml(&self) -> Vec<u8>;
     /// `GET /debug/snapshot`: JSON of every pool's current load snapshot as cachepick sees it, and its
     /// admission state.
     fn snapshot_json(&self) -> Vec<u8>;
@@ -64,6 +67,7 @@ const ACCEPT_ERROR_LOG_INTERVAL: Duration = Duration::from_secs(1);
 
 const JSON: &str = "application/json";
 const TEXT: &str = "text/plain; charset=utf-8";
+const YAML: &str = "application/yaml";
 const EXPOSITION: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Who may use what on `metrics_listen`, and the listener's bounds.
@@ -275,6 +279,13 @@ async fn route(request: Request<Incoming>, shared: &Shared) -> Response<Full<Byt
                 not_allowed("GET")
             }
         }
+        ("/debug/config", Some(debug)) => {
+            if method == Method::GET {
+                respond(StatusCode::OK, YAML, debug.config_yaml().into())
+            } else {
+                not_allowed("GET")
+            }
+        }
         ("/debug/snapshot", Some(debug)) => {
             if method == Method::GET {
                 respond(StatusCode::OK, JSON, debug.snapshot_json().into())
@@ -412,6 +423,10 @@ mod tests {
     }
 
     impl DebugSource for Fake {
+        fn config_yaml(&self) -> Vec<u8> {
+            b"listen: 127.0.0.1:9002\n".to_vec()
+        }
+
         fn snapshot_json(&self) -> Vec<u8> {
             br#"{"pools":[{"pool":"m","workers":2}]}"#.to_vec()
         }
@@ -527,6 +542,11 @@ mod tests {
         let reply = call(addr, Method::GET, "/debug/snapshot", full(b"")).await;
         assert_eq!(reply.status, StatusCode::OK);
         assert_eq!(reply.json()["pools"][0]["pool"], "m");
+
+        let reply = call(addr, Method::GET, "/debug/config", full(b"")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.headers[header::CONTENT_TYPE], YAML);
+        assert_eq!(&reply.body[..], b"listen: 127.0.0.1:9002\n");
 
         let reply = call(addr, Method::GET, "/nowhere", full(b"")).await;
         assert_eq!(reply.status, StatusCode::NOT_FOUND);
@@ -647,6 +667,7 @@ mod tests {
         for (method, uri, allow) in [
             (Method::GET, "/debug/explain", "POST"),
             (Method::POST, "/debug/snapshot", "GET"),
+            (Method::POST, "/debug/config", "GET"),
             (Method::POST, "/metrics", "GET"),
         ] {
             let reply = call(addr, method.clone(), uri, full(b"")).await;
@@ -665,6 +686,7 @@ mod tests {
         let addr = start(None).await;
         for (method, uri) in [
             (Method::GET, "/debug/snapshot"),
+            (Method::GET, "/debug/config"),
             (Method::POST, "/debug/explain"),
             (Method::GET, "/debug/explain"),
         ] {

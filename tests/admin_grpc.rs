@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use cachepick::config::{self, Overrides};
 use cachepick::extproc::admin_api::admin_client::AdminClient;
 use cachepick::extproc::admin_api::{
-    Decision, ExplainRequest, ExplainResponse, SnapshotRequest, SnapshotResponse, explain_response,
+    ConfigRequest, Decision, ExplainRequest, ExplainResponse, SnapshotRequest, SnapshotResponse,
+    explain_response,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -47,8 +48,8 @@ async fn start() -> Picker {
          \x20   tokenizer: {{kind: bytes}}\n\
          \x20   workers:\n\
          \x20     - endpoint: {}\n\
-         \x20     - endpoint: {}\n",
-        workers[0], workers[1]
+         \x20     - {{endpoint: {}, metrics_url: \"http://scraper:s3cret@{}/metrics?key=k3y\"}}\n",
+        workers[0], workers[1], workers[1]
     );
     let config = config::parse(&yaml, "admin_grpc.yaml", &Overrides::default()).expect("valid");
     let running = cachepick_rig::stage::Picker::spawn(config);
@@ -174,6 +175,35 @@ async fn snapshot_lists_every_worker_with_why_it_is_not_fresh() {
         .await
         .expect_err("unknown pool");
     assert_refused(&missing, Code::NotFound, "other");
+    picker.stop().await;
+}
+
+/// `Config`: the configuration the picker runs, every key with its effective value, and the
+/// credentials and query string of a worker's metrics URL redacted.
+#[tokio::test]
+async fn config_shows_the_running_configuration_with_secrets_redacted() {
+    let mut picker = start().await;
+    let yaml = picker
+        .client
+        .config(ConfigRequest {})
+        .await
+        .expect("config")
+        .into_inner()
+        .yaml;
+    let config: serde_yaml::Value = serde_yaml::from_str(&yaml).expect("YAML");
+    let workers = &config["pools"][0]["workers"];
+    assert_eq!(
+        workers[1]["endpoint"].as_str(),
+        Some(picker.workers[1].to_string().as_str())
+    );
+    assert_eq!(
+        workers[1]["metrics_url"].as_str(),
+        Some(format!("http://REDACTED@{}/metrics?REDACTED", picker.workers[1]).as_str()),
+        "{yaml}"
+    );
+    // Defaults are shown too: a key the file never set.
+    assert_eq!(config["policy"]["min_match_tokens"].as_u64(), Some(1024), "{yaml}");
+    assert!(!yaml.contains("s3cret") && !yaml.contains("k3y"), "{yaml}");
     picker.stop().await;
 }
 

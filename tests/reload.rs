@@ -141,7 +141,18 @@ async fn a_reloaded_file_changes_workers_live_and_a_bad_one_changes_nothing() {
             workers(&metrics).contains(&(b2.clone(), "healthy".to_owned()))
         });
         assert_eq!(reloads(&metrics, "applied"), 1);
-        assert!(logged(&lines, &["configuration reloaded"]).contains("configuration reloaded"));
+        // The log names each changed key, old → new, and the count is exported.
+        let added = format!("pools[0].workers[1].endpoint: (unset) → {b2}");
+        let log = logged(&lines, &["configuration reloaded", &added]);
+        assert!(log.contains(&added), "{log}");
+        let keys_changed = http_get(&metrics, "/metrics")
+            .lines()
+            .find_map(|line| line.strip_prefix("cachepick_config_keys_changed_total "))
+            .map(|value| value.trim().parse::<u64>().unwrap());
+        assert!(keys_changed.is_some_and(|keys| keys >= 1), "{keys_changed:?}");
+        // The live configuration shows the reload.
+        let live = http_get(&metrics, "/debug/config");
+        assert!(live.contains("application/yaml") && live.contains(&b2), "{live}");
 
         // An invalid file: every problem with its line in the log, nothing changed.
         map.update(&format!(

@@ -142,6 +142,7 @@ pub async fn serve_prepared(
     // Every tokenizer and template was loaded up front: a bad file is a start-up error, not a 400 later.
     let picker = Picker::with_tokenizers(config, &loads, tokenizers);
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
+    service.set_effective_config(config);
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(sync) = &config.replica_sync {
         let bind_error = |source| AppError::Bind {
@@ -295,6 +296,10 @@ where
 struct Debug(Arc<Service>);
 
 impl DebugSource for Debug {
+    fn config_yaml(&self) -> Vec<u8> {
+        self.0.effective_config().as_bytes().to_vec()
+    }
+
     fn snapshot_json(&self) -> Vec<u8> {
         let snapshot = serde_json::json!({
             "pools": self.0.report(),

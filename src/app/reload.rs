@@ -131,7 +131,11 @@ pub(super) async fn watch(
                 let refused = restart_only_changes(&current, &next);
                 if refused.is_empty() {
                     apply(&next, &targets);
-                    tracing::info!(path = %reload.path.display(), trigger, "configuration reloaded");
+                    let changes = config::changed_keys(&current, &next);
+                    targets.metrics.record_reload_changes(changes.len());
+                    tracing::info!(path = %reload.path.display(), trigger, changed = changes.len(),
+                        "configuration reloaded{}", describe(&changes));
+                    targets.service.set_effective_config(&next);
                     current = next;
                     ReloadOutcome::Applied
                 } else {
@@ -248,6 +252,25 @@ fn look(path: &Path, known: Option<Stamp>) -> io::Result<Look> {
         cachepick_decode::file::CONFIG_FILE_LIMIT,
     )?;
     Ok(Look::Changed(stamp, text))
+}
+
+/// The most changed keys a reload's log line lists; the count says how many there were.
+const LOGGED_CHANGES: usize = 40;
+
+/// `: key old → new; …` for the log line, at most [`LOGGED_CHANGES`] keys; nothing when no key changed.
+fn describe(changes: &[config::KeyChange]) -> String {
+    if changes.is_empty() {
+        return ": no key changed".to_owned();
+    }
+    let mut text: Vec<String> = changes
+        .iter()
+        .take(LOGGED_CHANGES)
+        .map(|change| format!("{}: {} → {}", change.key, change.old, change.new))
+        .collect();
+    if changes.len() > LOGGED_CHANGES {
+        text.push(format!("and {} more", changes.len() - LOGGED_CHANGES));
+    }
+    format!(": {}", text.join("; "))
 }
 
 /// Sends each file pool its workers and every pool its policy.

@@ -13,6 +13,7 @@
 
 mod emit;
 mod overload;
+mod readback;
 #[cfg(test)]
 mod tests;
 mod types;
@@ -26,6 +27,7 @@ use std::path::Path;
 
 pub use cachepick_decode::{ConfigError, Origin, Problem};
 pub use overload::OverloadConfig;
+pub use readback::{KeyChange, REDACTED, changed_keys};
 pub use types::*;
 pub use types_pd::*;
 pub use types_security::*;

@@ -1,6 +1,6 @@
 //! `cachepick.v1.Admin` (`proto/cachepick/v1/admin.proto`): cachepick's own gRPC admin API, served on
 //! `listen` beside ext_proc, so an operator can ask a running picker with standard gRPC tools where a
-//! body would go (`Explain`) and what load it sees (`Snapshot`).
+//! body would go (`Explain`), what load it sees (`Snapshot`) and what configuration it runs (`Config`).
 //!
 //! The messages, server and client are generated at build time (`build.rs`: protox + tonic-prost-build,
 //! no `protoc`). This module only translates: a request becomes a call on [`Service`], a domain
@@ -127,6 +127,15 @@ impl Admin for AdminApi {
         Ok(Response::new(pb::SnapshotResponse {
             pools: pools.iter().map(pool_snapshot).collect(),
             admission: Some(admission(&self.service.admission_view())),
+        }))
+    }
+
+    async fn config(
+        &self,
+        _request: Request<pb::ConfigRequest>,
+    ) -> Result<Response<pb::ConfigResponse>, Status> {
+        Ok(Response::new(pb::ConfigResponse {
+            yaml: self.service.effective_config().as_str().to_owned(),
         }))
     }
 }

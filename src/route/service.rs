@@ -43,6 +43,9 @@ pub struct Service {
     pub(super) sources: Mutex<Vec<(String, Arc<SourceStatus>)>>,
     /// Decision slots, queue, deadline, explain's share and the body budget.
     admission: Admission,
+    /// The running configuration as `/debug/config` and the admin API show it (secrets redacted);
+    /// replaced whole by each applied reload.
+    effective_config: arc_swap::ArcSwap<String>,
 }
 
 impl Service {
@@ -78,6 +81,7 @@ impl Service {
             sampled: AtomicU64::new(0),
             sources: Mutex::new(Vec::new()),
             admission,
+            effective_config: arc_swap::ArcSwap::from_pointee(String::new()),
         });
         let weak = Arc::downgrade(&service);
         service.metrics.watch_index(Arc::new(move || {
@@ -96,6 +100,18 @@ impl Service {
 
     pub fn picker(&self) -> &Picker {
         &self.picker
+    }
+
+    /// Records `config` as the one running, for [`Service::effective_config`].
+    pub fn set_effective_config(&self, config: &crate::config::Config) {
+        self.effective_config
+            .store(Arc::new(config.to_redacted_yaml()));
+    }
+
+    /// The running configuration, every key with its effective value, secrets redacted; empty until
+    /// the app records one.
+    pub fn effective_config(&self) -> Arc<String> {
+        self.effective_config.load_full()
     }
 
     pub fn metrics(&self) -> &Metrics {
