@@ -34,8 +34,8 @@ pub use overload::{OverloadMetrics, RefusedCommit};
 pub use pd::PdMetrics;
 use replica_sync::{ReplicaSyncCollector, ReplicaSyncCounters};
 use security::SecurityMetrics;
-use workers::WorkerDecisions;
 pub use security::{DebugListener, HttpRefusal};
+use workers::WorkerDecisions;
 
 use crate::config::ReloadOutcome;
 use crate::discovery::SourceStatus;
@@ -896,7 +896,14 @@ mod tests {
     fn decisions_count_reasons_and_observe_match_and_diversion() {
         let metrics = Metrics::new().unwrap();
         metrics.record_decision("p", "127.0.0.1:1", Reason::CacheHit, 100, 50, None);
-        metrics.record_decision("p", "127.0.0.1:1", Reason::CacheWorkerQueued, 100, 0, Some(3));
+        metrics.record_decision(
+            "p",
+            "127.0.0.1:1",
+            Reason::CacheWorkerQueued,
+            100,
+            0,
+            Some(3),
+        );
         // An empty prompt matches nothing; a match beyond the prompt is clamped to 1.
         metrics.record_decision("p", "127.0.0.1:1", Reason::CacheMiss, 0, 0, None);
         metrics.record_decision("p", "127.0.0.1:1", Reason::CacheHit, 10, 20, None);
@@ -929,7 +936,8 @@ mod tests {
             "process_max_fds",
         ] {
             assert!(
-                text.lines().any(|line| line.starts_with(&format!("{name} "))),
+                text.lines()
+                    .any(|line| line.starts_with(&format!("{name} "))),
                 "{name} is missing"
             );
         }

@@ -318,6 +318,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     differs("overload", old.overload == new.overload);
     differs("unknown_subset", old.unknown_subset == new.unknown_subset);
     differs("replica_sync", old.replica_sync == new.replica_sync);
+    differs("tracing", old.tracing == new.tracing);
     if old.pools.len() != new.pools.len() {
         refused.push(format!(
             "pools: {} pools instead of {} (restart to add or remove a pool)",

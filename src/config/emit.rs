@@ -55,7 +55,17 @@ struct File<'c> {
     overload: Overload,
     feedback: Feedback,
     replica_sync: Option<ReplicaSync>,
+    tracing: Tracing<'c>,
     pools: Vec<Pool<'c>>,
+}
+
+/// `tracing`: the endpoint only when set (absent: off).
+#[serde_with::skip_serializing_none]
+#[derive(Serialize)]
+struct Tracing<'c> {
+    otlp_endpoint: Option<&'c str>,
+    sample_ratio: f64,
+    service_name: &'c str,
 }
 
 /// `replica_sync`, every key written.
@@ -476,6 +486,11 @@ impl<'c> From<&'c Config> for File<'c> {
             feedback: Feedback {
                 enabled: config.feedback.enabled,
                 wait: duration::format(config.feedback.wait),
+            },
+            tracing: Tracing {
+                otlp_endpoint: config.tracing.otlp_endpoint.as_deref(),
+                sample_ratio: config.tracing.sample_ratio,
+                service_name: &config.tracing.service_name,
             },
             replica_sync: config.replica_sync.as_ref().map(|sync| ReplicaSync {
                 listen: sync.listen,

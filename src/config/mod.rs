@@ -20,6 +20,7 @@ mod types;
 mod types_pd;
 mod types_security;
 mod types_sync;
+mod types_tracing;
 mod validate;
 
 use std::net::SocketAddr;
@@ -32,6 +33,7 @@ pub use types::*;
 pub use types_pd::*;
 pub use types_security::*;
 pub use types_sync::*;
+pub use types_tracing::*;
 
 /// Values given as command-line flags; each replaces the file's value and is validated like it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

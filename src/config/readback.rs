@@ -75,13 +75,16 @@ pub fn changed_keys(old: &Config, new: &Config) -> Vec<KeyChange> {
             })
         })
         .collect();
-    changes.extend(before.iter().filter_map(|(key, old)| {
-        value_of(&after, key).is_none().then(|| KeyChange {
-            key: key.clone(),
-            old: old.clone(),
-            new: unset(),
-        })
-    }));
+    changes.extend(
+        before
+            .iter()
+            .filter(|(key, _)| value_of(&after, key).is_none())
+            .map(|(key, old)| KeyChange {
+                key: key.clone(),
+                old: old.clone(),
+                new: unset(),
+            }),
+    );
     changes
 }
 
@@ -176,8 +179,12 @@ mod tests {
         // Everything else is the effective configuration as `check` prints it.
         assert!(yaml.contains("endpoint: 10.0.0.1:8000"), "{yaml}");
         assert!(yaml.contains("worker_queue_limit") || yaml.contains("policy:"));
-        assert_eq!(redact_url("http://10.0.0.1:8000/metrics"), "http://10.0.0.1:8000/metrics");
-        let mut secret = serde_yaml::from_str::<Value>("auth: {token: hunter2, token_file: /t}").unwrap();
+        assert_eq!(
+            redact_url("http://10.0.0.1:8000/metrics"),
+            "http://10.0.0.1:8000/metrics"
+        );
+        let mut secret =
+            serde_yaml::from_str::<Value>("auth: {token: hunter2, token_file: /t}").unwrap();
         redact(&mut secret, None);
         assert_eq!(secret["auth"]["token"], Value::from(REDACTED));
         assert_eq!(secret["auth"]["token_file"], Value::from("/t"));
@@ -186,13 +193,17 @@ mod tests {
     #[test]
     fn a_reload_names_each_changed_key_old_to_new() {
         let old = config(FLEET);
-        let new = config(&FLEET.replace(
-            "engine: vllm\n",
-            "engine: vllm\n    policy: {mode: cache_aware, worker_queue_limit: 9}\n",
-        ).replace("\n", "\n").replace(
-            "      - {endpoint: \"10.0.0.1:8000\"",
-            "      - {endpoint: \"10.0.0.2:8000\"}\n      - {endpoint: \"10.0.0.1:8000\"",
-        ));
+        let new = config(
+            &FLEET
+                .replace(
+                    "engine: vllm\n",
+                    "engine: vllm\n    policy: {mode: cache_aware, worker_queue_limit: 9}\n",
+                )
+                .replace(
+                    "      - {endpoint: \"10.0.0.1:8000\"",
+                    "      - {endpoint: \"10.0.0.2:8000\"}\n      - {endpoint: \"10.0.0.1:8000\"",
+                ),
+        );
         let changes = changed_keys(&old, &new);
         assert!(changes.iter().all(|change| change.old != change.new));
         let limit = changes
@@ -200,11 +211,20 @@ mod tests {
             .find(|change| change.key.ends_with("worker_queue_limit"))
             .unwrap_or_else(|| panic!("{changes:?}"));
         assert_eq!(limit.new, "9");
-        assert!(changes.iter().any(|change| change.key == "pools[0].workers[1].endpoint"
-            && change.old == "(unset)"
-            && change.new == "10.0.0.1:8000"), "{changes:?}");
+        assert!(
+            changes
+                .iter()
+                .any(|change| change.key == "pools[0].workers[1].endpoint"
+                    && change.old == "(unset)"
+                    && change.new == "10.0.0.1:8000"),
+            "{changes:?}"
+        );
         // Credentials stay out of the log too.
-        assert!(changes.iter().all(|change| !change.old.contains("s3cret") && !change.new.contains("s3cret")));
+        assert!(
+            changes
+                .iter()
+                .all(|change| !change.old.contains("s3cret") && !change.new.contains("s3cret"))
+        );
         assert_eq!(changed_keys(&old, &config(FLEET)), Vec::new());
     }
 }

@@ -7,6 +7,7 @@ mod overload;
 mod pd;
 mod replica_sync;
 mod security;
+mod tracing;
 
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
@@ -154,6 +155,7 @@ fn the_full_example_is_accepted_with_its_values() {
         unknown_subset: UnknownSubset::Refuse,
         feedback: FeedbackConfig::default(),
         replica_sync: None,
+        tracing: TracingConfig::default(),
         policy: gated(4, 2),
         load: LoadConfig {
             scrape_interval: Duration::from_secs(1),

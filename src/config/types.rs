@@ -46,6 +46,8 @@ pub struct Config {
     pub unknown_subset: UnknownSubset,
     /// `feedback:`: learning from what Envoy reports was served.
     pub feedback: FeedbackConfig,
+    /// `tracing:`: OpenTelemetry spans over OTLP.
+    pub tracing: super::TracingConfig,
     /// `replica_sync:`: dispatches shared with the other picker replicas; `None`: each replica prices
     /// only its own between readings.
     pub replica_sync: Option<super::ReplicaSyncConfig>,

@@ -40,6 +40,7 @@ mod pd;
 mod policy;
 mod security;
 mod sync;
+mod tracing;
 
 const ROOT_KEYS: &[&str] = &[
     "listen",
@@ -57,6 +58,7 @@ const ROOT_KEYS: &[&str] = &[
     "unknown_subset",
     "feedback",
     "replica_sync",
+    "tracing",
 ];
 const LOAD_KEYS: &[&str] = &[
     "scrape_interval",
@@ -279,6 +281,7 @@ impl Validator<'_> {
         listeners_apart?;
         let feedback = self.feedback(&root);
         let replica_sync = self.replica_sync(&root);
+        let tracing = self.tracing(&root);
         Ok(Config {
             listen: listen?.value,
             metrics_listen: metrics_listen?.value,
@@ -295,6 +298,7 @@ impl Validator<'_> {
             unknown_subset: unknown_subset?.map_or(UnknownSubset::default(), |given| given.value),
             feedback: feedback?,
             replica_sync: replica_sync?,
+            tracing: tracing?,
         })
     }
 

@@ -31,6 +31,8 @@ pub struct EnvoyFlags {
     pub picker_client_key: Option<PathBuf>,
     /// `--picker-sni`.
     pub picker_sni: Option<String>,
+    /// `--access-log`.
+    pub access_log: Option<PathBuf>,
     /// The command line as given ([`command_line`]), echoed in the bootstrap's header as the way to
     /// regenerate it.
     pub command: String,
@@ -155,6 +157,7 @@ impl EnvoyOptions {
             },
             command: Some(flags.command),
             picker_tls,
+            access_log: flags.access_log,
             ..defaults
         })
     }
@@ -183,6 +186,7 @@ mod tests {
             picker_client_cert: None,
             picker_client_key: None,
             picker_sni: None,
+            access_log: None,
             command: "cachepick envoy-config --config deploy/cachepick.yaml".to_owned(),
         }
     }

@@ -109,6 +109,9 @@ fn command_from_options(config: &Config, options: &EnvoyOptions) -> String {
             flag("--picker-sni", sni.clone());
         }
     }
+    if let Some(path) = &options.access_log {
+        flag("--access-log", path.display().to_string());
+    }
     command_line(args)
 }
 
@@ -224,6 +227,7 @@ pub(super) fn listener(out: &mut Yaml, config: &Config, options: &EnvoyOptions) 
         10,
         &format!("request_timeout: {}", duration(REQUEST_TIMEOUT)),
     );
+    super::access_log::access_log(out, options);
     route_config(out, config, options);
     http_filters(out, config, options);
 }

@@ -40,12 +40,14 @@ use std::time::Duration;
 
 use crate::config::{Config, Discovery, DnsDiscovery};
 
+mod access_log;
 mod clusters;
 mod cold_start;
 mod flags;
 mod listener;
 mod yaml;
 
+pub use access_log::ACCESS_LOG_FIELDS;
 pub use cold_start::{BOOTSTRAP_CLUSTER, ColdStart, FAIL_OPEN_CLUSTER};
 pub use flags::{EnvoyFlags, PickerAddr, command_line};
 
@@ -193,6 +195,9 @@ pub struct EnvoyOptions {
     /// TLS from Envoy to the pickers (the ext_proc and EDS clusters), for a cachepick with `tls:`;
     /// `None` is plain text.
     pub picker_tls: Option<PickerTls>,
+    /// Where Envoy writes a JSON access log line per request ([`ACCESS_LOG_FIELDS`]); `None`, the
+    /// default, writes none.
+    pub access_log: Option<PathBuf>,
 }
 
 /// How Envoy connects to a picker serving TLS: the CA that signed the picker's certificate, the name to
@@ -292,6 +297,7 @@ impl EnvoyOptions {
                     .unwrap_or_default(),
             command: None,
             picker_tls: None,
+            access_log: None,
         }
     }
 }

@@ -91,9 +91,14 @@ pub(super) fn routed(
     ending: Ending,
     delayed: bool,
     replaced: bool,
+    traceparent: Option<&str>,
 ) -> Vec<ProcessingResponse> {
-    let in_headers =
-        || lb::with_metadata(routed, headers_response(mutation(spoofed, routed, None)));
+    let in_headers = || {
+        lb::with_metadata(
+            routed,
+            headers_response(mutation(spoofed, routed, None, traceparent)),
+        )
+    };
     match (ending, delayed) {
         (Ending::Headers, _) => vec![in_headers()],
         (_, true) if replaced && !held.echoes => {
@@ -111,7 +116,7 @@ pub(super) fn routed(
                 routed,
                 response(processing_response::Response::RequestBody(BodyResponse {
                     response: Some(CommonResponse {
-                        header_mutation: Some(mutation(spoofed, routed, length)),
+                        header_mutation: Some(mutation(spoofed, routed, length, traceparent)),
                         body_mutation: replaced.then(|| BodyMutation {
                             mutation: Some(body_mutation::Mutation::Body(held.body.to_vec())),
                         }),
@@ -321,7 +326,13 @@ fn streamed_body(body: &[u8], ends: bool) -> Vec<ProcessingResponse> {
 /// client's other `x-cachepick-*` headers.
 /// A prefill/decode request also names its prefill worker, its decode reason and its prefill leg's
 /// outcome; a buffered body replaced for the upstream gets its new `content-length`.
-fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) -> HeaderMutation {
+/// `traceparent`, when given, replaces the request's own: the engine's spans continue cachepick's.
+fn mutation(
+    spoofed: &[String],
+    routed: &Routed,
+    content_length: Option<usize>,
+    traceparent: Option<&str>,
+) -> HeaderMutation {
     let selected = routed
         .endpoints
         .first()
@@ -358,6 +369,9 @@ fn mutation(spoofed: &[String], routed: &Routed, content_length: Option<usize>) 
     }
     if let Some(length) = content_length {
         set.push(("content-length", length.to_string()));
+    }
+    if let Some(traceparent) = traceparent {
+        set.push((super::trace::TRACEPARENT, traceparent.to_owned()));
     }
     let remove_headers = spoofed
         .iter()
@@ -424,19 +438,19 @@ mod tests {
 
     #[test]
     fn a_prediction_is_sent_in_milliseconds_and_its_absence_sends_nothing() {
-        let predicted = mutation(&[], &routed(Some(12_345)), None);
+        let predicted = mutation(&[], &routed(Some(12_345)), None, None);
         assert_eq!(
             value(&predicted, PREDICTED_TTFT_HEADER).as_deref(),
             Some("12.345")
         );
-        let sub_ms = mutation(&[], &routed(Some(7)), None);
+        let sub_ms = mutation(&[], &routed(Some(7)), None, None);
         assert_eq!(
             value(&sub_ms, PREDICTED_TTFT_HEADER).as_deref(),
             Some("0.007")
         );
         // A client's copy is removed, not kept, when cachepick made no prediction.
         let spoofed = [PREDICTED_TTFT_HEADER.to_owned()];
-        let none = mutation(&spoofed, &routed(None), None);
+        let none = mutation(&spoofed, &routed(None), None, None);
         assert_eq!(value(&none, PREDICTED_TTFT_HEADER), None);
         assert_eq!(none.remove_headers, spoofed);
     }

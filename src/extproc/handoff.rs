@@ -163,8 +163,12 @@ where
     F: FnOnce() -> Answer + Send + 'static,
 {
     let admitted = admission.admit(commit_by.into_std(), body).await?;
+    // The request's span follows the decision onto the blocking thread: its log lines and the
+    // pipeline's step spans belong to the request.
+    let span = tracing::Span::current();
     Ok(tokio::task::spawn_blocking(move || {
         let _admitted = admitted;
+        let _span = span.enter();
         decision()
     })
     .await)

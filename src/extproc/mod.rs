@@ -25,6 +25,7 @@ mod listener;
 mod process;
 mod relay;
 mod served;
+mod trace;
 mod transport;
 
 /// The generated `cachepick.v1` admin API (messages, server, client), for tests and Rust tools.

@@ -35,6 +35,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use super::answer::{self, Ending, Held, Sender};
 use super::handoff::{self, Decided, Pending};
@@ -43,6 +44,7 @@ use super::handoff::{FAULT_HEADER, Fault};
 use super::lb;
 use super::relay;
 use super::served::{self, Follow};
+use super::trace;
 use crate::metrics::StreamEnd;
 use crate::protocol::{DESTINATION, OWNED_PREFIX, PREFILLER_HEADER, RefusalReason};
 use crate::route::admission::BodyShare;
@@ -111,6 +113,8 @@ struct Exchange {
     /// `x-request-id` and `authorization`, which a prefill/decode request's prefill leg carries too.
     request_id: Option<String>,
     authorization: Option<Vec<u8>>,
+    /// The W3C `traceparent`, whose span the request's span continues.
+    traceparent: Option<Vec<u8>>,
     body: Vec<u8>,
     /// The whole body once the decision is owed: shared with the decision (a cheap clone), so the answer
     /// can still re-emit it in duplex mode when the decision is given up on.
@@ -175,6 +179,7 @@ impl Exchange {
             tenant: None,
             request_id: None,
             authorization: None,
+            traceparent: None,
             body: Vec::new(),
             whole: Bytes::new(),
             forwarding: false,
@@ -200,6 +205,8 @@ async fn drive(
     let mut exchange = Exchange::new(service.admission().budget().share());
     // An SGLang prefill leg in flight, aborted if its decode leg is never handed to Envoy.
     let mut dispatched = None;
+    // The request's span, made once its headers (its id, its trace context) are known.
+    let mut span = tracing::Span::none();
     loop {
         let left = stream_end.saturating_duration_since(Instant::now());
         let wait = MESSAGE_DEADLINE.min(left);
@@ -242,12 +249,19 @@ async fn drive(
             continue;
         };
         let step = match request {
-            processing_request::Request::RequestHeaders(headers) => on_headers(
-                service,
-                &mut exchange,
-                headers,
-                message.metadata_context.as_ref(),
-            ),
+            processing_request::Request::RequestHeaders(headers) => {
+                let step = on_headers(
+                    service,
+                    &mut exchange,
+                    headers,
+                    message.metadata_context.as_ref(),
+                );
+                span = trace::request_span(
+                    exchange.request_id.as_deref(),
+                    exchange.traceparent.as_deref(),
+                );
+                step
+            }
             processing_request::Request::RequestBody(body) => on_body(service, &mut exchange, body),
             processing_request::Request::RequestTrailers(_) => on_trailers(&exchange),
             // The response comes before the answer only out of order; answered so Envoy never waits.
@@ -275,7 +289,10 @@ async fn drive(
             }
             Step::Decide(ending) => {
                 let request = exchange.pending(ending);
-                match handoff::decide(service, request, &mut inbound, out, stream_end).await {
+                let decided = handoff::decide(service, request, &mut inbound, out, stream_end)
+                    .instrument(span.clone())
+                    .await;
+                match decided {
                     Decided::Route(mut routed) => {
                         // A prefill/decode request's prefill leg runs before Envoy is answered.
                         let source = relay::LegSource {
@@ -292,6 +309,7 @@ async fn drive(
                             &mut inbound,
                             stream_end,
                         )
+                        .instrument(span.clone())
                         .await
                         {
                             Ok(prefilled) => prefilled,
@@ -305,6 +323,7 @@ async fn drive(
                         let body = replaced.as_deref().unwrap_or(&exchange.whole);
                         let held = exchange.held(body, exchange.chunks);
                         let delayed = exchange.headers_pending;
+                        let traceparent = trace::traceparent_of(&span);
                         let responses = answer::routed(
                             &routed,
                             &exchange.spoofed,
@@ -312,6 +331,7 @@ async fn drive(
                             ending,
                             delayed,
                             replaced.is_some(),
+                            traceparent.as_deref(),
                         );
                         (responses, Answer::Route(routed))
                     }
@@ -336,6 +356,11 @@ async fn drive(
             None => true,
         };
         let seconds = received.elapsed().as_secs_f64();
+        trace::record(
+            &span,
+            &answer,
+            u64::try_from(received.elapsed().as_micros()).unwrap_or(u64::MAX),
+        );
         service.observe_latency(&answer, seconds);
         let outcome = match answer {
             Answer::Route(_) => "routed",
@@ -354,7 +379,9 @@ async fn drive(
             leg.release();
         }
         // A routed request's credit waits for the response's report; anything else ends here.
-        return served::follow(service, follow, &mut inbound, out, answer).await;
+        return served::follow(service, follow, &mut inbound, out, answer)
+            .instrument(span)
+            .await;
     }
 }
 
@@ -439,6 +466,8 @@ fn on_headers(
             exchange.request_id = Some(String::from_utf8_lossy(&header.raw_value).into_owned());
         } else if key == "authorization" {
             exchange.authorization = Some(header.raw_value.clone());
+        } else if key == trace::TRACEPARENT {
+            exchange.traceparent = Some(header.raw_value.clone());
         } else if service.salt_header() == Some(key.as_str()) {
             exchange.tenant = Some(String::from_utf8_lossy(&header.raw_value).into_owned());
         } else if (key.starts_with(OWNED_PREFIX) || key == DESTINATION || key == PREFILLER_HEADER)

@@ -31,6 +31,10 @@ mod settle;
 mod views;
 
 pub use crate::protocol::RefusalReason;
+
+/// The `tracing` target of the decision spans (`extproc`'s per-request span and the pipeline's steps
+/// here): what an OpenTelemetry layer exports, whatever `RUST_LOG` says of the rest.
+pub const TRACE_TARGET: &str = "cachepick::trace";
 pub use admission::{Admission, AdmissionView, CommitGate};
 pub use answer::{Answer, Commit, ExplainInput, Inbound, Refusal, Routed, Routing};
 pub use credit::{Credit, ServedReport, Settled};

@@ -248,7 +248,10 @@ impl Picker {
         tenant: Option<&str>,
         allowance: &Allowance,
     ) -> Result<Prepared, RequestError> {
-        let parsed = read.into_request()?;
+        let parsed = {
+            let _step = tracing::debug_span!(target: super::TRACE_TARGET, "parse").entered();
+            read.into_request()?
+        };
         let model = parsed.model.as_deref();
         let (pool_index, pool) = self.select_pool(model)?;
         let config = &pool.config;
@@ -261,6 +264,7 @@ impl Picker {
             }
             _ => None,
         };
+        let tokenizing = tracing::debug_span!(target: super::TRACE_TARGET, "tokenize").entered();
         let tokens: Cow<'_, [u32]> = match &parsed.prompt {
             _ if matches!(charge, Some(None)) => Cow::Owned(Vec::new()),
             Prompt::Chat { messages, tools } => {
@@ -280,6 +284,8 @@ impl Picker {
             )?),
             Prompt::Tokens(tokens) => Cow::Borrowed(tokens.as_slice()),
         };
+        drop(tokenizing);
+        let _matching = tracing::debug_span!(target: super::TRACE_TARGET, "match").entered();
         let seed = pool.index.seed(&ChainStart {
             model,
             pool: pool.load.label(),

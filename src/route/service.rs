@@ -205,8 +205,9 @@ impl Service {
             };
             return Routing::answered(answer);
         }
-        let outcome =
-            pinned.decide_in_turn(allowed.as_deref(), Instant::now(), live, &mut rand::rng());
+        let outcome = tracing::debug_span!(target: super::TRACE_TARGET, "policy").in_scope(|| {
+            pinned.decide_in_turn(allowed.as_deref(), Instant::now(), live, &mut rand::rng())
+        });
         let answer = match &outcome {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, decision, live),
             Outcome::Route(decision) => self.routed(&pinned, decision, commit),
@@ -447,7 +448,10 @@ impl Service {
         if live && !passthrough {
             self.metrics.record_decision(
                 &prepared.pool_label,
-                &endpoints[0].to_string(),
+                &endpoints
+                    .first()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
                 Reason::CacheMiss,
                 prepared.prompt_tokens,
                 0,
@@ -517,6 +521,7 @@ impl Service {
         let prefilled_remotely = decode
             .as_ref()
             .is_none_or(|(route, _)| route.local.is_none());
+        let committing = tracing::debug_span!(target: super::TRACE_TARGET, "commit").entered();
         let credit = match commit {
             Commit::Live(gate) => {
                 if let Err(refused) = gate.check() {
@@ -531,6 +536,7 @@ impl Service {
             }
             Commit::DryRun => None,
         };
+        drop(committing);
         let mut endpoints = pinned.endpoints(decision);
         // The decided worker (a PD pool's prefill worker), before the decode pick takes its place.
         let selected = endpoints.first().copied();
@@ -554,7 +560,9 @@ impl Service {
                 .map(|tokens| tokens / u64::from(block_size));
             self.metrics.record_decision(
                 &prepared.pool_label,
-                &selected.map(|worker| worker.to_string()).unwrap_or_default(),
+                &selected
+                    .map(|worker| worker.to_string())
+                    .unwrap_or_default(),
                 decision.reason,
                 prepared.prompt_tokens,
                 decision.matched_tokens,

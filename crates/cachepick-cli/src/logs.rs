@@ -4,7 +4,10 @@
 
 use std::io::IsTerminal;
 
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 /// How each log record is written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -48,16 +51,33 @@ pub fn filter(spec: Option<&str>) -> Result<EnvFilter, String> {
 }
 
 /// Installs the subscriber. Records go to stdout; colour only when stdout is a terminal and
-/// `NO_COLOR` is unset.
-pub fn init(format: LogFormat, filter: EnvFilter) {
+/// `NO_COLOR` is unset. A log line written during a request's decision carries the request's span
+/// (`cachepick.decision{request_id=...}`; in JSON, its `span`). With `tracer` (`tracing.otlp_endpoint`),
+/// the decision spans and their steps are also exported, whatever `filter` says of the log.
+pub fn init(
+    format: LogFormat,
+    filter: EnvFilter,
+    tracer: Option<opentelemetry_sdk::trace::Tracer>,
+) {
     let ansi = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
+    let log = match format {
+        LogFormat::Text => tracing_subscriber::fmt::layer().with_ansi(ansi).boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .flatten_event(true)
+            .boxed(),
+    };
+    let spans = tracer.map(|tracer| {
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_filter(
+                Targets::new().with_target(cachepick::route::TRACE_TARGET, tracing::Level::DEBUG),
+            )
+    });
+    tracing_subscriber::registry()
+        .with(log.with_filter(filter))
+        .with(spans)
+        .init();
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use cachepick::config::{self, Config, Overrides};
 
 mod logs;
+mod otlp;
 
 /// Exit status for a configuration that cannot be used.
 const EXIT_BAD_CONFIG: u8 = 2;
@@ -100,6 +101,11 @@ enum Command {
         /// The name Envoy sends as SNI and requires among the picker certificate's DNS names.
         #[arg(long, value_name = "NAME")]
         picker_sni: Option<String>,
+        /// Write a JSON access log line per request to this file, on Envoy's side (`/dev/stdout` for
+        /// the container's log): request id, decision, selected and actual worker, status, durations.
+        /// Off by default.
+        #[arg(long, value_name = "FILE")]
+        access_log: Option<PathBuf>,
     },
     /// One command to see cachepick work: a simulated fleet, the picker, and Envoy when installed,
     /// driven by a bursty shared-prefix workload; prints decision reasons, prefix-hit rate and TTFT.
@@ -550,8 +556,16 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            logs::init(args.log_format, filter);
-            run("cachepick", async {
+            let otlp = match otlp::Otlp::start(&config.tracing) {
+                Ok(otlp) => otlp,
+                Err(error) => {
+                    eprintln!("cachepick: {error}");
+                    return ExitCode::from(EXIT_BAD_CONFIG);
+                }
+            };
+            let (otlp, tracer) = otlp.unzip();
+            logs::init(args.log_format, filter, tracer);
+            let code = run("cachepick", async {
                 cachepick::app::serve_prepared(
                     &config,
                     prepared,
@@ -560,7 +574,12 @@ fn main() -> ExitCode {
                 )
                 .await?;
                 Ok(())
-            })
+            });
+            // The spans of the last requests go out before the process ends.
+            if let Some(otlp) = otlp {
+                otlp.shutdown();
+            }
+            code
         }),
         Command::Snapshot {
             config,
@@ -613,6 +632,7 @@ fn main() -> ExitCode {
             picker_client_cert,
             picker_client_key,
             picker_sni,
+            access_log,
         } => with_config(&args, |config| {
             let flags = cachepick::envoy_config::EnvoyFlags {
                 mode,
@@ -623,6 +643,7 @@ fn main() -> ExitCode {
                 picker_client_cert,
                 picker_client_key,
                 picker_sni,
+                access_log,
                 // The header's "regenerate with" line: this very command, so following it reproduces
                 // the file byte for byte whatever flags it was given.
                 command: cachepick::envoy_config::command_line(

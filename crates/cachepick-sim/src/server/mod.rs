@@ -574,8 +574,8 @@ async fn accept_loop(
     connections.shutdown().await;
 }
 
-/// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`, and llm-d's
-/// `x-prefiller-host-port`), renamed
+/// The routing headers the request arrived with (`x-gateway-*`, `x-cachepick-*`, llm-d's
+/// `x-prefiller-host-port`, and the `traceparent` and `x-request-id` an engine's tracing reads), renamed
 /// `x-sim-echo-<name>`: what a gateway in front told this worker, visible to the client and to tests.
 fn routing_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, HeaderValue)> {
     headers
@@ -585,6 +585,8 @@ fn routing_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, HeaderVa
             name.starts_with("x-gateway-")
                 || name.starts_with("x-cachepick-")
                 || name == "x-prefiller-host-port"
+                || name == "traceparent"
+                || name == "x-request-id"
         })
         .filter_map(|(name, value)| {
             let echoed = format!("x-sim-echo-{}", name.as_str());
