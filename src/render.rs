@@ -349,8 +349,12 @@ pub fn explanation(explanation: &Explanation) -> String {
             crate::route::local_handoff(local).as_str()
         );
     }
-    let trace = serde_json::to_string_pretty(trace).unwrap_or_default();
-    let _ = writeln!(out, "trace:   {trace}");
+    // The policy's trace in the same text form as the rest (YAML), never a JSON block in the text
+    // output: `--json` is for JSON.
+    let _ = writeln!(out, "trace:");
+    for line in serde_yaml::to_string(trace).unwrap_or_default().lines() {
+        let _ = writeln!(out, "  {line}");
+    }
     out
 }
 
@@ -402,6 +406,9 @@ mod tests {
             )),
             "{text}"
         );
+        // Text only: the trace reads as indented YAML, with no JSON object in it.
+        assert!(text.contains("\ntrace:\n  "), "{text}");
+        assert!(!text.contains('{') && !text.contains("\":"), "{text}");
     }
 
     #[test]

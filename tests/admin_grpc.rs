@@ -202,7 +202,11 @@ async fn config_shows_the_running_configuration_with_secrets_redacted() {
         "{yaml}"
     );
     // Defaults are shown too: a key the file never set.
-    assert_eq!(config["policy"]["min_match_tokens"].as_u64(), Some(1024), "{yaml}");
+    assert_eq!(
+        config["policy"]["min_match_tokens"].as_u64(),
+        Some(1024),
+        "{yaml}"
+    );
     assert!(!yaml.contains("s3cret") && !yaml.contains("k3y"), "{yaml}");
     picker.stop().await;
 }

@@ -102,6 +102,15 @@ fn check_accepts_the_example_and_prints_the_effective_config() {
         effective["pools"][0]["workers"][1]["metrics_url"],
         "http://10.0.0.12:8000/metrics"
     );
+    // It ends with where the debug endpoints are served and a one-line verdict, as YAML comments.
+    let text = stdout(&output);
+    let tail: Vec<&str> = text.lines().rev().take(2).collect();
+    assert!(tail[0].starts_with("# ok: valid ("), "{text}");
+    assert!(
+        tail[1].starts_with("# effective debug endpoints (")
+            && tail[1].contains("metrics_listen 127.0.0.1:9090 on"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -594,4 +603,60 @@ fn serve_stops_at_start_up_on_a_certificate_it_cannot_read() {
         "{}",
         stderr(&output)
     );
+}
+
+/// `snapshot --from URL`: a running picker's own view, from its metrics listener, with the local
+/// snapshot's exit statuses: 3 names the pool with no fresh worker; 1 when nothing answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_from_a_running_picker_shows_its_view_and_fails_when_a_pool_is_blind() {
+    let engine = FakeEngine::start(Mode::Body("text/plain", vllm_metrics(&[(0, 1, 2, 0.1)]))).await;
+    let config = write_config(&format!(
+        "load: {{scrape_interval: 200ms, scrape_timeout: 150ms, freshness: 1s}}\n\
+         pools:\n  - model: m\n    engine: vllm\n    workers: [{{endpoint: \"{}\"}}]\n\
+         \x20 - model: n\n    engine: vllm\n    workers: [{{endpoint: 127.0.0.1:1}}]\n",
+        engine.addr
+    ));
+    let engine_addr = engine.addr.to_string();
+    tokio::task::spawn_blocking(move || {
+        let (server, lines) = serve::spawn_logged(&mut serve::command(
+            config.path(),
+            &serve::ANY_PORTS,
+            "info",
+        ));
+        let metrics = serve::logged_field(&lines, "metrics_listen");
+        let url = format!("http://{metrics}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let output = loop {
+            let output = cachepick(&["snapshot", "--from", &url]);
+            if stdout(&output).contains("yes") || std::time::Instant::now() > deadline {
+                break output;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let text = stdout(&output);
+        assert_eq!(output.status.code(), Some(3), "{text}\n{}", stderr(&output));
+        assert!(text.contains("pool m") && text.contains("pool n"), "{text}");
+        let row = text
+            .lines()
+            .find(|line| line.contains(&engine_addr))
+            .unwrap_or_else(|| panic!("no row for {engine_addr}:\n{text}"));
+        assert!(row.contains(" yes "), "{row}");
+        assert!(stderr(&output).contains("pool(s) n"), "{}", stderr(&output));
+
+        let json = cachepick(&["snapshot", "--from", &url, "--json"]);
+        let parsed: serde_json::Value = serde_json::from_str(&stdout(&json)).expect("JSON only");
+        assert_eq!(
+            parsed["pools"].as_array().map(Vec::len),
+            Some(2),
+            "{parsed}"
+        );
+        drop(server);
+
+        let gone = cachepick(&["snapshot", "--from", &url]);
+        assert_eq!(gone.status.code(), Some(1), "{}", stderr(&gone));
+        let no_source = cachepick(&["snapshot"]);
+        assert_eq!(no_source.status.code(), Some(2), "{}", stderr(&no_source));
+    })
+    .await
+    .unwrap();
 }

@@ -882,10 +882,13 @@ fn the_cli_exits_2_on_a_bad_config_or_mode() {
         "streaming",
     ]);
     assert_eq!(output.status.code(), Some(2), "{output:?}");
-    assert!(
-        String::from_utf8_lossy(&output.stderr)
-            .contains("buffered, duplex, streamed or original-dst")
-    );
+    let every_mode = "[possible values: buffered, duplex, streamed, original-dst]";
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(every_mode), "{stderr}");
+    // --help lists every mode too, streamed included.
+    let help = cachepick(&["envoy-config", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains(every_mode), "{help}");
 }
 
 // ---------------------------------------------------------------------------------------------------

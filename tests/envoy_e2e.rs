@@ -1254,7 +1254,25 @@ fn demo_totals(stdout: &str) -> (u64, u64) {
 #[test]
 fn the_demo_runs_through_a_real_envoy_and_reports_envoys_counters() {
     let binary = envoy::binary();
-    let stdout = run_demo(&["--envoy", binary.to_str().expect("UTF-8 path")]);
+    // Fixed ports for what a person points a client at: they are the ones the demo uses and prints.
+    let (listener, metrics) = (envoy::free_port(), envoy::free_port());
+    let (listener, metrics) = (
+        format!("127.0.0.1:{listener}"),
+        format!("127.0.0.1:{metrics}"),
+    );
+    let stdout = run_demo(&[
+        "--envoy",
+        binary.to_str().expect("UTF-8 path"),
+        "--envoy-listen",
+        &listener,
+        "--metrics-listen",
+        &metrics,
+    ]);
+    assert!(
+        stdout.contains(&format!("envoy: listener http://{listener},"))
+            && stdout.contains(&format!("metrics on http://{metrics}/metrics")),
+        "{stdout}"
+    );
     let (requests, errors) = demo_totals(&stdout);
     assert!(requests > 50, "{stdout}");
     assert_eq!(errors, 0, "{stdout}");

@@ -149,10 +149,16 @@ async fn a_reloaded_file_changes_workers_live_and_a_bad_one_changes_nothing() {
             .lines()
             .find_map(|line| line.strip_prefix("cachepick_config_keys_changed_total "))
             .map(|value| value.trim().parse::<u64>().unwrap());
-        assert!(keys_changed.is_some_and(|keys| keys >= 1), "{keys_changed:?}");
+        assert!(
+            keys_changed.is_some_and(|keys| keys >= 1),
+            "{keys_changed:?}"
+        );
         // The live configuration shows the reload.
         let live = http_get(&metrics, "/debug/config");
-        assert!(live.contains("application/yaml") && live.contains(&b2), "{live}");
+        assert!(
+            live.contains("application/yaml") && live.contains(&b2),
+            "{live}"
+        );
 
         // An invalid file: every problem with its line in the log, nothing changed.
         map.update(&format!(

@@ -1338,6 +1338,8 @@ async fn cachepick_sim_serves_a_fleet_and_emits_a_valid_config() {
             .args(["sim", "--workers", "2", "--engine", "sglang"])
             .args(["--time-scale", "0.01", "--emit-config"])
             .arg(&emitted)
+            .args(["--picker-listen", "127.0.0.1:19702"])
+            .args(["--picker-metrics-listen", "0.0.0.0:19790"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -1421,6 +1423,16 @@ async fn cachepick_sim_serves_a_fleet_and_emits_a_valid_config() {
     for addr in &workers {
         assert!(text.contains(&addr.to_string()), "{addr} not in {text}");
     }
+    // The picker's listeners as the flags gave them, and the thresholds explained where they are set.
+    assert!(
+        text.contains("\nlisten: 127.0.0.1:19702\n")
+            && text.contains("\nmetrics_listen: 0.0.0.0:19790\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# The queue gate:") && text.contains("# The saturation floor:"),
+        "{text}"
+    );
     let check = tokio::task::spawn_blocking(move || {
         Command::new(cachepick_rig::cachepick_binary())
             .args(["check", "--config"])

@@ -11,6 +11,7 @@ use cachepick::config::{self, Config, Overrides};
 
 mod logs;
 mod otlp;
+mod remote;
 
 /// Exit status for a configuration that cannot be used.
 const EXIT_BAD_CONFIG: u8 = 2;
@@ -52,14 +53,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Scrape every worker and print what cachepick sees: each worker's reading, and fresh or why not.
+    /// Scrape every worker and print what cachepick sees: each worker's reading, and fresh or why not;
+    /// or, with --from, what a running picker sees now.
     ///
     /// Exit status: 0 when every pool has a worker with a fresh reading; 3 when some pool has none
     /// (all its workers down or unreadable: nothing of it would be routed); 2 for a bad configuration;
     /// 1 when the snapshot cannot be taken.
     Snapshot {
         #[command(flatten)]
-        config: ConfigArgs,
+        config: Option<ConfigArgs>,
+        /// Read a running picker's own snapshot from its metrics listener (`http://HOST:PORT`, its
+        /// `/debug/snapshot`) instead of scraping the workers; no --config needed.
+        #[arg(long, value_name = "URL", conflicts_with = "config")]
+        from: Option<String>,
         /// Scrape rounds to run, `load.scrape_interval` apart.
         #[arg(long, default_value_t = 1, value_name = "N")]
         rounds: u32,
@@ -73,8 +79,9 @@ enum Command {
     EnvoyConfig {
         #[command(flatten)]
         config: ConfigArgs,
-        /// How Envoy hands bodies to cachepick: buffered, duplex (FULL_DUPLEX_STREAMED) or original-dst.
-        #[arg(long, default_value_t = cachepick::envoy_config::BodyMode::Buffered)]
+        /// How Envoy hands bodies to cachepick: buffered (BUFFERED), duplex (FULL_DUPLEX_STREAMED),
+        /// streamed (STREAMED, without waiting for the headers' answer) or original-dst (the GIE form).
+        #[arg(long, default_value_t = cachepick::envoy_config::BodyMode::Buffered, value_parser = body_mode())]
         mode: cachepick::envoy_config::BodyMode,
         /// Envoy's HTTP listener, where clients send requests.
         #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_LISTEN)]
@@ -191,7 +198,7 @@ struct ChaosArgs {
     #[arg(long, value_name = "N", default_value_t = 50)]
     slowloris: usize,
     /// Envoy's ext_proc body mode, as `cachepick envoy-config --mode` writes it.
-    #[arg(long, default_value_t = cachepick::envoy_config::BodyMode::Buffered)]
+    #[arg(long, default_value_t = cachepick::envoy_config::BodyMode::Buffered, value_parser = body_mode())]
     mode: cachepick::envoy_config::BodyMode,
     /// No faults: steady traffic, the picker's RSS sampled every second; reports its growth after
     /// --warmup.
@@ -360,6 +367,18 @@ struct DemoArgs {
     /// Multiplies the length of every workload phase (0.2 gives a 3-second run).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     duration_scale: f64,
+    /// The picker's ext_proc address (default: a free loopback port).
+    #[arg(long, value_name = "IP:PORT")]
+    listen: Option<SocketAddr>,
+    /// The picker's metrics and debug address, e.g. 127.0.0.1:9090 (default: a free loopback port).
+    #[arg(long, value_name = "IP:PORT")]
+    metrics_listen: Option<SocketAddr>,
+    /// Envoy's listener, where a client sends requests, e.g. 127.0.0.1:10000 (default: a free port).
+    #[arg(long, value_name = "IP:PORT")]
+    envoy_listen: Option<SocketAddr>,
+    /// Envoy's admin interface (default: a free loopback port).
+    #[arg(long, value_name = "IP:PORT")]
+    envoy_admin: Option<SocketAddr>,
 }
 
 /// `cachepick sim`: a simulated fleet on loopback.
@@ -404,9 +423,16 @@ struct SimArgs {
     /// `prefill_workers`); the emitted configuration is then a PD pool.
     #[arg(long, value_name = "N")]
     prefill_workers: Option<u64>,
-    /// Write a cachepick configuration fronting the fleet to FILE.
+    /// Write a cachepick configuration fronting the fleet to FILE, its thresholds explained in
+    /// comments.
     #[arg(long, value_name = "FILE")]
     emit_config: Option<PathBuf>,
+    /// The picker's ext_proc address the emitted configuration names (its `listen`).
+    #[arg(long, value_name = "IP:PORT", default_value = cachepick_sim::fleet::EmitConfig::DEFAULT_LISTEN, requires = "emit_config")]
+    picker_listen: SocketAddr,
+    /// The picker's metrics address the emitted configuration names (its `metrics_listen`).
+    #[arg(long, value_name = "IP:PORT", default_value = cachepick_sim::fleet::EmitConfig::DEFAULT_METRICS_LISTEN, requires = "emit_config")]
+    picker_metrics_listen: SocketAddr,
     /// Address of the fleet control endpoint (kill and restart workers).
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     control: SocketAddr,
@@ -493,6 +519,15 @@ struct ConfigArgs {
     shutdown_grace: Option<std::time::Duration>,
 }
 
+/// `--mode`'s parser: every [`BodyMode`](cachepick::envoy_config::BodyMode), listed in `--help` and in
+/// the error for a value that is none of them.
+fn body_mode() -> impl clap::builder::TypedValueParser<Value = cachepick::envoy_config::BodyMode> {
+    use cachepick::envoy_config::BodyMode;
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(BodyMode::ALL.map(BodyMode::as_str))
+        .try_map(|mode| mode.parse::<BodyMode>())
+}
+
 fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     cachepick::config::parse_duration(text)
         .ok_or_else(|| format!("{text:?} is not a duration such as 500ms, 5s or 1m"))
@@ -545,6 +580,7 @@ fn main() -> ExitCode {
         // `check` runs every start-time check `serve` runs, with the same messages.
         Command::Check(args) => with_prepared(&args, |config, _| {
             print!("{}", config.to_yaml());
+            print!("{}", check_verdict(&config));
             ExitCode::SUCCESS
         }),
         Command::Serve(args) => with_prepared(&args.config, |config, prepared| {
@@ -582,9 +618,41 @@ fn main() -> ExitCode {
             code
         }),
         Command::Snapshot {
-            config,
+            from: Some(url),
+            json,
+            ..
+        } => match remote::fetch(&url) {
+            Ok(snapshot) => {
+                if json {
+                    println!("{snapshot:#}");
+                } else {
+                    print!("{}", remote::render(&snapshot));
+                }
+                let unserved = remote::unserved(&snapshot);
+                if unserved.is_empty() {
+                    ExitCode::SUCCESS
+                } else {
+                    eprintln!(
+                        "cachepick snapshot: no worker with a fresh reading in pool(s) {}",
+                        unserved.join(", ")
+                    );
+                    ExitCode::from(SNAPSHOT_UNSERVED)
+                }
+            }
+            Err(error) => {
+                eprintln!("cachepick snapshot: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Snapshot { config: None, .. } => {
+            eprintln!("cachepick snapshot: give --config FILE, or --from URL for a running picker");
+            ExitCode::from(EXIT_BAD_CONFIG)
+        }
+        Command::Snapshot {
+            config: Some(config),
             rounds,
             json,
+            from: None,
         } => with_config(&config, |config| {
             let mut unserved = Vec::new();
             let code = run("cachepick", async {
@@ -667,6 +735,27 @@ fn main() -> ExitCode {
     }
 }
 
+/// What `check` says after the effective configuration, as YAML comments: where the debug endpoints
+/// are served (the file may leave it to the listeners' addresses), and a one-line verdict.
+fn check_verdict(config: &Config) -> String {
+    let on_off = |on: bool| if on { "on" } else { "off" };
+    let workers: usize = config.pools.iter().map(|pool| pool.workers.len()).sum();
+    let given = match config.debug_endpoints {
+        Some(true) => "debug_endpoints: true",
+        Some(false) => "debug_endpoints: false",
+        None => "debug_endpoints unset: on where the listener is bound to loopback",
+    };
+    format!(
+        "# effective debug endpoints ({given}): listen {} {}, metrics_listen {} {}\n\
+         # ok: valid ({} pool(s), {workers} listed worker(s)); `cachepick serve` starts with it\n",
+        config.listen,
+        on_off(config.debug_on_listen()),
+        config.metrics_listen,
+        on_off(config.debug_on_metrics()),
+        config.pools.len(),
+    )
+}
+
 /// Loads the configuration `args` names and runs `command` with it; a configuration that cannot be
 /// used exits 2 with every problem listed.
 fn with_config(args: &ConfigArgs, command: impl FnOnce(Config) -> ExitCode) -> ExitCode {
@@ -718,14 +807,15 @@ async fn sim(config: cachepick_sim::SimConfig, args: &SimArgs) -> anyhow::Result
             .map(drop)
             .map_err(|error| error.to_string())
     };
-    cachepick_sim::fleet::run(
-        config,
-        args.emit_config.clone(),
-        validate,
-        args.control,
-        shutdown_signal(),
-    )
-    .await?;
+    let emit = args
+        .emit_config
+        .clone()
+        .map(|path| cachepick_sim::fleet::EmitConfig {
+            path,
+            listen: args.picker_listen,
+            metrics_listen: args.picker_metrics_listen,
+        });
+    cachepick_sim::fleet::run(config, emit, validate, args.control, shutdown_signal()).await?;
     Ok(())
 }
 
@@ -738,6 +828,12 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         hold: args.hold,
         seed: args.seed,
         duration_scale: args.duration_scale,
+        ports: cachepick_rig::demo::DemoPorts {
+            listen: args.listen,
+            metrics_listen: args.metrics_listen,
+            envoy_listen: args.envoy_listen,
+            envoy_admin: args.envoy_admin,
+        },
     };
     cachepick_rig::demo::run(options).await?;
     Ok(())

@@ -39,6 +39,18 @@ pub struct DemoOptions {
     pub seed: u64,
     /// Multiplies the length of every phase (rates are unchanged); 1 is the full 14 s workload.
     pub duration_scale: f64,
+    /// Fixed addresses for what a person points a client or a browser at (`--hold`): the picker's
+    /// ext_proc and metrics listeners, Envoy's listener and admin; fresh loopback ports where `None`.
+    pub ports: DemoPorts,
+}
+
+/// [`DemoOptions::ports`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DemoPorts {
+    pub listen: Option<std::net::SocketAddr>,
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    pub envoy_listen: Option<std::net::SocketAddr>,
+    pub envoy_admin: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +85,14 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
 
     let policy = policy_yaml(POLICY, &sim)
         .ok_or_else(|| StageError::Compose(format!("no policy named {POLICY}")))?;
-    let mut stage = Stage::start(&sim, |generated| apply_policy(generated, &policy)).await?;
+    let ports = options.ports;
+    let mut stage = Stage::start(&sim, |generated| {
+        let mut config = apply_policy(generated, &policy)?;
+        config.listen = ports.listen.unwrap_or(config.listen);
+        config.metrics_listen = ports.metrics_listen.unwrap_or(config.metrics_listen);
+        Ok(config)
+    })
+    .await?;
     let endpoints: Vec<String> = stage
         .fleet
         .endpoints()
@@ -93,7 +112,11 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     );
     if !options.no_envoy {
         match find_envoy(options.envoy.as_deref()) {
-            Some(path) => stage = stage.with_envoy(&path).await?,
+            Some(path) => {
+                stage = stage
+                    .with_envoy_at(&path, ports.envoy_listen, ports.envoy_admin)
+                    .await?;
+            }
             None => println!(
                 "envoy: not found (set CACHEPICK_ENVOY, or run `scripts/provision-envoy`); driving the \
                  picker directly over ext_proc, the same messages Envoy sends"

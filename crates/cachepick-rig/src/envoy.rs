@@ -72,8 +72,27 @@ impl Envoy {
         access_log: Option<&Path>,
         bootstrap: impl FnOnce(SocketAddr, SocketAddr) -> Result<String, String>,
     ) -> Result<Envoy, String> {
-        let listen = crate::free_port().map_err(|error| error.to_string())?;
-        let admin = crate::free_port().map_err(|error| error.to_string())?;
+        Envoy::start_rendered_at(path, access_log, None, None, bootstrap).await
+    }
+
+    /// [`start_rendered`](Self::start_rendered) with the listener at `listen` and the admin interface at
+    /// `admin` when given (`cachepick demo --envoy-listen`), fresh loopback ports otherwise.
+    pub async fn start_rendered_at(
+        path: &Path,
+        access_log: Option<&Path>,
+        listen: Option<SocketAddr>,
+        admin: Option<SocketAddr>,
+        bootstrap: impl FnOnce(SocketAddr, SocketAddr) -> Result<String, String>,
+    ) -> Result<Envoy, String> {
+        let free = || crate::free_port().map_err(|error| error.to_string());
+        let listen = match listen {
+            Some(listen) => listen,
+            None => free()?,
+        };
+        let admin = match admin {
+            Some(admin) => admin,
+            None => free()?,
+        };
         let mut yaml = bootstrap(listen, admin)?;
         if let Some(log) = access_log {
             yaml = with_access_log(&yaml, log)?;

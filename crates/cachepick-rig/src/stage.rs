@@ -236,17 +236,39 @@ impl Stage {
 
     /// Puts the Envoy at `path` in front, with the bootstrap `cachepick envoy-config` generates (buffered),
     /// its ext_proc cluster listing every picker replica.
-    pub async fn with_envoy(mut self, path: &Path) -> Result<Stage, StageError> {
-        let pickers: Vec<SocketAddr> = self
+    pub async fn with_envoy(self, path: &Path) -> Result<Stage, StageError> {
+        self.with_envoy_at(path, None, None).await
+    }
+
+    /// [`with_envoy`](Self::with_envoy), Envoy's listener and admin interface at the addresses given
+    /// (fresh loopback ports for those not).
+    pub async fn with_envoy_at(
+        mut self,
+        path: &Path,
+        listen: Option<SocketAddr>,
+        admin: Option<SocketAddr>,
+    ) -> Result<Stage, StageError> {
+        let pickers: Vec<cachepick::envoy_config::PickerAddr> = self
             .pickers()
-            .map(|picker| cachepick::envoy_config::picker_address(picker.listen()))
+            .map(|picker| cachepick::envoy_config::picker_address(picker.listen()).into())
             .collect();
-        let envoy = Envoy::start(path, self.picker.config(), &pickers)
-            .await
-            .map_err(|message| StageError::Envoy {
-                path: path.display().to_string(),
-                message,
-            })?;
+        let config = self.picker.config().clone();
+        let envoy = Envoy::start_rendered_at(path, None, listen, admin, |listen, admin| {
+            Ok(cachepick::envoy_config::render(
+                &config,
+                &cachepick::envoy_config::EnvoyOptions {
+                    listen,
+                    admin,
+                    pickers,
+                    ..cachepick::envoy_config::EnvoyOptions::for_config(&config)
+                },
+            ))
+        })
+        .await
+        .map_err(|message| StageError::Envoy {
+            path: path.display().to_string(),
+            message,
+        })?;
         self.envoy = Some(envoy);
         Ok(self)
     }
