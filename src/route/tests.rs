@@ -255,7 +255,12 @@ fn counted(service: &Service) -> Vec<String> {
         .metrics()
         .render()
         .lines()
-        .filter(|line| !line.starts_with('#') && !line.starts_with("cachepick_segment_cache_bytes"))
+        // The process's own CPU and memory move by themselves.
+        .filter(|line| {
+            !line.starts_with('#')
+                && !line.starts_with("cachepick_segment_cache_bytes")
+                && !line.starts_with("process_")
+        })
         .map(str::to_owned)
         .collect()
 }
