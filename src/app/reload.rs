@@ -18,7 +18,9 @@
 //! addresses, the pools themselves, their tokenizers, indexes and sources, the load settings) is
 //! refused whole, with a message naming each such change. Otherwise the file's workers go to their
 //! pools' scrapers (which drain, join and keep everything else, including the owner index), and the
-//! policies are swapped for the next decisions.
+//! policies are swapped for the next decisions: a `workers:` pool's list and every `policy:` (top
+//! level and per pool) are all a reload changes, and [`restart_only_changes`] refuses a change to
+//! anything else, so an applied reload never leaves a changed key unapplied.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -319,6 +321,11 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     differs("unknown_subset", old.unknown_subset == new.unknown_subset);
     differs("replica_sync", old.replica_sync == new.replica_sync);
     differs("tracing", old.tracing == new.tracing);
+    differs("feedback", old.feedback == new.feedback);
+    differs(
+        "cache_salt_header",
+        old.cache_salt_header == new.cache_salt_header,
+    );
     if old.pools.len() != new.pools.len() {
         refused.push(format!(
             "pools: {} pools instead of {} (restart to add or remove a pool)",
@@ -339,8 +346,10 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
 
 /// The fields of a pool that differ, among those only a restart applies.
 fn pool_changes(old: &PoolConfig, new: &PoolConfig) -> Vec<&'static str> {
-    let fields: [(&'static str, bool); 11] = [
+    let fields: [(&'static str, bool); 13] = [
         ("model", old.model == new.model),
+        ("max_model_len", old.max_model_len == new.max_model_len),
+        ("pd", old.pd == new.pd),
         ("engine", old.engine == new.engine),
         ("block_size", old.block_size == new.block_size),
         ("tokenizer", old.tokenizer == new.tokenizer),
@@ -409,4 +418,47 @@ async fn next_hangup(hangup: &mut Hangups) -> Option<()> {
     }
     let _ = hangup;
     std::future::pending().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Overrides;
+
+    const BASE: &str =
+        "pools:\n  - model: m\n    engine: vllm\n    workers: [{endpoint: \"10.0.0.1:8000\"}]\n";
+
+    fn config(text: &str) -> Config {
+        config::parse(text, "t.yaml", &Overrides::default()).expect("valid")
+    }
+
+    /// What a reload applies (workers, policies) is accepted; every other key is refused by name, so
+    /// an applied reload never reports a change it did not make.
+    #[test]
+    fn only_workers_and_policies_reload_and_every_other_change_is_named() {
+        let base = config(BASE);
+        let workers = config(&BASE.replace("}]", "}, {endpoint: \"10.0.0.2:8000\"}]"));
+        let policy = config(&format!("policy: {{max_fallbacks: 1}}\n{BASE}"));
+        assert_eq!(restart_only_changes(&base, &workers), Vec::<String>::new());
+        assert_eq!(restart_only_changes(&base, &policy), Vec::<String>::new());
+        for (head, named) in [
+            ("feedback: {enabled: false}\n", "feedback"),
+            ("cache_salt_header: x-tenant\n", "cache_salt_header"),
+            (
+                "tracing: {otlp_endpoint: \"http://otel:4317\"}\n",
+                "tracing",
+            ),
+        ] {
+            let changed = restart_only_changes(&base, &config(&format!("{head}{BASE}")));
+            assert!(
+                changed.iter().any(|line| line.starts_with(named)),
+                "{named}: {changed:?}"
+            );
+        }
+        let longer = config(&BASE.replace("engine: vllm", "engine: vllm\n    max_model_len: 4096"));
+        assert_eq!(
+            restart_only_changes(&base, &longer),
+            ["pools[0].max_model_len changed (restart to apply it)"]
+        );
+    }
 }
