@@ -317,3 +317,30 @@ fn every_key_the_reference_names_is_one_the_parser_accepts() {
         unknown.join("\n")
     );
 }
+
+/// Every trace and every fleet file a documented command replays is in the repository, so the
+/// commands run from a clone as written (from its root).
+#[test]
+fn every_file_a_documented_replay_reads_is_in_the_repository() {
+    let mut checked = 0;
+    for document in documents() {
+        let text = std::fs::read_to_string(&document).unwrap();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        for pair in words.windows(2) {
+            let [flag, value] = pair else { continue };
+            let replay_file = *flag == "--trace"
+                || (*flag == "--config" && value.starts_with("docs/bench/"));
+            if !replay_file || value.contains(['<', '{', '$']) {
+                continue;
+            }
+            let path = value.trim_end_matches(['`', ')', ',', ';']);
+            assert!(
+                root().join(path).is_file(),
+                "{} names {path}, which is not in the repository",
+                document.display()
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} replay files named in the docs");
+}
