@@ -328,8 +328,8 @@ fn every_file_a_documented_replay_reads_is_in_the_repository() {
         let words: Vec<&str> = text.split_whitespace().collect();
         for pair in words.windows(2) {
             let [flag, value] = pair else { continue };
-            let replay_file = *flag == "--trace"
-                || (*flag == "--config" && value.starts_with("docs/bench/"));
+            let replay_file =
+                *flag == "--trace" || (*flag == "--config" && value.starts_with("docs/bench/"));
             if !replay_file || value.contains(['<', '{', '$']) {
                 continue;
             }
@@ -342,5 +342,8 @@ fn every_file_a_documented_replay_reads_is_in_the_repository() {
             checked += 1;
         }
     }
-    assert!(checked >= 10, "only {checked} replay files named in the docs");
+    assert!(
+        checked >= 10,
+        "only {checked} replay files named in the docs"
+    );
 }
