@@ -12,9 +12,10 @@
 mod support {
     pub mod envoy;
     pub mod provision;
+    pub mod shell;
 }
 
-use support::envoy;
+use support::{envoy, shell};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -691,32 +692,6 @@ fn the_cli_prints_what_render_returns() {
     ));
 }
 
-/// The command under "regenerate with" in a generated file's header, without its `> FILE`.
-fn regenerate_command(text: &str) -> &str {
-    let line = text.lines().nth(1).expect("a header of more than one line");
-    line.trim_start_matches('#')
-        .trim()
-        .strip_suffix(" > FILE")
-        .unwrap_or_else(|| panic!("no `> FILE` on the regeneration line: {line}"))
-}
-
-/// Runs `command` in a POSIX shell in `dir`, with the `cachepick` under test first on the PATH.
-fn shell(command: &str, dir: &Path) -> std::process::Output {
-    let binary = cachepick_rig::cachepick_binary();
-    let bin_dir = binary.parent().expect("the binary's directory");
-    let path = std::env::join_paths(std::iter::once(bin_dir.to_path_buf()).chain(
-        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
-    ))
-    .expect("a PATH");
-    Command::new("sh")
-        .arg("-c")
-        .arg(command)
-        .current_dir(dir)
-        .env("PATH", path)
-        .output()
-        .expect("sh runs")
-}
-
 /// Following a file's "regenerate with" line gives the file back byte for byte: for the shipped files,
 /// and for a command with every kind of flag (cachepick's own `--listen` and policy overrides, a
 /// `--flag=value`, a path a shell must quote, a picker by name and one by IPv6 literal).
@@ -725,13 +700,8 @@ fn the_regenerate_line_reproduces_the_file_exactly() {
     for mode in BodyMode::ALL {
         let shipped = std::fs::read_to_string(root().join("envoy").join(mode.shipped_file()))
             .expect("the shipped file is readable");
-        let command = regenerate_command(&shipped);
-        let again = shell(command, root());
-        assert!(
-            again.status.success(),
-            "`{command}`: {}",
-            String::from_utf8_lossy(&again.stderr)
-        );
+        let command = shell::regenerate_command(&shipped);
+        let again = shell::run(command, root());
         assert!(
             String::from_utf8_lossy(&again.stdout) == shipped,
             "`{command}` does not give envoy/{} back",
@@ -765,17 +735,12 @@ fn the_regenerate_line_reproduces_the_file_exactly() {
         String::from_utf8_lossy(&output.stderr)
     );
     let first = String::from_utf8(output.stdout).unwrap();
-    let command = regenerate_command(&first);
+    let command = shell::regenerate_command(&first);
     assert!(
         command.contains(" --listen 0.0.0.0:19555 ") && command.contains("'[::1]:19556'"),
         "{command}"
     );
-    let again = shell(command, dir.path());
-    assert!(
-        again.status.success(),
-        "`{command}`: {}",
-        String::from_utf8_lossy(&again.stderr)
-    );
+    let again = shell::run(command, dir.path());
     assert_eq!(String::from_utf8_lossy(&again.stdout), first, "`{command}`");
 
     // The named picker makes both picker clusters resolve by DNS, and Envoy takes the result.

@@ -15,6 +15,7 @@
 mod support {
     pub mod envoy;
     pub mod provision;
+    pub mod shell;
 }
 
 use std::collections::BTreeSet;
@@ -23,7 +24,7 @@ use std::process::Command;
 
 use serde_yaml::Value;
 
-use support::{envoy, provision};
+use support::{envoy, provision, shell};
 
 /// The Kubernetes releases the manifests are validated for.
 const KUBERNETES: [&str; 2] = ["1.30.0", "1.34.0"];
@@ -232,12 +233,7 @@ fn the_envoy_bootstrap_is_what_its_command_generates_and_envoy_accepts_it() {
         .as_str()
         .expect("data.envoy.yaml")
         .to_owned();
-    let command = shipped
-        .lines()
-        .nth(1)
-        .and_then(|line| line.trim_start_matches('#').trim().strip_suffix(" > FILE"))
-        .expect("the regeneration command on the header's second line")
-        .to_owned();
+    let command = shell::regenerate_command(&shipped).to_owned();
     assert!(
         command.starts_with("cachepick envoy-config --config cachepick.yaml ")
             && command.contains("--picker cachepick-replicas.llm.svc.cluster.local:9002"),
@@ -246,25 +242,7 @@ fn the_envoy_bootstrap_is_what_its_command_generates_and_envoy_accepts_it() {
     // Run it as the header says, beside the picker's configuration saved as cachepick.yaml.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("cachepick.yaml"), picker_configuration()).unwrap();
-    let binary = cachepick_rig::cachepick_binary();
-    let path = std::env::join_paths(
-        std::iter::once(binary.parent().unwrap().to_path_buf()).chain(std::env::split_paths(
-            &std::env::var_os("PATH").unwrap_or_default(),
-        )),
-    )
-    .unwrap();
-    let output = Command::new("sh")
-        .arg("-c")
-        .arg(&command)
-        .current_dir(dir.path())
-        .env("PATH", path)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let output = shell::run(&command, dir.path());
     assert!(
         String::from_utf8_lossy(&output.stdout) == shipped,
         "deploy/kubernetes/envoy/configmap.yaml's bootstrap differs from `{command}`: regenerate it"
