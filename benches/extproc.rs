@@ -2,7 +2,8 @@
 //! (request headers with `protocol_config` BUFFERED, then the whole body → the answer), against a picker
 //! started through `app::run` in front of a simulated fleet of 16 vLLM workers, all in this process.
 //!
-//! Run: `cargo bench --bench extproc`. Every case is *warm*: the same body was decided before, so its
+//! Run: `cargo bench --bench extproc` (`CACHEPICK_BENCH_LOG=info` for `serve`'s log subscriber).
+//! Every case is *warm*: the same body was decided before, so its
 //! segments are cached and its blocks are in the owner index. Each measured decision commits, as a real
 //! one does. Per body, three ways of asking:
 //!
@@ -213,6 +214,15 @@ fn baseline(runtime: &Runtime, config: &Config) -> (Shutdown, Arc<Service>) {
 }
 
 fn bench_extproc(c: &mut Criterion) {
+    // `CACHEPICK_BENCH_LOG=info` installs `serve`'s default subscriber (text lines at `info`, written to
+    // a sink): the decision span each request opens is then live, as in production, and the run says
+    // what it costs against a run without.
+    if let Ok(level) = std::env::var("CACHEPICK_BENCH_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(level))
+            .with_writer(std::io::sink)
+            .init();
+    }
     let bench = Bench::start();
     let cases = [
         ("small_chat", small_chat()),

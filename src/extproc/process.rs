@@ -378,10 +378,10 @@ async fn drive(
         if let Some(leg) = dispatched.take() {
             leg.release();
         }
-        // A routed request's credit waits for the response's report; anything else ends here.
-        return served::follow(service, follow, &mut inbound, out, answer)
-            .instrument(span)
-            .await;
+        // A routed request's credit waits for the response's report; anything else ends here. The
+        // request's span lives until then but does not instrument the wait: instrumenting it made a
+        // small decision about 70 µs slower under `serve`'s log subscriber (BENCHMARKS.md, issue 27).
+        return served::follow(service, follow, &mut inbound, out, answer).await;
     }
 }
 
