@@ -7,19 +7,19 @@
 //! scraper stalls.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 mod discovery;
 mod families;
 mod gie;
 mod kv_events;
+mod load;
 mod overload;
 mod pd;
 mod replica_sync;
@@ -27,9 +27,9 @@ mod security;
 mod workers;
 
 use discovery::{DiscoveryCollector, DiscoveryGauges};
-use gie::GiePoolGauges;
 pub use kv_events::StreamSource;
 use kv_events::{KvEventCollector, KvEventGauges};
+use load::{LoadGauges, SharedCollector};
 pub use overload::{OverloadMetrics, RefusedCommit};
 pub use pd::PdMetrics;
 use replica_sync::{ReplicaSyncCollector, ReplicaSyncCounters};
@@ -39,7 +39,7 @@ use workers::WorkerDecisions;
 
 use crate::config::ReloadOutcome;
 use crate::discovery::SourceStatus;
-use crate::load::{Lifecycle, PoolLoad, ScrapeObserver, ScrapeOutcome};
+use crate::load::{PoolLoad, ScrapeObserver, ScrapeOutcome};
 use crate::policy::Reason;
 use crate::prefix::IndexStats;
 use crate::protocol::RefusalReason;
@@ -134,32 +134,6 @@ pub struct Metrics {
     pub pd: PdMetrics,
 }
 
-/// Gauges read off the current snapshots of every watched pool at collection time.
-#[derive(Debug)]
-struct LoadGauges {
-    /// `cachepick_worker_reading_age_seconds{pool,worker}`: age of the reading's oldest DP rank; absent
-    /// until a worker's first reading.
-    reading_age: GaugeVec,
-    /// `cachepick_worker_prefill_tokens_per_second{pool,worker}` and
-    /// `cachepick_worker_uncached_tokens_per_request{pool,worker}`: what the worker's counters taught
-    /// (`load::rate`); absent until learned.
-    prefill_rate: IntGaugeVec,
-    uncached_per_request: IntGaugeVec,
-    /// `cachepick_pool_dispatch_share{pool}`: requests reaching the pool per request this replica sends
-    /// it (`load::share`), the factor on the time unit's window of own dispatches.
-    dispatch_share: GaugeVec,
-    /// `cachepick_workers_fresh{pool}` / `cachepick_workers_stale{pool}`.
-    workers_fresh: IntGaugeVec,
-    workers_stale: IntGaugeVec,
-    /// `cachepick_workers{pool,state}`: workers in each lifecycle state.
-    workers: IntGaugeVec,
-    /// `cachepick_worker_info{pool,worker,role}` = 1: the role to join onto any per-worker series.
-    info: IntGaugeVec,
-    /// The Gateway API Inference Extension's `inference_pool_*{name}` gauges (`gie.rs`).
-    gie: GiePoolGauges,
-    pools: Mutex<Vec<Arc<PoolLoad>>>,
-}
-
 /// Gauges read off the owner indexes at collection time.
 struct IndexGauges {
     /// `cachepick_index_blocks{pool}` / `cachepick_index_entries{pool}`.
@@ -185,74 +159,7 @@ impl std::fmt::Debug for IndexGauges {
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
-        let load = Arc::new(LoadGauges {
-            reading_age: GaugeVec::new(
-                Opts::new(
-                    "cachepick_worker_reading_age_seconds",
-                    "Age of each worker's current load reading (its oldest DP rank).",
-                ),
-                &["pool", "worker"],
-            )?,
-            prefill_rate: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_worker_prefill_tokens_per_second",
-                    "Uncached prompt tokens each worker computes per second while requests wait, learned \
-                     from its engine's counters; the prefill-time gate's rate. Absent until learned.",
-                ),
-                &["pool", "worker"],
-            )?,
-            uncached_per_request: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_worker_uncached_tokens_per_request",
-                    "Uncached prompt tokens a request brings to each worker on average, learned from its \
-                     engine's counters: the price of one waiting request where the engine reports a count.",
-                ),
-                &["pool", "worker"],
-            )?,
-            dispatch_share: GaugeVec::new(
-                Opts::new(
-                    "cachepick_pool_dispatch_share",
-                    "Requests reaching the pool's workers (from their engines' counters) per request this \
-                     replica sends them: about 1 alone, about N among N replicas; the prefill-time gate \
-                     scales this replica's dispatches since each reading by it.",
-                ),
-                &["pool"],
-            )?,
-            workers_fresh: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_workers_fresh",
-                    "Workers of the pool whose reading is complete and younger than load.freshness.",
-                ),
-                &["pool"],
-            )?,
-            workers_stale: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_workers_stale",
-                    "Workers of the pool without a fresh reading: the queue gate admits them blind.",
-                ),
-                &["pool"],
-            )?,
-            workers: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_workers",
-                    "Workers of the pool by lifecycle state: new (joined, not yet answered a scrape), healthy, \
-                     unreachable (scrapes cannot connect: never an owner, used only when nothing else is \
-                     left), draining (left discovery: no new requests), restarted (engine restarted with an \
-                     empty cache).",
-                ),
-                &["pool", "state"],
-            )?,
-            info: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_worker_info",
-                    "1 for each worker of each pool, with its role (prefill, decode or both): join it onto \
-                     a per-worker series, e.g. `* on(pool, worker) group_left(role) cachepick_worker_info`.",
-                ),
-                &["pool", "worker", "role"],
-            )?,
-            gie: GiePoolGauges::new()?,
-            pools: Mutex::new(Vec::new()),
-        });
+        let load = Arc::new(LoadGauges::new()?);
         let index = Arc::new(IndexGauges {
             blocks: IntGaugeVec::new(
                 Opts::new(
@@ -648,86 +555,6 @@ impl ScrapeObserver for Metrics {
     }
 }
 
-impl LoadGauges {
-    /// Sets the gauges from the watched pools' current snapshots and collects them, holding the pool
-    /// list's lock throughout so that concurrent collections cannot interleave a reset with a read.
-    fn collect_at(&self, now: Instant) -> Vec<MetricFamily> {
-        let Ok(pools) = self.pools.lock() else {
-            return Vec::new();
-        };
-        self.reading_age.reset();
-        self.prefill_rate.reset();
-        self.uncached_per_request.reset();
-        self.info.reset();
-        self.gie.reset();
-        for pool in pools.iter() {
-            let snapshot = pool.snapshot();
-            self.gie.set(pool.label(), &snapshot, now);
-            let mut fresh = 0_i64;
-            for worker in snapshot.workers() {
-                let endpoint = worker.endpoint.to_string();
-                let labels = [pool.label(), endpoint.as_str()];
-                self.info
-                    .with_label_values(&[pool.label(), endpoint.as_str(), worker.role.as_str()])
-                    .set(1);
-                for (gauge, value) in [
-                    (&self.prefill_rate, worker.prefill.tokens_per_second),
-                    (
-                        &self.uncached_per_request,
-                        worker.prefill.uncached_per_request,
-                    ),
-                ] {
-                    if let Some(value) = value {
-                        gauge
-                            .with_label_values(&labels)
-                            .set(i64::try_from(value).unwrap_or(i64::MAX));
-                    }
-                }
-                let Some(reading) = &worker.reading else {
-                    continue;
-                };
-                let age = now.saturating_duration_since(reading.captured_at);
-                self.reading_age
-                    .with_label_values(&[pool.label(), endpoint.as_str()])
-                    .set(age.as_secs_f64());
-                if snapshot.is_fresh(reading, now) {
-                    fresh += 1;
-                }
-            }
-            self.dispatch_share
-                .with_label_values(&[pool.label()])
-                .set(pool.dispatches().share());
-            let total = i64::try_from(snapshot.workers().len()).unwrap_or(i64::MAX);
-            self.workers_fresh
-                .with_label_values(&[pool.label()])
-                .set(fresh);
-            self.workers_stale
-                .with_label_values(&[pool.label()])
-                .set(total.saturating_sub(fresh));
-            for state in Lifecycle::ALL {
-                let count = snapshot
-                    .workers()
-                    .iter()
-                    .filter(|worker| worker.lifecycle == state)
-                    .count();
-                self.workers
-                    .with_label_values(&[pool.label(), state.as_str()])
-                    .set(i64::try_from(count).unwrap_or(i64::MAX));
-            }
-        }
-        let mut families = self.reading_age.collect();
-        families.extend(self.prefill_rate.collect());
-        families.extend(self.uncached_per_request.collect());
-        families.extend(self.dispatch_share.collect());
-        families.extend(self.workers_fresh.collect());
-        families.extend(self.workers_stale.collect());
-        families.extend(self.workers.collect());
-        families.extend(self.info.collect());
-        families.extend(self.gie.collect());
-        families
-    }
-}
-
 impl IndexGauges {
     /// Sets the gauges from every source and collects them, under the sources' lock (see
     /// [`LoadGauges::collect_at`]).
@@ -761,29 +588,6 @@ impl IndexGauges {
         families.extend(self.entries.collect());
         families.extend(self.segment_bytes.collect());
         families
-    }
-}
-
-/// Registers the shared load gauges with the registry while `Metrics` keeps its handle to watch pools.
-#[derive(Debug)]
-struct SharedCollector(Arc<LoadGauges>);
-
-impl Collector for SharedCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        let gauges = &self.0;
-        let mut descs = gauges.reading_age.desc();
-        descs.extend(gauges.prefill_rate.desc());
-        descs.extend(gauges.uncached_per_request.desc());
-        descs.extend(gauges.dispatch_share.desc());
-        descs.extend(gauges.workers_fresh.desc());
-        descs.extend(gauges.workers_stale.desc());
-        descs.extend(gauges.workers.desc());
-        descs.extend(gauges.gie.desc());
-        descs
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        self.0.collect_at(Instant::now())
     }
 }
 

@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use crate::events::stream::StreamView;
-use crate::policy::{Outcome, RateSource};
+use crate::policy::Outcome;
 use crate::prefix::DepthSource;
 use crate::route::{AdmissionView, Explanation, PoolReport};
 use crate::worker::WorkerId;
@@ -180,6 +180,44 @@ fn row(cells: [&str; 11]) -> String {
     )
 }
 
+/// One worker as `explain` shows it: its state, whether its reading counts (and what the gate does
+/// when it does not), and the rates its engine taught, with where each came from.
+fn worker_line(worker: &crate::load::WorkerView) -> String {
+    let reading = match (&worker.why_not_fresh, worker.fresh) {
+        (_, true) => format!(
+            "reading fresh ({} waiting, {} running)",
+            cell(worker.waiting),
+            cell(worker.running)
+        ),
+        (Some(why), false) => format!("{why}: its queue is unknown, so its gate fails open"),
+        (None, false) => {
+            "no fresh reading: its queue is unknown, so its gate fails open".to_owned()
+        }
+    };
+    let prefill = &worker.prefill;
+    let rate = |value: Option<u64>| {
+        value.map_or_else(
+            || "not learned".to_owned(),
+            |rate| format!("{rate} tokens/s"),
+        )
+    };
+    let mut line = format!(
+        "{} {}, {reading}; prefill {} (its engine's prefill histograms), queue drain {} (its counters \
+         while requests waited)",
+        worker.endpoint,
+        worker.state,
+        rate(prefill.prefill_tokens_per_second),
+        rate(prefill.drain_tokens_per_second),
+    );
+    if let Some(us) = prefill.queue_wait_us {
+        let _ = write!(line, ", engine's mean queue wait {}", millis(us));
+    }
+    if let Some(block) = worker.engine_block {
+        let _ = write!(line, ", engine block {block} tokens");
+    }
+    line
+}
+
 fn cell(value: Option<u64>) -> String {
     value.map_or_else(|| "-".to_owned(), |value| value.to_string())
 }
@@ -283,26 +321,27 @@ pub fn explanation(explanation: &Explanation) -> String {
             );
         }
     }
+    for worker in &explanation.workers {
+        let _ = writeln!(out, "worker:  {}", worker_line(worker));
+    }
     let trace = explanation.outcome.trace();
     for predicted in &trace.predictions {
         let p = &predicted.prediction;
-        let source = match p.rate_source {
-            RateSource::Learned => "learned",
-            RateSource::Pool => "pool",
-            RateSource::Configured => "configured",
-        };
         let _ = writeln!(
             out,
-            "predict: {} cached {} tokens, {} uncached ahead ({} sent since its reading): queue {}, \
-             prefill {}, first token {} at {} tokens/s ({source})",
+            "predict: {} cached {} tokens, {} uncached ahead ({} sent since its reading): queue {} at \
+             {} tokens/s ({}), prefill {} at {} tokens/s ({}), first token {}",
             endpoint(predicted.worker),
             predicted.cached_tokens,
             p.ahead_tokens,
             p.dispatched_tokens,
             millis(p.queue_us),
+            p.queue_rate,
+            p.queue_rate_source.as_str(),
             millis(p.prefill_us),
-            millis(predicted.ttft_us),
             p.rate,
+            p.rate_source.as_str(),
+            millis(predicted.ttft_us),
         );
     }
     match &explanation.outcome {

@@ -88,6 +88,7 @@ pub(super) async fn watch(
             Some(()) = next_hangup(&mut hangup) => true,
         };
         // SIGHUP reads the file even when it looks unchanged.
+        let hung = file.blocked.is_some();
         let look = tokio::select! {
             () = &mut shutdown => return,
             look = file.read(if asked { None } else { seen }) => look,
@@ -101,10 +102,21 @@ pub(super) async fn watch(
             }
             // Mid-swap, or removed: the running configuration stands until a file is there again.
             Err(error) if !asked && error.kind() == io::ErrorKind::NotFound => continue,
+            // A poll that could not look in time (a starved machine, a hung file system) saw no
+            // change: nothing is reloaded or counted, and the next poll looks again. A read still
+            // hung at the next poll is worth one warning.
+            Err(error) if !asked && error.kind() == io::ErrorKind::TimedOut => {
+                let reason = error.to_string();
+                if hung && unreadable.as_ref() != Some(&reason) {
+                    tracing::warn!(path = %reload.path.display(), "the configuration file cannot be polled: {reason}; the running configuration stands");
+                }
+                unreadable = Some(reason);
+                continue;
+            }
             Err(error) => {
                 let reason = error.to_string();
                 if asked || unreadable.as_ref() != Some(&reason) {
-                    let trigger = if asked { "SIGHUP" } else { "file changed" };
+                    let trigger = if asked { "SIGHUP" } else { "poll" };
                     tracing::error!(path = %reload.path.display(), trigger, "cannot read the configuration file: {reason}; nothing changed");
                     targets.metrics.record_reload(ReloadOutcome::Invalid);
                 }

@@ -307,6 +307,7 @@ struct Pool<'c> {
     model: &'c str,
     engine: Engine,
     block_size: u32,
+    engine_block_size: Option<u32>,
     tokenizer: Tokenizer<'c>,
     chat_template: Option<Cow<'c, str>>,
     segment_cache_entries: usize,
@@ -517,6 +518,7 @@ impl<'c> Pool<'c> {
             },
             engine: pool.engine,
             block_size: pool.block_size.get(),
+            engine_block_size: pool.engine_block_size.map(NonZeroU32::get),
             tokenizer: match &pool.tokenizer {
                 TokenizerConfig::Tiktoken { encoding } => Tokenizer::Tiktoken {
                     encoding: encoding.as_str(),

@@ -171,6 +171,7 @@ fn the_full_example_is_accepted_with_its_values() {
                 model: ModelMatch::Exact("llama-3-8b".into()),
                 engine: Engine::Vllm,
                 block_size: NonZeroU32::new(64).unwrap(),
+                engine_block_size: None,
                 tokenizer: TokenizerConfig::Tiktoken {
                     encoding: TiktokenEncoding::O200kBase,
                 },
@@ -204,6 +205,7 @@ fn the_full_example_is_accepted_with_its_values() {
                 model: ModelMatch::Any,
                 engine: Engine::Sglang,
                 block_size: NonZeroU32::new(16).unwrap(),
+                engine_block_size: None,
                 tokenizer: TokenizerConfig::HuggingFace {
                     path: PathBuf::from("/models/qwen/tokenizer.json"),
                 },
@@ -703,10 +705,10 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "expected a duration such as 1s, 500ms or 1.5m (units: ms, s, m, h), got `3`"),
             ("negative duration", load("  freshness: -3s\n"), &NO_FLAGS,
              "load.freshness (line 2)", "expected a duration"),
-            ("timeout above interval", load("  scrape_interval: 1s\n  scrape_timeout: 1.5s\n"), &NO_FLAGS,
+            ("timeout not below freshness", load("  freshness: 3s\n  scrape_timeout: 3s\n"), &NO_FLAGS,
              "load.scrape_timeout (line 3)",
-             "scrape_timeout (1500ms) must be at most scrape_interval (1s): scrape rounds would overlap"),
-            ("freshness within interval", load("  scrape_interval: 2s\n  freshness: 2s\n"), &NO_FLAGS,
+             "scrape_timeout (3s) must be shorter than freshness (3s): an answer that late is stale when it arrives"),
+            ("freshness within interval", load("  scrape_interval: 2s\n  freshness: 2s\n  scrape_timeout: 1s\n"), &NO_FLAGS,
              "load.freshness (line 3)",
              "freshness (2s) must be longer than scrape_interval (2s): a healthy worker's reading would lapse \
               between scrapes and the gate would go blind"),
@@ -777,6 +779,12 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "pools[0].engine (line 3)", "expected one of: vllm, sglang; got `tgi`"),
             ("unknown role", pool("        role: both-ways\n"), &NO_FLAGS,
              "pools[0].workers[0].role (line 6)", "expected one of: prefill, decode, both; got `both-ways`"),
+            ("block_size not dividing the engine's", pool_with("block_size: 48\n    engine_block_size: 128"), &NO_FLAGS,
+             "pools[0].block_size (line 4)",
+             "block_size 48 does not divide engine_block_size 128: the engine reuses a cached prefix in whole \
+              blocks of 128 tokens; give a block_size that divides it (128, 64, 32, 16)"),
+            ("engine_block_size 0", pool_with("engine_block_size: 0"), &NO_FLAGS,
+             "pools[0].engine_block_size (line 4)", "must be at least 1"),
             ("block_size 0", pool_with("block_size: 0"), &NO_FLAGS,
              "pools[0].block_size (line 4)", "must be at least 1"),
             ("block_size beyond u32", pool_with("block_size: 4294967296"), &NO_FLAGS,
@@ -803,7 +811,7 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
              "pools[0].default_cache_blocks (line 4)", "expected a non-negative integer, got `1MiB`"),
             ("unknown pool key", pool_with("chat_templates: a.jinja"), &NO_FLAGS,
              "pools[0].chat_templates (line 4)",
-             "unknown key; expected one of: model, engine, block_size, tokenizer, chat_template, \
+             "unknown key; expected one of: model, engine, block_size, engine_block_size, tokenizer, chat_template, \
               segment_cache_entries, default_cache_blocks, max_model_len, policy, index, workers"),
             ("request body limit 0", format!("max_body_bytes: 0\n{POOL}"), &NO_FLAGS,
              "max_body_bytes (line 1)", "must be at least 1 byte"),
@@ -1732,4 +1740,21 @@ fn listen_and_metrics_listen_may_not_share_a_port() {
         let source = format!("listen: {listen}\nmetrics_listen: {metrics}\n{pool}");
         assert!(parse(&source, "test.yaml", &NO_FLAGS).is_ok(), "{source}");
     }
+}
+
+#[test]
+fn a_pool_block_that_divides_the_engine_s_is_taken_and_the_empty_topic_is_the_default() {
+    let text = POOL.replace(
+        "engine: vllm\n",
+        "engine: vllm\n    block_size: 16\n    engine_block_size: 128\n    index: {mode: events, topic: \"\"}\n",
+    );
+    let config = parse(&text, "t.yaml", &Overrides::default()).unwrap();
+    assert_eq!(
+        config.pools[0].engine_block_size.map(NonZeroU32::get),
+        Some(128)
+    );
+    assert_eq!(config.pools[0].index.topic, "");
+    // Written back as read, so `check`'s effective configuration reloads to the same.
+    let again = parse(&config.to_yaml(), "again.yaml", &Overrides::default()).unwrap();
+    assert_eq!(again.pools[0], config.pools[0]);
 }

@@ -513,7 +513,8 @@ impl DepthRatio {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadConfig {
     pub scrape_interval: Duration,
-    /// At most `scrape_interval`, so rounds never overlap.
+    /// How long one scrape may take; shorter than `freshness` (a later answer is stale on arrival).
+    /// It may outlast `scrape_interval`: a worker is never asked again while a scrape of it is out.
     pub scrape_timeout: Duration,
     /// Longer than `scrape_interval`, so a healthy worker's reading never lapses between two scrapes.
     pub freshness: Duration,
@@ -522,7 +523,8 @@ pub struct LoadConfig {
     pub max_body_bytes: NonZeroUsize,
     /// Scrape requests in flight at once per pool.
     pub max_concurrent_scrapes: NonZeroUsize,
-    /// Consecutive scrapes that cannot connect or time out before a worker is `unreachable`.
+    /// Consecutive scrapes that cannot connect, or time out with no other sign of the worker's life,
+    /// before it is `unreachable`.
     pub unreachable_after: NonZeroU32,
     /// How long a worker removed from discovery may keep serving what it was sent before it leaves,
     /// if it neither goes idle nor stops answering first.
@@ -566,7 +568,10 @@ impl Default for LoadConfig {
     fn default() -> Self {
         LoadConfig {
             scrape_interval: Duration::from_secs(1),
-            scrape_timeout: Duration::from_millis(500),
+            // A busy vLLM answers `/metrics` from the loop that tokenizes its requests: p90 0.46–0.61 s,
+            // max 4–8 s under a burst of 1.6k-token prompts (issue 45). Two seconds keeps most of
+            // those answers and leaves them a second of freshness.
+            scrape_timeout: Duration::from_secs(2),
             freshness: Duration::from_secs(3),
             max_body_bytes: NonZeroUsize::new(Self::DEFAULT_MAX_BODY_BYTES)
                 .unwrap_or(NonZeroUsize::MIN),
@@ -615,6 +620,10 @@ pub struct PoolConfig {
     pub engine: Engine,
     /// Tokens per prefix block.
     pub block_size: NonZeroU32,
+    /// The engine's own KV block, when the operator states it (vLLM's `--block-size`, 16 on GPUs and
+    /// 128 in the CPU build; SGLang's `--page-size`): `block_size` divides it. The engine reuses a
+    /// cached prefix in whole blocks of it; what a worker reports itself (`cache_config_info`) wins.
+    pub engine_block_size: Option<NonZeroU32>,
     pub tokenizer: TokenizerConfig,
     /// A Jinja chat template (a template file, or an HF `tokenizer_config.json` holding
     /// `chat_template`), rendered the way the engine renders it; without one, chats are rendered by

@@ -76,6 +76,7 @@ const POOL_KEYS: &[&str] = &[
     "model",
     "engine",
     "block_size",
+    "engine_block_size",
     "tokenizer",
     "chat_template",
     "segment_cache_entries",
@@ -121,6 +122,7 @@ struct PoolDraft {
     model: Res<Val<ModelMatch>>,
     engine: Res<Engine>,
     block_size: Res<NonZeroU32>,
+    engine_block_size: Res<Option<NonZeroU32>>,
     tokenizer: Res<TokenizerConfig>,
     chat_template: Res<Option<PathBuf>>,
     segment_cache_entries: Res<NonZeroUsize>,
@@ -175,6 +177,7 @@ impl PoolDraft {
             model: self.model?.value,
             engine: self.engine?,
             block_size: self.block_size?,
+            engine_block_size: self.engine_block_size?,
             tokenizer: self.tokenizer?,
             chat_template: self.chat_template?,
             segment_cache_entries: self.segment_cache_entries?,
@@ -307,14 +310,15 @@ impl Validator<'_> {
         let interval = self.positive_duration(map, "scrape_interval", defaults.scrape_interval);
         let timeout = self.positive_duration(map, "scrape_timeout", defaults.scrape_timeout);
         let freshness = self.positive_duration(map, "freshness", defaults.freshness);
-        let timeout_fits = match (&interval, &timeout) {
-            (Ok(interval), Ok(timeout)) if timeout.value > interval.value => {
+        let timeout_fits = match (&freshness, &timeout) {
+            (Ok(freshness), Ok(timeout)) if timeout.value >= freshness.value => {
                 let message = format!(
-                    "scrape_timeout ({}) must be at most scrape_interval ({}): scrape rounds would overlap",
+                    "scrape_timeout ({}) must be shorter than freshness ({}): an answer that late is stale \
+                     when it arrives",
                     duration::format(timeout.value),
-                    duration::format(interval.value),
+                    duration::format(freshness.value),
                 );
-                Err(self.report(Phase::Cross, blame(timeout, interval), message))
+                Err(self.report(Phase::Cross, blame(timeout, freshness), message))
             }
             _ => Ok(()),
         };
@@ -441,6 +445,7 @@ impl Validator<'_> {
             with_default(block_size, PoolConfig::DEFAULT_BLOCK_SIZE.into()),
             at_least_one_u32,
         );
+        let engine_block_size = self.engine_block_size(&map, &block_size);
         let tokenizer = decode_tokenizer(self, &map);
         let chat_template = decode_chat_template(self, &map);
         let segment_cache_entries = self.positive_count(
@@ -474,6 +479,7 @@ impl Validator<'_> {
             model,
             engine,
             block_size: block_size.map(|size| size.value),
+            engine_block_size,
             tokenizer,
             chat_template,
             segment_cache_entries,
@@ -482,6 +488,40 @@ impl Validator<'_> {
             policy,
             index,
         })
+    }
+
+    /// `engine_block_size`, which the pool's `block_size` must divide: a pool block that straddles two
+    /// engine blocks can never be reused whole, and one finer than the engine's would credit a worker
+    /// with a part of a block the engine recomputes.
+    fn engine_block_size(
+        &mut self,
+        map: &Map,
+        block_size: &Res<Val<NonZeroU32>>,
+    ) -> Res<Option<NonZeroU32>> {
+        let given = self.opt(map, "engine_block_size", Self::integer);
+        let Some(engine) = self.check_opt(given, at_least_one_u32)? else {
+            return Ok(None);
+        };
+        if let Ok(pool) = block_size
+            && engine.value.get() % pool.value.get() != 0
+        {
+            let divisors: Vec<String> = (1..=engine.value.get())
+                .rev()
+                .filter(|size| engine.value.get() % size == 0)
+                .take(4)
+                .map(|size| size.to_string())
+                .collect();
+            let message = format!(
+                "block_size {} does not divide engine_block_size {}: the engine reuses a cached \
+                 prefix in whole blocks of {} tokens; give a block_size that divides it ({})",
+                pool.value,
+                engine.value,
+                engine.value,
+                divisors.join(", ")
+            );
+            return Err(self.report(Phase::Value, pool.at.clone(), message));
+        }
+        Ok(Some(engine.value))
     }
 
     /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).

@@ -7,7 +7,7 @@ use super::EnvoyOptions;
 use super::yaml::{Yaml, one_line};
 
 /// Each field and the Envoy command operator that fills it, in the order written.
-pub const ACCESS_LOG_FIELDS: [(&str, &str); 14] = [
+pub const ACCESS_LOG_FIELDS: [(&str, &str); 15] = [
     ("start_time", "%START_TIME%"),
     ("request_id", "%REQ(X-REQUEST-ID)%"),
     ("method", "%REQ(:METHOD)%"),
@@ -17,6 +17,7 @@ pub const ACCESS_LOG_FIELDS: [(&str, &str); 14] = [
     ("details", "%RESPONSE_CODE_DETAILS%"),
     ("decision", "%REQ(X-CACHEPICK-DECISION)%"),
     ("selected_host", "%REQ(X-CACHEPICK-ENDPOINT)%"),
+    ("prefix_tokens", "%REQ(X-CACHEPICK-PREFIX-TOKENS)%"),
     ("upstream_host", "%UPSTREAM_HOST%"),
     ("attempts", "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
     ("duration_ms", "%DURATION%"),
@@ -36,9 +37,10 @@ pub(super) fn access_log(out: &mut Yaml, options: &EnvoyOptions) {
         10,
         &[
             "One JSON line per request (--access-log): x-request-id, which cachepick's decision log lines carry",
-            "too; the decision and the worker cachepick selected, as the request left Envoy; the worker that",
-            "answered (upstream_host: another one after a retry) and how many tries; the status, Envoy's flags",
-            "and details (UF, URX, ...); the whole request's time and the time to the response's first byte.",
+            "too; the decision, the worker cachepick selected and the prompt tokens it credited that worker",
+            "with, as the request left Envoy; the worker that answered (upstream_host: another one after a",
+            "retry) and how many tries; the status, Envoy's flags and details (UF, URX, ...); the whole",
+            "request's time and the time to the response's first byte.",
         ],
     );
     out.line(10, "access_log:");

@@ -17,9 +17,10 @@ pub struct Applier {
     /// pool's, exactly as a request to the pool is chained.
     model: String,
     stream: Arc<Stream>,
-    /// Where a restart the stream sees is reported, once the pool's scraper runs: the scraper marks
-    /// the worker `restarted` as it does for a restart seen in a scrape.
-    restarts: Option<(Arc<OnceLock<Arc<PoolLoad>>>, WorkerId)>,
+    /// Where a restart the stream sees is reported, once the pool's scraper runs (the scraper marks
+    /// the worker `restarted` as it does for a restart seen in a scrape), and every batch as a sign of
+    /// the worker's life (a scrape that times out meanwhile is late, not unanswered).
+    load: Option<(Arc<OnceLock<Arc<PoolLoad>>>, WorkerId)>,
 }
 
 impl Applier {
@@ -29,18 +30,20 @@ impl Applier {
             slot,
             model,
             stream,
-            restarts: None,
+            load: None,
         }
     }
 
-    /// Reports a restart of `worker` to the pool load `load` holds (when it holds one).
-    pub fn reporting_restarts(
-        mut self,
-        load: Arc<OnceLock<Arc<PoolLoad>>>,
-        worker: WorkerId,
-    ) -> Self {
-        self.restarts = Some((load, worker));
+    /// Reports a restart of `worker`, and each batch as a sign of its life, to the pool load `load`
+    /// holds (when it holds one).
+    pub fn reporting_to(mut self, load: Arc<OnceLock<Arc<PoolLoad>>>, worker: WorkerId) -> Self {
+        self.load = Some((load, worker));
         self
+    }
+
+    fn pool_load(&self) -> Option<(&PoolLoad, WorkerId)> {
+        let (load, worker) = self.load.as_ref()?;
+        Some((load.get()?, *worker))
     }
 
     pub fn stream(&self) -> &Arc<Stream> {
@@ -49,6 +52,9 @@ impl Applier {
 
     /// Applies every event of `batch`, in order.
     pub fn apply(&self, batch: &EventBatch) {
+        if let Some((load, worker)) = self.pool_load() {
+            load.heard_from(worker, std::time::Instant::now());
+        }
         let stream = &self.stream;
         stream.batches.fetch_add(1, Ordering::Relaxed);
         stream
@@ -114,10 +120,9 @@ impl Applier {
         self.index.clear(self.slot);
         self.stream.count_reset(reason);
         if reason == ResetReason::Restart
-            && let Some((load, worker)) = &self.restarts
-            && let Some(load) = load.get()
+            && let Some((load, worker)) = self.pool_load()
         {
-            load.report_restart(*worker);
+            load.report_restart(worker);
         }
     }
 }

@@ -186,7 +186,7 @@ impl PoolFeed {
                 self.pool.clone(),
                 Arc::clone(&stream),
             )
-            .reporting_restarts(Arc::clone(&self.load), id);
+            .reporting_to(Arc::clone(&self.load), id);
             let subscriber = Subscriber::new(applier, self.topic.clone(), self.grace);
             match &started {
                 Some(shutdown) => {

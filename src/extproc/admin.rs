@@ -257,6 +257,10 @@ fn worker_load(worker: &WorkerView) -> pb::WorkerLoad {
         state: worker.state.to_owned(),
         restarts: worker.restarts,
         id: worker.id,
+        engine_block: worker.engine_block,
+        prefill_tokens_per_second: worker.prefill.prefill_tokens_per_second,
+        drain_tokens_per_second: worker.prefill.drain_tokens_per_second,
+        engine_queue_wait_seconds: worker.prefill.queue_wait_us.map(|us| us as f64 / 1e6),
     }
 }
 
@@ -322,6 +326,7 @@ mod tests {
             decode: None,
             local_prefill: None,
             min_match_tokens: None,
+            workers: Vec::new(),
             tiers: Vec::new(),
             prepared: prepared(),
             block_size: 16,
@@ -389,6 +394,7 @@ mod tests {
             decode: None,
             local_prefill: None,
             min_match_tokens: None,
+            workers: Vec::new(),
             tiers: Vec::new(),
             prepared,
             block_size: 16,
@@ -431,6 +437,7 @@ mod tests {
                 age_seconds: Some(0.25),
                 scrapes: 40,
                 last_error: None,
+                engine_block: Some(16),
                 $($differs)*
             }
         };
@@ -447,6 +454,12 @@ mod tests {
                     role: "both",
                     state: "healthy",
                     last_outcome: Some(ScrapeOutcome::Ok),
+                    prefill: crate::load::PrefillEstimate {
+                        prefill_tokens_per_second: Some(5_000),
+                        drain_tokens_per_second: Some(900),
+                        queue_wait_us: Some(250_000),
+                        ..Default::default()
+                    },
                 }),
                 WorkerView {
                     endpoint: "10.0.0.2:8000".to_owned(),
@@ -467,6 +480,8 @@ mod tests {
                     scrapes: 3,
                     last_outcome: Some(ScrapeOutcome::ConnectError),
                     last_error: Some("connection refused".to_owned()),
+                    engine_block: None,
+                    prefill: Default::default(),
                 },
             ],
         };
@@ -480,6 +495,9 @@ mod tests {
                 role: "both".to_owned(),
                 state: "healthy".to_owned(),
                 last_outcome: Some("ok".to_owned()),
+                prefill_tokens_per_second: Some(5_000),
+                drain_tokens_per_second: Some(900),
+                engine_queue_wait_seconds: Some(0.25),
             })
         );
         let unread = &snapshot.workers[1];

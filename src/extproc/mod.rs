@@ -33,7 +33,7 @@ pub use admin::pb as admin_api;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use answer::MAX_STREAMED_CHUNK;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
@@ -111,7 +111,8 @@ async fn set_readiness(reporter: &HealthReporter, readiness: &Readiness, status:
 }
 
 /// Keeps readiness true to what the picker can do: NOT_SERVING until every pool has had a scrape round,
-/// then SERVING exactly while some worker's reading is fresh; NOT_SERVING for good once `draining`.
+/// then SERVING exactly while some worker answers (`Service::can_route`: a late reading is not a worker
+/// gone); NOT_SERVING for good once `draining`.
 async fn follow_readiness(
     reporter: HealthReporter,
     readiness: Readiness,
@@ -130,23 +131,20 @@ async fn follow_readiness(
             _ = draining.wait_for(|draining| *draining) => return,
         }
     }
-    // A reading goes stale `freshness` after it was taken: looking four times per freshness sees it
-    // within a quarter of that.
+    // Lifecycles change when scrapes end: looking four times per freshness follows them closely.
     let every = (freshness / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
     let mut ready = false;
     loop {
-        let fresh = service.has_fresh_reading(Instant::now());
-        if fresh != ready {
-            ready = fresh;
+        let can_route = service.can_route();
+        if can_route != ready {
+            ready = can_route;
             if ready {
                 set_readiness(&reporter, &readiness, ServingStatus::Serving).await;
-                tracing::info!(
-                    "ready: every pool has a scrape round and a worker's reading is fresh"
-                );
+                tracing::info!("ready: every pool has had a scrape round and a worker answers");
             } else {
                 set_readiness(&reporter, &readiness, ServingStatus::NotServing).await;
                 tracing::warn!(
-                    "not ready: no worker has a fresh reading; Envoy routes by its own load balancing"
+                    "not ready: no worker answers its scrapes; Envoy routes by its own load balancing"
                 );
             }
         }

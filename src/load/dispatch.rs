@@ -22,6 +22,12 @@ pub struct DispatchTable {
     /// The pool's arrivals per own dispatch (`share.rs`), as `f64` bits: how much of what reaches the
     /// workers between readings this replica cannot see; the window's uncached tokens are scaled by it.
     share: AtomicU64,
+    /// Per slot, the number of the pool's last off-owner placement (a request that brought the worker
+    /// a prefix it did not hold) that went to it; 0 for none. Among workers otherwise equal, the one
+    /// that took a new prefix least recently takes the next, so an idle fleet spreads new prefixes
+    /// instead of piling them on the lowest id (llm-d's no-hit LRU scorer is the precedent).
+    cold: Vec<AtomicU64>,
+    cold_placements: AtomicU64,
 }
 
 impl DispatchTable {
@@ -33,6 +39,8 @@ impl DispatchTable {
             peer_counts: zeros(),
             peer_tokens: zeros(),
             share: AtomicU64::new(1.0_f64.to_bits()),
+            cold: zeros(),
+            cold_placements: AtomicU64::new(0),
         }
     }
 
@@ -62,10 +70,22 @@ impl DispatchTable {
             &self.tokens,
             &self.peer_counts,
             &self.peer_tokens,
+            &self.cold,
         ] {
             if let Some(slot) = table.get(id.index()) {
                 slot.store(0, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// Records that an off-owner placement (a prefix new to it) went to `id`.
+    pub fn record_cold(&self, id: WorkerId) {
+        let number = self
+            .cold_placements
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        if let Some(slot) = self.cold.get(id.index()) {
+            slot.store(number, Ordering::Relaxed);
         }
     }
 
@@ -136,6 +156,12 @@ impl DispatchCounts for DispatchTable {
         let window = self.window(id);
         let seen = window.tokens.saturating_add(window.peer_tokens);
         (seen as f64 * self.share()).round() as u64
+    }
+
+    fn last_cold(&self, id: WorkerId) -> u64 {
+        self.cold
+            .get(id.index())
+            .map_or(0, |slot| slot.load(Ordering::Relaxed))
     }
 }
 

@@ -26,6 +26,9 @@ pub struct RankLoad {
     /// KV-cache capacity in tokens.
     pub max_total_tokens: Option<u64>,
     pub max_running: Option<u64>,
+    /// The engine's KV block (vLLM's `block_size`, SGLang's `page_size` in `cache_config_info`): it
+    /// reuses a cached prefix in whole blocks only.
+    pub block_size: Option<u64>,
 }
 
 /// The ranks one scrape reported, indexed by rank; `None` for a rank the response did not cover.
@@ -56,6 +59,22 @@ pub struct Progress {
     /// counts `prompt_tokens_total` when the prefill completes, so the difference is the prompt tokens
     /// of the prefills in progress.
     pub queried_tokens: Option<f64>,
+    /// The engine's own measure of its prefills, observed when each request finishes (vLLM ≥ 0.13):
+    /// the seconds from first scheduled to first token (`request_prefill_time_seconds`), summed and
+    /// counted, and the uncached tokens those prefills computed (`request_prefill_kv_computed_tokens`).
+    pub prefill: Histograms,
+    /// The time finished requests waited in the engine's queue (`request_queue_time_seconds`).
+    pub queue: Histograms,
+}
+
+/// A histogram pair's `_sum` and `_count` (and, for the prefill, the computed tokens' `_sum`), summed
+/// over every series; `None` where the engine has no such series.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Histograms {
+    pub seconds: Option<f64>,
+    pub requests: Option<f64>,
+    /// Prefill only: uncached tokens computed.
+    pub tokens: Option<f64>,
 }
 
 impl Progress {
@@ -138,6 +157,17 @@ struct Names {
     first_tokens: &'static str,
     /// Prompt tokens looked up in the prefix cache at scheduling, where the engine reports them.
     queried: Option<&'static str>,
+    /// The per-request prefill histograms' `_sum` and `_count`, and the computed tokens' `_sum`.
+    prefill: Option<HistogramNames>,
+    /// The per-request queue-time histogram's `_sum` and `_count`.
+    queue: Option<(&'static str, &'static str)>,
+}
+
+/// Where an engine reports its prefills per request.
+struct HistogramNames {
+    seconds: &'static str,
+    requests: &'static str,
+    tokens: &'static str,
 }
 
 const VLLM: Names = Names {
@@ -155,6 +185,15 @@ const VLLM: Names = Names {
     cached: "vllm:prefix_cache_hits_total",
     first_tokens: "vllm:time_to_first_token_seconds_count",
     queried: Some("vllm:prefix_cache_queries_total"),
+    prefill: Some(HistogramNames {
+        seconds: "vllm:request_prefill_time_seconds_sum",
+        requests: "vllm:request_prefill_time_seconds_count",
+        tokens: "vllm:request_prefill_kv_computed_tokens_sum",
+    }),
+    queue: Some((
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:request_queue_time_seconds_count",
+    )),
 };
 
 const SGLANG: Names = Names {
@@ -171,6 +210,13 @@ const SGLANG: Names = Names {
     cached: "sglang:cached_tokens_total",
     first_tokens: "sglang:time_to_first_token_seconds_count",
     queried: None,
+    // SGLang times its prefill per stage of a request (`per_stage_req_latency_seconds`), not per
+    // request from schedule to first token; its rate is learned from its queue's drain.
+    prefill: None,
+    queue: Some((
+        "sglang:queue_time_seconds_sum",
+        "sglang:queue_time_seconds_count",
+    )),
 };
 
 impl Names {
@@ -181,8 +227,38 @@ impl Names {
         }
     }
 
+    /// The `Progress` field a summed counter or histogram series goes to, if `name` is one.
+    fn summed<'p>(&self, name: &str, progress: &'p mut Progress) -> Option<&'p mut Option<f64>> {
+        if name == self.cached {
+            return Some(&mut progress.cached_tokens);
+        }
+        if name == self.first_tokens {
+            return Some(&mut progress.first_tokens);
+        }
+        if Some(name) == self.queried {
+            return Some(&mut progress.queried_tokens);
+        }
+        if let Some(prefill) = &self.prefill {
+            if name == prefill.seconds {
+                return Some(&mut progress.prefill.seconds);
+            }
+            if name == prefill.requests {
+                return Some(&mut progress.prefill.requests);
+            }
+            if name == prefill.tokens {
+                return Some(&mut progress.prefill.tokens);
+            }
+        }
+        match self.queue {
+            Some((seconds, _)) if name == seconds => Some(&mut progress.queue.seconds),
+            Some((_, requests)) if name == requests => Some(&mut progress.queue.requests),
+            _ => None,
+        }
+    }
+
     fn wants(&self, name: &str) -> bool {
-        name == self.waiting
+        self.summed(name, &mut Progress::default()).is_some()
+            || name == self.waiting
             || name == self.running
             || self.kv_usage.contains(&name)
             || Some(name) == self.used_tokens
@@ -190,9 +266,6 @@ impl Names {
             || Some(name) == self.max_running
             || name == self.cache_info
             || name == self.served
-            || name == self.cached
-            || name == self.first_tokens
-            || Some(name) == self.queried
             || name == START_TIME
     }
 }
@@ -219,6 +292,7 @@ struct Partial {
     kv_usage: Option<((usize, Replica), f64)>,
     max_total_tokens: Kept<u64>,
     cache_info_tokens: Kept<u64>,
+    block_size: Kept<u64>,
     max_running: Kept<u64>,
 }
 
@@ -231,17 +305,7 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
     let mut identity = Identity::default();
     let mut progress = Progress::default();
     for sample in samples.by_ref() {
-        if sample.name == names.cached
-            || sample.name == names.first_tokens
-            || Some(sample.name) == names.queried
-        {
-            let field = if sample.name == names.cached {
-                &mut progress.cached_tokens
-            } else if sample.name == names.first_tokens {
-                &mut progress.first_tokens
-            } else {
-                &mut progress.queried_tokens
-            };
+        if let Some(field) = names.summed(sample.name, &mut progress) {
             if sample.value.is_finite() && sample.value >= 0.0 {
                 *field = Some(field.unwrap_or(0.0) + sample.value);
             }
@@ -285,13 +349,18 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
         let name = sample.name;
         if name == names.cache_info {
             let (a, b) = names.cache_info_labels;
-            let product = sample
+            let block = sample
                 .label(a)
                 .and_then(|v| v.parse::<u64>().ok())
+                .filter(|block| *block > 0);
+            let product = block
                 .zip(sample.label(b).and_then(|v| v.parse::<u64>().ok()))
                 .map(|(a, b)| a.saturating_mul(b));
             if let Some(tokens) = product {
                 keep(&mut slot.cache_info_tokens, replica, tokens);
+            }
+            if let Some(block) = block {
+                keep(&mut slot.block_size, replica, block);
             }
             continue;
         }
@@ -359,6 +428,7 @@ fn complete_rank(partial: &Partial) -> Option<RankLoad> {
         kv_usage,
         max_total_tokens,
         max_running: value(partial.max_running),
+        block_size: value(partial.block_size),
     })
 }
 
@@ -421,6 +491,7 @@ pub fn from_loads_json(body: &[u8], dp_size: u32) -> Result<Report, ExtractError
                         .map(|usage| usage.clamp(0.0, 1.0)),
                     max_total_tokens: entry.max_total_num_tokens.and_then(count),
                     max_running: entry.max_running_requests.and_then(count),
+                    block_size: None,
                 });
             }
             _ => malformed += 1,
@@ -584,5 +655,46 @@ mod tests {
             from_loads_json(b"[]", 1),
             Err(ExtractError::MissingSeries { .. })
         ));
+    }
+
+    #[test]
+    fn vllm_0_32_s_prefill_and_queue_histograms_and_its_block_size_are_read() {
+        // As vLLM 0.32 (the CPU build) writes them; two DP ranks' series are summed.
+        let text = "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 0.0\n\
+                    vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 1.0\n\
+                    vllm:cache_config_info{block_size=\"128\",engine=\"0\",num_gpu_blocks=\"8192\"} 1.0\n\
+                    vllm:request_prefill_time_seconds_sum{engine=\"0\",model_name=\"tiny\"} 0.84\n\
+                    vllm:request_prefill_time_seconds_count{engine=\"0\",model_name=\"tiny\"} 2.0\n\
+                    vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"0.3\",model_name=\"tiny\"} 1.0\n\
+                    vllm:request_prefill_kv_computed_tokens_sum{engine=\"0\",model_name=\"tiny\"} 2270.0\n\
+                    vllm:request_prefill_kv_computed_tokens_sum{engine=\"1\",model_name=\"tiny\"} 30.0\n\
+                    vllm:request_queue_time_seconds_sum{engine=\"0\",model_name=\"tiny\"} 0.5\n\
+                    vllm:request_queue_time_seconds_count{engine=\"0\",model_name=\"tiny\"} 2.0\n";
+        let report = from_metrics(Engine::Vllm, text, 2).unwrap();
+        let progress = report.progress;
+        assert_eq!(
+            (
+                progress.prefill.seconds,
+                progress.prefill.requests,
+                progress.prefill.tokens
+            ),
+            (Some(0.84), Some(2.0), Some(2300.0))
+        );
+        assert_eq!(
+            (progress.queue.seconds, progress.queue.requests),
+            (Some(0.5), Some(2.0))
+        );
+        let rank = report.ranks[0].unwrap();
+        assert_eq!(
+            (rank.block_size, rank.max_total_tokens),
+            (Some(128), Some(1_048_576))
+        );
+        // An engine without them (SGLang's metrics name no per-request prefill time).
+        let sglang = from_metrics(
+            Engine::Sglang,
+            "sglang:num_queue_reqs 0\nsglang:num_running_reqs 0\n",
+            1,
+        );
+        assert_eq!(sglang.unwrap().progress.prefill, Histograms::default());
     }
 }

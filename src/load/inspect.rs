@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::snapshot::{PoolSnapshot, ScrapeOutcome, WorkerState};
+use super::snapshot::{Lifecycle, PoolSnapshot, PrefillEstimate, ScrapeOutcome, WorkerState};
 
 /// One worker's reading as an operator reads it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -13,7 +13,7 @@ pub struct WorkerView {
     /// The worker's slot: the id decisions and `explain` name it by.
     pub id: u32,
     pub role: &'static str,
-    /// Its lifecycle state: new, healthy, unreachable, draining or restarted.
+    /// Its lifecycle state: new, healthy, late, unreachable, draining or restarted.
     pub state: &'static str,
     /// Engine restarts seen since it joined.
     pub restarts: u64,
@@ -32,6 +32,12 @@ pub struct WorkerView {
     pub scrapes: u64,
     pub last_outcome: Option<ScrapeOutcome>,
     pub last_error: Option<String>,
+    /// The engine's KV block (its `cache_config_info`, else the pool's `engine_block_size`): a match
+    /// counts in whole blocks of it.
+    pub engine_block: Option<u64>,
+    /// What its engine taught: the prefill rate (its prefill histograms), the queue's drain rate,
+    /// uncached tokens per request and the engine's own mean queue wait.
+    pub prefill: PrefillEstimate,
 }
 
 /// A pool's snapshot as an operator reads it.
@@ -76,13 +82,18 @@ fn worker_view(snapshot: &PoolSnapshot, worker: &WorkerState, now: Instant) -> W
                 .unwrap_or("not every rank has reported")
         )),
         (Some(_), Some(age)) => Some(format!(
-            "reading {} old, freshness is {}{}",
+            "reading {} old, freshness is {}{}{}",
             seconds(age),
             seconds(snapshot.freshness),
             last_error
                 .as_deref()
                 .map(|error| format!("; last scrape: {error}"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            if worker.lifecycle == Lifecycle::Late {
+                "; late, not gone: still an owner, and its gate fails open until it answers"
+            } else {
+                ""
+            }
         )),
         (Some(_), None) => None,
     };
@@ -110,6 +121,8 @@ fn worker_view(snapshot: &PoolSnapshot, worker: &WorkerState, now: Instant) -> W
         scrapes: worker.scrape.attempts,
         last_outcome: worker.scrape.last_outcome,
         last_error,
+        engine_block: worker.capacity.engine_block,
+        prefill: worker.prefill,
     }
 }
 

@@ -3,7 +3,9 @@
 //! the scraper reports to ([`ScrapeObserver`] for metrics, [`RosterObserver`] for the request path).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use prometheus::IntCounter;
@@ -53,6 +55,11 @@ pub struct PoolLoad {
     restart_reports: Mutex<Option<mpsc::UnboundedReceiver<WorkerId>>>,
     /// `replica_sync`: where each dispatch is announced to the other replicas, once set at start-up.
     sync: OnceLock<Arc<dyn Announce>>,
+    /// Per slot, when the worker last showed it is alive other than by answering a scrape (a KV event
+    /// batch, a response it served), in milliseconds after `epoch` plus one; 0 for never. A scrape
+    /// that times out on a worker heard from meanwhile is late, not a sign the worker is gone.
+    heard: Box<[AtomicU64]>,
+    epoch: Instant,
 }
 
 impl PoolLoad {
@@ -76,7 +83,7 @@ impl PoolLoad {
                 let id = WorkerId(u32::try_from(index).unwrap_or(u32::MAX));
                 let mut state = WorkerState::new(id, worker.endpoint, worker.role);
                 state.ranks = worker.dp_size.get();
-                state.capacity = configured_capacity(worker);
+                state.capacity = configured_capacity(worker, pool.engine_block_size);
                 state
             })
             .collect();
@@ -92,7 +99,42 @@ impl PoolLoad {
             restart_reports: Mutex::new(Some(restart_reports)),
             sync: OnceLock::new(),
             disaggregated: pool.pd.is_some(),
+            heard: (0..pool.max_workers.get().max(pool.workers.len()))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            // The scrape loop's clock (tokio's), which stamps when scrapes were sent.
+            epoch: tokio::time::Instant::now().into_std(),
         })
+    }
+
+    /// The worker in slot `id` showed it is alive at `at`: its engine published a KV event batch, or it
+    /// served a response. Read when one of its scrapes times out.
+    pub fn heard_from(&self, id: WorkerId, at: Instant) {
+        let since = at.saturating_duration_since(self.epoch);
+        let stamp = u64::try_from(since.as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        if let Some(heard) = self.heard.get(id.index()) {
+            heard.fetch_max(stamp, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the worker in slot `id` was heard from at or after `at`.
+    pub(super) fn heard_since(&self, id: WorkerId, at: Instant) -> bool {
+        let Some(heard) = self.heard.get(id.index()) else {
+            return false;
+        };
+        let stamp = heard.load(Ordering::Relaxed);
+        let at =
+            u64::try_from(at.saturating_duration_since(self.epoch).as_millis()).unwrap_or(u64::MAX);
+        stamp > 0 && stamp > at
+    }
+
+    /// Forgets what was heard from slot `id`: a new occupant, or a new run of the engine.
+    pub(super) fn forget_heard(&self, id: WorkerId) {
+        if let Some(heard) = self.heard.get(id.index()) {
+            heard.store(0, Ordering::Relaxed);
+        }
     }
 
     /// Whether Envoy must know `role`'s workers: those that take requests, which in a prefill/decode
@@ -181,8 +223,13 @@ fn pool_label(model: &ModelMatch) -> &str {
 }
 
 /// Capacities given in configuration, which override the engine's.
-pub(super) fn configured_capacity(worker: &WorkerConfig) -> Capacity {
+/// `engine_block` is the pool's `engine_block_size`.
+pub(super) fn configured_capacity(
+    worker: &WorkerConfig,
+    engine_block: Option<std::num::NonZeroU32>,
+) -> Capacity {
     Capacity {
+        engine_block: engine_block.map(|size| u64::from(size.get())),
         max_running: worker.max_running_requests.map(|max| max.get()),
         max_total_tokens: worker.max_total_tokens.map(|max| max.get()),
     }

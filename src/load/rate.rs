@@ -1,38 +1,47 @@
-//! How fast each worker prefills, learned from the counters its engine already exports.
+//! How fast each worker prefills, and how fast its queue drains, learned from what its engine exports.
 //!
-//! A time-unit gate needs two numbers per worker that no engine reports as gauges: the prompt tokens
-//! it computes per second while it has work queued, and how many uncached tokens a request brings on
-//! average (vLLM reports its queue as a count only). Both follow from cumulative counters every
-//! replica scrapes alike — prompt tokens, prefix-cache hits and first tokens ([`Progress`]) — so every
-//! replica learns the same estimate without talking to the others.
+//! A time-unit gate prices each worker's queue and the request's own prefill. Two different speeds
+//! set them, and the real engine showed they can be far apart: a vLLM with its sequence slots busy
+//! decoding drains its queue at a few hundred tokens a second while each prefill runs at thousands.
 //!
-//! - **Rate.** Between two readings that both show requests waiting, the engine was prefilling the
-//!   whole time (a queue never waits on an idle GPU), so the uncached tokens it completed over the
-//!   interval are its sustained prefill rate, decode interference included — the rate at which the
-//!   queue ahead of a new request drains. Intervals with an empty queue at either end say nothing
-//!   about the rate and are skipped, so an idle spell keeps what was learned. (A prefill under way at
-//!   both readings does not qualify: the GPU may have idled between two prefills, and learning from
-//!   such intervals made the Mooncake replay's TTFT p90 7–27% worse, BENCHMARKS.md.)
+//! - **Prefill rate**, from signals that time the prefill itself: vLLM (≥ 0.13) observes, when a
+//!   request finishes, the seconds from its first scheduling to its first token
+//!   (`request_prefill_time_seconds`) and the uncached tokens that prefill computed
+//!   (`request_prefill_kv_computed_tokens`). Their sums' growth is tokens over prefill-seconds. Requests
+//!   prefilled side by side each count the whole shared time, so an interval's seconds are capped at
+//!   the longer of the interval and the mean prefill that ended in it. Given once [`MIN_REQUESTS`]
+//!   prefills are behind it.
+//! - **Drain rate**, the queue's: between two readings that both show requests waiting, the engine
+//!   was working the whole time (a queue never waits on an idle engine), so the uncached tokens it
+//!   completed over the interval are how fast the queue ahead of a new request moves, slots and decode
+//!   interference included. Intervals with an empty queue at either end are skipped, so an idle spell
+//!   keeps what was learned. (A prefill under way at both readings does not qualify: the engine may
+//!   have idled between two prefills, and learning from such intervals made the Mooncake replay's TTFT
+//!   p90 7–27% worse, BENCHMARKS.md.) No drain rate is given before `load.prefill_rate_warmup` (5 s) of
+//!   queued time. An engine without prefill histograms (SGLang, vLLM before 0.13) has its prefill
+//!   priced at this rate, as every engine was before the real one showed the difference.
 //! - **Tokens per request.** Uncached tokens over first tokens, across every interval.
 //! - **Prefills under way** (vLLM: lookups counted at scheduling less prompts counted at completion),
 //!   at the latest reading, times the share of recent lookups the cache did not serve. The latest
 //!   reading, not the lesser of two: a long prefill started just before a scrape is the work a new
 //!   request waits behind, while the dispatch that caused it is forgotten at that same reading.
+//! - **Queue wait**, for operators: the mean time recent requests waited in the engine's queue, from
+//!   its own histogram (`request_queue_time_seconds`), beside the wait the gate predicts.
 //!
-//! Both are exponentially weighted sums with a half-life (`load.prefill_rate_half_life`, 30 s) of the
-//! time they count, so a change of traffic mix or of hardware is followed within a minute. vLLM counts a prompt when its
+//! All are exponentially weighted sums with a half-life (`load.prefill_rate_half_life`, 30 s) of the
+//! time they count, so every replica scraping the same counters learns the same estimates, and a
+//! change of traffic mix or of hardware is followed within a minute. vLLM counts a prompt when its
 //! prefill completes and its cache hits when it is scheduled, so one interval's difference can even
-//! be negative; the sums absorb that, and no estimate is given before `load.prefill_rate_warmup` (5 s) of queued time and
-//! [`MIN_REQUESTS`] first tokens are behind it.
+//! be negative; the sums absorb that.
 #![deny(clippy::disallowed_methods)]
 
 use std::time::Instant;
 
-use super::engine::Progress;
+use super::engine::{Histograms, Progress};
 use super::snapshot::PrefillEstimate;
 use crate::config::RateWindow;
 
-/// First tokens before a per-request mean is given.
+/// Requests (first tokens, or finished prefills) before a per-request mean or a prefill rate is given.
 pub const MIN_REQUESTS: f64 = 4.0;
 
 /// One worker's learning state; reset when its engine restarts.
@@ -50,18 +59,40 @@ pub struct PrefillMeter {
     hit: f64,
     /// Prompt tokens of the prefills under way at the latest reading (cached part included).
     prefilling: Option<f64>,
+    /// The prefill histograms' growth: tokens computed, prefill-seconds (each capped at its interval's
+    /// busy wall time) and prefills finished.
+    prefill_tokens: f64,
+    prefill_seconds: f64,
+    prefills: f64,
+    /// The queue histogram's growth: seconds waited and requests.
+    queue_seconds: f64,
+    queued_requests: f64,
 }
 
 /// The counters at one reading.
 #[derive(Clone, Copy, Debug)]
 struct Mark {
     at: Instant,
-    uncached: f64,
+    uncached: Option<f64>,
     first_tokens: Option<f64>,
     queried: Option<f64>,
     cached: Option<f64>,
+    prefill: Histograms,
+    queue: Histograms,
     /// Requests waiting.
     queued: bool,
+}
+
+/// The growth of a histogram's sums between two readings, when both have them and neither went back.
+fn grown(before: &Histograms, now: &Histograms) -> Option<(f64, f64, Option<f64>)> {
+    let seconds = now.seconds? - before.seconds?;
+    let requests = now.requests? - before.requests?;
+    let tokens = match (before.tokens, now.tokens) {
+        (Some(before), Some(now)) if now >= before => Some(now - before),
+        (Some(_), Some(_)) => return None,
+        _ => None,
+    };
+    (seconds >= 0.0 && requests >= 0.0).then_some((seconds, requests, tokens))
 }
 
 impl PrefillMeter {
@@ -78,20 +109,18 @@ impl PrefillMeter {
     }
 
     /// Takes one complete reading: the counters `progress` as of `at`, with `waiting` requests queued.
-    /// A reading without both prompt and cached counters teaches nothing.
     pub fn observe(&mut self, at: Instant, progress: &Progress, waiting: u64) {
-        let Some(uncached) = progress.uncached_tokens().filter(|value| value.is_finite()) else {
-            return;
-        };
         if self.last.is_none_or(|last| at > last.at) {
             self.prefilling = progress.prefilling_tokens();
         }
         let mark = Mark {
             at,
-            uncached,
+            uncached: progress.uncached_tokens().filter(|value| value.is_finite()),
             first_tokens: progress.first_tokens,
             queried: progress.queried_tokens,
             cached: progress.cached_tokens,
+            prefill: progress.prefill,
+            queue: progress.queue,
             queued: waiting > 0,
         };
         let Some(last) = self.last else {
@@ -105,7 +134,17 @@ impl PrefillMeter {
         self.last = Some(mark);
         let seconds = elapsed.as_secs_f64();
         let keep = 0.5_f64.powf(seconds / self.window.half_life.as_secs_f64());
-        let tokens = uncached - last.uncached;
+        self.learn_drain(&last, &mark, seconds, keep);
+        self.learn_histograms(&last, &mark, seconds, keep);
+    }
+
+    /// The queue's drain, tokens per request and the share of lookups the cache missed, from the
+    /// prompt, hit and first-token counters.
+    fn learn_drain(&mut self, last: &Mark, mark: &Mark, seconds: f64, keep: f64) {
+        let (Some(before), Some(now)) = (last.uncached, mark.uncached) else {
+            return;
+        };
+        let tokens = now - before;
         if last.queued && mark.queued {
             self.busy_tokens = self.busy_tokens * keep + tokens;
             self.busy_seconds = self.busy_seconds * keep + seconds;
@@ -126,11 +165,39 @@ impl PrefillMeter {
         }
     }
 
+    /// The prefill rate and the queue wait, from the engine's per-request histograms.
+    fn learn_histograms(&mut self, last: &Mark, mark: &Mark, seconds: f64, keep: f64) {
+        if let Some((prefill_seconds, prefills, Some(tokens))) = grown(&last.prefill, &mark.prefill)
+        {
+            // Prefills side by side each count the time they shared, so their sum can exceed the
+            // time the engine spent prefilling. It is capped at the longer of the interval and the
+            // mean prefill that ended in it: several short prefills ending together shared the
+            // interval at most, and one long prefill ending here is counted whole.
+            let mean = if prefills > 0.0 {
+                prefill_seconds / prefills
+            } else {
+                0.0
+            };
+            self.prefill_tokens = self.prefill_tokens * keep + tokens;
+            self.prefill_seconds =
+                self.prefill_seconds * keep + prefill_seconds.min(seconds.max(mean));
+            self.prefills = self.prefills * keep + prefills;
+        }
+        if let Some((queue_seconds, requests, _)) = grown(&last.queue, &mark.queue) {
+            self.queue_seconds = self.queue_seconds * keep + queue_seconds;
+            self.queued_requests = self.queued_requests * keep + requests;
+        }
+    }
+
     /// What has been learned so far.
     pub fn estimate(&self) -> PrefillEstimate {
-        let rate = (self.busy_seconds >= self.window.warmup.as_secs_f64()
+        let drain = (self.busy_seconds >= self.window.warmup.as_secs_f64()
             && self.busy_tokens > 0.0)
             .then(|| self.busy_tokens / self.busy_seconds);
+        let prefill = (self.prefills >= MIN_REQUESTS
+            && self.prefill_seconds > 0.0
+            && self.prefill_tokens > 0.0)
+            .then(|| self.prefill_tokens / self.prefill_seconds);
         let per_request =
             (self.requests >= MIN_REQUESTS).then(|| self.request_tokens.max(0.0) / self.requests);
         // The prefills under way are priced at the share of recent lookups the cache did not serve:
@@ -143,10 +210,14 @@ impl PrefillMeter {
         let prefilling = self
             .prefilling
             .map(|tokens| whole(tokens * uncached_share).unwrap_or(0));
+        let queue_wait = (self.queued_requests >= MIN_REQUESTS)
+            .then(|| self.queue_seconds.max(0.0) / self.queued_requests * 1e6);
         PrefillEstimate {
-            tokens_per_second: rate.and_then(whole),
+            prefill_tokens_per_second: prefill.and_then(whole),
+            drain_tokens_per_second: drain.and_then(whole),
             uncached_per_request: per_request.and_then(whole),
             prefilling_tokens: prefilling,
+            queue_wait_us: queue_wait.map(|us| us.round() as u64),
         }
     }
 }
@@ -169,6 +240,7 @@ mod tests {
             cached_tokens: Some(cached),
             first_tokens: Some(first),
             queried_tokens: None,
+            ..Progress::default()
         }
     }
 
@@ -182,6 +254,7 @@ mod tests {
             cached_tokens: Some(hits),
             first_tokens: Some(10.0),
             queried_tokens: Some(queried),
+            ..Progress::default()
         };
         meter.observe(start, &reading(50_000.0, 10_000.0, 50_000.0), 0);
         assert_eq!(meter.estimate().prefilling_tokens, Some(0));
@@ -241,16 +314,16 @@ mod tests {
     fn a_queued_worker_s_rate_and_tokens_per_request_are_learned() {
         let meter = steady(12_000.0, 3_000.0, Duration::from_millis(200), 20);
         let estimate = meter.estimate();
-        assert_eq!(estimate.tokens_per_second, Some(12_000));
+        assert_eq!(estimate.drain_tokens_per_second, Some(12_000));
         assert_eq!(estimate.uncached_per_request, Some(3_000));
     }
 
     #[test]
     fn no_rate_before_min_busy_of_queued_time() {
         let early = steady(12_000.0, 3_000.0, Duration::from_millis(200), 4);
-        assert_eq!(early.estimate().tokens_per_second, None);
+        assert_eq!(early.estimate().drain_tokens_per_second, None);
         let later = steady(12_000.0, 3_000.0, Duration::from_millis(200), 6);
-        assert_eq!(later.estimate().tokens_per_second, Some(12_000));
+        assert_eq!(later.estimate().drain_tokens_per_second, Some(12_000));
     }
 
     #[test]
@@ -272,10 +345,10 @@ mod tests {
             }
             if rate < 15_000.0 {
                 // 0.8 s of queued intervals behind it: past the 500 ms warm-up, not the default 5 s.
-                assert_eq!(meter.estimate().tokens_per_second, Some(10_000));
+                assert_eq!(meter.estimate().drain_tokens_per_second, Some(10_000));
             }
         }
-        let learned = meter.estimate().tokens_per_second.unwrap();
+        let learned = meter.estimate().drain_tokens_per_second.unwrap();
         assert!(
             (18_500..20_000).contains(&learned),
             "three half-lives on, the old rate weighs about an eighth: {learned}"
@@ -291,7 +364,7 @@ mod tests {
     fn idle_intervals_teach_no_rate_and_keep_what_was_learned() {
         let start = Instant::now();
         let mut meter = steady(10_000.0, 1_000.0, Duration::from_secs(1), 10);
-        let learned = meter.estimate().tokens_per_second;
+        let learned = meter.estimate().drain_tokens_per_second;
         // Then idle for a minute: the counters barely move, the queue is empty at both ends.
         let at = start + Duration::from_secs(10);
         for second in 0..60 {
@@ -301,7 +374,7 @@ mod tests {
                 0,
             );
         }
-        assert_eq!(meter.estimate().tokens_per_second, learned);
+        assert_eq!(meter.estimate().drain_tokens_per_second, learned);
     }
 
     #[test]
@@ -318,10 +391,10 @@ mod tests {
                 2,
             );
             if second == 59 {
-                assert_eq!(meter.estimate().tokens_per_second, Some(20_000));
+                assert_eq!(meter.estimate().drain_tokens_per_second, Some(20_000));
             }
         }
-        let rate = meter.estimate().tokens_per_second.unwrap();
+        let rate = meter.estimate().drain_tokens_per_second.unwrap();
         assert!((5_000..5_100).contains(&rate), "{rate}");
     }
 
@@ -338,7 +411,7 @@ mod tests {
                 1,
             );
         }
-        let rate = meter.estimate().tokens_per_second.unwrap();
+        let rate = meter.estimate().drain_tokens_per_second.unwrap();
         assert!((9_000..11_000).contains(&rate), "{rate}");
     }
 
@@ -351,6 +424,7 @@ mod tests {
             cached_tokens: None,
             first_tokens: Some(10.0),
             queried_tokens: None,
+            ..Progress::default()
         };
         for second in 0..20 {
             meter.observe(start + Duration::from_secs(second), &blind, 5);
@@ -366,5 +440,102 @@ mod tests {
         );
         meter.reset();
         assert_eq!(meter.estimate(), PrefillEstimate::default());
+    }
+
+    /// A reading whose prefill histograms say `prefills` requests finished, their prefills taking
+    /// `seconds` in all and computing `tokens`, and whose queue histogram says `queued` seconds waited.
+    fn histograms(prefills: f64, seconds: f64, tokens: f64, queued: f64) -> Progress {
+        Progress {
+            prefill: Histograms {
+                seconds: Some(seconds),
+                requests: Some(prefills),
+                tokens: Some(tokens),
+            },
+            queue: Histograms {
+                seconds: Some(queued),
+                requests: Some(prefills),
+                tokens: None,
+            },
+            ..progress(tokens, 0.0, prefills)
+        }
+    }
+
+    #[test]
+    fn the_prefill_rate_is_what_the_engine_timed_its_prefills_at_not_how_fast_its_queue_drained() {
+        // A decode-bound engine: one 2,000-token prefill a second, each timed at 0.2 s by the engine
+        // (10k tokens/s), while the queue (always waiting) drains at the same 2,000 tokens a second.
+        let start = Instant::now();
+        let mut meter = PrefillMeter::default();
+        for second in 0..=20_u32 {
+            let n = f64::from(second);
+            meter.observe(
+                start + Duration::from_secs(u64::from(second)),
+                &histograms(n, 0.2 * n, 2_000.0 * n, 1.5 * n),
+                6,
+            );
+        }
+        let estimate = meter.estimate();
+        assert_eq!(estimate.prefill_tokens_per_second, Some(10_000));
+        assert_eq!(estimate.drain_tokens_per_second, Some(2_000));
+        assert_eq!(estimate.queue_wait_us, Some(1_500_000));
+    }
+
+    #[test]
+    fn prefills_that_shared_the_engine_count_the_interval_once_and_a_long_one_counts_whole() {
+        let start = Instant::now();
+        // Four 5,000-token prefills side by side, each timed at the whole 1 s they shared: the engine
+        // computed 20k tokens in that second, not 5k.
+        let mut shared = PrefillMeter::default();
+        for second in 0..=10_u32 {
+            let n = f64::from(second);
+            shared.observe(
+                start + Duration::from_secs(u64::from(second)),
+                &histograms(4.0 * n, 4.0 * n, 20_000.0 * n, 0.0),
+                0,
+            );
+        }
+        assert_eq!(shared.estimate().prefill_tokens_per_second, Some(20_000));
+        // One 40k-token prefill of 4 s ending every 4 s, scraped every second: its 4 s count whole,
+        // though each interval is 1 s.
+        let mut long = PrefillMeter::default();
+        for second in 0..=40_u32 {
+            let done = f64::from(second / 4);
+            long.observe(
+                start + Duration::from_secs(u64::from(second)),
+                &histograms(done, 4.0 * done, 40_000.0 * done, 0.0),
+                1,
+            );
+        }
+        assert_eq!(long.estimate().prefill_tokens_per_second, Some(10_000));
+    }
+
+    #[test]
+    fn no_prefill_rate_before_four_prefills_nor_from_an_engine_without_the_histograms() {
+        let start = Instant::now();
+        let mut meter = PrefillMeter::default();
+        for second in 0..=3_u32 {
+            let n = f64::from(second);
+            meter.observe(
+                start + Duration::from_secs(u64::from(second)),
+                &histograms(n, 0.1 * n, 1_000.0 * n, 0.0),
+                0,
+            );
+        }
+        assert_eq!(
+            meter.estimate().prefill_tokens_per_second,
+            None,
+            "three prefills"
+        );
+        // Weighted by age, four prefills a few seconds old count a little under four.
+        meter.observe(
+            start + Duration::from_secs(4),
+            &histograms(5.0, 0.5, 5_000.0, 0.0),
+            0,
+        );
+        assert_eq!(meter.estimate().prefill_tokens_per_second, Some(10_000));
+        // SGLang, or vLLM before 0.13: counters only.
+        let counters_only = steady(12_000.0, 3_000.0, Duration::from_millis(200), 20);
+        assert_eq!(counters_only.estimate().prefill_tokens_per_second, None);
+        assert_eq!(counters_only.estimate().queue_wait_us, None);
     }
 }

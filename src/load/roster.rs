@@ -96,6 +96,8 @@ pub(super) struct Fetched {
 pub(super) struct Roster {
     pool: Arc<PoolLoad>,
     engine: Engine,
+    /// The pool's `engine_block_size`, part of every worker's configured capacity.
+    engine_block: Option<std::num::NonZeroU32>,
     freshness: Duration,
     drain_timeout: Duration,
     unreachable_after: NonZeroU32,
@@ -132,6 +134,7 @@ impl Roster {
         let mut roster = Roster {
             pool,
             engine: pool_config.engine,
+            engine_block: pool_config.engine_block_size,
             freshness: config.freshness,
             drain_timeout: config.drain_timeout,
             unreachable_after: config.unreachable_after,
@@ -254,10 +257,10 @@ impl Roster {
                     if worker.state.lifecycle == Lifecycle::Draining {
                         tracing::info!(pool = %label, worker = %worker.state.endpoint, "worker back in discovery");
                         worker.state.lifecycle =
-                            answered_state(worker.failures, self.unreachable_after);
+                            answered_state(worker.failures, self.unreachable_after, false);
                     }
                     if **config != worker.config {
-                        worker.reconfigure(config, self.engine);
+                        worker.reconfigure(config, self.engine, self.engine_block);
                     }
                 }
             }
@@ -287,12 +290,13 @@ impl Roster {
             state.ranks = config.dp_size.get();
             state.generation = self.generation;
             self.generation += 1;
-            state.capacity = configured_capacity(config);
+            state.capacity = configured_capacity(config, self.engine_block);
             let tracked = self.track(config, state, now);
             if let Some(roster) = &self.roster {
                 roster.joined(id, config);
             }
             self.pool.dispatches().reset(id);
+            self.pool.forget_heard(id);
             tracing::info!(pool = %label, worker = %endpoint, slot = id.0, "worker joined");
             let at = self.workers.partition_point(|worker| worker.id < id);
             self.workers.insert(at, tracked);
@@ -408,10 +412,11 @@ impl Roster {
         let status = &mut worker.state.scrape;
         status.attempts += 1;
         status.last_outcome = Some(outcome);
-        let unanswered = matches!(
-            outcome,
-            ScrapeOutcome::ConnectError | ScrapeOutcome::Timeout
-        );
+        // A scrape that timed out is late, not unanswered, when the worker was heard from while it
+        // was out (KV events, a response served): a busy engine answers `/metrics` last.
+        let timed_out = outcome == ScrapeOutcome::Timeout;
+        let alive = timed_out && self.pool.heard_since(id, sent);
+        let unanswered = outcome == ScrapeOutcome::ConnectError || (timed_out && !alive);
         worker.failures = if unanswered {
             worker.failures.saturating_add(1)
         } else {
@@ -463,8 +468,11 @@ impl Roster {
                 }
             }
             Err(error) => {
-                if !was_failing {
+                if !was_failing && !timed_out {
                     tracing::warn!(pool = label, worker = %worker.state.endpoint, %error, "worker scrape failing");
+                } else if !was_failing {
+                    tracing::info!(pool = label, worker = %worker.state.endpoint, %error, alive,
+                        "worker scrape late; still an owner, its gate fails open once its reading is stale");
                 } else {
                     tracing::debug!(pool = label, worker = %worker.state.endpoint, %error, "worker scrape failed");
                 }
@@ -487,15 +495,20 @@ impl Roster {
             _ if restarted => {
                 self.mark_restarted(id, now);
             }
-            Lifecycle::Restarted if unanswered => {
-                worker.state.lifecycle = answered_state(worker.failures, unreachable_after);
+            Lifecycle::Restarted if unanswered || timed_out => {
+                worker.state.lifecycle =
+                    answered_state(worker.failures, unreachable_after, timed_out);
             }
             Lifecycle::Restarted => {}
             _ => {
-                let next = answered_state(worker.failures, unreachable_after);
+                let next = answered_state(worker.failures, unreachable_after, timed_out);
                 let next = match (worker.state.lifecycle, next) {
                     // A new worker stays new until it answers once, however many failures.
-                    (Lifecycle::New, Lifecycle::Healthy) if unanswered => Lifecycle::New,
+                    (Lifecycle::New, Lifecycle::Healthy | Lifecycle::Late)
+                        if timed_out || unanswered =>
+                    {
+                        Lifecycle::New
+                    }
                     _ => next,
                 };
                 if next != worker.state.lifecycle {
@@ -563,22 +576,30 @@ impl Roster {
 
 impl Tracked {
     /// Applies a changed description from discovery: what is scraped, and how.
-    fn reconfigure(&mut self, config: &WorkerConfig, engine: Engine) {
+    fn reconfigure(
+        &mut self,
+        config: &WorkerConfig,
+        engine: Engine,
+        engine_block: Option<std::num::NonZeroU32>,
+    ) {
         if config.dp_size != self.config.dp_size {
             self.ranks = RankSamples::new(config.dp_size.get());
             self.state.reading = None;
         }
         self.state.role = config.role;
-        self.configured = configured_capacity(config);
+        self.configured = configured_capacity(config, engine_block);
         self.target = Arc::new(Target::new(config, engine));
         self.config = config.clone();
     }
 }
 
-/// The state of a worker that is not draining or restarted, after `failures` unanswered scrapes.
-fn answered_state(failures: u32, unreachable_after: NonZeroU32) -> Lifecycle {
+/// The state of a worker that is not draining or restarted, after `failures` unanswered scrapes in a
+/// row, the last of them `timed_out`.
+fn answered_state(failures: u32, unreachable_after: NonZeroU32, timed_out: bool) -> Lifecycle {
     if failures >= unreachable_after.get() {
         Lifecycle::Unreachable
+    } else if timed_out {
+        Lifecycle::Late
     } else {
         Lifecycle::Healthy
     }

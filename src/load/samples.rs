@@ -85,6 +85,15 @@ impl RankSamples {
             max_total_tokens: configured
                 .max_total_tokens
                 .or_else(|| sum_every(|rank| rank.max_total_tokens)),
+            // Every rank runs the same cache configuration. Where the engine and the configuration
+            // disagree, the larger block is the one that never credits tokens the engine recomputes.
+            engine_block: self
+                .0
+                .iter()
+                .flatten()
+                .filter_map(|(_, rank)| rank.block_size)
+                .chain(configured.engine_block)
+                .max(),
         }
     }
 }

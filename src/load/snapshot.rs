@@ -40,19 +40,28 @@ pub struct Capacity {
     pub max_running: Option<u64>,
     /// KV-cache size in tokens (`max_total_num_tokens`, or blocks × block size).
     pub max_total_tokens: Option<u64>,
+    /// The engine's KV block in tokens, as it reports it (`cache_config_info`): it reuses a cached
+    /// prefix in whole blocks only, so no match counts for more than its whole blocks.
+    pub engine_block: Option<u64>,
 }
 
-/// A worker's prefill as learned from its engine's counters, in wall time; `None` until enough has
-/// been seen (see `load::rate`).
+/// A worker's prefill and queue as learned from its engine's counters and histograms, in wall time;
+/// `None` until enough has been seen (see `load::rate`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PrefillEstimate {
-    /// Uncached prompt tokens the worker (all its ranks) computes per second while requests wait.
-    pub tokens_per_second: Option<u64>,
+    /// Uncached prompt tokens a prefill computes per second (all the worker's ranks), from the
+    /// engine's per-request prefill histograms: what prices the request's own prefill.
+    pub prefill_tokens_per_second: Option<u64>,
+    /// Uncached prompt tokens the worker completes per second while requests wait: how fast its queue
+    /// drains, slots and decoding included; what prices the queue ahead.
+    pub drain_tokens_per_second: Option<u64>,
     /// Uncached prompt tokens a request brings, on average.
     pub uncached_per_request: Option<u64>,
     /// Uncached prompt tokens of the prefills under way at the latest reading (their prompt tokens
     /// times the share of recent lookups the cache missed), where the engine's counters tell (vLLM).
     pub prefilling_tokens: Option<u64>,
+    /// The mean time recent requests waited in the engine's queue, by its own histogram, in µs.
+    pub queue_wait_us: Option<u64>,
 }
 
 /// A worker as the policy sees it at one instant.
@@ -155,9 +164,12 @@ impl WorkerState {
 ///
 /// ```text
 ///   joins ─▶ new ──scrape answered──▶ healthy ◀──answered── unreachable
-///             │                        │  ▲                     ▲
-///             └──connect failures──────┼──┼─────────────────────┘
-///                                      │  └─ one freshness later ─ restarted ◀─ start time changed,
+///             │                        │  ▲  ▲                  ▲
+///             │            scrape timed out  answered           │
+///             │                        ▼  │  │                  │
+///             │                        late ─┘── unanswered ────┤  (no sign of life meanwhile)
+///             └──connect failures──────────────────────────────┘
+///                                         └─ one freshness later ─ restarted ◀─ start time changed,
 ///   left discovery (any state) ─▶ draining ─▶ gone (slot freed)                   counters went back
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -167,8 +179,14 @@ pub enum Lifecycle {
     New,
     /// Answers its scrapes.
     Healthy,
-    /// `unreachable_after` consecutive scrapes could not connect or timed out: never an owner, used
-    /// only when nothing better is left, so fail-open survives a fleet-wide outage of the scrapes.
+    /// Its last scrape timed out, yet it is not gone: it answered one of its last `unreachable_after`
+    /// scrapes, or it published KV events or served a response since. A busy engine's API server
+    /// answers `/metrics` late (vLLM serves it on the loop that also tokenizes). Still an owner; its
+    /// reading ages out of `freshness`, and the queue gate then fails open on it.
+    Late,
+    /// `unreachable_after` consecutive scrapes could not connect, or timed out with no other sign of
+    /// life: never an owner, used only when nothing better is left, so fail-open survives a
+    /// fleet-wide outage of the scrapes.
     Unreachable,
     /// Removed from discovery: no new requests; it leaves when idle, gone or at `drain_timeout`.
     Draining,
@@ -178,9 +196,10 @@ pub enum Lifecycle {
 }
 
 impl Lifecycle {
-    pub const ALL: [Lifecycle; 5] = [
+    pub const ALL: [Lifecycle; 6] = [
         Lifecycle::New,
         Lifecycle::Healthy,
+        Lifecycle::Late,
         Lifecycle::Unreachable,
         Lifecycle::Draining,
         Lifecycle::Restarted,
@@ -190,6 +209,7 @@ impl Lifecycle {
         match self {
             Lifecycle::New => "new",
             Lifecycle::Healthy => "healthy",
+            Lifecycle::Late => "late",
             Lifecycle::Unreachable => "unreachable",
             Lifecycle::Draining => "draining",
             Lifecycle::Restarted => "restarted",
@@ -198,10 +218,18 @@ impl Lifecycle {
 
     pub fn tier(self) -> Tier {
         match self {
-            Lifecycle::Healthy | Lifecycle::Restarted => Tier::Preferred,
+            Lifecycle::Healthy | Lifecycle::Late | Lifecycle::Restarted => Tier::Preferred,
             Lifecycle::New | Lifecycle::Unreachable => Tier::LastResort,
             Lifecycle::Draining => Tier::Excluded,
         }
+    }
+
+    /// Whether the worker answers, if late: the picker can route by what it knows of it (readiness).
+    pub fn answers(self) -> bool {
+        matches!(
+            self,
+            Lifecycle::Healthy | Lifecycle::Late | Lifecycle::Restarted
+        )
     }
 
     /// Whether Envoy's workers cluster lists the worker: every worker the picker may choose, and new
@@ -325,6 +353,12 @@ pub trait DispatchCounts {
 
     /// Uncached prompt tokens of those requests, as the picker predicted them when it sent them.
     fn uncached_since_reading(&self, _id: WorkerId) -> u64 {
+        0
+    }
+
+    /// The number of the pool's last off-owner placement that went to `id` (0 for none): the
+    /// tie-break that spreads new prefixes over workers otherwise equal.
+    fn last_cold(&self, _id: WorkerId) -> u64 {
         0
     }
 }

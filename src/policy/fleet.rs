@@ -53,10 +53,15 @@ impl<'a> Fleet<'a> {
                 .as_ref()
                 .filter(|reading| snapshot.is_fresh(reading, load.now))
                 .map(|reading| &reading.load);
-            // An unreachable worker's cache is out of reach with it.
+            // An unreachable worker's cache is out of reach with it; what a reachable one holds counts
+            // as much as its engine will reuse.
             let matched_tokens = match state.lifecycle {
                 Lifecycle::Unreachable => 0,
-                _ => matched.get(state.id.index()).copied().unwrap_or(0),
+                _ => reusable(
+                    matched.get(state.id.index()).copied().unwrap_or(0),
+                    request.prompt_tokens,
+                    state.capacity.engine_block,
+                ),
             };
             Member {
                 state,
@@ -65,6 +70,7 @@ impl<'a> Fleet<'a> {
                 gate: rank::gate(limit.map(|limit| per_worker(limit, state)), fresh),
                 admission: rank::admission(state, fresh, kv_charge(matched_tokens)),
                 dispatched: load.dispatches.since_reading(state.id),
+                cold: load.dispatches.last_cold(state.id),
                 work: None,
                 prediction: None,
             }
@@ -90,7 +96,7 @@ impl<'a> Fleet<'a> {
             members = last_resort.into_iter().map(member).collect();
         }
         if let Some(wait) = wait {
-            let pool = wait::pool_rate(members.iter().map(|member| member.state));
+            let pool = wait::PoolRates::of(members.iter().map(|member| member.state));
             for member in &mut members {
                 let dispatched = load.dispatches.uncached_since_reading(member.id());
                 member.work = wait::work(member, request.prompt_tokens, dispatched);
@@ -126,6 +132,18 @@ impl<'a> Fleet<'a> {
     /// Index matches that did not count when `counted` of them did.
     pub fn ignored_matches(&self, counted: usize) -> usize {
         self.unknown_workers + self.matching_workers.saturating_sub(counted)
+    }
+}
+
+/// Of `matched` leading tokens the index credits a worker with, what its engine reuses for a prompt of
+/// `prompt_tokens`, where its KV block is known: whole blocks only, and never the prompt's last token
+/// (an engine computes at least one to produce the first; vLLM's `get_computed_blocks` caps the hit
+/// at `num_tokens − 1`). A pool block finer than the engine's would otherwise credit the worker with
+/// the part of a block the engine recomputes.
+pub(super) fn reusable(matched: u64, prompt_tokens: u64, engine_block: Option<u64>) -> u64 {
+    match engine_block.filter(|block| *block > 1) {
+        Some(block) => matched.min(prompt_tokens.saturating_sub(1)) / block * block,
+        None => matched,
     }
 }
 

@@ -217,7 +217,7 @@ fn route(
         let next = fleet
             .iter()
             .filter(|member| !chosen.contains(&member.id()))
-            .min_by_key(|member| (off_owner_tier(member), member.load(), member.id()));
+            .min_by_key(|member| (off_owner_tier(member), member.load(), member.tie()));
         match next {
             Some(member) => chosen.push(member.id()),
             None => break,

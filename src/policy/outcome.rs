@@ -54,6 +54,15 @@ impl Reason {
         Reason::Imbalanced,
     ];
 
+    /// Whether the request went to a worker that does not hold its prefix (the ladder's off-owner
+    /// rung): a new prefix placed, which the next such placement's tie-break remembers.
+    pub fn is_off_owner(self) -> bool {
+        matches!(
+            self,
+            Reason::CacheMiss | Reason::CacheWorkerQueued | Reason::CapacityFallback
+        )
+    }
+
     /// The metric label and header value.
     pub fn as_str(self) -> &'static str {
         match self {

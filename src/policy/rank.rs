@@ -19,6 +19,8 @@ pub(super) struct Member<'a> {
     pub gate: Gate,
     pub admission: Admission,
     pub dispatched: u64,
+    /// The pool's number of the last off-owner placement that went to it (0 for none).
+    pub cold: u64,
     /// Under the prefill-time unit, the tokens it must compute before and for this request's first
     /// token (known with a fresh reading, rate or not).
     pub work: Option<Work>,
@@ -29,6 +31,13 @@ pub(super) struct Member<'a> {
 impl Member<'_> {
     pub fn id(&self) -> WorkerId {
         self.state.id
+    }
+
+    /// The last key of every ordering: among workers otherwise equal, the one that took a new prefix
+    /// least recently, then the lowest id. An idle fleet spreads new prefixes rather than pile them
+    /// on worker 0, and the order stays total and deterministic.
+    pub fn tie(&self) -> (u64, WorkerId) {
+        (self.cold, self.state.id)
     }
 
     /// waiting + running + requests dispatched since the last fresh reading. A worker without a fresh
@@ -121,12 +130,12 @@ pub(super) fn pressure_source<'a, 'm: 'a>(
     source
 }
 
-/// Index of the least-pressured member (ties by id), with the source that ordered them.
+/// Index of the least-pressured member (ties by [`Member::tie`]), with the source that ordered them.
 pub(super) fn least_pressured(set: &[Member<'_>]) -> Option<Pick> {
     least_pressured_where(set, |_| true)
 }
 
-/// Index of the deepest member; among equally deep ones the least pressured, then the lowest id.
+/// Index of the deepest member; among equally deep ones the least pressured, then [`Member::tie`].
 pub(super) fn deepest(set: &[Member<'_>]) -> Option<Pick> {
     let depth = set.iter().map(|member| member.matched_tokens).max()?;
     least_pressured_where(set, |member| member.matched_tokens == depth)
@@ -143,7 +152,7 @@ fn least_pressured_where(
         .iter()
         .enumerate()
         .filter(|(_, member)| include(member))
-        .min_by_key(|(_, member)| (member.pressure_key(source), member.id()))
+        .min_by_key(|(_, member)| (member.pressure_key(source), member.tie()))
         .map(|(index, _)| index)?;
     Some(Pick {
         index,
@@ -151,12 +160,12 @@ fn least_pressured_where(
     })
 }
 
-/// Index of the least-loaded member, ties by id.
+/// Index of the least-loaded member, ties by [`Member::tie`].
 pub(super) fn least_loaded(set: &[Member<'_>]) -> Option<Pick> {
     let index = set
         .iter()
         .enumerate()
-        .min_by_key(|(_, member)| (member.load(), member.id()))
+        .min_by_key(|(_, member)| (member.load(), member.tie()))
         .map(|(index, _)| index)?;
     Some(Pick {
         index,
@@ -168,7 +177,7 @@ pub(super) fn least_loaded(set: &[Member<'_>]) -> Option<Pick> {
 /// last); then the fewest tokens to compute before and for the first token, which orders the
 /// unpriced ones as their TTFTs would on one rate — before any worker's counters have taught a rate,
 /// the request count alone cannot tell a worker starting a 30k-token prefill from an idle one; then
-/// the least loaded, then the lowest id.
+/// the least loaded, then [`Member::tie`].
 pub(super) fn soonest(set: &[Member<'_>]) -> Option<Pick> {
     let index = set
         .iter()
@@ -178,7 +187,7 @@ pub(super) fn soonest(set: &[Member<'_>]) -> Option<Pick> {
                 member.prediction.map_or(u64::MAX, |p| p.ttft_us()),
                 member.work.map_or(u64::MAX, |w| w.total()),
                 member.load(),
-                member.id(),
+                member.tie(),
             )
         })
         .map(|(index, _)| index)?;
@@ -188,7 +197,7 @@ pub(super) fn soonest(set: &[Member<'_>]) -> Option<Pick> {
     })
 }
 
-/// Index of the deepest member; among equally deep ones the least loaded, then the lowest id.
+/// Index of the deepest member; among equally deep ones the least loaded, then [`Member::tie`].
 pub(super) fn deepest_least_loaded(set: &[Member<'_>]) -> Option<Pick> {
     let index = set
         .iter()
@@ -197,7 +206,7 @@ pub(super) fn deepest_least_loaded(set: &[Member<'_>]) -> Option<Pick> {
             (
                 std::cmp::Reverse(member.matched_tokens),
                 member.load(),
-                member.id(),
+                member.tie(),
             )
         })
         .map(|(index, _)| index)?;

@@ -17,7 +17,8 @@ use crate::config::{
     WaitGate,
 };
 use crate::load::{
-    Capacity, EngineLoad, Lifecycle, PoolSnapshot, Reading, TokenDispatches, WorkerState,
+    Capacity, DispatchCounts, EngineLoad, Lifecycle, PoolSnapshot, Reading, TokenDispatches,
+    WorkerState,
 };
 use crate::worker::{Role, WorkerId};
 
@@ -50,6 +51,8 @@ struct Case {
     owners: Vec<OwnerMatch>,
     /// Requests and their uncached tokens sent to each worker since its reading.
     dispatches: Vec<(u64, u64)>,
+    /// The pool's number of the last off-owner placement each worker took (0 for none).
+    cold: Vec<u64>,
     config: PolicyConfig,
     prompt_tokens: u64,
     allowed: Option<Vec<WorkerId>>,
@@ -65,6 +68,7 @@ impl Case {
             workers: Vec::new(),
             owners: Vec::new(),
             dispatches: Vec::new(),
+            cold: Vec::new(),
             config,
             prompt_tokens: 2048,
             allowed: None,
@@ -94,6 +98,13 @@ impl Case {
         });
         self.workers.push(state);
         self.dispatches.push((0, 0));
+        self.cold.push(0);
+        self
+    }
+
+    /// The last added worker took the pool's `number`th off-owner placement last.
+    fn cold(mut self, number: u64) -> Self {
+        *self.cold.last_mut().unwrap() = number;
         self
     }
 
@@ -172,7 +183,10 @@ impl Case {
 
     fn decide_with(&self, rng: &mut SmallRng) -> Outcome {
         let snapshot = PoolSnapshot::new(42, FRESHNESS, self.workers.clone());
-        let dispatches = TokenDispatches(&self.dispatches);
+        let dispatches = Counts {
+            dispatches: TokenDispatches(&self.dispatches),
+            cold: &self.cold,
+        };
         let load = LoadView {
             snapshot: &snapshot,
             dispatches: &dispatches,
@@ -196,6 +210,26 @@ impl Case {
     /// (selected worker index, reason)
     fn pick(&self) -> (u32, Reason) {
         pick_of(&self.routed())
+    }
+}
+
+/// A case's dispatches, with the last off-owner placement of each worker.
+struct Counts<'a> {
+    dispatches: TokenDispatches<'a>,
+    cold: &'a [u64],
+}
+
+impl DispatchCounts for Counts<'_> {
+    fn since_reading(&self, id: WorkerId) -> u64 {
+        self.dispatches.since_reading(id)
+    }
+
+    fn uncached_since_reading(&self, id: WorkerId) -> u64 {
+        self.dispatches.uncached_since_reading(id)
+    }
+
+    fn last_cold(&self, id: WorkerId) -> u64 {
+        self.cold.get(id.index()).copied().unwrap_or(0)
     }
 }
 
@@ -629,6 +663,7 @@ fn extreme_readings_and_counts_never_overflow() {
             .dispatched(u64::MAX)
             .with(|w| {
                 w.capacity = Capacity {
+                    engine_block: None,
                     max_running: Some(u64::MAX),
                     max_total_tokens: Some(u64::MAX),
                 };
@@ -1161,7 +1196,7 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                         .with(|w| {
                             // Half the workers have learned a rate, some a mean request.
                             if dispatched % 2 == 0 {
-                                w.prefill.tokens_per_second = Some(3_000 * (dispatched + 1));
+                                w.prefill.drain_tokens_per_second = Some(3_000 * (dispatched + 1));
                             }
                             if blocks % 3 == 0 {
                                 w.prefill.uncached_per_request = Some(blocks * 40);
@@ -1178,6 +1213,7 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                                 }
                             }
                             w.capacity = Capacity {
+                                engine_block: None,
                                 max_running,
                                 max_total_tokens: max_tokens,
                             };
@@ -1328,4 +1364,59 @@ fn a_64_worker_pool_of_mixed_data_never_panics() {
         let case = strategy.new_tree(&mut runner).unwrap().current();
         let _ = case.decide();
     }
+}
+
+#[test]
+fn among_equal_workers_the_one_that_took_a_new_prefix_least_recently_takes_the_next() {
+    // An idle fleet of four, no owner, every worker sampled: without the tie-break every cold miss
+    // went to worker 0 and the fleet's cache piled up there.
+    let fleet = |cold: [u64; 4]| {
+        let mut case = Case::gated().choices(4);
+        for number in cold {
+            case = case.worker(Some(0)).cold(number);
+        }
+        case
+    };
+    assert_eq!(fleet([0, 0, 0, 0]).pick(), (0, Reason::CacheMiss));
+    assert_eq!(fleet([1, 0, 0, 0]).pick(), (1, Reason::CacheMiss));
+    assert_eq!(fleet([3, 4, 2, 1]).pick(), (3, Reason::CacheMiss));
+    // Placements cycle through the fleet: each takes the next number.
+    let mut cold = [0_u64; 4];
+    let mut seen = Vec::new();
+    for number in 1..=8 {
+        let (picked, _) = fleet(cold).pick();
+        cold[picked as usize] = number;
+        seen.push(picked);
+    }
+    assert_eq!(seen, [0, 1, 2, 3, 0, 1, 2, 3]);
+    // Load still comes first: the tie-break only orders workers otherwise equal.
+    let busier = Case::gated()
+        .choices(4)
+        .worker(Some(1))
+        .worker(Some(0))
+        .cold(9);
+    assert_eq!(busier.pick(), (1, Reason::CacheMiss));
+}
+
+#[test]
+fn a_match_counts_in_whole_engine_blocks_and_never_the_prompt_s_last_token() {
+    // The engine reuses whole 128-token blocks (vLLM's CPU build) and computes at least the prompt's
+    // last token: of 2,512 credited tokens of a 2,520-token prompt it reuses 19 blocks, 2,432.
+    let owner = |prompt: u64, matched: u64, block: Option<u64>| {
+        let mut case = Case::gated()
+            .worker(Some(0))
+            .with(|w| w.capacity.engine_block = block);
+        case.prompt_tokens = prompt;
+        case.owners.push(OwnerMatch {
+            worker: WorkerId(0),
+            matched_tokens: matched,
+        });
+        case.routed().matched_tokens
+    };
+    assert_eq!(owner(2_520, 2_512, Some(128)), 2_432);
+    // A whole-block prompt held whole: its last block is computed again.
+    assert_eq!(owner(2_560, 2_560, Some(128)), 2_432);
+    assert_eq!(owner(2_561, 2_560, Some(128)), 2_560);
+    // An engine that has not said: the index's own blocks stand.
+    assert_eq!(owner(2_520, 2_512, None), 2_512);
 }

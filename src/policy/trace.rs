@@ -67,8 +67,12 @@ pub struct OwnerVerdict {
 pub enum Gate {
     /// No `worker_queue_limit` is set.
     Off,
-    /// No fresh reading: the gate fails open, an unknown queue never blocks affinity.
+    /// No fresh reading (none yet, or the worker's scrape is late): the gate fails open, an unknown
+    /// queue never blocks affinity.
     Unread,
+    /// Prefill-time unit: a fresh reading, but no rate to price it (none learned by any worker, none
+    /// configured): the gate fails open, as for an unknown queue.
+    Unpriced,
     /// Fresh reading below the limit.
     Open { waiting: u64 },
     /// Fresh reading at or above the limit.
@@ -229,13 +233,30 @@ pub struct Sampled {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RateSource {
-    /// Learned from the worker's counters.
-    Learned,
-    /// The median per-rank rate the fleet's other workers learned, the worker's own counters having
-    /// taught nothing yet.
+    /// The worker's engine measured it: its per-request prefill histograms (time from scheduling to
+    /// first token, tokens computed).
+    Measured,
+    /// The rate the worker's queue drained while requests waited, learned from its counters.
+    Drain,
+    /// The median per-rank measured rate of the fleet's other workers, the worker's own having taught
+    /// nothing yet.
     Pool,
+    /// The median per-rank drain rate of the fleet's other workers.
+    PoolDrain,
     /// `prefill_tokens_per_second`, no worker's counters having taught anything yet.
     Configured,
+}
+
+impl RateSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RateSource::Measured => "measured",
+            RateSource::Drain => "drain",
+            RateSource::Pool => "pool",
+            RateSource::PoolDrain => "pool_drain",
+            RateSource::Configured => "configured",
+        }
+    }
 }
 
 /// One worker's prediction for one request: the numbers the time-unit ladder compares.
@@ -245,10 +266,14 @@ pub struct Prediction {
     pub ahead_tokens: u64,
     /// Of them, sent by this picker since the reading.
     pub dispatched_tokens: u64,
-    /// Prefill tokens per second, the whole worker.
+    /// Tokens per second the work ahead is done at, the whole worker: the queue's drain while
+    /// requests wait, else the prefill rate.
+    pub queue_rate: u64,
+    pub queue_rate_source: RateSource,
+    /// Prefill tokens per second, the whole worker: what the request's own prefill is priced at.
     pub rate: u64,
     pub rate_source: RateSource,
-    /// ahead ÷ rate.
+    /// ahead ÷ queue rate.
     pub queue_us: u64,
     /// The request's own uncached prompt ÷ rate.
     pub prefill_us: u64,

@@ -12,14 +12,23 @@
 //!   exact for its own), times the pool's dispatch share (`load::share`: requests reaching the pool per
 //!   request this replica sends, from the engines' counters), so a replica prices the volume the
 //!   others send unseen.
-//! - **rate** = the prefill rate learned from *m*'s counters; else the median per-rank rate the other
-//!   fleet workers learned, × *m*'s ranks (a worker that has never queued has taught nothing, yet it
-//!   runs the pool's hardware — pricing it as unknown would send every diversion to the one worker
-//!   that queued first); else `prefill_tokens_per_second` × ranks.
-//! - **queue** = ahead ÷ rate; **prefill** = (*P* − *c*) ÷ rate; predicted TTFT = queue + prefill.
+//! - **prefill rate** = the rate *m*'s engine measured for its prefills (its per-request prefill
+//!   histograms, `load::rate`); else the median per-rank measured rate of the fleet, × *m*'s ranks (a
+//!   worker that has never run a request has taught nothing, yet it runs the pool's hardware —
+//!   pricing it as unknown would send every diversion to the one worker that ran one first); else,
+//!   for an engine without prefill histograms, *m*'s queue drain rate, then the fleet's median drain
+//!   rate; else `prefill_tokens_per_second` × ranks.
+//! - **queue rate** = while *m*'s reading shows requests waiting, the rate its queue drains (learned
+//!   while it was queued: slots and decoding included, which on a decode-bound engine is far below
+//!   its prefill rate), else the fleet's median drain rate; otherwise, and when no drain is known,
+//!   the prefill rate: with nothing waiting, the work ahead is prefills under way and dispatches into
+//!   free slots.
+//! - **queue** = ahead ÷ queue rate; **prefill** = (*P* − *c*) ÷ prefill rate; predicted TTFT =
+//!   queue + prefill.
 //!
-//! A worker without a fresh reading, or without a rate, has no prediction: its gate fails open (as
-//! `Gate::Unread` in the request unit) and it is no evidence for the floor (fail-closed). Arithmetic is
+//! A worker without a fresh reading, or without a rate, has no prediction: its gate fails open
+//! (`Gate::Unread`, as in the request unit, or `Gate::Unpriced` when only the rate is missing) and it
+//! is no evidence for the floor (fail-closed). Arithmetic is
 //! in integer microseconds, so orderings stay total.
 
 use super::rank::Member;
@@ -27,34 +36,84 @@ use super::trace::{Gate, Prediction, RateSource, Work};
 use crate::config::WaitGate;
 use crate::load::WorkerState;
 
-/// The worker's prefill rate and where it came from; `None` when none is known. `pool_per_rank` is
-/// [`pool_rate`] of the fleet.
-fn rate(
-    state: &WorkerState,
-    pool_per_rank: Option<u64>,
-    wait: &WaitGate,
-) -> Option<(u64, RateSource)> {
-    let ranks = u64::from(state.ranks.max(1));
-    match (
-        state.prefill.tokens_per_second,
-        pool_per_rank,
-        wait.fallback_rate,
-    ) {
-        (Some(rate), _, _) if rate > 0 => Some((rate, RateSource::Learned)),
-        (_, Some(per_rank), _) => Some((per_rank.saturating_mul(ranks), RateSource::Pool)),
-        (_, _, Some(per_rank)) => {
-            Some((per_rank.get().saturating_mul(ranks), RateSource::Configured))
+/// The fleet's median per-rank rates, each over the workers that learned one.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PoolRates {
+    pub prefill: Option<u64>,
+    pub drain: Option<u64>,
+}
+
+impl PoolRates {
+    pub(crate) fn of<'a>(states: impl Iterator<Item = &'a WorkerState> + Clone) -> PoolRates {
+        PoolRates {
+            prefill: median_per_rank(states.clone(), |state| {
+                state.prefill.prefill_tokens_per_second
+            }),
+            drain: median_per_rank(states, |state| state.prefill.drain_tokens_per_second),
         }
-        _ => None,
     }
 }
 
-/// The median per-rank rate of the workers that learned one (the lower middle of an even count, so
+/// The rate that prices the request's own prefill on `state`, and where it came from.
+fn prefill_rate(
+    state: &WorkerState,
+    pool: PoolRates,
+    wait: &WaitGate,
+) -> Option<(u64, RateSource)> {
+    let ranks = u64::from(state.ranks.max(1));
+    let learned = |rate: Option<u64>| rate.filter(|rate| *rate > 0);
+    if let Some(rate) = learned(state.prefill.prefill_tokens_per_second) {
+        return Some((rate, RateSource::Measured));
+    }
+    if let Some(per_rank) = pool.prefill {
+        return Some((per_rank.saturating_mul(ranks), RateSource::Pool));
+    }
+    if let Some(rate) = learned(state.prefill.drain_tokens_per_second) {
+        return Some((rate, RateSource::Drain));
+    }
+    if let Some(per_rank) = pool.drain {
+        return Some((per_rank.saturating_mul(ranks), RateSource::PoolDrain));
+    }
+    let per_rank = wait.fallback_rate?;
+    Some((per_rank.get().saturating_mul(ranks), RateSource::Configured))
+}
+
+/// The rate that prices the queue ahead on `member`, given its prefill rate.
+fn queue_rate(
+    member: &Member<'_>,
+    pool: PoolRates,
+    prefill: (u64, RateSource),
+) -> (u64, RateSource) {
+    let waiting = member.fresh.is_some_and(|load| load.waiting > 0);
+    if !waiting {
+        return prefill;
+    }
+    let state = member.state;
+    if let Some(rate) = state
+        .prefill
+        .drain_tokens_per_second
+        .filter(|rate| *rate > 0)
+    {
+        return (rate, RateSource::Drain);
+    }
+    match pool.drain {
+        Some(per_rank) => (
+            per_rank.saturating_mul(u64::from(state.ranks.max(1))),
+            RateSource::PoolDrain,
+        ),
+        None => prefill,
+    }
+}
+
+/// The median per-rank `rate` of the workers that learned one (the lower middle of an even count, so
 /// one fast outlier never sets it); `None` when none has.
-pub(super) fn pool_rate<'a>(states: impl Iterator<Item = &'a WorkerState>) -> Option<u64> {
+fn median_per_rank<'a>(
+    states: impl Iterator<Item = &'a WorkerState>,
+    rate: impl Fn(&WorkerState) -> Option<u64>,
+) -> Option<u64> {
     let mut per_rank: Vec<u64> = states
         .filter_map(|state| {
-            let rate = state.prefill.tokens_per_second.filter(|rate| *rate > 0)?;
+            let rate = rate(state).filter(|rate| *rate > 0)?;
             Some((rate / u64::from(state.ranks.max(1))).max(1))
         })
         .collect();
@@ -94,23 +153,26 @@ pub(super) fn work(
     })
 }
 
-/// `member`'s prediction from its `work` (see [`work`]); `pool_per_rank` is [`pool_rate`] of the
-/// fleet.
+/// `member`'s prediction from its `work` (see [`work`]); `pool` is the fleet's [`PoolRates`].
 pub(super) fn predict(
     member: &Member<'_>,
     work: Option<Work>,
     dispatched_tokens: u64,
-    pool_per_rank: Option<u64>,
+    pool: PoolRates,
     wait: &WaitGate,
 ) -> Option<Prediction> {
     let work = work?;
-    let (rate, rate_source) = rate(member.state, pool_per_rank, wait)?;
+    let prefill = prefill_rate(member.state, pool, wait)?;
+    let (queue_rate, queue_rate_source) = queue_rate(member, pool, prefill);
+    let (rate, rate_source) = prefill;
     Some(Prediction {
         ahead_tokens: work.ahead_tokens,
         dispatched_tokens,
+        queue_rate,
+        queue_rate_source,
         rate,
         rate_source,
-        queue_us: micros(work.ahead_tokens, rate),
+        queue_us: micros(work.ahead_tokens, queue_rate),
         prefill_us: micros(work.own_tokens, rate),
     })
 }
@@ -128,7 +190,12 @@ pub(super) fn best_ttft(members: &[Member<'_>]) -> Option<u64> {
 /// best admitted worker's by more than the margin.
 pub(super) fn gate(member: &Member<'_>, best_us: Option<u64>, wait: &WaitGate) -> Gate {
     let (Some(prediction), Some(best_us)) = (member.prediction, best_us) else {
-        return Gate::Unread;
+        // Unknown fails open. Read but not priced (no rate learned or configured) is told apart:
+        // the reading is there, the rate is what is missing.
+        return match member.fresh {
+            Some(_) => Gate::Unpriced,
+            None => Gate::Unread,
+        };
     };
     let ttft_us = prediction.ttft_us();
     let margin = u64::try_from(wait.divert_margin.as_micros()).unwrap_or(u64::MAX);

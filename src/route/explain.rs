@@ -2,13 +2,15 @@
 //! answer routing would give it now and what the pipeline saw on the way (`Service::route` in a dry
 //! run: the same steps as routing, nothing committed). Its text form is in `crate::render`.
 
+use std::time::Instant;
+
 use serde::Serialize;
 
 use super::picker::Pinned;
 use super::prepared::Prepared;
 use crate::events::Medium;
 use crate::events::stream::StreamView;
-use crate::load::PoolSnapshot;
+use crate::load::{PoolSnapshot, PoolView, WorkerView};
 use crate::policy::Outcome;
 use crate::prefix::SourcedMatch;
 use crate::worker::WorkerId;
@@ -47,6 +49,9 @@ pub struct Explanation {
     /// owner (it is counted in the trace's `ignored_matches`). Absent for the other modes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_match_tokens: Option<u64>,
+    /// The pool's workers as the decision saw them: state, reading (fresh or why not: a late one's
+    /// gate fails open), the rates the predictions used and where they came from.
+    pub workers: Vec<WorkerView>,
 }
 
 /// One worker's blocks per tier, as its engine's KV events report them.
@@ -67,6 +72,7 @@ impl Explanation {
         passthrough: bool,
         depth_sources: Option<Vec<SourcedMatch>>,
         streams: Vec<StreamView>,
+        now: Instant,
     ) -> Explanation {
         Explanation {
             decision,
@@ -89,6 +95,7 @@ impl Explanation {
                 .load()
                 .cache_aware()
                 .map(|knobs| knobs.min_match_tokens),
+            workers: PoolView::new("", pinned.snapshot(), now).workers,
         }
     }
 }

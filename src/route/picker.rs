@@ -553,6 +553,9 @@ impl<'p> Pinned<'p> {
             worker.endpoint,
             prepared.prompt_tokens.saturating_sub(matched),
         );
+        if decision.reason.is_off_owner() {
+            pool.load.dispatches().record_cold(decision.selected);
+        }
         let held = matched / u64::from(self.block_size().max(1));
         self.feedback.then(|| Credit {
             pool: prepared.pool,

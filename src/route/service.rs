@@ -205,9 +205,9 @@ impl Service {
             };
             return Routing::answered(answer);
         }
-        let outcome = tracing::debug_span!(target: super::TRACE_TARGET, "policy").in_scope(|| {
-            pinned.decide_in_turn(allowed.as_deref(), Instant::now(), live, &mut rand::rng())
-        });
+        let now = Instant::now();
+        let outcome = tracing::debug_span!(target: super::TRACE_TARGET, "policy")
+            .in_scope(|| pinned.decide_in_turn(allowed.as_deref(), now, live, &mut rand::rng()));
         let answer = match &outcome {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, decision, live),
             Outcome::Route(decision) => self.routed(&pinned, decision, commit),
@@ -223,8 +223,15 @@ impl Service {
             };
             let streams = self.streams(&prepared.pool_label);
             let depth_sources = self.picker.depth_sources(&prepared);
-            let mut explanation =
-                Explanation::new(&pinned, outcome, label, passthrough, depth_sources, streams);
+            let mut explanation = Explanation::new(
+                &pinned,
+                outcome,
+                label,
+                passthrough,
+                depth_sources,
+                streams,
+                now,
+            );
             if let Answer::Route(Routed { pd: Some(pd), .. }) = &answer {
                 explanation.decode = Some(pd.decode.clone());
                 explanation.local_prefill = pd.local;
@@ -606,12 +613,14 @@ impl Service {
             snapshot = trace.snapshot_version,
             "routed"
         );
-        // Blind: the selected owner passed the gate only because its queue was unknown.
+        // Blind: the selected owner passed the gate only because its queue (or its rate) was unknown.
         let blind = trace
             .owners
             .iter()
-            .any(|owner| owner.worker == decision.selected && owner.gate == Gate::Unread);
-        let notable = decision.reason == Reason::SaturationPin || blind;
+            .find(|owner| owner.worker == decision.selected)
+            .map(|owner| owner.gate)
+            .filter(|gate| matches!(gate, Gate::Unread | Gate::Unpriced));
+        let notable = decision.reason == Reason::SaturationPin || blind.is_some();
         if notable
             && self
                 .sampled
@@ -622,15 +631,20 @@ impl Service {
                 pool = %prepared.pool_label,
                 reason = decision.reason.as_str(),
                 selected = %selected,
-                blind_gate = blind,
+                blind_gate = blind.is_some(),
                 fleet = trace.fleet,
                 fresh = trace.fresh,
                 sample = LOG_SAMPLE,
                 "{}",
-                if blind {
-                    "routed to an owner whose queue is unknown (no fresh reading)"
-                } else {
-                    "fleet saturated: pinned to the least-pressured owner instead of diverting"
+                match blind {
+                    Some(Gate::Unread) => {
+                        "routed to an owner whose queue is unknown (no fresh reading: none yet, or its scrape is late)"
+                    }
+                    Some(_) => {
+                        "routed to an owner whose wait is not priced yet (a fresh reading, but no prefill \
+                         rate: none learned from the engines yet, and no prefill_tokens_per_second)"
+                    }
+                    None => "fleet saturated: pinned to the least-pressured owner instead of diverting",
                 }
             );
         }

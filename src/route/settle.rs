@@ -2,6 +2,8 @@
 //! `credit`'s documentation gives. It reaches into the pools' indexes and loads, so it lives beside the
 //! picker rather than with the credit's types, which the picker's commit returns.
 
+use std::time::Instant;
+
 use super::credit::{Credit, ServedReport, Settled};
 use super::picker::{Picker, PoolRoute};
 
@@ -17,6 +19,10 @@ impl Picker {
         }
         let upstream = report.upstream.unwrap_or(credit.endpoint);
         if upstream == credit.endpoint {
+            if same_occupant(pool, credit) {
+                // A response it served: the worker is alive, however late its `/metrics`.
+                pool.load.heard_from(credit.worker, Instant::now());
+            }
             confirm(pool, credit);
             return Settled::Confirmed;
         }
@@ -30,6 +36,7 @@ impl Picker {
             return Settled::Retracted;
         };
         retract(pool, credit);
+        pool.load.heard_from(served.id, Instant::now());
         pool.record(
             served.id,
             served.capacity.max_total_tokens,

@@ -99,16 +99,16 @@ impl Service {
         self.picker.loads().map(|load| load.rounds()).collect()
     }
 
-    /// Whether any pool has a worker whose reading is fresh at `now`: what readiness means.
-    pub fn has_fresh_reading(&self, now: Instant) -> bool {
+    /// Whether any pool has a worker the picker can route by: one that has answered a scrape and still
+    /// answers, if late (`Lifecycle::answers`). What readiness means: a busy engine's late `/metrics`
+    /// leaves its reading stale, yet its prefixes (its KV events, the picker's own decisions) still
+    /// route, and its gate fails open; only workers that stopped answering take readiness away.
+    pub fn can_route(&self) -> bool {
         self.picker.loads().any(|load| {
-            let snapshot = load.snapshot();
-            snapshot.workers().iter().any(|worker| {
-                worker
-                    .reading
-                    .as_ref()
-                    .is_some_and(|reading| snapshot.is_fresh(reading, now))
-            })
+            load.snapshot()
+                .workers()
+                .iter()
+                .any(|worker| worker.lifecycle.answers() && worker.reading.is_some())
         })
     }
 }

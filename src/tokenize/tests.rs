@@ -551,6 +551,7 @@ fn a_pool_config_builds_its_tokenizer() {
         model: ModelMatch::Any,
         engine: Engine::Vllm,
         block_size: NonZeroU32::new(64).unwrap(),
+        engine_block_size: None,
         tokenizer: hugging_face(),
         chat_template: Some(fixture("tokenizer_config.json")),
         segment_cache_entries: NonZeroUsize::new(16).unwrap(),

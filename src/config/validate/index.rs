@@ -65,7 +65,10 @@ impl Validator<'_> {
             }
         });
         let grace = self.positive_duration(&map, "stream_grace", defaults.stream_grace);
-        let topic = self.opt(&map, "topic", Self::string);
+        // The empty topic, the default, subscribes to every message: what vLLM publishes without one.
+        let topic = self.opt(&map, "topic", |v, node, at| {
+            v.text(node, at, "a string").map(str::to_owned)
+        });
         let port = self.opt(&map, "port", Self::port);
         let port = with_default(port, IndexConfig::DEFAULT_LIVE_PORT);
         let replay_port = self.opt(&map, "replay_port", Self::port);

@@ -138,6 +138,9 @@ enum Step {
     Refused(u16),
     /// A scrape sent now times out.
     TimedOut(u16),
+    /// A scrape sent now times out, the worker having shown it is alive while it was out (a KV event
+    /// batch, a response it served).
+    TimedOutHeard(u16),
     /// A scrape sent now answers with a body that is not text.
     Garbled(u16),
     /// A scrape is sent now and answers later (`Finish`).
@@ -150,7 +153,7 @@ enum Step {
     Wait(Duration),
 }
 
-use Lifecycle::{Draining, Healthy, New, Restarted, Unreachable};
+use Lifecycle::{Draining, Healthy, Late, New, Restarted, Unreachable};
 use Step::*;
 
 /// One row of a published snapshot: port, slot, generation, state, restarts seen.
@@ -263,6 +266,18 @@ impl Harness {
             }
             TimedOut(port) => {
                 let scrape = self.begin(port);
+                self.deliver(
+                    port,
+                    scrape,
+                    Err(ScrapeError::Timeout(Duration::from_millis(500))),
+                );
+            }
+            TimedOutHeard(port) => {
+                let scrape = self.begin(port);
+                let id = self.id(port);
+                self.roster
+                    .pool
+                    .heard_from(id, self.now + Duration::from_millis(100));
                 self.deliver(
                     port,
                     scrape,
@@ -423,10 +438,35 @@ fn a_worker_is_unreachable_after_unreachable_after_unanswered_scrapes_in_a_row()
         (Refused(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
         // Any answer, even one that cannot be read, ends the run of failures.
         (Garbled(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
-        (TimedOut(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
+        // A scrape that timed out is late: still an owner until the run of failures is long enough.
+        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
         (Refused(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
         (Refused(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
         (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
+        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOut(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
+    ]);
+}
+
+#[test]
+fn a_scrape_that_times_out_while_the_worker_shows_it_is_alive_is_late_however_many_in_a_row() {
+    Harness::new(&[8000]).run(&[
+        (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
+        // A busy engine's `/metrics` answers last; its KV events and its responses still arrive.
+        (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
+        // Silent as well as late, twice in a row: gone.
+        (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (Wait(Duration::from_secs(1)), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOut(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
+        // Refused is gone whatever was heard: a closed port is no busy API server.
+        (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
+        (Refused(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
+        (Refused(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
     ]);
 }
 

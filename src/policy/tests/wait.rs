@@ -212,7 +212,7 @@ fn a_learned_rate_wins_over_the_configured_one_and_scales_the_prediction() {
     let decision = Case::timed()
         .owner(1, 32)
         .uncached(40_000)
-        .with(|w| w.prefill.tokens_per_second = Some(80_000))
+        .with(|w| w.prefill.drain_tokens_per_second = Some(80_000))
         .worker(Some(0))
         .routed();
     // 40k tokens at 80k/s: 0.5 s, within the margin of the idle worker's 204.8 ms.
@@ -220,12 +220,15 @@ fn a_learned_rate_wins_over_the_configured_one_and_scales_the_prediction() {
     let owner = prediction_of(&decision, 0).prediction;
     assert_eq!(
         (owner.rate, owner.rate_source, owner.queue_us),
-        (80_000, RateSource::Learned, 500_000)
+        (80_000, RateSource::Drain, 500_000)
     );
     // The idle worker has learned nothing itself: it borrows the fleet's learned rate before the
     // configured one.
     let idle = prediction_of(&decision, 1).prediction;
-    assert_eq!((idle.rate, idle.rate_source), (80_000, RateSource::Pool));
+    assert_eq!(
+        (idle.rate, idle.rate_source),
+        (80_000, RateSource::PoolDrain)
+    );
 }
 
 #[test]
@@ -235,7 +238,7 @@ fn a_worker_that_never_queued_borrows_the_fleet_s_learned_rate_so_misses_do_not_
     // as unknown would send the miss to the one worker with a prediction: the busy one.
     let decision = Case::new(timed(500, Some(1000), None))
         .queued(40_000)
-        .with(|w| w.prefill.tokens_per_second = Some(10_000))
+        .with(|w| w.prefill.drain_tokens_per_second = Some(10_000))
         .worker(Some(0))
         .with(|w| w.ranks = 2)
         .choices(64)
@@ -244,7 +247,7 @@ fn a_worker_that_never_queued_borrows_the_fleet_s_learned_rate_so_misses_do_not_
     let idle = prediction_of(&decision, 1).prediction;
     assert_eq!(
         (idle.rate, idle.rate_source, idle.prefill_us),
-        (20_000, RateSource::Pool, 102_400)
+        (20_000, RateSource::PoolDrain, 102_400)
     );
     // Nobody has learned anything and nothing is configured: no predictions at all.
     let blind = Case::new(timed(500, Some(1000), None))
@@ -263,12 +266,12 @@ fn the_fleet_s_rate_is_the_median_per_rank_so_one_fast_outlier_does_not_set_it()
             .map(|(i, (rate, ranks))| {
                 let endpoint = SocketAddr::from(([127, 0, 0, 1], 18000 + i as u16));
                 let mut state = WorkerState::new(WorkerId(i as u32), endpoint, Role::Both);
-                state.prefill.tokens_per_second = *rate;
+                state.prefill.drain_tokens_per_second = *rate;
                 state.ranks = *ranks;
                 state
             })
             .collect();
-        crate::policy::wait::pool_rate(states.iter())
+        crate::policy::wait::PoolRates::of(states.iter()).drain
     };
     assert_eq!(learned(&[(None, 1), (None, 4)]), None);
     assert_eq!(learned(&[(Some(9_000), 1), (None, 1)]), Some(9_000));
@@ -349,7 +352,7 @@ fn the_request_unit_is_untouched_by_learned_rates() {
     let decision = Case::gated()
         .owner(3, 32)
         .uncached(90_000)
-        .with(|w| w.prefill.tokens_per_second = Some(1_000))
+        .with(|w| w.prefill.drain_tokens_per_second = Some(1_000))
         .worker(Some(0))
         .routed();
     assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
@@ -478,4 +481,50 @@ fn before_any_rate_is_learned_a_miss_goes_to_the_least_work_not_the_fewest_reque
     let mut counted = case;
     counted.config = Case::gated().config;
     assert_eq!(counted.choices(64).pick(), (0, Reason::CacheMiss));
+}
+
+#[test]
+fn the_own_prefill_is_priced_at_the_measured_rate_and_a_queue_at_its_drain() {
+    // Worker 0 owns the prompt and has 8,000 uncached tokens waiting: its engine times a prefill at
+    // 50k tokens/s, but its queue drains at 4k tokens/s (its sequence slots busy decoding). Worker 1 is
+    // idle and has measured nothing yet; it borrows the fleet's measured rate.
+    let decision = Case::timed()
+        .owner(2, 32)
+        .uncached(8_000)
+        .with(|w| {
+            w.prefill.prefill_tokens_per_second = Some(50_000);
+            w.prefill.drain_tokens_per_second = Some(4_000);
+        })
+        .worker(Some(0))
+        .routed();
+    let owner = prediction_of(&decision, 0).prediction;
+    assert_eq!(
+        (owner.queue_rate, owner.queue_rate_source, owner.queue_us),
+        (4_000, RateSource::Drain, 2_000_000)
+    );
+    assert_eq!(
+        (owner.rate, owner.rate_source, owner.prefill_us),
+        (50_000, RateSource::Measured, 0)
+    );
+    let idle = prediction_of(&decision, 1).prediction;
+    assert_eq!(
+        (idle.rate, idle.rate_source, idle.queue_rate_source),
+        (50_000, RateSource::Pool, RateSource::Pool)
+    );
+    // 2 s of queue against 41 ms cold: worth the diversion.
+    assert_eq!(pick_of(&decision), (1, Reason::CacheWorkerQueued));
+    // With nothing waiting, the work ahead is prefill: priced at the measured rate.
+    let calm = Case::timed()
+        .owner(0, 32)
+        .with(|w| {
+            w.prefill.prefill_tokens_per_second = Some(50_000);
+            w.prefill.drain_tokens_per_second = Some(4_000);
+        })
+        .dispatched_tokens(8_000)
+        .routed();
+    let owner = prediction_of(&calm, 0).prediction;
+    assert_eq!(
+        (owner.queue_rate_source, owner.queue_us),
+        (RateSource::Measured, 160_000)
+    );
 }

@@ -191,24 +191,25 @@ pub fn arm_text(
 }
 
 /// The shortest scrape timeout a replay gives, in wall time. The replay's processes share two cores,
-/// where a scrape can wait tens of milliseconds for a core; a timeout counts towards `unreachable`, so a
-/// timeout scaled below that would take answering workers out of the fleet, which no production picker
-/// with a 500 ms timeout sees.
+/// where a scrape can wait tens of milliseconds for a core; a timeout scaled below that would make
+/// answering workers late (or, with no other sign of life, unreachable), which no production picker
+/// with a 2 s timeout sees.
 const MIN_WALL_TIMEOUT: Duration = Duration::from_millis(100);
 
-/// The `load:` section a replay gives cachepick: the product's defaults (scrape every 1 s, 500 ms
+/// The `load:` section a replay gives cachepick: the product's defaults (scrape every 1 s, 2 s
 /// timeout, 3 s freshness; prefill rate half-life 30 s, warm-up 5 s) as model time, so a compressed
 /// replay sees its engines as often, and learns their rate as fast, as a production picker would.
 /// `interval` (model time) replaces the default scrape interval, the timeout and freshness keeping
 /// their proportions to it, so the drift between replicas can be measured against it. The timeout is
-/// at least [`MIN_WALL_TIMEOUT`] of wall time, and the interval at least the timeout.
+/// at least [`MIN_WALL_TIMEOUT`] of wall time, the interval stretched with it.
 pub fn load_yaml(sim: &SimConfig, interval: Option<Duration>) -> String {
     let defaults = config::LoadConfig::default();
     let model = |d: Duration| d.mul_f64(sim.params.time_scale.max(0.0));
     let asked = interval.unwrap_or(defaults.scrape_interval);
     let ratio = |d: Duration| d.as_secs_f64() / defaults.scrape_interval.as_secs_f64();
-    let timeout = model(asked.mul_f64(ratio(defaults.scrape_timeout))).max(MIN_WALL_TIMEOUT);
-    let interval = model(asked).max(timeout);
+    let timeout_ratio = ratio(defaults.scrape_timeout);
+    let interval = model(asked).max(MIN_WALL_TIMEOUT.div_f64(timeout_ratio));
+    let timeout = interval.mul_f64(timeout_ratio);
     let freshness = interval.mul_f64(ratio(defaults.freshness));
     format!(
         "scrape_interval: {}\nscrape_timeout: {}\nfreshness: {}\nprefill_rate_half_life: {}\n\
@@ -453,7 +454,7 @@ mod tests {
         let text = load_yaml(&fast, None);
         assert_eq!(
             text,
-            "scrape_interval: 125.000ms\nscrape_timeout: 100.000ms\nfreshness: 375.000ms\n\
+            "scrape_interval: 125.000ms\nscrape_timeout: 250.000ms\nfreshness: 375.000ms\n\
              prefill_rate_half_life: 3750.000ms\nprefill_rate_warmup: 625.000ms"
         );
         let config = apply_arm(
@@ -467,13 +468,13 @@ mod tests {
         // A very fast replay keeps the wall-time floor, with the interval and freshness around it.
         fast.params.time_scale = 0.001;
         assert!(load_yaml(&fast, None).starts_with(
-            "scrape_interval: 100.000ms\nscrape_timeout: 100.000ms\nfreshness: 300.000ms\n"
+            "scrape_interval: 50.000ms\nscrape_timeout: 100.000ms\nfreshness: 150.000ms\n"
         ));
         // An interval asked for in model time brings its timeout and freshness with it.
         fast.params.time_scale = 0.5;
         assert!(
             load_yaml(&fast, Some(Duration::from_millis(250))).starts_with(
-                "scrape_interval: 125.000ms\nscrape_timeout: 100.000ms\nfreshness: 375.000ms\n"
+                "scrape_interval: 125.000ms\nscrape_timeout: 250.000ms\nfreshness: 375.000ms\n"
             )
         );
     }
