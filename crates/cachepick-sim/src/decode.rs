@@ -80,6 +80,9 @@ const PROFILE_KEYS: &[&str] = &[
     "kv_read_ns",
     "per_sequence_us",
     "front_ms",
+    "api_token_us",
+    "api_output_us",
+    "api_metrics_ms",
 ];
 
 /// Values given as `cachepick sim` flags; each replaces the file's value and is validated like it.
@@ -536,6 +539,9 @@ impl Decoder<'_> {
         let kv_read = coefficient(self, "kv_read_ns", 1e-9, start.kv_read);
         let per_sequence = coefficient(self, "per_sequence_us", 1e-6, start.per_sequence);
         let front = coefficient(self, "front_ms", 1e-3, start.front);
+        let api_token = coefficient(self, "api_token_us", 1e-6, start.api_token);
+        let api_output = coefficient(self, "api_output_us", 1e-6, start.api_output);
+        let api_metrics = coefficient(self, "api_metrics_ms", 1e-3, start.api_metrics);
         let blend = self.opt(&section, "blend", Self::number);
         let blend = self.check(with_default(blend, start.blend), |value| {
             if value.is_finite() && (0.5..=8.0).contains(&value) {
@@ -553,6 +559,9 @@ impl Decoder<'_> {
             kv_read: kv_read?,
             per_sequence: per_sequence?,
             front: front?,
+            api_token: api_token?,
+            api_output: api_output?,
+            api_metrics: api_metrics?,
             ..start
         })
     }

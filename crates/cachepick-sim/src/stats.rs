@@ -42,6 +42,13 @@ pub struct RankStats {
     /// Latency histograms since start (or restart); bucket bounds in `LATENCY_BUCKETS`.
     pub ttft: Histogram,
     pub e2e: Histogram,
+    /// vLLM V1's per-request histograms, observed when a request finishes
+    /// (`vllm/v1/metrics/loggers.py`): the time from its arrival at the scheduler to its first
+    /// scheduling, from then to its first token, and the prompt tokens its prefill computed (the
+    /// prompt less what the cache held at its first lookup).
+    pub queue_time: Histogram,
+    pub prefill_time: Histogram,
+    pub prefill_tokens: Histogram,
     /// When the worker's current run started, in seconds since the Unix epoch (0 when unknown): what
     /// the engines' `process_start_time_seconds` says, so a reader can tell a restart from a counter
     /// that went down.
@@ -90,42 +97,71 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// A cumulative Prometheus histogram over `LATENCY_BUCKETS`.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// Upper bounds (seconds) of vLLM's per-request phase histograms (queue, prefill):
+/// `REQUEST_LATENCY_BUCKETS` of `vllm/v1/metrics/buckets.py`.
+pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// Upper bounds of vLLM's per-request token histograms: the 1-2-5 series, which vLLM caps at the
+/// model's context (`build_1_2_5_buckets`); the exposition leaves out the bounds above it.
+pub const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5,
+    5e5, 1e6, 2e6, 5e6, 1e7,
+];
+
+/// A cumulative Prometheus histogram over a fixed list of bounds.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Histogram {
-    /// Observations at or below each bound, not cumulative; `counts.len() == LATENCY_BUCKETS.len()`
-    /// once anything was observed.
+    pub bounds: &'static [f64],
+    /// Observations at or below each bound, not cumulative; `counts.len() == bounds.len()` once
+    /// anything was observed.
     pub counts: Vec<u64>,
     pub count: u64,
     pub sum: f64,
 }
 
+impl Default for Histogram {
+    /// Over `LATENCY_BUCKETS`.
+    fn default() -> Self {
+        Histogram::over(LATENCY_BUCKETS)
+    }
+}
+
 impl Histogram {
-    pub fn observe(&mut self, seconds: f64) {
-        if self.counts.len() != LATENCY_BUCKETS.len() {
-            self.counts = vec![0; LATENCY_BUCKETS.len()];
+    pub fn over(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: Vec::new(),
+            count: 0,
+            sum: 0.0,
         }
-        if let Some(slot) = LATENCY_BUCKETS
+    }
+
+    pub fn observe(&mut self, value: f64) {
+        if self.counts.len() != self.bounds.len() {
+            self.counts = vec![0; self.bounds.len()];
+        }
+        if let Some(slot) = self
+            .bounds
             .iter()
-            .position(|bound| seconds <= *bound)
+            .position(|bound| value <= *bound)
             .and_then(|index| self.counts.get_mut(index))
         {
             *slot += 1;
         }
         self.count += 1;
-        self.sum += seconds;
+        self.sum += value;
     }
 
     /// `(upper bound, cumulative count)` for every bucket, `+Inf` excluded (it is `count`).
     pub fn cumulative(&self) -> impl Iterator<Item = (f64, u64)> + '_ {
         let mut running = 0;
-        LATENCY_BUCKETS
-            .iter()
-            .enumerate()
-            .map(move |(index, bound)| {
-                running += self.counts.get(index).copied().unwrap_or(0);
-                (*bound, running)
-            })
+        self.bounds.iter().enumerate().map(move |(index, bound)| {
+            running += self.counts.get(index).copied().unwrap_or(0);
+            (*bound, running)
+        })
     }
 }
 

@@ -368,6 +368,27 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         ranks,
         &labels,
     );
+    // vLLM V1's per-request phases (0.13 and later), observed when a request finishes.
+    let phases: [(&str, &str, fn(&RankStats) -> &Histogram); 3] = [
+        (
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            |r| &r.queue_time,
+        ),
+        (
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            |r| &r.prefill_time,
+        ),
+        (
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            |r| &r.prefill_tokens,
+        ),
+    ];
+    for (name, help, histogram) in phases {
+        out.histogram((name, help), ranks, &labels, &histogram);
+    }
 }
 
 fn sglang(out: &mut Exposition, model: &str, ranks: &[RankStats]) {

@@ -106,6 +106,11 @@ pub(super) async fn metrics(
     scrape: Scrape,
 ) -> Response<Body> {
     let mode = lock(&shared.controls).metrics;
+    if mode == MetricsMode::Live {
+        // Rendered on the API server's loop, after what it has queued (`api_work`).
+        let api_metrics = shared.params.load().profile.api_metrics;
+        tokio::time::sleep_until(super::api_work(shared, api_metrics)).await;
+    }
     let (exposition, loads) = match mode {
         MetricsMode::Live => render(shared, incarnation),
         MetricsMode::Frozen => lock(&shared.frozen)
@@ -401,6 +406,9 @@ fn params_json(params: &SimParams) -> serde_json::Value {
             "kv_read_ns": profile.kv_read * 1e9,
             "per_sequence_us": profile.per_sequence * 1e6,
             "front_ms": profile.front * 1e3,
+            "api_token_us": profile.api_token * 1e6,
+            "api_output_us": profile.api_output * 1e6,
+            "api_metrics_ms": profile.api_metrics * 1e3,
         },
         "batch_tokens": params.batch_tokens,
         "max_prefill_tokens": params.max_prefill_tokens,

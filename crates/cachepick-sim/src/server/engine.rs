@@ -18,11 +18,11 @@ use rand::rngs::SmallRng;
 use tokio::sync::{Notify, oneshot, watch};
 use tokio::time::Instant;
 
-use super::{Incarnation, Rank, Shared, sleep_unpaused};
+use super::{Incarnation, Shared, sleep_unpaused};
 use crate::cache::CacheEvent;
 use crate::config::{Engine, SimParams, Timing};
 use crate::model::{Admission, RankModel, RequestId};
-use crate::stats::RankStats;
+use crate::stats::{Histogram, RankStats};
 use crate::step::{Emission, StepLimits, StepRank};
 use crate::timing;
 
@@ -44,6 +44,14 @@ pub(super) struct Progress {
 pub(super) struct Handle {
     progress: watch::Sender<Progress>,
     received: Instant,
+    /// When it reached the scheduler (vLLM's `queued_ts`).
+    submitted: Instant,
+    prompt_len: u64,
+    /// The start of the step that first scheduled it (vLLM's `scheduled_ts`, a preemption aside)
+    /// and the prompt tokens its first lookup found cached.
+    scheduled: Option<(Instant, u32)>,
+    /// The end of the step that gave its first token.
+    first_token: Option<Instant>,
 }
 
 /// A rank's engine: the model and the requests waiting on it.
@@ -181,7 +189,15 @@ impl RankEngine {
             } => {
                 model.submit_remote(id, prompt, output, u64::from(remote))?;
                 let (progress, receiver) = watch::channel(Progress::default());
-                requests.insert(id, Handle { progress, received });
+                let handle = Handle {
+                    progress,
+                    received,
+                    submitted: Instant::now(),
+                    prompt_len: prompt.len() as u64,
+                    scheduled: None,
+                    first_token: None,
+                };
+                requests.insert(id, handle);
                 wake.notify_one();
                 Ok(Submitted::Stepping(receiver))
             }
@@ -266,6 +282,27 @@ impl RankEngine {
     }
 }
 
+/// vLLM's per-request phases of a finished request, as `update_from_finished_request` computes them:
+/// queue = first scheduled − queued, prefill = first token − first scheduled, and the prompt tokens
+/// the prefill computed. A request that never got its first token records none.
+fn observe_phases(
+    handle: &Handle,
+    queue: &mut Histogram,
+    prefill: &mut Histogram,
+    tokens: &mut Histogram,
+) {
+    let (Some((scheduled, cached)), Some(first)) = (handle.scheduled, handle.first_token) else {
+        return;
+    };
+    queue.observe(
+        scheduled
+            .saturating_duration_since(handle.submitted)
+            .as_secs_f64(),
+    );
+    prefill.observe(first.saturating_duration_since(scheduled).as_secs_f64());
+    tokens.observe(handle.prompt_len.saturating_sub(u64::from(cached)) as f64);
+}
+
 /// The engine loop of step rank `index`: runs until its incarnation's tasks are aborted.
 pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, index: usize) {
     let Some(wake) = incarnation.rank(index).and_then(|rank| match &rank.engine {
@@ -288,11 +325,14 @@ pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, inde
                 return None;
             };
             let step = model.schedule();
+            // The step starts where the previous one was due to end (or now, on an idle rank).
+            let starts = clock.unwrap_or_else(Instant::now);
             for (id, cached) in &step.admitted {
-                if let Some(handle) = requests.get(id) {
+                if let Some(handle) = requests.get_mut(id) {
                     handle
                         .progress
                         .send_modify(|progress| progress.cached = Some(*cached));
+                    handle.scheduled.get_or_insert((starts, *cached));
                 }
             }
             let seconds = params.profile.step_time(&step.work);
@@ -332,19 +372,20 @@ pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, inde
         let Some(mut rank) = incarnation.rank(index) else {
             return;
         };
-        let Rank {
-            engine, ttft, e2e, ..
-        } = &mut *rank;
+        let rank = &mut *rank;
+        let mut tokens = 0_u64;
         if let RankEngine::Step {
             model, requests, ..
-        } = engine
+        } = &mut rank.engine
         {
             for emission in model.complete(&step, seconds) {
                 match emission {
                     Emission::Token { id, generated } => {
-                        if let Some(handle) = requests.get(&id) {
+                        tokens += 1;
+                        if let Some(handle) = requests.get_mut(&id) {
                             if generated == 1 {
-                                ttft.observe(handle.received.elapsed().as_secs_f64());
+                                rank.ttft.observe(handle.received.elapsed().as_secs_f64());
+                                handle.first_token = Some(end);
                             }
                             handle
                                 .progress
@@ -353,7 +394,13 @@ pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, inde
                     }
                     Emission::Finished { id } => {
                         if let Some(handle) = requests.remove(&id) {
-                            e2e.observe(handle.received.elapsed().as_secs_f64());
+                            rank.e2e.observe(handle.received.elapsed().as_secs_f64());
+                            observe_phases(
+                                &handle,
+                                &mut rank.queue_time,
+                                &mut rank.prefill_time,
+                                &mut rank.prefill_tokens,
+                            );
                             handle.progress.send_modify(|progress| progress.done = true);
                         }
                     }
@@ -361,6 +408,7 @@ pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, inde
             }
         }
         rank.flush_events();
-        drop(rank);
+        // The API server's loop processes every token the step produced (`api_work`).
+        super::api_work(&shared, tokens as f64 * params.profile.api_output);
     }
 }

@@ -109,10 +109,11 @@ pub(super) async fn generate(
     let received = Instant::now();
     if shared.spec.timing == Timing::Step {
         // The API server parses and tokenizes before the scheduler sees the request; a paused engine
-        // does not stop it.
+        // does not stop it. Its tokenizing takes the server's one loop in turn.
         let front = Duration::try_from_secs_f64(params.profile.front * params.time_scale)
             .unwrap_or(Duration::ZERO);
-        tokio::time::sleep_until(received + front).await;
+        let tokenized = super::api_work(&shared, prompt.len() as f64 * params.profile.api_token);
+        tokio::time::sleep_until((received + front).max(tokenized)).await;
     }
     // A decode leg pulls the KV its prefill worker leased before the scheduler can run it.
     let transfer = match &request.kv_transfer {

@@ -50,7 +50,7 @@ use crate::expo::{self, Identity};
 use crate::kv_events::KvEventEndpoints;
 use crate::kv_events::publisher::{PublisherSpec, RankStream};
 use crate::model::Admission;
-use crate::stats::{Histogram, RankStats};
+use crate::stats::{Histogram, REQUEST_LATENCY_BUCKETS, RankStats, TOKEN_BUCKETS};
 use crate::wire::{self, Api};
 
 mod admin;
@@ -137,6 +137,11 @@ struct Rank {
     engine: RankEngine,
     ttft: Histogram,
     e2e: Histogram,
+    /// vLLM's per-request phases (`RankStats::queue_time` and its neighbours), observed by the step
+    /// model's engine loop when a request finishes.
+    queue_time: Histogram,
+    prefill_time: Histogram,
+    prefill_tokens: Histogram,
     /// The rank's KV event stream, when events are on.
     events: Option<RankStream>,
 }
@@ -171,6 +176,9 @@ impl Rank {
         let mut stats = self.engine.stats();
         stats.ttft = self.ttft.clone();
         stats.e2e = self.e2e.clone();
+        stats.queue_time = self.queue_time.clone();
+        stats.prefill_time = self.prefill_time.clone();
+        stats.prefill_tokens = self.prefill_tokens.clone();
         stats
     }
 }
@@ -205,6 +213,9 @@ impl Incarnation {
                     engine,
                     ttft: Histogram::default(),
                     e2e: Histogram::default(),
+                    queue_time: Histogram::over(REQUEST_LATENCY_BUCKETS),
+                    prefill_time: Histogram::over(REQUEST_LATENCY_BUCKETS),
+                    prefill_tokens: Histogram::over(TOKEN_BUCKETS),
                     events,
                 })
             })
@@ -301,6 +312,26 @@ struct Shared {
     transferring: AtomicU64,
     /// When the worker's link is free of the transfers queued on it.
     link_free: Mutex<tokio::time::Instant>,
+    /// When the API server's one loop is free of the work queued on it ([`api_work`]).
+    api_free: Mutex<tokio::time::Instant>,
+}
+
+/// Queues `seconds` (model time) of work on the API server's one loop, behind what it has queued
+/// already, and returns when it is done: prompts tokenized, step outputs processed and `/metrics`
+/// rendered take turns there, so a burst of long prompts or a crowd of streams makes `/metrics` late,
+/// as it makes a real vLLM's (`Profile::api_token`). Under the step model only; the slots model has
+/// none.
+fn api_work(shared: &Shared, seconds: f64) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    if shared.spec.timing != Timing::Step {
+        return now;
+    }
+    let scale = shared.params.load().time_scale;
+    let wall = Duration::try_from_secs_f64(seconds * scale).unwrap_or(Duration::ZERO);
+    let mut free = lock(&shared.api_free);
+    let done = (*free).max(now) + wall;
+    *free = done;
+    done
 }
 
 /// A simulated worker. Dropping it stops its server.
@@ -360,6 +391,7 @@ impl Worker {
             arrived: Mutex::new(std::collections::HashSet::new()),
             transferring: AtomicU64::new(0),
             link_free: Mutex::new(tokio::time::Instant::now()),
+            api_free: Mutex::new(tokio::time::Instant::now()),
             spec,
         });
         launch(&shared, listener, kv_listeners);

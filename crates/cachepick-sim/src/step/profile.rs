@@ -38,6 +38,15 @@ pub struct Profile {
     pub per_sequence: f64,
     /// `t_front`: the API server's HTTP parsing and tokenization before the scheduler sees a request.
     pub front: f64,
+    /// The API server's one loop, which the work below shares in turn (FIFO): it tokenizes prompts (a
+    /// single-thread executor, vLLM #25301), processes every step's outputs (vLLM #38157: "the entire
+    /// server runs on a single asyncio event loop, and the output_handler ... saturates it") and
+    /// answers `/metrics`, mounted on the same app. Seconds per prompt token tokenized.
+    pub api_token: f64,
+    /// Seconds of that loop per output token processed (detokenized and framed).
+    pub api_output: f64,
+    /// Seconds of that loop to render one `/metrics` answer.
+    pub api_metrics: f64,
     /// KV blocks of 16 tokens the GPU holds for this model.
     pub kv_blocks: u32,
     /// vLLM's `max_num_batched_tokens` and `max_num_seqs` for the OpenAI server on this GPU.
@@ -93,6 +102,9 @@ impl Profile {
             kv_read: 57e-9,
             per_sequence: 4.4e-6,
             front: 15e-3,
+            api_token: 1.1e-6,
+            api_output: 0.1e-3,
+            api_metrics: 4.5e-3,
             kv_blocks: 29_205,
             vllm_batch_tokens: 8192,
             vllm_max_seqs: 1024,
