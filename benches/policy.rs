@@ -33,6 +33,7 @@ fn fleet(n: usize, now: Instant, saturated: bool) -> (PoolSnapshot, Vec<OwnerMat
             state.capacity = Capacity {
                 max_running: Some(256),
                 max_total_tokens: Some(1 << 20),
+                engine_block: Some(16),
             };
             state.reading = Some(Reading {
                 captured_at: now - Duration::from_millis(300),

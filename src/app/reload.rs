@@ -105,23 +105,21 @@ pub(super) async fn watch(
             // A poll that could not look in time (a starved machine, a hung file system) saw no
             // change: nothing is reloaded or counted, and the next poll looks again. A read still
             // hung at the next poll is worth one warning.
-            Err(error) if !asked && error.kind() == io::ErrorKind::TimedOut => {
-                let reason = error.to_string();
-                if hung && unreadable.as_ref() != Some(&reason) {
-                    tracing::warn!(path = %reload.path.display(), "the configuration file cannot be polled: {reason}; the running configuration stands");
-                }
-                unreadable = Some(reason);
-                continue;
-            }
             Err(error) => {
+                let timed_out = !asked && error.kind() == io::ErrorKind::TimedOut;
                 let reason = error.to_string();
-                if asked || unreadable.as_ref() != Some(&reason) {
+                let new = unreadable.as_ref() != Some(&reason);
+                if timed_out && hung && new {
+                    tracing::warn!(path = %reload.path.display(), "the configuration file cannot be polled: {reason}; the running configuration stands");
+                } else if !timed_out && (asked || new) {
                     let trigger = if asked { "SIGHUP" } else { "poll" };
                     tracing::error!(path = %reload.path.display(), trigger, "cannot read the configuration file: {reason}; nothing changed");
                     targets.metrics.record_reload(ReloadOutcome::Invalid);
                 }
                 unreadable = Some(reason);
-                seen = None;
+                if !timed_out {
+                    seen = None;
+                }
                 continue;
             }
         };

@@ -278,6 +278,7 @@ struct Load<'c> {
     max_body_bytes: Size,
     max_concurrent_scrapes: usize,
     unreachable_after: u32,
+    silent_after: String,
     drain_timeout: String,
     tls: Option<ScrapeTls<'c>>,
     prefill_rate_half_life: String,
@@ -473,6 +474,7 @@ impl<'c> From<&'c Config> for File<'c> {
                 max_body_bytes: config.load.max_body_bytes.get().into(),
                 max_concurrent_scrapes: config.load.max_concurrent_scrapes.get(),
                 unreachable_after: config.load.unreachable_after.get(),
+                silent_after: duration::format(config.load.silent_after),
                 drain_timeout: duration::format(config.load.drain_timeout),
                 tls: config.load.tls.as_ref().map(|tls| ScrapeTls {
                     ca_file: &tls.files.ca_file,

@@ -523,9 +523,13 @@ pub struct LoadConfig {
     pub max_body_bytes: NonZeroUsize,
     /// Scrape requests in flight at once per pool.
     pub max_concurrent_scrapes: NonZeroUsize,
-    /// Consecutive scrapes that cannot connect, or time out with no other sign of the worker's life,
-    /// before it is `unreachable`.
+    /// Consecutive scrapes that cannot connect, or time out with no sign of the worker's life within
+    /// `silent_after`, before it is `unreachable`.
     pub unreachable_after: NonZeroU32,
+    /// How long a worker whose scrapes time out stays `late` (an owner, its gate open) without any
+    /// sign of life: an answer to a scrape, a KV event batch, a response it served. Longer than
+    /// `scrape_timeout`.
+    pub silent_after: Duration,
     /// How long a worker removed from discovery may keep serving what it was sent before it leaves,
     /// if it neither goes idle nor stops answering first.
     pub drain_timeout: Duration,
@@ -562,6 +566,9 @@ impl LoadConfig {
     pub const DEFAULT_UNREACHABLE_AFTER: u32 = 2;
     /// Longer than most generations take; a request still running then is cut by the engine's exit.
     pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+    /// A busy vLLM answered `/metrics` in up to 4.1–8.3 s under a burst (issue 45): longer than that,
+    /// and short enough that a hung worker stops taking its owners' traffic within seconds.
+    pub const DEFAULT_SILENT_AFTER: Duration = Duration::from_secs(10);
 }
 
 impl Default for LoadConfig {
@@ -579,6 +586,7 @@ impl Default for LoadConfig {
                 .unwrap_or(NonZeroUsize::MIN),
             unreachable_after: NonZeroU32::new(Self::DEFAULT_UNREACHABLE_AFTER)
                 .unwrap_or(NonZeroU32::MIN),
+            silent_after: Self::DEFAULT_SILENT_AFTER,
             drain_timeout: Self::DEFAULT_DRAIN_TIMEOUT,
             tls: None,
             rate: RateWindow::default(),

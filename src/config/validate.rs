@@ -18,12 +18,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{
-    Config, Discovery, KvEventEndpoints, LoadConfig, LoadSource, ModelMatch, Overrides, PdConfig,
-    PolicyConfig, PoolConfig, RateWindow, TokenizerConfig, UnknownSubset, WorkerConfig,
-    WorkerTemplate,
+    Config, Discovery, KvEventEndpoints, LoadSource, ModelMatch, Overrides, PdConfig, PolicyConfig,
+    PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig, WorkerTemplate,
 };
 use crate::worker::{Engine, Role};
-use cachepick_decode::duration;
 use cachepick_decode::{
     Decode, Field, Map, Node, Origin, Phase, Place, Problems, Res, Val, at_least_one,
     at_least_one_u32, at_least_one_usize, blame, overridden, with_default,
@@ -35,12 +33,14 @@ use policy::Resolved;
 mod discovery;
 mod feedback;
 mod index;
+mod load;
 mod overload;
 mod pd;
 mod policy;
 mod security;
 mod sync;
 mod tracing;
+mod worker;
 
 const ROOT_KEYS: &[&str] = &[
     "listen",
@@ -60,18 +60,6 @@ const ROOT_KEYS: &[&str] = &[
     "replica_sync",
     "tracing",
 ];
-const LOAD_KEYS: &[&str] = &[
-    "scrape_interval",
-    "scrape_timeout",
-    "freshness",
-    "max_body_bytes",
-    "max_concurrent_scrapes",
-    "unreachable_after",
-    "drain_timeout",
-    "tls",
-    "prefill_rate_half_life",
-    "prefill_rate_warmup",
-];
 const POOL_KEYS: &[&str] = &[
     "model",
     "engine",
@@ -90,18 +78,6 @@ const POOL_KEYS: &[&str] = &[
     "template",
     "max_workers",
     "pd",
-];
-const WORKER_KEYS: &[&str] = &[
-    "endpoint",
-    "metrics_url",
-    "load_source",
-    "loads_url",
-    "role",
-    "dp_size",
-    "max_running_requests",
-    "max_total_tokens",
-    "kv_events",
-    "bootstrap_port",
 ];
 
 const HTTP_URL: &str =
@@ -273,7 +249,7 @@ impl Validator<'_> {
         let metrics_http = self.metrics_http(&root);
         let policy = self.policy(&root, Some(overrides), None);
         let load = self
-            .section(&root, "load", LOAD_KEYS)
+            .section(&root, "load", load::LOAD_KEYS)
             .and_then(|map| self.load(&map));
         self.https_scrape = load.as_ref().map_or(true, |load| load.tls.is_some());
         let pools = self.pools(&root, &policy);
@@ -302,69 +278,6 @@ impl Validator<'_> {
             feedback: feedback?,
             replica_sync: replica_sync?,
             tracing: tracing?,
-        })
-    }
-
-    fn load(&mut self, map: &Map) -> Res<LoadConfig> {
-        let defaults = LoadConfig::default();
-        let interval = self.positive_duration(map, "scrape_interval", defaults.scrape_interval);
-        let timeout = self.positive_duration(map, "scrape_timeout", defaults.scrape_timeout);
-        let freshness = self.positive_duration(map, "freshness", defaults.freshness);
-        let timeout_fits = match (&freshness, &timeout) {
-            (Ok(freshness), Ok(timeout)) if timeout.value >= freshness.value => {
-                let message = format!(
-                    "scrape_timeout ({}) must be shorter than freshness ({}): an answer that late is stale \
-                     when it arrives",
-                    duration::format(timeout.value),
-                    duration::format(freshness.value),
-                );
-                Err(self.report(Phase::Cross, blame(timeout, freshness), message))
-            }
-            _ => Ok(()),
-        };
-        let freshness_lasts = match (&interval, &freshness) {
-            (Ok(interval), Ok(freshness)) if freshness.value <= interval.value => {
-                let message = format!(
-                    "freshness ({}) must be longer than scrape_interval ({}): a healthy worker's reading would \
-                     lapse between scrapes and the gate would go blind",
-                    duration::format(freshness.value),
-                    duration::format(interval.value),
-                );
-                Err(self.report(Phase::Cross, blame(freshness, interval), message))
-            }
-            _ => Ok(()),
-        };
-        let body = self.positive_size(map, "max_body_bytes", LoadConfig::DEFAULT_MAX_BODY_BYTES);
-        let scrapes = self.opt(map, "max_concurrent_scrapes", Self::integer);
-        let scrapes = self.check(
-            with_default(scrapes, LoadConfig::DEFAULT_MAX_CONCURRENT_SCRAPES as u64),
-            at_least_one_usize,
-        );
-        let unreachable = self.opt(map, "unreachable_after", Self::integer);
-        let unreachable = self.check(
-            with_default(unreachable, defaults.unreachable_after.get().into()),
-            at_least_one_u32,
-        );
-        let drain = self.positive_duration(map, "drain_timeout", defaults.drain_timeout);
-        let tls = self.scrape_tls(map);
-        let half_life =
-            self.positive_duration(map, "prefill_rate_half_life", defaults.rate.half_life);
-        let warmup = self.positive_duration(map, "prefill_rate_warmup", defaults.rate.warmup);
-        timeout_fits?;
-        freshness_lasts?;
-        Ok(LoadConfig {
-            unreachable_after: unreachable?.value,
-            drain_timeout: drain?.value,
-            scrape_interval: interval?.value,
-            scrape_timeout: timeout?.value,
-            freshness: freshness?.value,
-            max_body_bytes: body?.value,
-            max_concurrent_scrapes: scrapes?.value,
-            tls: tls?,
-            rate: RateWindow {
-                half_life: half_life?.value,
-                warmup: warmup?.value,
-            },
         })
     }
 
@@ -522,168 +435,6 @@ impl Validator<'_> {
             return Err(self.report(Phase::Value, pool.at.clone(), message));
         }
         Ok(Some(engine.value))
-    }
-
-    /// `engine` is the pool's, `None` if it was rejected (the checks against it are then skipped).
-    fn workers(
-        &mut self,
-        pool: &Map,
-        engine: Option<Engine>,
-        index: &Res<IndexDraft>,
-    ) -> Res<Vec<Res<WorkerDraft>>> {
-        let (workers, at) = self.required_list(pool, "workers", "worker", |v, node, at| {
-            v.worker(node, at, engine, index)
-        })?;
-        // Judged only when every worker's role is known: a rejected one may have been the prefill worker.
-        let roles: Res<Vec<Role>> = workers
-            .iter()
-            .map(|worker| worker.as_ref().map_err(|r| *r)?.role)
-            .collect();
-        if roles.is_ok_and(|roles| !roles.iter().any(|role| role.serves_prefill())) {
-            let message =
-                "no worker has role prefill or both: every request to this pool would be refused";
-            self.report(Phase::Structure, at.origin(), message);
-        }
-        Ok(workers)
-    }
-
-    fn worker(
-        &mut self,
-        node: &Node,
-        at: &Place,
-        engine: Option<Engine>,
-        index: &Res<IndexDraft>,
-    ) -> Res<WorkerDraft> {
-        let map = self.mapping(node, at, WORKER_KEYS)?;
-        let endpoint = self.required(&map, "endpoint", Self::address).and_then(|endpoint| {
-            if endpoint.value.ip().is_unspecified() || endpoint.value.port() == 0 {
-                let message = format!(
-                    "{} is not an address Envoy can send a request to: give the worker's own IP and port",
-                    endpoint.value
-                );
-                return Err(self.report(Phase::Value, endpoint.at, message));
-            }
-            Ok(endpoint)
-        });
-        let metrics_url = self.opt(&map, "metrics_url", |v, node, at| {
-            v.http_url(node, at, "metrics")
-        });
-        let loads_url = self.opt(&map, "loads_url", |v, node, at| {
-            v.http_url(node, at, "/v1/loads")
-        });
-        let keys = self.engine_keys(&map, loads_url, engine);
-        let kv_events = self.worker_kv_events(&map);
-        let kv_events = match (&endpoint, &keys.dp_size, index, kv_events) {
-            (Ok(endpoint), Ok(dp_size), Ok(index), Ok(own)) => {
-                self.resolve_kv_events(index, own, endpoint.value, dp_size.value.get())
-            }
-            (Err(reported), ..) | (_, Err(reported), ..) | (.., Err(reported), _) => Err(*reported),
-            (.., Err(reported)) => Err(reported),
-        };
-        let bootstrap_port = self.opt(&map, "bootstrap_port", Self::port);
-        Ok(WorkerDraft {
-            kv_events,
-            bootstrap_port,
-            endpoint,
-            metrics_url: metrics_url.map(|url| url.map(|url| url.value)),
-            load_source: keys.load_source,
-            loads_url: keys.loads_url,
-            role: keys.role,
-            dp_size: keys.dp_size.map(|size| size.value),
-            max_running_requests: keys.max_running_requests,
-            max_total_tokens: keys.max_total_tokens,
-        })
-    }
-
-    /// The keys that say what a worker's engine is, beyond its address: a file worker's and a pool's
-    /// `template` for discovered workers.
-    /// `loads_url` is the worker's (none for a template), checked with the load source against
-    /// `engine`.
-    fn engine_keys(
-        &mut self,
-        map: &Map,
-        loads_url: Field<String>,
-        engine: Option<Engine>,
-    ) -> EngineKeys {
-        let load_source = self.opt(map, "load_source", |v, node, at| {
-            v.keyword(
-                node,
-                at,
-                &[LoadSource::Metrics, LoadSource::Loads],
-                LoadSource::as_str,
-            )
-        });
-        let role = self.opt(map, "role", |v, node, at| {
-            v.keyword(
-                node,
-                at,
-                &[Role::Prefill, Role::Decode, Role::Both],
-                Role::as_str,
-            )
-        });
-        let dp_size = self.opt(map, "dp_size", Self::integer);
-        let dp_size = self.check(
-            with_default(dp_size, WorkerConfig::DEFAULT_DP_SIZE.into()),
-            |n| {
-                at_least_one_u32(n).and_then(|size| {
-                    if size.get() > WorkerConfig::MAX_DP_SIZE {
-                        Err(format!(
-                            "must be at most {}: the scraper keeps a sample per rank",
-                            WorkerConfig::MAX_DP_SIZE
-                        ))
-                    } else {
-                        Ok(size)
-                    }
-                })
-            },
-        );
-        let max_running_requests = self.opt(map, "max_running_requests", Self::integer);
-        let max_running_requests = self.check_opt(max_running_requests, at_least_one);
-        let max_total_tokens = self.opt(map, "max_total_tokens", Self::integer);
-        let max_total_tokens = self.check_opt(max_total_tokens, at_least_one);
-        let value = |field: Field<NonZeroU64>| field.map(|given| given.map(|given| given.value));
-        let (load_source, loads_url) = self.load_source(
-            with_default(load_source, LoadSource::default()),
-            loads_url,
-            engine,
-        );
-        EngineKeys {
-            load_source,
-            loads_url,
-            role: with_default(role, WorkerConfig::DEFAULT_ROLE).map(|role| role.value),
-            dp_size,
-            max_running_requests: value(max_running_requests),
-            max_total_tokens: value(max_total_tokens),
-        }
-    }
-
-    /// A worker's load source against its pool's engine, and its `loads_url` against the source; each
-    /// check is skipped when a value it reads was rejected.
-    fn load_source(
-        &mut self,
-        source: Res<Val<LoadSource>>,
-        url: Field<String>,
-        engine: Option<Engine>,
-    ) -> (Res<LoadSource>, Res<Option<String>>) {
-        let source = source.and_then(|source| match (source.value, engine) {
-            (LoadSource::Loads, Some(engine)) if engine != Engine::Sglang => {
-                let message = format!(
-                    "load_source: loads reads SGLang's /v1/loads; engine {} has no such endpoint",
-                    engine.as_str()
-                );
-                Err(self.report(Phase::Cross, source.at, message))
-            }
-            _ => Ok(source.value),
-        });
-        let url = url.and_then(|url| match (url, source) {
-            (Some(url), Ok(LoadSource::Metrics)) => Err(self.report(
-                Phase::Cross,
-                url.at,
-                "loads_url is read only with load_source: loads",
-            )),
-            (url, _) => Ok(url.map(|url| url.value)),
-        });
-        (source, url)
     }
 
     /// Models are unique, and at most one pool is the default (`*`).

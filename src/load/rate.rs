@@ -7,10 +7,9 @@
 //! - **Prefill rate**, from signals that time the prefill itself: vLLM (≥ 0.13) observes, when a
 //!   request finishes, the seconds from its first scheduling to its first token
 //!   (`request_prefill_time_seconds`) and the uncached tokens that prefill computed
-//!   (`request_prefill_kv_computed_tokens`). Their sums' growth is tokens over prefill-seconds. Requests
-//!   prefilled side by side each count the whole shared time, so an interval's seconds are capped at
-//!   the longer of the interval and the mean prefill that ended in it. Given once [`MIN_REQUESTS`]
-//!   prefills are behind it.
+//!   (`request_prefill_kv_computed_tokens`). Their sums' growth is tokens over prefill-seconds: the
+//!   speed of one prefill at the load the engine carries (prefills batched together each count the
+//!   steps they share), the engine's own measure. Given once [`MIN_REQUESTS`] prefills are behind it.
 //! - **Drain rate**, the queue's: between two readings that both show requests waiting, the engine
 //!   was working the whole time (a queue never waits on an idle engine), so the uncached tokens it
 //!   completed over the interval are how fast the queue ahead of a new request moves, slots and decode
@@ -135,7 +134,7 @@ impl PrefillMeter {
         let seconds = elapsed.as_secs_f64();
         let keep = 0.5_f64.powf(seconds / self.window.half_life.as_secs_f64());
         self.learn_drain(&last, &mark, seconds, keep);
-        self.learn_histograms(&last, &mark, seconds, keep);
+        self.learn_histograms(&last, &mark, keep);
     }
 
     /// The queue's drain, tokens per request and the share of lookups the cache missed, from the
@@ -166,21 +165,13 @@ impl PrefillMeter {
     }
 
     /// The prefill rate and the queue wait, from the engine's per-request histograms.
-    fn learn_histograms(&mut self, last: &Mark, mark: &Mark, seconds: f64, keep: f64) {
+    fn learn_histograms(&mut self, last: &Mark, mark: &Mark, keep: f64) {
         if let Some((prefill_seconds, prefills, Some(tokens))) = grown(&last.prefill, &mark.prefill)
         {
-            // Prefills side by side each count the time they shared, so their sum can exceed the
-            // time the engine spent prefilling. It is capped at the longer of the interval and the
-            // mean prefill that ended in it: several short prefills ending together shared the
-            // interval at most, and one long prefill ending here is counted whole.
-            let mean = if prefills > 0.0 {
-                prefill_seconds / prefills
-            } else {
-                0.0
-            };
+            // Prefills side by side each count the steps they shared: the rate is the one a prefill
+            // sees at the load the engine carries, which is what the request's own prefill will see.
             self.prefill_tokens = self.prefill_tokens * keep + tokens;
-            self.prefill_seconds =
-                self.prefill_seconds * keep + prefill_seconds.min(seconds.max(mean));
+            self.prefill_seconds = self.prefill_seconds * keep + prefill_seconds;
             self.prefills = self.prefills * keep + prefills;
         }
         if let Some((queue_seconds, requests, _)) = grown(&last.queue, &mark.queue) {
@@ -481,22 +472,9 @@ mod tests {
     }
 
     #[test]
-    fn prefills_that_shared_the_engine_count_the_interval_once_and_a_long_one_counts_whole() {
+    fn a_prefill_longer_than_the_scrape_interval_counts_whole_where_it_ends() {
+        // One 40k-token prefill of 4 s ending every 4 s, scraped every second.
         let start = Instant::now();
-        // Four 5,000-token prefills side by side, each timed at the whole 1 s they shared: the engine
-        // computed 20k tokens in that second, not 5k.
-        let mut shared = PrefillMeter::default();
-        for second in 0..=10_u32 {
-            let n = f64::from(second);
-            shared.observe(
-                start + Duration::from_secs(u64::from(second)),
-                &histograms(4.0 * n, 4.0 * n, 20_000.0 * n, 0.0),
-                0,
-            );
-        }
-        assert_eq!(shared.estimate().prefill_tokens_per_second, Some(20_000));
-        // One 40k-token prefill of 4 s ending every 4 s, scraped every second: its 4 s count whole,
-        // though each interval is 1 s.
         let mut long = PrefillMeter::default();
         for second in 0..=40_u32 {
             let done = f64::from(second / 4);

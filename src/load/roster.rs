@@ -51,6 +51,8 @@ struct Tracked {
     failures: u32,
     /// The engine run the last answer came from.
     identity: Option<Identity>,
+    /// When its last scrape that got an answer (of any kind) was sent.
+    answered: Option<Instant>,
     /// What its counters teach about its prefill.
     meter: PrefillMeter,
     /// Its counters at the last reading, for the requests that reached it from every router.
@@ -101,6 +103,7 @@ pub(super) struct Roster {
     freshness: Duration,
     drain_timeout: Duration,
     unreachable_after: NonZeroU32,
+    silent_after: Duration,
     rate: RateWindow,
     /// By increasing id.
     workers: Vec<Tracked>,
@@ -138,6 +141,7 @@ impl Roster {
             freshness: config.freshness,
             drain_timeout: config.drain_timeout,
             unreachable_after: config.unreachable_after,
+            silent_after: config.silent_after,
             rate: config.rate,
             workers: Vec::new(),
             free: (0..slots).collect(),
@@ -191,6 +195,7 @@ impl Roster {
                 .collect(),
             failures: 0,
             identity: None,
+            answered: None,
             meter: PrefillMeter::new(self.rate),
             arrivals: Arrivals::default(),
             since: now,
@@ -412,11 +417,21 @@ impl Roster {
         let status = &mut worker.state.scrape;
         status.attempts += 1;
         status.last_outcome = Some(outcome);
-        // A scrape that timed out is late, not unanswered, when the worker was heard from while it
-        // was out (KV events, a response served): a busy engine answers `/metrics` last.
+        // A scrape that timed out is late, not unanswered, while the worker showed a sign of life
+        // within `silent_after`: an answer to a scrape, a KV event batch, a response it served. A busy
+        // engine answers `/metrics` last; only a silent one is taken for gone.
         let timed_out = outcome == ScrapeOutcome::Timeout;
-        let alive = timed_out && self.pool.heard_since(id, sent);
+        let since = now.checked_sub(self.silent_after).unwrap_or(now);
+        let alive = timed_out
+            && (worker.answered.is_some_and(|answered| answered >= since)
+                || self.pool.heard_since(id, since));
         let unanswered = outcome == ScrapeOutcome::ConnectError || (timed_out && !alive);
+        if !matches!(
+            outcome,
+            ScrapeOutcome::ConnectError | ScrapeOutcome::Timeout
+        ) {
+            worker.answered = Some(sent);
+        }
         worker.failures = if unanswered {
             worker.failures.saturating_add(1)
         } else {
@@ -479,7 +494,6 @@ impl Roster {
                 status.last_error = Some(Arc::from(error.to_string()));
             }
         }
-        let endpoint = worker.state.endpoint;
         match worker.state.lifecycle {
             // A draining worker leaves once it has nothing left to serve or cannot be reached.
             Lifecycle::Draining => {
@@ -500,28 +514,7 @@ impl Roster {
                     answered_state(worker.failures, unreachable_after, timed_out);
             }
             Lifecycle::Restarted => {}
-            _ => {
-                let next = answered_state(worker.failures, unreachable_after, timed_out);
-                let next = match (worker.state.lifecycle, next) {
-                    // A new worker stays new until it answers once, however many failures.
-                    (Lifecycle::New, Lifecycle::Healthy | Lifecycle::Late)
-                        if timed_out || unanswered =>
-                    {
-                        Lifecycle::New
-                    }
-                    _ => next,
-                };
-                if next != worker.state.lifecycle {
-                    match next {
-                        Lifecycle::Unreachable => tracing::warn!(pool = label, worker = %endpoint,
-                            failures = worker.failures, "worker unreachable; not an owner until it answers"),
-                        _ => {
-                            tracing::info!(pool = label, worker = %endpoint, state = next.as_str(), "worker state")
-                        }
-                    }
-                    worker.state.lifecycle = next;
-                }
-            }
+            _ => worker.settle(label, unreachable_after, timed_out, unanswered),
         }
     }
 
@@ -575,6 +568,35 @@ impl Roster {
 }
 
 impl Tracked {
+    /// The state of a worker neither draining nor restarted after a scrape that `timed_out`, or went
+    /// `unanswered` (counted towards unreachable): logged when it changes.
+    fn settle(
+        &mut self,
+        pool: &str,
+        unreachable_after: NonZeroU32,
+        timed_out: bool,
+        unanswered: bool,
+    ) {
+        let next = answered_state(self.failures, unreachable_after, timed_out);
+        let next = match (self.state.lifecycle, next) {
+            // A new worker stays new until it answers once, however many failures.
+            (Lifecycle::New, Lifecycle::Healthy | Lifecycle::Late) if timed_out || unanswered => {
+                Lifecycle::New
+            }
+            _ => next,
+        };
+        if next == self.state.lifecycle {
+            return;
+        }
+        let endpoint = self.state.endpoint;
+        match next {
+            Lifecycle::Unreachable => tracing::warn!(pool, worker = %endpoint,
+                failures = self.failures, "worker unreachable; not an owner until it answers"),
+            _ => tracing::info!(pool, worker = %endpoint, state = next.as_str(), "worker state"),
+        }
+        self.state.lifecycle = next;
+    }
+
     /// Applies a changed description from discovery: what is scraped, and how.
     fn reconfigure(
         &mut self,

@@ -23,6 +23,7 @@ mod answer;
 mod credit;
 mod explain;
 mod index;
+mod log;
 mod pd;
 mod picker;
 mod prepared;

@@ -22,14 +22,12 @@ use crate::discovery::SourceStatus;
 use crate::events::EventFeeds;
 use crate::load::RosterObserver;
 use crate::metrics::Metrics;
-use crate::policy::{Decision, Gate, Outcome, Reason};
+use crate::policy::{Decision, Outcome, Reason};
 use crate::protocol::RefusalReason;
 use crate::request::{self, ApiPath, charset, encoding};
 use crate::tokenize::TokenizeError;
 
-/// Info-level events (pins, blind gates) are logged for one request in this many, so a saturated
-/// fleet cannot flood the log; the metrics count every one.
-const LOG_SAMPLE: u64 = 64;
+use super::log::LOG_SAMPLE;
 
 /// The request path for a running picker.
 pub struct Service {
@@ -575,7 +573,7 @@ impl Service {
                 decision.matched_tokens,
                 diverted_blocks,
             );
-            self.log(prepared, decision, &endpoints);
+            super::log::routed(&self.sampled, prepared, decision, &endpoints);
         }
         Answer::Route(Routed {
             pool: prepared.pool_label.clone(),
@@ -593,61 +591,6 @@ impl Service {
             credit,
             pd,
         })
-    }
-
-    fn log(&self, prepared: &Prepared, decision: &Decision, endpoints: &[SocketAddr]) {
-        let selected = endpoints
-            .first()
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        let trace = &decision.trace;
-        tracing::debug!(
-            pool = %prepared.pool_label,
-            reason = decision.reason.as_str(),
-            selected = %selected,
-            matched_tokens = decision.matched_tokens,
-            prompt_tokens = prepared.prompt_tokens,
-            owners = trace.owners.len(),
-            fleet = trace.fleet,
-            fresh = trace.fresh,
-            snapshot = trace.snapshot_version,
-            "routed"
-        );
-        // Blind: the selected owner passed the gate only because its queue (or its rate) was unknown.
-        let blind = trace
-            .owners
-            .iter()
-            .find(|owner| owner.worker == decision.selected)
-            .map(|owner| owner.gate)
-            .filter(|gate| matches!(gate, Gate::Unread | Gate::Unpriced));
-        let notable = decision.reason == Reason::SaturationPin || blind.is_some();
-        if notable
-            && self
-                .sampled
-                .fetch_add(1, Ordering::Relaxed)
-                .is_multiple_of(LOG_SAMPLE)
-        {
-            tracing::info!(
-                pool = %prepared.pool_label,
-                reason = decision.reason.as_str(),
-                selected = %selected,
-                blind_gate = blind.is_some(),
-                fleet = trace.fleet,
-                fresh = trace.fresh,
-                sample = LOG_SAMPLE,
-                "{}",
-                match blind {
-                    Some(Gate::Unread) => {
-                        "routed to an owner whose queue is unknown (no fresh reading: none yet, or its scrape is late)"
-                    }
-                    Some(_) => {
-                        "routed to an owner whose wait is not priced yet (a fresh reading, but no prefill \
-                         rate: none learned from the engines yet, and no prefill_tokens_per_second)"
-                    }
-                    None => "fleet saturated: pinned to the least-pressured owner instead of diverting",
-                }
-            );
-        }
     }
 
     /// How a request would be routed now, without routing it: [`route`](Self::route) as a dry run on

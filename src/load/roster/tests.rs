@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use prometheus::IntCounter;
 
 use super::*;
-use crate::config::{self, Config, Overrides};
+use crate::config::{self, Config, LoadConfig, Overrides};
 use crate::load::DispatchCounts;
 use crate::load::engine::{Progress, RankLoad};
 use crate::load::snapshot::EngineLoad;
@@ -433,34 +433,42 @@ fn joiners_take_the_lowest_free_slots_with_new_generations_and_serve_once_they_a
 
 #[test]
 fn a_worker_is_unreachable_after_unreachable_after_unanswered_scrapes_in_a_row() {
+    let silent = LoadConfig::DEFAULT_SILENT_AFTER + Duration::from_secs(1);
     Harness::new(&[8000]).run(&[
         (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
         (Refused(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
         // Any answer, even one that cannot be read, ends the run of failures.
         (Garbled(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
-        // A scrape that timed out is late: still an owner until the run of failures is long enough.
-        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
-        (Refused(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
+        (Refused(8000), &[(8000, 0, 0, Healthy, 0)], &[]),
         (Refused(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
         (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
+        // A scrape that times out is late: an owner still, however many in a row, while the worker
+        // answered within silent_after.
+        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        // Silent for longer: its timeouts count, and two in a row is gone.
+        (Wait(silent), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOut(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
+        (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
     ]);
 }
 
 #[test]
-fn a_scrape_that_times_out_while_the_worker_shows_it_is_alive_is_late_however_many_in_a_row() {
+fn a_worker_heard_from_otherwise_stays_late_past_its_silence() {
+    let silent = LoadConfig::DEFAULT_SILENT_AFTER + Duration::from_secs(1);
     Harness::new(&[8000]).run(&[
         (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
+        (Wait(silent), &[(8000, 0, 0, Healthy, 0)], &[]),
         // A busy engine's `/metrics` answers last; its KV events and its responses still arrive.
         (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
+        (Wait(silent), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
-        (answer(8000, 0, 0), &[(8000, 0, 0, Healthy, 0)], &[]),
-        // Silent as well as late, twice in a row: gone.
-        (TimedOutHeard(8000), &[(8000, 0, 0, Late, 0)], &[]),
-        (Wait(Duration::from_secs(1)), &[(8000, 0, 0, Late, 0)], &[]),
+        // Heard from no more: after its silence, two timeouts in a row make it unreachable.
+        (Wait(silent), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOut(8000), &[(8000, 0, 0, Late, 0)], &[]),
         (TimedOut(8000), &[(8000, 0, 0, Unreachable, 0)], &[]),
         // Refused is gone whatever was heard: a closed port is no busy API server.
