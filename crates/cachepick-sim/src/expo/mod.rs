@@ -16,8 +16,9 @@ use serde_json::json;
 use crate::config::Engine;
 use crate::stats::{Histogram, RankStats};
 
-/// The version the simulated vLLM reports; the suffix marks it as the simulator.
-pub const VLLM_VERSION: &str = "0.11.0+cachepick.sim";
+/// The version the simulated vLLM reports: the release whose exposition, events and APIs it follows
+/// (`tests/vllm/conformance.rs` holds it to that engine); the suffix marks it as the simulator.
+pub const VLLM_VERSION: &str = "0.32.0+cachepick.sim";
 /// The version the simulated SGLang reports.
 pub const SGLANG_VERSION: &str = "0.5.4+cachepick.sim";
 
@@ -41,6 +42,9 @@ enum Num {
 
 /// A family's name, its help text, and how to read its value off a rank.
 type Series = (&'static str, &'static str, fn(&RankStats) -> Num);
+
+/// How to read a histogram off a rank.
+type HistogramOf = fn(&RankStats) -> &Histogram;
 
 /// Prometheus text being written. Writing to a `String` cannot fail, so `write!` results are dropped.
 #[derive(Default)]
@@ -368,8 +372,16 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         ranks,
         &labels,
     );
-    // vLLM V1's per-request phases (0.13 and later), observed when a request finishes.
-    let phases: [(&str, &str, fn(&RankStats) -> &Histogram); 3] = [
+    phases(out, ranks, &labels);
+}
+
+/// vLLM V1's per-request phases (0.13 and later), observed when a request finishes.
+fn phases(
+    out: &mut Exposition,
+    ranks: &[RankStats],
+    labels: &dyn Fn(&RankStats) -> Vec<(&'static str, String)>,
+) {
+    let phases: [(&str, &str, HistogramOf); 3] = [
         (
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -387,7 +399,7 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         ),
     ];
     for (name, help, histogram) in phases {
-        out.histogram((name, help), ranks, &labels, &histogram);
+        out.histogram((name, help), ranks, labels, &histogram);
     }
 }
 

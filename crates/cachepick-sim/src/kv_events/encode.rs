@@ -106,7 +106,12 @@ fn vllm_map(event: &CacheEvent, block_size: u32) -> Value {
             (str("lora_id"), Value::Nil),
             (str("medium"), str(MEDIUM)),
             (str("lora_name"), Value::Nil),
-            // extra_keys, event_version and the sliding window are at their defaults: left out.
+            // One entry per block, none for a plain prompt: vLLM 0.32's `to_event_extra_keys`.
+            (
+                str("extra_keys"),
+                Value::Array(vec![Value::Nil; hashes.len()]),
+            ),
+            // event_version and the sliding window are at their defaults: left out.
             (str("group_idx"), Value::from(0u32)),
             (str("kv_cache_spec_kind"), str(SPEC_KIND)),
         ],

@@ -109,7 +109,7 @@ pub(super) async fn metrics(
     if mode == MetricsMode::Live {
         // Rendered on the API server's loop, after what it has queued (`api_work`).
         let api_metrics = shared.params.load().profile.api_metrics;
-        tokio::time::sleep_until(super::api_work(shared, api_metrics)).await;
+        tokio::time::sleep_until(super::api::api_work(shared, api_metrics)).await;
     }
     let (exposition, loads) = match mode {
         MetricsMode::Live => render(shared, incarnation),

@@ -18,7 +18,7 @@ use rand::rngs::SmallRng;
 use tokio::sync::{Notify, oneshot, watch};
 use tokio::time::Instant;
 
-use super::{Incarnation, Shared, sleep_unpaused};
+use super::{Incarnation, Rank, Shared, sleep_unpaused};
 use crate::cache::CacheEvent;
 use crate::config::{Engine, SimParams, Timing};
 use crate::model::{Admission, RankModel, RequestId};
@@ -282,6 +282,47 @@ impl RankEngine {
     }
 }
 
+/// Applies a step that ran for `seconds` and ended at `end` to the rank's requests: first tokens
+/// and finished requests observed, their clients told. Returns the tokens it produced.
+fn complete(rank: &mut Rank, step: &crate::step::Step, seconds: f64, end: Instant) -> u64 {
+    let mut tokens = 0_u64;
+    let RankEngine::Step {
+        model, requests, ..
+    } = &mut rank.engine
+    else {
+        return 0;
+    };
+    for emission in model.complete(step, seconds) {
+        match emission {
+            Emission::Token { id, generated } => {
+                tokens += 1;
+                if let Some(handle) = requests.get_mut(&id) {
+                    if generated == 1 {
+                        rank.ttft.observe(handle.received.elapsed().as_secs_f64());
+                        handle.first_token = Some(end);
+                    }
+                    handle
+                        .progress
+                        .send_modify(|progress| progress.generated = generated);
+                }
+            }
+            Emission::Finished { id } => {
+                if let Some(handle) = requests.remove(&id) {
+                    rank.e2e.observe(handle.received.elapsed().as_secs_f64());
+                    observe_phases(
+                        &handle,
+                        &mut rank.queue_time,
+                        &mut rank.prefill_time,
+                        &mut rank.prefill_tokens,
+                    );
+                    handle.progress.send_modify(|progress| progress.done = true);
+                }
+            }
+        }
+    }
+    tokens
+}
+
 /// vLLM's per-request phases of a finished request, as `update_from_finished_request` computes them:
 /// queue = first scheduled − queued, prefill = first token − first scheduled, and the prompt tokens
 /// the prefill computed. A request that never got its first token records none.
@@ -372,43 +413,9 @@ pub(super) async fn run(shared: Arc<Shared>, incarnation: Arc<Incarnation>, inde
         let Some(mut rank) = incarnation.rank(index) else {
             return;
         };
-        let rank = &mut *rank;
-        let mut tokens = 0_u64;
-        if let RankEngine::Step {
-            model, requests, ..
-        } = &mut rank.engine
-        {
-            for emission in model.complete(&step, seconds) {
-                match emission {
-                    Emission::Token { id, generated } => {
-                        tokens += 1;
-                        if let Some(handle) = requests.get_mut(&id) {
-                            if generated == 1 {
-                                rank.ttft.observe(handle.received.elapsed().as_secs_f64());
-                                handle.first_token = Some(end);
-                            }
-                            handle
-                                .progress
-                                .send_modify(|progress| progress.generated = generated);
-                        }
-                    }
-                    Emission::Finished { id } => {
-                        if let Some(handle) = requests.remove(&id) {
-                            rank.e2e.observe(handle.received.elapsed().as_secs_f64());
-                            observe_phases(
-                                &handle,
-                                &mut rank.queue_time,
-                                &mut rank.prefill_time,
-                                &mut rank.prefill_tokens,
-                            );
-                            handle.progress.send_modify(|progress| progress.done = true);
-                        }
-                    }
-                }
-            }
-        }
+        let tokens = complete(&mut rank, &step, seconds, end);
         rank.flush_events();
         // The API server's loop processes every token the step produced (`api_work`).
-        super::api_work(&shared, tokens as f64 * params.profile.api_output);
+        super::api::api_work(&shared, tokens as f64 * params.profile.api_output);
     }
 }

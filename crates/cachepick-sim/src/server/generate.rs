@@ -24,7 +24,7 @@ use cachepick_tokenizer::{Chat, ChatTurn, Tokenizer};
 use super::bootstrap::{self, Disaggregation};
 use super::engine::{Progress, Submitted};
 use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, nixl, sleep_unpaused};
-use crate::config::{LoadFailure, Timing};
+use crate::config::{Engine, LoadFailure, Timing};
 use crate::model::{Refusal, RequestId};
 use crate::timing;
 use crate::wire::{self, Api, KvTransfer, Outcome, Prompt, SimRequest};
@@ -112,7 +112,8 @@ pub(super) async fn generate(
         // does not stop it. Its tokenizing takes the server's one loop in turn.
         let front = Duration::try_from_secs_f64(params.profile.front * params.time_scale)
             .unwrap_or(Duration::ZERO);
-        let tokenized = super::api_work(&shared, prompt.len() as f64 * params.profile.api_token);
+        let tokenized =
+            super::api::api_work(&shared, prompt.len() as f64 * params.profile.api_token);
         tokio::time::sleep_until((received + front).max(tokenized)).await;
     }
     // A decode leg pulls the KV its prefill worker leased before the scheduler can run it.
@@ -298,7 +299,11 @@ fn refused(refusal: Refusal) -> Response<Body> {
 /// The request's body parsed for `api`, or the status and message the engine refuses it with: 4xx for
 /// a body it would not take, 404 for another model than the one served (SGLang's `/generate` names none
 /// it checks).
-fn read(shared: &Shared, api: Api, body: &[u8]) -> Result<SimRequest, (StatusCode, String)> {
+pub(super) fn read(
+    shared: &Shared,
+    api: Api,
+    body: &[u8],
+) -> Result<SimRequest, (StatusCode, String)> {
     let request = wire::parse(api, body).map_err(|problem| {
         let status = StatusCode::from_u16(problem.status()).unwrap_or(StatusCode::BAD_REQUEST);
         (status, problem.to_string())
@@ -313,36 +318,6 @@ fn read(shared: &Shared, api: Api, body: &[u8]) -> Result<SimRequest, (StatusCod
         ));
     }
     Ok(request)
-}
-
-/// vLLM's render endpoints (`POST /v1/completions/render`, `/v1/chat/completions/render`, which vLLM
-/// serves with `--enable-scale-out`): the prompt's token ids exactly as [`generate`] would compute them,
-/// without generating. Routers that route on token ids ask a worker for them (vllm-router's
-/// `cache_aware` does before every request). Completions answer a list with one rendered prompt per
-/// prompt, chat a single object, as vLLM does.
-pub(super) fn render(shared: &Shared, api: Api, body: &Bytes) -> Response<Body> {
-    let request = match read(shared, api, body) {
-        Ok(request) => request,
-        Err((status, message)) => return error(status, &message),
-    };
-    let token_ids = match tokens(&shared.spec.tokenizer, &request.prompt) {
-        Ok(prompt) => prompt,
-        Err(message) => return error(StatusCode::BAD_REQUEST, &message),
-    };
-    let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
-    let prefix = if api == Api::Chat { "chatcmpl" } else { "cmpl" };
-    let rendered = serde_json::json!({
-        "request_id": format!("{prefix}-render-{id}"),
-        "token_ids": token_ids,
-        "sampling_params": {"max_tokens": request.max_tokens},
-        "model": shared.spec.model,
-    });
-    let answer = if api == Api::Chat {
-        rendered
-    } else {
-        serde_json::Value::Array(vec![rendered])
-    };
-    json(StatusCode::OK, answer.to_string().into_bytes())
 }
 
 /// The prompt's tokens as the engine sees them: a chat rendered by the template and tokenized whole
@@ -525,6 +500,7 @@ impl Run {
             completion_tokens,
             cached_tokens: self.cached_tokens,
             finish_reason: "length",
+            vllm: self.shared.spec.engine == Engine::Vllm,
         }
     }
 }

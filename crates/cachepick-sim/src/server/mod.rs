@@ -31,10 +31,9 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue};
-use http::{Method, Request, Response, StatusCode};
+use http::{Response, StatusCode};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
+use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use rand::SeedableRng;
@@ -46,19 +45,22 @@ use tokio::task::{JoinHandle, JoinSet};
 use cachepick_tokenizer::Tokenizer;
 
 use crate::config::{Engine, KvEventsConfig, SimParams, Timing};
-use crate::expo::{self, Identity};
+use crate::expo::Identity;
 use crate::kv_events::KvEventEndpoints;
 use crate::kv_events::publisher::{PublisherSpec, RankStream};
 use crate::model::Admission;
 use crate::stats::{Histogram, REQUEST_LATENCY_BUCKETS, RankStats, TOKEN_BUCKETS};
-use crate::wire::{self, Api};
+use crate::wire;
 
 mod admin;
+mod api;
 mod bootstrap;
 mod engine;
 mod generate;
 mod life;
 mod nixl;
+mod routes;
+mod tokenize;
 
 use engine::RankEngine;
 
@@ -66,8 +68,7 @@ pub use admin::{FakeMetrics, MetricsMode};
 pub use bootstrap::Disaggregation;
 pub(crate) use generate::tokens;
 
-use admin::{Controls, Scrape, admin, metrics};
-use generate::generate;
+use admin::Controls;
 use life::{bind_kv_events, kill, launch, restart};
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -314,24 +315,6 @@ struct Shared {
     link_free: Mutex<tokio::time::Instant>,
     /// When the API server's one loop is free of the work queued on it ([`api_work`]).
     api_free: Mutex<tokio::time::Instant>,
-}
-
-/// Queues `seconds` (model time) of work on the API server's one loop, behind what it has queued
-/// already, and returns when it is done: prompts tokenized, step outputs processed and `/metrics`
-/// rendered take turns there, so a burst of long prompts or a crowd of streams makes `/metrics` late,
-/// as it makes a real vLLM's (`Profile::api_token`). Under the step model only; the slots model has
-/// none.
-fn api_work(shared: &Shared, seconds: f64) -> tokio::time::Instant {
-    let now = tokio::time::Instant::now();
-    if shared.spec.timing != Timing::Step {
-        return now;
-    }
-    let scale = shared.params.load().time_scale;
-    let wall = Duration::try_from_secs_f64(seconds * scale).unwrap_or(Duration::ZERO);
-    let mut free = lock(&shared.api_free);
-    let done = (*free).max(now) + wall;
-    *free = done;
-    done
 }
 
 /// A simulated worker. Dropping it stops its server.
@@ -583,7 +566,7 @@ async fn accept_loop(
                         async move {
                             let served_by = HeaderValue::from_str(&shared.id).ok();
                             let echoed = routing_headers(request.headers());
-                            let mut response = route(shared, incarnation, request).await;
+                            let mut response = routes::route(shared, incarnation, request).await;
                             // Errors too: a test sees which worker refused a request.
                             if let Some(served_by) = served_by {
                                 response.headers_mut().insert("x-served-by", served_by);
@@ -628,118 +611,6 @@ fn routing_headers(headers: &http::HeaderMap) -> Vec<(http::HeaderName, HeaderVa
             ))
         })
         .collect()
-}
-
-async fn route(
-    shared: Arc<Shared>,
-    incarnation: Arc<Incarnation>,
-    request: Request<Incoming>,
-) -> Response<Body> {
-    let path = request.uri().path().to_owned();
-    let engine = shared.spec.engine;
-    match (request.method(), path.as_str()) {
-        (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/generate") => {
-            let api = Api::from_path(&path).unwrap_or(Api::Chat);
-            let tag = request
-                .headers()
-                .get(DISPATCH_TAG)
-                .and_then(|value| value.to_str().ok()?.parse().ok());
-            match read_body(request).await {
-                Ok(body) => {
-                    let arrival = Arrival {
-                        shared: Arc::clone(&shared),
-                        tag,
-                    };
-                    generate(Arc::clone(&shared), incarnation, api, body, arrival).await
-                }
-                Err(response) => response,
-            }
-        }
-        (&Method::POST, "/v1/chat/completions/render" | "/v1/completions/render")
-            if engine == Engine::Vllm =>
-        {
-            let api = Api::from_path(path.trim_end_matches("/render")).unwrap_or(Api::Chat);
-            match read_body(request).await {
-                Ok(body) => generate::render(&shared, api, &body),
-                Err(response) => response,
-            }
-        }
-        (&Method::GET, "/metrics") => metrics(&shared, &incarnation, Scrape::Metrics).await,
-        (&Method::GET, "/v1/loads") if engine == Engine::Sglang => {
-            metrics(&shared, &incarnation, Scrape::Loads).await
-        }
-        (&Method::GET, "/health" | "/health_generate" | "/ping") => {
-            text(StatusCode::OK, String::new())
-        }
-        (&Method::GET, "/v1/models") => json(StatusCode::OK, expo::models_json(&identity(&shared))),
-        (&Method::GET, "/version") if engine == Engine::Vllm => {
-            json(StatusCode::OK, expo::version_json(&identity(&shared)))
-        }
-        (&Method::GET, "/server_info" | "/get_server_info") if engine == Engine::Sglang => {
-            json(StatusCode::OK, expo::server_info_json(&identity(&shared)))
-        }
-        (&Method::GET, "/model_info" | "/get_model_info") if engine == Engine::Sglang => {
-            json(StatusCode::OK, expo::model_info_json(&identity(&shared)))
-        }
-        (&Method::GET, claim) if engine == Engine::Vllm && claim.starts_with("/sim/nixl/") => {
-            nixl::claim(&shared, &incarnation, claim)
-        }
-        (&Method::GET, room) if engine == Engine::Sglang && room.starts_with("/sim/bootstrap/") => {
-            bootstrap::join(&shared, &incarnation, room).await
-        }
-        (&Method::POST, "/reset_prefix_cache") if engine == Engine::Vllm => {
-            reset_prefix_cache(&incarnation)
-        }
-        (&Method::GET | &Method::POST, "/flush_cache") if engine == Engine::Sglang => {
-            reset_prefix_cache(&incarnation)
-        }
-        (_, route) if route.starts_with("/admin/") => {
-            let method = request.method().clone();
-            match read_body(request).await {
-                Ok(body) => admin(&shared, &incarnation, &method, route, &body).await,
-                Err(response) => response,
-            }
-        }
-        _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
-    }
-}
-
-/// vLLM's `/reset_prefix_cache` and SGLang's `/flush_cache`: every rank drops its cached blocks (and
-/// publishes `AllBlocksCleared`), unless a request runs on it, which the engines refuse too.
-fn reset_prefix_cache(incarnation: &Incarnation) -> Response<Body> {
-    let mut busy = Vec::new();
-    for (index, rank) in incarnation.ranks.iter().enumerate() {
-        let mut rank = lock(rank);
-        if !rank.engine.reset_prefix_cache() {
-            busy.push(index);
-        }
-        rank.flush_events();
-    }
-    if busy.is_empty() {
-        text(StatusCode::OK, String::new())
-    } else {
-        error(
-            StatusCode::BAD_REQUEST,
-            &format!("Cache not flushed: requests are running on rank(s) {busy:?}."),
-        )
-    }
-}
-
-async fn read_body(request: Request<Incoming>) -> Result<Bytes, Response<Body>> {
-    match Limited::new(request.into_body(), MAX_REQUEST_BYTES)
-        .collect()
-        .await
-    {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(cause) if cause.is::<http_body_util::LengthLimitError>() => Err(error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            &format!("request body exceeds {MAX_REQUEST_BYTES} bytes"),
-        )),
-        Err(cause) => Err(error(
-            StatusCode::BAD_REQUEST,
-            &format!("cannot read the request body: {cause}"),
-        )),
-    }
 }
 
 fn identity(shared: &Shared) -> Identity<'_> {

@@ -192,4 +192,6 @@ pub struct Outcome<'a> {
     pub cached_tokens: u32,
     /// `"length"`, `"stop"` or `"abort"`.
     pub finish_reason: &'a str,
+    /// The engine is vLLM, whose `usage` also names the details it leaves empty here.
+    pub vllm: bool,
 }

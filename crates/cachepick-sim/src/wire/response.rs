@@ -12,22 +12,38 @@ struct Usage {
     total_tokens: u64,
     completion_tokens: u32,
     prompt_tokens_details: PromptDetails,
+    /// vLLM 0.32 writes it, null without reasoning tokens (`tests/vllm/conformance.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completion_tokens_details: Option<Null>,
 }
 
 #[derive(Serialize)]
 struct PromptDetails {
     cached_tokens: u32,
+    /// vLLM 0.32's other details, null for a text prompt on an engine without KV offload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    created_cache_tokens: Option<Null>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    multimodal_tokens: Option<Null>,
 }
+
+/// A JSON `null` that is written (an `Option` that is `None` is left out instead).
+#[derive(Serialize)]
+struct Null(());
 
 impl Usage {
     fn of(outcome: &Outcome<'_>) -> Usage {
+        let null = || outcome.vllm.then_some(Null(()));
         Usage {
             prompt_tokens: outcome.prompt_tokens,
             total_tokens: u64::from(outcome.prompt_tokens) + u64::from(outcome.completion_tokens),
             completion_tokens: outcome.completion_tokens,
             prompt_tokens_details: PromptDetails {
                 cached_tokens: outcome.cached_tokens,
+                created_cache_tokens: null(),
+                multimodal_tokens: null(),
             },
+            completion_tokens_details: null(),
         }
     }
 }

@@ -360,6 +360,7 @@ fn outcome<'a>(text: &'a str, completion_tokens: u32) -> Outcome<'a> {
         completion_tokens,
         cached_tokens: 8,
         finish_reason: "length",
+        vllm: true,
     }
 }
 
