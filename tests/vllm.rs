@@ -22,6 +22,8 @@ mod stack;
 
 #[path = "vllm/burst.rs"]
 mod burst;
+#[path = "vllm/conformance.rs"]
+mod conformance;
 #[path = "vllm/learning.rs"]
 mod learning;
 #[path = "vllm/routing.rs"]

@@ -111,10 +111,13 @@ fn free_loopback() -> SocketAddr {
 /// The shell that runs an engine: it starts the API server and waits, and when the test process is
 /// gone (however it ended: a statically held engine is never dropped) it stops the whole group. The
 /// group is the shell's own (`process_group(0)`), so the API server's engine-core and worker processes
-/// stop with it.
+/// stop with it. The shell ignores SIGTERM itself (set after the API server is started, which keeps
+/// its own), so that the group's SIGTERM does not stop it before its SIGKILL: vLLM's API server does
+/// not always exit on SIGTERM, and an engine left behind holds gigabytes.
 const WATCHDOG: &str = r#"parent=$1; shift
 "$@" &
 child=$!
+trap '' TERM
 while kill -0 "$parent" 2>/dev/null && kill -0 "$child" 2>/dev/null; do sleep 1; done
 kill -TERM -- -$$ 2>/dev/null
 sleep 5
@@ -155,7 +158,8 @@ impl Engine {
             .append(true)
             .open(&self.log)
             .expect("the engine's log file");
-        let mut command = Command::new("sh");
+        // bash: dash's `kill` takes no `--`, and cannot signal a process group.
+        let mut command = Command::new("bash");
         command
             .args(["-c", WATCHDOG, "vllm-watchdog"])
             .arg(std::process::id().to_string())
@@ -340,14 +344,15 @@ impl Drop for Engine {
 
 /// Engines that live as long as the test process (their watchdogs stop them when it ends), shared by
 /// the tests of one binary one at a time: [`Fleet::lock`] starts them on first use, restarts any that
-/// a failed test left stopped, and holds the others off until the guard is dropped.
+/// a failed test left stopped, and holds the others off until the guard is dropped. The lock is
+/// tokio's: a test holds it across its awaits, and each test runs on a runtime of its own.
 pub struct Fleet {
     pub engines: Vec<Engine>,
 }
 
 impl Fleet {
-    pub fn lock(specs: &[Spec]) -> std::sync::MutexGuard<'static, Fleet> {
-        static FLEET: OnceLock<std::sync::Mutex<Fleet>> = OnceLock::new();
+    pub async fn lock(specs: &[Spec]) -> tokio::sync::MutexGuard<'static, Fleet> {
+        static FLEET: OnceLock<tokio::sync::Mutex<Fleet>> = OnceLock::new();
         let fleet = FLEET.get_or_init(|| {
             let started = Instant::now();
             let mut engines: Vec<Engine> = specs.iter().cloned().map(Engine::spawn).collect();
@@ -359,11 +364,9 @@ impl Fleet {
                 engines.len(),
                 started.elapsed().as_secs_f64()
             );
-            std::sync::Mutex::new(Fleet { engines })
+            tokio::sync::Mutex::new(Fleet { engines })
         });
-        let mut guard = fleet
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut guard = fleet.lock().await;
         for engine in &mut guard.engines {
             if !engine.healthy() {
                 eprintln!(

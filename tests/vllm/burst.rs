@@ -52,9 +52,36 @@ fn percentile(sorted: &[Duration], share: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * share).round() as usize]
 }
 
+/// Every request of `sent` was decided by the picker: none shed, none sent by Envoy's own load
+/// balancing. Returns the picker's `/metrics`.
+async fn every_request_was_decided(stack: &Stack, sent: &[String]) -> String {
+    for id in sent {
+        let entry = stack.access(id).await;
+        let decision = entry["decision"].as_str().unwrap_or("-");
+        assert!(
+            !decision.is_empty() && decision != "-",
+            "{id} was routed without a decision: {entry}"
+        );
+    }
+    let picker = stack.picker_metrics().await;
+    let shed = vllm::sum_of(&picker, "cachepick_shed_total").unwrap_or(0.0);
+    assert_eq!(shed, 0.0, "decisions shed:\n{picker}");
+    let failed_open = stack
+        .envoy
+        .stat("http.ingress_http.ext_proc.failure_mode_allowed")
+        .await
+        .unwrap_or(0);
+    assert_eq!(
+        failed_open, 0,
+        "Envoy routed {failed_open} requests without the picker"
+    );
+
+    picker
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_that_makes_metrics_late_loses_no_decision_and_readiness_holds() {
-    let fleet = Fleet::lock(&engines());
+    let fleet = Fleet::lock(&engines()).await;
     let stack = Stack::start(&fleet, Index::Events, "").await;
     let stop = Arc::new(AtomicBool::new(false));
     let scrapes: Vec<_> = fleet
@@ -115,27 +142,7 @@ async fn a_burst_that_makes_metrics_late_loses_no_decision_and_readiness_holds()
         "no engine's /metrics took a second (max {max:?}): the burst tests nothing"
     );
 
-    // Every request was decided by the picker: none went by Envoy's own load balancing.
-    for id in &sent {
-        let entry = stack.access(id).await;
-        let decision = entry["decision"].as_str().unwrap_or("-");
-        assert!(
-            !decision.is_empty() && decision != "-",
-            "{id} was routed without a decision: {entry}"
-        );
-    }
-    let picker = stack.picker_metrics().await;
-    let shed = vllm::sum_of(&picker, "cachepick_shed_total").unwrap_or(0.0);
-    assert_eq!(shed, 0.0, "decisions shed:\n{picker}");
-    let failed_open = stack
-        .envoy
-        .stat("http.ingress_http.ext_proc.failure_mode_allowed")
-        .await
-        .unwrap_or(0);
-    assert_eq!(
-        failed_open, 0,
-        "Envoy routed {failed_open} requests without the picker"
-    );
+    let picker = every_request_was_decided(&stack, &sent).await;
 
     // Readiness held throughout, and no busy worker was taken for gone.
     let probes = readiness.await.unwrap();

@@ -34,7 +34,7 @@ fn credited(entry: &Value) -> u64 {
 /// (`usage.prompt_tokens_details.cached_tokens`, in whole 128-token blocks); for the exact repeat,
 /// exactly as much.
 async fn repeats_and_next_turns(index: Index, seed: u64) {
-    let fleet = Fleet::lock(&engines());
+    let fleet = Fleet::lock(&engines()).await;
     let stack = Stack::start(&fleet, index, "").await;
     let mut messages = vec![json!({"role": "user", "content": prose(seed, 1500)})];
     let first = stack
@@ -108,13 +108,35 @@ async fn approximate_mode_repeats_and_next_turns_are_hits_the_engine_confirms() 
     repeats_and_next_turns(Index::Approximate, 2_000).await;
 }
 
+/// A chat's tokens as cachepick's `events` pools take them (the rendered text tokenized whole) and as
+/// its `approximate` pools do (segment by segment).
+fn chat_tokens(tokenizer: &PoolTokenizer, messages: &Value) -> (Vec<u32>, Vec<u32>) {
+    let messages = messages.as_array().unwrap();
+    let parts: Vec<Vec<std::borrow::Cow<'_, str>>> = messages
+        .iter()
+        .map(|message| vec![message["content"].as_str().unwrap().into()])
+        .collect();
+    let turns: Vec<ChatTurn<'_>> = messages
+        .iter()
+        .zip(&parts)
+        .map(|(message, parts)| ChatTurn {
+            role: message["role"].as_str().unwrap(),
+            parts,
+        })
+        .collect();
+    let whole = tokenizer
+        .engine_tokens(Chat::new(&turns), &Default::default())
+        .unwrap();
+    (whole, tokenizer.tokens_for_chat(Chat::new(&turns)).unwrap())
+}
+
 /// cachepick tokenizes a completion's prompt and a chat exactly as the engine does (`/tokenize`), and
 /// in `events` mode the blocks it derives from those tokens are the engine's own: a prompt sent to an
 /// engine directly, bypassing the picker, is found there to its last whole block by the engine's KV
 /// events alone, within 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_and_block_keys_are_the_engines_and_bypassing_traffic_makes_an_owner() {
-    let fleet = Fleet::lock(&engines());
+    let fleet = Fleet::lock(&engines()).await;
     let stack = Stack::start(&fleet, Index::Events, "").await;
     let engine = &fleet.engines[1];
     let tokenizer = PoolTokenizer::new(&stack.config.pools[0]).unwrap();
@@ -141,26 +163,7 @@ async fn tokens_and_block_keys_are_the_engines_and_bypassing_traffic_makes_an_ow
     let engine_ids = engine
         .tokenize(&json!({"model": MODEL, "messages": messages, "add_generation_prompt": true}))
         .await;
-    let parts: Vec<Vec<std::borrow::Cow<'_, str>>> = messages
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|message| vec![message["content"].as_str().unwrap().into()])
-        .collect();
-    let turns: Vec<ChatTurn<'_>> = messages
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(&parts)
-        .map(|(message, parts)| ChatTurn {
-            role: message["role"].as_str().unwrap(),
-            parts,
-        })
-        .collect();
-    let whole = tokenizer
-        .engine_tokens(Chat::new(&turns), &Default::default())
-        .unwrap();
-    let segments = tokenizer.tokens_for_chat(Chat::new(&turns)).unwrap();
+    let (whole, segments) = chat_tokens(&tokenizer, &messages);
     for (name, ours) in [
         ("events (whole text)", whole),
         ("approximate (segments)", segments),
