@@ -241,7 +241,8 @@ const FILES: [&str; 8] = [
      load: {tls: {ca_file: /t/ca.crt, cert_file: /t/c.crt, key_file: /t/c.key, server_name: vllm}}\n\
      pools:\n  - model: m\n    engine: vllm\n    chat_template: /t/tpl.jinja\n\
      \x20   workers: [{endpoint: \"10.0.0.1:8000\", max_running_requests: 8, max_total_tokens: 4096}]\n",
-    "pools:\n  - model: m\n    engine: vllm\n    dns: {name: vllm.llm.svc, port: 8000, server: \"10.0.0.10:53\"}\n",
+    "pools:\n  - model: m\n    engine: vllm\n    block_size: 16\n    engine_block_size: 128\n\
+     \x20   dns: {name: vllm.llm.svc, port: 8000, server: \"10.0.0.10:53\"}\n",
     "pools:\n  - model: m\n    engine: vllm\n    kubernetes: {namespace: llm, selector: app=vllm, ports: [8000]}\n\
      \x20   template: {role: both, max_running_requests: 8, max_total_tokens: 4096}\n",
     "pools:\n  - model: m\n    engine: vllm\n    pd: {local_prefill_tokens: 2048}\n\

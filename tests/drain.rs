@@ -36,7 +36,7 @@ fn start(text: &str, dir: &tempfile::TempDir) -> (Server, mpsc::Receiver<String>
 fn config(worker: SocketAddr, grace: &str) -> String {
     format!(
         "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\n\
-         load: {{scrape_interval: 100ms, scrape_timeout: 80ms, freshness: 400ms}}\n\
+         load: {{scrape_interval: 100ms, scrape_timeout: 80ms, freshness: 400ms, silent_after: 1s}}\n\
          overload: {{shutdown_grace: {grace}}}\n\
          pools:\n  - model: m\n    engine: vllm\n    tokenizer: {{kind: bytes}}\n    workers:\n      \
          - endpoint: \"{worker}\"\n"
@@ -84,7 +84,7 @@ fn healthy() -> Mode {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_follows_whether_any_reading_is_fresh() {
+async fn readiness_follows_whether_any_worker_answers_with_a_recent_reading() {
     let worker = FakeEngine::start(Mode::Status(500)).await;
     let dir = tempfile::tempdir().unwrap();
     let (server, _lines, listen) = start(&config(worker.addr, "0s"), &dir);
@@ -100,12 +100,13 @@ async fn readiness_follows_whether_any_reading_is_fresh() {
     worker.set(healthy());
     until_ready_is(listen, ServingStatus::Serving, Duration::from_secs(5)).await;
 
-    // Every reading goes stale (the engine's metrics fail): NOT_SERVING after freshness, and back.
+    // Every reading goes stale (the engine's metrics fail): still ready while the last reading is
+    // younger than silent_after, NOT_SERVING after it, and back.
     worker.set(Mode::Status(500));
     let after = until_ready_is(listen, ServingStatus::NotServing, Duration::from_secs(5)).await;
     assert!(
-        after >= Duration::from_millis(200),
-        "withdrawn before the reading went stale"
+        after >= Duration::from_millis(800),
+        "withdrawn {after:?} after the last reading, before silent_after"
     );
     worker.set(healthy());
     until_ready_is(listen, ServingStatus::Serving, Duration::from_secs(5)).await;

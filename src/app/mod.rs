@@ -223,6 +223,7 @@ pub async fn serve_prepared(
         overload: config.overload,
         feedback: config.feedback,
         freshness: config.load.freshness,
+        silent_after: config.load.silent_after,
         readiness,
     };
     // The scrapers, sources and the metrics listener keep running through the drain, so the picker

@@ -33,7 +33,7 @@ pub use admin::pb as admin_api;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use answer::MAX_STREAMED_CHUNK;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
@@ -95,8 +95,10 @@ pub struct ServeOptions {
     pub overload: OverloadConfig,
     /// Whether a routed request's stream waits for Envoy's response report, and how long.
     pub feedback: FeedbackConfig,
-    /// A reading older than this is stale (`load.freshness`): readiness needs one that is not.
+    /// `load.freshness` (how often readiness is looked at) and `load.silent_after` (how recent a
+    /// reading or a sign of life readiness needs).
     pub freshness: Duration,
+    pub silent_after: Duration,
     /// Where readiness is also published, for the HTTP probes on `metrics_listen`.
     pub readiness: Readiness,
 }
@@ -117,7 +119,7 @@ async fn follow_readiness(
     reporter: HealthReporter,
     readiness: Readiness,
     service: Arc<Service>,
-    freshness: Duration,
+    (freshness, silent_after): (Duration, Duration),
     mut draining: watch::Receiver<bool>,
 ) {
     // Ready only once every pool has completed a scrape round; a pool whose scraper is gone never is.
@@ -135,7 +137,7 @@ async fn follow_readiness(
     let every = (freshness / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
     let mut ready = false;
     loop {
-        let can_route = service.can_route();
+        let can_route = service.can_route(Instant::now(), silent_after);
         if can_route != ready {
             ready = can_route;
             if ready {
@@ -168,6 +170,7 @@ pub async fn serve(
         overload,
         feedback,
         freshness,
+        silent_after,
         readiness,
     } = options;
     let Access { debug, token, tls } = access;
@@ -181,7 +184,7 @@ pub async fn serve(
         reporter.clone(),
         readiness.clone(),
         Arc::clone(&service),
-        freshness,
+        (freshness, silent_after),
         draining,
     ));
     // A BUFFERED body arrives in one message: the decode limit follows max_body_bytes (tonic's 4 MiB

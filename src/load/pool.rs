@@ -120,7 +120,7 @@ impl PoolLoad {
     }
 
     /// Whether the worker in slot `id` was heard from at or after `at`.
-    pub(super) fn heard_since(&self, id: WorkerId, at: Instant) -> bool {
+    pub fn heard_since(&self, id: WorkerId, at: Instant) -> bool {
         let Some(heard) = self.heard.get(id.index()) else {
             return false;
         };

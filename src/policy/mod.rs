@@ -24,7 +24,8 @@
 //! - `cache_aware`, the ladder below.
 //!
 //! The ladder, first rung that yields a worker wins:
-//! 1. **Owners** passing the queue gate and hard admission: deepest match, then least pressure, then id
+//! 1. **Owners** passing the queue gate and hard admission: deepest match, then least pressure, then the
+//!    least recent off-owner placement and the id (`rank::Member::tie`, which ends every ordering)
 //!    → [`Reason::CacheHit`].
 //! 2. **Saturation pin** (with `saturation_queue_floor`): some owner was turned away by the gate, and no
 //!    fleet worker has a fresh reading below the floor → among the queued owners that pass hard admission

@@ -3,7 +3,7 @@
 //! service's state and never take part in a request.
 
 use std::sync::{Arc, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -99,16 +99,22 @@ impl Service {
         self.picker.loads().map(|load| load.rounds()).collect()
     }
 
-    /// Whether any pool has a worker the picker can route by: one that has answered a scrape and still
-    /// answers, if late (`Lifecycle::answers`). What readiness means: a busy engine's late `/metrics`
-    /// leaves its reading stale, yet its prefixes (its KV events, the picker's own decisions) still
-    /// route, and its gate fails open; only workers that stopped answering take readiness away.
-    pub fn can_route(&self) -> bool {
+    /// Whether any pool has a worker the picker can route by at `now`: one that answers, if late
+    /// (`Lifecycle::answers`), with a reading or a sign of life (a KV event batch, a response it
+    /// served) younger than `recent` (`load.silent_after`). What readiness means: a busy engine's late
+    /// `/metrics` leaves its reading stale, yet its prefixes (its KV events, the picker's own
+    /// decisions) still route, and its gate fails open; only workers gone, or silent past `recent`,
+    /// take readiness away.
+    pub fn can_route(&self, now: Instant, recent: Duration) -> bool {
+        let since = now.checked_sub(recent).unwrap_or(now);
         self.picker.loads().any(|load| {
-            load.snapshot()
-                .workers()
-                .iter()
-                .any(|worker| worker.lifecycle.answers() && worker.reading.is_some())
+            load.snapshot().workers().iter().any(|worker| {
+                worker.lifecycle.answers()
+                    && (worker
+                        .reading
+                        .is_some_and(|reading| reading.captured_at >= since)
+                        || load.heard_since(worker.id, since))
+            })
         })
     }
 }

@@ -333,6 +333,7 @@ fn event(value: &Value, format: KvEventsFormat) -> Event {
                             "lora_id",
                             "medium",
                             "lora_name",
+                            "extra_keys",
                             "group_idx",
                             "kv_cache_spec_kind"
                         ]

@@ -254,6 +254,7 @@ mod tests {
                 "lora_id",
                 "medium",
                 "lora_name",
+                "extra_keys",
                 "group_idx",
                 "kv_cache_spec_kind"
             ]
