@@ -158,6 +158,29 @@ fn flags_override_the_file() {
 }
 
 #[test]
+fn check_refuses_a_block_size_that_does_not_divide_the_engines() {
+    // vLLM's CPU build caches in blocks of 128 tokens: a 48-token block can never be reused whole.
+    let file = write_config(
+        "pools:\n  - model: m\n    engine: vllm\n    block_size: 48\n    engine_block_size: 128\n    \
+         workers:\n      - endpoint: 10.0.0.1:8000\n",
+    );
+    let output = check(file.path(), &[]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = stderr(&output);
+    assert!(
+        message.contains(
+            "pools[0].block_size (line 4): block_size 48 does not divide engine_block_size 128"
+        ) && message.contains("(128, 64, 32, 16)"),
+        "{message}"
+    );
+    let divides = write_config(
+        "pools:\n  - model: m\n    engine: vllm\n    block_size: 16\n    engine_block_size: 128\n    \
+         workers:\n      - endpoint: 10.0.0.1:8000\n",
+    );
+    assert_eq!(check(divides.path(), &[]).status.code(), Some(0));
+}
+
+#[test]
 fn check_lists_every_problem_and_exits_2() {
     let file = write_config(
         "\
