@@ -57,52 +57,19 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         trace.saturation = starts_within(fleet, floor);
         if trace.saturation.is_saturated() {
             gate_voided = true;
-            let pinnable = || queued.iter().filter(|owner| owner.admission.admits());
-            let deepest = pinnable()
-                .map(|owner| owner.matched_tokens)
-                .max()
-                .unwrap_or(0);
-            let cutoff = config.pin_depth_ratio.get() * deepest as f64;
-            let eligible: Vec<Member<'_>> = pinnable()
-                .filter(|owner| owner.matched_tokens as f64 >= cutoff)
-                .copied()
-                .collect();
-            let (ranked, source) = rank::take_ranked(eligible, ranks, rank::least_pressured);
-            trace.pressure = source;
-            trace.rung = Rung::SaturationPin;
-            if let Some(outcome) = route(&ranked, Reason::SaturationPin, &mut trace, fleet, ranks) {
+            if let Some(outcome) = pin(&queued, config, ranks, &mut trace, fleet) {
                 return outcome;
             }
         }
     }
     if let (Some(gate), false) = (config.queue_gate(), queued.is_empty()) {
-        let pinnable = || {
-            queued
-                .iter()
-                .filter(|owner| owner.admission.admits())
-                .copied()
-        };
         match gate.floor() {
             // Rung 2: the saturation pin.
             Some(floor) => {
                 trace.saturation = saturation_below(fleet, floor, false);
                 if matches!(trace.saturation, Saturation::Saturated { .. }) {
                     gate_voided = true;
-                    let deepest = pinnable()
-                        .map(|owner| owner.matched_tokens)
-                        .max()
-                        .unwrap_or(0);
-                    let cutoff = config.pin_depth_ratio.get() * deepest as f64;
-                    let eligible: Vec<Member<'_>> = pinnable()
-                        .filter(|owner| owner.matched_tokens as f64 >= cutoff)
-                        .collect();
-                    let (ranked, source) =
-                        rank::take_ranked(eligible, ranks, rank::least_pressured);
-                    trace.pressure = source;
-                    trace.rung = Rung::SaturationPin;
-                    if let Some(outcome) =
-                        route(&ranked, Reason::SaturationPin, &mut trace, fleet, ranks)
-                    {
+                    if let Some(outcome) = pin(&queued, config, ranks, &mut trace, fleet) {
                         return outcome;
                     }
                 }
@@ -112,8 +79,9 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
                 trace.saturation = saturation_below(fleet, gate.limit(), true);
                 if matches!(trace.saturation, Saturation::Saturated { .. }) {
                     gate_voided = true;
+                    let admitted = queued.iter().filter(|owner| owner.admission.admits());
                     let (ranked, source) =
-                        rank::take_ranked(pinnable().collect(), ranks, rank::deepest);
+                        rank::take_ranked(admitted.copied().collect(), ranks, rank::deepest);
                     trace.pressure = source;
                     trace.rung = Rung::AllQueued;
                     if let Some(outcome) =
@@ -126,25 +94,82 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         }
     }
 
-    // Rung 4: off-owner. The reason names what kept the request from its owners: their queue when a
-    // diversion can pay off, saturation when it cannot (the gate was voided, yet no queued owner had room),
-    // capacity when the queue was not the cause. A pick that lands on an owner after all is no diversion.
-    let off_owner_reason = |selected: &Member<'_>| {
-        if owners.is_empty() {
+    let kept = Kept {
+        had_owners: !owners.is_empty(),
+        turned_away: !queued.is_empty(),
+        gate_voided,
+        min_match,
+    };
+    off_owner(fleet, config, ranks, trace, rng, &kept)
+}
+
+/// What kept a request from its owners, as rung 4 names it: whether it had owners, whether the gate
+/// turned any away, whether the saturation rungs voided the gate, and the depth that makes an owner.
+struct Kept {
+    had_owners: bool,
+    turned_away: bool,
+    gate_voided: bool,
+    min_match: u64,
+}
+
+impl Kept {
+    /// Their queue when a diversion can pay off, saturation when it cannot (the gate was voided, yet
+    /// no queued owner had room), capacity when the queue was not the cause. A pick that lands on an
+    /// owner after all is no diversion.
+    fn reason(&self, selected: &Member<'_>) -> Reason {
+        if !self.had_owners {
             Reason::CacheMiss
-        } else if selected.matched_tokens >= min_match {
+        } else if selected.matched_tokens >= self.min_match {
             match selected.gate {
                 Gate::Queued { .. } | Gate::Later { .. } => Reason::AllQueued,
                 _ => Reason::CapacityFallback,
             }
-        } else if gate_voided {
+        } else if self.gate_voided {
             Reason::AllQueued
-        } else if !queued.is_empty() {
+        } else if self.turned_away {
             Reason::CacheWorkerQueued
         } else {
             Reason::CapacityFallback
         }
-    };
+    }
+}
+
+/// Rung 2, the saturation pin: the least pressured of the `queued` owners that admit the request and
+/// hold at least `pin_depth_ratio` of the deepest one's match.
+fn pin(
+    queued: &[Member<'_>],
+    config: &CacheAwareKnobs,
+    ranks: usize,
+    trace: &mut Trace,
+    fleet: &[Member<'_>],
+) -> Option<Outcome> {
+    let pinnable = || queued.iter().filter(|owner| owner.admission.admits());
+    let deepest = pinnable()
+        .map(|owner| owner.matched_tokens)
+        .max()
+        .unwrap_or(0);
+    let cutoff = config.pin_depth_ratio.get() * deepest as f64;
+    let eligible: Vec<Member<'_>> = pinnable()
+        .filter(|owner| owner.matched_tokens as f64 >= cutoff)
+        .copied()
+        .collect();
+    let (ranked, source) = rank::take_ranked(eligible, ranks, rank::least_pressured);
+    trace.pressure = source;
+    trace.rung = Rung::SaturationPin;
+    route(&ranked, Reason::SaturationPin, trace, fleet, ranks)
+}
+
+/// Rung 4, off-owner: the workers that pass the gate and admission, else admission alone, else the
+/// least pressured of all; in the prefill-time unit a diversion goes to the soonest, otherwise the
+/// pick samples `min_load_choices` and takes the least loaded.
+fn off_owner<R: Rng + ?Sized>(
+    fleet: &[Member<'_>],
+    config: &CacheAwareKnobs,
+    ranks: usize,
+    mut trace: Trace,
+    rng: &mut R,
+    kept: &Kept,
+) -> Outcome {
     trace.pressure = None;
     let open: Vec<Member<'_>> = fleet
         .iter()
@@ -162,7 +187,7 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         (open, Rung::OffOwnerGateAndAdmission)
     };
     // In the prefill-time unit a diversion goes where the gate predicted it pays: the soonest worker.
-    let diverting = config.wait().is_some() && !queued.is_empty() && !gate_voided;
+    let diverting = config.wait().is_some() && kept.turned_away && !kept.gate_voided;
     let pick = if config.wait().is_some() {
         rank::soonest
     } else {
@@ -190,7 +215,9 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
         trace.rung = rung;
         rank::take_ranked(pool, ranks, pick).0
     };
-    let reason = ranked.first().map_or(Reason::CacheMiss, off_owner_reason);
+    let reason = ranked
+        .first()
+        .map_or(Reason::CacheMiss, |selected| kept.reason(selected));
     match route(&ranked, reason, &mut trace, fleet, ranks) {
         Some(outcome) => outcome,
         None => Outcome::Refuse(Refused {
