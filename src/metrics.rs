@@ -146,6 +146,39 @@ struct IndexGauges {
     segment_sources: Mutex<Vec<SegmentSource>>,
 }
 
+impl IndexGauges {
+    fn new() -> Result<Self, prometheus::Error> {
+        Ok(IndexGauges {
+            blocks: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_index_blocks",
+                    "Distinct prompt blocks the pool's owner index credits to at least one worker: how much \
+                 prefix cachepick can route on.",
+                ),
+                &["pool"],
+            )?,
+            entries: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_index_entries",
+                    "(block, worker) pairs in the pool's owner index; above cachepick_index_blocks when \
+                 prefixes are held by several workers.",
+                ),
+                &["pool"],
+            )?,
+            sources: Mutex::new(Vec::new()),
+            segment_bytes: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_segment_cache_bytes",
+                    "Bytes of tokens and text the pool's segment cache holds; it fills to its budget \
+                 (segment_cache_entries x 512 tokens x 4 bytes) under steady traffic and stays there.",
+                ),
+                &["pool"],
+            )?,
+            segment_sources: Mutex::new(Vec::new()),
+        })
+    }
+}
+
 impl std::fmt::Debug for IndexGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let sources = self.sources.lock().map_or(0, |sources| sources.len());
@@ -158,36 +191,11 @@ impl std::fmt::Debug for IndexGauges {
 }
 
 impl Metrics {
+    /// Declares the top-level families. Over 100 lines because each family is declared here once with
+    /// its help text (the operator's documentation of it); a subsystem's families live in its module.
     pub fn new() -> Result<Self, prometheus::Error> {
         let load = Arc::new(LoadGauges::new()?);
-        let index = Arc::new(IndexGauges {
-            blocks: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_index_blocks",
-                    "Distinct prompt blocks the pool's owner index credits to at least one worker: how much \
-                     prefix cachepick can route on.",
-                ),
-                &["pool"],
-            )?,
-            entries: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_index_entries",
-                    "(block, worker) pairs in the pool's owner index; above cachepick_index_blocks when \
-                     prefixes are held by several workers.",
-                ),
-                &["pool"],
-            )?,
-            sources: Mutex::new(Vec::new()),
-            segment_bytes: IntGaugeVec::new(
-                Opts::new(
-                    "cachepick_segment_cache_bytes",
-                    "Bytes of tokens and text the pool's segment cache holds; it fills to its budget \
-                     (segment_cache_entries x 512 tokens x 4 bytes) under steady traffic and stays there.",
-                ),
-                &["pool"],
-            )?,
-            segment_sources: Mutex::new(Vec::new()),
-        });
+        let index = Arc::new(IndexGauges::new()?);
         let build_info = IntGaugeVec::new(
             Opts::new(
                 "cachepick_build_info",
@@ -337,36 +345,42 @@ impl Metrics {
             overload: OverloadMetrics::new()?,
             pd: PdMetrics::new()?,
         };
-        let registry = &metrics.registry;
-        registry.register(Box::new(metrics.scrapes.clone()))?;
-        registry.register(Box::new(metrics.decisions.clone()))?;
-        metrics.worker_decisions.register(registry)?;
-        workers::register_process(registry)?;
-        registry.register(Box::new(metrics.refusals.clone()))?;
-        registry.register(Box::new(metrics.passthrough.clone()))?;
-        registry.register(Box::new(metrics.unknown_subset.clone()))?;
-        registry.register(Box::new(metrics.feedback.clone()))?;
-        registry.register(Box::new(metrics.compressed_bodies.clone()))?;
-        registry.register(Box::new(metrics.match_ratio.clone()))?;
-        registry.register(Box::new(metrics.diverted_blocks.clone()))?;
-        registry.register(Box::new(metrics.decision_seconds.clone()))?;
-        registry.register(Box::new(metrics.streams_opened.clone()))?;
-        registry.register(Box::new(metrics.streams_active.clone()))?;
-        registry.register(Box::new(metrics.streams_closed.clone()))?;
-        registry.register(Box::new(build_info))?;
-        registry.register(Box::new(SharedCollector(Arc::clone(&metrics.load))))?;
-        registry.register(Box::new(IndexCollector(Arc::clone(&metrics.index))))?;
-        registry.register(Box::new(KvEventCollector(Arc::clone(&metrics.kv_events))))?;
-        registry.register(Box::new(ReplicaSyncCollector(Arc::clone(
-            &metrics.replica_sync,
-        ))))?;
-        registry.register(Box::new(DiscoveryCollector(Arc::clone(&metrics.discovery))))?;
-        registry.register(Box::new(metrics.config_reloads.clone()))?;
-        registry.register(Box::new(metrics.config_keys_changed.clone()))?;
-        metrics.security.register(registry)?;
-        metrics.overload.register(registry)?;
-        metrics.pd.register(registry)?;
+        metrics.register(build_info)?;
         Ok(metrics)
+    }
+
+    /// Every family `new` declares, in one registry: what `/metrics` writes.
+    fn register(&self, build_info: IntGaugeVec) -> Result<(), prometheus::Error> {
+        let registry = &self.registry;
+        registry.register(Box::new(self.scrapes.clone()))?;
+        registry.register(Box::new(self.decisions.clone()))?;
+        self.worker_decisions.register(registry)?;
+        workers::register_process(registry)?;
+        registry.register(Box::new(self.refusals.clone()))?;
+        registry.register(Box::new(self.passthrough.clone()))?;
+        registry.register(Box::new(self.unknown_subset.clone()))?;
+        registry.register(Box::new(self.feedback.clone()))?;
+        registry.register(Box::new(self.compressed_bodies.clone()))?;
+        registry.register(Box::new(self.match_ratio.clone()))?;
+        registry.register(Box::new(self.diverted_blocks.clone()))?;
+        registry.register(Box::new(self.decision_seconds.clone()))?;
+        registry.register(Box::new(self.streams_opened.clone()))?;
+        registry.register(Box::new(self.streams_active.clone()))?;
+        registry.register(Box::new(self.streams_closed.clone()))?;
+        registry.register(Box::new(build_info))?;
+        registry.register(Box::new(SharedCollector(Arc::clone(&self.load))))?;
+        registry.register(Box::new(IndexCollector(Arc::clone(&self.index))))?;
+        registry.register(Box::new(KvEventCollector(Arc::clone(&self.kv_events))))?;
+        registry.register(Box::new(ReplicaSyncCollector(Arc::clone(
+            &self.replica_sync,
+        ))))?;
+        registry.register(Box::new(DiscoveryCollector(Arc::clone(&self.discovery))))?;
+        registry.register(Box::new(self.config_reloads.clone()))?;
+        registry.register(Box::new(self.config_keys_changed.clone()))?;
+        self.security.register(registry)?;
+        self.overload.register(registry)?;
+        self.pd.register(registry)?;
+        Ok(())
     }
 
     /// Reports `pool`'s freshness gauges from now on.

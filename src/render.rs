@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use crate::events::stream::StreamView;
-use crate::policy::Outcome;
+use crate::policy::{Outcome, Trace};
 use crate::prefix::DepthSource;
 use crate::route::{AdmissionView, Explanation, PoolReport};
 use crate::worker::WorkerId;
@@ -229,15 +229,36 @@ fn millis(us: u64) -> String {
 
 /// `cachepick explain`: the pool, the prompt's blocks, the owners and the decision with its trace.
 pub fn explanation(explanation: &Explanation) -> String {
-    let prepared = &explanation.prepared;
-    let endpoint = |id: WorkerId| {
-        explanation
-            .endpoints
-            .get(id.index())
-            .cloned()
-            .unwrap_or_else(|| id.to_string())
-    };
     let mut out = String::new();
+    prompt_lines(&mut out, explanation);
+    owner_lines(&mut out, explanation);
+    for worker in &explanation.workers {
+        let _ = writeln!(out, "worker:  {}", worker_line(worker));
+    }
+    let trace = explanation.outcome.trace();
+    prediction_lines(&mut out, explanation, trace);
+    decision_lines(&mut out, explanation);
+    // The policy's trace in the same text form as the rest (YAML), never a JSON block in the text
+    // output: `--json` is for JSON.
+    let _ = writeln!(out, "trace:");
+    for line in serde_yaml::to_string(trace).unwrap_or_default().lines() {
+        let _ = writeln!(out, "  {line}");
+    }
+    out
+}
+
+/// A worker as explain names it: its endpoint, or its id when the roster no longer has it.
+fn endpoint(explanation: &Explanation, id: WorkerId) -> String {
+    explanation
+        .endpoints
+        .get(id.index())
+        .cloned()
+        .unwrap_or_else(|| id.to_string())
+}
+
+/// The pool, whether the request is routed by load alone, and the prompt's blocks.
+fn prompt_lines(out: &mut String, explanation: &Explanation) {
+    let prepared = &explanation.prepared;
     let _ = writeln!(out, "pool:    {}", prepared.pool_label);
     if explanation.passthrough {
         let _ = writeln!(
@@ -268,6 +289,11 @@ pub fn explanation(explanation: &Explanation) -> String {
             ""
         }
     );
+}
+
+/// Each owner with its depth and where that depth came from, then the tiers beyond the GPU.
+fn owner_lines(out: &mut String, explanation: &Explanation) {
+    let prepared = &explanation.prepared;
     if prepared.owners.is_empty() {
         let _ = writeln!(
             out,
@@ -301,7 +327,7 @@ pub fn explanation(explanation: &Explanation) -> String {
         let _ = writeln!(
             out,
             "owner:   {} holds {} tokens{source}{ignored}",
-            endpoint(owner.worker),
+            endpoint(explanation, owner.worker),
             owner.matched_tokens
         );
     }
@@ -316,22 +342,22 @@ pub fn explanation(explanation: &Explanation) -> String {
             let _ = writeln!(
                 out,
                 "tiers:   {} holds {} blocks (only gpu blocks make an owner)",
-                endpoint(worker.worker),
+                endpoint(explanation, worker.worker),
                 blocks.join(", ")
             );
         }
     }
-    for worker in &explanation.workers {
-        let _ = writeln!(out, "worker:  {}", worker_line(worker));
-    }
-    let trace = explanation.outcome.trace();
+}
+
+/// The policy's predictions, each with the rate that priced it and where that rate came from.
+fn prediction_lines(out: &mut String, explanation: &Explanation, trace: &Trace) {
     for predicted in &trace.predictions {
         let p = &predicted.prediction;
         let _ = writeln!(
             out,
             "predict: {} cached {} tokens, {} uncached ahead ({} sent since its reading): queue {} at \
              {} tokens/s ({}), prefill {} at {} tokens/s ({}), first token {}",
-            endpoint(predicted.worker),
+            endpoint(explanation, predicted.worker),
             predicted.cached_tokens,
             p.ahead_tokens,
             p.dispatched_tokens,
@@ -344,15 +370,22 @@ pub fn explanation(explanation: &Explanation) -> String {
             millis(predicted.ttft_us),
         );
     }
+}
+
+/// The decision, the decode leg's and a local prefill's.
+fn decision_lines(out: &mut String, explanation: &Explanation) {
     match &explanation.outcome {
         Outcome::Route(decision) => {
-            let fallbacks: Vec<String> =
-                decision.fallbacks.iter().map(|id| endpoint(*id)).collect();
+            let fallbacks: Vec<String> = decision
+                .fallbacks
+                .iter()
+                .map(|id| endpoint(explanation, *id))
+                .collect();
             let _ = writeln!(
                 out,
                 "decision: {} -> {} (fallbacks: {})",
                 decision.reason.as_str(),
-                endpoint(decision.selected),
+                endpoint(explanation, decision.selected),
                 if fallbacks.is_empty() {
                     "none".to_owned()
                 } else {
@@ -365,12 +398,16 @@ pub fn explanation(explanation: &Explanation) -> String {
         }
     }
     if let Some(decode) = &explanation.decode {
-        let fallbacks: Vec<String> = decode.fallbacks.iter().map(|id| endpoint(*id)).collect();
+        let fallbacks: Vec<String> = decode
+            .fallbacks
+            .iter()
+            .map(|id| endpoint(explanation, *id))
+            .collect();
         let _ = writeln!(
             out,
             "decode:   {} -> {} (pressure {}, holds {} tokens, {} decode workers; fallbacks: {})",
             decode.reason.as_str(),
-            endpoint(decode.selected),
+            endpoint(explanation, decode.selected),
             decode.pressure,
             decode.matched_tokens,
             decode.fleet,
@@ -388,13 +425,6 @@ pub fn explanation(explanation: &Explanation) -> String {
             crate::route::local_handoff(local).as_str()
         );
     }
-    // The policy's trace in the same text form as the rest (YAML), never a JSON block in the text
-    // output: `--json` is for JSON.
-    let _ = writeln!(out, "trace:");
-    for line in serde_yaml::to_string(trace).unwrap_or_default().lines() {
-        let _ = writeln!(out, "  {line}");
-    }
-    out
 }
 
 #[cfg(test)]

@@ -11,7 +11,8 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::config::{Config, Discovery, IndexMode, PoolConfig};
+use crate::auth::BearerToken;
+use crate::config::{Config, Discovery, IndexMode, PoolConfig, ReplicaSyncConfig};
 use crate::discovery::SourceStatus;
 use crate::discovery::dns::DnsSource;
 use crate::discovery::kubernetes::KubernetesSource;
@@ -145,28 +146,7 @@ pub async fn serve_prepared(
     service.set_effective_config(config);
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(sync) = &config.replica_sync {
-        let bind_error = |source| AppError::Bind {
-            addr: sync.listen,
-            source,
-        };
-        let replica = ReplicaSync::bind(sync).map_err(bind_error)?;
-        for load in &loads {
-            load.announce_through(Arc::clone(&replica) as Arc<dyn crate::load::Announce>);
-        }
-        metrics.watch_replica_sync(replica.stats());
-        let bounds = config
-            .pools
-            .iter()
-            .zip(&loads)
-            .map(|(pool, load)| (Arc::clone(load), pool.max_model_len.get()))
-            .collect();
-        tracing::info!(
-            listen = %replica.local_addr().map_err(bind_error)?,
-            peers = sync.peers.len(),
-            "replica sync on: dispatches are announced to the peers"
-        );
-        tasks.spawn(Arc::clone(&replica).receive(bounds, stopped_future()));
-        tasks.spawn(Arc::clone(&replica).resolve(stopped_future()));
+        start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
     }
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
         let scraper = match service.roster(index) {
@@ -193,18 +173,11 @@ pub async fn serve_prepared(
     }
     // Readiness as the gRPC health service decides it, for the HTTP probes on metrics_listen.
     let readiness = Readiness::default();
-    let debug = config
-        .debug_on_metrics()
-        .then(|| Arc::new(Debug(Arc::clone(&service))) as Arc<dyn DebugSource>);
+    let access = metrics_access(config, &service, token.clone(), readiness.clone());
     tasks.spawn(metrics_server::serve(
         metrics_listener,
         Arc::clone(&metrics),
-        metrics_server::Access {
-            debug,
-            token: token.clone(),
-            limits: config.metrics_http,
-            readiness: readiness.clone(),
-        },
+        access,
         stopped_future(),
     ));
     tracing::info!(
@@ -236,6 +209,63 @@ pub async fn serve_prepared(
     }
     tracing::info!("cachepick stopped");
     Ok(served?)
+}
+
+/// What `metrics_listen` serves beside `/metrics`: the debug endpoints when they are on there, and
+/// readiness as the gRPC health service decides it.
+fn metrics_access(
+    config: &Config,
+    service: &Arc<Service>,
+    token: Option<BearerToken>,
+    readiness: Readiness,
+) -> metrics_server::Access {
+    let debug = config
+        .debug_on_metrics()
+        .then(|| Arc::new(Debug(Arc::clone(service))) as Arc<dyn DebugSource>);
+    metrics_server::Access {
+        debug,
+        token,
+        limits: config.metrics_http,
+        readiness,
+    }
+}
+
+/// Binds the replica-sync socket, announces every pool's dispatches through it and starts its
+/// receiver and resolver.
+fn start_replica_sync<F>(
+    config: &Config,
+    sync: &ReplicaSyncConfig,
+    loads: &[Arc<PoolLoad>],
+    metrics: &Metrics,
+    tasks: &mut tokio::task::JoinSet<()>,
+    stopped: &impl Fn() -> F,
+) -> Result<(), AppError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let bind_error = |source| AppError::Bind {
+        addr: sync.listen,
+        source,
+    };
+    let replica = ReplicaSync::bind(sync).map_err(bind_error)?;
+    for load in loads {
+        load.announce_through(Arc::clone(&replica) as Arc<dyn crate::load::Announce>);
+    }
+    metrics.watch_replica_sync(replica.stats());
+    let bounds = config
+        .pools
+        .iter()
+        .zip(loads)
+        .map(|(pool, load)| (Arc::clone(load), pool.max_model_len.get()))
+        .collect();
+    tracing::info!(
+        listen = %replica.local_addr().map_err(bind_error)?,
+        peers = sync.peers.len(),
+        "replica sync on: dispatches are announced to the peers"
+    );
+    tasks.spawn(Arc::clone(&replica).receive(bounds, stopped()));
+    tasks.spawn(Arc::clone(&replica).resolve(stopped()));
+    Ok(())
 }
 
 /// Starts each pool's source of workers: a `dns` or `kubernetes` pool's task, publishing to the pool's

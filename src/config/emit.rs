@@ -23,8 +23,8 @@ use serde::Serialize;
 use cachepick_decode::{duration, size};
 
 use super::{
-    Config, Discovery, GateUnit, Gating, IndexConfig, IndexMode, Mode, ModelMatch, PodSelection,
-    PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
+    Config, Discovery, GateUnit, Gating, Handshake, IndexConfig, IndexMode, Mode, ModelMatch,
+    PdConfig, PodSelection, PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 
@@ -537,34 +537,9 @@ impl<'c> Pool<'c> {
             default_cache_blocks: pool.default_cache_blocks.get(),
             max_model_len: pool.max_model_len.get(),
             policy: Policy::over(&pool.policy, policy),
-            index: (pool.index != IndexConfig::default()
-                || pool.template.kv_events_port != IndexConfig::DEFAULT_LIVE_PORT
-                || pool.template.kv_replay_port.is_some())
-            .then(|| Index {
-                mode: pool.index.mode,
-                speculative_ttl: duration::format(pool.index.speculative_ttl),
-                stream_grace: duration::format(pool.index.stream_grace),
-                topic: &pool.index.topic,
-                port: pool.template.kv_events_port,
-                replay_port: pool.template.kv_replay_port,
-                commit_share: pool.index.commit_share.get(),
-            }),
+            index: Index::of(pool),
             max_workers: pool.max_workers.get(),
-            pd: pool.pd.as_ref().map(|pd| Pd {
-                handshake: pd.handshake,
-                prefill_timeout: duration::format(pd.prefill_timeout),
-                max_inflight_prefills: pd.max_inflight_prefills.get(),
-                decode_choices: pd.decode_choices.get(),
-                max_prefill_response_bytes: pd.max_prefill_response_bytes.get().into(),
-                bootstrap_port: (pd.handshake == crate::config::Handshake::Bootstrap)
-                    .then_some(pd.bootstrap_port),
-                local_prefill_tokens: (pd.handshake != crate::config::Handshake::Bootstrap)
-                    .then_some(pd.local_prefill_tokens),
-                local_prefill_share: (pd.handshake != crate::config::Handshake::Bootstrap)
-                    .then_some(pd.local_prefill_share.get()),
-                local_prefill_when_queued: (pd.handshake != crate::config::Handshake::Bootstrap)
-                    .then_some(pd.local_prefill_when_queued),
-            }),
+            pd: pool.pd.as_ref().map(Pd::of),
             dns: match &pool.discovery {
                 Discovery::Dns(dns) => Some(Dns {
                     name: &dns.name,
@@ -617,6 +592,42 @@ impl<'c> Pool<'c> {
                     bootstrap_port: worker.bootstrap_port,
                 })
                 .collect(),
+        }
+    }
+}
+
+impl<'c> Index<'c> {
+    /// A pool's index section, written only when it or its ports differ from the defaults.
+    fn of(pool: &'c PoolConfig) -> Option<Self> {
+        (pool.index != IndexConfig::default()
+            || pool.template.kv_events_port != IndexConfig::DEFAULT_LIVE_PORT
+            || pool.template.kv_replay_port.is_some())
+        .then(|| Index {
+            mode: pool.index.mode,
+            speculative_ttl: duration::format(pool.index.speculative_ttl),
+            stream_grace: duration::format(pool.index.stream_grace),
+            topic: &pool.index.topic,
+            port: pool.template.kv_events_port,
+            replay_port: pool.template.kv_replay_port,
+            commit_share: pool.index.commit_share.get(),
+        })
+    }
+}
+
+impl Pd {
+    /// The keys a bootstrap handshake does not read are left out.
+    fn of(pd: &PdConfig) -> Self {
+        let bootstrap = pd.handshake == Handshake::Bootstrap;
+        Pd {
+            handshake: pd.handshake,
+            prefill_timeout: duration::format(pd.prefill_timeout),
+            max_inflight_prefills: pd.max_inflight_prefills.get(),
+            decode_choices: pd.decode_choices.get(),
+            max_prefill_response_bytes: pd.max_prefill_response_bytes.get().into(),
+            bootstrap_port: bootstrap.then_some(pd.bootstrap_port),
+            local_prefill_tokens: (!bootstrap).then_some(pd.local_prefill_tokens),
+            local_prefill_share: (!bootstrap).then_some(pd.local_prefill_share.get()),
+            local_prefill_when_queued: (!bootstrap).then_some(pd.local_prefill_when_queued),
         }
     }
 }

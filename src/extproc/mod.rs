@@ -157,6 +157,25 @@ async fn follow_readiness(
     }
 }
 
+/// The admin API and gRPC reflection, behind the bearer token when one is set.
+fn add_debug(
+    routes: &mut tonic::service::RoutesBuilder,
+    service: &Arc<Service>,
+    token: Option<BearerToken>,
+) {
+    let guard = transport::guard(token, Arc::clone(service));
+    routes.add_service(InterceptedService::new(
+        admin::server(Arc::clone(service)),
+        guard.clone(),
+    ));
+    if let Some(reflection) = admin::reflection_v1() {
+        routes.add_service(InterceptedService::new(reflection, guard.clone()));
+    }
+    if let Some(reflection) = admin::reflection_v1alpha() {
+        routes.add_service(InterceptedService::new(reflection, guard));
+    }
+}
+
 /// Serves ext_proc and health on `listener` until `shutdown` resolves, then drains: readiness is
 /// withdrawn at once, requests are answered for `overload.shutdown_grace`, then the server stops.
 pub async fn serve(
@@ -204,29 +223,14 @@ pub async fn serve(
         follow,
     ))
     .max_decoding_message_size(max_message);
-    let guard = transport::guard(token, Arc::clone(&service));
-    let admin =
-        debug.then(|| InterceptedService::new(admin::server(Arc::clone(&service)), guard.clone()));
-    let reflection_v1 = admin::reflection_v1()
-        .filter(|_| debug)
-        .map(|reflection| InterceptedService::new(reflection, guard.clone()));
-    let reflection_v1alpha = admin::reflection_v1alpha()
-        .filter(|_| debug)
-        .map(|reflection| InterceptedService::new(reflection, guard));
     let grace = overload.shutdown_grace;
     let mut routes = tonic::service::Routes::builder();
     routes
         .add_service(health)
         .add_service(processor)
         .add_service(eds::server(assignments));
-    if let Some(admin) = admin {
-        routes.add_service(admin);
-    }
-    if let Some(reflection) = reflection_v1 {
-        routes.add_service(reflection);
-    }
-    if let Some(reflection) = reflection_v1alpha {
-        routes.add_service(reflection);
+    if debug {
+        add_debug(&mut routes, &service, token);
     }
     let routes = routes.routes().prepare();
     let shutdown = async move {

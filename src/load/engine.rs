@@ -100,6 +100,25 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// Folds in one series of the start time (`start`) or of the prompt-token counter; a value that is
+    /// not a number is ignored.
+    fn note(&mut self, start: bool, value: f64) {
+        if !value.is_finite() {
+            return;
+        }
+        let field = if start {
+            &mut self.start_time
+        } else {
+            &mut self.served
+        };
+        *field = Some(match *field {
+            // The latest start: a worker's API server may outlive its engine core.
+            Some(kept) if start => f64::max(kept, value),
+            Some(kept) => kept + value,
+            None => value,
+        });
+    }
+
     /// Whether `self`, read after `earlier`, is another run of the engine: its start time moved, or its
     /// counter went backwards.
     pub fn restarted_since(&self, earlier: &Identity) -> bool {
@@ -271,6 +290,31 @@ impl Names {
 }
 
 /// Which copy of a rank's numbers a series is: `(tp_rank, pp_rank)`, absent labels as 0. The lowest wins.
+impl Partial {
+    /// The info metric's capacity (block size × blocks, from the `(block, blocks)` labels) and block
+    /// size; a block of 0 or a label that is not a number says nothing.
+    fn note_cache_info(
+        &mut self,
+        sample: &prom::Sample<'_>,
+        (block, blocks): (&str, &str),
+        replica: Replica,
+    ) {
+        let size = sample
+            .label(block)
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|size| *size > 0);
+        let tokens = size
+            .zip(sample.label(blocks).and_then(|v| v.parse::<u64>().ok()))
+            .map(|(size, count)| size.saturating_mul(count));
+        if let Some(tokens) = tokens {
+            keep(&mut self.cache_info_tokens, replica, tokens);
+        }
+        if let Some(size) = size {
+            keep(&mut self.block_size, replica, size);
+        }
+    }
+}
+
 type Replica = (u64, u64);
 
 /// A value and the copy it came from; a lower-ordered copy replaces it.
@@ -312,19 +356,7 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
             continue;
         }
         if sample.name == START_TIME || sample.name == names.served {
-            if sample.value.is_finite() {
-                let field = if sample.name == START_TIME {
-                    &mut identity.start_time
-                } else {
-                    &mut identity.served
-                };
-                *field = Some(match *field {
-                    // The latest start: a worker's API server may outlive its engine core.
-                    Some(kept) if sample.name == START_TIME => f64::max(kept, sample.value),
-                    Some(kept) => kept + sample.value,
-                    None => sample.value,
-                });
-            }
+            identity.note(sample.name == START_TIME, sample.value);
             continue;
         }
         let number = |label: &str| sample.label(label).map(|value| value.parse::<u64>().ok());
@@ -348,20 +380,7 @@ pub fn from_metrics(engine: Engine, text: &str, dp_size: u32) -> Result<Report, 
         );
         let name = sample.name;
         if name == names.cache_info {
-            let (a, b) = names.cache_info_labels;
-            let block = sample
-                .label(a)
-                .and_then(|v| v.parse::<u64>().ok())
-                .filter(|block| *block > 0);
-            let product = block
-                .zip(sample.label(b).and_then(|v| v.parse::<u64>().ok()))
-                .map(|(a, b)| a.saturating_mul(b));
-            if let Some(tokens) = product {
-                keep(&mut slot.cache_info_tokens, replica, tokens);
-            }
-            if let Some(block) = block {
-                keep(&mut slot.block_size, replica, block);
-            }
+            slot.note_cache_info(&sample, names.cache_info_labels, replica);
             continue;
         }
         if let Some(priority) = names.kv_usage.iter().position(|n| *n == name) {

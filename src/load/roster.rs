@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::IntCounter;
 
-use super::dispatch::Window;
+use super::dispatch::{DispatchTable, Window};
 use super::engine::{Identity, Report};
 use super::fetch::{ScrapeError, Target};
 use super::pool::{PoolLoad, RosterObserver, ScrapeObserver, configured_capacity};
@@ -402,13 +402,7 @@ impl Roster {
             Ok(_) => ScrapeOutcome::Ok,
             Err(error) => error.outcome(),
         };
-        if let Some(counter) = ScrapeOutcome::ALL
-            .iter()
-            .position(|o| *o == outcome)
-            .and_then(|position| worker.counters.get(position))
-        {
-            counter.inc();
-        }
+        worker.count(outcome);
         let was_failing = worker
             .state
             .scrape
@@ -441,43 +435,8 @@ impl Roster {
         let mut idle = false;
         match result {
             Ok(report) => {
-                if let Some(earlier) = &worker.identity
-                    && report.identity.restarted_since(earlier)
-                {
-                    restarted = true;
-                    // The old run's samples describe a cache that is gone, its counters a run that is.
-                    worker.ranks.clear();
-                    worker.meter.reset();
-                    worker.arrivals.reset();
-                }
-                worker.identity = Some(report.identity);
-                let before = worker.state.reading.map(|reading| reading.captured_at);
-                worker.ranks.record(report.ranks, sent);
-                status.last_error = worker.ranks.missing(sent);
-                worker.state.reading = worker.ranks.reading();
-                worker.state.capacity = worker.ranks.capacity(worker.configured);
-                if let Some(reading) = worker.state.reading
-                    && reading.complete
-                    && before.is_none_or(|before| reading.captured_at > before)
-                {
-                    // The engine's numbers cover what was sent before the request, not what was sent
-                    // while it was in flight.
-                    dispatches.forget(worker.id, dispatched);
-                    if let Some(arrived) = worker
-                        .arrivals
-                        .observe(report.progress.first_tokens, reading.load.waiting)
-                    {
-                        self.share.observe(arrived, dispatched.seen());
-                        dispatches.set_share(self.share.scale());
-                    }
-                    idle = reading.load.waiting == 0 && reading.load.running == 0;
-                    worker.meter.observe(
-                        reading.captured_at,
-                        &report.progress,
-                        reading.load.waiting,
-                    );
-                    worker.state.prefill = worker.meter.estimate();
-                }
+                (restarted, idle) =
+                    worker.absorb(report, (sent, dispatched), dispatches, &mut self.share);
                 if was_failing {
                     tracing::info!(pool = label, worker = %worker.state.endpoint, "worker scrape recovered");
                 }
@@ -568,6 +527,66 @@ impl Roster {
 }
 
 impl Tracked {
+    /// `cachepick_scrapes_total{outcome}` for this worker.
+    fn count(&self, outcome: ScrapeOutcome) {
+        if let Some(counter) = ScrapeOutcome::ALL
+            .iter()
+            .position(|o| *o == outcome)
+            .and_then(|position| self.counters.get(position))
+        {
+            counter.inc();
+        }
+    }
+
+    /// Takes in a report the worker answered with: a restart forgets the old run's samples and
+    /// counters; a newer complete reading settles what was dispatched before the request was `sent`
+    /// and feeds the arrival share and the prefill meter. Returns whether the engine restarted and
+    /// whether it is idle.
+    fn absorb(
+        &mut self,
+        report: Report,
+        (sent, dispatched): (Instant, Window),
+        dispatches: &DispatchTable,
+        share: &mut ShareMeter,
+    ) -> (bool, bool) {
+        let restarted = self
+            .identity
+            .is_some_and(|earlier| report.identity.restarted_since(&earlier));
+        let mut idle = false;
+        if restarted {
+            // The old run's samples describe a cache that is gone, its counters a run that is.
+            self.ranks.clear();
+            self.meter.reset();
+            self.arrivals.reset();
+        }
+        self.identity = Some(report.identity);
+        let before = self.state.reading.map(|reading| reading.captured_at);
+        self.ranks.record(report.ranks, sent);
+        self.state.scrape.last_error = self.ranks.missing(sent);
+        self.state.reading = self.ranks.reading();
+        self.state.capacity = self.ranks.capacity(self.configured);
+        if let Some(reading) = self.state.reading
+            && reading.complete
+            && before.is_none_or(|before| reading.captured_at > before)
+        {
+            // The engine's numbers cover what was sent before the request, not what was sent
+            // while it was in flight.
+            dispatches.forget(self.id, dispatched);
+            if let Some(arrived) = self
+                .arrivals
+                .observe(report.progress.first_tokens, reading.load.waiting)
+            {
+                share.observe(arrived, dispatched.seen());
+                dispatches.set_share(share.scale());
+            }
+            idle = reading.load.waiting == 0 && reading.load.running == 0;
+            self.meter
+                .observe(reading.captured_at, &report.progress, reading.load.waiting);
+            self.state.prefill = self.meter.estimate();
+        }
+        (restarted, idle)
+    }
+
     /// The state of a worker neither draining nor restarted after a scrape that `timed_out`, or went
     /// `unanswered` (counted towards unreachable): logged when it changes.
     fn settle(

@@ -69,6 +69,8 @@ pub struct OverloadMetrics {
 }
 
 impl OverloadMetrics {
+    /// Over 100 lines because each family is declared once here with its help text and its labels
+    /// pre-set to zero.
     pub(super) fn new() -> Result<Self, prometheus::Error> {
         let shed = IntCounterVec::new(
             Opts::new(
