@@ -45,6 +45,7 @@ mod clusters;
 mod cold_start;
 mod flags;
 mod listener;
+mod routes;
 mod yaml;
 
 pub use access_log::ACCESS_LOG_FIELDS;

@@ -36,20 +36,15 @@
 //! concurrent `matches` sees a worker on a new chain only once the whole chain is in place.
 
 use std::cmp::Reverse;
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::num::NonZeroU32;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
-use hashbrown::HashTable;
 
+use super::keyed::KeyedHash;
+use super::lru::{EngineKeys, Lru, MAX_BLOCKS_PER_WORKER};
 use crate::worker::WorkerId;
-
-/// The most blocks one worker can hold: slots are `u32` and slot 0 is the list's sentinel, and one
-/// more block than the capacity exists briefly before its eviction.
-const MAX_BLOCKS_PER_WORKER: usize = u32::MAX as usize - 2;
 
 /// A concurrent map of prompt blocks to the workers believed to hold them, for one pool.
 ///
@@ -301,7 +296,7 @@ impl OwnerIndex {
     pub fn tags(&self) -> Vec<usize> {
         self.lrus
             .iter()
-            .map(|lru| lock(lru).engine.as_ref().map_or(0, |keys| keys.table.len()))
+            .map(|lru| lock(lru).engine.as_ref().map_or(0, |keys| keys.tagged()))
             .collect()
     }
 
@@ -607,299 +602,10 @@ impl Walk {
     }
 }
 
-/// One worker's blocks in recency order, bounded by its capacity.
-///
-/// A slab of nodes linked into a circular list through `u32` slots: `nodes[0]` is the sentinel,
-/// whose `next` is the most recent block and whose `prev` the least recent. Freed slots are chained
-/// through `next` from `free` and reused before the slab grows.
-struct Lru {
-    nodes: Vec<Node>,
-    /// First free slot, 0 when none.
-    free: u32,
-    len: usize,
-    capacity: usize,
-    /// The engine's hash of each block, in an index built [`OwnerIndex::with_engine_keys`].
-    engine: Option<EngineKeys>,
-}
-
-/// A worker's engine hashes: which slot holds the block an engine hash names.
-///
-/// `of_slot` runs parallel to the LRU's slab (8 bytes a block) and the table holds one `u32` slot
-/// per tag, hashed by the engine hash read back through `of_slot`, so an engine key costs about 13
-/// bytes beyond the block's own 16 instead of a map entry of its own.
-struct EngineKeys {
-    of_slot: Vec<u64>,
-    table: HashTable<u32>,
-    hasher: KeyedHash,
-}
-
-impl EngineKeys {
-    fn new() -> Self {
-        EngineKeys {
-            of_slot: Vec::new(),
-            table: HashTable::new(),
-            hasher: KeyedHash::new(),
-        }
-    }
-
-    /// The tagged slot of `engine`.
-    fn find(&self, engine: u64) -> Option<u32> {
-        let of_slot = &self.of_slot;
-        self.table
-            .find(self.hasher.hash_one(engine), |&slot| {
-                of_slot.get(slot as usize) == Some(&engine)
-            })
-            .copied()
-    }
-
-    fn tag(&mut self, slot: u32, engine: u64) {
-        self.untag(slot);
-        if let Some(other) = self.find(engine) {
-            self.untag(other);
-        }
-        let at = slot as usize;
-        if self.of_slot.len() <= at {
-            self.of_slot.resize(at + 1, 0);
-        }
-        if let Some(entry) = self.of_slot.get_mut(at) {
-            *entry = engine;
-        }
-        let Self {
-            of_slot,
-            table,
-            hasher,
-        } = self;
-        table.insert_unique(hasher.hash_one(engine), slot, |&slot| {
-            hasher.hash_one(of_slot.get(slot as usize).copied().unwrap_or(0))
-        });
-    }
-
-    fn untag(&mut self, slot: u32) {
-        let Some(&engine) = self.of_slot.get(slot as usize) else {
-            return;
-        };
-        if let Ok(entry) = self
-            .table
-            .find_entry(self.hasher.hash_one(engine), |&tagged| tagged == slot)
-        {
-            entry.remove();
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-struct Node {
-    hash: u64,
-    prev: u32,
-    next: u32,
-}
-
-// The memory budget rests on these sizes (see the module docs).
-const _: () = assert!(size_of::<Node>() == 16);
-
-const SENTINEL: u32 = 0;
-
-impl Lru {
-    fn new(capacity: usize) -> Self {
-        Lru {
-            nodes: vec![Node {
-                hash: 0,
-                prev: SENTINEL,
-                next: SENTINEL,
-            }],
-            free: SENTINEL,
-            len: 0,
-            capacity: capacity.min(MAX_BLOCKS_PER_WORKER),
-            engine: None,
-        }
-    }
-
-    /// Tags `slot` with the engine hash `engine`.
-    fn tag(&mut self, slot: u32, engine: u64) {
-        let reserved = self.nodes.capacity();
-        if let Some(keys) = &mut self.engine {
-            // Sized like the slab, so the tags cost 8 bytes a block rather than a doubling's waste.
-            if keys.of_slot.capacity() < reserved {
-                keys.of_slot
-                    .reserve_exact(reserved.saturating_sub(keys.of_slot.len()));
-            }
-            keys.tag(slot, engine);
-        }
-    }
-
-    /// Removes the block in `slot`, wherever it is in the order.
-    fn remove(&mut self, slot: u32) {
-        if slot == SENTINEL || self.node(slot).is_none() {
-            return;
-        }
-        self.unlink(slot);
-        self.release_slot(slot);
-    }
-
-    /// Puts an unlinked `slot` on the free list and drops its tag.
-    fn release_slot(&mut self, slot: u32) {
-        if let Some(keys) = &mut self.engine {
-            keys.untag(slot);
-        }
-        let free = self.free;
-        if let Some(node) = self.nodes.get_mut(slot as usize) {
-            node.next = free;
-        }
-        self.free = slot;
-        self.len = self.len.saturating_sub(1);
-    }
-
-    /// Adds `hash` as the most recent block and returns its slot.
-    fn push(&mut self, hash: u64) -> Option<NonZeroU32> {
-        let slot = if self.free != SENTINEL {
-            let slot = self.free;
-            let node = self.nodes.get_mut(slot as usize)?;
-            self.free = node.next;
-            node.hash = hash;
-            slot
-        } else {
-            let slot = u32::try_from(self.nodes.len()).ok()?;
-            self.reserve_one();
-            self.nodes.push(Node {
-                hash,
-                prev: SENTINEL,
-                next: SENTINEL,
-            });
-            slot
-        };
-        self.link_front(slot);
-        self.len += 1;
-        NonZeroU32::new(slot)
-    }
-
-    /// Makes the block in `slot` the most recent.
-    fn touch(&mut self, slot: NonZeroU32) {
-        self.unlink(slot.get());
-        self.link_front(slot.get());
-    }
-
-    /// Removes the least recent block and returns its hash.
-    fn pop_oldest(&mut self) -> Option<u64> {
-        let slot = self.node(SENTINEL)?.prev;
-        if slot == SENTINEL {
-            return None;
-        }
-        self.unlink(slot);
-        let hash = self.node(slot)?.hash;
-        self.release_slot(slot);
-        Some(hash)
-    }
-
-    /// Grows the slab geometrically, but never past what the capacity can use, so that a full
-    /// worker's list costs 16 bytes per block rather than up to twice that.
-    fn reserve_one(&mut self) {
-        let len = self.nodes.len();
-        if len < self.nodes.capacity() {
-            return;
-        }
-        // The sentinel, the capacity, and one block about to be evicted.
-        let limit = self.capacity.saturating_add(2);
-        let target = len.saturating_mul(2).max(16).min(limit).max(len + 1);
-        self.nodes.reserve_exact(target - len);
-    }
-
-    fn link_front(&mut self, slot: u32) {
-        let Some(first) = self.node(SENTINEL).map(|sentinel| sentinel.next) else {
-            return;
-        };
-        if let Some(node) = self.nodes.get_mut(slot as usize) {
-            node.prev = SENTINEL;
-            node.next = first;
-        }
-        if let Some(first) = self.nodes.get_mut(first as usize) {
-            first.prev = slot;
-        }
-        if let Some(sentinel) = self.nodes.get_mut(SENTINEL as usize) {
-            sentinel.next = slot;
-        }
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let Some(&Node { prev, next, .. }) = self.node(slot) else {
-            return;
-        };
-        if let Some(prev) = self.nodes.get_mut(prev as usize) {
-            prev.next = next;
-        }
-        if let Some(next) = self.nodes.get_mut(next as usize) {
-            next.prev = prev;
-        }
-    }
-
-    fn node(&self, slot: u32) -> Option<&Node> {
-        self.nodes.get(slot as usize)
-    }
-}
-
 /// A poisoned lock only means a panic elsewhere mid-update, which the lints rule out in `prefix`;
 /// routing on whatever it holds beats failing every later request.
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The maps' hasher: one keyed, folded multiply per key.
-///
-/// Keys are already xxh3 outputs, so mixing needs little work, but they are outputs over client
-/// tokens under a public seed: an unkeyed hash would let a client aim many blocks at one bucket. A
-/// per-process random key prevents that at a fraction of SipHash's cost on the `matches` walk.
-#[derive(Clone)]
-struct KeyedHash {
-    key: u64,
-    multiplier: u64,
-}
-
-impl KeyedHash {
-    fn new() -> Self {
-        let random = RandomState::new();
-        KeyedHash {
-            key: random.hash_one(0_u64),
-            multiplier: random.hash_one(1_u64) | 1,
-        }
-    }
-}
-
-impl BuildHasher for KeyedHash {
-    type Hasher = KeyedHasher;
-
-    fn build_hasher(&self) -> KeyedHasher {
-        KeyedHasher {
-            key: self.key,
-            multiplier: self.multiplier,
-            hash: 0,
-        }
-    }
-}
-
-struct KeyedHasher {
-    key: u64,
-    multiplier: u64,
-    hash: u64,
-}
-
-impl Hasher for KeyedHasher {
-    fn write_u64(&mut self, value: u64) {
-        let product = u128::from(self.hash ^ value ^ self.key) * u128::from(self.multiplier);
-        self.hash = (product as u64) ^ ((product >> 64) as u64);
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0_u8; 8];
-            word.iter_mut()
-                .zip(chunk)
-                .for_each(|(dst, src)| *dst = *src);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-
-    fn finish(&self) -> u64 {
-        self.hash
-    }
 }
 
 #[cfg(test)]
@@ -909,22 +615,6 @@ mod tests {
     use super::*;
 
     const BLOCK: NonZeroU32 = NonZeroU32::new(64).unwrap();
-
-    impl Lru {
-        /// `(slot, hash)` of every block, most recent first.
-        fn in_order(&self) -> Vec<(u32, u64)> {
-            let mut order = Vec::new();
-            let mut slot = self
-                .node(SENTINEL)
-                .map_or(SENTINEL, |sentinel| sentinel.next);
-            while slot != SENTINEL && order.len() < self.nodes.len() {
-                let node = self.node(slot).copied().unwrap();
-                order.push((slot, node.hash));
-                slot = node.next;
-            }
-            order
-        }
-    }
 
     impl OwnerIndex {
         /// `worker`'s blocks, most recent first.
@@ -1163,7 +853,8 @@ mod tests {
         }
         let lru = lock(&index.lrus[0]);
         // The sentinel, four blocks and the one about to be evicted.
-        assert_eq!(lru.nodes.len(), 6);
-        assert!(lru.nodes.capacity() <= 6);
+        let (used, allocated) = lru.slab();
+        assert_eq!(used, 6);
+        assert!(allocated <= 6);
     }
 }

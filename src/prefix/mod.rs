@@ -11,6 +11,8 @@
 mod events;
 mod hash;
 mod index;
+mod keyed;
+mod lru;
 
 #[cfg(test)]
 mod tests;
