@@ -296,8 +296,40 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         ),
     ];
     out.series("gauge", &gauges, ranks, &labels);
-    // vLLM's info metric: the configuration as labels, the value always 1. Capacity in tokens is
-    // block_size × num_gpu_blocks, which is how readers of vLLM's metrics learn it.
+    cache_config_info(out, ranks);
+    let counters: [Series; 3] = [
+        (
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemption from the engine.",
+            |r| Num::Int(r.counters.preemptions),
+        ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            |r| Num::Int(r.counters.prefix_queried_tokens),
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            |r| Num::Int(r.counters.prefix_hit_tokens),
+        ),
+    ];
+    out.series("counter", &counters, ranks, &labels);
+    token_counters(out, "vllm", ranks, &labels);
+    request_success(out, model, ranks);
+    latencies(
+        out,
+        "vllm",
+        "Histogram of e2e request latency in seconds.",
+        ranks,
+        &labels,
+    );
+    phases(out, ranks, &labels);
+}
+
+/// vLLM's info metric: the configuration as labels, the value always 1. Capacity in tokens is
+/// block_size × num_gpu_blocks, which is how readers of vLLM's metrics learn it.
+fn cache_config_info(out: &mut Exposition, ranks: &[RankStats]) {
     out.family(
         "vllm:cache_config_info",
         "gauge",
@@ -322,25 +354,10 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             Num::Float(1.0),
         );
     }
-    let counters: [Series; 3] = [
-        (
-            "vllm:num_preemptions_total",
-            "Cumulative number of preemption from the engine.",
-            |r| Num::Int(r.counters.preemptions),
-        ),
-        (
-            "vllm:prefix_cache_queries_total",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            |r| Num::Int(r.counters.prefix_queried_tokens),
-        ),
-        (
-            "vllm:prefix_cache_hits_total",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            |r| Num::Int(r.counters.prefix_hit_tokens),
-        ),
-    ];
-    out.series("counter", &counters, ranks, &labels);
-    token_counters(out, "vllm", ranks, &labels);
+}
+
+/// Finished requests by reason, every reason listed as vLLM lists them.
+fn request_success(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
     out.family(
         "vllm:request_success_total",
         "counter",
@@ -365,14 +382,6 @@ fn vllm(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
             );
         }
     }
-    latencies(
-        out,
-        "vllm",
-        "Histogram of e2e request latency in seconds.",
-        ranks,
-        &labels,
-    );
-    phases(out, ranks, &labels);
 }
 
 /// vLLM V1's per-request phases (0.13 and later), observed when a request finishes.
@@ -467,22 +476,7 @@ fn sglang(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         &|_| Num::Float(1.0),
     );
     token_counters(out, "sglang", ranks, &labels);
-    // SGLang's tokenizer manager creates this counter at a rank's first cache hit: a worker that has
-    // had none writes no series at all. (SGLang counts when a request finishes; the simulator when its
-    // prefill does, as for vLLM's counters.)
-    let hit: Vec<&RankStats> = ranks
-        .iter()
-        .filter(|rank| rank.counters.prefix_hit_tokens > 0)
-        .collect();
-    if !hit.is_empty() {
-        let name = "sglang:cached_tokens_total";
-        out.family(name, "counter", "Number of cached prompt tokens.");
-        for rank in hit {
-            let owned = labels(rank);
-            let borrowed: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            out.sample(name, &borrowed, Num::Int(rank.counters.prefix_hit_tokens));
-        }
-    }
+    cached_tokens(out, ranks, &labels);
     out.per_rank(
         (
             "sglang:num_requests_total",
@@ -506,6 +500,29 @@ fn sglang(out: &mut Exposition, model: &str, ranks: &[RankStats]) {
         ranks,
         &labels,
     );
+}
+
+/// SGLang's tokenizer manager creates this counter at a rank's first cache hit: a worker that has
+/// had none writes no series at all. (SGLang counts when a request finishes; the simulator when its
+/// prefill does, as for vLLM's counters.)
+fn cached_tokens(
+    out: &mut Exposition,
+    ranks: &[RankStats],
+    labels: &dyn Fn(&RankStats) -> Vec<(&'static str, String)>,
+) {
+    let hit: Vec<&RankStats> = ranks
+        .iter()
+        .filter(|rank| rank.counters.prefix_hit_tokens > 0)
+        .collect();
+    if !hit.is_empty() {
+        let name = "sglang:cached_tokens_total";
+        out.family(name, "counter", "Number of cached prompt tokens.");
+        for rank in hit {
+            let owned = labels(rank);
+            let borrowed: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            out.sample(name, &borrowed, Num::Int(rank.counters.prefix_hit_tokens));
+        }
+    }
 }
 
 /// One rank of SGLang's `/v1/loads`.

@@ -24,6 +24,7 @@ use cachepick_tokenizer::{Chat, ChatTurn, Tokenizer};
 use super::bootstrap::{self, Disaggregation};
 use super::engine::{Progress, Submitted};
 use super::{Arrival, Body, Incarnation, Rank, Shared, error, json, lock, nixl, sleep_unpaused};
+use crate::SimParams;
 use crate::config::{Engine, LoadFailure, Timing};
 use crate::model::{Refusal, RequestId};
 use crate::timing;
@@ -55,56 +56,11 @@ pub(super) async fn generate(
     body: Bytes,
     mut arrival: Arrival,
 ) -> Response<Body> {
-    let mut request = match read(&shared, api, &body) {
-        Ok(request) => request,
+    let params = shared.params.load_full();
+    let (request, prompt, output) = match accept(&shared, &incarnation, &params, api, &body) {
+        Ok(accepted) => accepted,
         Err((status, message)) => return error(status, &message),
     };
-    // SGLang's prefill worker computes the prompt and one token, answered whole; its router drains it.
-    let mode = shared.spec.disaggregation;
-    if mode == Disaggregation::Prefill {
-        request.max_tokens = Some(1);
-        request.stream = false;
-    }
-    if mode != Disaggregation::Null && request.bootstrap.is_none() {
-        let message = format!(
-            "a {} worker (disaggregation_mode {}) needs bootstrap_host, bootstrap_port and \
-             bootstrap_room",
-            mode.as_str(),
-            mode.as_str()
-        );
-        return error(StatusCode::BAD_REQUEST, &message);
-    }
-    let params = shared.params.load_full();
-    if params.failure_rate > 0.0 && lock(&shared.rng).random::<f64>() < params.failure_rate {
-        if let Some(mut rank) = incarnation.rank(0) {
-            rank.engine.count_rejected();
-        }
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "injected failure (failure_rate)",
-        );
-    }
-    let prompt = match tokens(&shared.spec.tokenizer, &request.prompt) {
-        Ok(prompt) => prompt,
-        Err(message) => return error(StatusCode::BAD_REQUEST, &message),
-    };
-    let output = request
-        .max_tokens
-        .unwrap_or(params.default_max_tokens.get());
-    let total = u64::try_from(prompt.len())
-        .unwrap_or(u64::MAX)
-        .saturating_add(u64::from(output));
-    if total > u64::from(params.max_model_len.get()) {
-        let message = format!(
-            "This model's maximum context length is {} tokens. However, you requested {total} tokens \
-             ({} in the messages, {output} in the completion). Please reduce the length of the \
-             messages or completion.",
-            params.max_model_len,
-            prompt.len()
-        );
-        return error(StatusCode::BAD_REQUEST, &message);
-    }
-
     let id = shared.next_request.fetch_add(1, Ordering::Relaxed);
     let received = Instant::now();
     if shared.spec.timing == Timing::Step {
@@ -116,58 +72,9 @@ pub(super) async fn generate(
             super::api::api_work(&shared, prompt.len() as f64 * params.profile.api_token);
         tokio::time::sleep_until((received + front).max(tokenized)).await;
     }
-    // A decode leg pulls the KV its prefill worker leased before the scheduler can run it.
-    let transfer = match &request.kv_transfer {
-        Some(KvTransfer::RemotePrefill {
-            engine_id,
-            request_id,
-            host,
-            port,
-        }) => {
-            let held = incarnation
-                .rank(0)
-                .map_or(0, |rank| rank.engine.cached_tokens(&prompt));
-            match nixl::pull(&shared, engine_id, request_id, host, *port, held).await {
-                Ok(pulled) => Transfer::Pulled(pulled),
-                Err(why) => match params.pd.load_failure {
-                    LoadFailure::Fail => {
-                        return error(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            &format!("KV transfer failed (kv_load_failure_policy fail): {why}"),
-                        );
-                    }
-                    LoadFailure::Recompute => Transfer::Recomputed,
-                },
-            }
-        }
-        Some(KvTransfer::RemoteDecode) => Transfer::Leased,
-        None => match (mode, &request.bootstrap) {
-            (Disaggregation::Prefill, Some(rendezvous)) => Transfer::Room(rendezvous.room),
-            (Disaggregation::Decode, Some(rendezvous)) => {
-                let held = incarnation
-                    .rank(0)
-                    .map_or(0, |rank| rank.engine.cached_tokens(&prompt));
-                let pulled = bootstrap::pull(
-                    &shared,
-                    &rendezvous.host,
-                    rendezvous.port,
-                    rendezvous.room,
-                    held,
-                )
-                .await;
-                match pulled {
-                    Ok(pulled) => Transfer::Pulled(pulled),
-                    Err(why) => {
-                        let message = format!(
-                            "Decode transfer failed for request rid=bootstrap_room {}: {why}",
-                            rendezvous.room
-                        );
-                        return error(StatusCode::INTERNAL_SERVER_ERROR, &message);
-                    }
-                }
-            }
-            _ => Transfer::None,
-        },
+    let transfer = match transfer(&shared, &incarnation, &request, &prompt, &params).await {
+        Ok(transfer) => transfer,
+        Err((status, message)) => return error(status, &message),
     };
     let remote = match &transfer {
         Transfer::Pulled(pulled) => pulled.tokens,
@@ -193,36 +100,9 @@ pub(super) async fn generate(
         };
         (ticket, submitted, rank_index)
     };
-    let restarted = || error(StatusCode::SERVICE_UNAVAILABLE, "the engine restarted");
     let rng = SmallRng::seed_from_u64(shared.spec.seed ^ id.rotate_left(17));
-    let (cached_tokens, pace) = match submitted {
-        Submitted::Admitted(admission) => (
-            admission.cached_tokens,
-            Pace::Slots {
-                uncached: admission.uncached_tokens,
-                rng,
-            },
-        ),
-        Submitted::Queued(receiver) => match receiver.await {
-            Ok(admission) => (
-                admission.cached_tokens,
-                Pace::Slots {
-                    uncached: admission.uncached_tokens,
-                    rng,
-                },
-            ),
-            Err(_) => return restarted(),
-        },
-        Submitted::Stepping(mut progress) => {
-            let cached = progress
-                .wait_for(|progress| progress.cached.is_some() || progress.done)
-                .await
-                .map(|progress| progress.cached.unwrap_or(0));
-            match cached {
-                Ok(cached) => (cached, Pace::Step { progress, seen: 0 }),
-                Err(_) => return restarted(),
-            }
-        }
+    let Some((cached_tokens, pace)) = admitted(submitted, rng).await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the engine restarted");
     };
 
     let run = Run {
@@ -250,6 +130,154 @@ pub(super) async fn generate(
         stream_response(run, request, headers)
     } else {
         complete_response(run, headers).await
+    }
+}
+
+/// A request as the API server takes it: parsed, checked against the worker's role and the model's
+/// context, tokenized; with the output length it asks for. An error is the status and message it is
+/// answered with.
+fn accept(
+    shared: &Shared,
+    incarnation: &Incarnation,
+    params: &SimParams,
+    api: Api,
+    body: &Bytes,
+) -> Result<(SimRequest, Vec<u32>, u32), (StatusCode, String)> {
+    let mut request = read(shared, api, body)?;
+    // SGLang's prefill worker computes the prompt and one token, answered whole; its router drains it.
+    let mode = shared.spec.disaggregation;
+    if mode == Disaggregation::Prefill {
+        request.max_tokens = Some(1);
+        request.stream = false;
+    }
+    if mode != Disaggregation::Null && request.bootstrap.is_none() {
+        let message = format!(
+            "a {} worker (disaggregation_mode {}) needs bootstrap_host, bootstrap_port and \
+             bootstrap_room",
+            mode.as_str(),
+            mode.as_str()
+        );
+        return Err((StatusCode::BAD_REQUEST, message));
+    }
+    if params.failure_rate > 0.0 && lock(&shared.rng).random::<f64>() < params.failure_rate {
+        if let Some(mut rank) = incarnation.rank(0) {
+            rank.engine.count_rejected();
+        }
+        return Err((
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "injected failure (failure_rate)".to_owned(),
+        ));
+    }
+    let prompt = tokens(&shared.spec.tokenizer, &request.prompt)
+        .map_err(|message| (StatusCode::BAD_REQUEST, message))?;
+    let output = request
+        .max_tokens
+        .unwrap_or(params.default_max_tokens.get());
+    let total = u64::try_from(prompt.len())
+        .unwrap_or(u64::MAX)
+        .saturating_add(u64::from(output));
+    if total > u64::from(params.max_model_len.get()) {
+        let message = format!(
+            "This model's maximum context length is {} tokens. However, you requested {total} tokens \
+             ({} in the messages, {output} in the completion). Please reduce the length of the \
+             messages or completion.",
+            params.max_model_len,
+            prompt.len()
+        );
+        return Err((StatusCode::BAD_REQUEST, message));
+    }
+    Ok((request, prompt, output))
+}
+
+/// The KV a request brings: a decode leg pulls what its prefill worker leased before the scheduler can
+/// run it; a prefill leg leases its room. An error is the status and message the request is answered with.
+async fn transfer(
+    shared: &Arc<Shared>,
+    incarnation: &Incarnation,
+    request: &SimRequest,
+    prompt: &[u32],
+    params: &SimParams,
+) -> Result<Transfer, (StatusCode, String)> {
+    match &request.kv_transfer {
+        Some(KvTransfer::RemotePrefill {
+            engine_id,
+            request_id,
+            host,
+            port,
+        }) => {
+            let held = incarnation
+                .rank(0)
+                .map_or(0, |rank| rank.engine.cached_tokens(prompt));
+            match nixl::pull(shared, engine_id, request_id, host, *port, held).await {
+                Ok(pulled) => Ok(Transfer::Pulled(pulled)),
+                Err(why) => match params.pd.load_failure {
+                    LoadFailure::Fail => Err((
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("KV transfer failed (kv_load_failure_policy fail): {why}"),
+                    )),
+                    LoadFailure::Recompute => Ok(Transfer::Recomputed),
+                },
+            }
+        }
+        Some(KvTransfer::RemoteDecode) => Ok(Transfer::Leased),
+        None => match (shared.spec.disaggregation, &request.bootstrap) {
+            (Disaggregation::Prefill, Some(rendezvous)) => Ok(Transfer::Room(rendezvous.room)),
+            (Disaggregation::Decode, Some(rendezvous)) => {
+                let held = incarnation
+                    .rank(0)
+                    .map_or(0, |rank| rank.engine.cached_tokens(prompt));
+                let pulled = bootstrap::pull(
+                    shared,
+                    &rendezvous.host,
+                    rendezvous.port,
+                    rendezvous.room,
+                    held,
+                )
+                .await;
+                match pulled {
+                    Ok(pulled) => Ok(Transfer::Pulled(pulled)),
+                    Err(why) => {
+                        let message = format!(
+                            "Decode transfer failed for request rid=bootstrap_room {}: {why}",
+                            rendezvous.room
+                        );
+                        Err((StatusCode::INTERNAL_SERVER_ERROR, message))
+                    }
+                }
+            }
+            _ => Ok(Transfer::None),
+        },
+    }
+}
+
+/// The admission a submission ends in (the slots model) or the first progress that names its cached
+/// tokens (the step model); `None` when the engine restarted meanwhile.
+async fn admitted(submitted: Submitted, rng: SmallRng) -> Option<(u32, Pace)> {
+    match submitted {
+        Submitted::Admitted(admission) => Some((
+            admission.cached_tokens,
+            Pace::Slots {
+                uncached: admission.uncached_tokens,
+                rng,
+            },
+        )),
+        Submitted::Queued(receiver) => receiver.await.ok().map(|admission| {
+            (
+                admission.cached_tokens,
+                Pace::Slots {
+                    uncached: admission.uncached_tokens,
+                    rng,
+                },
+            )
+        }),
+        Submitted::Stepping(mut progress) => {
+            let cached = progress
+                .wait_for(|progress| progress.cached.is_some() || progress.done)
+                .await
+                .ok()
+                .map(|progress| progress.cached.unwrap_or(0))?;
+            Some((cached, Pace::Step { progress, seen: 0 }))
+        }
     }
 }
 
