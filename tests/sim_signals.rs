@@ -9,6 +9,7 @@
 mod support {
     pub mod envoy;
     pub mod gateway;
+    pub mod learned;
     pub mod provision;
     pub mod sim_client;
     pub mod sim_fleet;
@@ -23,6 +24,7 @@ use serde_json::json;
 
 use cachepick::envoy_config::BodyMode;
 use support::gateway::Gateway;
+use support::learned::assert_learned_like_measured;
 use support::sim_client::{CHAT, COMPLETIONS, Client, MODEL, metric_sum};
 
 /// A prompt of about `tokens` byte-tokens that shares nothing with another seed's.
@@ -122,17 +124,7 @@ async fn the_learned_prefill_rate_is_the_simulated_engines_prefill_speed() {
     eprintln!(
         "sim learning: alone {alone:.0?} tokens/s; under the traffic the workers measured {measured:.0?}, the picker learned {learned:.0?}"
     );
-    for (learned, measured) in learned.iter().zip(&measured) {
-        assert!(
-            (measured / 2.0..=measured * 2.0).contains(learned),
-            "learned {learned:.0}, not within 2x of the {measured:.0} the worker measured"
-        );
-    }
-    let (low, high) = (learned[0].min(learned[1]), learned[0].max(learned[1]));
-    assert!(
-        high <= low * 1.25,
-        "two identical workers learned {learned:.0?}"
-    );
+    assert_learned_like_measured(&learned, &measured, "workers");
 }
 
 /// The simulator's API server loop, at the speed the real engine's showed on a starved machine (issue

@@ -12,6 +12,7 @@
 #[path = "support"]
 mod support {
     pub mod envoy;
+    pub mod learned;
     pub mod provision;
     pub mod serve;
     pub mod vllm;

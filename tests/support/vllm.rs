@@ -22,6 +22,12 @@ pub const MODEL: &str = "tiny";
 /// The CPU build's KV block, which `vllm:cache_config_info` and the events' `block_size` report.
 pub const ENGINE_BLOCK: u64 = 128;
 
+/// What vLLM can reuse of a prompt of `tokens` cached before: its whole blocks, short of the last
+/// token, which the engine always computes.
+pub fn whole_blocks(tokens: u64) -> u64 {
+    tokens.saturating_sub(1) / ENGINE_BLOCK * ENGINE_BLOCK
+}
+
 /// How long an engine may take from its start to answering `/health`: about 50 s on an idle 2-core
 /// machine, more while another engine starts beside it or the machine is busy.
 pub const STARTS_WITHIN: Duration = Duration::from_secs(240);
@@ -467,6 +473,15 @@ pub async fn get(addr: SocketAddr, path: &str, within: Duration) -> Result<(u16,
     request(addr, "GET", path, None, within).await
 }
 
+/// Sends `body` to `/v1/completions` of the engine at `addr` itself, past Envoy and the picker:
+/// traffic the picker never sees. Panics unless the engine answers 200 within a minute.
+pub async fn complete_directly(addr: SocketAddr, body: &Value) {
+    let (status, text) = post(addr, "/v1/completions", body, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+}
+
 /// `POST http://addr/path` with a JSON body within `within`: status and body.
 pub async fn post(
     addr: SocketAddr,
@@ -492,10 +507,8 @@ async fn request(
         .header("content-type", "application/json")
         .body(Full::new(bytes::Bytes::from(bytes)))
         .map_err(|error| error.to_string())?;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
     let response = tokio::time::timeout(within, async {
-        let response = client
+        let response = super::envoy::client()
             .request(request)
             .await
             .map_err(|error| format!("{method} {path}: {error}"))?;

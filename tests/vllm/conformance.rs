@@ -245,7 +245,7 @@ fn compare_usage(real: &Answers, simulated: &Answers, differences: &mut Differen
     let cached =
         |answer: &Value| answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
     let prompt_tokens = real.1["usage"]["prompt_tokens"].as_u64().unwrap();
-    let whole = (prompt_tokens - 1) / ENGINE_BLOCK * ENGINE_BLOCK;
+    let whole = vllm::whole_blocks(prompt_tokens);
     assert_eq!(
         cached(&real.1),
         Some(whole),

@@ -9,6 +9,7 @@ use serde_json::json;
 
 use crate::engines;
 use crate::stack::{Index, Stack, selected};
+use crate::support::learned::assert_learned_like_measured;
 use crate::support::vllm::{self, ENGINE_BLOCK, Engine, Fleet, MODEL, prose, sum_of};
 
 /// The prefill speed an engine measured itself, alone: cold prompts one at a time, its own
@@ -17,15 +18,7 @@ async fn measured_alone(engine: &Engine, seed: u64) -> f64 {
     let (before, _) = engine.metrics().await;
     for i in 0..4 {
         let body = json!({"model": MODEL, "prompt": prose(seed + i, 1000), "max_tokens": 1});
-        let (status, text) = vllm::post(
-            engine.http,
-            "/v1/completions",
-            &body,
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
-        assert_eq!(status, 200, "{text}");
+        vllm::complete_directly(engine.http, &body).await;
     }
     let (after, _) = engine.metrics().await;
     let grown = |name: &str| sum_of(&after, name).unwrap() - sum_of(&before, name).unwrap();
@@ -103,17 +96,7 @@ async fn the_learned_prefill_rate_is_the_engines_prefill_speed() {
     eprintln!(
         "learning: {sent} requests; alone the engines measured {alone:.0?} tokens/s, under the traffic {measured:.0?}, the picker learned {rates:.0?}"
     );
-    for (rate, measured) in rates.iter().zip(&measured) {
-        assert!(
-            (measured / 2.0..=measured * 2.0).contains(rate),
-            "learned {rate:.0} tokens/s, not within 2x of the {measured:.0} the engine measured"
-        );
-    }
-    let (low, high) = (rates[0].min(rates[1]), rates[0].max(rates[1]));
-    assert!(
-        high <= low * 1.25,
-        "two identical engines learned {rates:.0?}: more than 25% apart"
-    );
+    assert_learned_like_measured(&rates, &measured, "engines");
     // Explain prices the own prefill at the measured rate, and says so.
     let explained = stack
         .explain(
@@ -168,10 +151,7 @@ async fn a_replay_teaches_what_was_cached_before_and_a_restart_is_forgotten_then
     let prompt = prose(12_000, 1000);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
     let engine = fleet.engines[1].http;
-    let (status, text) = vllm::post(engine, "/v1/completions", &body, Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{text}");
+    vllm::complete_directly(engine, &body).await;
     // Started now: the engine's events of that request were published before it subscribed.
     let stack = Stack::start(&fleet, Index::Events, "").await;
     let owner = |explained: &serde_json::Value| {
@@ -218,10 +198,7 @@ async fn a_replay_teaches_what_was_cached_before_and_a_restart_is_forgotten_then
     assert!(owner(&explained).is_none(), "{explained}");
     assert_eq!(explained["decision"], "cache_miss", "{explained}");
     // Sent again, directly: relearned from the new run's events.
-    let (status, text) = vllm::post(engine, "/v1/completions", &body, Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{text}");
+    vllm::complete_directly(engine, &body).await;
     let explained = wait_for(&stack, &body, |explained| owner(explained).is_some()).await;
     assert_eq!(
         owner(&explained).unwrap(),

@@ -2,6 +2,7 @@
 //! engine's own `cached_tokens` confirms what cachepick credited; cachepick's tokens and block keys
 //! are the engine's; traffic that bypasses the picker still makes an owner; cold prompts spread.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -11,7 +12,7 @@ use cachepick_tokenizer::{Chat, ChatTurn};
 
 use crate::engines;
 use crate::stack::{Index, Stack, selected, upstream};
-use crate::support::vllm::{ENGINE_BLOCK, Fleet, MODEL, prose};
+use crate::support::vllm::{ENGINE_BLOCK, Fleet, MODEL, prose, whole_blocks};
 
 /// A chat's reply text.
 fn content(reply: &Value) -> String {
@@ -27,6 +28,16 @@ fn credited(entry: &Value) -> u64 {
         .as_str()
         .and_then(|tokens| tokens.parse().ok())
         .unwrap_or_else(|| panic!("no prefix_tokens in {entry}"))
+}
+
+/// The access log's `entry` is a `cache_hit` that the picker sent to `owner` and Envoy delivered there.
+fn assert_hit_on(entry: &Value, owner: SocketAddr) {
+    assert_eq!(entry["decision"], "cache_hit", "{entry}");
+    assert_eq!(
+        (selected(entry), upstream(entry)),
+        (Some(owner), Some(owner)),
+        "{entry}"
+    );
 }
 
 /// A repeated chat, then two next turns: every one after the first is a `cache_hit` on the first's
@@ -54,16 +65,11 @@ async fn repeats_and_next_turns(index: Index, seed: u64) {
         .chat(&json!(messages), 8, &format!("{seed}-again"))
         .await;
     let entry = stack.access(&format!("{seed}-again")).await;
-    assert_eq!(entry["decision"], "cache_hit", "{entry}");
-    assert_eq!(
-        (selected(&entry), upstream(&entry)),
-        (Some(owner), Some(owner)),
-        "{entry}"
-    );
-    let whole_blocks = (again.prompt_tokens() - 1) / ENGINE_BLOCK * ENGINE_BLOCK;
+    assert_hit_on(&entry, owner);
+    let reusable = whole_blocks(again.prompt_tokens());
     assert_eq!(
         (again.cached_tokens(), credited(&entry)),
-        (whole_blocks, whole_blocks),
+        (reusable, reusable),
         "the engine reused the repeat's whole blocks and cachepick credited exactly those: {:?} {entry}",
         again.body["usage"]
     );
@@ -76,13 +82,8 @@ async fn repeats_and_next_turns(index: Index, seed: u64) {
         let reply = stack.chat(&json!(messages), 8, &id).await;
         assert_eq!(reply.status, 200, "{:?}", reply.body);
         let entry = stack.access(&id).await;
-        assert_eq!(entry["decision"], "cache_hit", "{entry}");
-        assert_eq!(
-            (selected(&entry), upstream(&entry)),
-            (Some(owner), Some(owner)),
-            "{entry}"
-        );
-        let previous_blocks = (previous.prompt_tokens() - 1) / ENGINE_BLOCK * ENGINE_BLOCK;
+        assert_hit_on(&entry, owner);
+        let previous_blocks = whole_blocks(previous.prompt_tokens());
         assert!(
             reply.cached_tokens() >= previous_blocks,
             "the engine reused at least the earlier turn's whole blocks: {:?} after {previous_blocks}",
@@ -174,16 +175,8 @@ async fn tokens_and_block_keys_are_the_engines_and_bypassing_traffic_makes_an_ow
 
     // Sent to the engine directly: the picker never saw it, so only the engine's events can tell.
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});
-    let (status, text) = crate::support::vllm::post(
-        engine.http,
-        "/v1/completions",
-        &body,
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200, "{text}");
-    let whole_blocks = (ids.len() as u64 - 1) / ENGINE_BLOCK * ENGINE_BLOCK;
+    crate::support::vllm::complete_directly(engine.http, &body).await;
+    let reusable = whole_blocks(ids.len() as u64);
     let deadline = Instant::now() + Duration::from_secs(3);
     loop {
         let explained = stack.explain("/v1/completions", &body).await;
@@ -201,7 +194,7 @@ async fn tokens_and_block_keys_are_the_engines_and_bypassing_traffic_makes_an_ow
             .and_then(|sources| sources.first())
             .map(|source| source["events_tokens"].as_u64().unwrap());
         if let Some(owner) = &owner
-            && events_depth.is_some_and(|depth| depth >= whole_blocks)
+            && events_depth.is_some_and(|depth| depth >= reusable)
         {
             assert_eq!(
                 explained["decision"], "cache_hit",
@@ -212,7 +205,7 @@ async fn tokens_and_block_keys_are_the_engines_and_bypassing_traffic_makes_an_ow
         }
         assert!(
             Instant::now() < deadline,
-            "the engine's events did not make it the owner of its last whole block ({whole_blocks}) within 3 s: {explained}"
+            "the engine's events did not make it the owner of its last whole block ({reusable}) within 3 s: {explained}"
         );
         // Explain allows 5 a second (`overload.explain_rate`).
         tokio::time::sleep(Duration::from_millis(250)).await;
