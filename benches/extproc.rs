@@ -213,6 +213,8 @@ fn baseline(runtime: &Runtime, config: &Config) -> (Shutdown, Arc<Service>) {
     (stop, Service::new(picker, metrics))
 }
 
+// Over 100 lines: one criterion group, its cases set up and measured in turn against one running
+// stage.
 fn bench_extproc(c: &mut Criterion) {
     // `CACHEPICK_BENCH_LOG=info` installs `serve`'s default subscriber (text lines at `info`, written to
     // a sink): the decision span each request opens is then live, as in production, and the run says

@@ -129,6 +129,8 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
     cachepick_rig::replay::report::percentile(values, p).unwrap_or(f64::NAN)
 }
 
+// Over 100 lines: one measurement, start to report: the simulator started, streams driven, CPU and
+// latency printed.
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` runs benches as tests: skip the long run
     // there, say so, and succeed only for that invocation.

@@ -195,6 +195,9 @@ impl Exchange {
 }
 
 /// Runs one stream to its end and says how it ended.
+///
+/// Over 100 lines: a stream's one loop, its deadline, step, answer and accounting in one place, so
+/// each stream's end is classified once.
 async fn drive(
     service: &Arc<Service>,
     mut inbound: Streaming<ProcessingRequest>,

@@ -170,6 +170,8 @@ fn ratio(max: f64) -> impl FnOnce(f64) -> Result<f64, String> {
 }
 
 impl Decoder<'_> {
+    // Over 100 lines: each top-level key read once, in the file's order, with its flag override;
+    // every problem is collected, none stops the rest.
     fn sim(&mut self, root: &Node, overrides: &SimOverrides) -> Res<SimConfig> {
         let keys: Vec<&str> = SIM_KEYS.iter().chain(PARAM_KEYS).copied().collect();
         let map = self.mapping(root, &Place::root(root.line), &keys)?;

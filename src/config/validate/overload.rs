@@ -30,6 +30,9 @@ pub(super) const OVERLOAD_KEYS: &[&str] = &[
 impl Validator<'_> {
     /// `overload:` (all defaults when absent); `max_body_bytes` is the top level's, which one body may
     /// reach.
+    ///
+    /// Over 100 lines: each key of `overload:` read once, then the pairs checked against each
+    /// other, which needs every key's result at hand.
     pub(super) fn overload(
         &mut self,
         root: &Map,

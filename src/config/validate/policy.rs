@@ -175,6 +175,9 @@ impl Validator<'_> {
     /// A scope's policy: its mode (its own, else the parent's, else the default), the mode-specific keys
     /// given here checked against that mode, then every key not given here taken from the parent, and
     /// the policy built from what is in force.
+    ///
+    /// Over 100 lines: mode, misplaced keys, unit, effective keys and gate resolve in one order,
+    /// each step reading the ones before.
     fn resolve_policy(
         &mut self,
         keys: PolicyKeys,

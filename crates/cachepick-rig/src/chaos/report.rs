@@ -337,6 +337,8 @@ fn kib(value: Option<u64>) -> String {
 }
 
 /// The Markdown summary.
+///
+/// Over 100 lines: the table's sections in the order they print, each a few rows.
 pub fn table(report: &ChaosReport) -> String {
     let good = &report.good;
     let mut out = String::new();

@@ -248,6 +248,9 @@ impl ExternalProcessor for Noop {
 
 /// Answers each message of one stream as it comes (or, deciding, holds the headers answer as the
 /// module says); ends the stream (cleanly, as cachepick does) once the request is complete.
+///
+/// Over 100 lines: one loop over a stream's messages whose state (mode, the held answer) lives
+/// across them.
 async fn drive(
     tally: Arc<Tally>,
     reply: Reply,

@@ -151,6 +151,8 @@ pub async fn drive(
 }
 
 /// Sends one streaming completion of `prompt` and reads it to the end, within [`REQUEST_DEADLINE`].
+///
+/// Over 100 lines: one request from its route to its last byte, filling one sample as it goes.
 async fn one(
     http: &HttpClient<HttpConnector, Full<Bytes>>,
     route: Route,

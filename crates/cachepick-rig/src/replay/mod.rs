@@ -390,6 +390,9 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64, timing: Timing) -> SimCo
 
 /// Runs the replay: every policy in turn on a fresh fleet, then the other routers and the oracle, then
 /// writes the report and the charts.
+///
+/// Over 100 lines: the options checked, the arms built and run, the report assembled, in order;
+/// each step reads most of the ones before.
 pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     let burst = matches!(options.scenario, Scenario::Burst);
     let speedup = options

@@ -114,6 +114,9 @@ impl Workload<'_> {
     }
 
     /// cachepick with the arm's policy, index mode and replicas.
+    ///
+    /// Over 100 lines: one arm's stage started, driven, read and stopped, in order, filling one
+    /// report.
     async fn picker(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
         let mut sim = self.sim.clone();
         if arm.index_mode == IndexMode::Events {

@@ -70,6 +70,8 @@ fn label(value: f64) -> String {
     }
 }
 
+// Over 100 lines: one panel drawn top to bottom (frame, shading, grid, ticks, labels, series) in
+// one coordinate system.
 fn panel(out: &mut String, panel: &Panel<'_>, top: f64) {
     let plot_w = WIDTH - LEFT - RIGHT;
     let plot_h = PANEL_HEIGHT - TOP - BOTTOM;

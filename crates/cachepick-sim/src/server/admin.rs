@@ -185,6 +185,7 @@ struct CrashControl {
     restart_after_ms: Option<u64>,
 }
 
+// Over 100 lines: one arm per admin endpoint, each a few lines.
 pub(super) async fn admin(
     shared: &Arc<Shared>,
     incarnation: &Incarnation,

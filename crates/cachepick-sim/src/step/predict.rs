@@ -29,6 +29,9 @@ impl StepRank {
     /// Model seconds from now until a request with this prompt would emit its first token here, given
     /// `profile`, behind the prompts `in_flight` to the rank; the front (HTTP, tokenization) and the
     /// step in flight are not included.
+    ///
+    /// Over 100 lines: one walk of the rank's queue through the same steps the scheduler takes; its
+    /// running totals live across them.
     pub fn predict_ttft(&self, prompt: &[u32], in_flight: &[&[u32]], profile: &Profile) -> f64 {
         let block = usize::try_from(self.pool.block_size()).unwrap_or(1);
         let mut earlier: Vec<Vec<u64>> = Vec::new();

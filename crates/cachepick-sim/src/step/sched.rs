@@ -94,6 +94,9 @@ pub(super) fn sglang(rank: &mut StepRank) -> Step {
 
 /// The chunked request continued, then waiting requests (in `fcfs` or `lpm` order) while the chunk
 /// budget, `max_prefill_tokens`, the running limit and the KV reservation allow.
+///
+/// Over 100 lines: SGLang's `PrefillAdder` in one pass, its budgets shared by the chunked request
+/// and the waiting ones.
 fn sglang_prefill(rank: &mut StepRank) -> Step {
     let mut step = Step::default();
     let block = rank.pool.block_size();
