@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use cachepick::config::{Config, Overrides};
 use cachepick::load::{PoolLoad, Scraper};
 use cachepick::metrics::Metrics;
-use cachepick::route::{Answer, CommitGate, Inbound, Picker, Service};
+use cachepick::route::{Answer, CommitGate, Inbound, Moment, Picker, Service};
 use cachepick_rig::client::{Client, Verdict, buffered_request};
 use cachepick_rig::stage::{Shutdown, Stage, on_free_ports};
 use cachepick_sim::config::TokenizerConfig;
@@ -240,7 +240,7 @@ fn bench_extproc(c: &mut Criterion) {
         let prompt_tokens = bench
             .service
             .picker()
-            .prepare(CHAT, body)
+            .prepare(CHAT, body, Instant::now())
             .unwrap()
             .prompt_tokens;
         let Verdict::Route {
@@ -274,9 +274,11 @@ fn bench_extproc(c: &mut Criterion) {
             );
         }
         for _ in 0..2 {
-            let answer = bench
-                .service
-                .answer(&Inbound::new(CHAT, Some(body)), &CommitGate::open());
+            let answer = bench.service.answer(
+                &Inbound::new(CHAT, Some(body)),
+                &CommitGate::open(),
+                Moment::now(),
+            );
             assert!(matches!(answer, Answer::Route(_)), "{name}: {answer:?}");
         }
         println!(
@@ -311,6 +313,7 @@ fn bench_extproc(c: &mut Criterion) {
                 black_box(bench.service.answer(
                     &Inbound::new(CHAT, Some(black_box(body))),
                     &CommitGate::open(),
+                    Moment::now(),
                 ))
             })
         });

@@ -54,13 +54,16 @@ fn on_fresh_picker<O>(b: &mut Bencher<'_>, run: impl FnMut(Picker) -> O) {
 
 /// The prompt's size in tokens, as a fresh picker counts it.
 fn prompt_tokens(body: &[u8]) -> u64 {
-    picker().prepare(CHAT, body).unwrap().prompt_tokens
+    picker()
+        .prepare(CHAT, body, Instant::now())
+        .unwrap()
+        .prompt_tokens
 }
 
 fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) {
-    let prepared = picker.prepare(CHAT, body).unwrap();
-    let pinned = picker.pin(&prepared).unwrap();
-    if let Outcome::Route(decision) = pinned.decide(None, Instant::now(), rng) {
+    let prepared = picker.prepare(CHAT, body, Instant::now()).unwrap();
+    let pinned = picker.pin(&prepared, Instant::now()).unwrap();
+    if let Outcome::Route(decision) = pinned.decide(None, rng) {
         pinned.commit(&decision);
     }
 }
@@ -73,12 +76,19 @@ fn bench_pipeline(c: &mut Criterion) {
     let mut group = c.benchmark_group("prepare_8k_10_turns");
     group.throughput(Throughput::Bytes(body.len() as u64));
     group.bench_function("cold", |b| {
-        on_fresh_picker(b, |picker| black_box(picker.prepare(CHAT, &body).unwrap()))
+        on_fresh_picker(b, |picker| {
+            black_box(picker.prepare(CHAT, &body, Instant::now()).unwrap())
+        })
     });
     let warm = picker();
     route(&warm, &body, &mut rng);
     group.bench_function("warm", |b| {
-        b.iter(|| black_box(warm.prepare(CHAT, black_box(&body)).unwrap()))
+        b.iter(|| {
+            black_box(
+                warm.prepare(CHAT, black_box(&body), Instant::now())
+                    .unwrap(),
+            )
+        })
     });
     group.finish();
     println!("prepare_8k_10_turns: {} bytes, {tokens} tokens", body.len());

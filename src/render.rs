@@ -435,7 +435,7 @@ mod tests {
     /// and explain says why, with the rule and both numbers.
     #[test]
     fn a_match_below_min_match_tokens_is_named_with_the_rule_and_its_numbers() {
-        use crate::route::{Commit, CommitGate, Inbound, Picker, Service};
+        use crate::route::{Commit, CommitGate, Inbound, Moment, Picker, Service};
         let yaml = "pools:\n  - model: m\n    engine: vllm\n    tokenizer: {kind: bytes}\n    workers:\n\
                     \x20     - endpoint: 127.0.0.1:1\n      - endpoint: 127.0.0.1:2\n";
         let config = crate::config::parse(yaml, "t", &crate::config::Overrides::default()).unwrap();
@@ -458,7 +458,7 @@ mod tests {
             content_encoding: None,
             tenant: None,
         };
-        let _ = service.route(&inbound, Commit::Live(&CommitGate::open()));
+        let _ = service.route(&inbound, Commit::Live(&CommitGate::open()), Moment::now());
         let explained = service.explain(&inbound).unwrap();
         assert_eq!(explained.min_match_tokens, Some(1024));
         let held = explained

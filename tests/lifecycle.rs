@@ -133,9 +133,12 @@ impl Running {
     fn route(&mut self, prompt: &str) -> (SocketAddr, Reason, u64) {
         let body =
             serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt})).unwrap();
-        let prepared = self.picker.prepare("/v1/completions", &body).unwrap();
-        let pinned = self.picker.pin(&prepared).unwrap();
-        match pinned.decide(None, Instant::now(), &mut self.rng) {
+        let prepared = self
+            .picker
+            .prepare("/v1/completions", &body, Instant::now())
+            .unwrap();
+        let pinned = self.picker.pin(&prepared, Instant::now()).unwrap();
+        match pinned.decide(None, &mut self.rng) {
             Outcome::Route(decision) => {
                 pinned.commit(&decision);
                 let endpoint = pinned

@@ -38,10 +38,12 @@ fn chat(turns: usize) -> Vec<u8> {
 /// Routes one body and commits it; returns (selected worker, reason, matched tokens).
 fn route(picker: &Picker, body: &[u8], rng: &mut SmallRng) -> (u32, Reason, u64) {
     let prepared = picker
-        .prepare("/v1/chat/completions", body)
+        .prepare("/v1/chat/completions", body, Instant::now())
         .expect("prepared");
-    let pinned = picker.pin(&prepared).expect("the prepared pool exists");
-    match pinned.decide(None, Instant::now(), rng) {
+    let pinned = picker
+        .pin(&prepared, Instant::now())
+        .expect("the prepared pool exists");
+    match pinned.decide(None, rng) {
         Outcome::Route(decision) => {
             pinned.commit(&decision);
             (
@@ -89,7 +91,7 @@ fn a_growing_conversation_stays_with_the_worker_holding_its_history() {
 fn a_prompt_whose_blocks_nobody_holds_is_a_cache_miss_with_no_owners() {
     let picker = picker(16);
     let prepared = picker
-        .prepare("/v1/completions", br#"{"model": "m", "prompt": "completely new text never seen before, long enough to fill blocks"}"#)
+        .prepare("/v1/completions", br#"{"model": "m", "prompt": "completely new text never seen before, long enough to fill blocks"}"#, Instant::now())
         .unwrap();
     assert!(prepared.owners.is_empty());
     assert_eq!(
@@ -115,7 +117,9 @@ fn bad_bodies_and_unknown_models_are_refused_with_their_status() {
         ),
     ];
     for (body, status, kind) in cases {
-        let error = picker.prepare("/v1/chat/completions", body).unwrap_err();
+        let error = picker
+            .prepare("/v1/chat/completions", body, Instant::now())
+            .unwrap_err();
         let reason = error.reason();
         assert_eq!(
             (reason.status(), reason.as_str()),

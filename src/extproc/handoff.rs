@@ -23,7 +23,7 @@ use tonic::Streaming;
 use super::answer::Sender;
 use crate::protocol::RefusalReason;
 use crate::route::admission::Admission;
-use crate::route::{Answer, CommitGate, Inbound, Refusal, Routed, Service};
+use crate::route::{Answer, CommitGate, Inbound, Moment, Refusal, Routed, Service};
 
 /// The most of a decision's deadline kept, after its commit, for its answer to be sent (a tenth of the
 /// deadline when that is less).
@@ -70,6 +70,9 @@ impl Pending {
                 tenant: self.tenant.as_deref(),
             },
             gate,
+            // The decision's time is when it runs, after admission: what the load it reads is aged
+            // against.
+            Moment::now(),
         )
     }
 }

@@ -148,5 +148,6 @@ pub fn report_of(
     Some(ServedReport {
         status: header_status.or(attribute_status)?,
         upstream,
+        at: std::time::Instant::now(),
     })
 }

@@ -74,6 +74,20 @@ impl Target {
     }
 }
 
+impl Target {
+    /// A body the worker answered, read into a report: the `/metrics` text or SGLang's `/v1/loads`.
+    pub(super) fn read(&self, body: &[u8]) -> Result<Report, ScrapeError> {
+        let report = match self.source {
+            LoadSource::Metrics => {
+                let text = std::str::from_utf8(body).map_err(|_| ScrapeError::NotUtf8)?;
+                engine::from_metrics(self.engine, text, self.dp_size)?
+            }
+            LoadSource::Loads => engine::from_loads_json(body, self.dp_size)?,
+        };
+        Ok(report)
+    }
+}
+
 /// One HTTP request and the extraction of its body; the caller bounds it in time.
 pub(super) async fn fetch(
     client: &HttpClient,
@@ -119,14 +133,7 @@ pub(super) async fn fetch(
             }
         })?
         .to_bytes();
-    let report = match target.source {
-        LoadSource::Metrics => {
-            let text = std::str::from_utf8(&body).map_err(|_| ScrapeError::NotUtf8)?;
-            engine::from_metrics(target.engine, text, target.dp_size)?
-        }
-        LoadSource::Loads => engine::from_loads_json(&body, target.dp_size)?,
-    };
-    Ok(report)
+    target.read(&body)
 }
 
 /// The innermost cause, which is where hyper puts the useful text ("Connection refused").

@@ -7,6 +7,7 @@
 //! requests sent to each worker since its last complete reading.
 
 mod dispatch;
+mod driven;
 mod engine;
 mod fetch;
 mod inspect;
@@ -22,6 +23,7 @@ mod sync;
 mod tls;
 
 pub use dispatch::{DispatchTable, Window};
+pub use driven::{ScrapeDriver, ScrapeTicket};
 pub use engine::{
     ExtractError, Identity, Progress, RankLoad, Report, from_loads_json, from_metrics,
 };
@@ -34,5 +36,5 @@ pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, PrefillEstimate,
     Reading, ScrapeOutcome, ScrapeStatus, Tier, TokenDispatches, WorkerState,
 };
-pub use sync::{Announcement, Received, ReplicaSync, SyncStats};
+pub use sync::{Announcement, Received, ReplicaSync, SyncStats, take_announcement};
 pub use tls::ScrapeTlsClient;

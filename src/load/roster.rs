@@ -228,6 +228,12 @@ impl Roster {
         idle.into_iter().map(|(_, id)| id).collect()
     }
 
+    /// The endpoint of the worker in slot `id`.
+    pub(super) fn endpoint(&self, id: WorkerId) -> Option<SocketAddr> {
+        let at = self.position(id)?;
+        self.workers.get(at).map(|worker| worker.config.endpoint)
+    }
+
     /// Marks a scrape of the worker in slot `id` in flight, and hands out what its request needs;
     /// `None` when no worker holds the slot.
     pub(super) fn begin_scrape(&mut self, id: WorkerId) -> Option<Scrape> {

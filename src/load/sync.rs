@@ -344,24 +344,34 @@ impl ReplicaSync {
         if announcement.origin == self.origin {
             return Received::Own;
         }
-        let Some((load, most)) = pools
-            .iter()
-            .find(|(load, _)| load.label() == announcement.pool)
-        else {
-            return Received::UnknownWorker;
-        };
-        let snapshot = load.snapshot();
-        let Some(worker) = snapshot
-            .workers()
-            .iter()
-            .find(|worker| worker.endpoint == announcement.worker)
-        else {
-            return Received::UnknownWorker;
-        };
-        load.dispatches()
-            .record_peer(worker.id, announcement.uncached_tokens.min(*most));
-        Received::Accepted
+        take_announcement(&announcement, pools)
     }
+}
+
+/// A peer's announcement, already authenticated as a peer's and not this replica's own, added to its
+/// worker's peer window with its tokens clamped to the pool's `max_model_len` (`pools` pairs each pool
+/// with it). The receive task's last step; a replay in virtual time delivers announcements here.
+pub fn take_announcement(
+    announcement: &Announcement<'_>,
+    pools: &[(Arc<PoolLoad>, u64)],
+) -> Received {
+    let Some((load, most)) = pools
+        .iter()
+        .find(|(load, _)| load.label() == announcement.pool)
+    else {
+        return Received::UnknownWorker;
+    };
+    let snapshot = load.snapshot();
+    let Some(worker) = snapshot
+        .workers()
+        .iter()
+        .find(|worker| worker.endpoint == announcement.worker)
+    else {
+        return Received::UnknownWorker;
+    };
+    load.dispatches()
+        .record_peer(worker.id, announcement.uncached_tokens.min(*most));
+    Received::Accepted
 }
 
 impl Announce for ReplicaSync {

@@ -4,6 +4,7 @@
 //! for Envoy and the admin API, `app` for the debug endpoints, the CLI for `explain`).
 
 use std::net::SocketAddr;
+use std::time::Instant;
 
 use serde::Serialize;
 
@@ -37,6 +38,27 @@ impl<'a> Inbound<'a> {
             path,
             body,
             ..Inbound::default()
+        }
+    }
+}
+
+/// When a request is routed and the randomness its decision draws: passed in, so that routing is a
+/// function of its inputs. The wire takes [`Moment::now`] once per request (the clock and the thread's
+/// generator); a replay in virtual time passes its own clock and a seeded draw, and gets the same
+/// decisions each time.
+#[derive(Clone, Copy, Debug)]
+pub struct Moment {
+    pub at: Instant,
+    /// Seeds the decision's generator (ties at random, power-of-k samples).
+    pub seed: u64,
+}
+
+impl Moment {
+    /// Now, with a fresh random seed: the live path's moment.
+    pub fn now() -> Moment {
+        Moment {
+            at: Instant::now(),
+            seed: rand::random(),
         }
     }
 }

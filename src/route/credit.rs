@@ -62,6 +62,8 @@ pub struct ServedReport {
     pub status: u16,
     /// The upstream host that served it (`upstream.address`), when Envoy said.
     pub upstream: Option<SocketAddr>,
+    /// When the report arrived: the served worker was alive then.
+    pub at: std::time::Instant,
 }
 
 /// How a report settled a credit (the `outcome` label of `cachepick_feedback_total`).

@@ -37,7 +37,7 @@ pub use crate::protocol::RefusalReason;
 /// here): what an OpenTelemetry layer exports, whatever `RUST_LOG` says of the rest.
 pub const TRACE_TARGET: &str = "cachepick::trace";
 pub use admission::{Admission, AdmissionView, CommitGate};
-pub use answer::{Answer, Commit, ExplainInput, Inbound, Refusal, Routed, Routing};
+pub use answer::{Answer, Commit, ExplainInput, Inbound, Moment, Refusal, Routed, Routing};
 pub use credit::{Credit, ServedReport, Settled};
 pub use explain::Explanation;
 pub use pd::{PdRoute, local_handoff};

@@ -2,7 +2,6 @@
 //! ladder chose, read off the same snapshot, and committed beside it.
 
 use std::net::SocketAddr;
-use std::time::Instant;
 
 use rand::Rng;
 use serde::Serialize;
@@ -57,14 +56,13 @@ impl Pinned<'_> {
     pub(super) fn decide_decode<R: Rng + ?Sized>(
         &self,
         decision: &Decision,
-        now: Instant,
         rng: &mut R,
     ) -> Option<(PdRoute, Vec<SocketAddr>)> {
         let pd = self.pool.config.pd.as_ref()?;
         let view = LoadView {
             snapshot: &self.snapshot,
             dispatches: self.pool.load.dispatches(),
-            now,
+            now: self.now,
         };
         let facts = RequestFacts {
             prompt_tokens: self.prepared.prompt_tokens,
@@ -122,6 +120,7 @@ impl Pinned<'_> {
             worker.capacity.max_total_tokens,
             &self.prepared.block_hashes,
             &self.snapshot,
+            self.now,
         );
         self.pool.load.dispatched(
             pick.selected,

@@ -130,6 +130,7 @@ impl PoolRoute {
         max_total_tokens: Option<u64>,
         hashes: &'h [u64],
         snapshot: &PoolSnapshot,
+        now: Instant,
     ) -> &'h [u64] {
         let capacity = capacity_blocks(&self.config, max_total_tokens);
         let chain = credited_chain(&self.config, hashes, capacity);
@@ -139,7 +140,7 @@ impl PoolRoute {
             capacity,
             snapshot,
             pool: &self.config,
-            now: Instant::now(),
+            now,
         });
         chain
     }
@@ -229,9 +230,9 @@ impl Picker {
     }
 
     /// Body → pool, tokens, block hashes and owners.
-    pub fn prepare(&self, path: &str, body: &[u8]) -> Result<Prepared, RequestError> {
+    pub fn prepare(&self, path: &str, body: &[u8], now: Instant) -> Result<Prepared, RequestError> {
         let read = request::read(ApiPath::new(path).api, body, self.max_body_bytes)?;
-        self.prepare_read(read, None, &Allowance::default())
+        self.prepare_read(read, None, &Allowance::default(), now)
     }
 
     /// The request header whose value salts the prefix hashes, if one is configured.
@@ -241,12 +242,14 @@ impl Picker {
 
     /// [`Picker::prepare`] of a body already read; `tenant` is the value of the salt header. The
     /// tokenizing stops when `allowance.stop` does ([`TokenizeError::Interrupted`]), and is skipped (the
-    /// prompt is routed as a miss) when its memory does not fit in `allowance.budget`.
+    /// prompt is routed as a miss) when its memory does not fit in `allowance.budget`. `now` is the
+    /// request's time, which the owner index's guesses are aged against.
     pub(super) fn prepare_read(
         &self,
         read: ReadBody<'_>,
         tenant: Option<&str>,
         allowance: &Allowance,
+        now: Instant,
     ) -> Result<Prepared, RequestError> {
         let parsed = {
             let _step = tracing::debug_span!(target: super::TRACE_TARGET, "parse").entered();
@@ -296,9 +299,7 @@ impl Picker {
         let prompt_tokens = tokens.len() as u64;
         drop(tokens);
         drop(charge);
-        let owners = pool
-            .index
-            .matches(&hashes, config.block_size, Instant::now());
+        let owners = pool.index.matches(&hashes, config.block_size, now);
         Ok(Prepared {
             pool: pool_index,
             pool_label: pool.load.label().to_owned(),
@@ -338,14 +339,16 @@ impl Picker {
     }
 
     /// The pool `prepared` names with its current load snapshot, taken once: every later step of the
-    /// request reads this one. `None` for a `Prepared` of another picker, whose pool does not exist here.
-    pub fn pin<'p>(&'p self, prepared: &'p Prepared) -> Option<Pinned<'p>> {
+    /// request reads this one, at the request's time `now`. `None` for a `Prepared` of another picker,
+    /// whose pool does not exist here.
+    pub fn pin<'p>(&'p self, prepared: &'p Prepared, now: Instant) -> Option<Pinned<'p>> {
         let pool = self.pools.get(prepared.pool)?;
         Some(Pinned {
             pool,
             prepared,
             snapshot: pool.load.snapshot(),
             feedback: self.feedback,
+            now,
         })
     }
 
@@ -429,6 +432,9 @@ pub struct Pinned<'p> {
     pub(super) prepared: &'p Prepared,
     pub(super) snapshot: Arc<PoolSnapshot>,
     feedback: bool,
+    /// The request's time: what the policy ages readings against and the index's guesses are stamped
+    /// with. The live path reads the clock once per request; a replay in virtual time passes its own.
+    pub(super) now: Instant,
 }
 
 impl<'p> Pinned<'p> {
@@ -463,20 +469,14 @@ impl<'p> Pinned<'p> {
     }
 
     /// Runs the pool's policy for the request. Under `round_robin` this takes the pool's next turn.
-    pub fn decide<R: Rng + ?Sized>(
-        &self,
-        allowed: Option<&[WorkerId]>,
-        now: Instant,
-        rng: &mut R,
-    ) -> Outcome {
-        self.decide_in_turn(allowed, now, true, rng)
+    pub fn decide<R: Rng + ?Sized>(&self, allowed: Option<&[WorkerId]>, rng: &mut R) -> Outcome {
+        self.decide_in_turn(allowed, true, rng)
     }
 
     /// `decide`; `take_turn` false peeks at the round-robin turn instead of advancing it.
     pub(super) fn decide_in_turn<R: Rng + ?Sized>(
         &self,
         allowed: Option<&[WorkerId]>,
-        now: Instant,
         take_turn: bool,
         rng: &mut R,
     ) -> Outcome {
@@ -484,7 +484,7 @@ impl<'p> Pinned<'p> {
         let view = LoadView {
             snapshot: &self.snapshot,
             dispatches: pool.load.dispatches(),
-            now,
+            now: self.now,
         };
         // Only round robin reads the sequence; other pools leave the counter alone.
         let policy = pool.policy.load();
@@ -540,6 +540,7 @@ impl<'p> Pinned<'p> {
             worker.capacity.max_total_tokens,
             &prepared.block_hashes,
             &self.snapshot,
+            self.now,
         );
         let matched = prepared
             .owners
@@ -689,9 +690,11 @@ pools:
 
     /// Routes and commits; (worker, reason).
     fn route(picker: &Picker, model: &str, rng: &mut SmallRng) -> (u32, Reason) {
-        let prepared = picker.prepare("/v1/completions", &body(model)).unwrap();
-        let pinned = picker.pin(&prepared).unwrap();
-        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), rng) else {
+        let prepared = picker
+            .prepare("/v1/completions", &body(model), Instant::now())
+            .unwrap();
+        let pinned = picker.pin(&prepared, Instant::now()).unwrap();
+        let Outcome::Route(decision) = pinned.decide(None, rng) else {
             panic!("refused")
         };
         pinned.commit(&decision);
@@ -714,11 +717,11 @@ pools:
     fn route_as(picker: &Picker, body: &[u8], tenant: Option<&str>) -> (Reason, u64) {
         let read = request::read(Some(request::Api::Completions), body, 1 << 20).unwrap();
         let prepared = picker
-            .prepare_read(read, tenant, &Allowance::default())
+            .prepare_read(read, tenant, &Allowance::default(), Instant::now())
             .unwrap();
-        let pinned = picker.pin(&prepared).unwrap();
+        let pinned = picker.pin(&prepared, Instant::now()).unwrap();
         let mut rng = SmallRng::seed_from_u64(3);
-        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
+        let Outcome::Route(decision) = pinned.decide(None, &mut rng) else {
             panic!("refused")
         };
         pinned.commit(&decision);
@@ -736,7 +739,7 @@ pools:
         let long = prompt(4000);
         assert!(
             picker
-                .prepare("/v1/completions", &long)
+                .prepare("/v1/completions", &long, Instant::now())
                 .unwrap()
                 .prompt_tokens
                 > 500
@@ -752,10 +755,12 @@ pools:
     /// Routes and commits `body` (a completion); the decision and its credit.
     fn commit_of(picker: &Picker, body: &serde_json::Value) -> (Decision, Option<Credit>) {
         let body = serde_json::to_vec(body).unwrap();
-        let prepared = picker.prepare("/v1/completions", &body).unwrap();
-        let pinned = picker.pin(&prepared).unwrap();
+        let prepared = picker
+            .prepare("/v1/completions", &body, Instant::now())
+            .unwrap();
+        let pinned = picker.pin(&prepared, Instant::now()).unwrap();
         let mut rng = SmallRng::seed_from_u64(5);
-        let Outcome::Route(decision) = pinned.decide(None, Instant::now(), &mut rng) else {
+        let Outcome::Route(decision) = pinned.decide(None, &mut rng) else {
             panic!("refused")
         };
         let credit = pinned.commit(&decision);
@@ -824,7 +829,11 @@ pools:
         let (_, refused) = commit_of(&picker, &body(1));
         let refused = refused.unwrap();
         assert_eq!(refused.endpoint(), owner.endpoint(), "a hit on the owner");
-        let report = |status, upstream| ServedReport { status, upstream };
+        let report = |status, upstream| ServedReport {
+            status,
+            upstream,
+            at: Instant::now(),
+        };
         assert_eq!(
             picker.settle(&refused, report(400, Some(refused.endpoint()))),
             Settled::Retracted
@@ -858,8 +867,13 @@ pools:
             picker
                 .pin(
                     &picker
-                        .prepare("/v1/completions", &serde_json::to_vec(&again).unwrap())
-                        .unwrap()
+                        .prepare(
+                            "/v1/completions",
+                            &serde_json::to_vec(&again).unwrap(),
+                            Instant::now()
+                        )
+                        .unwrap(),
+                    Instant::now()
                 )
                 .unwrap()
                 .endpoints(&decision)[0],
@@ -949,10 +963,12 @@ pools:
         assert_eq!(route(&picker, "ca", &mut rng), (first.0, Reason::CacheHit));
         // Looking at the next turn (explain's dry run) does not take it.
         let rr = body("rr");
-        let prepared = picker.prepare("/v1/completions", &rr).unwrap();
-        let pinned = picker.pin(&prepared).unwrap();
+        let prepared = picker
+            .prepare("/v1/completions", &rr, Instant::now())
+            .unwrap();
+        let pinned = picker.pin(&prepared, Instant::now()).unwrap();
         for _ in 0..2 {
-            let outcome = pinned.decide_in_turn(None, Instant::now(), false, &mut rng);
+            let outcome = pinned.decide_in_turn(None, false, &mut rng);
             let decision = outcome.decision().unwrap();
             assert_eq!(decision.selected.0, 1);
             assert_eq!(decision.trace.sequence, Some(4));

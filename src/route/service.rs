@@ -11,8 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
 use super::admission::{Admission, AdmissionView, Admitted, CommitGate};
-use super::answer::{Answer, Commit, ExplainInput, Inbound, Refusal, Routed, Routing};
+use super::answer::{Answer, Commit, ExplainInput, Inbound, Moment, Refusal, Routed, Routing};
 use super::credit::{Credit, ServedReport, Settled};
 use super::explain::Explanation;
 use super::picker::{Allowance, Picker, Pinned, RequestError};
@@ -153,10 +156,10 @@ impl Service {
         }
     }
 
-    /// Routes one request live, committing only while `gate` allows it: [`route`](Self::route) with
-    /// [`Commit::Live`].
-    pub fn answer(&self, inbound: &Inbound<'_>, gate: &CommitGate) -> Answer {
-        self.route(inbound, Commit::Live(gate)).answer
+    /// Routes one request live at `moment`, committing only while `gate` allows it:
+    /// [`route`](Self::route) with [`Commit::Live`].
+    pub fn answer(&self, inbound: &Inbound<'_>, gate: &CommitGate, moment: Moment) -> Answer {
+        self.route(inbound, Commit::Live(gate), moment).answer
     }
 
     /// The request pipeline, one pass per request and per explanation: decode the body, select the
@@ -168,19 +171,20 @@ impl Service {
     /// prompt. Anything else — a GET, a POST to another API — is routed by load alone to the pool its
     /// `model` names (else the default pool): a passthrough, neither a decision nor a prefix to learn.
     /// A live decision the gate refuses is [`Answer::Shed`], and nothing of it reaches the owner index
-    /// or the dispatch counts.
-    pub fn route(&self, inbound: &Inbound<'_>, commit: Commit<'_>) -> Routing {
+    /// or the dispatch counts. The request's time and its decision's randomness are `moment`'s: the
+    /// pipeline reads neither the clock nor a global generator.
+    pub fn route(&self, inbound: &Inbound<'_>, commit: Commit<'_>, moment: Moment) -> Routing {
         let open = CommitGate::open();
         let (gate, live) = match commit {
             Commit::Live(gate) => (gate, true),
             Commit::DryRun => (&open, false),
         };
         let subset = inbound.subset;
-        let (prepared, passthrough) = match self.prepare(inbound, gate, live) {
+        let (prepared, passthrough) = match self.prepare(inbound, gate, live, moment.at) {
             Ok(prepared) => prepared,
             Err(answer) => return Routing::answered(*answer),
         };
-        let Some(pinned) = self.picker.pin(&prepared) else {
+        let Some(pinned) = self.picker.pin(&prepared, moment.at) else {
             // `prepare` only names pools that exist.
             let answer = self.refused(&prepared, RefusalReason::NoWorkers, subset, live);
             return Routing::answered(answer);
@@ -203,12 +207,12 @@ impl Service {
             };
             return Routing::answered(answer);
         }
-        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(moment.seed);
         let outcome = tracing::debug_span!(target: super::TRACE_TARGET, "policy")
-            .in_scope(|| pinned.decide_in_turn(allowed.as_deref(), now, live, &mut rand::rng()));
+            .in_scope(|| pinned.decide_in_turn(allowed.as_deref(), live, &mut rng));
         let answer = match &outcome {
             Outcome::Route(decision) if passthrough => self.passed_through(&pinned, decision, live),
-            Outcome::Route(decision) => self.routed(&pinned, decision, commit),
+            Outcome::Route(decision) => self.routed(&pinned, decision, commit, &mut rng),
             Outcome::Refuse(refused) => {
                 self.refused(&prepared, refused.reason.into(), subset, live)
             }
@@ -228,7 +232,7 @@ impl Service {
                 passthrough,
                 depth_sources,
                 streams,
-                now,
+                moment.at,
             );
             if let Answer::Route(Routed { pd: Some(pd), .. }) = &answer {
                 explanation.decode = Some(pd.decode.clone());
@@ -249,6 +253,7 @@ impl Service {
         inbound: &Inbound<'_>,
         gate: &CommitGate,
         live: bool,
+        now: Instant,
     ) -> Result<(Prepared, bool), Box<Answer>> {
         let Inbound { body, .. } = *inbound;
         let path = ApiPath::new(inbound.path);
@@ -260,7 +265,7 @@ impl Service {
             _ if !generates => self.passthrough(body.and_then(request::model_of).as_deref()),
             // A compressed body cachepick cannot read: routed by load, like a request without a prompt.
             Some(None) => self.passthrough(None),
-            Some(Some(body)) => self.prepare_body(path, &body, inbound.tenant, gate),
+            Some(Some(body)) => self.prepare_body(path, &body, inbound.tenant, gate, now),
             None if path.api.is_some() => {
                 let message = format!("a request to {} needs a JSON body with a prompt", path.path);
                 let refusal = self.refusal(RefusalReason::MissingBody, message, live);
@@ -361,6 +366,7 @@ impl Service {
         body: &[u8],
         tenant: Option<&str>,
         gate: &CommitGate,
+        now: Instant,
     ) -> Result<(Prepared, bool), RequestError> {
         if path.api.is_none() {
             return self.passthrough(request::model_of(body).as_deref());
@@ -371,7 +377,7 @@ impl Service {
             budget: Some(Arc::clone(self.admission.budget())),
         };
         self.picker
-            .prepare_read(read, tenant, &allowance)
+            .prepare_read(read, tenant, &allowance, now)
             .map(|prepared| (prepared, false))
     }
 
@@ -518,10 +524,16 @@ impl Service {
     /// A decision of the ladder. Live, it is committed right before it is answered — a decision
     /// finished after its deadline, or for a stream that is gone, would credit a worker the request
     /// never reaches, so the gate is asked first — then counted and logged.
-    fn routed(&self, pinned: &Pinned<'_>, decision: &Decision, commit: Commit<'_>) -> Answer {
+    fn routed(
+        &self,
+        pinned: &Pinned<'_>,
+        decision: &Decision,
+        commit: Commit<'_>,
+        rng: &mut SmallRng,
+    ) -> Answer {
         let prepared = pinned.prepared();
         // A PD pool's request has a second pick: its decode worker, where Envoy sends it.
-        let decode = pinned.decide_decode(decision, Instant::now(), &mut rand::rng());
+        let decode = pinned.decide_decode(decision, rng);
         // A request its decode worker prefills itself never reaches the prefill worker: not credited.
         let prefilled_remotely = decode
             .as_ref()
@@ -602,7 +614,7 @@ impl Service {
             subset: None,
             ..*inbound
         };
-        let routing = self.route(&inbound, Commit::DryRun);
+        let routing = self.route(&inbound, Commit::DryRun, Moment::now());
         match (routing.answer, routing.explanation) {
             (_, Some(explanation)) => Ok(explanation),
             (Answer::Refuse(refusal), None) => Err(refusal),

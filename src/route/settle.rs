@@ -2,8 +2,6 @@
 //! `credit`'s documentation gives. It reaches into the pools' indexes and loads, so it lives beside the
 //! picker rather than with the credit's types, which the picker's commit returns.
 
-use std::time::Instant;
-
 use super::credit::{Credit, ServedReport, Settled};
 use super::picker::{Picker, PoolRoute};
 
@@ -21,7 +19,7 @@ impl Picker {
         if upstream == credit.endpoint {
             if same_occupant(pool, credit) {
                 // A response it served: the worker is alive, however late its `/metrics`.
-                pool.load.heard_from(credit.worker, Instant::now());
+                pool.load.heard_from(credit.worker, report.at);
             }
             confirm(pool, credit);
             return Settled::Confirmed;
@@ -36,12 +34,13 @@ impl Picker {
             return Settled::Retracted;
         };
         retract(pool, credit);
-        pool.load.heard_from(served.id, Instant::now());
+        pool.load.heard_from(served.id, report.at);
         pool.record(
             served.id,
             served.capacity.max_total_tokens,
             &credit.chain,
             &snapshot,
+            report.at,
         );
         Settled::Moved
     }

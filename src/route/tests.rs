@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use super::{Answer, Commit, CommitGate, Inbound, Picker, Routing, Service};
+use super::{Answer, Commit, CommitGate, Inbound, Moment, Picker, Routing, Service};
 use crate::config::Overrides;
 use crate::load::PoolLoad;
 use crate::metrics::Metrics;
@@ -223,7 +223,7 @@ fn explain_gives_every_request_the_label_routing_gives_it() {
     for row in &rows {
         let before = counted(&service);
         let stats = service.picker().index_stats();
-        let explained = service.route(&inbound(row), Commit::DryRun);
+        let explained = service.route(&inbound(row), Commit::DryRun, Moment::now());
         assert_eq!(
             counted(&service),
             before,
@@ -241,7 +241,11 @@ fn explain_gives_every_request_the_label_routing_gives_it() {
             Ok(explanation) => assert_eq!(explanation.decision, row.label, "{}", row.name),
             Err(refusal) => assert_eq!(refusal.reason.as_str(), row.label, "{}", row.name),
         }
-        let routed = service.route(&inbound(row), Commit::Live(&CommitGate::open()));
+        let routed = service.route(
+            &inbound(row),
+            Commit::Live(&CommitGate::open()),
+            Moment::now(),
+        );
         assert_eq!(explained.label(), row.label, "{}: explain", row.name);
         assert_eq!(routed.label(), row.label, "{}: routing", row.name);
         assert_same_answer(row.name, &explained, &routed);
