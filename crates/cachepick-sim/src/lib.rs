@@ -22,6 +22,8 @@
 //!   the layout of vLLM ≤ 0.23, vLLM ≥ 0.24 or SGLang, from the events the model records.
 //! - [`server`]: one worker's HTTP server: request lifecycle, vLLM's render endpoints (a prompt's token
 //!   ids), admin controls, crash and restart.
+//! - [`offline`]: one worker in virtual time (the step model's ranks, the API loop, the histograms and
+//!   the exposition, every time passed in), for `cachepick replay --clock virtual`.
 //! - [`fleet`]: N workers on loopback, the cachepick config that fronts them, and the fleet control.
 //!
 //! This crate does not depend on cachepick (Cargo enforces it): it parses bodies, hashes blocks and
@@ -39,6 +41,7 @@ pub mod fleet;
 pub mod kv_events;
 pub mod model;
 mod net;
+pub mod offline;
 pub mod server;
 pub mod stats;
 pub mod step;
