@@ -68,6 +68,9 @@ pub(super) async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 }
 
 pub(super) async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
+    if args.clock == "virtual" {
+        return replay_virtual(args);
+    }
     let scenario =
         cachepick_rig::replay::Scenario::chosen(args.trace.clone(), args.scenario.as_deref())?;
     let mut options = cachepick_rig::replay::ReplayOptions::new(scenario);
@@ -138,6 +141,79 @@ pub(super) async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
         Some(failure) => anyhow::bail!(failure),
         None => Ok(()),
     }
+}
+
+/// `cachepick replay --clock virtual`: every wall-only flag refused by name, then the run, the table,
+/// the report files and the replay's own speed.
+fn replay_virtual(args: &ReplayArgs) -> anyhow::Result<()> {
+    use cachepick_rig::replay::virtual_clock::{VirtualOptions, run, write};
+    let mut wall_only = Vec::new();
+    let mut refuse = |asked: bool, flag: &str| {
+        if asked {
+            wall_only.push(flag.to_owned());
+        }
+    };
+    refuse(!args.front.is_empty(), "--front");
+    refuse(!args.front_url.is_empty(), "--front-url");
+    refuse(args.via.is_some(), "--via");
+    refuse(args.envoy.is_some(), "--envoy");
+    refuse(args.speedup.is_some(), "--speedup");
+    refuse(args.crash_worker.is_some(), "--crash-worker");
+    refuse(args.pd.is_some(), "--pd");
+    refuse(args.timing != cachepick_sim::Timing::Step, "--timing slots");
+    if !wall_only.is_empty() {
+        anyhow::bail!(
+            "--clock virtual does not model {}: the wall-clock replay does",
+            wall_only.join(", ")
+        );
+    }
+    let scenario =
+        cachepick_rig::replay::Scenario::chosen(args.trace.clone(), args.scenario.as_deref())?;
+    let out = args.out.clone().unwrap_or_else(|| {
+        let name = match &scenario {
+            cachepick_rig::replay::Scenario::Trace(path) => path.file_stem().map_or_else(
+                || "trace".to_owned(),
+                |stem| stem.to_string_lossy().into_owned(),
+            ),
+            other => other.name(),
+        };
+        std::path::PathBuf::from("target/replay-virtual").join(name)
+    });
+    let options = VirtualOptions {
+        scenario,
+        sim_config: args.config.clone(),
+        workers: args.workers,
+        policies: args
+            .policies
+            .iter()
+            .filter(|p| !p.is_empty())
+            .cloned()
+            .collect(),
+        peers: args.peer.clone(),
+        oracle: !args.no_oracle,
+        replicas: args.replicas.clone(),
+        index_modes: args.index.clone(),
+        replica_sync: args.replica_sync,
+        seed: args.seed,
+        seeds: args.seeds,
+        limit: args.limit,
+        load: args.load,
+        duration_scale: args.duration_scale,
+        scrape_interval: args.scrape_interval,
+        jobs: args.jobs,
+        out: out.clone(),
+    };
+    let (report, speed) = run(&options)?;
+    write(&report, &out)?;
+    println!("\n{}", report.table);
+    println!(
+        "{} runs in {:.1} s of wall time: {:.0} simulated GPU-seconds per wall-second",
+        speed.runs,
+        speed.wall_s,
+        speed.ratio()
+    );
+    println!("report: {}", out.join("report.json").display());
+    Ok(())
 }
 
 fn labels(fronts: &[cachepick_rig::replay::front::Front]) -> Vec<String> {

@@ -342,6 +342,23 @@ struct ReplayArgs {
     /// replicas (labelled `/x<n>+sync`).
     #[arg(long)]
     replica_sync: bool,
+    /// wall: real processes on loopback in wall time (fleet, pickers, Envoy, other routers); virtual:
+    /// one process on a virtual clock — the fleet in the step model, cachepick's own pipeline in
+    /// process, the re-implemented peers and the oracle — deterministic for its seed, as fast as the
+    /// CPU allows (docs/replay.md says what it models).
+    #[arg(long, value_parser = ["wall", "virtual"], default_value = "wall")]
+    clock: String,
+    /// --clock virtual: how many seeds (from --seed) each arm runs; tables show the mean and its 95%
+    /// confidence interval.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    seeds: usize,
+    /// --clock virtual: workers in the fleet; the workload is scaled to it by merging copies with
+    /// their own prefixes, one per 4 workers.
+    #[arg(long, value_name = "N")]
+    workers: Option<u32>,
+    /// --clock virtual: runs at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    jobs: Option<usize>,
 }
 
 /// `cachepick demo`.

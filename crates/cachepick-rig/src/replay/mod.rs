@@ -32,6 +32,7 @@ mod runner;
 pub mod svg;
 pub mod trace;
 pub mod utilisation;
+pub mod virtual_clock;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -261,6 +262,8 @@ pub enum ReplayError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Virtual(String),
     #[error("no policy could run: {0}")]
     NothingRan(String),
     #[error(

@@ -209,8 +209,8 @@ fn llmd_sticky(
 }
 
 /// What one router replica has sent one worker and not yet seen answered.
-#[derive(Clone, Default)]
-struct Load {
+#[derive(Clone, Debug, Default)]
+pub(super) struct Load {
     prefill_tokens: u64,
     /// The active prompts' blocks by chained hash, with how many active prompts hold each: a prefix
     /// that several running requests share is one set of blocks, as Dynamo's active-sequence tracker
@@ -219,8 +219,34 @@ struct Load {
 }
 
 impl Load {
+    /// A request routed here: its uncached prompt tokens in flight, its blocks active.
+    pub(super) fn add(&mut self, prefill_tokens: u64, blocks: &[u64]) {
+        self.prefill_tokens += prefill_tokens;
+        for hash in blocks {
+            *self.active_blocks.entry(*hash).or_default() += 1;
+        }
+    }
+
+    /// Takes back what [`add`](Self::add) added (its prefill at the first token, its blocks at its end).
+    pub(super) fn release(&mut self, prefill_tokens: u64, blocks: &[u64]) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(prefill_tokens);
+        for hash in blocks {
+            if let Some(count) = self.active_blocks.get_mut(hash) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    self.active_blocks.remove(hash);
+                }
+            }
+        }
+    }
+
+    /// The uncached prompt tokens in flight.
+    pub(super) fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
+    }
+
     /// Active blocks with `blocks` added.
-    fn blocks_with(&self, blocks: &[u64]) -> u64 {
+    pub(super) fn blocks_with(&self, blocks: &[u64]) -> u64 {
         let new = blocks
             .iter()
             .filter(|hash| !self.active_blocks.contains_key(hash))
@@ -231,7 +257,7 @@ impl Load {
 
 /// A prompt's blocks of `block` tokens as chained hashes: equal only where the prompts agree up to the
 /// block's end. The rig's own hashing; it shares none with the picker or the simulator.
-fn chained_blocks(tokens: &[u32], block: u64) -> Vec<u64> {
+pub(super) fn chained_blocks(tokens: &[u32], block: u64) -> Vec<u64> {
     let size = usize::try_from(block).unwrap_or(usize::MAX).max(1);
     let mut parent = 0_u64;
     tokens
@@ -345,11 +371,7 @@ impl PeerRouter {
         let (index, worker) = *workers.get(picked)?;
         let cached_tokens = *cached.get(picked)?;
         let prefill_tokens = prompt_tokens.saturating_sub(cached_tokens);
-        let load = local.get_mut(index)?;
-        load.prefill_tokens += prefill_tokens;
-        for hash in &blocks {
-            *load.active_blocks.entry(*hash).or_default() += 1;
-        }
+        local.get_mut(index)?.add(prefill_tokens, &blocks);
         Some(Ticket {
             router: Arc::clone(self),
             worker: worker.addr(),
@@ -373,18 +395,8 @@ impl Ticket {
         let Some(replica) = self.router.replicas.get(self.replica) else {
             return;
         };
-        let mut local = lock(replica);
-        let Some(load) = local.get_mut(self.index) else {
-            return;
-        };
-        load.prefill_tokens = load.prefill_tokens.saturating_sub(prefill_tokens);
-        for hash in blocks {
-            if let Some(count) = load.active_blocks.get_mut(hash) {
-                *count = count.saturating_sub(1);
-                if *count == 0 {
-                    load.active_blocks.remove(hash);
-                }
-            }
+        if let Some(load) = lock(replica).get_mut(self.index) {
+            load.release(prefill_tokens, blocks);
         }
     }
 }

@@ -1,0 +1,332 @@
+//! The discrete-event loop: one arm's run of a workload over a fleet of [`OfflineWorker`]s on one
+//! virtual clock. Events are taken in time order, ties in the order they were scheduled, so the same
+//! inputs give the same run. The clock is model seconds; no wall clock is read.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use cachepick_sim::SimConfig;
+use cachepick_sim::offline::{Happened, OfflineWorker};
+
+use super::Workload;
+use super::figures::{Outcome, RunFigures};
+
+/// Something a router scheduled for itself.
+#[derive(Debug)]
+pub(super) enum Wake {
+    /// Picker replica `replica`'s scrape interval came round.
+    Tick { replica: usize },
+    /// The answer to scrape `ticket` is ready at its worker.
+    Scraped { ticket: u64 },
+    /// A `replica_sync` datagram reaches replica `replica`.
+    Announced { replica: usize, datagram: Vec<u8> },
+    /// A KV event batch a worker's rank published reaches replica `replica`.
+    KvEvents {
+        replica: usize,
+        worker: usize,
+        rank: u32,
+        payload: Vec<u8>,
+    },
+}
+
+#[derive(Debug)]
+enum Event {
+    /// Request `index` of the workload arrives at the router.
+    Arrive(usize),
+    /// Request `request` reaches worker `worker`'s scheduler.
+    Submit {
+        request: usize,
+        worker: usize,
+    },
+    /// The step on a rank ends.
+    StepEnd {
+        worker: usize,
+        rank: usize,
+    },
+    Router(Wake),
+}
+
+struct Entry {
+    at: u64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Entry {}
+
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Entry {
+    /// Reversed: the heap's top is the earliest, then the first scheduled.
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.at, other.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+/// Model seconds as integer nanoseconds, the queue's key: exact comparisons, a total order.
+fn nanos(seconds: f64) -> u64 {
+    (seconds.max(0.0) * 1e9).round() as u64
+}
+
+#[derive(Default)]
+struct Queue {
+    heap: BinaryHeap<Entry>,
+    seq: u64,
+}
+
+impl Queue {
+    fn push(&mut self, at: f64, event: Event) {
+        self.seq += 1;
+        self.heap.push(Entry {
+            at: nanos(at),
+            seq: self.seq,
+            event,
+        });
+    }
+
+    fn pop(&mut self) -> Option<(f64, Event)> {
+        self.heap
+            .pop()
+            .map(|entry| (entry.at as f64 / 1e9, entry.event))
+    }
+}
+
+/// What a router decided for one request.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Routed {
+    pub worker: usize,
+    /// The decision's reason as its router names it.
+    pub reason: &'static str,
+}
+
+/// One arm's router, driven by the loop. Every method gets the moment and the fleet in [`Cx`].
+pub(super) trait Router {
+    /// Schedules what the router does by itself (a picker's first scrape).
+    fn start(&mut self, _cx: &mut Cx<'_>) {}
+    /// Where request `request` goes; `None` refuses it.
+    fn route(&mut self, request: usize, cx: &mut Cx<'_>) -> Option<Routed>;
+    /// A wake the router scheduled.
+    fn wake(&mut self, _wake: Wake, _cx: &mut Cx<'_>) {}
+    /// Request `request` got its first token on `worker`.
+    fn first_token(&mut self, _request: usize, _worker: usize, _cx: &mut Cx<'_>) {}
+    /// Request `request` ended on `worker`.
+    fn finished(&mut self, _request: usize, _worker: usize, _cx: &mut Cx<'_>) {}
+    /// `worker`'s cache may have changed (a request was submitted, a step ended): what its engine
+    /// publishes as KV events is the router's to take.
+    fn published(&mut self, _worker: usize, _cx: &mut Cx<'_>) {}
+}
+
+/// The moment and the world a router sees.
+pub(super) struct Cx<'a> {
+    /// Model seconds.
+    pub now: f64,
+    pub workers: &'a mut [OfflineWorker],
+    pub workload: &'a Workload,
+    /// Per worker, the requests it received and has not yet submitted to a rank (in its front).
+    pub fronts: &'a [Vec<usize>],
+    queue: &'a mut Queue,
+}
+
+impl Cx<'_> {
+    pub fn schedule(&mut self, at: f64, wake: Wake) {
+        self.queue.push(at.max(self.now), Event::Router(wake));
+    }
+}
+
+/// Runs `workload` through `router` over a fresh fleet of `sim`'s workers; the run's figures.
+pub(super) fn simulate(
+    sim: &SimConfig,
+    workload: &Workload,
+    router: &mut dyn Router,
+) -> RunFigures {
+    let count = sim.workers.get();
+    let mut workers: Vec<OfflineWorker> = (0..count)
+        .map(|index| OfflineWorker::new(sim, index))
+        .collect();
+    let mut fronts: Vec<Vec<usize>> = vec![Vec::new(); workers.len()];
+    let mut queue = Queue::default();
+    let mut outcomes = vec![Outcome::default(); workload.requests.len()];
+    for (index, request) in workload.requests.iter().enumerate() {
+        queue.push(request.at, Event::Arrive(index));
+    }
+    let mut open = workload.requests.len();
+    let mut busy = BusyWindow::default();
+    {
+        let mut cx = Cx {
+            now: 0.0,
+            workers: &mut workers,
+            workload,
+            fronts: &fronts,
+            queue: &mut queue,
+        };
+        router.start(&mut cx);
+    }
+    while open > 0 {
+        let Some((now, event)) = queue.pop() else {
+            break;
+        };
+        match event {
+            Event::Arrive(index) => {
+                busy.arrival(now, &workers, index, workload.requests.len());
+                let mut cx = Cx {
+                    now,
+                    workers: &mut workers,
+                    workload,
+                    fronts: &fronts,
+                    queue: &mut queue,
+                };
+                let routed = router.route(index, &mut cx);
+                let (Some(routed), Some(request), Some(outcome)) = (
+                    routed,
+                    workload.requests.get(index),
+                    outcomes.get_mut(index),
+                ) else {
+                    open -= 1;
+                    continue;
+                };
+                outcome.worker = Some(routed.worker);
+                outcome.reason = Some(routed.reason);
+                let Some(worker) = workers.get_mut(routed.worker) else {
+                    open -= 1;
+                    continue;
+                };
+                let ready = worker.accept(now, request.tokens.len());
+                if let Some(front) = fronts.get_mut(routed.worker) {
+                    front.push(index);
+                }
+                queue.push(
+                    ready,
+                    Event::Submit {
+                        request: index,
+                        worker: routed.worker,
+                    },
+                );
+            }
+            Event::Submit { request, worker } => {
+                if let Some(front) = fronts.get_mut(worker) {
+                    front.retain(|queued| *queued != request);
+                }
+                let (Some(state), Some(item), Some(outcome)) = (
+                    workers.get_mut(worker),
+                    workload.requests.get(request),
+                    outcomes.get_mut(request),
+                ) else {
+                    continue;
+                };
+                let id = request as u64;
+                let submitted = state.submit(now, id, &item.tokens, item.max_tokens, item.at);
+                let mut cx = Cx {
+                    now,
+                    workers: &mut workers,
+                    workload,
+                    fronts: &fronts,
+                    queue: &mut queue,
+                };
+                router.published(worker, &mut cx);
+                match submitted {
+                    Ok(Some((rank, end))) => cx.queue.push(end, Event::StepEnd { worker, rank }),
+                    Ok(None) => {}
+                    Err(_) => {
+                        outcome.refused = true;
+                        open -= 1;
+                        router.finished(request, worker, &mut cx);
+                    }
+                }
+            }
+            Event::StepEnd { worker, rank } => {
+                let Some(state) = workers.get_mut(worker) else {
+                    continue;
+                };
+                let (happened, next) = state.step_ended(rank, now);
+                if let Some(end) = next {
+                    queue.push(end, Event::StepEnd { worker, rank });
+                }
+                {
+                    let mut cx = Cx {
+                        now,
+                        workers: &mut workers,
+                        workload,
+                        fronts: &fronts,
+                        queue: &mut queue,
+                    };
+                    router.published(worker, &mut cx);
+                }
+                for happening in happened {
+                    let mut cx = Cx {
+                        now,
+                        workers: &mut workers,
+                        workload,
+                        fronts: &fronts,
+                        queue: &mut queue,
+                    };
+                    match happening {
+                        Happened::FirstToken { id, cached } => {
+                            let request = usize::try_from(id).unwrap_or(usize::MAX);
+                            if let Some(outcome) = outcomes.get_mut(request) {
+                                outcome.first_token = Some(now);
+                                outcome.cached = cached;
+                            }
+                            router.first_token(request, worker, &mut cx);
+                        }
+                        Happened::Finished { id } => {
+                            let request = usize::try_from(id).unwrap_or(usize::MAX);
+                            if let Some(outcome) = outcomes.get_mut(request) {
+                                outcome.finished = Some(now);
+                            }
+                            router.finished(request, worker, &mut cx);
+                            open -= 1;
+                        }
+                    }
+                }
+            }
+            Event::Router(wake) => {
+                let mut cx = Cx {
+                    now,
+                    workers: &mut workers,
+                    workload,
+                    fronts: &fronts,
+                    queue: &mut queue,
+                };
+                router.wake(wake, &mut cx);
+            }
+        }
+    }
+    let ranks = workers.len() as f64 * f64::from(sim.dp_size.get());
+    RunFigures::of(workload, &outcomes, busy.share(ranks), ranks)
+}
+
+/// The fleet's busy time over the arrival window, first arrival to last.
+#[derive(Default)]
+struct BusyWindow {
+    first: Option<(f64, f64)>,
+    last: Option<(f64, f64)>,
+}
+
+impl BusyWindow {
+    fn arrival(&mut self, now: f64, workers: &[OfflineWorker], index: usize, count: usize) {
+        let busy = || workers.iter().map(OfflineWorker::busy_seconds).sum::<f64>();
+        if index == 0 {
+            self.first = Some((now, busy()));
+        }
+        if index + 1 == count {
+            self.last = Some((now, busy()));
+        }
+    }
+
+    /// GPU-busy share of the window over `ranks` GPUs.
+    fn share(&self, ranks: f64) -> Option<f64> {
+        let ((start, before), (end, after)) = (self.first?, self.last?);
+        let window = (end - start) * ranks;
+        (window > 0.0).then(|| ((after - before) / window).clamp(0.0, 1.0))
+    }
+}

@@ -1,0 +1,142 @@
+//! `cachepick replay --clock virtual` through the real binary: the same seed gives the same report byte
+//! for byte, every in-process arm runs (cachepick's pipeline with replicas and `replica_sync`, round
+//! robin, the re-implemented peers, the oracle), and what the virtual clock cannot model is refused
+//! by name.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::indexing_slicing, clippy::panic)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn cachepick(args: &[&str]) -> Output {
+    Command::new(cachepick_rig::cachepick_binary())
+        .arg("replay")
+        .args(args)
+        .output()
+        .expect("cachepick runs")
+}
+
+/// A small burst cell: its first 80 requests, two seeds, every kind of arm.
+fn virtual_replay(out: &Path, seed: &str) -> Vec<u8> {
+    let out_text = out.display().to_string();
+    let output = cachepick(&[
+        "--clock",
+        "virtual",
+        "--scenario",
+        "burst",
+        "--limit",
+        "80",
+        "--seed",
+        seed,
+        "--seeds",
+        "2",
+        "--policies",
+        "default,round_robin",
+        "--replicas",
+        "1,2",
+        "--replica-sync",
+        "--peer",
+        "llm-d,dynamo",
+        "--out",
+        &out_text,
+    ]);
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("simulated GPU-seconds per wall-second"),
+        "{stdout}"
+    );
+    std::fs::read(out.join("report.json")).unwrap()
+}
+
+#[test]
+fn the_same_seed_replays_to_the_same_bytes_and_every_arm_serves_every_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = virtual_replay(&dir.path().join("a"), "3");
+    let again = virtual_replay(&dir.path().join("b"), "3");
+    assert!(first == again, "the same seed gave two reports");
+    let other = virtual_replay(&dir.path().join("c"), "4");
+    assert!(first != other, "another seed changed nothing");
+
+    let report: Value = serde_json::from_slice(&first).unwrap();
+    assert_eq!(report["clock"], "virtual");
+    let arms: Vec<&str> = report["arms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|arm| arm["arm"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        arms,
+        [
+            "default/x1",
+            "default/x2",
+            "default/x2/sync",
+            "round_robin/x1",
+            "round_robin/x2",
+            "llm-d/sticky (re-impl)/x1",
+            "llm-d/sticky (re-impl)/x2",
+            "dynamo/kv (re-impl)/x1",
+            "dynamo/kv (re-impl)/x2",
+            "oracle",
+        ]
+    );
+    let mut hit = std::collections::BTreeMap::new();
+    for arm in report["arms"].as_array().unwrap() {
+        let runs = arm["runs"].as_array().unwrap();
+        assert_eq!(runs.len(), 2, "{arm}");
+        for run in runs {
+            assert_eq!(run["requests"], 80, "{}", arm["arm"]);
+            assert_eq!(
+                run["served"], run["requests"],
+                "{}: every request got its first token",
+                arm["arm"]
+            );
+            assert!(run["simulated_s"].as_f64().unwrap() > 0.0);
+        }
+        assert_eq!(arm["ttft_p90_ms"]["seeds"], 2, "{}", arm["arm"]);
+        hit.insert(
+            arm["arm"].as_str().unwrap().to_owned(),
+            arm["hit_rate"]["mean"].as_f64().unwrap(),
+        );
+    }
+    // The burst's conversations share long prefixes in groups: routing by prefix finds more of them
+    // cached than round robin does.
+    assert!(hit["default/x1"] > hit["round_robin/x1"], "{hit:?}");
+    let table = std::fs::read_to_string(dir.path().join("a/table.md")).unwrap();
+    assert!(table.contains("| oracle |"), "{table}");
+}
+
+#[test]
+fn what_the_virtual_clock_cannot_model_is_refused_by_name() {
+    let output = cachepick(&[
+        "--clock",
+        "virtual",
+        "--scenario",
+        "burst",
+        "--via",
+        "envoy",
+        "--front",
+        "sleep 1",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for flag in ["--front", "--via"] {
+        assert!(stderr.contains(flag), "{flag} not named: {stderr}");
+    }
+    let output = cachepick(&["--clock", "virtual", "--scenario", "burst", "--seeds", "0"]);
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--seeds must be at least 1"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
