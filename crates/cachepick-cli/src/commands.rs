@@ -203,6 +203,27 @@ fn replay_virtual(args: &ReplayArgs) -> anyhow::Result<()> {
         jobs: args.jobs,
         out: out.clone(),
     };
+    if args.goodput {
+        let started = std::time::Instant::now();
+        let slo_ms = args.slo_ms;
+        let report = cachepick_rig::replay::virtual_clock::goodput::run(
+            &options,
+            cachepick_rig::replay::virtual_clock::goodput::GoodputOptions { slo_ms },
+        )?;
+        std::fs::create_dir_all(&out)?;
+        std::fs::write(
+            out.join("goodput.json"),
+            serde_json::to_string_pretty(&report)?,
+        )?;
+        std::fs::write(out.join("goodput.md"), &report.table)?;
+        println!("\n{}", report.table);
+        println!(
+            "searched in {:.1} s of wall time; report: {}",
+            started.elapsed().as_secs_f64(),
+            out.join("goodput.json").display()
+        );
+        return Ok(());
+    }
     let (report, speed) = run(&options)?;
     write(&report, &out)?;
     println!("\n{}", report.table);

@@ -359,6 +359,14 @@ struct ReplayArgs {
     /// --clock virtual: runs at once (default: the machine's cores).
     #[arg(long, value_name = "N")]
     jobs: Option<usize>,
+    /// --clock virtual: instead of one load, each arm's goodput: the highest load at which TTFT p90
+    /// stays within the SLO, found by bisection on every seed (--load is not used).
+    #[arg(long)]
+    goodput: bool,
+    /// With --goodput: the SLO on TTFT p90 in model milliseconds (default: twice the p90 of the
+    /// workload's lone TTFTs, each request alone on an idle worker with a cold cache).
+    #[arg(long, value_name = "MS", requires = "goodput")]
+    slo_ms: Option<f64>,
 }
 
 /// `cachepick demo`.

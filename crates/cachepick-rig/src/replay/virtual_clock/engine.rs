@@ -3,13 +3,13 @@
 //! inputs give the same run. The clock is model seconds; no wall clock is read.
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 
 use cachepick_sim::SimConfig;
 use cachepick_sim::offline::{Happened, OfflineWorker};
 
-use super::Workload;
 use super::figures::{Outcome, RunFigures};
+use super::{Prompt, Workload};
 
 /// Something a router scheduled for itself.
 #[derive(Debug)]
@@ -134,12 +134,30 @@ pub(super) struct Cx<'a> {
     pub workload: &'a Workload,
     /// Per worker, the requests it received and has not yet submitted to a rank (in its front).
     pub fronts: &'a [Vec<usize>],
+    /// The prompts (text and tokens) of the requests arriving or in a front, by request.
+    live: &'a HashMap<usize, Prompt>,
     queue: &'a mut Queue,
 }
 
 impl Cx<'_> {
     pub fn schedule(&mut self, at: f64, wake: Wake) {
         self.queue.push(at.max(self.now), Event::Router(wake));
+    }
+
+    /// The tokens of request `request` while it arrives or waits in a front; empty after.
+    pub fn tokens(&self, request: usize) -> &[u32] {
+        self.live
+            .get(&request)
+            .map(|(_, tokens)| &tokens[..])
+            .unwrap_or_default()
+    }
+
+    /// The prompt of request `request` while it arrives or waits in a front; empty after.
+    pub fn text(&self, request: usize) -> &str {
+        self.live
+            .get(&request)
+            .map(|(text, _)| &text[..])
+            .unwrap_or_default()
     }
 }
 
@@ -154,6 +172,7 @@ pub(super) fn simulate(
         .map(|index| OfflineWorker::new(sim, index))
         .collect();
     let mut fronts: Vec<Vec<usize>> = vec![Vec::new(); workers.len()];
+    let mut live: HashMap<usize, Prompt> = HashMap::new();
     let mut queue = Queue::default();
     let mut outcomes = vec![Outcome::default(); workload.requests.len()];
     for (index, request) in workload.requests.iter().enumerate() {
@@ -167,6 +186,7 @@ pub(super) fn simulate(
             workers: &mut workers,
             workload,
             fronts: &fronts,
+            live: &live,
             queue: &mut queue,
         };
         router.start(&mut cx);
@@ -178,11 +198,13 @@ pub(super) fn simulate(
         match event {
             Event::Arrive(index) => {
                 busy.arrival(now, &workers, index, workload.requests.len());
+                live.insert(index, workload.prompt(index));
                 let mut cx = Cx {
                     now,
                     workers: &mut workers,
                     workload,
                     fronts: &fronts,
+                    live: &live,
                     queue: &mut queue,
                 };
                 let routed = router.route(index, &mut cx);
@@ -191,16 +213,18 @@ pub(super) fn simulate(
                     workload.requests.get(index),
                     outcomes.get_mut(index),
                 ) else {
+                    live.remove(&index);
                     open -= 1;
                     continue;
                 };
                 outcome.worker = Some(routed.worker);
                 outcome.reason = Some(routed.reason);
                 let Some(worker) = workers.get_mut(routed.worker) else {
+                    live.remove(&index);
                     open -= 1;
                     continue;
                 };
-                let ready = worker.accept(now, request.tokens.len());
+                let ready = worker.accept(now, request.prompt_len as usize);
                 if let Some(front) = fronts.get_mut(routed.worker) {
                     front.push(index);
                 }
@@ -224,12 +248,15 @@ pub(super) fn simulate(
                     continue;
                 };
                 let id = request as u64;
-                let submitted = state.submit(now, id, &item.tokens, item.max_tokens, item.at);
+                let tokens = live.remove(&request).map(|(_, tokens)| tokens);
+                let tokens = tokens.as_deref().unwrap_or_default();
+                let submitted = state.submit(now, id, tokens, item.max_tokens, item.at);
                 let mut cx = Cx {
                     now,
                     workers: &mut workers,
                     workload,
                     fronts: &fronts,
+                    live: &live,
                     queue: &mut queue,
                 };
                 router.published(worker, &mut cx);
@@ -257,6 +284,7 @@ pub(super) fn simulate(
                         workers: &mut workers,
                         workload,
                         fronts: &fronts,
+                        live: &live,
                         queue: &mut queue,
                     };
                     router.published(worker, &mut cx);
@@ -267,6 +295,7 @@ pub(super) fn simulate(
                         workers: &mut workers,
                         workload,
                         fronts: &fronts,
+                        live: &live,
                         queue: &mut queue,
                     };
                     match happening {
@@ -295,6 +324,7 @@ pub(super) fn simulate(
                     workers: &mut workers,
                     workload,
                     fronts: &fronts,
+                    live: &live,
                     queue: &mut queue,
                 };
                 router.wake(wake, &mut cx);

@@ -73,7 +73,7 @@ impl RunFigures {
             }
             if let Some(first_token) = outcome.first_token {
                 ttft.push((first_token - request.at) * 1e3);
-                prompt += request.tokens.len() as u64;
+                prompt += u64::from(request.prompt_len);
                 cached += u64::from(outcome.cached);
             }
             if let Some(finished) = outcome.finished {

@@ -35,10 +35,8 @@ pub struct Limits {
 /// The limits of `workload` (arrivals at `load`) on `sim`'s fleet.
 pub fn of(workload: &Workload, sim: &SimConfig, load: f64) -> Limits {
     let block = sim.block_size;
-    let prompts: Vec<Vec<u64>> = workload
-        .requests
-        .iter()
-        .map(|request| block_hashes(&request.tokens, block).collect())
+    let prompts: Vec<Vec<u64>> = (0..workload.requests.len())
+        .map(|index| block_hashes(&workload.prompt(index).1, block).collect())
         .collect();
     // At least one token is always computed: a lookup takes at most (len − 1) / block blocks.
     let caps: Vec<usize> = workload
@@ -46,19 +44,19 @@ pub fn of(workload: &Workload, sim: &SimConfig, load: f64) -> Limits {
         .iter()
         .zip(&prompts)
         .map(|(request, hashes)| {
-            (request.tokens.len().saturating_sub(1) / block.get() as usize).min(hashes.len())
+            ((request.prompt_len.saturating_sub(1) / block.get()) as usize).min(hashes.len())
         })
         .collect();
     let capacity = sim.workers.get() as usize
         * sim.dp_size.get() as usize
         * sim.params.kv_blocks.get() as usize;
-    let unlimited = hits(&prompts, &caps, usize::MAX);
+    let unlimited = unlimited_hits(&prompts, &caps);
     let belady = hits(&prompts, &caps, capacity);
     let size = u64::from(block.get());
     let prompt_tokens: u64 = workload
         .requests
         .iter()
-        .map(|r| r.tokens.len() as u64)
+        .map(|r| u64::from(r.prompt_len))
         .sum();
     let ratio = |blocks: &[u64]| {
         let hit: u64 = blocks.iter().map(|b| b * size).sum();
@@ -72,7 +70,7 @@ pub fn of(workload: &Workload, sim: &SimConfig, load: f64) -> Limits {
         .requests
         .iter()
         .zip(&belady)
-        .map(|(request, hit)| (request.tokens.len() as u64).saturating_sub(hit * size))
+        .map(|(request, hit)| u64::from(request.prompt_len).saturating_sub(hit * size))
         .sum();
     let outputs: u64 = workload
         .requests
@@ -84,6 +82,24 @@ pub fn of(workload: &Workload, sim: &SimConfig, load: f64) -> Limits {
         belady_hit_rate: ratio(&belady),
         compute_bound_load: compute_bound(workload, sim, uncached, outputs, load),
     }
+}
+
+/// Leading blocks each prompt finds cached with nothing ever evicted.
+fn unlimited_hits(prompts: &[Vec<u64>], caps: &[usize]) -> Vec<u64> {
+    let mut seen: std::collections::HashSet<u64> = std::collections::HashSet::new();
+    prompts
+        .iter()
+        .zip(caps)
+        .map(|(hashes, cap)| {
+            let hit = hashes
+                .iter()
+                .take(*cap)
+                .take_while(|hash| seen.contains(hash))
+                .count();
+            seen.extend(hashes.iter().copied());
+            hit as u64
+        })
+        .collect()
 }
 
 /// Leading blocks each prompt finds cached, in arrival order, in one cache of `capacity` blocks
@@ -148,7 +164,7 @@ fn compute_bound(
     let mean_context = workload
         .requests
         .iter()
-        .map(|r| r.tokens.len() as u64 + u64::from(r.max_tokens) / 2)
+        .map(|r| u64::from(r.prompt_len) + u64::from(r.max_tokens) / 2)
         .sum::<u64>()
         / requests;
     let running = u64::from(sim.params.max_running.get()).min(batch).max(1);
@@ -182,6 +198,7 @@ mod tests {
         let prompts: Vec<Vec<u64>> = [1, 2, 1, 3, 2].iter().map(|h| vec![*h]).collect();
         let caps = vec![1; prompts.len()];
         assert_eq!(hits(&prompts, &caps, usize::MAX), [0, 0, 1, 0, 1]);
+        assert_eq!(unlimited_hits(&prompts, &caps), [0, 0, 1, 0, 1]);
         // Room for one: b (next used at 4) goes before a (next used at 2), then c (never again).
         assert_eq!(hits(&prompts, &caps, 1), [0, 0, 1, 0, 0]);
         // Two blocks: a and b both fit until c arrives, which is never used again and goes first.
@@ -189,5 +206,6 @@ mod tests {
         // A prefix hit stops at the first missing block, and at the lookup cap.
         let prompts = vec![vec![1, 2, 3], vec![1, 9, 3], vec![1, 2, 3]];
         assert_eq!(hits(&prompts, &[3, 3, 2], usize::MAX), [0, 1, 2]);
+        assert_eq!(unlimited_hits(&prompts, &[3, 3, 2]), [0, 1, 2]);
     }
 }

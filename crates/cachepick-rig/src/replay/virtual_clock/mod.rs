@@ -16,6 +16,7 @@
 
 mod engine;
 pub mod figures;
+pub mod goodput;
 pub mod limits;
 mod picker;
 mod routers;
@@ -23,6 +24,7 @@ mod routers;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -94,23 +96,91 @@ pub struct VirtualOptions {
     pub out: PathBuf,
 }
 
-/// One request of a workload as every arm sends it.
+/// One request of a workload. Its prompt's text and tokens are made again when a run needs them
+/// ([`Workload::prompt`]) rather than held: a 64-worker Mooncake workload's prompts
+/// are gigabytes, and a run holds only those in flight.
 #[derive(Clone, Debug)]
 pub struct Request {
     /// Model seconds.
     pub at: f64,
-    /// The prompt's token ids as the workers tokenize it.
-    pub tokens: Vec<u32>,
+    /// The prompt's tokens as the workers count them.
+    pub prompt_len: u32,
     pub max_tokens: u32,
-    /// The completion request's body, as the wall-clock replay sends it.
-    pub body: Vec<u8>,
+    item: Item,
 }
 
+/// A prompt's text and its tokens.
+pub type Prompt = (Arc<str>, Arc<[u32]>);
+
+/// Prompts are held, made once per seed, while they take at most this many bytes; a larger workload's
+/// are made again whenever a run needs one.
+pub const HELD_PROMPT_BYTES: usize = 1 << 30;
+
 /// A seed's workload.
-#[derive(Clone, Debug)]
 pub struct Workload {
     pub requests: Vec<Request>,
     pub ideal_hit_rate: f64,
+    /// Every request's prompt, when they fit in [`HELD_PROMPT_BYTES`].
+    held: Option<Arc<Vec<Prompt>>>,
+    prompts: PromptBuilder,
+    tokenizer: Arc<WorkerTokenizer>,
+    model: String,
+}
+
+impl Workload {
+    /// Request `index`'s prompt and its tokens as the workers tokenize them (built when the workload
+    /// was, so tokenizing cannot fail here; an empty prompt if it somehow does).
+    pub fn prompt(&self, index: usize) -> Prompt {
+        if let Some(held) = self.held.as_ref().and_then(|held| held.get(index)) {
+            return held.clone();
+        }
+        let text: Arc<str> = self
+            .requests
+            .get(index)
+            .map(|request| self.prompts.prompt(&request.item))
+            .unwrap_or_default()
+            .into();
+        let tokens = self.tokenizer.tokens(&text).unwrap_or_default().into();
+        (text, tokens)
+    }
+
+    /// The same requests arriving `load` times faster than at load 1 (after the same warm-up): what a
+    /// goodput search replays at each load it tries.
+    pub fn at_load(&self, load: f64) -> Workload {
+        let requests = self
+            .requests
+            .iter()
+            .map(|request| Request {
+                at: WARM_UP_S + (request.at - WARM_UP_S) / load,
+                ..request.clone()
+            })
+            .collect();
+        Workload {
+            requests,
+            ideal_hit_rate: self.ideal_hit_rate,
+            held: self.held.clone(),
+            prompts: self.prompts.clone(),
+            tokenizer: Arc::clone(&self.tokenizer),
+            model: self.model.clone(),
+        }
+    }
+
+    /// The body of request `index` with prompt `text`: the completion the wall-clock replay sends.
+    pub fn body(&self, index: usize, text: &str) -> Vec<u8> {
+        let max_tokens = self
+            .requests
+            .get(index)
+            .map_or(1, |request| request.max_tokens);
+        serde_json::json!({
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+        .to_string()
+        .into_bytes()
+    }
 }
 
 /// One arm: a router and its replicas.
@@ -270,28 +340,29 @@ fn workload(
     let prompts = PromptBuilder::new(&sim.tokenizer, seed);
     let first = items.first().map_or(0, |item| item.timestamp_ms);
     let mut requests = Vec::with_capacity(items.len());
-    for item in &items {
-        let text = prompts.prompt(item);
+    let mut held = Vec::new();
+    let mut bytes = 0_usize;
+    for item in items {
+        let text = prompts.prompt(&item);
         let tokens = tokenizer.tokens(&text).map_err(ReplayError::Virtual)?;
-        let body = serde_json::json!({
-            "model": sim.model,
-            "prompt": text,
-            "max_tokens": item.output_length,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        })
-        .to_string()
-        .into_bytes();
         requests.push(Request {
             at: WARM_UP_S + (item.timestamp_ms - first) as f64 / 1000.0 / options.load,
-            tokens,
+            prompt_len: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
             max_tokens: item.output_length,
-            body,
+            item,
         });
+        bytes = bytes.saturating_add(text.len() + tokens.len() * 4);
+        if bytes <= HELD_PROMPT_BYTES {
+            held.push((Arc::<str>::from(text), Arc::<[u32]>::from(tokens)));
+        }
     }
     Ok(Workload {
+        held: (bytes <= HELD_PROMPT_BYTES).then(|| Arc::new(held)),
         requests,
         ideal_hit_rate,
+        prompts,
+        tokenizer: Arc::new(tokenizer),
+        model: sim.model.clone(),
     })
 }
 
@@ -476,77 +547,49 @@ pub fn run(options: &VirtualOptions) -> Result<(VirtualReport, Speed), ReplayErr
         .collect();
     let first = fleet(options, options.seed)?;
     let arms = arms(options, &first)?;
-    // Each seed's fleet and workload, built once and shared by its arms.
-    let mut cells = Vec::new();
-    for (nth, &seed) in seeds.iter().enumerate() {
-        let sim = fleet(options, seed)?;
-        let workload = workload(options, &sim, seed, (nth, seeds.len()))?;
-        cells.push((seed, sim, workload));
-    }
-    let jobs: Vec<(usize, usize)> = (0..cells.len())
-        .flat_map(|cell| (0..arms.len()).map(move |arm| (cell, arm)))
-        .collect();
+    // Seed by seed: its fleet and workload are built once and shared by its arms, which run `jobs`
+    // at a time; only one seed's workload is held at once.
     let threads = options
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
-        .clamp(1, jobs.len().max(1));
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: std::sync::Mutex<BTreeMap<(usize, usize), Result<RunFigures, String>>> =
-        std::sync::Mutex::new(BTreeMap::new());
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    let at = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(&(cell, arm)) = jobs.get(at) else {
-                        break;
-                    };
-                    let (Some((seed, sim, workload)), Some(spec)) =
-                        (cells.get(cell), arms.get(arm))
-                    else {
-                        break;
-                    };
-                    let figures = run_arm(spec, sim, workload, options, *seed)
-                        .map_err(|error| error.to_string());
-                    results
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .insert((cell, arm), figures);
-                }
-            });
+        .clamp(1, arms.len().max(1));
+    let mut results: BTreeMap<(usize, usize), RunFigures> = BTreeMap::new();
+    let mut bounds = Vec::with_capacity(seeds.len());
+    let mut ideals = Vec::with_capacity(seeds.len());
+    let mut requests = 0;
+    for (nth, &seed) in seeds.iter().enumerate() {
+        let sim = fleet(options, seed)?;
+        let workload = workload(options, &sim, seed, (nth, seeds.len()))?;
+        requests = workload.requests.len();
+        let (runs, bound) = std::thread::scope(|scope| {
+            // The limits need no arm: worked out beside them.
+            let bound = scope.spawn(|| limits::of(&workload, &sim, options.load));
+            let runs = run_seed(&arms, &sim, &workload, options, seed, threads);
+            (runs, bound.join())
+        });
+        let bound = bound.map_err(|_| ReplayError::Virtual("the limits' thread failed".into()))?;
+        for (arm, figures) in runs {
+            let figures = figures.map_err(|error| {
+                ReplayError::Virtual(format!(
+                    "arm {}: {error}",
+                    arms.get(arm).map_or("?", |a| a.label.as_str())
+                ))
+            })?;
+            results.insert((nth, arm), figures);
         }
-    });
-    let results = results
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+        bounds.push(bound);
+        ideals.push(workload.ideal_hit_rate);
+    }
     let mut reports = Vec::new();
     let mut gpu_seconds = 0.0;
     for (index, arm) in arms.iter().enumerate() {
-        let mut runs = Vec::new();
-        for cell in 0..cells.len() {
-            match results.get(&(cell, index)) {
-                Some(Ok(figures)) => {
-                    gpu_seconds += figures.gpu_seconds;
-                    runs.push(figures.clone());
-                }
-                Some(Err(error)) => {
-                    return Err(ReplayError::Virtual(format!("arm {}: {error}", arm.label)));
-                }
-                None => {
-                    return Err(ReplayError::Virtual(format!(
-                        "arm {} did not run",
-                        arm.label
-                    )));
-                }
-            }
-        }
+        let runs: Vec<RunFigures> = (0..seeds.len())
+            .filter_map(|nth| results.get(&(nth, index)).cloned())
+            .collect();
+        gpu_seconds += runs.iter().map(|run| run.gpu_seconds).sum::<f64>();
         reports.push(arm_report(arm, runs));
     }
     pair(&mut reports);
-    let bounds: Vec<limits::Limits> = cells
-        .iter()
-        .map(|(_, sim, workload)| limits::of(workload, sim, options.load))
-        .collect();
     for arm in &mut reports {
         arm.hit_vs_ceiling = Estimate::of(arm.runs.iter().zip(&bounds).map(|(run, bound)| {
             run.hit_rate
@@ -554,7 +597,7 @@ pub fn run(options: &VirtualOptions) -> Result<(VirtualReport, Speed), ReplayErr
                 .map(|hit| hit / bound.belady_hit_rate)
         }));
     }
-    let ideal = Estimate::of(cells.iter().map(|(_, _, w)| Some(w.ideal_hit_rate)));
+    let ideal = Estimate::of(ideals.iter().copied().map(Some));
     let mut report = VirtualReport {
         scenario: options.scenario.name(),
         clock: "virtual",
@@ -562,7 +605,7 @@ pub fn run(options: &VirtualOptions) -> Result<(VirtualReport, Speed), ReplayErr
         dp_size: first.dp_size.get(),
         load: options.load,
         seeds,
-        requests: cells.first().map_or(0, |(_, _, w)| w.requests.len()),
+        requests,
         ideal_hit_rate: ideal,
         unlimited_hit_rate: Estimate::of(bounds.iter().map(|b| Some(b.unlimited_hit_rate))),
         belady_hit_rate: Estimate::of(bounds.iter().map(|b| Some(b.belady_hit_rate))),
@@ -574,9 +617,44 @@ pub fn run(options: &VirtualOptions) -> Result<(VirtualReport, Speed), ReplayErr
     let speed = Speed {
         wall_s: started.elapsed().as_secs_f64(),
         gpu_seconds,
-        runs: jobs.len(),
+        runs: report.seeds.len() * arms.len(),
     };
     Ok((report, speed))
+}
+
+/// Every arm on one seed's workload, `threads` at a time; each arm's figures or why it failed.
+fn run_seed(
+    arms: &[Arm],
+    sim: &SimConfig,
+    workload: &Workload,
+    options: &VirtualOptions,
+    seed: u64,
+    threads: usize,
+) -> Vec<(usize, Result<RunFigures, String>)> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::Mutex::new(Vec::with_capacity(arms.len()));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                loop {
+                    let at = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(arm) = arms.get(at) else {
+                        break;
+                    };
+                    let figures = run_arm(arm, sim, workload, options, seed)
+                        .map_err(|error| error.to_string());
+                    done.lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push((at, figures));
+                }
+            });
+        }
+    });
+    let mut done = done
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    done.sort_by_key(|(arm, _)| *arm);
+    done
 }
 
 /// Each arm's TTFT p90 as a ratio to the oracle's and to the default's, seed by seed. Pairing on the

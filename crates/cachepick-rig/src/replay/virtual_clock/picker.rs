@@ -370,7 +370,7 @@ impl Router for PickerRouter {
     }
 
     fn route(&mut self, request: usize, cx: &mut Cx<'_>) -> Option<Routed> {
-        let body = &cx.workload.requests.get(request)?.body;
+        let body = cx.workload.body(request, cx.text(request));
         let replica = self.next % self.replicas.len();
         self.next = self.next.wrapping_add(1);
         let moment = Moment {
@@ -380,7 +380,7 @@ impl Router for PickerRouter {
         let state = self.replicas.get(replica)?;
         let inbound = Inbound {
             method: Some("POST"),
-            ..Inbound::new(PATH, Some(body))
+            ..Inbound::new(PATH, Some(&body))
         };
         let answer = state
             .service

@@ -18,15 +18,11 @@ pub(super) struct OracleRouter;
 
 impl Router for OracleRouter {
     fn route(&mut self, request: usize, cx: &mut Cx<'_>) -> Option<Routed> {
-        let prompt = &cx.workload.requests.get(request)?.tokens;
+        let prompt = cx.tokens(request);
         let mut best: Option<(f64, u32, usize)> = None;
         for (index, worker) in cx.workers.iter().enumerate() {
             let front = cx.fronts.get(index).map(Vec::as_slice).unwrap_or_default();
-            let in_flight: Vec<&[u32]> = front
-                .iter()
-                .filter_map(|queued| cx.workload.requests.get(*queued))
-                .map(|queued| queued.tokens.as_slice())
-                .collect();
+            let in_flight: Vec<&[u32]> = front.iter().map(|queued| cx.tokens(*queued)).collect();
             let Some((seconds, cached)) = worker.outlook(prompt, &in_flight) else {
                 continue;
             };
@@ -85,7 +81,7 @@ impl PeerRouter {
 
 impl Router for PeerRouter {
     fn route(&mut self, request: usize, cx: &mut Cx<'_>) -> Option<Routed> {
-        let tokens = &cx.workload.requests.get(request)?.tokens;
+        let tokens = cx.tokens(request);
         let prompt_tokens = tokens.len() as u64;
         let replica = self.next % self.replicas.len();
         self.next = self.next.wrapping_add(1);
