@@ -167,172 +167,162 @@ pub(super) fn simulate(
     workload: &Workload,
     router: &mut dyn Router,
 ) -> RunFigures {
-    let count = sim.workers.get();
-    let mut workers: Vec<OfflineWorker> = (0..count)
+    let workers: Vec<OfflineWorker> = (0..sim.workers.get())
         .map(|index| OfflineWorker::new(sim, index))
         .collect();
-    let mut fronts: Vec<Vec<usize>> = vec![Vec::new(); workers.len()];
-    let mut live: HashMap<usize, Prompt> = HashMap::new();
-    let mut queue = Queue::default();
-    let mut outcomes = vec![Outcome::default(); workload.requests.len()];
+    let mut run = Run {
+        workload,
+        fronts: vec![Vec::new(); workers.len()],
+        workers,
+        live: HashMap::new(),
+        queue: Queue::default(),
+        outcomes: vec![Outcome::default(); workload.requests.len()],
+        open: workload.requests.len(),
+        busy: BusyWindow::default(),
+    };
     for (index, request) in workload.requests.iter().enumerate() {
-        queue.push(request.at, Event::Arrive(index));
+        run.queue.push(request.at, Event::Arrive(index));
     }
-    let mut open = workload.requests.len();
-    let mut busy = BusyWindow::default();
-    {
-        let mut cx = Cx {
-            now: 0.0,
-            workers: &mut workers,
-            workload,
-            fronts: &fronts,
-            live: &live,
-            queue: &mut queue,
-        };
-        router.start(&mut cx);
-    }
-    while open > 0 {
-        let Some((now, event)) = queue.pop() else {
+    router.start(&mut run.cx(0.0));
+    while run.open > 0 {
+        let Some((now, event)) = run.queue.pop() else {
             break;
         };
         match event {
-            Event::Arrive(index) => {
-                busy.arrival(now, &workers, index, workload.requests.len());
-                live.insert(index, workload.prompt(index));
-                let mut cx = Cx {
-                    now,
-                    workers: &mut workers,
-                    workload,
-                    fronts: &fronts,
-                    live: &live,
-                    queue: &mut queue,
-                };
-                let routed = router.route(index, &mut cx);
-                let (Some(routed), Some(request), Some(outcome)) = (
-                    routed,
-                    workload.requests.get(index),
-                    outcomes.get_mut(index),
-                ) else {
-                    live.remove(&index);
-                    open -= 1;
-                    continue;
-                };
-                outcome.worker = Some(routed.worker);
-                outcome.reason = Some(routed.reason);
-                let Some(worker) = workers.get_mut(routed.worker) else {
-                    live.remove(&index);
-                    open -= 1;
-                    continue;
-                };
-                let ready = worker.accept(now, request.prompt_len as usize);
-                if let Some(front) = fronts.get_mut(routed.worker) {
-                    front.push(index);
+            Event::Arrive(index) => run.arrive(now, index, router),
+            Event::Submit { request, worker } => run.submit(now, request, worker, router),
+            Event::StepEnd { worker, rank } => run.step_end(now, worker, rank, router),
+            Event::Router(wake) => router.wake(wake, &mut run.cx(now)),
+        }
+    }
+    let ranks = run.workers.len() as f64 * f64::from(sim.dp_size.get());
+    RunFigures::of(workload, &run.outcomes, run.busy.share(ranks), ranks)
+}
+
+/// One run's state: the fleet, the queue, the requests' outcomes and the prompts in flight.
+struct Run<'w> {
+    workload: &'w Workload,
+    workers: Vec<OfflineWorker>,
+    /// Per worker, the requests it received and has not yet submitted to a rank.
+    fronts: Vec<Vec<usize>>,
+    /// The prompts of the requests arriving or in a front: a run holds no other.
+    live: HashMap<usize, Prompt>,
+    queue: Queue,
+    outcomes: Vec<Outcome>,
+    /// Requests not yet finished or refused.
+    open: usize,
+    busy: BusyWindow,
+}
+
+impl Run<'_> {
+    /// What a router sees at `now`.
+    fn cx(&mut self, now: f64) -> Cx<'_> {
+        Cx {
+            now,
+            workers: &mut self.workers,
+            workload: self.workload,
+            fronts: &self.fronts,
+            live: &self.live,
+            queue: &mut self.queue,
+        }
+    }
+
+    /// A request that ends without reaching an engine.
+    fn drop_request(&mut self, index: usize) {
+        self.live.remove(&index);
+        self.open -= 1;
+    }
+
+    /// Request `index` arrives: routed, then received by its worker, which queues it behind its
+    /// front.
+    fn arrive(&mut self, now: f64, index: usize, router: &mut dyn Router) {
+        self.busy
+            .arrival(now, &self.workers, index, self.workload.requests.len());
+        self.live.insert(index, self.workload.prompt(index));
+        let routed = router.route(index, &mut self.cx(now));
+        let (Some(routed), Some(request)) = (routed, self.workload.requests.get(index)) else {
+            self.drop_request(index);
+            return;
+        };
+        if let Some(outcome) = self.outcomes.get_mut(index) {
+            outcome.worker = Some(routed.worker);
+            outcome.reason = Some(routed.reason);
+        }
+        let Some(worker) = self.workers.get_mut(routed.worker) else {
+            self.drop_request(index);
+            return;
+        };
+        let ready = worker.accept(now, request.prompt_len as usize);
+        if let Some(front) = self.fronts.get_mut(routed.worker) {
+            front.push(index);
+        }
+        let event = Event::Submit {
+            request: index,
+            worker: routed.worker,
+        };
+        self.queue.push(ready, event);
+    }
+
+    /// Request `request` leaves `worker`'s front for a rank's queue; a refusal ends it.
+    fn submit(&mut self, now: f64, request: usize, worker: usize, router: &mut dyn Router) {
+        if let Some(front) = self.fronts.get_mut(worker) {
+            front.retain(|queued| *queued != request);
+        }
+        let tokens = self.live.remove(&request).map(|(_, tokens)| tokens);
+        let (Some(state), Some(item)) = (
+            self.workers.get_mut(worker),
+            self.workload.requests.get(request),
+        ) else {
+            return;
+        };
+        let tokens = tokens.as_deref().unwrap_or_default();
+        let submitted = state.submit(now, request as u64, tokens, item.max_tokens, item.at);
+        router.published(worker, &mut self.cx(now));
+        match submitted {
+            Ok(Some((rank, end))) => self.queue.push(end, Event::StepEnd { worker, rank }),
+            Ok(None) => {}
+            Err(_) => {
+                if let Some(outcome) = self.outcomes.get_mut(request) {
+                    outcome.refused = true;
                 }
-                queue.push(
-                    ready,
-                    Event::Submit {
-                        request: index,
-                        worker: routed.worker,
-                    },
-                );
-            }
-            Event::Submit { request, worker } => {
-                if let Some(front) = fronts.get_mut(worker) {
-                    front.retain(|queued| *queued != request);
-                }
-                let (Some(state), Some(item), Some(outcome)) = (
-                    workers.get_mut(worker),
-                    workload.requests.get(request),
-                    outcomes.get_mut(request),
-                ) else {
-                    continue;
-                };
-                let id = request as u64;
-                let tokens = live.remove(&request).map(|(_, tokens)| tokens);
-                let tokens = tokens.as_deref().unwrap_or_default();
-                let submitted = state.submit(now, id, tokens, item.max_tokens, item.at);
-                let mut cx = Cx {
-                    now,
-                    workers: &mut workers,
-                    workload,
-                    fronts: &fronts,
-                    live: &live,
-                    queue: &mut queue,
-                };
-                router.published(worker, &mut cx);
-                match submitted {
-                    Ok(Some((rank, end))) => cx.queue.push(end, Event::StepEnd { worker, rank }),
-                    Ok(None) => {}
-                    Err(_) => {
-                        outcome.refused = true;
-                        open -= 1;
-                        router.finished(request, worker, &mut cx);
-                    }
-                }
-            }
-            Event::StepEnd { worker, rank } => {
-                let Some(state) = workers.get_mut(worker) else {
-                    continue;
-                };
-                let (happened, next) = state.step_ended(rank, now);
-                if let Some(end) = next {
-                    queue.push(end, Event::StepEnd { worker, rank });
-                }
-                {
-                    let mut cx = Cx {
-                        now,
-                        workers: &mut workers,
-                        workload,
-                        fronts: &fronts,
-                        live: &live,
-                        queue: &mut queue,
-                    };
-                    router.published(worker, &mut cx);
-                }
-                for happening in happened {
-                    let mut cx = Cx {
-                        now,
-                        workers: &mut workers,
-                        workload,
-                        fronts: &fronts,
-                        live: &live,
-                        queue: &mut queue,
-                    };
-                    match happening {
-                        Happened::FirstToken { id, cached } => {
-                            let request = usize::try_from(id).unwrap_or(usize::MAX);
-                            if let Some(outcome) = outcomes.get_mut(request) {
-                                outcome.first_token = Some(now);
-                                outcome.cached = cached;
-                            }
-                            router.first_token(request, worker, &mut cx);
-                        }
-                        Happened::Finished { id } => {
-                            let request = usize::try_from(id).unwrap_or(usize::MAX);
-                            if let Some(outcome) = outcomes.get_mut(request) {
-                                outcome.finished = Some(now);
-                            }
-                            router.finished(request, worker, &mut cx);
-                            open -= 1;
-                        }
-                    }
-                }
-            }
-            Event::Router(wake) => {
-                let mut cx = Cx {
-                    now,
-                    workers: &mut workers,
-                    workload,
-                    fronts: &fronts,
-                    live: &live,
-                    queue: &mut queue,
-                };
-                router.wake(wake, &mut cx);
+                self.open -= 1;
+                router.finished(request, worker, &mut self.cx(now));
             }
         }
     }
-    let ranks = workers.len() as f64 * f64::from(sim.dp_size.get());
-    RunFigures::of(workload, &outcomes, busy.share(ranks), ranks)
+
+    /// A step on `worker`'s rank `rank` ended: the next is formed, what the cache did is published,
+    /// and first tokens and finished requests are told.
+    fn step_end(&mut self, now: f64, worker: usize, rank: usize, router: &mut dyn Router) {
+        let Some(state) = self.workers.get_mut(worker) else {
+            return;
+        };
+        let (happened, next) = state.step_ended(rank, now);
+        if let Some(end) = next {
+            self.queue.push(end, Event::StepEnd { worker, rank });
+        }
+        router.published(worker, &mut self.cx(now));
+        for happening in happened {
+            match happening {
+                Happened::FirstToken { id, cached } => {
+                    let request = usize::try_from(id).unwrap_or(usize::MAX);
+                    if let Some(outcome) = self.outcomes.get_mut(request) {
+                        outcome.first_token = Some(now);
+                        outcome.cached = cached;
+                    }
+                    router.first_token(request, worker, &mut self.cx(now));
+                }
+                Happened::Finished { id } => {
+                    let request = usize::try_from(id).unwrap_or(usize::MAX);
+                    if let Some(outcome) = self.outcomes.get_mut(request) {
+                        outcome.finished = Some(now);
+                    }
+                    router.finished(request, worker, &mut self.cx(now));
+                    self.open -= 1;
+                }
+            }
+        }
+    }
 }
 
 /// The fleet's busy time over the arrival window, first arrival to last.

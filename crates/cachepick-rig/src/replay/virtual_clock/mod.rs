@@ -12,43 +12,38 @@
 //! What it does not model, and the wall-clock replay does: Envoy and the network (a decision and a
 //! delivery take no time; replicas are round-robined per request), the picker's own CPU time, the
 //! scraper's concurrency cap, a real tokenizer's time (the profile's front stands for it), restarts
-//! and crashes, prefill/decode fleets, the slots model, and the `events` index (refused here for now).
+//! and crashes, prefill/decode fleets and the slots model. KV events arrive whole and in order.
+//!
+//! The files: [`workload`] the requests of a seed, [`report`] what is reported, [`limits`] the
+//! workload's limits, [`goodput`] the search for each arm's highest load within an SLO.
 
 mod engine;
 pub mod figures;
 pub mod goodput;
 pub mod limits;
 mod picker;
+mod report;
 mod routers;
+mod workload;
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
-
 use cachepick::config::IndexMode;
-use cachepick_sim::offline::WorkerTokenizer;
 use cachepick_sim::{SimConfig, SimOverrides, Timing};
 
 use super::arms::policy_yaml;
 use super::peers::PeerRule;
-use super::trace::{self, Item, PromptBuilder};
-use super::{ReplayError, Scenario, agents, default_fleet};
+use super::{ReplayError, Scenario, default_fleet};
 use engine::{Router, simulate};
 use figures::{Estimate, RunFigures};
-
-/// Model seconds before the first arrival: the pickers' first scrape rounds, as the wall-clock replay
-/// waits for its pickers to be ready.
-pub const WARM_UP_S: f64 = 1.0;
-
-/// Each copy of a workload merged into a larger fleet's starts up to this many trace seconds late.
-pub const COPY_SHIFT_S: f64 = 60.0;
-
-/// The fleet one copy of a workload is made for: the default fleet's 4 workers.
-pub const WORKERS_PER_COPY: u32 = 4;
+pub use report::{ArmReport, Speed, VirtualReport, write};
+use report::{arm_report, pair, shown, table};
+use workload::workload;
+pub use workload::{
+    COPY_SHIFT_S, HELD_PROMPT_BYTES, Prompt, Request, WARM_UP_S, WORKERS_PER_COPY, Workload,
+};
 
 /// The arms `--clock virtual` runs unless told: cachepick's default and its named policies that an
 /// operator chooses between (`time_floor_all` is the default's rule, so it is not run twice), round
@@ -96,93 +91,6 @@ pub struct VirtualOptions {
     pub out: PathBuf,
 }
 
-/// One request of a workload. Its prompt's text and tokens are made again when a run needs them
-/// ([`Workload::prompt`]) rather than held: a 64-worker Mooncake workload's prompts
-/// are gigabytes, and a run holds only those in flight.
-#[derive(Clone, Debug)]
-pub struct Request {
-    /// Model seconds.
-    pub at: f64,
-    /// The prompt's tokens as the workers count them.
-    pub prompt_len: u32,
-    pub max_tokens: u32,
-    item: Item,
-}
-
-/// A prompt's text and its tokens.
-pub type Prompt = (Arc<str>, Arc<[u32]>);
-
-/// Prompts are held, made once per seed, while they take at most this many bytes; a larger workload's
-/// are made again whenever a run needs one.
-pub const HELD_PROMPT_BYTES: usize = 1 << 30;
-
-/// A seed's workload.
-pub struct Workload {
-    pub requests: Vec<Request>,
-    pub ideal_hit_rate: f64,
-    /// Every request's prompt, when they fit in [`HELD_PROMPT_BYTES`].
-    held: Option<Arc<Vec<Prompt>>>,
-    prompts: PromptBuilder,
-    tokenizer: Arc<WorkerTokenizer>,
-    model: String,
-}
-
-impl Workload {
-    /// Request `index`'s prompt and its tokens as the workers tokenize them (built when the workload
-    /// was, so tokenizing cannot fail here; an empty prompt if it somehow does).
-    pub fn prompt(&self, index: usize) -> Prompt {
-        if let Some(held) = self.held.as_ref().and_then(|held| held.get(index)) {
-            return held.clone();
-        }
-        let text: Arc<str> = self
-            .requests
-            .get(index)
-            .map(|request| self.prompts.prompt(&request.item))
-            .unwrap_or_default()
-            .into();
-        let tokens = self.tokenizer.tokens(&text).unwrap_or_default().into();
-        (text, tokens)
-    }
-
-    /// The same requests arriving `load` times faster than at load 1 (after the same warm-up): what a
-    /// goodput search replays at each load it tries.
-    pub fn at_load(&self, load: f64) -> Workload {
-        let requests = self
-            .requests
-            .iter()
-            .map(|request| Request {
-                at: WARM_UP_S + (request.at - WARM_UP_S) / load,
-                ..request.clone()
-            })
-            .collect();
-        Workload {
-            requests,
-            ideal_hit_rate: self.ideal_hit_rate,
-            held: self.held.clone(),
-            prompts: self.prompts.clone(),
-            tokenizer: Arc::clone(&self.tokenizer),
-            model: self.model.clone(),
-        }
-    }
-
-    /// The body of request `index` with prompt `text`: the completion the wall-clock replay sends.
-    pub fn body(&self, index: usize, text: &str) -> Vec<u8> {
-        let max_tokens = self
-            .requests
-            .get(index)
-            .map_or(1, |request| request.max_tokens);
-        serde_json::json!({
-            "model": self.model,
-            "prompt": text,
-            "max_tokens": max_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        })
-        .to_string()
-        .into_bytes()
-    }
-}
-
 /// One arm: a router and its replicas.
 #[derive(Clone, Debug)]
 enum ArmKind {
@@ -203,68 +111,6 @@ struct Arm {
     /// cachepick's default as it ships (approximate index, no `replica_sync`): what the others at
     /// the same replica count are paired with.
     baseline: bool,
-}
-
-/// One arm over every seed.
-#[derive(Clone, Debug, Serialize)]
-pub struct ArmReport {
-    pub arm: String,
-    pub replicas: usize,
-    /// cachepick's default as it ships: the arm the others at its replica count are paired with.
-    pub baseline: bool,
-    /// The `policy:` section (cachepick's arms).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub policy_yaml: Option<String>,
-    pub runs: Vec<RunFigures>,
-    pub hit_rate: Option<Estimate>,
-    pub ttft_p50_ms: Option<Estimate>,
-    pub ttft_p90_ms: Option<Estimate>,
-    pub ttft_p99_ms: Option<Estimate>,
-    pub busy_share: Option<Estimate>,
-    /// TTFT p90 ÷ the oracle's, seed by seed (paired: both ran the same workload).
-    pub p90_vs_oracle: Option<Estimate>,
-    /// TTFT p90 ÷ cachepick's default at the same replica count, seed by seed.
-    pub p90_vs_default: Option<Estimate>,
-    /// Hit rate ÷ the Belady ceiling, seed by seed.
-    pub hit_vs_ceiling: Option<Estimate>,
-}
-
-/// The whole virtual replay: deterministic for its options, so it carries no wall-clock figure.
-#[derive(Clone, Debug, Serialize)]
-pub struct VirtualReport {
-    pub scenario: String,
-    pub clock: &'static str,
-    pub workers: u32,
-    pub dp_size: u32,
-    pub load: f64,
-    pub seeds: Vec<u64>,
-    pub requests: usize,
-    pub ideal_hit_rate: Option<Estimate>,
-    /// The limits ([`limits`]), over seeds.
-    pub unlimited_hit_rate: Option<Estimate>,
-    pub belady_hit_rate: Option<Estimate>,
-    pub compute_bound_load: Option<Estimate>,
-    pub arms: Vec<ArmReport>,
-    pub table: String,
-}
-
-/// How fast the replay ran: printed, never in the report (it is the machine's, not the model's).
-#[derive(Clone, Debug)]
-pub struct Speed {
-    pub wall_s: f64,
-    pub gpu_seconds: f64,
-    pub runs: usize,
-}
-
-impl Speed {
-    /// Simulated GPU-seconds per wall-second.
-    pub fn ratio(&self) -> f64 {
-        if self.wall_s > 0.0 {
-            self.gpu_seconds / self.wall_s
-        } else {
-            0.0
-        }
-    }
 }
 
 /// The fleet of the run: the configured or default one, at model time, resized to `workers`.
@@ -292,110 +138,6 @@ fn fleet(options: &VirtualOptions, seed: u64) -> Result<SimConfig, ReplayError> 
             })?;
     }
     Ok(sim)
-}
-
-/// Seed `nth` of `of`'s workload: one copy per [`WORKERS_PER_COPY`] workers, each copy's prefixes its
-/// own (block ids offset) and its start shifted by a seeded draw of up to [`COPY_SHIFT_S`], merged in
-/// arrival order; arrivals at trace time ÷ load after [`WARM_UP_S`]. A trace cut to `--limit`
-/// requests gives each seed its own window of them ([`window`]); the synthetic scenarios are drawn
-/// from the seed.
-fn workload(
-    options: &VirtualOptions,
-    sim: &SimConfig,
-    seed: u64,
-    (nth, of): (usize, usize),
-) -> Result<Workload, ReplayError> {
-    let copies = sim.workers.get().div_ceil(WORKERS_PER_COPY).max(1);
-    let mut items: Vec<Item> = Vec::new();
-    let mut shift_rng = SplitMix(seed ^ 0x5EED_C0DE);
-    for copy in 0..copies {
-        let copy_seed = seed.wrapping_add(u64::from(copy).wrapping_mul(1_000_003));
-        let mut one: Vec<Item> = match &options.scenario {
-            Scenario::Trace(path) => {
-                window(trace::load_mooncake(path, None)?, options.limit, nth, of)
-            }
-            Scenario::Burst => trace::burst(copy_seed, options.duration_scale),
-            Scenario::Agents => agents::agents(copy_seed, options.duration_scale),
-        };
-        if let Some(limit) = options.limit {
-            one.truncate(limit);
-        }
-        let shift_ms = if copy == 0 {
-            0
-        } else {
-            (shift_rng.unit() * COPY_SHIFT_S * 1000.0) as u64
-        };
-        let offset = u64::from(copy) << 40;
-        for mut item in one {
-            item.timestamp_ms += shift_ms;
-            for id in &mut item.hash_ids {
-                *id = id.wrapping_add(offset);
-            }
-            items.push(item);
-        }
-    }
-    items.sort_by_key(|item| item.timestamp_ms);
-    let ideal_hit_rate = trace::ideal_hit_rate(&items);
-    let tokenizer = WorkerTokenizer::load(sim).map_err(ReplayError::Virtual)?;
-    let prompts = PromptBuilder::new(&sim.tokenizer, seed);
-    let first = items.first().map_or(0, |item| item.timestamp_ms);
-    let mut requests = Vec::with_capacity(items.len());
-    let mut held = Vec::new();
-    let mut bytes = 0_usize;
-    for item in items {
-        let text = prompts.prompt(&item);
-        let tokens = tokenizer.tokens(&text).map_err(ReplayError::Virtual)?;
-        requests.push(Request {
-            at: WARM_UP_S + (item.timestamp_ms - first) as f64 / 1000.0 / options.load,
-            prompt_len: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-            max_tokens: item.output_length,
-            item,
-        });
-        bytes = bytes.saturating_add(text.len() + tokens.len() * 4);
-        if bytes <= HELD_PROMPT_BYTES {
-            held.push((Arc::<str>::from(text), Arc::<[u32]>::from(tokens)));
-        }
-    }
-    Ok(Workload {
-        held: (bytes <= HELD_PROMPT_BYTES).then(|| Arc::new(held)),
-        requests,
-        ideal_hit_rate,
-        prompts,
-        tokenizer: Arc::new(tokenizer),
-        model: sim.model.clone(),
-    })
-}
-
-/// Window `nth` of `of` of a trace cut to `limit` requests: the windows' starts are spread evenly over
-/// the trace, the first at its start (the wall-clock replay's `--limit` cell), so that seeds see
-/// different traffic of the same trace. Each window's times are made relative to its first request.
-fn window(items: Vec<Item>, limit: Option<usize>, nth: usize, of: usize) -> Vec<Item> {
-    let Some(limit) = limit.filter(|limit| *limit < items.len()) else {
-        return items;
-    };
-    let room = items.len() - limit;
-    let start = if of > 1 { room * nth / (of - 1) } else { 0 };
-    let mut cut: Vec<Item> = items.into_iter().skip(start).take(limit).collect();
-    let first = cut.first().map_or(0, |item| item.timestamp_ms);
-    for item in &mut cut {
-        item.timestamp_ms -= first;
-    }
-    cut
-}
-
-/// A seeded generator of the workload's shifts (SplitMix64): the rig's own, so a dependency's
-/// algorithm change cannot move a workload.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn unit(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// Every arm the options ask for, in table order: cachepick's, then the peers', then the oracle.
@@ -655,134 +397,4 @@ fn run_seed(
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     done.sort_by_key(|(arm, _)| *arm);
     done
-}
-
-/// Each arm's TTFT p90 as a ratio to the oracle's and to the default's, seed by seed. Pairing on the
-/// seed removes what the seeds' workloads differ by (a window of a trace is busier than another), so
-/// a difference between arms shows where their separate intervals would hide it.
-fn pair(reports: &mut [ArmReport]) {
-    let p90s = |arm: &ArmReport| -> Vec<Option<f64>> {
-        arm.runs.iter().map(|run| run.ttft_p90_ms).collect()
-    };
-    let ratio = |a: &[Option<f64>], b: &[Option<f64>]| {
-        Estimate::of(a.iter().zip(b).map(|(a, b)| match (a, b) {
-            (Some(a), Some(b)) if *b > 0.0 => Some(a / b),
-            _ => None,
-        }))
-    };
-    let oracle = reports
-        .iter()
-        .find(|arm| arm.arm == super::oracle::LABEL)
-        .map(p90s);
-    let defaults: Vec<(usize, Vec<Option<f64>>)> = reports
-        .iter()
-        .filter(|arm| arm.baseline)
-        .map(|arm| (arm.replicas, p90s(arm)))
-        .collect();
-    for arm in reports.iter_mut() {
-        let own = p90s(arm);
-        arm.p90_vs_oracle = oracle.as_deref().and_then(|oracle| ratio(&own, oracle));
-        arm.p90_vs_default = defaults
-            .iter()
-            .find(|(replicas, _)| *replicas == arm.replicas)
-            .filter(|_| !arm.baseline)
-            .and_then(|(_, default)| ratio(&own, default));
-    }
-}
-
-fn arm_report(arm: &Arm, runs: Vec<RunFigures>) -> ArmReport {
-    ArmReport {
-        arm: arm.label.clone(),
-        replicas: arm.replicas,
-        baseline: arm.baseline,
-        policy_yaml: match &arm.kind {
-            ArmKind::Picker { yaml, .. } => Some(yaml.clone()),
-            _ => None,
-        },
-        hit_rate: Estimate::of(runs.iter().map(|run| run.hit_rate)),
-        ttft_p50_ms: Estimate::of(runs.iter().map(|run| run.ttft_p50_ms)),
-        ttft_p90_ms: Estimate::of(runs.iter().map(|run| run.ttft_p90_ms)),
-        ttft_p99_ms: Estimate::of(runs.iter().map(|run| run.ttft_p99_ms)),
-        busy_share: Estimate::of(runs.iter().map(|run| run.busy_share)),
-        p90_vs_oracle: None,
-        p90_vs_default: None,
-        hit_vs_ceiling: None,
-        runs,
-    }
-}
-
-/// `mean ± half-width`, or `–`.
-fn shown(estimate: Option<&Estimate>, scale: f64, digits: usize) -> String {
-    estimate.map_or_else(
-        || "–".to_owned(),
-        |e| {
-            format!(
-                "{:.digits$} ± {:.digits$}",
-                e.mean * scale,
-                e.half_width * scale
-            )
-        },
-    )
-}
-
-/// The Markdown table: each arm's figures with their 95% intervals over seeds; its TTFT p90 as a
-/// ratio to the oracle's and to cachepick's default (same replicas), paired by seed, with the ratio's
-/// interval; and the verdict against the default, a win or a loss only where that interval excludes 1.
-fn table(report: &VirtualReport) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Limits: hit ceiling {} % with unlimited cache, {} % under Belady over the pooled KV; \
-         compute bound at load {} (this run: {}).\n",
-        shown(report.unlimited_hit_rate.as_ref(), 100.0, 1),
-        shown(report.belady_hit_rate.as_ref(), 100.0, 1),
-        shown(report.compute_bound_load.as_ref(), 1.0, 2),
-        report.load,
-    );
-    let _ = writeln!(
-        out,
-        "| arm | hit rate % | hit ÷ ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | busy % | p90 ÷ oracle | p90 ÷ default | vs default |"
-    );
-    let _ = writeln!(out, "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|");
-    for arm in &report.arms {
-        let versus = match arm.p90_vs_default {
-            _ if arm.baseline => "—",
-            Some(ratio) if ratio.seeds > 1 && ratio.high() < 1.0 => "wins",
-            Some(ratio) if ratio.seeds > 1 && ratio.low() > 1.0 => "loses",
-            Some(_) => "tie",
-            None => "–",
-        };
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            arm.arm,
-            shown(arm.hit_rate.as_ref(), 100.0, 1),
-            shown(arm.hit_vs_ceiling.as_ref(), 1.0, 2),
-            shown(arm.ttft_p50_ms.as_ref(), 1.0, 0),
-            shown(arm.ttft_p90_ms.as_ref(), 1.0, 0),
-            shown(arm.ttft_p99_ms.as_ref(), 1.0, 0),
-            shown(arm.busy_share.as_ref(), 100.0, 0),
-            shown(arm.p90_vs_oracle.as_ref(), 1.0, 2),
-            shown(arm.p90_vs_default.as_ref(), 1.0, 2),
-            versus,
-        );
-    }
-    out
-}
-
-/// Writes `report.json` and `table.md` under the output directory.
-pub fn write(report: &VirtualReport, out: &std::path::Path) -> Result<(), ReplayError> {
-    let failed = |path: PathBuf| {
-        move |source| ReplayError::Write {
-            path: path.clone(),
-            source,
-        }
-    };
-    std::fs::create_dir_all(out).map_err(failed(out.to_path_buf()))?;
-    let json = serde_json::to_string_pretty(report).unwrap_or_default();
-    let path = out.join("report.json");
-    std::fs::write(&path, json).map_err(failed(path.clone()))?;
-    let path = out.join("table.md");
-    std::fs::write(&path, &report.table).map_err(failed(path.clone()))?;
-    Ok(())
 }
