@@ -20,7 +20,9 @@ use cachepick_sim::SimConfig;
 use cachepick_sim::offline::{Happened, OfflineWorker};
 
 use super::figures::Estimate;
-use super::{Arm, VirtualOptions, Workload, arms, fleet, limits, run_arm, shown, workload};
+use super::{
+    Arm, VirtualOptions, Workload, arms, each_arm, fleet, limits, run_arm, shown, workload,
+};
 use crate::replay::ReplayError;
 
 /// The search's range below the compute bound.
@@ -181,30 +183,11 @@ pub fn run(
             .unwrap_or_else(|| 2.0 * lone_p90_ms(&sim, &workload));
         let bound = limits::of(&workload, &sim, 1.0).compute_bound_load;
         let bound = if bound.is_finite() { bound } else { RANGE };
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let found = std::sync::Mutex::new(Vec::new());
-        std::thread::scope(|scope| {
-            for _ in 0..threads {
-                scope.spawn(|| {
-                    loop {
-                        let at = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(arm) = arms.get(at) else {
-                            break;
-                        };
-                        let load = search(arm, &sim, &workload, &at_one, seed, (bound, slo_ms))
-                            .map_err(|error| error.to_string());
-                        found
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .push((at, load));
-                    }
-                });
-            }
+        let found = each_arm(&arms, threads, |arm| {
+            search(arm, &sim, &workload, &at_one, seed, (bound, slo_ms))
+                .map_err(|error| error.to_string())
         });
-        for (at, load) in found
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-        {
+        for (at, load) in found {
             let load = load.map_err(ReplayError::Virtual)?;
             if let Some(arm) = loads.get_mut(at) {
                 arm.push(load);

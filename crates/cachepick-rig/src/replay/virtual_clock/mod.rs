@@ -373,6 +373,17 @@ fn run_seed(
     seed: u64,
     threads: usize,
 ) -> Vec<(usize, Result<RunFigures, String>)> {
+    each_arm(arms, threads, |arm| {
+        run_arm(arm, sim, workload, options, seed).map_err(|error| error.to_string())
+    })
+}
+
+/// `work` on every arm, `threads` arms at a time; the results in arm order, with each arm's index.
+fn each_arm<T: Send>(
+    arms: &[Arm],
+    threads: usize,
+    work: impl Fn(&Arm) -> T + Sync,
+) -> Vec<(usize, T)> {
     let next = std::sync::atomic::AtomicUsize::new(0);
     let done = std::sync::Mutex::new(Vec::with_capacity(arms.len()));
     std::thread::scope(|scope| {
@@ -383,11 +394,10 @@ fn run_seed(
                     let Some(arm) = arms.get(at) else {
                         break;
                     };
-                    let figures = run_arm(arm, sim, workload, options, seed)
-                        .map_err(|error| error.to_string());
+                    let result = work(arm);
                     done.lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push((at, figures));
+                        .push((at, result));
                 }
             });
         }
