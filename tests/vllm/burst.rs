@@ -18,14 +18,22 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::engines;
-use crate::stack::{Index, Stack};
-use crate::support::vllm::{self, Fleet, MODEL, prose};
+use crate::stack::{Index, Stack, config_text};
+use crate::support::vllm::{self, Engine, Fleet, MODEL, prose};
 
 /// Requests of the burst, all sent at once.
 const BURST: usize = 80;
 /// How long each engine's API server is frozen, and when, after the burst starts.
 const STALL: Duration = Duration::from_secs(7);
 const STALLS_AT: [Duration; 2] = [Duration::from_millis(500), Duration::from_millis(1500)];
+
+/// Envoy's ext_proc message timeout, from which the picker's decision deadline is derived. The test
+/// runs the debug build, which decides about one of these prompts per 30 ms and slot here: the burst's
+/// 80 answers came 0.06–1.25 s after their requests on an otherwise quiet machine, and beside the
+/// suite's other vLLM test one request was once left to Envoy's own balancing under the default 2 s.
+/// What this test holds is that late `/metrics` cost no decision, not the debug build's decision rate
+/// (admission's shedding has its own tests), so the deadline is set where the debug build's burst fits.
+const MESSAGE_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// Polls `addr` at `path` every 100 ms until `stop`, timing each answer.
 fn poll(
@@ -53,36 +61,67 @@ fn percentile(sorted: &[Duration], share: f64) -> Duration {
 }
 
 /// Every request of `sent` was decided by the picker: none shed, none sent by Envoy's own load
-/// balancing. Returns the picker's `/metrics`.
+/// balancing. Returns the picker's `/metrics`. A failure names every undecided request with what the
+/// picker and Envoy counted, so a shed tells its reason and a fail-open its cause.
 async fn every_request_was_decided(stack: &Stack, sent: &[String]) -> String {
+    let mut undecided = Vec::new();
     for id in sent {
         let entry = stack.access(id).await;
         let decision = entry["decision"].as_str().unwrap_or("-");
-        assert!(
-            !decision.is_empty() && decision != "-",
-            "{id} was routed without a decision: {entry}"
-        );
+        if decision.is_empty() || decision == "-" {
+            undecided.push(format!("{id}: {entry}"));
+        }
     }
     let picker = stack.picker_metrics().await;
     let shed = vllm::sum_of(&picker, "cachepick_shed_total").unwrap_or(0.0);
-    assert_eq!(shed, 0.0, "decisions shed:\n{picker}");
     let failed_open = stack
         .envoy
         .stat("http.ingress_http.ext_proc.failure_mode_allowed")
         .await
         .unwrap_or(0);
-    assert_eq!(
-        failed_open, 0,
-        "Envoy routed {failed_open} requests without the picker"
+    if undecided.is_empty() && shed == 0.0 && failed_open == 0 {
+        return picker;
+    }
+    let counted: Vec<&str> = picker
+        .lines()
+        .filter(|line| {
+            line.starts_with("cachepick_shed_total")
+                || line.starts_with("cachepick_commits_refused_total")
+                || line.starts_with("cachepick_decision_overrun_seconds_count")
+                || line.starts_with("cachepick_answer_seconds_count")
+        })
+        .collect();
+    let log: Vec<String> = stack
+        .log()
+        .into_iter()
+        .filter(|line| {
+            line.contains("shed")
+                || undecided
+                    .iter()
+                    .any(|u| line.contains(u.split(':').next().unwrap_or("-")))
+        })
+        .collect();
+    panic!(
+        "{} of {} requests routed without a decision, {shed} shed, {failed_open} failed open by Envoy\n\
+         undecided:\n{}\nthe picker counted:\n{}\nits log:\n{}",
+        undecided.len(),
+        sent.len(),
+        undecided.join("\n"),
+        counted.join("\n"),
+        log.join("\n")
     );
-
-    picker
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_that_makes_metrics_late_loses_no_decision_and_readiness_holds() {
     let fleet = Fleet::lock(&engines()).await;
-    let stack = Stack::start(&fleet, Index::Events, "").await;
+    let engines: Vec<&Engine> = fleet.engines.iter().collect();
+    let stack = Stack::with_config(format!(
+        "overload:\n  message_timeout: {}s\n{}",
+        MESSAGE_TIMEOUT.as_secs(),
+        config_text(&engines, Index::Events, "")
+    ))
+    .await;
     let stop = Arc::new(AtomicBool::new(false));
     let scrapes: Vec<_> = fleet
         .engines
