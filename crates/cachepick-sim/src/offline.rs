@@ -19,11 +19,12 @@
 //! prefill/decode transfers. The validation against the wall-clock replay says how much that matters.
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use crate::cache::CacheEvent;
+use crate::cache::{CacheEvent, PromptBlocks};
 use crate::config::{Engine, SimConfig, SimParams};
 use crate::model::{Refusal, RequestId};
 use crate::stats::{Histogram, LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS, RankStats, TOKEN_BUCKETS};
@@ -69,6 +70,7 @@ pub struct OfflineWorker {
     engine: Engine,
     model: String,
     params: SimParams,
+    block_size: NonZeroU32,
     ranks: Vec<Rank>,
     /// When the API server's loop is next free.
     api_free: f64,
@@ -102,6 +104,7 @@ impl OfflineWorker {
             engine: config.engine,
             model: config.model.clone(),
             params: config.params.clone(),
+            block_size: config.block_size,
             ranks,
             api_free: 0.0,
             requests: HashMap::new(),
@@ -272,26 +275,37 @@ impl OfflineWorker {
             .collect()
     }
 
-    /// The most any rank holds of a prompt of these token ids: what an index fed by KV events with no
-    /// lag would see.
-    pub fn cached_tokens(&self, prompt: &[u32]) -> u32 {
+    /// A prompt of these token ids hashed into this worker's blocks, once for every question
+    /// [`OfflineWorker::cached_tokens`] and [`OfflineWorker::outlook`] are asked of the fleet (whose
+    /// workers share one block size).
+    pub fn prompt_blocks(&self, prompt: &[u32]) -> PromptBlocks {
+        PromptBlocks::of(prompt, self.block_size)
+    }
+
+    /// The most any rank holds of a prompt: what an index fed by KV events with no lag would see.
+    pub fn cached_tokens(&self, prompt: &PromptBlocks) -> u32 {
         self.ranks
             .iter()
-            .map(|rank| rank.model.cached_tokens(prompt))
+            .map(|rank| rank.model.cached_tokens_of(prompt))
             .max()
             .unwrap_or(0)
     }
 
-    /// The soonest first token any rank would give a prompt of these token ids behind `in_flight`
-    /// (received, not yet submitted), from the true state, front included, with what that rank holds
-    /// of it: the oracle's view.
-    pub fn outlook(&self, prompt: &[u32], in_flight: &[&[u32]]) -> Option<(f64, u32)> {
+    /// The soonest first token any rank would give a prompt behind `in_flight` (received, not yet
+    /// submitted), from the true state, front included, with what that rank holds of it: the
+    /// oracle's view.
+    pub fn outlook(
+        &self,
+        prompt: &PromptBlocks,
+        in_flight: &[&PromptBlocks],
+    ) -> Option<(f64, u32)> {
         let profile = &self.params.profile;
         self.ranks
             .iter()
             .map(|rank| {
-                let seconds = rank.model.predict_ttft(prompt, in_flight, profile) + profile.front;
-                (seconds, rank.model.cached_tokens(prompt))
+                let seconds =
+                    rank.model.predict_ttft_of(prompt, in_flight, profile) + profile.front;
+                (seconds, rank.model.cached_tokens_of(prompt))
             })
             .min_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
     }

@@ -8,7 +8,9 @@
 //! with `engine`, SGLang with `dp_rank` (only when there are several ranks, as SGLang adds it only under
 //! data parallelism). Everything here is a pure function of its arguments, so a scrape of an unchanged
 //! rank is byte-for-byte the same.
+use std::cell::RefCell;
 use std::fmt::Write as _;
+use std::rc::Rc;
 
 use serde::Serialize;
 use serde_json::json;
@@ -121,14 +123,27 @@ impl Exposition {
             format!("{name}_count"),
             format!("{name}_sum"),
         );
+        // A rank's bucket lines share their name and labels up to `le`, written once per rank, and
+        // the bounds are written once per process (`le_labels`): a histogram is most of an
+        // exposition, and a replay renders thousands a second.
         for rank in ranks {
             let owned = labels(rank);
             let base: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let head = {
+                let mut line = Exposition::default();
+                line.sample(&bucket, &with(&base, ("le", "")), Num::Int(0));
+                let cut = line.text.len() - "\"} 0.0\n".len();
+                line.text.truncate(cut);
+                line.text
+            };
             let observed = histogram(rank);
-            for (bound, cumulative) in observed.cumulative() {
-                let mut le = String::new();
-                write_num(&mut le, Num::Float(bound));
-                self.sample(&bucket, &with(&base, ("le", &le)), Num::Int(cumulative));
+            let les = le_labels(observed.bounds);
+            for ((_, cumulative), le) in observed.cumulative().zip(les.iter()) {
+                self.text.push_str(&head);
+                self.text.push_str(le);
+                self.text.push_str("\"} ");
+                write_num(&mut self.text, Num::Int(cumulative));
+                self.text.push('\n');
             }
             self.sample(
                 &bucket,
@@ -139,6 +154,34 @@ impl Exposition {
             self.sample(&sum, &base, Num::Float(observed.sum));
         }
     }
+}
+
+/// The `le` values of a histogram's `bounds`, written once per thread and bucket list (the lists are
+/// static, and there are a handful).
+fn le_labels(bounds: &'static [f64]) -> Rc<[String]> {
+    /// A bucket list and its `le` values.
+    type Written = (&'static [f64], Rc<[String]>);
+    thread_local! {
+        static WRITTEN: RefCell<Vec<Written>> = const { RefCell::new(Vec::new()) };
+    }
+    WRITTEN.with_borrow_mut(|written| {
+        if let Some((_, les)) = written
+            .iter()
+            .find(|(known, _)| std::ptr::eq(*known, bounds))
+        {
+            return Rc::clone(les);
+        }
+        let les: Rc<[String]> = bounds
+            .iter()
+            .map(|bound| {
+                let mut le = String::new();
+                write_num(&mut le, Num::Float(*bound));
+                le
+            })
+            .collect();
+        written.push((bounds, Rc::clone(&les)));
+        les
+    })
 }
 
 /// `labels` followed by `extra`.

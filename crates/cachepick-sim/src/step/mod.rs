@@ -34,7 +34,7 @@ mod tests;
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU32;
 
-use crate::cache::{BlockPool, CacheEvent, Hold, Holder, block_hashes, len_u64};
+use crate::cache::{BlockPool, CacheEvent, Hold, Holder, PromptBlocks, block_hashes, len_u64};
 use crate::config::Engine;
 use crate::model::{Refusal, RequestId};
 use crate::stats::{RankCounters, RankStats};
@@ -408,11 +408,17 @@ impl StepRank {
 
     /// Prompt tokens a request with this prompt would find cached now (no state change).
     pub fn cached_tokens(&self, prompt: &[u32]) -> u32 {
-        let hashes: Vec<u64> = block_hashes(prompt, self.limits.block_size).collect();
-        let cap = self.hit_cap(len_u64(prompt.len()), hashes.len());
+        self.cached_tokens_of(&PromptBlocks::of(prompt, self.limits.block_size))
+    }
+
+    /// [`StepRank::cached_tokens`] of a prompt already hashed, at this rank's block size (a fleet's
+    /// ranks share one).
+    pub fn cached_tokens_of(&self, prompt: &PromptBlocks) -> u32 {
+        debug_assert_eq!(prompt.block_size, self.limits.block_size);
+        let cap = self.hit_cap(prompt.len, prompt.hashes.len());
         saturate_u32(
             self.pool
-                .hit_blocks(&hashes, cap)
+                .hit_blocks(&prompt.hashes, cap)
                 .saturating_mul(self.pool.block_size()),
         )
     }

@@ -11,7 +11,7 @@ use crate::config::Engine;
 
 use super::profile::{Profile, StepWork};
 use super::{Seq, StepRank};
-use crate::cache::len_u64;
+use crate::cache::{PromptBlocks, len_u64};
 
 /// One prefill ahead in the budget: tokens left and where they start.
 #[derive(Clone, Copy)]
@@ -33,37 +33,46 @@ impl StepRank {
     /// Over 100 lines: one walk of the rank's queue through the same steps the scheduler takes; its
     /// running totals live across them.
     pub fn predict_ttft(&self, prompt: &[u32], in_flight: &[&[u32]], profile: &Profile) -> f64 {
+        let blocks = |prompt: &[u32]| PromptBlocks::of(prompt, self.limits.block_size);
+        let in_flight: Vec<PromptBlocks> = in_flight.iter().map(|prompt| blocks(prompt)).collect();
+        let in_flight: Vec<&PromptBlocks> = in_flight.iter().collect();
+        self.predict_ttft_of(&blocks(prompt), &in_flight, profile)
+    }
+
+    /// [`StepRank::predict_ttft`] of prompts already hashed, at this rank's block size.
+    ///
+    /// Over 100 lines: as [`StepRank::predict_ttft`] says.
+    pub fn predict_ttft_of(
+        &self,
+        prompt: &PromptBlocks,
+        in_flight: &[&PromptBlocks],
+        profile: &Profile,
+    ) -> f64 {
         let block = usize::try_from(self.pool.block_size()).unwrap_or(1);
-        let mut earlier: Vec<Vec<u64>> = Vec::new();
         // Tokens a prompt would find: the cache's, or a prompt sent before it.
-        let mut lookup = |prompt: &[u32]| -> (u64, u64) {
-            let hashes: Vec<u64> =
-                crate::cache::block_hashes(prompt, self.limits.block_size).collect();
-            let prompt_len = len_u64(prompt.len());
-            let cap = self.hit_cap(prompt_len, hashes.len());
-            let cached = self.pool.hit_blocks(&hashes, cap);
+        let lookup = |prompt: &PromptBlocks, earlier: &[&[u64]]| -> (u64, u64) {
+            debug_assert_eq!(prompt.block_size, self.limits.block_size);
+            let hashes = prompt.hashes.as_slice();
+            let cap = self.hit_cap(prompt.len, hashes.len());
+            let cached = self.pool.hit_blocks(hashes, cap);
             let shared = earlier
                 .iter()
-                .map(|other| {
-                    len_u64(
-                        other
-                            .iter()
-                            .zip(&hashes)
-                            .take_while(|(a, b)| a == b)
-                            .count(),
-                    )
-                })
+                .map(|other| len_u64(other.iter().zip(hashes).take_while(|(a, b)| a == b).count()))
                 .max()
                 .unwrap_or(0)
                 .min(cap);
-            earlier.push(hashes);
             (
                 cached.max(shared).saturating_mul(len_u64(block)),
-                prompt_len,
+                prompt.len,
             )
         };
-        let sent: Vec<(u64, u64)> = in_flight.iter().map(|prompt| lookup(prompt)).collect();
-        let (cached, prompt_len) = lookup(prompt);
+        let mut earlier: Vec<&[u64]> = Vec::with_capacity(in_flight.len());
+        let mut sent: Vec<(u64, u64)> = Vec::with_capacity(in_flight.len());
+        for prompt in in_flight {
+            sent.push(lookup(prompt, &earlier));
+            earlier.push(&prompt.hashes);
+        }
+        let (cached, prompt_len) = lookup(prompt, &earlier);
         let mut queue: Vec<Segment> = Vec::new();
         let mut decodes = 0u64;
         let mut context = 0u64;

@@ -4,7 +4,9 @@
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
 
+use cachepick::events::EventBatch;
 use cachepick_sim::SimConfig;
 use cachepick_sim::offline::{Happened, OfflineWorker};
 
@@ -25,7 +27,7 @@ pub(super) enum Wake {
         replica: usize,
         worker: usize,
         rank: u32,
-        payload: Vec<u8>,
+        batch: Arc<EventBatch>,
     },
 }
 

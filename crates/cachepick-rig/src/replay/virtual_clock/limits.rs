@@ -12,7 +12,9 @@
 //!
 //! Blocks are the engines' (the simulator's own hashing), so a hit here is a hit an engine could count.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use serde::Serialize;
 
@@ -86,7 +88,7 @@ pub fn of(workload: &Workload, sim: &SimConfig, load: f64) -> Limits {
 
 /// Leading blocks each prompt finds cached with nothing ever evicted.
 fn unlimited_hits(prompts: &[Vec<u64>], caps: &[usize]) -> Vec<u64> {
-    let mut seen: std::collections::HashSet<u64> = std::collections::HashSet::new();
+    let mut seen: FxHashSet<u64> = FxHashSet::default();
     prompts
         .iter()
         .zip(caps)
@@ -107,7 +109,7 @@ fn unlimited_hits(prompts: &[Vec<u64>], caps: &[usize]) -> Vec<u64> {
 fn hits(prompts: &[Vec<u64>], caps: &[usize], capacity: usize) -> Vec<u64> {
     // Each block reference's next use: the index of the next prompt holding the block.
     let mut next_use: Vec<Vec<usize>> = Vec::with_capacity(prompts.len());
-    let mut seen: HashMap<u64, usize> = HashMap::new();
+    let mut seen: FxHashMap<u64, usize> = FxHashMap::default();
     for (index, hashes) in prompts.iter().enumerate().rev() {
         next_use.push(
             hashes
@@ -120,7 +122,7 @@ fn hits(prompts: &[Vec<u64>], caps: &[usize], capacity: usize) -> Vec<u64> {
         }
     }
     next_use.reverse();
-    let mut cached: HashMap<u64, usize> = HashMap::new();
+    let mut cached: FxHashMap<u64, usize> = FxHashMap::default();
     let mut by_next: BTreeSet<(usize, u64)> = BTreeSet::new();
     let mut found = Vec::with_capacity(prompts.len());
     for ((hashes, uses), cap) in prompts.iter().zip(&next_use).zip(caps) {

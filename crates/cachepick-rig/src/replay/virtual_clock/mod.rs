@@ -270,7 +270,7 @@ fn run_arm(
             requests,
             router_seed,
         )),
-        ArmKind::Oracle => Box::new(routers::OracleRouter),
+        ArmKind::Oracle => Box::new(routers::OracleRouter::default()),
     };
     Ok(simulate(sim, workload, router.as_mut()))
 }

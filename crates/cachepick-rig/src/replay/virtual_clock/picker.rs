@@ -417,14 +417,14 @@ impl Router for PickerRouter {
                 replica,
                 worker,
                 rank,
-                payload,
+                batch,
             } => {
                 let applier = self
                     .replicas
                     .get(replica)
                     .and_then(|state| state.appliers.get(worker))
                     .and_then(|ranks| ranks.get(rank as usize));
-                if let (Some(applier), Ok(batch)) = (applier, decode_batch(&payload)) {
+                if let Some(applier) = applier {
                     applier.apply(&batch);
                 }
             }
@@ -444,6 +444,12 @@ impl Router for PickerRouter {
                 continue;
             }
             let payload = encode_batch(format, cx.now, rank, block_size, &events);
+            // Every replica's subscriber gets the same bytes and its decoder makes the same batch of
+            // them: decoded once, applied by each replica's own applier.
+            let Ok(batch) = decode_batch(&payload) else {
+                continue;
+            };
+            let batch = Arc::new(batch);
             for replica in 0..self.replicas.len() {
                 cx.schedule(
                     cx.now + EVENT_DELAY.as_secs_f64(),
@@ -451,7 +457,7 @@ impl Router for PickerRouter {
                         replica,
                         worker,
                         rank,
-                        payload: payload.clone(),
+                        batch: Arc::clone(&batch),
                     },
                 );
             }

@@ -5,7 +5,10 @@
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use std::collections::HashMap;
+
 use cachepick_sim::SimConfig;
+use cachepick_sim::cache::PromptBlocks;
 use cachepick_sim::offline::OfflineWorker;
 
 use super::engine::{Cx, Routed, Router};
@@ -14,16 +17,25 @@ use crate::replay::peers::{Calibration, Candidate, Load, PeerRule, chained_block
 /// The routing limit: every request where the step model predicts the soonest first token, from the
 /// true state, counting the requests it sent that are still in their worker's front (received, not
 /// yet queued). Ties go to the worker holding more of the prompt, then the lower index.
-pub(super) struct OracleRouter;
+#[derive(Default)]
+pub(super) struct OracleRouter {
+    /// The prompts of requests it routed, hashed once, until their first token (by then they have
+    /// left their worker's front).
+    hashed: HashMap<usize, PromptBlocks>,
+}
 
 impl Router for OracleRouter {
     fn route(&mut self, request: usize, cx: &mut Cx<'_>) -> Option<Routed> {
-        let prompt = cx.tokens(request);
+        let first = cx.workers.first()?;
+        let prompt = first.prompt_blocks(cx.tokens(request));
         let mut best: Option<(f64, u32, usize)> = None;
         for (index, worker) in cx.workers.iter().enumerate() {
             let front = cx.fronts.get(index).map(Vec::as_slice).unwrap_or_default();
-            let in_flight: Vec<&[u32]> = front.iter().map(|queued| cx.tokens(*queued)).collect();
-            let Some((seconds, cached)) = worker.outlook(prompt, &in_flight) else {
+            let in_flight: Vec<&PromptBlocks> = front
+                .iter()
+                .filter_map(|queued| self.hashed.get(queued))
+                .collect();
+            let Some((seconds, cached)) = worker.outlook(&prompt, &in_flight) else {
                 continue;
             };
             let better = best.is_none_or(|(best_s, best_cached, _)| {
@@ -33,10 +45,19 @@ impl Router for OracleRouter {
                 best = Some((seconds, cached, index));
             }
         }
+        self.hashed.insert(request, prompt);
         best.map(|(_, _, worker)| Routed {
             worker,
             reason: "oracle",
         })
+    }
+
+    fn first_token(&mut self, request: usize, _worker: usize, _cx: &mut Cx<'_>) {
+        self.hashed.remove(&request);
+    }
+
+    fn finished(&mut self, request: usize, _worker: usize, _cx: &mut Cx<'_>) {
+        self.hashed.remove(&request);
     }
 }
 
@@ -90,10 +111,11 @@ impl Router for PeerRouter {
             PeerRule::LlmdSticky => Vec::new(),
         };
         let local = self.replicas.get_mut(replica)?;
+        let prompt = cx.workers.first()?.prompt_blocks(tokens);
         let cached: Vec<u64> = cx
             .workers
             .iter()
-            .map(|worker: &OfflineWorker| u64::from(worker.cached_tokens(tokens)))
+            .map(|worker: &OfflineWorker| u64::from(worker.cached_tokens(&prompt)))
             .collect();
         let candidates: Vec<Candidate> = local
             .iter()
