@@ -228,10 +228,11 @@ struct ReplayArgs {
         conflicts_with = "scenario"
     )]
     trace: Option<PathBuf>,
-    /// A synthetic scenario instead of a trace: `burst` (steady, a burst well above capacity, steady) or
+    /// A synthetic scenario instead of a trace: `burst` (steady, a burst well above capacity, steady),
     /// `agents` (prefill-heavy: 3k–100k-token system prompts reused across multi-turn sessions,
-    /// outputs of at most 256 tokens).
-    #[arg(long, value_parser = ["burst", "agents"])]
+    /// outputs of at most 256 tokens) or `chat` (multi-turn conversations over 2k–30k-token per-user
+    /// contexts, 20 s think times, production-stack's multi-round QA shape).
+    #[arg(long, value_parser = ["burst", "agents", "chat"])]
     scenario: Option<String>,
     /// Simulator YAML describing the fleet (as `cachepick sim --config`); default: 4 vLLM workers.
     #[arg(long, value_name = "FILE")]

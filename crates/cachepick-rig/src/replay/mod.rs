@@ -20,6 +20,7 @@
 pub mod agents;
 pub mod arms;
 pub mod behind;
+pub mod chat;
 pub mod drive;
 pub mod fault;
 pub mod front;
@@ -66,6 +67,9 @@ pub enum Scenario {
     /// The prefill-heavy agent workload: long system prompts reused across multi-turn sessions, short
     /// outputs ([`agents`]).
     Agents,
+    /// Multi-turn chat over long per-user contexts with think times between rounds, shaped on vLLM
+    /// production-stack's multi-round QA benchmark ([`chat`]).
+    Chat,
 }
 
 impl Scenario {
@@ -74,6 +78,7 @@ impl Scenario {
         match name {
             "burst" => Some(Scenario::Burst),
             "agents" => Some(Scenario::Agents),
+            "chat" => Some(Scenario::Chat),
             _ => None,
         }
     }
@@ -94,6 +99,7 @@ impl Scenario {
             Scenario::Trace(path) => path.display().to_string(),
             Scenario::Burst => "burst".to_owned(),
             Scenario::Agents => "agents".to_owned(),
+            Scenario::Chat => "chat".to_owned(),
         }
     }
 
@@ -101,7 +107,7 @@ impl Scenario {
     pub fn default_speedup(&self) -> f64 {
         match self {
             Scenario::Burst => 4.0,
-            Scenario::Trace(_) | Scenario::Agents => 8.0,
+            Scenario::Trace(_) | Scenario::Agents | Scenario::Chat => 8.0,
         }
     }
 }
@@ -207,6 +213,7 @@ impl ReplayOptions {
                 .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned()),
             Scenario::Burst => "burst".to_owned(),
             Scenario::Agents => "agents".to_owned(),
+            Scenario::Chat => "chat".to_owned(),
         });
         ReplayOptions {
             scenario,
@@ -371,8 +378,8 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64, timing: Timing) -> SimCo
     sim.params.max_model_len = nz(262_144);
     match (timing, scenario) {
         (Timing::Step, Scenario::Burst) => sim.params.kv_blocks = nz(4_096),
-        (Timing::Step, Scenario::Trace(_) | Scenario::Agents) => {}
-        (Timing::Slots, Scenario::Trace(_) | Scenario::Agents) => {
+        (Timing::Step, Scenario::Trace(_) | Scenario::Agents | Scenario::Chat) => {}
+        (Timing::Slots, Scenario::Trace(_) | Scenario::Agents | Scenario::Chat) => {
             // Mooncake's ~190 output tokens at 20 ms dominate a slot: 16 slots per worker serve its
             // ~3.7 requests/s near, not beyond, capacity.
             sim.params.max_running = nz(16);
@@ -429,6 +436,7 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
         Scenario::Trace(path) => trace::load_mooncake(path, options.limit)?,
         Scenario::Burst => trace::burst(options.seed, options.duration_scale),
         Scenario::Agents => agents::agents(options.seed, options.duration_scale),
+        Scenario::Chat => chat::chat(options.seed, options.duration_scale),
     };
     if let Some(limit) = options.limit {
         items.truncate(limit);

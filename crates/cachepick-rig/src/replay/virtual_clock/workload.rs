@@ -9,7 +9,7 @@ use cachepick_sim::offline::WorkerTokenizer;
 
 use super::VirtualOptions;
 use crate::replay::trace::{self, Item, PromptBuilder};
-use crate::replay::{ReplayError, Scenario, agents};
+use crate::replay::{ReplayError, Scenario, agents, chat};
 
 /// Model seconds before the first arrival: the pickers' first scrape rounds, as the wall-clock replay
 /// waits for its pickers to be ready.
@@ -130,6 +130,7 @@ pub(super) fn workload(
             }
             Scenario::Burst => trace::burst(copy_seed, options.duration_scale),
             Scenario::Agents => agents::agents(copy_seed, options.duration_scale),
+            Scenario::Chat => chat::chat(copy_seed, options.duration_scale),
         };
         if let Some(limit) = options.limit {
             one.truncate(limit);
