@@ -140,3 +140,59 @@ fn what_the_virtual_clock_cannot_model_is_refused_by_name() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// The multi-turn chat workload: a conversation's rounds resend its whole context, so the router that
+/// keeps a conversation on its worker finds most of each later round cached, and round robin, which
+/// moves it every round, finds little; neither finds more than the workload's ceiling.
+#[test]
+fn chat_rounds_find_their_conversation_cached_where_the_router_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("chat");
+    let output = cachepick(&[
+        "--clock",
+        "virtual",
+        "--scenario",
+        "chat",
+        "--limit",
+        "150",
+        "--seeds",
+        "1",
+        "--policies",
+        "default,round_robin",
+        "--no-oracle",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["scenario"], "chat");
+    let hit = |arm: &str| {
+        let row = report["arms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|row| row["arm"] == arm)
+            .unwrap_or_else(|| panic!("no {arm} arm: {report}"));
+        let run = &row["runs"][0];
+        assert_eq!(
+            run["served"], run["requests"],
+            "{arm}: every request served"
+        );
+        row["hit_rate"]["mean"].as_f64().unwrap()
+    };
+    let (default, round_robin) = (hit("default"), hit("round_robin"));
+    let ceiling = report["unlimited_hit_rate"]["mean"].as_f64().unwrap();
+    assert!(
+        default > 0.5 * ceiling && default > 2.0 * round_robin,
+        "default {default}, round robin {round_robin}, ceiling {ceiling}"
+    );
+    assert!(
+        default <= ceiling + 1e-9,
+        "default {default} above the ceiling {ceiling}"
+    );
+}
