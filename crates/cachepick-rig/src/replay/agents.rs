@@ -19,7 +19,7 @@
 
 use std::ops::RangeInclusive;
 
-use super::trace::{Item, TRACE_BLOCK_TOKENS, XorShift};
+use super::trace::{FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn};
 
 /// System prompts the sessions share.
 pub const AGENT_PROMPTS: u64 = 24;
@@ -42,11 +42,7 @@ const UNIQUE_IDS: u64 = 10_000_000;
 
 /// The workload for `seed`, in arrival order; `scale` multiplies the span over which sessions start.
 pub fn agents(seed: u64, scale: f64) -> Vec<Item> {
-    let scale = if scale.is_finite() && scale > 0.0 {
-        scale
-    } else {
-        1.0
-    };
+    let scale = duration_scale(scale);
     let mut rng = XorShift::new(seed ^ 0xA6E7_5EED);
     let block = TRACE_BLOCK_TOKENS as f64;
     let prompts: Vec<u64> = (0..AGENT_PROMPTS)
@@ -65,17 +61,12 @@ pub fn agents(seed: u64, scale: f64) -> Vec<Item> {
             Some(first)
         })
         .collect();
-    let mut unique = UNIQUE_IDS;
-    let mut fresh = |count: u64| -> Vec<u64> {
-        let ids = (unique..unique + count).collect();
-        unique += count;
-        ids
-    };
+    let mut fresh = FreshIds(UNIQUE_IDS);
     let mut items = Vec::new();
     let end = SPAN_MS * scale;
     let mut start = 0.0_f64;
     loop {
-        start += -(1.0 - rng.unit()).ln() / SESSION_RATE * 1000.0;
+        start += rng.gap_ms(SESSION_RATE);
         if start >= end {
             break;
         }
@@ -87,20 +78,14 @@ pub fn agents(seed: u64, scale: f64) -> Vec<Item> {
         let mut at = start;
         for turn in 0..turns {
             if turn > 0 {
-                at += -(1.0 - rng.unit()).ln() * THINK_MS;
+                at += rng.exponential(THINK_MS);
                 // The previous turn's answer, as the next prompt carries it.
-                context.extend(fresh(1));
+                context.extend(fresh.take(1));
             }
             let new = rng.within(NEW_BLOCKS);
-            context.extend(fresh(new));
+            context.extend(fresh.take(new));
             let output = rng.within(OUTPUT);
-            items.push(Item {
-                timestamp_ms: at as u64,
-                input_length: (context.len() * TRACE_BLOCK_TOKENS) as u32,
-                output_length: output as u32,
-                hash_ids: context.clone(),
-                phase: 0,
-            });
+            items.push(session_turn(at, &context, output));
         }
     }
     // Sessions overlap: arrival order across them, the order within each kept (stable sort).

@@ -24,7 +24,7 @@
 
 use std::ops::RangeInclusive;
 
-use super::trace::{Item, TRACE_BLOCK_TOKENS, XorShift};
+use super::trace::{FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn};
 
 /// The shared system prompt, in blocks: the benchmark's 1,000 tokens.
 pub const SYSTEM_BLOCKS: u64 = 2;
@@ -45,24 +45,15 @@ const UNIQUE_IDS: u64 = 1_000;
 
 /// The workload for `seed`, in arrival order; `scale` multiplies the span over which users start.
 pub fn chat(seed: u64, scale: f64) -> Vec<Item> {
-    let scale = if scale.is_finite() && scale > 0.0 {
-        scale
-    } else {
-        1.0
-    };
+    let scale = duration_scale(scale);
     let mut rng = XorShift::new(seed ^ 0xC4A7_5EED);
     let block = TRACE_BLOCK_TOKENS as f64;
-    let mut unique = UNIQUE_IDS;
-    let mut fresh = |count: u64| -> Vec<u64> {
-        let ids = (unique..unique + count).collect();
-        unique += count;
-        ids
-    };
+    let mut fresh = FreshIds(UNIQUE_IDS);
     let mut items = Vec::new();
     let end = SPAN_MS * scale;
     let mut start = 0.0_f64;
     loop {
-        start += -(1.0 - rng.unit()).ln() / USER_RATE * 1000.0;
+        start += rng.gap_ms(USER_RATE);
         if start >= end {
             break;
         }
@@ -70,23 +61,17 @@ pub fn chat(seed: u64, scale: f64) -> Vec<Item> {
             + rng.unit() * (MAX_CONTEXT_TOKENS.ln() - MIN_CONTEXT_TOKENS.ln()))
         .exp();
         let mut conversation: Vec<u64> = (0..SYSTEM_BLOCKS).collect();
-        conversation.extend(fresh(((context_tokens / block).round() as u64).max(1)));
+        conversation.extend(fresh.take(((context_tokens / block).round() as u64).max(1)));
         let rounds = rng.within(ROUNDS);
         let mut at = start;
         for round in 0..rounds {
             if round > 0 {
-                at += -(1.0 - rng.unit()).ln() * THINK_MS;
+                at += rng.exponential(THINK_MS);
             }
             // The first round's question; later, the previous answer and the new question.
-            conversation.extend(fresh(1));
+            conversation.extend(fresh.take(1));
             let output = rng.within(OUTPUT);
-            items.push(Item {
-                timestamp_ms: at as u64,
-                input_length: (conversation.len() * TRACE_BLOCK_TOKENS) as u32,
-                output_length: output as u32,
-                hash_ids: conversation.clone(),
-                phase: 0,
-            });
+            items.push(session_turn(at, &conversation, output));
         }
     }
     // Conversations overlap: arrival order across them, the order within each kept (stable sort).

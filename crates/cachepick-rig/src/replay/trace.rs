@@ -134,11 +134,7 @@ const BURST_OUTPUT_TOKENS: u32 = 64;
 /// popularity), steady load near the fleet's capacity, a burst well above it, then steady again.
 /// `scale` multiplies every phase's length (rates are unchanged).
 pub fn burst(seed: u64, scale: f64) -> Vec<Item> {
-    let scale = if scale.is_finite() && scale > 0.0 {
-        scale
-    } else {
-        1.0
-    };
+    let scale = duration_scale(scale);
     let mut rng = XorShift::new(seed ^ 0xB0B5_7E57);
     let mut items = Vec::new();
     let mut start_ms = 0.0_f64;
@@ -148,7 +144,7 @@ pub fn burst(seed: u64, scale: f64) -> Vec<Item> {
         let mut at = start_ms;
         loop {
             // Poisson arrivals.
-            at += -(1.0 - rng.unit()).ln() / spec.rate * 1000.0;
+            at += rng.gap_ms(spec.rate);
             if at >= end_ms {
                 break;
             }
@@ -173,13 +169,40 @@ pub fn burst(seed: u64, scale: f64) -> Vec<Item> {
     items
 }
 
-/// Phase boundaries of [`burst`] in trace milliseconds: `(name, start, end)`.
-pub fn burst_phase_bounds(scale: f64) -> Vec<(&'static str, f64, f64)> {
-    let scale = if scale.is_finite() && scale > 0.0 {
+/// A synthetic workload's `--duration-scale`: the factor when it is positive and finite, else 1.
+pub(crate) fn duration_scale(scale: f64) -> f64 {
+    if scale.is_finite() && scale > 0.0 {
         scale
     } else {
         1.0
-    };
+    }
+}
+
+/// Block ids that no other prompt of a synthetic workload holds, handed out in order.
+pub(crate) struct FreshIds(pub u64);
+
+impl FreshIds {
+    pub(crate) fn take(&mut self, count: u64) -> Vec<u64> {
+        let ids = (self.0..self.0 + count).collect();
+        self.0 += count;
+        ids
+    }
+}
+
+/// A turn of a multi-turn session at `at_ms` whose prompt is `context`, whole trace blocks.
+pub(crate) fn session_turn(at_ms: f64, context: &[u64], output_tokens: u64) -> Item {
+    Item {
+        timestamp_ms: at_ms as u64,
+        input_length: (context.len() * TRACE_BLOCK_TOKENS) as u32,
+        output_length: output_tokens as u32,
+        hash_ids: context.to_vec(),
+        phase: 0,
+    }
+}
+
+/// Phase boundaries of [`burst`] in trace milliseconds: `(name, start, end)`.
+pub fn burst_phase_bounds(scale: f64) -> Vec<(&'static str, f64, f64)> {
+    let scale = duration_scale(scale);
     let mut start = 0.0;
     BURST_PHASES
         .iter()
@@ -325,6 +348,16 @@ impl XorShift {
     /// Uniform in [0, 1).
     pub(crate) fn unit(&mut self) -> f64 {
         (self.next() >> 11) as f64 / (1_u64 << 53) as f64
+    }
+
+    /// Milliseconds to the next arrival of a Poisson process of `rate` a second.
+    pub(crate) fn gap_ms(&mut self, rate: f64) -> f64 {
+        -(1.0 - self.unit()).ln() / rate * 1000.0
+    }
+
+    /// An exponential draw of mean `mean` (a think time).
+    pub(crate) fn exponential(&mut self, mean: f64) -> f64 {
+        -(1.0 - self.unit()).ln() * mean
     }
 
     /// Group `g` of `groups` with weight `1 / (g + 1)`.
