@@ -1,6 +1,6 @@
 use std::collections::{HashMap, HashSet};
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::*;
 use crate::stats::{LATENCY_BUCKETS, sample_ranks as ranks};
