@@ -71,10 +71,7 @@ impl Exposition {
                 if index > 0 {
                     self.text.push(',');
                 }
-                self.text.push_str(label);
-                self.text.push_str("=\"");
-                escape_label(&mut self.text, value);
-                self.text.push('"');
+                push_label(&mut self.text, label, value);
             }
             self.text.push('}');
         }
@@ -132,13 +129,12 @@ impl Exposition {
         for rank in ranks {
             let owned = labels(rank);
             let base: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            let head = {
-                let mut line = Exposition::default();
-                line.sample(&bucket, &with(&base, ("le", "")), Num::Int(0));
-                let cut = line.text.len() - "\"} 0.0\n".len();
-                line.text.truncate(cut);
-                line.text
-            };
+            let mut head = format!("{bucket}{{");
+            for (label, value) in &base {
+                push_label(&mut head, label, value);
+                head.push(',');
+            }
+            head.push_str("le=\"");
             let observed = histogram(rank);
             let les = le_labels(observed.bounds);
             for ((_, cumulative), le) in observed.cumulative().zip(les.iter()) {
@@ -194,6 +190,14 @@ fn with<'a>(labels: &[(&'a str, &'a str)], extra: (&'a str, &'a str)) -> Vec<(&'
         .copied()
         .chain(std::iter::once(extra))
         .collect()
+}
+
+/// `label="value"`, the value escaped.
+fn push_label(out: &mut String, label: &str, value: &str) {
+    out.push_str(label);
+    out.push_str("=\"");
+    escape_label(out, value);
+    out.push('"');
 }
 
 /// A label value with `\`, `"` and newlines escaped, as the format requires.
