@@ -136,8 +136,12 @@ pub fn percentile(sorted: &[f64], share: f64) -> Option<f64> {
     if sorted.is_empty() {
         return None;
     }
-    let index = ((sorted.len() - 1) as f64 * share).round() as usize;
-    sorted.get(index).copied()
+    sorted.get(percentile_index(sorted.len(), share)).copied()
+}
+
+/// The index [`percentile`] takes in `len` sorted values (the nearest rank); 0 for none.
+pub fn percentile_index(len: usize, share: f64) -> usize {
+    (len.saturating_sub(1) as f64 * share).round() as usize
 }
 
 fn percentiles(mut values: Vec<f64>) -> (Percentiles, Vec<f64>) {

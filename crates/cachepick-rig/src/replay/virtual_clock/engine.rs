@@ -12,6 +12,7 @@ use cachepick_sim::offline::{Happened, OfflineWorker};
 
 use super::figures::{Outcome, RunFigures};
 use super::{Prompt, Workload};
+use crate::replay::report::percentile_index;
 
 /// Something a router scheduled for itself.
 #[derive(Debug)]
@@ -169,36 +170,82 @@ pub(super) fn simulate(
     workload: &Workload,
     router: &mut dyn Router,
 ) -> RunFigures {
-    let workers: Vec<OfflineWorker> = (0..sim.workers.get())
-        .map(|index| OfflineWorker::new(sim, index))
-        .collect();
-    let mut run = Run {
-        workload,
-        fronts: vec![Vec::new(); workers.len()],
-        workers,
-        live: HashMap::new(),
-        queue: Queue::default(),
-        outcomes: vec![Outcome::default(); workload.requests.len()],
-        open: workload.requests.len(),
-        busy: BusyWindow::default(),
-    };
-    for (index, request) in workload.requests.iter().enumerate() {
-        run.queue.push(request.at, Event::Arrive(index));
-    }
-    router.start(&mut run.cx(0.0));
-    while run.open > 0 {
-        let Some((now, event)) = run.queue.pop() else {
-            break;
-        };
-        match event {
-            Event::Arrive(index) => run.arrive(now, index, router),
-            Event::Submit { request, worker } => run.submit(now, request, worker, router),
-            Event::StepEnd { worker, rank } => run.step_end(now, worker, rank, router),
-            Event::Router(wake) => router.wake(wake, &mut run.cx(now)),
+    let mut run = Run::start(sim, workload, router);
+    while run.advance(router).is_some() {}
+    run.figures(sim)
+}
+
+/// Whether `router` serves every request of `workload` with a TTFT p90 within `slo_ms` model
+/// milliseconds: the goodput search's probe. The same run as [`simulate`]'s and the same verdict as
+/// its figures give, but it stops as soon as the verdict is certain — a request lost, or more
+/// requests past the SLO than the p90 can hold — since an overloaded probe's queues would otherwise
+/// take the longest of all to drain for a verdict already known.
+pub(super) fn within_slo(
+    sim: &SimConfig,
+    workload: &Workload,
+    router: &mut dyn Router,
+    slo_ms: f64,
+) -> bool {
+    let mut run = Run::start(sim, workload, router);
+    let mut late = LateCount::new(workload, slo_ms);
+    while let Some(now) = run.advance(router) {
+        if run.lost > 0 || late.past(now, &run.outcomes) >= late.allowed {
+            return false;
         }
     }
-    let ranks = run.workers.len() as f64 * f64::from(sim.dp_size.get());
-    RunFigures::of(workload, &run.outcomes, run.busy.share(ranks), ranks)
+    let figures = run.figures(sim);
+    figures.served == figures.requests && figures.ttft_p90_ms.is_some_and(|p90| p90 <= slo_ms)
+}
+
+/// The requests whose TTFT is certainly over an SLO by the moment `now`: they are taken in arrival
+/// order as the SLO passes for each, so each is judged once, with its first token or without one.
+struct LateCount {
+    slo_ms: f64,
+    /// (arrival, request) in arrival order.
+    arrivals: Vec<(f64, usize)>,
+    judged: usize,
+    late: usize,
+    /// How many late requests put the p90 over the SLO: the p90 is the sorted TTFTs' element at
+    /// [`percentile_index`], so it is over once that many from the top are.
+    allowed: usize,
+}
+
+impl LateCount {
+    fn new(workload: &Workload, slo_ms: f64) -> LateCount {
+        let mut arrivals: Vec<(f64, usize)> = workload
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(index, request)| (request.at, index))
+            .collect();
+        arrivals.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let count = arrivals.len();
+        LateCount {
+            slo_ms,
+            arrivals,
+            judged: 0,
+            late: 0,
+            allowed: count - percentile_index(count, 0.9).min(count),
+        }
+    }
+
+    /// Late requests so far. A request without a first token `slo_ms` after its arrival gets it later
+    /// if at all, so its TTFT is over (computed as the figures compute it, so the verdicts agree).
+    fn past(&mut self, now: f64, outcomes: &[Outcome]) -> usize {
+        while let Some(&(at, request)) = self.arrivals.get(self.judged) {
+            if (now - at) * 1e3 <= self.slo_ms {
+                break;
+            }
+            let first = outcomes
+                .get(request)
+                .and_then(|outcome| outcome.first_token);
+            if first.is_none_or(|first| (first - at) * 1e3 > self.slo_ms) {
+                self.late += 1;
+            }
+            self.judged += 1;
+        }
+        self.late
+    }
 }
 
 /// One run's state: the fleet, the queue, the requests' outcomes and the prompts in flight.
@@ -213,10 +260,56 @@ struct Run<'w> {
     outcomes: Vec<Outcome>,
     /// Requests not yet finished or refused.
     open: usize,
+    /// Requests refused by a router or an engine: a run with one has not served every request.
+    lost: usize,
     busy: BusyWindow,
 }
 
-impl Run<'_> {
+impl<'w> Run<'w> {
+    /// A fresh fleet of `sim`'s workers with `workload`'s arrivals queued and `router` started.
+    fn start(sim: &SimConfig, workload: &'w Workload, router: &mut dyn Router) -> Run<'w> {
+        let workers: Vec<OfflineWorker> = (0..sim.workers.get())
+            .map(|index| OfflineWorker::new(sim, index))
+            .collect();
+        let mut run = Run {
+            workload,
+            fronts: vec![Vec::new(); workers.len()],
+            workers,
+            live: HashMap::new(),
+            queue: Queue::default(),
+            outcomes: vec![Outcome::default(); workload.requests.len()],
+            open: workload.requests.len(),
+            lost: 0,
+            busy: BusyWindow::default(),
+        };
+        for (index, request) in workload.requests.iter().enumerate() {
+            run.queue.push(request.at, Event::Arrive(index));
+        }
+        router.start(&mut run.cx(0.0));
+        run
+    }
+
+    /// Takes the next event; its moment, or `None` when every request has ended (or nothing is
+    /// left to happen).
+    fn advance(&mut self, router: &mut dyn Router) -> Option<f64> {
+        if self.open == 0 {
+            return None;
+        }
+        let (now, event) = self.queue.pop()?;
+        match event {
+            Event::Arrive(index) => self.arrive(now, index, router),
+            Event::Submit { request, worker } => self.submit(now, request, worker, router),
+            Event::StepEnd { worker, rank } => self.step_end(now, worker, rank, router),
+            Event::Router(wake) => router.wake(wake, &mut self.cx(now)),
+        }
+        Some(now)
+    }
+
+    fn figures(&self, sim: &SimConfig) -> RunFigures {
+        let ranks = self.workers.len() as f64 * f64::from(sim.dp_size.get());
+        RunFigures::of(self.workload, &self.outcomes, self.busy.share(ranks), ranks)
+    }
+
     /// What a router sees at `now`.
     fn cx(&mut self, now: f64) -> Cx<'_> {
         Cx {
@@ -233,6 +326,7 @@ impl Run<'_> {
     fn drop_request(&mut self, index: usize) {
         self.live.remove(&index);
         self.open -= 1;
+        self.lost += 1;
     }
 
     /// Request `index` arrives: routed, then received by its worker, which queues it behind its
@@ -288,6 +382,7 @@ impl Run<'_> {
                     outcome.refused = true;
                 }
                 self.open -= 1;
+                self.lost += 1;
                 router.finished(request, worker, &mut self.cx(now));
             }
         }

@@ -10,7 +10,8 @@
 //! run's TTFT p90 is within the SLO. The search is geometric between the compute bound (no router can
 //! do better: [`super::limits`]) and 1/[`RANGE`] of it, [`STEPS`] halvings, so a goodput is known to
 //! within a factor of `RANGE^(1/2^STEPS)` (2.4%); a load met at the bound is reported as the bound, one
-//! failed at the bottom of the range as 0.
+//! failed at the bottom of the range as 0. A probe stops as soon as its verdict is certain
+//! ([`engine::within_slo`]), and the bottom is probed last, only when nothing above it was met.
 
 use std::fmt::Write as _;
 
@@ -21,7 +22,8 @@ use cachepick_sim::offline::{Happened, OfflineWorker};
 
 use super::figures::Estimate;
 use super::{
-    Arm, VirtualOptions, Workload, arms, each_arm, fleet, limits, run_arm, shown, workload,
+    Arm, VirtualOptions, Workload, arms, each_arm, engine, fleet, limits, router_of, shown,
+    workload,
 };
 use crate::replay::ReplayError;
 
@@ -119,8 +121,9 @@ fn meets(
     load: f64,
     slo_ms: f64,
 ) -> Result<bool, ReplayError> {
-    let figures = run_arm(arm, sim, &workload.at_load(load), options, seed)?;
-    Ok(figures.served == figures.requests && figures.ttft_p90_ms.is_some_and(|p90| p90 <= slo_ms))
+    let workload = workload.at_load(load);
+    let mut router = router_of(arm, sim, workload.requests.len(), options, seed)?;
+    Ok(engine::within_slo(sim, &workload, router.as_mut(), slo_ms))
 }
 
 /// The highest load in the range `arm` meets on one seed.
@@ -135,10 +138,8 @@ fn search(
     if meets(arm, sim, workload, options, seed, bound, slo_ms)? {
         return Ok(bound);
     }
-    let (mut low, mut high) = (bound / RANGE, bound);
-    if !meets(arm, sim, workload, options, seed, low, slo_ms)? {
-        return Ok(0.0);
-    }
+    let bottom = bound / RANGE;
+    let (mut low, mut high) = (bottom, bound);
     for _ in 0..STEPS {
         let middle = (low * high).sqrt();
         if meets(arm, sim, workload, options, seed, middle, slo_ms)? {
@@ -146,6 +147,11 @@ fn search(
         } else {
             high = middle;
         }
+    }
+    // The range's bottom is the slowest run of all (the longest span of scrapes and ticks), so it is
+    // run only when no load above it was met, to tell a goodput there from none.
+    if low == bottom && !meets(arm, sim, workload, options, seed, bottom, slo_ms)? {
+        return Ok(0.0);
     }
     Ok(low)
 }
@@ -282,6 +288,8 @@ fn table(report: &GoodputReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replay::Scenario;
+    use crate::replay::virtual_clock::run_arm;
 
     #[test]
     fn a_lone_request_waits_its_front_and_its_cold_prefill_and_longer_prompts_wait_longer() {
@@ -292,5 +300,57 @@ mod tests {
         assert!(short >= sim.params.profile.front * 1e3, "{short}");
         // 20k tokens take three budgets of 8,192 at least.
         assert!(long > 2.0 * short, "{short} {long}");
+    }
+
+    fn burst() -> VirtualOptions {
+        VirtualOptions {
+            scenario: Scenario::Burst,
+            sim_config: None,
+            workers: None,
+            policies: vec!["default".to_owned(), "round_robin".to_owned()],
+            peers: Vec::new(),
+            oracle: false,
+            replicas: Vec::new(),
+            index_modes: Vec::new(),
+            replica_sync: false,
+            seed: 7,
+            seeds: 1,
+            limit: Some(150),
+            load: 1.0,
+            duration_scale: 1.0,
+            scrape_interval: None,
+            jobs: Some(1),
+            out: std::path::PathBuf::new(),
+        }
+    }
+
+    /// A probe stops early only when its verdict is certain: at an SLO equal to a full run's p90 it
+    /// is met, just below it it is not, at every load from idle to overloaded and for a cache-aware
+    /// arm and round robin alike.
+    #[test]
+    fn a_probe_gives_the_verdict_of_the_whole_run_at_the_edge_of_the_slo() {
+        let options = burst();
+        let sim = fleet(&options, options.seed).unwrap();
+        let base = workload(&options, &sim, options.seed, (0, 1)).unwrap();
+        let arms = arms(&options, &sim).unwrap();
+        let mut checked = 0;
+        for arm in &arms {
+            for load in [2.0, 11.0, 40.0] {
+                let at_load = base.at_load(load);
+                let figures = run_arm(arm, &sim, &at_load, &options, options.seed).unwrap();
+                assert_eq!(figures.served, figures.requests, "{} at {load}", arm.label);
+                let p90 = figures.ttft_p90_ms.unwrap();
+                let probe = |slo: f64| meets(arm, &sim, &base, &options, options.seed, load, slo);
+                assert!(probe(p90).unwrap(), "{} at {load}: p90 {p90}", arm.label);
+                assert!(
+                    !probe(p90 * (1.0 - 1e-9)).unwrap(),
+                    "{} at {load}",
+                    arm.label
+                );
+                assert!(!probe(p90 / 4.0).unwrap(), "{} at {load}", arm.label);
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 6);
     }
 }

@@ -249,9 +249,20 @@ fn run_arm(
     options: &VirtualOptions,
     seed: u64,
 ) -> Result<RunFigures, ReplayError> {
-    let requests = workload.requests.len();
+    let mut router = router_of(arm, sim, workload.requests.len(), options, seed)?;
+    Ok(simulate(sim, workload, router.as_mut()))
+}
+
+/// A fresh router for `arm`, for a run of `requests` requests on `seed`.
+fn router_of(
+    arm: &Arm,
+    sim: &SimConfig,
+    requests: usize,
+    options: &VirtualOptions,
+    seed: u64,
+) -> Result<Box<dyn Router>, ReplayError> {
     let router_seed = seed ^ 0xC0FF_EE00;
-    let mut router: Box<dyn Router> = match &arm.kind {
+    Ok(match &arm.kind {
         ArmKind::Picker { yaml, mode, sync } => {
             let config = picker::configuration(sim, yaml, *mode, options.scrape_interval)?;
             Box::new(picker::PickerRouter::new(
@@ -271,8 +282,7 @@ fn run_arm(
             router_seed,
         )),
         ArmKind::Oracle => Box::new(routers::OracleRouter::default()),
-    };
-    Ok(simulate(sim, workload, router.as_mut()))
+    })
 }
 
 /// Runs every arm on every seed, `jobs` at a time; the report and how fast it ran.
