@@ -225,7 +225,7 @@ impl LateCount {
             arrivals,
             judged: 0,
             late: 0,
-            allowed: count - percentile_index(count, 0.9).min(count),
+            allowed: count - percentile_index(count, 0.9),
         }
     }
 
