@@ -239,8 +239,9 @@ struct ReplayArgs {
     config: Option<PathBuf>,
     /// Comma-separated policies (round_robin, least_load, balance_threshold, affinity, gate, gate_floor,
     /// gate_floor_pressure_only, gate_floor_min_match_1block: the request unit; time_floor_all: the
-    /// default policy, time_floor: it sampling two on a miss, time: without the floor); default: the
-    /// scenario's list, or gate_floor,gate,affinity beside --front arms; `none` runs only the fronts.
+    /// default policy, time_floor: it sampling two on a miss, time: without the floor;
+    /// time_floor_all_profile_rate, time_floor_all_min_match_2k: diagnostics of the default); default:
+    /// the scenario's list, or gate_floor,gate,affinity beside --front arms; `none` runs only the fronts.
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
     /// Another router as one more arm, on a fresh fleet like every arm: a command template run with

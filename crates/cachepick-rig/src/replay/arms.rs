@@ -16,9 +16,10 @@ use crate::stage::{StageError, on_free_ports};
 /// Every policy the tool knows, by name: the `policy:` section it applies. `{limit}`, `{floor}` and
 /// `{block}` are filled from the fleet as `cachepick sim --emit-config` sizes them ([`gate_limits`]) and
 /// the KV block size in tokens; `{margin}` and `{wait_floor}` are the prefill-time unit's defaults
-/// ([`WaitGate`]) in the simulator's wall time ([`wall`]). The prefill-time arms configure no rate:
+/// ([`WaitGate`]) in the simulator's wall time ([`wall`]); `{rate}` the profile's cold prefill rate
+/// ([`profile_rate`]). The prefill-time arms but `time_floor_all_profile_rate` configure no rate:
 /// they run on what the picker learns from the engines' counters, as a deployment does.
-pub const POLICIES: [(&str, &str); 11] = [
+pub const POLICIES: [(&str, &str); 13] = [
     ("round_robin", "mode: round_robin"),
     ("least_load", "mode: least_load"),
     ("balance_threshold", "mode: balance_threshold"),
@@ -57,6 +58,20 @@ pub const POLICIES: [(&str, &str); 11] = [
         "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
          min_load_choices: 64",
     ),
+    // Two diagnostics of the default, for issue 47's chat finding (BENCHMARKS.md): priced from the
+    // first request at the profile's cold prefill rate (the rate llm-d's arm is calibrated with)
+    // instead of after the picker learns one, and with a match of under 2k tokens (the chat's shared
+    // 1k-token system prompt) not making an owner.
+    (
+        "time_floor_all_profile_rate",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
+         min_load_choices: 64\nprefill_tokens_per_second: {rate}",
+    ),
+    (
+        "time_floor_all_min_match_2k",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
+         min_load_choices: 64\nmin_match_tokens: 2048",
+    ),
 ];
 
 /// What `--policies` runs when empty.
@@ -92,12 +107,24 @@ pub fn policy_yaml(name: &str, sim: &SimConfig) -> Option<String> {
             .replace("{limit}", &limit.to_string())
             .replace("{floor}", &floor.to_string())
             .replace("{block}", &sim.block_size.to_string())
+            .replace("{rate}", &profile_rate(sim).to_string())
             .replace("{margin}", &wall(sim, wait.divert_margin))
             .replace(
                 "{wait_floor}",
                 &wall(sim, wait.floor.unwrap_or(WaitGate::DEFAULT_FLOOR)),
             ),
     )
+}
+
+/// One rank's cold prefill rate under `sim`'s profile, tokens per wall second: what a benchmark of
+/// the GPU measures, as llm-d's operators calibrate its peak prefill throughput.
+fn profile_rate(sim: &SimConfig) -> u64 {
+    let rate = super::peers::Calibration::of(sim).peak_tokens_per_s.round();
+    if rate.is_finite() && rate >= 1.0 {
+        rate as u64
+    } else {
+        1
+    }
 }
 
 /// A GPU duration as the simulator's wall time (`time_scale` wall seconds per model second), written
@@ -500,6 +527,27 @@ mod tests {
         let slots = default_fleet(&Scenario::Burst, 4.0, Timing::Slots);
         assert_eq!(slots.params.max_running.get(), 8);
         assert_eq!(gate_limits(&slots), (2, 1));
+    }
+
+    #[test]
+    fn every_named_policy_fills_its_template_and_validates() {
+        let fleet = sim();
+        for (name, _) in POLICIES {
+            let yaml = policy_yaml(name, &fleet).expect("a known name");
+            assert!(!yaml.contains('{'), "{name}: {yaml}");
+            assert!(apply_policy(GENERATED, &yaml).is_ok(), "{name}: {yaml}");
+        }
+        // The diagnostic's rate is the one llm-d's arm is calibrated with, to the token.
+        let rate = crate::replay::peers::Calibration::of(&fleet).peak_tokens_per_s;
+        let yaml = policy_yaml("time_floor_all_profile_rate", &fleet).expect("known");
+        assert!(
+            yaml.ends_with(&format!(
+                "prefill_tokens_per_second: {}",
+                rate.round() as u64
+            )),
+            "{yaml}"
+        );
+        assert!(rate > 1_000.0, "{rate}");
     }
 
     #[test]
