@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use crate::events::stream::StreamView;
 use crate::policy::{Outcome, Trace};
 use crate::prefix::DepthSource;
-use crate::route::{AdmissionView, Explanation, PoolReport};
+use crate::route::{AdmissionView, Explanation, OwnerDepth, PoolReport};
 use crate::worker::WorkerId;
 
 /// A running picker's admission (the `admission` object of `/debug/snapshot`) as text: slots, queue,
@@ -315,14 +315,9 @@ fn owner_lines(out: &mut String, explanation: &Explanation) {
             .unwrap_or_default();
         // A match the ladder does not count says which rule dropped it, with both numbers.
         let ignored = explanation
-            .min_match_tokens
-            .filter(|min| owner.matched_tokens < *min)
-            .map(|min| {
-                format!(
-                    " — not an owner: {} tokens < min_match_tokens {min}",
-                    owner.matched_tokens
-                )
-            })
+            .owner_depth
+            .filter(|depth| owner.matched_tokens < depth.tokens)
+            .map(|depth| not_an_owner(owner.matched_tokens, &depth))
             .unwrap_or_default();
         let _ = writeln!(
             out,
@@ -350,6 +345,22 @@ fn owner_lines(out: &mut String, explanation: &Explanation) {
 }
 
 /// The policy's predictions, each with the rate that priced it and where that rate came from.
+/// Why a match makes no owner, with the rule that set the depth and its numbers.
+fn not_an_owner(held: u64, depth: &OwnerDepth) -> String {
+    let share = (depth.min_match_share * depth.prompt_tokens as f64).ceil() as u64;
+    if share > depth.min_match_tokens {
+        format!(
+            " — not an owner: {held} tokens < {} (min_match_share {} of the prompt's {} tokens)",
+            depth.tokens, depth.min_match_share, depth.prompt_tokens
+        )
+    } else {
+        format!(
+            " — not an owner: {held} tokens < min_match_tokens {}",
+            depth.tokens
+        )
+    }
+}
+
 fn prediction_lines(out: &mut String, explanation: &Explanation, trace: &Trace) {
     for predicted in &trace.predictions {
         let p = &predicted.prediction;
@@ -460,7 +471,7 @@ mod tests {
         };
         let _ = service.route(&inbound, Commit::Live(&CommitGate::open()), Moment::now());
         let explained = service.explain(&inbound).unwrap();
-        assert_eq!(explained.min_match_tokens, Some(1024));
+        assert_eq!(explained.owner_depth.map(|depth| depth.tokens), Some(1024));
         let held = explained
             .prepared
             .owners
@@ -478,6 +489,30 @@ mod tests {
         // Text only: the trace reads as indented YAML, with no JSON object in it.
         assert!(text.contains("\ntrace:\n  "), "{text}");
         assert!(!text.contains('{') && !text.contains("\":"), "{text}");
+    }
+
+    /// The depth names the rule that set it: the share on a long prompt, the token floor on a short.
+    #[test]
+    fn a_match_below_the_owner_depth_names_the_rule_that_set_it() {
+        let long = OwnerDepth {
+            tokens: 3_000,
+            min_match_tokens: 1024,
+            min_match_share: 0.5,
+            prompt_tokens: 6_000,
+        };
+        assert_eq!(
+            not_an_owner(1_024, &long),
+            " — not an owner: 1024 tokens < 3000 (min_match_share 0.5 of the prompt's 6000 tokens)"
+        );
+        let short = OwnerDepth {
+            prompt_tokens: 1_500,
+            tokens: 1024,
+            ..long
+        };
+        assert_eq!(
+            not_an_owner(512, &short),
+            " — not an owner: 512 tokens < min_match_tokens 1024"
+        );
     }
 
     #[test]

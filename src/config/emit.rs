@@ -157,6 +157,7 @@ struct Policy {
     saturation_queue_floor: Option<Option<u64>>,
     min_load_choices: Option<usize>,
     min_match_tokens: Option<u64>,
+    min_match_share: Option<f64>,
     pin_depth_ratio: Option<f64>,
     /// Written at the top level under `cache_aware`, and in a pool where its unit differs from the top
     /// level's: the file then reads the same whatever the default unit is.
@@ -194,6 +195,7 @@ impl Policy {
                 }
                 section.min_load_choices = Some(knobs.min_load_choices.get());
                 section.min_match_tokens = Some(knobs.min_match_tokens);
+                section.min_match_share = Some(knobs.min_match_share.get());
                 section.pin_depth_ratio = Some(knobs.pin_depth_ratio.get());
             }
             Mode::RoundRobin | Mode::LeastLoad => {}
@@ -245,6 +247,7 @@ impl Policy {
             ),
             min_load_choices: differs(mine.min_load_choices, theirs.min_load_choices),
             min_match_tokens: differs(mine.min_match_tokens, theirs.min_match_tokens),
+            min_match_share: differs(mine.min_match_share, theirs.min_match_share),
             pin_depth_ratio: differs(mine.pin_depth_ratio, theirs.pin_depth_ratio),
             balance_abs_threshold: differs(
                 mine.balance_abs_threshold,

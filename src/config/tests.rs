@@ -748,7 +748,8 @@ fn each_invalid_value_gives_one_message_at_its_origin() {
             ("unknown nested key", policy("  worker_queue_limt: 4\n"), &NO_FLAGS,
              "policy.worker_queue_limt (line 2)",
              "unknown key; expected one of: mode, worker_queue_limit, saturation_queue_floor, min_load_choices, \
-              min_match_tokens, pin_depth_ratio, gate_unit, divert_margin, saturation_wait_floor, \
+              min_match_tokens, min_match_share, pin_depth_ratio, gate_unit, divert_margin, \
+              saturation_wait_floor, \
               prefill_tokens_per_second, balance_abs_threshold, balance_rel_threshold, cache_threshold, \
               max_fallbacks"),
             ("unknown worker key", pool("        weight: 2\n"), &NO_FLAGS,
@@ -1238,7 +1239,8 @@ pools:
     assert!(
             yaml.contains(
                 "policy:\n  mode: cache_aware\n  worker_queue_limit: 4\n  saturation_queue_floor: 2\n  \
-                 min_load_choices: 2\n  min_match_tokens: 1024\n  pin_depth_ratio: 0.5\n  gate_unit: requests\n  \
+                 min_load_choices: 2\n  min_match_tokens: 1024\n  min_match_share: 0.0\n  pin_depth_ratio: 0.5\n  \
+                 gate_unit: requests\n  \
                  max_fallbacks: 2\n"
             ),
             "{yaml}"

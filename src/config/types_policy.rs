@@ -121,6 +121,8 @@ pub struct CacheAwareKnobs {
     pub min_load_choices: NonZeroUsize,
     /// An owner must hold at least this many leading prompt tokens to count as one.
     pub min_match_tokens: u64,
+    /// ... and at least this share of the prompt's tokens ([`Self::owner_depth`]).
+    pub min_match_share: DepthRatio,
     /// The saturation pin only weighs owners matching at least this share of the deepest pinnable match.
     pub pin_depth_ratio: DepthRatio,
 }
@@ -134,6 +136,15 @@ impl CacheAwareKnobs {
     /// an idle one, which a sample of two misses (BENCHMARKS.md, the held-out seeds).
     pub const DEFAULT_MIN_LOAD_CHOICES_PREFILL_TIME: usize = 64;
     pub const DEFAULT_MIN_MATCH_TOKENS: u64 = 1024;
+    /// The request unit counts every match of `min_match_tokens` as an owner, as the seed does.
+    pub const DEFAULT_MIN_MATCH_SHARE: f64 = 0.0;
+    /// The prefill-time unit makes an owner only of a worker holding half the prompt or more. Rung 1
+    /// takes any owner its gate passes, deepest first, before it weighs a non-owner: an owner that
+    /// holds a shared system prompt and nothing of this conversation saves little of its prefill, yet
+    /// taking it there makes it the conversation's home, so every new conversation piles onto the
+    /// first worker that served the system prompt (BENCHMARKS.md, "Where the chat loss comes from").
+    /// Half is the pin's own `pin_depth_ratio`, not a value fitted to a workload.
+    pub const DEFAULT_MIN_MATCH_SHARE_PREFILL_TIME: f64 = 0.5;
     pub const DEFAULT_PIN_DEPTH_RATIO: f64 = 0.5;
 
     /// `min_load_choices` when the configuration does not set it, by the unit in force.
@@ -145,10 +156,28 @@ impl CacheAwareKnobs {
         NonZeroUsize::new(k).unwrap_or(NonZeroUsize::MIN)
     }
 
-    /// These knobs with `gating` in place of theirs, and `min_load_choices` that unit's default.
+    /// `min_match_share` when the configuration does not set it, by the unit in force.
+    pub fn default_min_match_share(unit: GateUnit) -> DepthRatio {
+        let share = match unit {
+            GateUnit::Requests => Self::DEFAULT_MIN_MATCH_SHARE,
+            GateUnit::PrefillTime => Self::DEFAULT_MIN_MATCH_SHARE_PREFILL_TIME,
+        };
+        DepthRatio::new(share).unwrap_or(DepthRatio::ZERO)
+    }
+
+    /// The leading tokens a worker must hold of a `prompt_tokens`-token prompt to be its owner: at
+    /// least one, at least `min_match_tokens`, and at least `min_match_share` of the prompt.
+    pub fn owner_depth(&self, prompt_tokens: u64) -> u64 {
+        let share = (self.min_match_share.get() * prompt_tokens as f64).ceil() as u64;
+        self.min_match_tokens.max(share).max(1)
+    }
+
+    /// These knobs with `gating` in place of theirs, and `min_load_choices` and `min_match_share`
+    /// that unit's defaults.
     pub fn with_gating(gating: Gating) -> Self {
         CacheAwareKnobs {
             min_load_choices: Self::default_min_load_choices(gating.unit()),
+            min_match_share: Self::default_min_match_share(gating.unit()),
             gating,
             ..CacheAwareKnobs::default()
         }
@@ -176,6 +205,7 @@ impl Default for CacheAwareKnobs {
         let gating = Gating::default();
         CacheAwareKnobs {
             min_load_choices: Self::default_min_load_choices(gating.unit()),
+            min_match_share: Self::default_min_match_share(gating.unit()),
             gating,
             min_match_tokens: Self::DEFAULT_MIN_MATCH_TOKENS,
             pin_depth_ratio: DepthRatio::new(Self::DEFAULT_PIN_DEPTH_RATIO)

@@ -17,6 +17,8 @@ pub(super) struct Fleet<'a> {
     pub matching_workers: usize,
     /// Matches naming a worker the snapshot does not have.
     pub unknown_workers: usize,
+    /// The request's prompt, in tokens: how deep a match must be to make an owner depends on it.
+    pub prompt_tokens: u64,
 }
 
 impl<'a> Fleet<'a> {
@@ -111,6 +113,7 @@ impl<'a> Fleet<'a> {
             members,
             matching_workers: matched.iter().filter(|depth| **depth > 0).count(),
             unknown_workers,
+            prompt_tokens: request.prompt_tokens,
         }
     }
 

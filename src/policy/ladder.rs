@@ -18,10 +18,10 @@ pub(super) fn cache_aware<R: Rng + ?Sized>(
     rng: &mut R,
 ) -> Outcome {
     let ignored = |counted: usize| fleet.ignored_matches(counted);
+    // A match counts only if it is real (at least one token) and deep enough to be worth a detour.
+    let min_match = config.owner_depth(fleet.prompt_tokens);
     let fleet: &[Member<'_>] = &fleet.members;
 
-    // A match counts only if it is real (at least one token) and deep enough to be worth a detour.
-    let min_match = config.min_match_tokens.max(1);
     let owners: Vec<Member<'_>> = fleet
         .iter()
         .filter(|member| member.matched_tokens >= min_match)

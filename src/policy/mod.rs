@@ -23,6 +23,9 @@
 //!   least-loaded worker → [`Reason::BalancedMiss`]. No gate, no hard admission, as upstream.
 //! - `cache_aware`, the ladder below.
 //!
+//! An owner holds at least `min_match_tokens` leading tokens of the prompt and at least
+//! `min_match_share` of it (`CacheAwareKnobs::owner_depth`); a shallower match counts for nothing.
+//!
 //! The ladder, first rung that yields a worker wins:
 //! 1. **Owners** passing the queue gate and hard admission: deepest match, then least pressure, then the
 //!    least recent off-owner placement and the id (`rank::Member::tie`, which ends every ordering)

@@ -1157,6 +1157,7 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                         gating: Gating::Requests(gate),
                         min_load_choices: NonZeroUsize::new(k).unwrap(),
                         min_match_tokens: min_match,
+                        min_match_share: DepthRatio::ZERO,
                         pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
                     }),
                     // The prefill-time unit, its knobs drawn from the same numbers.
@@ -1170,6 +1171,7 @@ fn arbitrary_case() -> impl Strategy<Value = Case> {
                         }),
                         min_load_choices: NonZeroUsize::new(k).unwrap(),
                         min_match_tokens: min_match,
+                        min_match_share: DepthRatio::new(cache).unwrap(),
                         pin_depth_ratio: DepthRatio::new(ratio).unwrap(),
                     }),
                     1 => Mode::RoundRobin,

@@ -16,8 +16,8 @@ pub struct Trace {
     pub fleet: usize,
     /// Fleet workers with a fresh reading.
     pub fresh: usize,
-    /// Every owner that counted, deepest first: in the fleet and holding at least `min_match_tokens`
-    /// (`cache_aware`), or at least one token (`balance_threshold`); none for the modes that ignore
+    /// Every owner that counted, deepest first: in the fleet and holding at least `owner_depth` of the
+    /// prompt (`cache_aware`: `min_match_tokens` and `min_match_share`), or at least one token (`balance_threshold`); none for the modes that ignore
     /// prefixes. Hard admission is shown for each, but only `cache_aware` enforces it.
     pub owners: Vec<OwnerVerdict>,
     /// Index matches that did not count: too shallow, or outside the fleet.

@@ -45,13 +45,23 @@ pub struct Explanation {
     /// Conditional disaggregation: the decode worker would prefill the request itself, and why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_prefill: Option<crate::policy::LocalPrefill>,
-    /// The cache-aware ladder's `min_match_tokens`: a worker holding fewer of the prompt's tokens is no
-    /// owner (it is counted in the trace's `ignored_matches`). Absent for the other modes.
+    /// The cache-aware ladder's depth that makes an owner of this prompt: a worker holding fewer of
+    /// its tokens is no owner (it is counted in the trace's `ignored_matches`). Absent for the other
+    /// modes.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub min_match_tokens: Option<u64>,
+    pub owner_depth: Option<OwnerDepth>,
     /// The pool's workers as the decision saw them: state, reading (fresh or why not: a late one's
     /// gate fails open), the rates the predictions used and where they came from.
     pub workers: Vec<WorkerView>,
+}
+
+/// The leading tokens a worker must hold to own a prompt, and the two knobs that set it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct OwnerDepth {
+    pub tokens: u64,
+    pub min_match_tokens: u64,
+    pub min_match_share: f64,
+    pub prompt_tokens: u64,
 }
 
 /// One worker's blocks per tier, as its engine's KV events report them.
@@ -89,12 +99,15 @@ impl Explanation {
             depth_sources,
             decode: None,
             local_prefill: None,
-            min_match_tokens: pinned
-                .pool
-                .policy
-                .load()
-                .cache_aware()
-                .map(|knobs| knobs.min_match_tokens),
+            owner_depth: pinned.pool.policy.load().cache_aware().map(|knobs| {
+                let prompt_tokens = pinned.prepared().prompt_tokens;
+                OwnerDepth {
+                    tokens: knobs.owner_depth(prompt_tokens),
+                    min_match_tokens: knobs.min_match_tokens,
+                    min_match_share: knobs.min_match_share.get(),
+                    prompt_tokens,
+                }
+            }),
             workers: PoolView::new("", pinned.snapshot(), now).workers,
         }
     }

@@ -39,7 +39,7 @@ pub const TRACE_TARGET: &str = "cachepick::trace";
 pub use admission::{Admission, AdmissionView, CommitGate};
 pub use answer::{Answer, Commit, ExplainInput, Inbound, Moment, Refusal, Routed, Routing};
 pub use credit::{Credit, ServedReport, Settled};
-pub use explain::Explanation;
+pub use explain::{Explanation, OwnerDepth};
 pub use pd::{PdRoute, local_handoff};
 pub use picker::{Allowance, Picker, PickerError, Pinned, RequestError};
 pub use prepared::Prepared;

@@ -240,7 +240,8 @@ struct ReplayArgs {
     /// Comma-separated policies (round_robin, least_load, balance_threshold, affinity, gate, gate_floor,
     /// gate_floor_pressure_only, gate_floor_min_match_1block: the request unit; time_floor_all: the
     /// default policy, time_floor: it sampling two on a miss, time: without the floor;
-    /// time_floor_all_profile_rate, time_floor_all_min_match_2k: diagnostics of the default); default:
+    /// time_floor_all_profile_rate, time_floor_all_min_match_2k: diagnostics of the default;
+    /// time_floor_all_share_0: the default before min_match_share); default:
     /// the scenario's list, or gate_floor,gate,affinity beside --front arms; `none` runs only the fronts.
     #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,

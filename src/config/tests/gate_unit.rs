@@ -25,6 +25,7 @@ fn the_prefill_time_unit_is_the_default_and_weighs_the_whole_fleet() {
     assert_eq!(wait_of(&config), Some(WaitGate::default()));
     assert_eq!(config.policy.gate(), None);
     assert_eq!(knobs(&config).min_load_choices.get(), 64);
+    assert_eq!(knobs(&config).min_match_share.get(), 0.5);
 }
 
 #[test]
@@ -43,6 +44,8 @@ fn a_request_unit_key_without_gate_unit_runs_the_seed_s_gate() {
         Some((6, Some(3)))
     );
     assert_eq!(knobs(&config).min_load_choices.get(), 2);
+    // Every match of min_match_tokens is an owner, as in the seed.
+    assert_eq!(knobs(&config).min_match_share.get(), 0.0);
     // `null` still turns the gate off: pure prefix affinity, in the request unit.
     let config = super::accepted(
         &format!("policy: {{worker_queue_limit: null}}\n{POOL}"),
@@ -145,6 +148,14 @@ fn a_pool_inherits_the_implied_unit_unless_it_names_its_own() {
             .cache_aware()
             .map(|k| k.min_load_choices.get()),
         Some(64)
+    );
+    assert_eq!(knobs(&config).min_match_share.get(), 0.0);
+    assert_eq!(
+        config.pools[1]
+            .policy
+            .cache_aware()
+            .map(|k| k.min_match_share.get()),
+        Some(0.5)
     );
     // Emitted and read back: the same configuration.
     let yaml = config.to_yaml();
@@ -276,4 +287,39 @@ fn a_pool_inherits_the_unit_and_may_change_it() {
         ),
         "{yaml}"
     );
+}
+
+#[test]
+fn min_match_share_is_read_in_either_unit_and_checked() {
+    for unit in ["requests", "prefill_time"] {
+        let config = super::accepted(
+            &format!("policy: {{gate_unit: {unit}, min_match_share: 0.25}}\n{POOL}"),
+            &Overrides::default(),
+        );
+        assert_eq!(knobs(&config).min_match_share.get(), 0.25, "{unit}");
+        // A 10,000-token prompt: the share sets the depth; a 2,000-token one: min_match_tokens.
+        assert_eq!(knobs(&config).owner_depth(10_000), 2_500);
+        assert_eq!(knobs(&config).owner_depth(2_000), 1_024);
+        let yaml = config.to_yaml();
+        assert_eq!(
+            super::accepted(&yaml, &Overrides::default()),
+            config,
+            "{yaml}"
+        );
+    }
+    let messages = super::messages(
+        &format!("policy:\n  min_match_share: 1.5\n{POOL}"),
+        &Overrides::default(),
+    );
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(
+        messages[0].contains("policy.min_match_share (line 2): must be between 0 and 1, got 1.5"),
+        "{messages:?}"
+    );
+    let messages = super::messages(
+        &format!("policy:\n  mode: round_robin\n  min_match_share: 0.5\n{POOL}"),
+        &Overrides::default(),
+    );
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert!(messages[0].contains("ignored by"), "{messages:?}");
 }

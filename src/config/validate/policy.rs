@@ -24,6 +24,7 @@ const POLICY_KEYS: &[&str] = &[
     "saturation_queue_floor",
     "min_load_choices",
     "min_match_tokens",
+    "min_match_share",
     "pin_depth_ratio",
     "gate_unit",
     "divert_margin",
@@ -64,6 +65,8 @@ impl Validator<'_> {
         let choices = self.flagged(map, Knob::MinLoadChoices, overrides);
         let choices = self.check_opt(choices, at_least_one_usize);
         let min_match_tokens = self.opt(map, "min_match_tokens", Self::integer);
+        let min_match_share = self.opt(map, "min_match_share", Self::number);
+        let min_match_share = self.check_opt(min_match_share, share);
         let pin_depth_ratio = self.opt(map, "pin_depth_ratio", Self::number);
         let pin_depth_ratio = self.check_opt(pin_depth_ratio, share);
         let unit = self.opt(map, "gate_unit", |v, node, at| {
@@ -124,6 +127,7 @@ impl Validator<'_> {
             floor,
             min_load_choices: choices,
             min_match_tokens,
+            min_match_share,
             pin_depth_ratio,
             unit,
             divert_margin,
@@ -272,6 +276,7 @@ impl Validator<'_> {
             floor: inherit!(floor, own(Knob::SaturationQueueFloor)),
             min_load_choices: inherit!(min_load_choices, own(Knob::MinLoadChoices)),
             min_match_tokens: inherit!(min_match_tokens, own(Knob::MinMatchTokens)),
+            min_match_share: inherit!(min_match_share, own(Knob::MinMatchShare)),
             pin_depth_ratio: inherit!(pin_depth_ratio, own(Knob::PinDepthRatio)),
             unit: unit.clone().map(Some),
             divert_margin: inherit!(divert_margin, own(Knob::DivertMargin)),
@@ -347,6 +352,10 @@ impl Validator<'_> {
                     min_match_tokens: value_or(
                         keys.min_match_tokens.clone(),
                         defaults.min_match_tokens,
+                    )?,
+                    min_match_share: value_or(
+                        keys.min_match_share.clone(),
+                        CacheAwareKnobs::default_min_match_share(unit),
                     )?,
                     pin_depth_ratio: value_or(
                         keys.pin_depth_ratio.clone(),
@@ -471,6 +480,7 @@ enum Knob {
     SaturationQueueFloor,
     MinLoadChoices,
     MinMatchTokens,
+    MinMatchShare,
     PinDepthRatio,
     GateUnit,
     DivertMargin,
@@ -482,11 +492,12 @@ enum Knob {
 }
 
 impl Knob {
-    const ALL: [Knob; 12] = [
+    const ALL: [Knob; 13] = [
         Knob::WorkerQueueLimit,
         Knob::SaturationQueueFloor,
         Knob::MinLoadChoices,
         Knob::MinMatchTokens,
+        Knob::MinMatchShare,
         Knob::PinDepthRatio,
         Knob::GateUnit,
         Knob::DivertMargin,
@@ -503,6 +514,7 @@ impl Knob {
             Knob::SaturationQueueFloor => "saturation_queue_floor",
             Knob::MinLoadChoices => "min_load_choices",
             Knob::MinMatchTokens => "min_match_tokens",
+            Knob::MinMatchShare => "min_match_share",
             Knob::PinDepthRatio => "pin_depth_ratio",
             Knob::GateUnit => "gate_unit",
             Knob::DivertMargin => "divert_margin",
@@ -521,6 +533,7 @@ impl Knob {
             | Knob::SaturationQueueFloor
             | Knob::MinLoadChoices
             | Knob::MinMatchTokens
+            | Knob::MinMatchShare
             | Knob::PinDepthRatio
             | Knob::GateUnit
             | Knob::DivertMargin
@@ -571,6 +584,7 @@ struct PolicyKeys {
     floor: Field<Switch>,
     min_load_choices: Field<NonZeroUsize>,
     min_match_tokens: Field<u64>,
+    min_match_share: Field<DepthRatio>,
     pin_depth_ratio: Field<DepthRatio>,
     unit: Field<GateUnit>,
     divert_margin: Field<Duration>,
@@ -604,6 +618,7 @@ impl Resolved {
                 floor: Err(reported),
                 min_load_choices: Err(reported),
                 min_match_tokens: Err(reported),
+                min_match_share: Err(reported),
                 pin_depth_ratio: Err(reported),
                 unit: Err(reported),
                 divert_margin: Err(reported),

@@ -111,6 +111,31 @@ fn the_alternative_s_own_cached_prefix_counts() {
 }
 
 #[test]
+fn a_worker_holding_less_than_half_the_prompt_is_no_owner_in_the_prefill_time_unit() {
+    // An 8,192-token prompt; worker 0 holds its first 1,024 (a shared system prompt) behind 2,000
+    // uncached tokens: 200 ms + 716.8 ms, within the margin of the idle cold worker's 819.2 ms.
+    let shallow = |case: Case| {
+        let mut case = case.owner(1, 16).uncached(2_000).worker(Some(0));
+        case.prompt_tokens = 8_192;
+        case
+    };
+    // Half the prompt makes an owner: nobody holds it, so the miss goes to the soonest worker.
+    let decision = shallow(Case::timed()).routed();
+    assert_eq!(pick_of(&decision), (1, Reason::CacheMiss));
+    assert!(decision.trace.owners.is_empty(), "{:?}", decision.trace);
+    assert_eq!(decision.trace.ignored_matches, 1);
+    // With the share at 0 the system prompt's holder is an owner, and rung 1 takes it.
+    let zero = |case: Case| case.knobs(|knobs| knobs.min_match_share = DepthRatio::ZERO);
+    assert_eq!(zero(shallow(Case::timed())).pick(), (0, Reason::CacheHit));
+    // The request unit's default is the seed's: every match of min_match_tokens is an owner.
+    assert_eq!(shallow(Case::gated()).pick(), (0, Reason::CacheHit));
+    // Half exactly is enough.
+    let mut half = Case::timed().owner(1, 64).uncached(2_000).worker(Some(0));
+    half.prompt_tokens = 8_192;
+    assert_eq!(half.pick(), (0, Reason::CacheHit));
+}
+
+#[test]
 fn a_saturated_fleet_pins_to_the_owner() {
     // Nobody can start within 1 s: the owner (4 s) keeps the request though a cold worker at 2 s is
     // predicted sooner.

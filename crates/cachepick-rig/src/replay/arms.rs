@@ -19,7 +19,7 @@ use crate::stage::{StageError, on_free_ports};
 /// ([`WaitGate`]) in the simulator's wall time ([`wall`]); `{rate}` the profile's cold prefill rate
 /// ([`profile_rate`]). The prefill-time arms but `time_floor_all_profile_rate` configure no rate:
 /// they run on what the picker learns from the engines' counters, as a deployment does.
-pub const POLICIES: [(&str, &str); 13] = [
+pub const POLICIES: [(&str, &str); 14] = [
     ("round_robin", "mode: round_robin"),
     ("least_load", "mode: least_load"),
     ("balance_threshold", "mode: balance_threshold"),
@@ -71,6 +71,12 @@ pub const POLICIES: [(&str, &str); 13] = [
         "time_floor_all_min_match_2k",
         "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
          min_load_choices: 64\nmin_match_tokens: 2048",
+    ),
+    // The default as it was before `min_match_share`: every match of `min_match_tokens` an owner.
+    (
+        "time_floor_all_share_0",
+        "gate_unit: prefill_time\ndivert_margin: {margin}\nsaturation_wait_floor: {wait_floor}\n\
+         min_load_choices: 64\nmin_match_share: 0",
     ),
 ];
 
