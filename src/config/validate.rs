@@ -33,6 +33,7 @@ use policy::Resolved;
 mod discovery;
 mod feedback;
 mod index;
+mod knob;
 mod load;
 mod overload;
 mod pd;

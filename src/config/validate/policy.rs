@@ -9,6 +9,7 @@ use std::num::{NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
 use super::Validator;
+use super::knob::Knob;
 use crate::config::{
     BalanceKnobs, CacheAwareKnobs, DepthRatio, GateUnit, Gating, Mode, ModeKind, Overrides,
     PolicyConfig, QueueGate, RelThreshold, WaitGate,
@@ -472,105 +473,6 @@ enum Switch {
     Off,
     On(NonZeroU64),
 }
-
-/// The keys that belong to one mode; given under another, they are errors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Knob {
-    WorkerQueueLimit,
-    SaturationQueueFloor,
-    MinLoadChoices,
-    MinMatchTokens,
-    MinMatchShare,
-    PinDepthRatio,
-    GateUnit,
-    DivertMargin,
-    SaturationWaitFloor,
-    PrefillTokensPerSecond,
-    BalanceAbsThreshold,
-    BalanceRelThreshold,
-    CacheThreshold,
-}
-
-impl Knob {
-    const ALL: [Knob; 13] = [
-        Knob::WorkerQueueLimit,
-        Knob::SaturationQueueFloor,
-        Knob::MinLoadChoices,
-        Knob::MinMatchTokens,
-        Knob::MinMatchShare,
-        Knob::PinDepthRatio,
-        Knob::GateUnit,
-        Knob::DivertMargin,
-        Knob::SaturationWaitFloor,
-        Knob::PrefillTokensPerSecond,
-        Knob::BalanceAbsThreshold,
-        Knob::BalanceRelThreshold,
-        Knob::CacheThreshold,
-    ];
-
-    fn key(self) -> &'static str {
-        match self {
-            Knob::WorkerQueueLimit => "worker_queue_limit",
-            Knob::SaturationQueueFloor => "saturation_queue_floor",
-            Knob::MinLoadChoices => "min_load_choices",
-            Knob::MinMatchTokens => "min_match_tokens",
-            Knob::MinMatchShare => "min_match_share",
-            Knob::PinDepthRatio => "pin_depth_ratio",
-            Knob::GateUnit => "gate_unit",
-            Knob::DivertMargin => "divert_margin",
-            Knob::SaturationWaitFloor => "saturation_wait_floor",
-            Knob::PrefillTokensPerSecond => "prefill_tokens_per_second",
-            Knob::BalanceAbsThreshold => "balance_abs_threshold",
-            Knob::BalanceRelThreshold => "balance_rel_threshold",
-            Knob::CacheThreshold => "cache_threshold",
-        }
-    }
-
-    /// The mode that reads it.
-    fn mode(self) -> ModeKind {
-        match self {
-            Knob::WorkerQueueLimit
-            | Knob::SaturationQueueFloor
-            | Knob::MinLoadChoices
-            | Knob::MinMatchTokens
-            | Knob::MinMatchShare
-            | Knob::PinDepthRatio
-            | Knob::GateUnit
-            | Knob::DivertMargin
-            | Knob::SaturationWaitFloor
-            | Knob::PrefillTokensPerSecond => ModeKind::CacheAware,
-            Knob::BalanceAbsThreshold | Knob::BalanceRelThreshold | Knob::CacheThreshold => {
-                ModeKind::BalanceThreshold
-            }
-        }
-    }
-
-    /// The gate unit that reads it; `None` for a key every unit reads.
-    fn unit(self) -> Option<GateUnit> {
-        match self {
-            Knob::WorkerQueueLimit | Knob::SaturationQueueFloor => Some(GateUnit::Requests),
-            Knob::DivertMargin | Knob::SaturationWaitFloor | Knob::PrefillTokensPerSecond => {
-                Some(GateUnit::PrefillTime)
-            }
-            _ => None,
-        }
-    }
-
-    /// The flag that sets it at the top level, and where the flags hold its value.
-    fn flag(self) -> Option<(&'static str, FlagValue)> {
-        match self {
-            Knob::WorkerQueueLimit => Some(("--worker-queue-limit", |o| o.worker_queue_limit)),
-            Knob::SaturationQueueFloor => {
-                Some(("--saturation-queue-floor", |o| o.saturation_queue_floor))
-            }
-            Knob::MinLoadChoices => Some(("--min-load-choices", |o| o.min_load_choices)),
-            _ => None,
-        }
-    }
-}
-
-/// Reads a knob's flag from the flags given.
-type FlagValue = fn(&Overrides) -> Option<u64>;
 
 /// Where each mode-specific key of a scope was given: its line, or its flag (both when a flag replaced
 /// a key of the file).
