@@ -4,6 +4,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// How many of a worker's most recent routed requests the table remembers one by one: enough for the
+/// queue of any engine that is worth routing to, small enough to cost 512 bytes a worker.
+const RECENT: usize = 64;
+
 use super::snapshot::DispatchCounts;
 use crate::worker::WorkerId;
 
@@ -28,6 +32,41 @@ pub struct DispatchTable {
     /// instead of piling them on the lowest id (llm-d's no-hit LRU scorer is the precedent).
     cold: Vec<AtomicU64>,
     cold_placements: AtomicU64,
+    /// Per slot, the uncached tokens of each of the last [`RECENT`] requests routed there (sent by
+    /// this replica or announced by a peer), in the order seen: the requests an engine reports
+    /// waiting are the newest it was sent (it queues first come, first served), so their own sizes
+    /// price its queue where the engine reports a count only.
+    recent: Vec<Recent>,
+}
+
+/// One worker's recent routed requests: a ring of their uncached tokens and how many were ever seen.
+#[derive(Debug)]
+struct Recent {
+    seen: AtomicU64,
+    tokens: [AtomicU64; RECENT],
+}
+
+impl Recent {
+    fn new() -> Self {
+        Recent {
+            seen: AtomicU64::new(0),
+            tokens: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+
+    fn push(&self, uncached_tokens: u64) {
+        let at = self.seen.fetch_add(1, Ordering::Relaxed) % RECENT as u64;
+        if let Some(slot) = self.tokens.get(at as usize) {
+            slot.store(uncached_tokens, Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&self) {
+        self.seen.store(0, Ordering::Relaxed);
+        for slot in &self.tokens {
+            slot.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 impl DispatchTable {
@@ -41,6 +80,7 @@ impl DispatchTable {
             share: AtomicU64::new(1.0_f64.to_bits()),
             cold: zeros(),
             cold_placements: AtomicU64::new(0),
+            recent: (0..workers).map(|_| Recent::new()).collect(),
         }
     }
 
@@ -76,6 +116,9 @@ impl DispatchTable {
                 slot.store(0, Ordering::Relaxed);
             }
         }
+        if let Some(recent) = self.recent.get(id.index()) {
+            recent.clear();
+        }
     }
 
     /// Records that an off-owner placement (a prefix new to it) went to `id`.
@@ -97,6 +140,9 @@ impl DispatchTable {
         if let Some(tokens) = self.tokens.get(id.index()) {
             tokens.fetch_add(uncached_tokens, Ordering::Relaxed);
         }
+        if let Some(recent) = self.recent.get(id.index()) {
+            recent.push(uncached_tokens);
+        }
     }
 
     /// Counts one request another replica announced it sent to `id`, bringing `uncached_tokens`.
@@ -107,6 +153,44 @@ impl DispatchTable {
         if let Some(tokens) = self.peer_tokens.get(id.index()) {
             tokens.fetch_add(uncached_tokens, Ordering::Relaxed);
         }
+        if let Some(recent) = self.recent.get(id.index()) {
+            recent.push(uncached_tokens);
+        }
+    }
+
+    /// The `waiting` requests a reading of `id` reports queued, by their own uncached tokens as
+    /// predicted when they were routed: the last `waiting` seen routed there before `window` was taken
+    /// (when its scrape was requested), beside the mean of every remembered one routed before it.
+    /// Where fewer are remembered (a queue longer than [`RECENT`], or traffic from before this replica
+    /// started or that it never saw), the ones it has stand for the rest at their mean. `None` when
+    /// none is remembered, or the slot was reset since.
+    pub fn queued(&self, id: WorkerId, window: Window, waiting: u64) -> Option<RoutedQueue> {
+        let recent = self.recent.get(id.index())?;
+        let seen = recent.seen.load(Ordering::Relaxed);
+        if window.mark > seen {
+            return None;
+        }
+        let kept_from = seen.saturating_sub(RECENT as u64);
+        let sum = |from: u64| {
+            (from..window.mark)
+                .filter_map(|n| recent.tokens.get((n % RECENT as u64) as usize))
+                .map(|slot| slot.load(Ordering::Relaxed))
+                .fold(0, u64::saturating_add)
+        };
+        let remembered = window.mark.checked_sub(kept_from).filter(|n| *n > 0)?;
+        let per_request = sum(kept_from) / remembered;
+        let from = window.mark.saturating_sub(waiting).max(kept_from);
+        let known = window.mark.saturating_sub(from);
+        let waiting_tokens = if known == 0 {
+            0
+        } else {
+            let scaled = u128::from(sum(from)) * u128::from(waiting) / u128::from(known);
+            u64::try_from(scaled).unwrap_or(u64::MAX)
+        };
+        Some(RoutedQueue {
+            waiting_tokens,
+            per_request,
+        })
     }
 
     /// What is counted for `id` now: the window a scrape's request closes.
@@ -121,6 +205,10 @@ impl DispatchTable {
             tokens: read(&self.tokens),
             peer_count: read(&self.peer_counts),
             peer_tokens: read(&self.peer_tokens),
+            mark: self
+                .recent
+                .get(id.index())
+                .map_or(0, |recent| recent.seen.load(Ordering::Relaxed)),
         }
     }
 
@@ -165,6 +253,15 @@ impl DispatchCounts for DispatchTable {
     }
 }
 
+/// A reading's queue as [`DispatchTable::queued`] prices it from the requests routed there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoutedQueue {
+    /// The waiting requests' uncached tokens, as predicted when each was routed.
+    pub waiting_tokens: u64,
+    /// The mean of the same prediction over every remembered request routed before the reading.
+    pub per_request: u64,
+}
+
 /// What a [`DispatchTable`] counts for one worker at one instant.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Window {
@@ -174,6 +271,8 @@ pub struct Window {
     /// Requests the other replicas announced, and their uncached tokens.
     pub peer_count: u64,
     pub peer_tokens: u64,
+    /// How many requests had ever been seen routed to the worker ([`DispatchTable::queued`]).
+    pub mark: u64,
 }
 
 impl Window {
@@ -206,6 +305,7 @@ mod tests {
                 tokens: 300,
                 peer_count: 1,
                 peer_tokens: 200,
+                mark: 4,
             }
         );
         // The request-count gate counts this replica's own, as the seed defines it.
@@ -215,5 +315,44 @@ mod tests {
         assert_eq!(table.uncached_since_reading(id), 1_000);
         table.reset(id);
         assert_eq!(table.window(id), Window::default());
+    }
+
+    #[test]
+    fn a_reported_queue_is_priced_by_the_requests_last_routed_before_the_reading() {
+        let table = DispatchTable::new(2);
+        let id = WorkerId(0);
+        let queued = |window: Window, waiting: u64| {
+            table
+                .queued(id, window, waiting)
+                .map(|queue| (queue.waiting_tokens, queue.per_request))
+        };
+        assert_eq!(queued(table.window(id), 2), None);
+        for tokens in [8_000, 100, 30_000] {
+            table.record(id, tokens);
+        }
+        table.record_peer(id, 500);
+        let requested = table.window(id);
+        // Sent while the scrape was out: the reading's queue does not hold it.
+        table.record(id, 90_000);
+        // Two waiting: the last two routed before the request, not two at the mean (9,650).
+        assert_eq!(queued(requested, 2), Some((30_500, 9_650)));
+        assert_eq!(queued(requested, 0), Some((0, 9_650)));
+        assert_eq!(queued(requested, 4), Some((38_600, 9_650)));
+        // Six waiting, four remembered: those four stand for the other two at their mean.
+        assert_eq!(queued(requested, 6), Some((57_900, 9_650)));
+        // The other worker saw nothing routed.
+        let other = WorkerId(1);
+        assert_eq!(table.queued(other, table.window(other), 1), None);
+        // A ring that wrapped keeps the newest RECENT; a reset forgets them all.
+        for _ in 0..RECENT {
+            table.record(id, 1_000);
+        }
+        let full = table.window(id);
+        assert_eq!(
+            queued(full, RECENT as u64 * 2),
+            Some((RECENT as u64 * 2 * 1_000, 1_000))
+        );
+        table.reset(id);
+        assert_eq!(queued(full, 1), None);
     }
 }

@@ -22,7 +22,7 @@ mod snapshot;
 mod sync;
 mod tls;
 
-pub use dispatch::{DispatchTable, Window};
+pub use dispatch::{DispatchTable, RoutedQueue, Window};
 pub use driven::{ScrapeDriver, ScrapeTicket};
 pub use engine::{
     ExtractError, Identity, Progress, RankLoad, Report, from_loads_json, from_metrics,

@@ -209,6 +209,9 @@ impl PrefillMeter {
             uncached_per_request: per_request.and_then(whole),
             prefilling_tokens: prefilling,
             queue_wait_us: queue_wait.map(|us| us.round() as u64),
+            // The meter reads counters; which requests wait is the dispatch table's to say.
+            waiting_routed_tokens: None,
+            routed_per_request: None,
         }
     }
 }

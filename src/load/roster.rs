@@ -28,7 +28,9 @@ use super::pool::{PoolLoad, RosterObserver, ScrapeObserver, configured_capacity}
 use super::rate::PrefillMeter;
 use super::samples::RankSamples;
 use super::share::{Arrivals, ShareMeter};
-use super::snapshot::{Capacity, Lifecycle, PoolSnapshot, ScrapeOutcome, WorkerState};
+use super::snapshot::{
+    Capacity, Lifecycle, PoolSnapshot, PrefillEstimate, ScrapeOutcome, WorkerState,
+};
 use crate::config::{LoadConfig, PoolConfig, RateWindow, WorkerConfig};
 use crate::worker::{Engine, WorkerId};
 
@@ -588,7 +590,12 @@ impl Tracked {
             idle = reading.load.waiting == 0 && reading.load.running == 0;
             self.meter
                 .observe(reading.captured_at, &report.progress, reading.load.waiting);
-            self.state.prefill = self.meter.estimate();
+            let routed = dispatches.queued(self.id, dispatched, reading.load.waiting);
+            self.state.prefill = PrefillEstimate {
+                waiting_routed_tokens: routed.map(|queue| queue.waiting_tokens),
+                routed_per_request: routed.map(|queue| queue.per_request),
+                ..self.meter.estimate()
+            };
         }
         (restarted, idle)
     }

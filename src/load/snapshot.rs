@@ -57,6 +57,13 @@ pub struct PrefillEstimate {
     pub drain_tokens_per_second: Option<u64>,
     /// Uncached prompt tokens a request brings, on average.
     pub uncached_per_request: Option<u64>,
+    /// The uncached tokens of the requests waiting at the latest reading, by their own sizes as
+    /// predicted when they were routed there (`DispatchTable::queued`); `None` when no request routed
+    /// there is remembered.
+    pub waiting_routed_tokens: Option<u64>,
+    /// The same prediction's mean over the requests routed there before the reading (up to 64): the
+    /// yardstick that puts the waiting ones against the engine's own `uncached_per_request`.
+    pub routed_per_request: Option<u64>,
     /// Uncached prompt tokens of the prefills under way at the latest reading (their prompt tokens
     /// times the share of recent lookups the cache missed), where the engine's counters tell (vLLM).
     pub prefilling_tokens: Option<u64>,

@@ -566,6 +566,7 @@ mod tests {
                 tokens: 0,
                 peer_count: 2,
                 peer_tokens: 51_000,
+                mark: 2,
             }
         );
         let metrics = crate::metrics::Metrics::new().unwrap();

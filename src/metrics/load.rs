@@ -27,6 +27,10 @@ pub(super) struct LoadGauges {
     drain_rate: IntGaugeVec,
     uncached_per_request: IntGaugeVec,
     queue_wait: GaugeVec,
+    /// `cachepick_worker_waiting_routed_tokens{pool,worker}`: the waiting requests' own uncached
+    /// tokens as routed (`load::DispatchTable::queued`), what weighs the engine's tokens per request
+    /// into the price of a queue it reports as a count; absent until a routed request is remembered.
+    waiting_routed: IntGaugeVec,
     /// `cachepick_pool_dispatch_share{pool}`: requests reaching the pool per request this replica sends
     /// it (`load::share`), the factor on the time unit's window of own dispatches.
     dispatch_share: GaugeVec,
@@ -86,6 +90,15 @@ impl LoadGauges {
                 ),
                 &["pool", "worker"],
             )?,
+            waiting_routed: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_worker_waiting_routed_tokens",
+                    "Uncached prompt tokens of the requests waiting on each worker at its latest \
+                 reading, by their own sizes as predicted when they were routed there: what weighs the \
+                 engine's tokens per request into the price of a queue it reports as a count.",
+                ),
+                &["pool", "worker"],
+            )?,
             dispatch_share: GaugeVec::new(
                 Opts::new(
                     "cachepick_pool_dispatch_share",
@@ -142,6 +155,7 @@ impl LoadGauges {
         self.prefill_rate.reset();
         self.drain_rate.reset();
         self.uncached_per_request.reset();
+        self.waiting_routed.reset();
         self.queue_wait.reset();
         self.info.reset();
         self.gie.reset();
@@ -162,6 +176,7 @@ impl LoadGauges {
                         &self.uncached_per_request,
                         worker.prefill.uncached_per_request,
                     ),
+                    (&self.waiting_routed, worker.prefill.waiting_routed_tokens),
                 ] {
                     if let Some(value) = value {
                         gauge
@@ -210,6 +225,7 @@ impl LoadGauges {
         families.extend(self.prefill_rate.collect());
         families.extend(self.drain_rate.collect());
         families.extend(self.uncached_per_request.collect());
+        families.extend(self.waiting_routed.collect());
         families.extend(self.queue_wait.collect());
         families.extend(self.dispatch_share.collect());
         families.extend(self.workers_fresh.collect());
@@ -232,6 +248,7 @@ impl Collector for SharedCollector {
         descs.extend(gauges.prefill_rate.desc());
         descs.extend(gauges.drain_rate.desc());
         descs.extend(gauges.uncached_per_request.desc());
+        descs.extend(gauges.waiting_routed.desc());
         descs.extend(gauges.queue_wait.desc());
         descs.extend(gauges.dispatch_share.desc());
         descs.extend(gauges.workers_fresh.desc());

@@ -4,13 +4,17 @@
 //! For worker *m* and a request of *P* prompt tokens, *c* of them cached on *m*:
 //!
 //! - **ahead** = uncached tokens queued on *m*: SGLang's `num_waiting_uncached_tokens` where the
-//!   engine reports it (its chunked prefill's remainder included), else waiting × the uncached tokens a
-//!   request brings there on average (learned from the engine's counters; this request's own uncached
-//!   part until it is learned) plus half the uncached tokens of the prefills under way at the reading
-//!   (vLLM's lookups less its completed prompts, times the share the cache missed: a long prefill is
-//!   on average half done); plus the uncached tokens this picker sent since the reading (its router-local window,
-//!   exact for its own), times the pool's dispatch share (`load::share`: requests reaching the pool per
-//!   request this replica sends, from the engines' counters), so a replica prices the volume the
+//!   engine reports it (its chunked prefill's remainder included); else waiting × the uncached tokens a
+//!   request brings there on average (learned from the engine's counters), weighed by the waiting
+//!   requests' own uncached tokens as predicted when they were routed against the mean of that
+//!   prediction over the requests routed before them (the engine queues first come, first served, so
+//!   the waiting ones are the last routed there before the reading: `load::DispatchTable::queued`;
+//!   without the engine's mean, their routed sizes; without either, this request's own uncached part
+//!   each); plus half the uncached tokens of the prefills under way at the reading (vLLM's lookups
+//!   less its completed prompts, times the share the cache missed: a long prefill is on average half
+//!   done); plus the uncached tokens this picker sent since the reading (its router-local window,
+//!   exact for its own), times the pool's dispatch share (`load::share`: requests reaching the pool
+//!   per request this replica sends, from the engines' counters), so a replica prices the volume the
 //!   others send unseen.
 //! - **prefill rate** = the rate *m*'s engine measured for its prefills (its per-request prefill
 //!   histograms, `load::rate`); else the median per-rank measured rate of the fleet, × *m*'s ranks (a
@@ -34,7 +38,7 @@
 use super::rank::Member;
 use super::trace::{Gate, Prediction, RateSource, Work};
 use crate::config::WaitGate;
-use crate::load::WorkerState;
+use crate::load::{PrefillEstimate, WorkerState};
 
 /// The fleet's median per-rank rates, each over the workers that learned one.
 #[derive(Clone, Copy, Debug, Default)]
@@ -136,21 +140,37 @@ pub(super) fn work(
 ) -> Option<Work> {
     let load = member.fresh?;
     let own = prompt_tokens.saturating_sub(member.matched_tokens);
+    let prefill = &member.state.prefill;
     let queued = match load.waiting_uncached_tokens {
         Some(tokens) => tokens,
-        None => {
-            let per_request = member.state.prefill.uncached_per_request.unwrap_or(own);
-            load.waiting.saturating_mul(per_request)
-        }
+        None => counted_queue(prefill, load.waiting, own),
     };
     // A prefill under way is, on average, half done when a request arrives behind it.
-    let prefilling = member.state.prefill.prefilling_tokens.unwrap_or(0) / 2;
+    let prefilling = prefill.prefilling_tokens.unwrap_or(0) / 2;
     Some(Work {
         ahead_tokens: queued
             .saturating_add(prefilling)
             .saturating_add(dispatched_tokens),
         own_tokens: own,
     })
+}
+
+/// The uncached tokens of `waiting` requests on an engine that reports a count only: the engine's own
+/// mean per request, weighed by how the waiting ones compare, as routed, with the requests routed there
+/// before them — a queue of one long prompt among short ones is long, and a picker whose predictions
+/// run short (the engine evicted what the index still credits) is corrected by the engine's counters.
+/// Without the engine's mean, the routed sizes as they are; without either, `own` per request.
+fn counted_queue(prefill: &PrefillEstimate, waiting: u64, own: u64) -> u64 {
+    let (engine, routed) = (prefill.uncached_per_request, prefill.waiting_routed_tokens);
+    match (engine, routed, prefill.routed_per_request) {
+        (Some(engine), Some(routed), Some(mean)) if mean > 0 => {
+            let scaled = u128::from(routed) * u128::from(engine) / u128::from(mean);
+            u64::try_from(scaled).unwrap_or(u64::MAX)
+        }
+        (Some(engine), _, _) => waiting.saturating_mul(engine),
+        (None, Some(routed), _) => routed,
+        (None, None, _) => waiting.saturating_mul(own),
+    }
 }
 
 /// `member`'s prediction from its `work` (see [`work`]); `pool` is the fleet's [`PoolRates`].

@@ -814,6 +814,31 @@ fn a_newer_complete_reading_forgets_the_dispatches_it_covers_and_a_restart_all_o
 }
 
 #[test]
+fn a_readings_waiting_count_is_priced_by_the_requests_routed_before_it_was_requested() {
+    let mut harness = Harness::new(&[8000]);
+    let id = WorkerId(0);
+    let pool = Arc::clone(&harness.roster.pool);
+    for tokens in [5_000, 200, 40_000] {
+        pool.dispatches().record(id, tokens);
+    }
+    let scrape = harness.begin(8000);
+    // Routed while the scrape was out: not among the two the reading counts as waiting.
+    pool.dispatches().record(id, 90_000);
+    harness.deliver(8000, scrape, Ok(report(&[Some((2, 1))], 1.0)));
+    harness.roster.publish();
+    let prefill = harness.snapshot().workers()[0].prefill;
+    assert_eq!(
+        (prefill.waiting_routed_tokens, prefill.routed_per_request),
+        (Some(40_200), Some(15_066))
+    );
+    // A later idle reading prices an empty queue at nothing.
+    harness.step(Wait(Duration::from_millis(100)));
+    harness.step(answer(8000, 0, 0));
+    let prefill = harness.snapshot().workers()[0].prefill;
+    assert_eq!(prefill.waiting_routed_tokens, Some(0));
+}
+
+#[test]
 fn arrivals_from_every_router_scale_the_time_units_window_but_never_the_request_count() {
     let mut harness = Harness::new(&[8000]);
     let id = WorkerId(0);

@@ -343,6 +343,43 @@ fn a_queue_reported_as_a_count_is_priced_at_the_learned_tokens_per_request() {
 }
 
 #[test]
+fn a_queue_of_requests_routed_here_is_priced_by_their_own_sizes_against_the_engines_mean() {
+    let ahead = |waiting: u64, engine: Option<u64>, routed: u64, mean: u64| {
+        let decision = Case::timed()
+            .owner(waiting, 32)
+            .with(|w| {
+                w.prefill.uncached_per_request = engine;
+                w.prefill.waiting_routed_tokens = Some(routed);
+                w.prefill.routed_per_request = Some(mean);
+            })
+            .worker(Some(0))
+            .routed();
+        (
+            prediction_of(&decision, 0).prediction.ahead_tokens,
+            pick_of(&decision),
+        )
+    };
+    // 4 waiting at the engine's 10k mean would be 40k and divert; the four were routed as 1k each
+    // where requests run 10k as routed, so they are 4k and the owner keeps the request.
+    assert_eq!(
+        ahead(4, Some(10_000), 4_000, 10_000),
+        (4_000, (0, Reason::CacheHit))
+    );
+    // One long prompt behind a count of one: priced at its size, not the mean, and diverted.
+    assert_eq!(
+        ahead(1, Some(1_000), 60_000, 1_000),
+        (60_000, (1, Reason::CacheWorkerQueued))
+    );
+    // The engine computes twice what the picker predicted (it evicted what the index credits):
+    // the routed sizes count double.
+    assert_eq!(ahead(4, Some(20_000), 40_000, 10_000).0, 80_000);
+    // Nothing learned from the engine: the routed sizes as they are.
+    assert_eq!(ahead(4, None, 4_000, 1_000).0, 4_000);
+    // Every routed request predicted a full hit: the engine's mean per waiting request.
+    assert_eq!(ahead(2, Some(3_000), 0, 0).0, 6_000);
+}
+
+#[test]
 fn this_picker_s_dispatches_since_the_reading_join_the_queue() {
     let decision = Case::timed()
         .owner(0, 32)
