@@ -165,7 +165,11 @@ impl Stack {
         for talk in conversations(9) {
             self.turn(&talk, 0).await.ok();
             let served_by = self.turn(&talk, 1).await.ok().served_by;
-            let home = (0..3).find(|&index| served_by == Some(self.worker(index)));
+            let home = self
+                .fleet
+                .endpoints()
+                .iter()
+                .position(|endpoint| served_by == Some(*endpoint));
             homes
                 .entry(home.expect("a listed worker served the turn"))
                 .or_default()
