@@ -265,4 +265,27 @@ fn the_envoy_bootstrap_is_what_its_command_generates_and_envoy_accepts_it() {
     if let Err(error) = envoy::validate_yaml(&shipped) {
         panic!("{error}");
     }
+    // The start-up probe asks the bootstrap's ready listener, on the port the container declares.
+    let ready = bootstrap["static_resources"]["listeners"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|listener| listener["name"] == "ready")
+        .expect("a ready listener (--envoy-ready)");
+    let port = &ready["address"]["socket_address"]["port_value"];
+    let deployment = load(&deploy().join("envoy/deployment.yaml"));
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let probe = &container["startupProbe"]["httpGet"];
+    assert_eq!(
+        probe["path"],
+        cachepick::envoy_config::READY_PATH,
+        "{container:?}"
+    );
+    let declared = container["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|declared| declared["name"] == probe["port"])
+        .expect("the probe's port is declared");
+    assert_eq!(&declared["containerPort"], port, "{container:?}");
 }

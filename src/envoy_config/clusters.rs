@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use super::cold_start::{ColdStart, dns_cluster_type};
 use super::yaml::{Yaml, duration, socket_address};
 use super::{
-    EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, PickerAddr, WORKERS_CLUSTER, WorkersSource,
-    XDS_CLUSTER,
+    EDS_INITIAL_FETCH_TIMEOUT, EnvoyOptions, PICKER_CLUSTER, PickerAddr, WORKERS_CLUSTER,
+    WorkersSource, XDS_CLUSTER,
 };
 use crate::config::{Config, DnsDiscovery};
 use crate::protocol::{DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SELECTED_HEADER};
@@ -191,7 +191,7 @@ pub(super) fn original_dst_cluster(out: &mut Yaml, config: &Config) {
 /// `eds_first`: a picker that answers must have sent its roster first (the EDS cluster is otherwise
 /// empty at a cold start), so its health check passes twice before the picker decides again.
 pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions, eds_first: bool) {
-    out.line(2, "- name: cachepick");
+    out.line(2, &format!("- name: {PICKER_CLUSTER}"));
     if options.pickers.len() > 1 {
         out.comment(
             4,
@@ -260,7 +260,7 @@ pub(super) fn picker_cluster(out: &mut Yaml, options: &EnvoyOptions, eds_first: 
     out.line(6, "healthy_panic_threshold: {value: 0}");
     picker_http2(out);
     picker_tls(out, options);
-    picker_endpoints(out, "cachepick", options);
+    picker_endpoints(out, PICKER_CLUSTER, options);
 }
 
 /// `eds_cluster_config`: the workers' endpoints from cachepick's EDS over [`XDS_CLUSTER`]; `cold` says

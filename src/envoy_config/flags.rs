@@ -21,6 +21,8 @@ pub struct EnvoyFlags {
     pub listen: SocketAddr,
     /// `--envoy-admin`.
     pub admin: SocketAddr,
+    /// `--envoy-ready`.
+    pub ready: Option<SocketAddr>,
     /// `--picker`, repeated; none means the picker at the configuration's `listen`.
     pub pickers: Vec<PickerAddr>,
     /// `--picker-ca`.
@@ -150,6 +152,7 @@ impl EnvoyOptions {
             mode: flags.mode,
             listen: flags.listen,
             admin: flags.admin,
+            ready: flags.ready,
             pickers: if flags.pickers.is_empty() {
                 defaults.pickers.clone()
             } else {
@@ -181,6 +184,7 @@ mod tests {
             mode: BodyMode::Duplex,
             listen: "0.0.0.0:10000".parse().expect("addr"),
             admin: "127.0.0.1:9911".parse().expect("addr"),
+            ready: None,
             pickers: Vec::new(),
             picker_ca: None,
             picker_client_cert: None,

@@ -55,9 +55,18 @@ pub(super) fn header(out: &mut Yaml, config: &Config, options: &EnvoyOptions) {
                 .join(", ")
         ),
     };
+    let ready = options
+        .ready
+        .map(|addr| {
+            format!(
+                " Start-up readiness (a picker counted healthy) is GET {addr}{}.",
+                super::READY_PATH
+            )
+        })
+        .unwrap_or_default();
     let addresses = format!(
         "Clients send LLM requests to {}. {pickers}. \
-         Envoy's admin interface is at {}. From the cachepick configuration: max_body_bytes {}, \
+         Envoy's admin interface is at {}.{ready} From the cachepick configuration: max_body_bytes {}, \
          max_fallbacks (largest of any pool) {}.",
         options.listen,
         options.admin,
@@ -92,6 +101,9 @@ fn command_from_options(config: &Config, options: &EnvoyOptions) -> String {
     }
     if options.admin != EnvoyOptions::DEFAULT_ADMIN {
         flag("--envoy-admin", options.admin.to_string());
+    }
+    if let Some(ready) = options.ready {
+        flag("--envoy-ready", ready.to_string());
     }
     if options.pickers != [picker_address(config.listen).into()] {
         for picker in &options.pickers {

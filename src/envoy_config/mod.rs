@@ -45,16 +45,19 @@ mod clusters;
 mod cold_start;
 mod flags;
 mod listener;
+mod ready;
 mod routes;
 mod yaml;
 
 pub use access_log::ACCESS_LOG_FIELDS;
 pub use cold_start::{BOOTSTRAP_CLUSTER, ColdStart, FAIL_OPEN_CLUSTER};
 pub use flags::{EnvoyFlags, PickerAddr, command_line};
+pub use ready::READY_PATH;
 
 use clusters::{original_dst_cluster, picker_cluster, worker_limits, workers_cluster, xds_cluster};
 use cold_start::{bootstrap_cluster, fail_open_cluster};
 use listener::{admin, header, listener, node};
+use ready::ready_listener;
 use yaml::Yaml;
 
 /// Envoy's name for the ext_proc filter, also the key of its per-route config.
@@ -67,6 +70,8 @@ pub const REQUEST_HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
 /// never cuts a generation (`tests/envoy_config.rs` checks both sides against a live Envoy).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The cluster of picker replicas Envoy sends its ext_proc streams to and health-checks.
+pub const PICKER_CLUSTER: &str = "cachepick";
 /// The workers cluster of the override_host modes; with EDS, also the resource name Envoy subscribes
 /// to (cachepick's `extproc::eds::WORKERS_CLUSTER`, which `tests/envoy_config.rs` keeps equal).
 pub const WORKERS_CLUSTER: &str = "workers";
@@ -182,6 +187,9 @@ pub struct EnvoyOptions {
     pub listen: SocketAddr,
     /// Envoy's admin interface (`/stats`, `/ready`); it can reconfigure and stop Envoy, so keep it local.
     pub admin: SocketAddr,
+    /// `--envoy-ready`: a listener answering `GET` [`READY_PATH`] with 200 once Envoy counts a picker
+    /// replica healthy, 503 before, for a start-up probe; `None`, the default, writes none.
+    pub ready: Option<SocketAddr>,
     /// Where Envoy reaches cachepick's ext_proc server: one address, [`picker_address`] of
     /// `config.listen`, by default; several are replicas of the picker, which Envoy round-robins per
     /// request; a DNS name (a Kubernetes Service) is resolved by Envoy, every address it answers being a
@@ -285,6 +293,7 @@ impl EnvoyOptions {
             mode: BodyMode::Buffered,
             listen: Self::DEFAULT_LISTEN,
             admin: Self::DEFAULT_ADMIN,
+            ready: None,
             pickers: vec![picker_address(config.listen).into()],
             // The picker's decision deadline is derived from the same value, so it ends first. A
             // prefill/decode pool's answer also waits for its prefill leg (`pd.prefill_timeout`).
@@ -338,6 +347,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
     out.line(0, "");
     out.line(0, "static_resources:");
     listener(&mut out, config, options);
+    ready_listener(&mut out, options);
     out.line(2, "clusters:");
     match options.mode {
         BodyMode::Buffered | BodyMode::Duplex | BodyMode::Streamed => {

@@ -125,6 +125,7 @@ pub fn free_options(
         mode,
         listen: free_addr(),
         admin: free_addr(),
+        ready: Some(free_addr()),
         ..cachepick::envoy_config::EnvoyOptions::for_config(config)
     }
 }
@@ -308,6 +309,24 @@ fn connects(addr: SocketAddr) -> bool {
 /// An HTTP/1.1 client without connection reuse surprises: one per call is fine for tests.
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// Waits until the bootstrap's `ready` listener at `addr` answers 200 (Envoy counts a picker healthy),
+/// as a start-up probe would; panics with the last answer after `within`.
+pub async fn until_ready(addr: SocketAddr, within: Duration) {
+    let path = cachepick::envoy_config::READY_PATH;
+    let deadline = Instant::now() + within;
+    loop {
+        let answer = get(addr, path).await;
+        if matches!(answer, Ok((StatusCode::OK, _))) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Envoy's {path} at {addr} not 200 within {within:?}: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// `GET http://addr/path`: status and body text.

@@ -129,6 +129,9 @@ impl Stack {
             ..envoy::free_options(&config, BodyMode::Buffered)
         };
         let gateway = options.listen;
+        let ready = options
+            .ready
+            .expect("free_options asks for a ready listener");
         let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
         let stack = Stack {
             config,
@@ -141,6 +144,9 @@ impl Stack {
             _dir: dir,
         };
         stack.wait_ready(Duration::from_secs(60)).await;
+        // The picker and Envoy start together, as in one pod: Envoy's admin says LIVE before its health
+        // check has seen the picker SERVING, so wait as a start-up probe would, on the ready listener.
+        envoy::until_ready(ready, Duration::from_secs(60)).await;
         stack
     }
 

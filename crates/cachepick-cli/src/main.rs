@@ -90,6 +90,10 @@ enum Command {
         /// Envoy's admin interface.
         #[arg(long, value_name = "IP:PORT", default_value_t = cachepick::envoy_config::EnvoyOptions::DEFAULT_ADMIN)]
         envoy_admin: SocketAddr,
+        /// Also a listener answering `GET /ready` with 200 once Envoy counts a picker healthy (503
+        /// before and while draining), for a start-up probe; Envoy's admin `/ready` says LIVE earlier.
+        #[arg(long, value_name = "IP:PORT")]
+        envoy_ready: Option<SocketAddr>,
         /// A cachepick replica's ext_proc address, IP:PORT or NAME:PORT (a DNS name Envoy resolves,
         /// such as a Kubernetes Service: every address it answers is a replica); repeat for several
         /// replicas, which Envoy round-robins per request (default: the configuration's `listen`, on
@@ -725,6 +729,7 @@ fn main() -> ExitCode {
             mode,
             envoy_listen,
             envoy_admin,
+            envoy_ready,
             pickers,
             picker_ca,
             picker_client_cert,
@@ -736,6 +741,7 @@ fn main() -> ExitCode {
                 mode,
                 listen: envoy_listen,
                 admin: envoy_admin,
+                ready: envoy_ready,
                 pickers,
                 picker_ca,
                 picker_client_cert,
