@@ -196,3 +196,99 @@ fn chat_rounds_find_their_conversation_cached_where_the_router_keeps_it() {
         "default {default} above the ceiling {ceiling}"
     );
 }
+
+/// `--regret`: every decision's predicted first token against the soonest worker's. The oracle routes
+/// to the soonest, so its regret is zero; round robin ignores load and caches, so some of its decisions
+/// cost time; the default's regret is split by the reasons it counted. Without the flag no run carries
+/// it, and the wall-clock replay refuses it.
+#[test]
+fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("regret");
+    let output = cachepick(&[
+        "--clock",
+        "virtual",
+        "--scenario",
+        "burst",
+        "--limit",
+        "80",
+        "--seeds",
+        "2",
+        "--policies",
+        "default,round_robin",
+        "--regret",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let arm = |label: &str| -> Value {
+        report["arms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|arm| arm["arm"].as_str().unwrap().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label} arm"))
+            .clone()
+    };
+    for run in arm("oracle")["runs"].as_array().unwrap() {
+        let all = &run["regret"]["all"];
+        assert_eq!(all["decisions"], 80, "{all}");
+        assert_eq!(
+            (all["mean_ms"].as_f64(), all["slower"].as_u64()),
+            (Some(0.0), Some(0)),
+            "{all}"
+        );
+    }
+    let round_robin = arm("round_robin");
+    assert!(
+        round_robin["regret_ms"]["mean"].as_f64().unwrap() > 0.0,
+        "{}",
+        round_robin["regret_ms"]
+    );
+    for run in arm("default")["runs"].as_array().unwrap() {
+        let by_reason = run["regret"]["by_reason"].as_object().unwrap();
+        let counted: Vec<(&String, u64)> = by_reason
+            .iter()
+            .map(|(reason, regret)| (reason, regret["decisions"].as_u64().unwrap()))
+            .collect();
+        let reasons: Vec<(&String, u64)> = run["reasons"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(reason, count)| (reason, count.as_u64().unwrap()))
+            .collect();
+        assert_eq!(counted, reasons, "{run}");
+    }
+
+    let plain = dir.path().join("plain");
+    let output = cachepick(&[
+        "--clock",
+        "virtual",
+        "--scenario",
+        "burst",
+        "--limit",
+        "40",
+        "--seeds",
+        "1",
+        "--policies",
+        "default",
+        "--out",
+        &plain.display().to_string(),
+    ]);
+    assert!(output.status.success());
+    let text = std::fs::read_to_string(plain.join("report.json")).unwrap();
+    assert!(!text.contains("regret"), "{text}");
+    let output = cachepick(&["--scenario", "burst", "--regret"]);
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--regret needs --clock virtual"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

@@ -71,6 +71,11 @@ pub(super) async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     if args.clock == "virtual" {
         return replay_virtual(args);
     }
+    if args.regret {
+        anyhow::bail!(
+            "--regret needs --clock virtual: only the virtual replay holds every worker's true state"
+        );
+    }
     let scenario =
         cachepick_rig::replay::Scenario::chosen(args.trace.clone(), args.scenario.as_deref())?;
     let mut options = cachepick_rig::replay::ReplayOptions::new(scenario);
@@ -201,6 +206,7 @@ fn replay_virtual(args: &ReplayArgs) -> anyhow::Result<()> {
         duration_scale: args.duration_scale,
         scrape_interval: args.scrape_interval,
         jobs: args.jobs,
+        regret: args.regret,
         out: out.clone(),
     };
     if args.goodput {

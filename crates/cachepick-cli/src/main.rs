@@ -366,6 +366,10 @@ struct ReplayArgs {
     /// --clock virtual: runs at once (default: the machine's cores).
     #[arg(long, value_name = "N")]
     jobs: Option<usize>,
+    /// --clock virtual: also measure each decision's regret, its worker's predicted first token minus
+    /// the soonest worker's from the true state (report.json: each run's `regret`, by reason).
+    #[arg(long, conflicts_with = "goodput")]
+    regret: bool,
     /// --clock virtual: instead of one load, each arm's goodput: the highest load at which TTFT p90
     /// stays within the SLO, found by bisection on every seed (--load is not used).
     #[arg(long)]

@@ -11,6 +11,7 @@ use cachepick_sim::SimConfig;
 use cachepick_sim::offline::{Happened, OfflineWorker};
 
 use super::figures::{Outcome, RunFigures};
+use super::regret::Regret;
 use super::{Prompt, Workload};
 use crate::replay::report::percentile_index;
 
@@ -164,13 +165,15 @@ impl Cx<'_> {
     }
 }
 
-/// Runs `workload` through `router` over a fresh fleet of `sim`'s workers; the run's figures.
+/// Runs `workload` through `router` over a fresh fleet of `sim`'s workers; the run's figures, with
+/// the decisions' regret when `regret` is given to measure it.
 pub(super) fn simulate(
     sim: &SimConfig,
     workload: &Workload,
     router: &mut dyn Router,
+    regret: Option<Regret>,
 ) -> RunFigures {
-    let mut run = Run::start(sim, workload, router);
+    let mut run = Run::start(sim, workload, router, regret);
     while run.advance(router).is_some() {}
     run.figures(sim)
 }
@@ -186,7 +189,7 @@ pub(super) fn within_slo(
     router: &mut dyn Router,
     slo_ms: f64,
 ) -> bool {
-    let mut run = Run::start(sim, workload, router);
+    let mut run = Run::start(sim, workload, router, None);
     let mut late = LateCount::new(workload, slo_ms);
     while let Some(now) = run.advance(router) {
         if run.lost > 0 || late.past(now, &run.outcomes) >= late.allowed {
@@ -263,11 +266,17 @@ struct Run<'w> {
     /// Requests refused by a router or an engine: a run with one has not served every request.
     lost: usize,
     busy: BusyWindow,
+    regret: Option<Regret>,
 }
 
 impl<'w> Run<'w> {
     /// A fresh fleet of `sim`'s workers with `workload`'s arrivals queued and `router` started.
-    fn start(sim: &SimConfig, workload: &'w Workload, router: &mut dyn Router) -> Run<'w> {
+    fn start(
+        sim: &SimConfig,
+        workload: &'w Workload,
+        router: &mut dyn Router,
+        regret: Option<Regret>,
+    ) -> Run<'w> {
         let workers: Vec<OfflineWorker> = (0..sim.workers.get())
             .map(|index| OfflineWorker::new(sim, index))
             .collect();
@@ -281,6 +290,7 @@ impl<'w> Run<'w> {
             open: workload.requests.len(),
             lost: 0,
             busy: BusyWindow::default(),
+            regret,
         };
         for (index, request) in workload.requests.iter().enumerate() {
             run.queue.push(request.at, Event::Arrive(index));
@@ -307,7 +317,10 @@ impl<'w> Run<'w> {
 
     fn figures(&self, sim: &SimConfig) -> RunFigures {
         let ranks = self.workers.len() as f64 * f64::from(sim.dp_size.get());
-        RunFigures::of(self.workload, &self.outcomes, self.busy.share(ranks), ranks)
+        RunFigures {
+            regret: self.regret.as_ref().map(Regret::figures),
+            ..RunFigures::of(self.workload, &self.outcomes, self.busy.share(ranks), ranks)
+        }
     }
 
     /// What a router sees at `now`.
@@ -344,6 +357,9 @@ impl<'w> Run<'w> {
             outcome.worker = Some(routed.worker);
             outcome.reason = Some(routed.reason);
         }
+        if let (Some(regret), Some((_, tokens))) = (&mut self.regret, self.live.get(&index)) {
+            regret.routed(index, tokens, routed, &self.workers, &self.fronts);
+        }
         let Some(worker) = self.workers.get_mut(routed.worker) else {
             self.drop_request(index);
             return;
@@ -363,6 +379,9 @@ impl<'w> Run<'w> {
     fn submit(&mut self, now: f64, request: usize, worker: usize, router: &mut dyn Router) {
         if let Some(front) = self.fronts.get_mut(worker) {
             front.retain(|queued| *queued != request);
+        }
+        if let Some(regret) = &mut self.regret {
+            regret.submitted(request);
         }
         let tokens = self.live.remove(&request).map(|(_, tokens)| tokens);
         let (Some(state), Some(item)) = (

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::Workload;
+use super::regret::RegretFigures;
 use crate::replay::report::percentile;
 
 /// What happened to one request of a run.
@@ -44,6 +45,9 @@ pub struct RunFigures {
     pub simulated_s: f64,
     /// GPU-seconds simulated: the span times the fleet's GPUs.
     pub gpu_seconds: f64,
+    /// The decisions' regret against the soonest worker (`--regret`); absent unless measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regret: Option<RegretFigures>,
 }
 
 impl RunFigures {
@@ -101,6 +105,7 @@ impl RunFigures {
             reasons,
             simulated_s,
             gpu_seconds: simulated_s * ranks,
+            regret: None,
         }
     }
 }

@@ -320,6 +320,7 @@ mod tests {
             duration_scale: 1.0,
             scrape_interval: None,
             jobs: Some(1),
+            regret: false,
             out: std::path::PathBuf::new(),
         }
     }

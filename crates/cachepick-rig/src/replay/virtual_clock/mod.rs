@@ -22,6 +22,7 @@ pub mod figures;
 pub mod goodput;
 pub mod limits;
 mod picker;
+pub mod regret;
 mod report;
 mod routers;
 mod workload;
@@ -88,6 +89,8 @@ pub struct VirtualOptions {
     pub scrape_interval: Option<Duration>,
     /// Jobs run at once (`None`: the machine's cores).
     pub jobs: Option<usize>,
+    /// Every run also measures its decisions' regret against the soonest worker ([`regret`]).
+    pub regret: bool,
     pub out: PathBuf,
 }
 
@@ -250,7 +253,8 @@ fn run_arm(
     seed: u64,
 ) -> Result<RunFigures, ReplayError> {
     let mut router = router_of(arm, sim, workload.requests.len(), options, seed)?;
-    Ok(simulate(sim, workload, router.as_mut()))
+    let regret = options.regret.then(regret::Regret::default);
+    Ok(simulate(sim, workload, router.as_mut(), regret))
 }
 
 /// A fresh router for `arm`, for a run of `requests` requests on `seed`.

@@ -32,6 +32,9 @@ pub struct ArmReport {
     pub p90_vs_default: Option<Estimate>,
     /// Hit rate ÷ the Belady ceiling, seed by seed.
     pub hit_vs_ceiling: Option<Estimate>,
+    /// The mean regret of a decision, model ms (`--regret`; each run's by reason is in `runs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regret_ms: Option<Estimate>,
 }
 
 /// The whole virtual replay: deterministic for its options, so it carries no wall-clock figure.
@@ -122,6 +125,10 @@ pub(super) fn arm_report(arm: &Arm, runs: Vec<RunFigures>) -> ArmReport {
         p90_vs_oracle: None,
         p90_vs_default: None,
         hit_vs_ceiling: None,
+        regret_ms: Estimate::of(
+            runs.iter()
+                .map(|run| run.regret.as_ref().map(|regret| regret.all.mean_ms)),
+        ),
         runs,
     }
 }
