@@ -238,6 +238,7 @@ fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
     };
     for run in arm("oracle")["runs"].as_array().unwrap() {
         let all = &run["regret"]["all"];
+        assert!(all.get("prediction_error_ms").is_none(), "{all}");
         assert_eq!(all["decisions"], 80, "{all}");
         assert_eq!(
             (all["mean_ms"].as_f64(), all["slower"].as_u64()),
@@ -252,6 +253,13 @@ fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
         round_robin["regret_ms"]
     );
     for run in arm("default")["runs"].as_array().unwrap() {
+        // cachepick's arms say what they believed, so their picture is measured too.
+        let all = &run["regret"]["all"];
+        assert!(
+            all["prediction_abs_error_ms"].as_f64().unwrap() >= 0.0,
+            "{all}"
+        );
+        assert!(all["credit_error_tokens"].is_f64(), "{all}");
         let by_reason = run["regret"]["by_reason"].as_object().unwrap();
         let counted: Vec<(&String, u64)> = by_reason
             .iter()

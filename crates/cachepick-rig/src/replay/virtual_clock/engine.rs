@@ -111,6 +111,17 @@ pub(super) struct Routed {
     pub worker: usize,
     /// The decision's reason as its router names it.
     pub reason: &'static str,
+    /// What the router believed of the chosen worker, where it says (cachepick's arms): the prompt
+    /// tokens it credited the worker with holding, and the first token it predicted there (model
+    /// seconds from the decision, the front not included). [`super::regret`] holds them to the truth.
+    pub belief: Option<Belief>,
+}
+
+/// A router's picture of the chosen worker at its decision.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Belief {
+    pub credited_tokens: u64,
+    pub predicted_s: Option<f64>,
 }
 
 /// One arm's router, driven by the loop. Every method gets the moment and the fleet in [`Cx`].

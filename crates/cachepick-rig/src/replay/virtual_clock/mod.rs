@@ -253,7 +253,9 @@ fn run_arm(
     seed: u64,
 ) -> Result<RunFigures, ReplayError> {
     let mut router = router_of(arm, sim, workload.requests.len(), options, seed)?;
-    let regret = options.regret.then(regret::Regret::default);
+    let regret = options
+        .regret
+        .then(|| regret::Regret::new(sim.params.profile.front));
     Ok(simulate(sim, workload, router.as_mut(), regret))
 }
 

@@ -46,7 +46,7 @@ use cachepick_sim::fleet::{ConfiguredWorker, cachepick_config_for};
 use cachepick_sim::kv_events::encode_batch;
 use cachepick_sim::{KvEventsFormat, SimConfig};
 
-use super::engine::{Cx, Routed, Router, Wake};
+use super::engine::{Belief, Cx, Routed, Router, Wake};
 use crate::replay::ReplayError;
 use crate::replay::arms::{arm_text, load_yaml};
 
@@ -399,6 +399,10 @@ impl Router for PickerRouter {
         Some(Routed {
             worker,
             reason: routed.label(),
+            belief: Some(Belief {
+                credited_tokens: routed.matched_tokens,
+                predicted_s: routed.predicted_ttft_us.map(|us| us as f64 / 1e6),
+            }),
         })
     }
 

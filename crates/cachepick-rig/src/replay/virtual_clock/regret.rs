@@ -7,6 +7,11 @@
 //! slow when made, by the router's reason, not what the run would have been without them. The oracle's
 //! regret is zero by construction (the test below holds it), so any other arm's is the part of its TTFT
 //! its decisions chose.
+//!
+//! Where the router says what it believed of the chosen worker (cachepick's arms: the prompt tokens it
+//! credited the worker with, the first token it predicted), the same moment's truth measures the
+//! picture: credited minus the tokens the worker's soonest rank holds, and predicted minus the true
+//! first token less the front (the picker's prediction is the engine's queue and prefill).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -15,16 +20,28 @@ use serde::Serialize;
 use cachepick_sim::cache::PromptBlocks;
 use cachepick_sim::offline::OfflineWorker;
 
-use super::engine::Routed;
+use super::engine::{Belief, Routed};
 use crate::replay::report::percentile;
 
 /// The decisions' regrets of one run, by reason.
-#[derive(Default)]
 pub(super) struct Regret {
+    /// The profile's front, model seconds: in the truth's first token, not in the picker's prediction.
+    front_s: f64,
     /// The prompts of the requests routed and not yet submitted, hashed once: a worker's front.
     hashed: HashMap<usize, PromptBlocks>,
-    /// Per reason, each decision's (regret ms, whether the chosen worker held the most of the prompt).
-    by_reason: BTreeMap<&'static str, Vec<(f64, bool)>>,
+    by_reason: BTreeMap<&'static str, Vec<Decision>>,
+}
+
+/// One decision against the truth.
+#[derive(Clone, Copy, Debug)]
+struct Decision {
+    regret_ms: f64,
+    /// The chosen worker held the most of the prompt of any.
+    to_most_cached: bool,
+    /// Credited minus held, tokens, where the router said what it credited.
+    credit_error: Option<i64>,
+    /// Predicted minus true first token, ms, where the router predicted one.
+    prediction_error_ms: Option<f64>,
 }
 
 /// One reason's decisions: how many, their regret, and how often the soonest was elsewhere.
@@ -39,6 +56,18 @@ pub struct ReasonRegret {
     pub slower: usize,
     /// Decisions sent to a worker holding the most of the prompt of any.
     pub to_most_cached: usize,
+    /// Over the decisions whose router said what it credited: the mean of credited minus held
+    /// tokens, and how many credited more than the worker held.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credit_error_tokens: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overcredited: Option<usize>,
+    /// Over the decisions whose router predicted a first token: the mean of predicted minus true, and
+    /// of its absolute value, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction_error_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction_abs_error_ms: Option<f64>,
 }
 
 /// A run's regret: every decision's, and by reason.
@@ -49,6 +78,15 @@ pub struct RegretFigures {
 }
 
 impl Regret {
+    /// For a fleet whose profile's front is `front_s` model seconds.
+    pub(super) fn new(front_s: f64) -> Regret {
+        Regret {
+            front_s,
+            hashed: HashMap::new(),
+            by_reason: BTreeMap::new(),
+        }
+    }
+
     /// Request `request` of `tokens` was routed as `routed`, into `workers` whose fronts are `fronts`.
     pub(super) fn routed(
         &mut self,
@@ -82,11 +120,25 @@ impl Regret {
         if let (Some(soonest), Some(Some((chosen, cached)))) =
             (soonest, outlooks.get(routed.worker))
         {
-            let regret_ms = ((chosen - soonest) * 1e3).max(0.0);
+            let belief = routed.belief;
+            let decision = Decision {
+                regret_ms: ((chosen - soonest) * 1e3).max(0.0),
+                to_most_cached: Some(*cached) == most,
+                credit_error: belief.map(
+                    |Belief {
+                         credited_tokens, ..
+                     }| {
+                        i64::try_from(credited_tokens).unwrap_or(i64::MAX) - i64::from(*cached)
+                    },
+                ),
+                prediction_error_ms: belief
+                    .and_then(|belief| belief.predicted_s)
+                    .map(|predicted| (predicted - (chosen - self.front_s)) * 1e3),
+            };
             self.by_reason
                 .entry(routed.reason)
                 .or_default()
-                .push((regret_ms, Some(*cached) == most));
+                .push(decision);
         }
         self.hashed.insert(request, prompt);
     }
@@ -97,7 +149,7 @@ impl Regret {
     }
 
     pub(super) fn figures(&self) -> RegretFigures {
-        let all: Vec<(f64, bool)> = self.by_reason.values().flatten().copied().collect();
+        let all: Vec<Decision> = self.by_reason.values().flatten().copied().collect();
         RegretFigures {
             all: summary(all),
             by_reason: self
@@ -109,10 +161,21 @@ impl Regret {
     }
 }
 
-fn summary(mut decisions: Vec<(f64, bool)>) -> ReasonRegret {
-    decisions.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let regrets: Vec<f64> = decisions.iter().map(|(ms, _)| *ms).collect();
+fn mean(values: &[f64]) -> Option<f64> {
+    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
+}
+
+fn summary(decisions: Vec<Decision>) -> ReasonRegret {
+    let mut regrets: Vec<f64> = decisions.iter().map(|d| d.regret_ms).collect();
+    regrets.sort_by(f64::total_cmp);
     let total_ms: f64 = regrets.iter().sum();
+    let credit: Vec<i64> = decisions.iter().filter_map(|d| d.credit_error).collect();
+    let credit_f: Vec<f64> = credit.iter().map(|&e| e as f64).collect();
+    let prediction: Vec<f64> = decisions
+        .iter()
+        .filter_map(|d| d.prediction_error_ms)
+        .collect();
+    let absolute: Vec<f64> = prediction.iter().map(|e| e.abs()).collect();
     ReasonRegret {
         decisions: decisions.len(),
         mean_ms: if decisions.is_empty() {
@@ -123,6 +186,10 @@ fn summary(mut decisions: Vec<(f64, bool)>) -> ReasonRegret {
         p90_ms: percentile(&regrets, 0.9),
         total_s: total_ms / 1e3,
         slower: regrets.iter().filter(|ms| **ms > 1.0).count(),
-        to_most_cached: decisions.iter().filter(|(_, most)| *most).count(),
+        to_most_cached: decisions.iter().filter(|d| d.to_most_cached).count(),
+        credit_error_tokens: mean(&credit_f),
+        overcredited: (!credit.is_empty()).then(|| credit.iter().filter(|&&e| e > 0).count()),
+        prediction_error_ms: mean(&prediction),
+        prediction_abs_error_ms: mean(&absolute),
     }
 }

@@ -49,6 +49,7 @@ impl Router for OracleRouter {
         best.map(|(_, _, worker)| Routed {
             worker,
             reason: "oracle",
+            belief: None,
         })
     }
 
@@ -147,6 +148,7 @@ impl Router for PeerRouter {
         Some(Routed {
             worker,
             reason: self.rule.label(),
+            belief: None,
         })
     }
 
