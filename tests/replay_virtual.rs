@@ -260,6 +260,7 @@ fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
             "{all}"
         );
         assert!(all["credit_error_tokens"].is_f64(), "{all}");
+        assert!(all["credit_error_at_admission_tokens"].is_f64(), "{all}");
         let by_reason = run["regret"]["by_reason"].as_object().unwrap();
         let counted: Vec<(&String, u64)> = by_reason
             .iter()

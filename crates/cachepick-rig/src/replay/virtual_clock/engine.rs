@@ -437,6 +437,9 @@ impl<'w> Run<'w> {
                         outcome.first_token = Some(now);
                         outcome.cached = cached;
                     }
+                    if let Some(regret) = &mut self.regret {
+                        regret.admitted(request, cached);
+                    }
                     router.first_token(request, worker, &mut self.cx(now));
                 }
                 Happened::Finished { id } => {

@@ -30,6 +30,9 @@ pub(super) struct Regret {
     /// The prompts of the requests routed and not yet submitted, hashed once: a worker's front.
     hashed: HashMap<usize, PromptBlocks>,
     by_reason: BTreeMap<&'static str, Vec<Decision>>,
+    /// The decisions that credited tokens and await their request's admission: where each is kept,
+    /// and what it credited.
+    awaiting: HashMap<usize, (&'static str, usize, u64)>,
 }
 
 /// One decision against the truth.
@@ -42,6 +45,9 @@ struct Decision {
     credit_error: Option<i64>,
     /// Predicted minus true first token, ms, where the router predicted one.
     prediction_error_ms: Option<f64>,
+    /// Credited minus what the engine found cached when it admitted the request: a prefix that was
+    /// still queued at the decision is held by then, an evicted one is not.
+    admitted_error: Option<i64>,
 }
 
 /// One reason's decisions: how many, their regret, and how often the soonest was elsewhere.
@@ -62,6 +68,11 @@ pub struct ReasonRegret {
     pub credit_error_tokens: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overcredited: Option<usize>,
+    /// The same against what the engine found cached when it admitted the request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credit_error_at_admission_tokens: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overcredited_at_admission: Option<usize>,
     /// Over the decisions whose router predicted a first token: the mean of predicted minus true, and
     /// of its absolute value, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -84,6 +95,7 @@ impl Regret {
             front_s,
             hashed: HashMap::new(),
             by_reason: BTreeMap::new(),
+            awaiting: HashMap::new(),
         }
     }
 
@@ -134,13 +146,33 @@ impl Regret {
                 prediction_error_ms: belief
                     .and_then(|belief| belief.predicted_s)
                     .map(|predicted| (predicted - (chosen - self.front_s)) * 1e3),
+                admitted_error: None,
             };
-            self.by_reason
-                .entry(routed.reason)
-                .or_default()
-                .push(decision);
+            let decisions = self.by_reason.entry(routed.reason).or_default();
+            if let Some(belief) = belief {
+                self.awaiting.insert(
+                    request,
+                    (routed.reason, decisions.len(), belief.credited_tokens),
+                );
+            }
+            decisions.push(decision);
         }
         self.hashed.insert(request, prompt);
+    }
+
+    /// Request `request`'s engine admitted it (its first token came) with `cached` prompt tokens found.
+    pub(super) fn admitted(&mut self, request: usize, cached: u32) {
+        let Some((reason, at, credited)) = self.awaiting.remove(&request) else {
+            return;
+        };
+        if let Some(decision) = self
+            .by_reason
+            .get_mut(reason)
+            .and_then(|decisions| decisions.get_mut(at))
+        {
+            decision.admitted_error =
+                Some(i64::try_from(credited).unwrap_or(i64::MAX) - i64::from(cached));
+        }
     }
 
     /// Request `request` left its worker's front.
@@ -176,6 +208,8 @@ fn summary(decisions: Vec<Decision>) -> ReasonRegret {
         .filter_map(|d| d.prediction_error_ms)
         .collect();
     let absolute: Vec<f64> = prediction.iter().map(|e| e.abs()).collect();
+    let admitted: Vec<i64> = decisions.iter().filter_map(|d| d.admitted_error).collect();
+    let admitted_f: Vec<f64> = admitted.iter().map(|&e| e as f64).collect();
     ReasonRegret {
         decisions: decisions.len(),
         mean_ms: if decisions.is_empty() {
@@ -189,6 +223,9 @@ fn summary(decisions: Vec<Decision>) -> ReasonRegret {
         to_most_cached: decisions.iter().filter(|d| d.to_most_cached).count(),
         credit_error_tokens: mean(&credit_f),
         overcredited: (!credit.is_empty()).then(|| credit.iter().filter(|&&e| e > 0).count()),
+        credit_error_at_admission_tokens: mean(&admitted_f),
+        overcredited_at_admission: (!admitted.is_empty())
+            .then(|| admitted.iter().filter(|&&e| e > 0).count()),
         prediction_error_ms: mean(&prediction),
         prediction_abs_error_ms: mean(&absolute),
     }
