@@ -19,6 +19,22 @@ fn cachepick(args: &[&str]) -> Output {
         .expect("cachepick runs")
 }
 
+/// `cachepick replay --clock virtual` with `args`, written to `out`: its report.json, parsed, once the
+/// run has succeeded.
+fn virtual_report(args: &[&str], out: &Path) -> Value {
+    let out_text = out.display().to_string();
+    let mut all = vec!["--clock", "virtual"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--out", &out_text]);
+    let output = cachepick(&all);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap()
+}
+
 /// A small burst cell: its first 80 requests, two seeds, every kind of arm.
 fn virtual_replay(out: &Path, seed: &str) -> Vec<u8> {
     let out_text = out.display().to_string();
@@ -147,29 +163,20 @@ fn what_the_virtual_clock_cannot_model_is_refused_by_name() {
 #[test]
 fn chat_rounds_find_their_conversation_cached_where_the_router_keeps_it() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("chat");
-    let output = cachepick(&[
-        "--clock",
-        "virtual",
-        "--scenario",
-        "chat",
-        "--limit",
-        "150",
-        "--seeds",
-        "1",
-        "--policies",
-        "default,round_robin",
-        "--no-oracle",
-        "--out",
-        &out.display().to_string(),
-    ]);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    let report = virtual_report(
+        &[
+            "--scenario",
+            "chat",
+            "--limit",
+            "150",
+            "--seeds",
+            "1",
+            "--policies",
+            "default,round_robin",
+            "--no-oracle",
+        ],
+        &dir.path().join("chat"),
     );
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["scenario"], "chat");
     let hit = |arm: &str| {
         let row = report["arms"]
@@ -204,29 +211,20 @@ fn chat_rounds_find_their_conversation_cached_where_the_router_keeps_it() {
 #[test]
 fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("regret");
-    let output = cachepick(&[
-        "--clock",
-        "virtual",
-        "--scenario",
-        "burst",
-        "--limit",
-        "80",
-        "--seeds",
-        "2",
-        "--policies",
-        "default,round_robin",
-        "--regret",
-        "--out",
-        &out.display().to_string(),
-    ]);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    let report = virtual_report(
+        &[
+            "--scenario",
+            "burst",
+            "--limit",
+            "80",
+            "--seeds",
+            "2",
+            "--policies",
+            "default,round_robin",
+            "--regret",
+        ],
+        &dir.path().join("regret"),
     );
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     let arm = |label: &str| -> Value {
         report["arms"]
             .as_array()
@@ -275,23 +273,20 @@ fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
         assert_eq!(counted, reasons, "{run}");
     }
 
-    let plain = dir.path().join("plain");
-    let output = cachepick(&[
-        "--clock",
-        "virtual",
-        "--scenario",
-        "burst",
-        "--limit",
-        "40",
-        "--seeds",
-        "1",
-        "--policies",
-        "default",
-        "--out",
-        &plain.display().to_string(),
-    ]);
-    assert!(output.status.success());
-    let text = std::fs::read_to_string(plain.join("report.json")).unwrap();
+    let plain = virtual_report(
+        &[
+            "--scenario",
+            "burst",
+            "--limit",
+            "40",
+            "--seeds",
+            "1",
+            "--policies",
+            "default",
+        ],
+        &dir.path().join("plain"),
+    );
+    let text = plain.to_string();
     assert!(!text.contains("regret"), "{text}");
     let output = cachepick(&["--scenario", "burst", "--regret"]);
     assert!(!output.status.success());
