@@ -2,11 +2,11 @@
 //! the proxy's subset, each with its reading, match depth and verdicts computed once.
 
 use super::rank::{self, Member};
-use super::trace::{OwnerVerdict, Predicted};
+use super::trace::{Admission, OwnerVerdict, Predicted};
 use super::wait;
 use super::{LoadView, RequestFacts};
 use crate::config::WaitGate;
-use crate::load::{Lifecycle, Tier, WorkerState};
+use crate::load::{EngineLoad, Lifecycle, Tier, WorkerState};
 use crate::prefix::OwnerMatch;
 
 /// The fleet, and what the owner index said about workers outside it.
@@ -41,13 +41,13 @@ impl<'a> Fleet<'a> {
                 None => unknown_workers += 1,
             }
         }
-        // The KV tokens hard admission charges a worker holding `matched` of the prompt. The request
-        // unit charges the whole prompt, as the seed does. The prefill-time unit charges what the
-        // worker lacks: a cold alternative needs the whole prompt, so charging the owner the same would
-        // send a saturated fleet's long prompts to the workers that must compute and hold all of them.
-        let kv_charge = |matched: u64| match wait {
-            Some(_) => request.prompt_tokens.saturating_sub(matched),
-            None => request.prompt_tokens,
+        // Hard admission is the request unit's, as the seed's: a worker without a free running slot or
+        // room in its KV cache for the whole prompt is passed over. The prefill-time unit vetoes
+        // nobody (`Admission::Unchecked` says why): on an overloaded fleet the veto sent owners'
+        // requests cold to other full workers, and the engine's own queue is what the prediction prices.
+        let admission = |state: &WorkerState, fresh: Option<&EngineLoad>| match wait {
+            Some(_) => Admission::Unchecked,
+            None => rank::admission(state, fresh, request.prompt_tokens),
         };
         let member = |state: &'a WorkerState| {
             let fresh = state
@@ -70,7 +70,7 @@ impl<'a> Fleet<'a> {
                 fresh,
                 matched_tokens,
                 gate: rank::gate(limit.map(|limit| per_worker(limit, state)), fresh),
-                admission: rank::admission(state, fresh, kv_charge(matched_tokens)),
+                admission: admission(state, fresh),
                 dispatched: load.dispatches.since_reading(state.id),
                 cold: load.dispatches.last_cold(state.id),
                 work: None,

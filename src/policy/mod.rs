@@ -57,9 +57,10 @@
 //! 3. There is no all-queued rung: a fleet queued alike keeps every owner within the margin.
 //! 4. A diversion goes to the worker predicted soonest; a request without an owner samples
 //!    `min_load_choices` workers passing the gate and takes the one predicted soonest.
-//! 5. Hard admission's KV check charges each worker the prompt tokens it does not hold, not the whole
-//!    prompt: a cold worker needs all of them, so charging the owner the same sends a nearly KV-full
-//!    fleet's long prompts to the workers that must compute and hold every token.
+//! 5. There is no hard admission (`Admission::Unchecked`): an engine with no free running slot or KV
+//!    room queues the request, a reading shows that queue a scrape later, and the prediction prices
+//!    it. Turned away, an overloaded fleet's owners sent their requests cold to workers as full as
+//!    they were, which then computed and held the whole prompt.
 //!
 //! 6. A worker whose counters taught no rate yet is priced at the median per-rank rate the other
 //!    fleet workers learned, before the configured one: a worker that never queued is the one a

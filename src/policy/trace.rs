@@ -99,6 +99,11 @@ impl Gate {
 #[serde(rename_all = "snake_case", tag = "verdict")]
 pub enum Admission {
     Admitted,
+    /// The prefill-time unit checks no engine limit: an engine with no free running slot or KV room
+    /// queues the request until it has, its next reading shows that queue, and the prediction prices
+    /// it. Turning the owner away instead sends the request to a worker that must compute and hold
+    /// the whole prompt.
+    Unchecked,
     /// `running + 1 > max_running_requests`.
     RunningFull {
         running: u64,
@@ -114,7 +119,7 @@ pub enum Admission {
 
 impl Admission {
     pub fn admits(self) -> bool {
-        matches!(self, Admission::Admitted)
+        matches!(self, Admission::Admitted | Admission::Unchecked)
     }
 }
 

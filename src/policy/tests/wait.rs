@@ -432,9 +432,8 @@ impl Case {
 }
 
 #[test]
-fn hard_admission_charges_each_worker_the_part_of_the_prompt_it_does_not_hold() {
-    // 1,000 tokens free on the owner, which holds 24 of the prompt's 32 blocks: the 512 it lacks fit.
-    // A cold worker with 1,500 free would need all 2,048.
+fn hard_admission_is_the_request_unit_s_alone() {
+    // The owner's KV cache is 9,000 of 10,000 tokens full; the cold worker's 8,500.
     let fleet = |case: Case| {
         case.owner(0, 24)
             .kv(9_000, 10_000)
@@ -443,7 +442,7 @@ fn hard_admission_charges_each_worker_the_part_of_the_prompt_it_does_not_hold() 
     };
     let decision = fleet(Case::timed()).routed();
     assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
-    assert_eq!(decision.trace.owners[0].admission, Admission::Admitted);
+    assert_eq!(decision.trace.owners[0].admission, Admission::Unchecked);
     // The request unit charges the whole prompt, as the seed does: the owner is KV-full there.
     let seed = fleet(Case::gated()).routed();
     assert_eq!(
@@ -459,8 +458,8 @@ fn hard_admission_charges_each_worker_the_part_of_the_prompt_it_does_not_hold() 
 
 #[test]
 fn a_fleet_out_of_kv_keeps_the_request_on_the_owner_rather_than_a_cold_worker() {
-    // Every worker near full: the owner lacks 8 blocks it has room for, the cold workers would need the
-    // whole prompt, so the owner is the only one admitted and its queue is the best wait there is.
+    // Every worker near full of KV and queued past the floor: nobody starts soon, so the pin keeps the
+    // request where 24 of its 32 blocks are, not on a worker that must compute and hold all of them.
     let decision = Case::timed()
         .owner(1, 24)
         .uncached(40_000)
@@ -470,26 +469,40 @@ fn a_fleet_out_of_kv_keeps_the_request_on_the_owner_rather_than_a_cold_worker() 
         .queued(30_000)
         .kv(9_000, 10_000)
         .routed();
-    assert_eq!(pick_of(&decision), (0, Reason::CacheHit));
-    assert_eq!(decision.trace.owners[0].admission, Admission::Admitted);
+    assert_eq!(pick_of(&decision), (0, Reason::SaturationPin));
+    assert_eq!(decision.trace.owners[0].admission, Admission::Unchecked);
 }
 
 #[test]
-fn an_owner_short_of_room_even_for_its_uncached_part_fails_admission() {
-    let decision = Case::timed()
+fn an_owner_without_room_or_a_free_slot_keeps_its_request_for_its_engine_to_queue() {
+    // Short of KV room even for the part of the prompt it lacks: no veto, the engine queues it.
+    let short_of_room = Case::timed()
         .owner(0, 24)
         .kv(9_600, 10_000)
         .worker(Some(0))
         .routed();
+    assert_eq!(pick_of(&short_of_room), (0, Reason::CacheHit));
     assert_eq!(
-        decision.trace.owners[0].admission,
-        Admission::KvFull {
-            used_tokens: 9_600,
-            request_tokens: 512,
-            max_total_tokens: 10_000
-        }
+        short_of_room.trace.owners[0].admission,
+        Admission::Unchecked
     );
-    assert_eq!(pick_of(&decision), (1, Reason::CapacityFallback));
+    // Every running slot taken: the same. The request unit still turns this owner away
+    // (`a_full_running_batch_fails_hard_admission`).
+    let slots_full = Case::timed()
+        .owner(0, 24)
+        .running(8)
+        .with(|w| w.capacity.max_running = Some(8))
+        .worker(Some(0))
+        .routed();
+    assert_eq!(pick_of(&slots_full), (0, Reason::CacheHit));
+    // A queued owner is still judged by its predicted wait: the gate diverts what waits too long.
+    let queued = Case::timed()
+        .owner(1, 24)
+        .uncached(100_000)
+        .kv(9_600, 10_000)
+        .worker(Some(0))
+        .routed();
+    assert_eq!(pick_of(&queued), (1, Reason::CacheWorkerQueued));
 }
 
 proptest! {
