@@ -131,6 +131,7 @@ pub(super) async fn replay(args: &ReplayArgs) -> anyhow::Result<()> {
     options.duration_scale = args.duration_scale;
     options.timing = args.timing;
     options.peers = args.peer.clone();
+    options.dynamo_selectors = args.dynamo_selector.clone();
     options.oracle = !args.no_oracle;
     options.pd_prefill = args.pd;
     options.pd_local_prefill_tokens = args.pd_local_prefill_tokens;
@@ -160,6 +161,7 @@ fn replay_virtual(args: &ReplayArgs) -> anyhow::Result<()> {
     };
     refuse(!args.front.is_empty(), "--front");
     refuse(!args.front_url.is_empty(), "--front-url");
+    refuse(!args.dynamo_selector.is_empty(), "--dynamo-selector");
     refuse(args.via.is_some(), "--via");
     refuse(args.envoy.is_some(), "--envoy");
     refuse(args.speedup.is_some(), "--speedup");

@@ -263,6 +263,14 @@ struct ReplayArgs {
     /// so --config must fix the workers' ports (`base_port`). Repeatable.
     #[arg(long, value_name = "URL")]
     front_url: Vec<String>,
+    /// NVIDIA Dynamo's own KV router as one more arm: its standalone selection service, started per
+    /// arm from this command template ({port}: the HTTP port it must listen on), told the fleet's
+    /// workers and their KV event sockets, and asked for each request by the replay's ext_proc server
+    /// behind the same Envoy as cachepick (docs/simulator.md). Repeatable. Example:
+    /// '.../bin/python -m dynamo.select_service --port {port} --threads 1' (scripts/provision-peers
+    /// installs it).
+    #[arg(long, value_name = "TEMPLATE")]
+    dynamo_selector: Vec<String>,
     /// Run the fleet X times slower than the trace assumes, arrivals unchanged: below 1 the fleet has
     /// room, above 1 queues form. Every arm reports how busy the engines were and their queueing.
     #[arg(long, value_name = "X", default_value_t = 1.0)]

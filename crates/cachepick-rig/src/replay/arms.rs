@@ -291,6 +291,8 @@ pub(super) enum ArmKind {
     /// A re-implemented peer ([`peers`](super::peers)) with the arm's replicas; the policy and index
     /// fields do not apply.
     Peer(PeerRule),
+    /// Dynamo's own selection service ([`dynamo`](super::dynamo)), started from this command template.
+    Dynamo(String),
 }
 
 impl Arm {
@@ -329,6 +331,24 @@ impl Arm {
                 }
             })
             .collect()
+    }
+
+    /// The arm of Dynamo's selection service started from `template`, the `nth` such arm of the run
+    /// (`#2`, `#3`, … after the first).
+    pub fn dynamo(template: &str, nth: usize) -> Arm {
+        let label = match nth {
+            0 => super::dynamo::LABEL.to_owned(),
+            _ => format!("{}#{}", super::dynamo::LABEL, nth + 1),
+        };
+        Arm {
+            policy: label.clone(),
+            label,
+            yaml: String::new(),
+            index_mode: IndexMode::Events,
+            replicas: 1,
+            sync: false,
+            kind: ArmKind::Dynamo(template.to_owned()),
+        }
     }
 
     /// The oracle's arm.

@@ -40,6 +40,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use cachepick::protocol::{DECISION_HEADER, PREFIX_TOKENS_HEADER};
 
+use super::dynamo::{self, DynamoRouter, Reservation};
 use super::oracle::{self, Oracle};
 use super::peers::{PeerRouter, Ticket};
 use crate::overhead::noop::{answer, routing_answer, serve_processor};
@@ -52,6 +53,25 @@ pub const REQUEST_ID_HEADER: &str = "x-replay-request";
 pub enum InProcess {
     Peer(Arc<PeerRouter>),
     Oracle(Arc<Oracle>),
+    /// Dynamo's own selection service, asked over HTTP ([`super::dynamo`]).
+    Dynamo(Arc<DynamoRouter>),
+}
+
+/// What holds a request's load on the router that placed it until the request ends: a re-implemented
+/// peer's ticket or the Dynamo service's reservation.
+pub enum Held {
+    Peer(Ticket),
+    Dynamo(Reservation),
+}
+
+impl Held {
+    /// The request's first response chunk arrived.
+    pub fn first_token(&mut self) {
+        match self {
+            Held::Peer(ticket) => ticket.first_token(),
+            Held::Dynamo(reservation) => reservation.first_token(),
+        }
+    }
 }
 
 /// What an in-process router decided: the worker, the headers the worker is sent with, and (a peer)
@@ -59,7 +79,7 @@ pub enum InProcess {
 pub struct Decided {
     pub worker: SocketAddr,
     pub headers: Vec<(&'static str, String)>,
-    pub ticket: Option<Ticket>,
+    pub ticket: Option<Held>,
     /// A prefill/decode fleet's prefill leg (`worker` decodes).
     pub prefill: Option<PrefillLeg>,
 }
@@ -74,9 +94,22 @@ pub struct PrefillLeg {
 }
 
 impl InProcess {
-    /// Decides for a completion whose prompt is `prompt`, off the runtime's workers (both routers hash
-    /// or tokenize the prompt against every worker); why not, when it cannot.
+    /// Decides for a completion whose prompt is `prompt`, off the runtime's workers (the in-process
+    /// routers hash or tokenize the prompt against every worker; the Dynamo service is asked over
+    /// HTTP, its client tokenizing off them too); why not, when it cannot.
     pub async fn decide(&self, prompt: String) -> Result<Decided, String> {
+        if let InProcess::Dynamo(router) = self {
+            let reservation = router.choose(&prompt).await?;
+            return Ok(Decided {
+                worker: reservation.worker,
+                headers: vec![
+                    (DECISION_HEADER, dynamo::LABEL.to_owned()),
+                    (PREFIX_TOKENS_HEADER, reservation.cached_tokens.to_string()),
+                ],
+                ticket: Some(Held::Dynamo(reservation)),
+                prefill: None,
+            });
+        }
         let router = self.clone();
         tokio::task::spawn_blocking(move || router.decide_now(&prompt))
             .await
@@ -95,7 +128,7 @@ impl InProcess {
                         (DECISION_HEADER, router.rule().label().to_owned()),
                         (PREFIX_TOKENS_HEADER, ticket.cached_tokens.to_string()),
                     ],
-                    ticket: Some(ticket),
+                    ticket: Some(Held::Peer(ticket)),
                     prefill: None,
                 })
             }
@@ -139,16 +172,18 @@ impl InProcess {
                     prefill: None,
                 })
             }
+            // Asked over HTTP in `decide`, never on a blocking thread.
+            InProcess::Dynamo(_) => Err("the Dynamo service is asked asynchronously".to_owned()),
         }
     }
 }
 
 /// The peers' tickets of requests in flight, by [`REQUEST_ID_HEADER`].
 #[derive(Default)]
-pub struct Tickets(Mutex<HashMap<u64, Ticket>>);
+pub struct Tickets(Mutex<HashMap<u64, Held>>);
 
 impl Tickets {
-    fn file(&self, id: u64, ticket: Ticket) {
+    fn file(&self, id: u64, ticket: Held) {
         self.lock().insert(id, ticket);
     }
 
@@ -165,7 +200,7 @@ impl Tickets {
         drop(ticket);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Ticket>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Held>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

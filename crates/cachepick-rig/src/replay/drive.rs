@@ -13,8 +13,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 
-use super::behind::{InProcess, REQUEST_ID_HEADER, Tickets};
-use super::peers::Ticket;
+use super::behind::{Held, InProcess, REQUEST_ID_HEADER, Tickets};
 use super::trace::{Item, PromptBuilder};
 use cachepick::protocol::{DECISION_HEADER, DESTINATION, PREFIX_TOKENS_HEADER, REFUSAL_HEADER};
 
@@ -166,7 +165,7 @@ async fn one(
     };
     let started = Instant::now();
     // Held to the end of the request: dropping it ends the request's load on the peer's replica.
-    let mut ticket: Option<Ticket> = None;
+    let mut ticket: Option<Held> = None;
     // Settles a ticket filed behind Envoy when the request ends, however it ends.
     let mut settle: Option<Settle> = None;
     let (addr, headers) = match route {

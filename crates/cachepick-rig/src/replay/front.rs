@@ -274,8 +274,7 @@ pub struct Running {
     /// Where the router's own metrics are, when its template put them on `{metrics_port}`.
     pub metrics: Option<SocketAddr>,
     pub label: String,
-    child: Option<Child>,
-    log: Option<PathBuf>,
+    process: Option<Process>,
 }
 
 impl Running {
@@ -293,49 +292,17 @@ impl Running {
                 addr: *addr,
                 metrics: None,
                 label: front.label.clone(),
-                child: None,
-                log: None,
+                process: None,
             },
             Target::Command(template) => {
                 let addr = crate::free_port().map_err(FrontError::Port)?;
                 let metrics = crate::free_port().map_err(FrontError::Port)?;
                 let command = expand(template, workers, addr.port(), metrics.port(), kv, model);
-                std::fs::create_dir_all(dir).map_err(|source| FrontError::Log {
-                    path: dir.to_owned(),
-                    source,
-                })?;
-                let log = dir.join(format!("{}.log", file_name(&front.label)));
-                let out = File::create(&log).map_err(|source| FrontError::Log {
-                    path: log.clone(),
-                    source,
-                })?;
-                let err = out.try_clone().map_err(|source| FrontError::Log {
-                    path: log.clone(),
-                    source,
-                })?;
-                // `exec` makes the router the child itself; its own process group lets the drop take
-                // anything it starts with it.
-                let child = {
-                    use std::os::unix::process::CommandExt as _;
-                    Command::new("sh")
-                        .arg("-c")
-                        .arg(format!("exec {command}"))
-                        .stdin(Stdio::null())
-                        .stdout(out)
-                        .stderr(err)
-                        .process_group(0)
-                        .spawn()
-                        .map_err(|source| FrontError::Spawn {
-                            command: command.clone(),
-                            source,
-                        })?
-                };
                 Running {
                     addr,
                     metrics: template.contains("{metrics_port}").then_some(metrics),
                     label: front.label.clone(),
-                    child: Some(child),
-                    log: Some(log),
+                    process: Some(Process::spawn(&command, &front.label, dir)?),
                 }
             }
         };
@@ -361,13 +328,13 @@ impl Running {
         let mut last = "no answer yet".to_owned();
         let mut attempt = 0u32;
         while started.elapsed() < READY_WITHIN {
-            if let Some(child) = &mut self.child
-                && let Ok(Some(status)) = child.try_wait()
+            if let Some(process) = &mut self.process
+                && let Some(status) = process.exited()
             {
                 return Err(FrontError::Exited {
                     command: self.label.clone(),
                     status,
-                    log: self.log.clone().unwrap_or_default(),
+                    log: process.log.clone(),
                 });
             }
             attempt += 1;
@@ -405,25 +372,70 @@ impl Running {
             addr: self.addr,
             within: READY_WITHIN,
             last,
-            log: self.log.as_ref().map_or_else(String::new, |log| {
-                format!(" (its output: {})", log.display())
+            log: self.process.as_ref().map_or_else(String::new, |process| {
+                format!(" (its output: {})", process.log.display())
             }),
         })
     }
 }
 
-impl Drop for Running {
+/// A helper process the replay started from a command line (a router, a selection service), its
+/// output in a log file; killed, with everything it started, when dropped.
+pub struct Process {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Process {
+    /// Runs `command` with `sh -c`, its output in `dir/<label>.log`.
+    pub fn spawn(command: &str, label: &str, dir: &Path) -> Result<Process, FrontError> {
+        std::fs::create_dir_all(dir).map_err(|source| FrontError::Log {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let log = dir.join(format!("{}.log", file_name(label)));
+        let out = File::create(&log).map_err(|source| FrontError::Log {
+            path: log.clone(),
+            source,
+        })?;
+        let err = out.try_clone().map_err(|source| FrontError::Log {
+            path: log.clone(),
+            source,
+        })?;
+        // `exec` makes the program the child itself; its own process group lets the drop take anything
+        // it starts with it.
+        use std::os::unix::process::CommandExt as _;
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec {command}"))
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .spawn()
+            .map_err(|source| FrontError::Spawn {
+                command: command.to_owned(),
+                source,
+            })?;
+        Ok(Process { child, log })
+    }
+
+    /// Its exit status, once it has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+}
+
+impl Drop for Process {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            // The whole group: a router may start helpers of its own.
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        // The whole group: a router may start helpers of its own.
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

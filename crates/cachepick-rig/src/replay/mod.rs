@@ -14,14 +14,17 @@
 //!
 //! A *front* arm puts another router in front of the same fresh fleet instead of cachepick ([`front`]:
 //! `smg`, vllm-router, …), measured the same way, so the router an operator runs today has a row in the
-//! same table. `--load X` runs the fleet X times slower than the trace assumes, arrivals unchanged, and
-//! every arm reports how busy the fleet was ([`utilisation`]).
+//! same table. Routers that decide but do not forward run behind the replay's own ext_proc server:
+//! the re-implemented peers ([`peers`]), the oracle, and NVIDIA Dynamo's own selection service
+//! ([`dynamo`]). `--load X` runs the fleet X times slower than the trace assumes, arrivals unchanged,
+//! and every arm reports how busy the fleet was ([`utilisation`]).
 
 pub mod agents;
 pub mod arms;
 pub mod behind;
 pub mod chat;
 pub mod drive;
+pub mod dynamo;
 pub mod fault;
 pub mod front;
 pub mod oracle;
@@ -135,6 +138,9 @@ pub struct ReplayOptions {
     pub timing: Timing,
     /// Re-implemented peers ([`peers`]), one arm per replica count each, after the fronts.
     pub peers: Vec<peers::PeerRule>,
+    /// Dynamo's own selection service ([`dynamo`]): one arm per command template (`{port}` its HTTP
+    /// port), after the re-implemented peers.
+    pub dynamo_selectors: Vec<String>,
     /// Run the oracle's arm after the others (the step model only).
     pub oracle: bool,
     /// cachepick's scrape interval in model time (`None`: the product's default), to measure how the
@@ -181,6 +187,7 @@ impl ReplayOptions {
             load: 1.0,
             timing: Timing::Step,
             peers: Vec::new(),
+            dynamo_selectors: Vec::new(),
             oracle: true,
             scrape_interval: None,
             replica_sync: false,
@@ -207,6 +214,8 @@ pub enum ReplayError {
     Load(f64),
     #[error(transparent)]
     Front(#[from] FrontError),
+    #[error(transparent)]
+    Selector(#[from] dynamo::SelectorError),
     #[error("the picker did not become ready: {0}")]
     Picker(String),
     #[error("Envoy: {0}")]
@@ -400,6 +409,12 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     for rule in options.peers.iter().filter(|_| aggregated) {
         arms.extend(Arm::peers(*rule, &replicas));
     }
+    for (nth, template) in options.dynamo_selectors.iter().enumerate() {
+        dynamo::check_template(template)?;
+        if aggregated {
+            arms.push(Arm::dynamo(template, nth));
+        }
+    }
     if options.oracle && sim.timing == Timing::Step {
         arms.push(Arm::oracle());
     }
@@ -542,7 +557,10 @@ fn policy_names(
     let names: Vec<String> = if options.policies.iter().any(|name| name == NO_POLICIES) {
         Vec::new()
     } else if options.policies.is_empty() {
-        let defaults: &[&str] = if !options.fronts.is_empty() || !options.peers.is_empty() {
+        let others = !options.fronts.is_empty()
+            || !options.peers.is_empty()
+            || !options.dynamo_selectors.is_empty();
+        let defaults: &[&str] = if others {
             &DEFAULT_FRONT_POLICIES
         } else if burst {
             &DEFAULT_BURST_POLICIES

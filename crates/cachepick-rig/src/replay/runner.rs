@@ -14,6 +14,7 @@ use cachepick_sim::fleet::Fleet;
 use super::arms::{Arm, ArmKind, apply_arm, enable_sim_events, load_yaml};
 use super::behind::{self, InProcess};
 use super::drive::{self, Route, Sample};
+use super::dynamo::DynamoRouter;
 use super::fault::{self, FaultReport};
 use super::front::{self, Front, KvSources};
 use super::oracle::Oracle;
@@ -66,6 +67,7 @@ impl Workload<'_> {
             ArmKind::Front(front) => self.front(arm, front).await,
             ArmKind::Oracle => self.oracle(arm).await,
             ArmKind::Peer(rule) => self.peer(arm, *rule).await,
+            ArmKind::Dynamo(template) => self.dynamo(arm, template).await,
         }
     }
 
@@ -297,11 +299,11 @@ impl Workload<'_> {
     /// The oracle on a fresh fleet it reads in process.
     async fn oracle(&self, arm: &Arm) -> Result<PolicyReport, ReplayError> {
         let prefill = self.options.pd_prefill;
-        self.in_process(arm, "-", |fleet| {
-            InProcess::Oracle(Arc::new(match prefill {
+        self.in_process(arm, self.sim, "-", async |fleet| {
+            Ok(InProcess::Oracle(Arc::new(match prefill {
                 Some(prefill) => Oracle::disaggregated(fleet, prefill),
                 None => Oracle::new(fleet),
-            }))
+            })))
         })
         .await
     }
@@ -309,8 +311,27 @@ impl Workload<'_> {
     /// A re-implemented peer on a fresh fleet it reads in process, with the arm's router replicas.
     async fn peer(&self, arm: &Arm, rule: PeerRule) -> Result<PolicyReport, ReplayError> {
         let seed = self.options.seed;
-        self.in_process(arm, "true cache", |fleet| {
-            InProcess::Peer(Arc::new(PeerRouter::new(fleet, rule, arm.replicas, seed)))
+        self.in_process(arm, self.sim, "true cache", async |fleet| {
+            Ok(InProcess::Peer(Arc::new(PeerRouter::new(
+                fleet,
+                rule,
+                arm.replicas,
+                seed,
+            ))))
+        })
+        .await
+    }
+
+    /// Dynamo's own selection service, started from `template` on a fresh fleet that publishes its KV
+    /// events, and asked for every request ([`super::dynamo`]).
+    async fn dynamo(&self, arm: &Arm, template: &str) -> Result<PolicyReport, ReplayError> {
+        let mut sim = self.sim.clone();
+        enable_sim_events(&mut sim);
+        let model = sim.model.clone();
+        let out = &self.options.out;
+        self.in_process(arm, &sim, "kv events", async |fleet| {
+            let router = DynamoRouter::start(template, fleet, &model, out).await?;
+            Ok(InProcess::Dynamo(Arc::new(router)))
         })
         .await
     }
@@ -321,11 +342,20 @@ impl Workload<'_> {
     async fn in_process(
         &self,
         arm: &Arm,
+        sim: &SimConfig,
         index_mode: &str,
-        router: impl FnOnce(Arc<Fleet>) -> InProcess,
+        router: impl AsyncFnOnce(Arc<Fleet>) -> Result<InProcess, ReplayError>,
     ) -> Result<PolicyReport, ReplayError> {
-        let fleet = Arc::new(Fleet::start(self.sim).await.map_err(StageError::from)?);
-        let router = router(Arc::clone(&fleet));
+        let fleet = Arc::new(Fleet::start(sim).await.map_err(StageError::from)?);
+        let router = match router(Arc::clone(&fleet)).await {
+            Ok(router) => router,
+            Err(error) => {
+                if let Ok(fleet) = Arc::try_unwrap(fleet) {
+                    fleet.stop().await;
+                }
+                return Err(error);
+            }
+        };
         let (samples, wall, utilisation) = match self.envoy {
             Some(path) => {
                 let tickets = Arc::new(behind::Tickets::default());
