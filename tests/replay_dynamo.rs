@@ -115,7 +115,8 @@ fn dynamo_s_own_selection_service_routes_an_arm_behind_envoy_on_the_workers_kv_e
 }
 
 /// A template without `{port}` is refused before anything starts, and so is the arm on the virtual
-/// clock, which runs no outside process; a service that cannot start fails the run with its reason.
+/// clock, which runs no outside process, and on a prefill/decode fleet; a service that cannot start
+/// fails the run with its reason.
 #[test]
 fn a_dynamo_selector_without_a_port_or_on_the_virtual_clock_is_refused_by_name() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -143,6 +144,25 @@ fn a_dynamo_selector_without_a_port_or_on_the_virtual_clock_is_refused_by_name()
         "python -m dynamo.select_service --port {port}",
     ]);
     assert!(!ok && stderr.contains("--dynamo-selector"), "{stderr}");
+    // No prefill/decode form of the arm exists, and it is not dropped silently from such a run.
+    let (ok, _, stderr) = replay(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policies",
+        "none",
+        "--pd",
+        "1",
+        "--via",
+        "envoy",
+        "--dynamo-selector",
+        "python -m dynamo.select_service --port {port}",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && stderr.contains("routes aggregated fleets"),
+        "{stderr}"
+    );
     // A service that dies at start fails the run, pointing at its output.
     let (ok, stdout, stderr) = replay(&[
         "--trace",

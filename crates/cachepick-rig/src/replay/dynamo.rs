@@ -57,6 +57,11 @@ pub enum SelectorError {
          the Dynamo selection service names, so its arm takes one rank per worker"
     )]
     Ranks { worker: usize, ranks: usize },
+    #[error(
+        "--dynamo-selector routes aggregated fleets: the replay drives no prefill/decode form of \
+         Dynamo's service (drop --pd)"
+    )]
+    Disaggregated,
     #[error(transparent)]
     Process(#[from] FrontError),
     #[error("the Dynamo selection service (`{command}`) exited ({status}); its output is in {log}")]

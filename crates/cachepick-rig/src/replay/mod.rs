@@ -411,9 +411,10 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     }
     for (nth, template) in options.dynamo_selectors.iter().enumerate() {
         dynamo::check_template(template)?;
-        if aggregated {
-            arms.push(Arm::dynamo(template, nth));
+        if !aggregated {
+            return Err(dynamo::SelectorError::Disaggregated.into());
         }
+        arms.push(Arm::dynamo(template, nth));
     }
     if options.oracle && sim.timing == Timing::Step {
         arms.push(Arm::oracle());
