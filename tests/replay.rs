@@ -9,49 +9,14 @@ mod support {
     pub mod envoy;
     pub mod peers;
     pub mod provision;
+    pub mod replay;
 }
 
+use support::replay::{replay, replay_status, tiny_trace};
 use support::{envoy, peers};
 
-use std::fmt::Write as _;
 use std::path::Path;
 use std::process::Command;
-
-/// 30 requests over 3 s: five conversations whose turns extend each other's 512-token blocks.
-fn tiny_trace() -> String {
-    let mut text = String::new();
-    for index in 0..30_u64 {
-        let conversation = index % 5;
-        let turn = index / 5;
-        let blocks = 2 + turn;
-        let ids: Vec<String> = (0..blocks)
-            .map(|block| (conversation * 100 + block).to_string())
-            .collect();
-        let input = blocks * 512 - 100;
-        let _ = writeln!(
-            text,
-            "{{\"timestamp\": {}, \"input_length\": {input}, \"output_length\": 8, \"hash_ids\": [{}]}}",
-            index * 100,
-            ids.join(", ")
-        );
-    }
-    text
-}
-
-fn replay(args: &[&str]) -> (String, String) {
-    let output = Command::new(cachepick_rig::cachepick_binary())
-        .arg("replay")
-        .args(args)
-        .output()
-        .expect("cachepick runs");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(
-        output.status.success(),
-        "cachepick replay {args:?} failed:\n{stdout}\n{stderr}"
-    );
-    (stdout, stderr)
-}
 
 fn svg(path: &Path) {
     let text =
@@ -592,20 +557,6 @@ fn more_than_one_replica_without_envoy_is_refused_saying_why() {
         stderr.contains("--replicas 2 needs --via envoy"),
         "{stderr}"
     );
-}
-
-/// Runs `cachepick replay` and returns its status, stdout and stderr, whatever the outcome.
-fn replay_status(args: &[&str]) -> (bool, String, String) {
-    let output = Command::new(cachepick_rig::cachepick_binary())
-        .arg("replay")
-        .args(args)
-        .output()
-        .expect("cachepick runs");
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
 }
 
 #[test]

@@ -10,45 +10,11 @@ mod support {
     pub mod envoy;
     pub mod peers;
     pub mod provision;
+    pub mod replay;
 }
 
+use support::replay::{replay_status, tiny_trace};
 use support::{envoy, peers};
-
-use std::fmt::Write as _;
-use std::process::Command;
-
-/// 30 requests over 3 s: five conversations whose turns extend each other's 512-token blocks.
-fn conversations() -> String {
-    let mut text = String::new();
-    for index in 0..30_u64 {
-        let conversation = index % 5;
-        let blocks = 2 + index / 5;
-        let ids: Vec<String> = (0..blocks)
-            .map(|block| (conversation * 100 + block).to_string())
-            .collect();
-        let _ = writeln!(
-            text,
-            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": 8, \"hash_ids\": [{}]}}",
-            index * 100,
-            blocks * 512 - 100,
-            ids.join(", ")
-        );
-    }
-    text
-}
-
-fn replay(args: &[&str]) -> (bool, String, String) {
-    let output = Command::new(cachepick_rig::cachepick_binary())
-        .arg("replay")
-        .args(args)
-        .output()
-        .expect("cachepick runs");
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
 
 /// The service decides every request of its arm through Envoy, and routes the conversations' later
 /// turns to the workers holding their earlier ones: it found them in the workers' KV events, since the
@@ -59,13 +25,13 @@ fn dynamo_s_own_selection_service_routes_an_arm_behind_envoy_on_the_workers_kv_e
     let envoy = envoy::binary();
     let dir = tempfile::tempdir().expect("temp dir");
     let trace = dir.path().join("conversations.jsonl");
-    std::fs::write(&trace, conversations()).expect("trace written");
+    std::fs::write(&trace, tiny_trace()).expect("trace written");
     let out = dir.path().join("out");
     let selector = format!(
         "{} -m dynamo.select_service --port {{port}} --threads 1",
         python.display()
     );
-    let (ok, stdout, stderr) = replay(&[
+    let (ok, stdout, stderr) = replay_status(&[
         "--trace",
         trace.to_str().unwrap(),
         "--policies",
@@ -121,9 +87,9 @@ fn dynamo_s_own_selection_service_routes_an_arm_behind_envoy_on_the_workers_kv_e
 fn a_dynamo_selector_without_a_port_or_on_the_virtual_clock_is_refused_by_name() {
     let dir = tempfile::tempdir().expect("temp dir");
     let trace = dir.path().join("conversations.jsonl");
-    std::fs::write(&trace, conversations()).expect("trace written");
+    std::fs::write(&trace, tiny_trace()).expect("trace written");
     let out = dir.path().join("out");
-    let (ok, _, stderr) = replay(&[
+    let (ok, _, stderr) = replay_status(&[
         "--trace",
         trace.to_str().unwrap(),
         "--policies",
@@ -135,7 +101,7 @@ fn a_dynamo_selector_without_a_port_or_on_the_virtual_clock_is_refused_by_name()
     ]);
     assert!(!ok && stderr.contains("names no `{port}`"), "{stderr}");
     assert!(!out.join("report.json").exists());
-    let (ok, _, stderr) = replay(&[
+    let (ok, _, stderr) = replay_status(&[
         "--clock",
         "virtual",
         "--trace",
@@ -145,7 +111,7 @@ fn a_dynamo_selector_without_a_port_or_on_the_virtual_clock_is_refused_by_name()
     ]);
     assert!(!ok && stderr.contains("--dynamo-selector"), "{stderr}");
     // No prefill/decode form of the arm exists, and it is not dropped silently from such a run.
-    let (ok, _, stderr) = replay(&[
+    let (ok, _, stderr) = replay_status(&[
         "--trace",
         trace.to_str().unwrap(),
         "--policies",
@@ -164,7 +130,7 @@ fn a_dynamo_selector_without_a_port_or_on_the_virtual_clock_is_refused_by_name()
         "{stderr}"
     );
     // A service that dies at start fails the run, pointing at its output.
-    let (ok, stdout, stderr) = replay(&[
+    let (ok, stdout, stderr) = replay_status(&[
         "--trace",
         trace.to_str().unwrap(),
         "--policies",
