@@ -234,9 +234,10 @@ struct ReplayArgs {
     trace: Option<PathBuf>,
     /// A synthetic scenario instead of a trace: `burst` (steady, a burst well above capacity, steady),
     /// `agents` (prefill-heavy: 3k–100k-token system prompts reused across multi-turn sessions,
-    /// outputs of at most 256 tokens) or `chat` (multi-turn conversations over 2k–30k-token per-user
-    /// contexts, 20 s think times, production-stack's multi-round QA shape).
-    #[arg(long, value_parser = ["burst", "agents", "chat"])]
+    /// outputs of at most 256 tokens), `chat` (multi-turn conversations over 2k–30k-token per-user
+    /// contexts, 20 s think times, production-stack's multi-round QA shape) or `documents` (chat over
+    /// long pasted documents: prompts of about 12k tokens, mostly new, 30% followed up 30 s later).
+    #[arg(long, value_parser = cachepick_rig::replay::SCENARIO_NAMES)]
     scenario: Option<String>,
     /// Simulator YAML describing the fleet (as `cachepick sim --config`); default: 4 vLLM workers.
     #[arg(long, value_name = "FILE")]
@@ -333,7 +334,7 @@ struct ReplayArgs {
     #[arg(long, value_name = "TOKENS", requires = "pd")]
     pd_local_prefill_tokens: Option<u64>,
     /// Synthetic scenarios: multiplies the workload's length (the burst's phases, the span over which
-    /// agent sessions start).
+    /// agent sessions, chat users or document conversations start).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     duration_scale: f64,
     /// The default fleet's timing model: step (one token budget per engine step, priced by a GPU

@@ -23,6 +23,7 @@ pub mod agents;
 pub mod arms;
 pub mod behind;
 pub mod chat;
+pub mod documents;
 pub mod drive;
 pub mod dynamo;
 pub mod fault;
@@ -55,7 +56,7 @@ use front::{Front, FrontError};
 use report::{PolicyReport, Skipped};
 use trace::{Item, PromptBuilder};
 
-pub use scenario::{Scenario, default_fleet};
+pub use scenario::{SCENARIO_NAMES, Scenario, default_fleet};
 
 pub use arms::{
     DEFAULT_BURST_POLICIES, DEFAULT_FRONT_POLICIES, DEFAULT_TRACE_POLICIES, NO_POLICIES, POLICIES,
@@ -164,9 +165,7 @@ impl ReplayOptions {
             Scenario::Trace(path) => path
                 .file_stem()
                 .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned()),
-            Scenario::Burst => "burst".to_owned(),
-            Scenario::Agents => "agents".to_owned(),
-            Scenario::Chat => "chat".to_owned(),
+            synthetic => synthetic.name(),
         });
         ReplayOptions {
             scenario,
@@ -242,7 +241,7 @@ pub enum ReplayError {
     PdFleet { prefill: usize },
     #[error("--crash-worker {index}: the fleet has {workers} workers (0 to {last})", last = .workers.saturating_sub(1))]
     CrashWorker { index: usize, workers: usize },
-    #[error("unknown scenario `{0}`; known: burst, agents (a trace is given with --trace instead)")]
+    #[error("unknown scenario `{0}`; known: {known} (a trace is given with --trace instead)", known = SCENARIO_NAMES.join(", "))]
     UnknownScenario(String),
 }
 
@@ -350,12 +349,12 @@ pub async fn run(options: &ReplayOptions) -> Result<Replay, ReplayError> {
     {
         return Err(FrontError::UrlNeedsFixedPorts.into());
     }
-    let mut items: Vec<Item> = match &options.scenario {
-        Scenario::Trace(path) => trace::load_mooncake(path, options.limit)?,
-        Scenario::Burst => trace::burst(options.seed, options.duration_scale),
-        Scenario::Agents => agents::agents(options.seed, options.duration_scale),
-        Scenario::Chat => chat::chat(options.seed, options.duration_scale),
-    };
+    let mut items: Vec<Item> =
+        options
+            .scenario
+            .requests(options.seed, options.duration_scale, |path| {
+                Ok(trace::load_mooncake(path, options.limit)?)
+            })?;
     if let Some(limit) = options.limit {
         items.truncate(limit);
     }
@@ -672,9 +671,13 @@ mod tests {
             Some(Scenario::Trace(trace))
         );
         assert_eq!(Scenario::chosen(None, None).ok(), Some(Scenario::Burst));
+        for name in SCENARIO_NAMES {
+            let scenario = Scenario::chosen(None, Some(name)).expect("a known name");
+            assert_eq!(scenario.name(), name);
+        }
         assert_eq!(
-            Scenario::chosen(None, Some("agents")).ok(),
-            Some(Scenario::Agents)
+            Scenario::chosen(None, Some("documents")).ok(),
+            Some(Scenario::Documents)
         );
         assert!(matches!(
             Scenario::chosen(None, Some("storm")),

@@ -1,11 +1,12 @@
 //! What `cachepick replay` replays — a Mooncake trace or one of the synthetic workloads, by the name
 //! `--scenario` gives it — and the fleet it replays one on when no `--config` is given.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use cachepick_sim::{Engine, SimConfig, Timing};
 
-use super::ReplayError;
+use super::trace::{self, Item};
+use super::{ReplayError, agents, chat, documents};
 use crate::nz;
 
 /// The workload.
@@ -21,7 +22,13 @@ pub enum Scenario {
     /// Multi-turn chat over long per-user contexts with think times between rounds, shaped on vLLM
     /// production-stack's multi-round QA benchmark ([`chat`]).
     Chat,
+    /// Chat over long pasted documents: long, mostly new prompts and few follow-ups
+    /// ([`documents`]).
+    Documents,
 }
+
+/// The synthetic scenarios' `--scenario` names.
+pub const SCENARIO_NAMES: [&str; 4] = ["burst", "agents", "chat", "documents"];
 
 impl Scenario {
     /// A synthetic scenario by its `--scenario` name.
@@ -30,6 +37,7 @@ impl Scenario {
             "burst" => Some(Scenario::Burst),
             "agents" => Some(Scenario::Agents),
             "chat" => Some(Scenario::Chat),
+            "documents" => Some(Scenario::Documents),
             _ => None,
         }
     }
@@ -51,14 +59,33 @@ impl Scenario {
             Scenario::Burst => "burst".to_owned(),
             Scenario::Agents => "agents".to_owned(),
             Scenario::Chat => "chat".to_owned(),
+            Scenario::Documents => "documents".to_owned(),
         }
+    }
+
+    /// The scenario's requests: a synthetic one's for `seed`, their start times spread over `scale`
+    /// times its span; a trace's as `read_trace` reads it (the wall-clock replay and the virtual one
+    /// window a trace differently).
+    pub fn requests(
+        &self,
+        seed: u64,
+        scale: f64,
+        read_trace: impl FnOnce(&Path) -> Result<Vec<Item>, ReplayError>,
+    ) -> Result<Vec<Item>, ReplayError> {
+        Ok(match self {
+            Scenario::Trace(path) => return read_trace(path),
+            Scenario::Burst => trace::burst(seed, scale),
+            Scenario::Agents => agents::agents(seed, scale),
+            Scenario::Chat => chat::chat(seed, scale),
+            Scenario::Documents => documents::documents(seed, scale),
+        })
     }
 
     /// Trace time is divided by this unless `--speedup` says otherwise.
     pub fn default_speedup(&self) -> f64 {
         match self {
             Scenario::Burst => 4.0,
-            Scenario::Trace(_) | Scenario::Agents | Scenario::Chat => 8.0,
+            Scenario::Trace(_) | Scenario::Agents | Scenario::Chat | Scenario::Documents => 8.0,
         }
     }
 }
@@ -81,8 +108,14 @@ pub fn default_fleet(scenario: &Scenario, speedup: f64, timing: Timing) -> SimCo
     sim.params.max_model_len = nz(262_144);
     match (timing, scenario) {
         (Timing::Step, Scenario::Burst) => sim.params.kv_blocks = nz(4_096),
-        (Timing::Step, Scenario::Trace(_) | Scenario::Agents | Scenario::Chat) => {}
-        (Timing::Slots, Scenario::Trace(_) | Scenario::Agents | Scenario::Chat) => {
+        (
+            Timing::Step,
+            Scenario::Trace(_) | Scenario::Agents | Scenario::Chat | Scenario::Documents,
+        ) => {}
+        (
+            Timing::Slots,
+            Scenario::Trace(_) | Scenario::Agents | Scenario::Chat | Scenario::Documents,
+        ) => {
             // Mooncake's ~190 output tokens at 20 ms dominate a slot: 16 slots per worker serve its
             // ~3.7 requests/s near, not beyond, capacity.
             sim.params.max_running = nz(16);

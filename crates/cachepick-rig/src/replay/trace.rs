@@ -360,6 +360,14 @@ impl XorShift {
         -(1.0 - self.unit()).ln() * mean
     }
 
+    /// A log-normal draw of median `median` and shape `sigma` (the spread of its logarithm), by
+    /// Box–Muller: lengths people write and paste are skewed, a few very long.
+    pub(crate) fn log_normal(&mut self, median: f64, sigma: f64) -> f64 {
+        let radius = (-2.0 * (1.0 - self.unit()).ln()).sqrt();
+        let normal = radius * (std::f64::consts::TAU * self.unit()).cos();
+        median * (sigma * normal).exp()
+    }
+
     /// Group `g` of `groups` with weight `1 / (g + 1)`.
     pub(crate) fn weighted_group(&mut self, groups: u64) -> u64 {
         let total: f64 = (1..=groups).map(|g| 1.0 / g as f64).sum();

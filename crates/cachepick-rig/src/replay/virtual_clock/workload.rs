@@ -8,8 +8,8 @@ use cachepick_sim::SimConfig;
 use cachepick_sim::offline::WorkerTokenizer;
 
 use super::VirtualOptions;
+use crate::replay::ReplayError;
 use crate::replay::trace::{self, Item, PromptBuilder};
-use crate::replay::{ReplayError, Scenario, agents, chat};
 
 /// Model seconds before the first arrival: the pickers' first scrape rounds, as the wall-clock replay
 /// waits for its pickers to be ready.
@@ -124,14 +124,17 @@ pub(super) fn workload(
     let mut shift_rng = SplitMix(seed ^ 0x5EED_C0DE);
     for copy in 0..copies {
         let copy_seed = seed.wrapping_add(u64::from(copy).wrapping_mul(1_000_003));
-        let mut one: Vec<Item> = match &options.scenario {
-            Scenario::Trace(path) => {
-                window(trace::load_mooncake(path, None)?, options.limit, nth, of)
-            }
-            Scenario::Burst => trace::burst(copy_seed, options.duration_scale),
-            Scenario::Agents => agents::agents(copy_seed, options.duration_scale),
-            Scenario::Chat => chat::chat(copy_seed, options.duration_scale),
-        };
+        let mut one: Vec<Item> =
+            options
+                .scenario
+                .requests(copy_seed, options.duration_scale, |path| {
+                    Ok(window(
+                        trace::load_mooncake(path, None)?,
+                        options.limit,
+                        nth,
+                        of,
+                    ))
+                })?;
         if let Some(limit) = options.limit {
             one.truncate(limit);
         }
