@@ -113,6 +113,27 @@ fn check_accepts_the_example_and_prints_the_effective_config() {
     );
 }
 
+/// `check`'s output goes where configurations are pasted (CI logs, tickets): a worker's `metrics_url`
+/// keeps its host and path but not its credentials or query, as `/debug/config` shows it.
+#[test]
+fn check_redacts_credentials_as_debug_config_does() {
+    let file = write_config(
+        "pools:\n  - model: m\n    engine: vllm\n    workers:\n      - endpoint: 127.0.0.1:8000\n        metrics_url: http://scraper:s3cret@127.0.0.1:8000/metrics?api_key=k3y\n",
+    );
+    let output = check(file.path(), &[]);
+    assert!(output.status.success(), "stderr: {}", stderr(&output));
+    let text = stdout(&output);
+    assert!(
+        !text.contains("s3cret") && !text.contains("scraper") && !text.contains("k3y"),
+        "{text}"
+    );
+    let effective: serde_yaml::Value = serde_yaml::from_str(&text).expect("YAML output");
+    assert_eq!(
+        effective["pools"][0]["workers"][0]["metrics_url"],
+        "http://REDACTED@127.0.0.1:8000/metrics?REDACTED"
+    );
+}
+
 #[test]
 fn the_effective_config_is_itself_a_valid_config() {
     let first = check(&example(), &[]);

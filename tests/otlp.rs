@@ -102,6 +102,80 @@ fn attributes(span: &Span) -> HashMap<String, String> {
         .collect()
 }
 
+/// Two simulated vLLM workers, the real `serve` binary in front of them with `tracing.otlp_endpoint`
+/// set to `collector` (and `env` set for it), ready, and a generated Envoy in front of that.
+struct Traced {
+    server: serve::Server,
+    lines: std::sync::mpsc::Receiver<String>,
+    gateway: std::net::SocketAddr,
+    access_log: std::path::PathBuf,
+    _envoy: envoy::Envoy,
+    _fleet: cachepick_sim::fleet::Fleet,
+    _dir: tempfile::TempDir,
+}
+
+impl Traced {
+    async fn start(collector: std::net::SocketAddr, env: &[(&str, &str)]) -> Traced {
+        let fleet = sim_fleet::start(&sim_fleet::config(Engine::Vllm, 2)).await;
+        let listen = envoy::free_addr();
+        let metrics = envoy::free_addr();
+        let text = format!(
+            "{}tracing: {{otlp_endpoint: \"http://{collector}\", service_name: cachepick-e2e}}\n",
+            fleet.cachepick_config()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("cachepick.yaml");
+        std::fs::write(&file, &text).unwrap();
+        let flags = [
+            "--listen".to_owned(),
+            listen.to_string(),
+            "--metrics-listen".to_owned(),
+            metrics.to_string(),
+        ];
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let mut command = serve::command(&file, &flags, "info,cachepick::route=debug");
+        command.envs(env.iter().copied());
+        let (server, lines) = serve::spawn_logged(&mut command);
+        serve::logged_field(&lines, "metrics_listen");
+        let sim = Client::new();
+        let ready_by = Instant::now() + Duration::from_secs(30);
+        while sim
+            .try_exchange(Method::GET, metrics, "/readyz", None)
+            .await
+            .map_or(true, |reply| reply.status != http::StatusCode::OK)
+        {
+            assert!(Instant::now() < ready_by, "cachepick never became ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let config = config::parse(
+            &text,
+            "otlp.yaml",
+            &Overrides {
+                listen: Some(listen),
+                metrics_listen: Some(metrics),
+                ..Overrides::default()
+            },
+        )
+        .unwrap();
+        let access_log = dir.path().join("access.log");
+        let options = envoy_config::EnvoyOptions {
+            access_log: Some(access_log.clone()),
+            ..envoy::free_options(&config, BodyMode::Buffered)
+        };
+        let gateway = options.listen;
+        let envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
+        Traced {
+            server,
+            lines,
+            gateway,
+            access_log,
+            _envoy: envoy,
+            _fleet: fleet,
+            _dir: dir,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_is_one_span_in_the_client_s_trace_and_the_engine_continues_it() {
     // The OTLP receiver.
@@ -116,58 +190,15 @@ async fn a_decision_is_one_span_in_the_client_s_trace_and_the_engine_continues_i
             .unwrap();
     });
 
-    // Two simulated vLLM workers and the real binary in front of them, exporting to the receiver.
-    let fleet = sim_fleet::start(&sim_fleet::config(Engine::Vllm, 2)).await;
-    let listen = envoy::free_addr();
-    let metrics = envoy::free_addr();
-    let text = format!(
-        "{}tracing: {{otlp_endpoint: \"http://{collector}\", service_name: cachepick-e2e}}\n",
-        fleet.cachepick_config()
+    // Two simulated vLLM workers, the real binary in front of them exporting to the receiver (batches
+    // leave every 100 ms rather than every 5 s), and Envoy in front of it.
+    let traced = Traced::start(collector, &[("OTEL_BSP_SCHEDULE_DELAY", "100")]).await;
+    let (sim, gateway, lines, access_log) = (
+        Client::new(),
+        traced.gateway,
+        &traced.lines,
+        traced.access_log.clone(),
     );
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("cachepick.yaml");
-    std::fs::write(&file, &text).unwrap();
-    let flags = [
-        "--listen".to_owned(),
-        listen.to_string(),
-        "--metrics-listen".to_owned(),
-        metrics.to_string(),
-    ];
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let mut command = serve::command(&file, &flags, "info,cachepick::route=debug");
-    // Batches leave every 100 ms rather than every 5 s.
-    command.env("OTEL_BSP_SCHEDULE_DELAY", "100");
-    let (server, lines) = serve::spawn_logged(&mut command);
-    serve::logged_field(&lines, "metrics_listen");
-    let sim = Client::new();
-    let ready_by = Instant::now() + Duration::from_secs(30);
-    while sim
-        .try_exchange(Method::GET, metrics, "/readyz", None)
-        .await
-        .map_or(true, |reply| reply.status != http::StatusCode::OK)
-    {
-        assert!(Instant::now() < ready_by, "cachepick never became ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-
-    // Envoy in front, generated for the same configuration.
-    let config = config::parse(
-        &text,
-        "otlp.yaml",
-        &Overrides {
-            listen: Some(listen),
-            metrics_listen: Some(metrics),
-            ..Overrides::default()
-        },
-    )
-    .unwrap();
-    let access_log = dir.path().join("access.log");
-    let options = envoy_config::EnvoyOptions {
-        access_log: Some(access_log.clone()),
-        ..envoy::free_options(&config, BodyMode::Buffered)
-    };
-    let gateway = options.listen;
-    let _envoy = envoy::Envoy::start(&envoy_config::render(&config, &options)).await;
 
     let body = json!({
         "model": MODEL,
@@ -319,5 +350,78 @@ async fn a_decision_is_one_span_in_the_client_s_trace_and_the_engine_continues_i
     assert_eq!(entry["upstream_host"], served_by.as_str(), "{entry}");
     assert_eq!(entry["status"], 200, "{entry}");
     assert!(entry["duration_ms"].is_number(), "{entry}");
-    drop(server);
+    drop(traced);
+}
+
+/// A collector that accepts the connection and never answers must not keep a stopping replica alive:
+/// after SIGTERM `serve` drains for its grace, logs `cachepick stopped`, gives its queued spans a
+/// bounded moment (1 s) and exits. Before the bound the SDK's shutdown waited 5 s behind an export
+/// that waited 5 s for the silent collector.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_collector_does_not_hold_up_shutdown() {
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let collector = hole.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for connection in hole.incoming() {
+            held.push(connection);
+        }
+    });
+    // The batch's default delay (5 s): the decision's spans are still queued at the signal.
+    let mut traced = Traced::start(collector, &[]).await;
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A span for a collector that never answers."}],
+        "max_tokens": 2,
+    });
+    let reply = sim_client::read_whole(
+        Client::new()
+            .send_raw(
+                Method::POST,
+                traced.gateway,
+                CHAT,
+                &[("content-type", "application/json")],
+                serde_json::to_vec(&body).unwrap(),
+            )
+            .await,
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.status, http::StatusCode::OK, "{}", reply.text());
+
+    let pid = traced.server.0.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    // The drain's grace is the configuration's; what follows `stopped` is the exporter's.
+    let stop_by = Instant::now() + Duration::from_secs(30);
+    loop {
+        let line = traced
+            .lines
+            .recv_timeout(stop_by.saturating_duration_since(Instant::now()))
+            .expect("serve logs `cachepick stopped` after its drain");
+        if line.contains("cachepick stopped") {
+            break;
+        }
+    }
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(status) = traced.server.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(10),
+            "serve still running 10 s after `cachepick stopped`"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let took = stopped.elapsed();
+    eprintln!("serve exited {took:?} after `cachepick stopped`");
+    assert!(status.success(), "serve exits cleanly: {status:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "serve took {took:?} to exit after `cachepick stopped`"
+    );
 }

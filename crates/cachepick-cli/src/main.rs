@@ -625,9 +625,10 @@ fn main() -> ExitCode {
         }
         Command::Chaos(args) => run("cachepick chaos", commands::chaos(&args)),
         Command::Overhead(args) => run("cachepick overhead", commands::overhead(&args)),
-        // `check` runs every start-time check `serve` runs, with the same messages.
+        // `check` runs every start-time check `serve` runs, with the same messages, and prints the
+        // configuration as `/debug/config` serves it: its output lands in CI logs and tickets.
         Command::Check(args) => with_prepared(&args, |config, _| {
-            print!("{}", config.to_yaml());
+            print!("{}", config.to_redacted_yaml());
             print!("{}", commands::check_verdict(&config));
             ExitCode::SUCCESS
         }),

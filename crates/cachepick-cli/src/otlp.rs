@@ -21,6 +21,11 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporte
 /// The longest one export may take before it is given up (the batch is dropped, and counted by the SDK).
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the last spans may hold the process after the server has stopped: a collector that is
+/// reachable takes milliseconds; one that accepts and never answers would otherwise keep a stopping
+/// replica alive for the SDK's 5 s shutdown and an export's 5 s timeout, past its drain.
+const SHUTDOWN_WITHIN: Duration = Duration::from_secs(1);
+
 /// The running exporter: flushed and stopped by [`Otlp::shutdown`].
 pub struct Otlp {
     provider: SdkTracerProvider,
@@ -69,12 +74,13 @@ impl Otlp {
         Ok(Some((Otlp { provider, runtime }, tracer)))
     }
 
-    /// Exports what is still queued, within the SDK's shutdown timeout, and stops.
+    /// Exports what is still queued within [`SHUTDOWN_WITHIN`], and stops without waiting for an
+    /// export still under way.
     pub fn shutdown(self) {
-        if let Err(error) = self.provider.shutdown() {
+        if let Err(error) = self.provider.shutdown_with_timeout(SHUTDOWN_WITHIN) {
             eprintln!("cachepick: the last spans were not exported: {error}");
         }
-        self.runtime.shutdown_timeout(Duration::from_secs(1));
+        self.runtime.shutdown_background();
     }
 }
 
