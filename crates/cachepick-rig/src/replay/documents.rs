@@ -24,7 +24,7 @@
 //! - Answers are uniform in [`OUTPUT`] tokens (mean 225, around LMSYS-Chat-1M's 214.5 per response).
 //!
 //! Its ideal hit rate (a perfect router, an unbounded cache) is about 30%, against about 85% for
-//! `chat` and 95% for `agents`.
+//! `chat` and 92% for `agents`.
 
 use std::ops::RangeInclusive;
 
