@@ -19,7 +19,9 @@
 
 use std::ops::RangeInclusive;
 
-use super::trace::{FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn};
+use super::trace::{
+    FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn, sessions,
+};
 
 /// System prompts the sessions share.
 pub const AGENT_PROMPTS: u64 = 24;
@@ -62,35 +64,30 @@ pub fn agents(seed: u64, scale: f64) -> Vec<Item> {
         })
         .collect();
     let mut fresh = FreshIds(UNIQUE_IDS);
-    let mut items = Vec::new();
-    let end = SPAN_MS * scale;
-    let mut start = 0.0_f64;
-    loop {
-        start += rng.gap_ms(SESSION_RATE);
-        if start >= end {
-            break;
-        }
-        let agent = rng.weighted_group(AGENT_PROMPTS) as usize;
-        let system = prompts.get(agent).copied().unwrap_or(1);
-        let base = first_id.get(agent).copied().unwrap_or(0);
-        let mut context: Vec<u64> = (base..base + system).collect();
-        let turns = rng.within(TURNS);
-        let mut at = start;
-        for turn in 0..turns {
-            if turn > 0 {
-                at += rng.exponential(THINK_MS);
-                // The previous turn's answer, as the next prompt carries it.
-                context.extend(fresh.take(1));
+    sessions(
+        &mut rng,
+        SESSION_RATE,
+        SPAN_MS * scale,
+        |rng, start, items| {
+            let agent = rng.weighted_group(AGENT_PROMPTS) as usize;
+            let system = prompts.get(agent).copied().unwrap_or(1);
+            let base = first_id.get(agent).copied().unwrap_or(0);
+            let mut context: Vec<u64> = (base..base + system).collect();
+            let turns = rng.within(TURNS);
+            let mut at = start;
+            for turn in 0..turns {
+                if turn > 0 {
+                    at += rng.exponential(THINK_MS);
+                    // The previous turn's answer, as the next prompt carries it.
+                    context.extend(fresh.take(1));
+                }
+                let new = rng.within(NEW_BLOCKS);
+                context.extend(fresh.take(new));
+                let output = rng.within(OUTPUT);
+                items.push(session_turn(at, &context, output));
             }
-            let new = rng.within(NEW_BLOCKS);
-            context.extend(fresh.take(new));
-            let output = rng.within(OUTPUT);
-            items.push(session_turn(at, &context, output));
-        }
-    }
-    // Sessions overlap: arrival order across them, the order within each kept (stable sort).
-    items.sort_by_key(|item| item.timestamp_ms);
-    items
+        },
+    )
 }
 
 #[cfg(test)]

@@ -24,7 +24,9 @@
 
 use std::ops::RangeInclusive;
 
-use super::trace::{FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn};
+use super::trace::{
+    FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn, sessions,
+};
 
 /// The shared system prompt, in blocks: the benchmark's 1,000 tokens.
 pub const SYSTEM_BLOCKS: u64 = 2;
@@ -49,14 +51,7 @@ pub fn chat(seed: u64, scale: f64) -> Vec<Item> {
     let mut rng = XorShift::new(seed ^ 0xC4A7_5EED);
     let block = TRACE_BLOCK_TOKENS as f64;
     let mut fresh = FreshIds(UNIQUE_IDS);
-    let mut items = Vec::new();
-    let end = SPAN_MS * scale;
-    let mut start = 0.0_f64;
-    loop {
-        start += rng.gap_ms(USER_RATE);
-        if start >= end {
-            break;
-        }
+    sessions(&mut rng, USER_RATE, SPAN_MS * scale, |rng, start, items| {
         let context_tokens = (MIN_CONTEXT_TOKENS.ln()
             + rng.unit() * (MAX_CONTEXT_TOKENS.ln() - MIN_CONTEXT_TOKENS.ln()))
         .exp();
@@ -73,10 +68,7 @@ pub fn chat(seed: u64, scale: f64) -> Vec<Item> {
             let output = rng.within(OUTPUT);
             items.push(session_turn(at, &conversation, output));
         }
-    }
-    // Conversations overlap: arrival order across them, the order within each kept (stable sort).
-    items.sort_by_key(|item| item.timestamp_ms);
-    items
+    })
 }
 
 #[cfg(test)]

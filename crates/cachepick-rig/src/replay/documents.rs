@@ -28,7 +28,9 @@
 
 use std::ops::RangeInclusive;
 
-use super::trace::{FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn};
+use super::trace::{
+    FreshIds, Item, TRACE_BLOCK_TOKENS, XorShift, duration_scale, session_turn, sessions,
+};
 
 /// The shared system prompt, in blocks.
 pub const SYSTEM_BLOCKS: u64 = 1;
@@ -58,36 +60,31 @@ pub fn documents(seed: u64, scale: f64) -> Vec<Item> {
     let mut rng = XorShift::new(seed ^ 0xD0C5_5EED);
     let block = TRACE_BLOCK_TOKENS as f64;
     let mut fresh = FreshIds(UNIQUE_IDS);
-    let mut items = Vec::new();
-    let end = SPAN_MS * scale;
-    let mut start = 0.0_f64;
-    loop {
-        start += rng.gap_ms(CONVERSATION_RATE);
-        if start >= end {
-            break;
-        }
-        let document = rng
-            .log_normal(MEDIAN_DOCUMENT_TOKENS, DOCUMENT_SIGMA)
-            .clamp(*DOCUMENT_TOKENS.start(), *DOCUMENT_TOKENS.end());
-        let mut conversation: Vec<u64> = (0..SYSTEM_BLOCKS).collect();
-        conversation.extend(fresh.take(((document / block).round() as u64).max(1)));
-        // The first question.
-        conversation.extend(fresh.take(1));
-        let mut at = start;
-        loop {
-            let answer = rng.within(OUTPUT);
-            items.push(session_turn(at, &conversation, answer));
-            if rng.unit() >= FOLLOW_UP {
-                break;
+    sessions(
+        &mut rng,
+        CONVERSATION_RATE,
+        SPAN_MS * scale,
+        |rng, start, items| {
+            let document = rng
+                .log_normal(MEDIAN_DOCUMENT_TOKENS, DOCUMENT_SIGMA)
+                .clamp(*DOCUMENT_TOKENS.start(), *DOCUMENT_TOKENS.end());
+            let mut conversation: Vec<u64> = (0..SYSTEM_BLOCKS).collect();
+            conversation.extend(fresh.take(((document / block).round() as u64).max(1)));
+            // The first question.
+            conversation.extend(fresh.take(1));
+            let mut at = start;
+            loop {
+                let answer = rng.within(OUTPUT);
+                items.push(session_turn(at, &conversation, answer));
+                if rng.unit() >= FOLLOW_UP {
+                    break;
+                }
+                at += rng.exponential(THINK_MS);
+                let new_tokens = answer + rng.within(QUESTION_TOKENS);
+                conversation.extend(fresh.take(new_tokens.div_ceil(TRACE_BLOCK_TOKENS as u64)));
             }
-            at += rng.exponential(THINK_MS);
-            let new_tokens = answer + rng.within(QUESTION_TOKENS);
-            conversation.extend(fresh.take(new_tokens.div_ceil(TRACE_BLOCK_TOKENS as u64)));
-        }
-    }
-    // Conversations overlap: arrival order across them, the order within each kept (stable sort).
-    items.sort_by_key(|item| item.timestamp_ms);
-    items
+        },
+    )
 }
 
 #[cfg(test)]

@@ -189,6 +189,28 @@ impl FreshIds {
     }
 }
 
+/// The sessions of a synthetic workload: they start as a Poisson process at `rate` a second of trace
+/// time until `end_ms`, `session` makes each one's requests from its start (drawing from the same
+/// generator), and all come back in arrival order, each session's own order kept (a stable sort).
+pub(crate) fn sessions(
+    rng: &mut XorShift,
+    rate: f64,
+    end_ms: f64,
+    mut session: impl FnMut(&mut XorShift, f64, &mut Vec<Item>),
+) -> Vec<Item> {
+    let mut items = Vec::new();
+    let mut start = 0.0_f64;
+    loop {
+        start += rng.gap_ms(rate);
+        if start >= end_ms {
+            break;
+        }
+        session(rng, start, &mut items);
+    }
+    items.sort_by_key(|item| item.timestamp_ms);
+    items
+}
+
 /// A turn of a multi-turn session at `at_ms` whose prompt is `context`, whole trace blocks.
 pub(crate) fn session_turn(at_ms: f64, context: &[u64], output_tokens: u64) -> Item {
     Item {
