@@ -19,7 +19,7 @@ use crate::discovery::kubernetes::KubernetesSource;
 use crate::events::EventFeeds;
 use crate::extproc;
 use crate::health::Readiness;
-use crate::load::{PoolLoad, PoolView, ReplicaSync, ScrapeTlsClient, Scraper};
+use crate::load::{PoolLoad, PoolView, ReplicaSync, ScrapeTlsClient, Scraper, SyncKeys};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource, ExplainFuture};
 use crate::prefix::EventIndex;
@@ -125,6 +125,7 @@ pub async fn serve_prepared(
         tls,
         token,
         scrape_tls,
+        sync_keys,
         tokenizers,
     } = prepared;
     let (listener, bound) = bind(config.listen).await?;
@@ -145,7 +146,8 @@ pub async fn serve_prepared(
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     service.set_effective_config(config);
     let mut tasks = tokio::task::JoinSet::new();
-    if let Some(sync) = &config.replica_sync {
+    if let (Some(sync), Some(keys)) = (&config.replica_sync, sync_keys) {
+        let sync = (sync, keys);
         start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
     }
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
@@ -234,7 +236,7 @@ fn metrics_access(
 /// receiver and resolver.
 fn start_replica_sync<F>(
     config: &Config,
-    sync: &ReplicaSyncConfig,
+    (sync, keys): (&ReplicaSyncConfig, SyncKeys),
     loads: &[Arc<PoolLoad>],
     metrics: &Metrics,
     tasks: &mut tokio::task::JoinSet<()>,
@@ -247,7 +249,7 @@ where
         addr: sync.listen,
         source,
     };
-    let replica = ReplicaSync::bind(sync).map_err(bind_error)?;
+    let replica = ReplicaSync::bind(sync, keys).map_err(bind_error)?;
     for load in loads {
         load.announce_through(Arc::clone(&replica) as Arc<dyn crate::load::Announce>);
     }
@@ -259,12 +261,13 @@ where
         .map(|(pool, load)| (Arc::clone(load), pool.max_model_len.get()))
         .collect();
     tracing::info!(
-        listen = %replica.local_addr().map_err(bind_error)?,
+        listen = %replica.local_addr(),
         peers = sync.peers.len(),
+        signed = if sync.key_file.is_some() { "key_file" } else { "loopback only" },
         "replica sync on: dispatches are announced to the peers"
     );
     tasks.spawn(Arc::clone(&replica).receive(bounds, stopped()));
-    tasks.spawn(Arc::clone(&replica).resolve(stopped()));
+    tasks.spawn(Arc::clone(&replica).refresh(stopped()));
     Ok(())
 }
 

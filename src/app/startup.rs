@@ -1,6 +1,6 @@
 //! Everything `serve` checks before it listens, in one place: the files the configuration names (the
-//! listener's TLS files, `debug_token_file`, `load.tls`'s files, every pool's tokenizer and chat
-//! template), each loaded as `serve` uses it. `cachepick check` runs the same function, so what `serve`
+//! listener's TLS files, `debug_token_file`, `load.tls`'s files, `replica_sync.key_file`, every pool's
+//! tokenizer and chat template), each loaded as `serve` uses it. `cachepick check` runs the same function, so what `serve`
 //! refuses `check` refuses, with the same message; every problem is listed, each once.
 
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use thiserror::Error;
 
 use crate::auth::BearerToken;
 use crate::config::{Config, ModelMatch};
-use crate::load::ScrapeTlsClient;
+use crate::load::{ScrapeTlsClient, SyncKeys};
 use crate::tls::ServerTls;
 use crate::tokenize::PoolTokenizer;
 
@@ -18,6 +18,8 @@ pub struct Prepared {
     pub(super) tls: Option<Arc<ServerTls>>,
     pub(super) token: Option<BearerToken>,
     pub(super) scrape_tls: Option<ScrapeTlsClient>,
+    /// `replica_sync`'s keys: the key file's, or the empty key between loopback peers.
+    pub(super) sync_keys: Option<SyncKeys>,
     /// Every pool's, in configuration order.
     pub(super) tokenizers: Vec<PoolTokenizer>,
 }
@@ -74,6 +76,18 @@ pub fn prepare(config: &Config) -> Result<Prepared, StartError> {
             None
         }
     };
+    let sync_keys = match config.replica_sync.as_ref().map(|sync| {
+        sync.key_file
+            .as_deref()
+            .map_or_else(|| Ok(SyncKeys::loopback_only()), SyncKeys::from_file)
+    }) {
+        Some(Ok(keys)) => Some(keys),
+        Some(Err(error)) => {
+            keep(error.to_string());
+            None
+        }
+        None => None,
+    };
     let mut tokenizers = Vec::with_capacity(config.pools.len());
     for pool in &config.pools {
         match PoolTokenizer::new(pool) {
@@ -94,6 +108,7 @@ pub fn prepare(config: &Config) -> Result<Prepared, StartError> {
         tls,
         token,
         scrape_tls,
+        sync_keys,
         tokenizers,
     })
 }

@@ -54,7 +54,7 @@ struct File<'c> {
     load: Load<'c>,
     overload: Overload,
     feedback: Feedback,
-    replica_sync: Option<ReplicaSync>,
+    replica_sync: Option<ReplicaSync<'c>>,
     tracing: Tracing<'c>,
     pools: Vec<Pool<'c>>,
 }
@@ -68,11 +68,13 @@ struct Tracing<'c> {
     service_name: &'c str,
 }
 
-/// `replica_sync`, every key written.
+/// `replica_sync`, every key written (`key_file` when set).
+#[serde_with::skip_serializing_none]
 #[derive(Serialize)]
-struct ReplicaSync {
+struct ReplicaSync<'c> {
     listen: SocketAddr,
     peers: Vec<String>,
+    key_file: Option<&'c Path>,
     max_datagrams_per_second: u32,
     resolve_interval: String,
 }
@@ -501,6 +503,7 @@ impl<'c> From<&'c Config> for File<'c> {
             replica_sync: config.replica_sync.as_ref().map(|sync| ReplicaSync {
                 listen: sync.listen,
                 peers: sync.peers.iter().map(ToString::to_string).collect(),
+                key_file: sync.key_file.as_deref(),
                 max_datagrams_per_second: sync.max_datagrams_per_second.get(),
                 resolve_interval: duration::format(sync.resolve_interval),
             }),

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// `replica_sync:`: every replica sends each of its dispatches (pool, worker, uncached tokens) to the
@@ -17,7 +18,11 @@ pub struct ReplicaSyncConfig {
     /// list may be given to all, since a replica recognises and drops its own datagrams. Datagrams
     /// from any other source address are dropped.
     pub peers: Vec<PeerAddress>,
-    /// How often the peers' names are resolved again.
+    /// The shared key every datagram is signed and checked with (one key per line; the first signs,
+    /// all verify, so a key rotates by editing the file, read again every `resolve_interval`).
+    /// Required unless `listen` and every peer are loopback addresses.
+    pub key_file: Option<PathBuf>,
+    /// How often the peers' names are resolved and the key file read again.
     pub resolve_interval: Duration,
     /// Datagrams accepted per second from all peers together; the excess is dropped and counted, so
     /// a misbehaving peer costs one bounded task, never the request path.

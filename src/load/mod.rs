@@ -36,5 +36,8 @@ pub use snapshot::{
     Capacity, DispatchCounts, Dispatches, EngineLoad, Lifecycle, PoolSnapshot, PrefillEstimate,
     Reading, ScrapeOutcome, ScrapeStatus, Tier, TokenDispatches, WorkerState,
 };
-pub use sync::{Announcement, Received, ReplicaSync, SyncStats, take_announcement};
+pub use sync::{
+    Announcement, FRESH_WITHIN, KeyError, MIN_KEY_BYTES, Received, ReplicaSync, SyncKeys,
+    SyncStats, Unopened, take_announcement,
+};
 pub use tls::ScrapeTlsClient;

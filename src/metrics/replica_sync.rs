@@ -16,6 +16,7 @@ pub(super) struct ReplicaSyncCounters {
     source: Mutex<Option<Arc<SyncStats>>>,
     sent: IntCounterVec,
     received: IntCounterVec,
+    key_reloads: IntCounterVec,
 }
 
 impl ReplicaSyncCounters {
@@ -35,7 +36,18 @@ impl ReplicaSyncCounters {
                 Opts::new(
                     "cachepick_replica_sync_received_total",
                     "Datagrams received on replica_sync.listen, by what became of them: accepted, \
-                     own, unknown_source, malformed, unknown_worker, over_budget.",
+                     own, unknown_source, malformed, unauthenticated (no key held signed it, or its \
+                     MAC does not match: forged, altered, or a peer on another key), stale (sent \
+                     more than 10 s from this replica's clock), replayed (taken already), \
+                     unknown_worker, over_budget.",
+                ),
+                &["outcome"],
+            )?,
+            key_reloads: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_replica_sync_key_reloads_total",
+                    "Reads of replica_sync.key_file that found it changed, by outcome: applied (its \
+                     keys are in force), failed (unreadable or no valid key: the last keys stay).",
                 ),
                 &["outcome"],
             )?,
@@ -52,7 +64,7 @@ pub(super) struct ReplicaSyncCollector(pub(super) Arc<ReplicaSyncCounters>);
 
 impl Collector for ReplicaSyncCollector {
     fn desc(&self) -> Vec<&Desc> {
-        descs(&[&self.0.sent, &self.0.received])
+        descs(&[&self.0.sent, &self.0.received, &self.0.key_reloads])
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
@@ -77,6 +89,11 @@ impl Collector for ReplicaSyncCollector {
                 .with_label_values(&[outcome.as_str()])
                 .inc_by(stats.received(outcome));
         }
-        samples(&[&sent, &received])
+        let reloads = self.0.key_reloads.clone();
+        reloads.reset();
+        let (applied, failed) = stats.key_reloads();
+        reloads.with_label_values(&["applied"]).inc_by(applied);
+        reloads.with_label_values(&["failed"]).inc_by(failed);
+        samples(&[&sent, &received, &reloads])
     }
 }

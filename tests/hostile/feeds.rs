@@ -565,6 +565,26 @@ fn check_refuses_what_serve_refuses_with_the_same_message_once() {
             "holds a token",
         ),
         (
+            "a short replica_sync key",
+            format!(
+                "replica_sync:\n  listen: 10.0.0.7:9104\n  peers: [10.0.0.8:9104]\n  \
+                 key_file: {short_token}\n{}",
+                pool("")
+            ),
+            format!("replica_sync.key_file {short_token} line 1: a key of 5 bytes"),
+            "a key of 5 bytes",
+        ),
+        (
+            "replica_sync beyond loopback without a key",
+            format!(
+                "replica_sync:\n  listen: 0.0.0.0:9104\n  peers: [10.0.0.8:9104]\n{}",
+                pool("")
+            ),
+            "replica_sync.key_file is required: 0.0.0.0:9104 (and more) is not a loopback address"
+                .to_owned(),
+            "key_file is required",
+        ),
+        (
             "listen equal to metrics_listen",
             format!(
                 "listen: 127.0.0.1:19002\nmetrics_listen: 127.0.0.1:19002\n{}",

@@ -86,11 +86,39 @@ impl Harness {
         head: &str,
         tokenizer: TokenizerConfig,
     ) -> Harness {
+        Harness::start_edited(workers, head, tokenizer, |generated| generated).await
+    }
+
+    /// [`start`](Self::start) under the product's default policy (the prefill-time unit), not the
+    /// request-unit limits the simulator's generated configuration sets.
+    pub async fn start_default_policy(workers: u32, head: &str) -> Harness {
+        let without_policy = |generated: String| {
+            let mut in_policy = false;
+            let kept: Vec<&str> = generated
+                .lines()
+                .filter(|line| {
+                    if !line.starts_with(' ') {
+                        in_policy = *line == "policy:";
+                    }
+                    !in_policy
+                })
+                .collect();
+            kept.join("\n")
+        };
+        Harness::start_edited(workers, head, TokenizerConfig::Bytes, without_policy).await
+    }
+
+    async fn start_edited(
+        workers: u32,
+        head: &str,
+        tokenizer: TokenizerConfig,
+        edit: impl FnOnce(String) -> String,
+    ) -> Harness {
         let started = Instant::now();
         let mut sim = sim_fleet::config(Engine::Vllm, workers);
         sim.tokenizer = tokenizer;
         let fleet = sim_fleet::start(&sim).await;
-        let generated = fleet.cachepick_config();
+        let generated = edit(fleet.cachepick_config());
         assert!(
             generated.contains("scrape_interval: 200ms"),
             "the generated config changed its scrape interval:\n{generated}"

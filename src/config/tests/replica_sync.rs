@@ -28,10 +28,12 @@ fn without_the_section_replicas_share_nothing() {
 
 #[test]
 fn the_section_names_where_to_listen_and_every_peer() {
-    let sync =
-        config("replica_sync:\n  listen: 0.0.0.0:9104\n  peers: [10.0.0.7:9104, 10.0.0.8:9104]\n")
-            .replica_sync
-            .expect("on");
+    let sync = config(
+        "replica_sync:\n  listen: 0.0.0.0:9104\n  peers: [10.0.0.7:9104, 10.0.0.8:9104]\n  \
+                key_file: /etc/cachepick/sync.key\n",
+    )
+    .replica_sync
+    .expect("on");
     assert_eq!(
         sync,
         ReplicaSyncConfig {
@@ -40,6 +42,7 @@ fn the_section_names_where_to_listen_and_every_peer() {
                 PeerAddress::Socket(addr("10.0.0.7:9104")),
                 PeerAddress::Socket(addr("10.0.0.8:9104"))
             ],
+            key_file: Some("/etc/cachepick/sync.key".into()),
             max_datagrams_per_second: NonZeroU32::new(
                 ReplicaSyncConfig::DEFAULT_MAX_DATAGRAMS_PER_SECOND
             )
@@ -89,7 +92,7 @@ fn a_peer_is_an_address_or_a_name_with_a_port() {
 fn the_emitted_form_reads_back_the_same() {
     let given = config(
         "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [127.0.0.1:9104, cachepick-peers.llm.svc:9104]\n  \
-         resolve_interval: 2s\n",
+         resolve_interval: 2s\n  key_file: /k\n",
     );
     let yaml = given.to_yaml();
     assert!(yaml.contains("replica_sync:"), "{yaml}");
@@ -129,4 +132,39 @@ fn every_problem_of_the_section_is_listed_at_once() {
             .any(|problem| problem.contains("at least one peer address is required")),
         "{empty:#?}"
     );
+}
+
+#[test]
+fn a_key_is_required_unless_every_address_is_loopback() {
+    for head in [
+        "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [127.0.0.1:9105, localhost:9106, '[::1]:9107']\n",
+        "replica_sync:\n  listen: '[::1]:9104'\n  peers: [127.0.0.2:9105]\n",
+    ] {
+        let sync = config(head).replica_sync.expect("on");
+        assert_eq!(sync.key_file, None, "{head}");
+    }
+    for (head, named) in [
+        (
+            "replica_sync:\n  listen: 0.0.0.0:9104\n  peers: [127.0.0.1:9105]\n",
+            "0.0.0.0:9104 is",
+        ),
+        (
+            "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [127.0.0.1:9105, 10.0.0.7:9104]\n",
+            "10.0.0.7:9104 is",
+        ),
+        (
+            "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [peers.llm.svc:9104, 10.0.0.8:9104]\n",
+            "peers.llm.svc:9104 (and more) is",
+        ),
+    ] {
+        let problems = messages(head);
+        assert!(
+            problems
+                .iter()
+                .any(|problem| problem.starts_with("replica_sync (line 1)")
+                    && problem.contains("replica_sync.key_file is required")
+                    && problem.contains(named)),
+            "{head}: {problems:#?}"
+        );
+    }
 }

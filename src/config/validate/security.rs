@@ -26,7 +26,7 @@ const HTTP_KEYS: &[&str] = &[
 pub(super) const MAX_HTTP_CONNECTIONS: usize = 512;
 
 impl Validator<'_> {
-    fn path(&mut self, node: &Node, at: &Place) -> Res<PathBuf> {
+    pub(super) fn path(&mut self, node: &Node, at: &Place) -> Res<PathBuf> {
         self.string(node, at).map(PathBuf::from)
     }
 

@@ -1,5 +1,7 @@
 //! The `replica_sync:` section: where this replica hears its peers' dispatches, and who they are.
 
+use std::net::SocketAddr;
+
 use super::Validator;
 use crate::config::{PeerAddress, ReplicaSyncConfig};
 use cachepick_decode::{Decode, Map, Node, Phase, Place, Res, at_least_one_u32, with_default};
@@ -7,6 +9,7 @@ use cachepick_decode::{Decode, Map, Node, Phase, Place, Res, at_least_one_u32, w
 const SYNC_KEYS: &[&str] = &[
     "listen",
     "peers",
+    "key_file",
     "max_datagrams_per_second",
     "resolve_interval",
 ];
@@ -46,17 +49,52 @@ impl Validator<'_> {
             ),
             at_least_one_u32,
         );
+        let key_file = self.opt(&map, "key_file", Self::path);
         let resolve = self.positive_duration(
             &map,
             "resolve_interval",
             ReplicaSyncConfig::DEFAULT_RESOLVE_INTERVAL,
         );
+        let (listen, peers, key_file) = (listen?.value, peers?, key_file?.map(|file| file.value));
+        if key_file.is_none() {
+            self.require_key(&map, listen, &peers)?;
+        }
         Ok(Some(ReplicaSyncConfig {
-            listen: listen?.value,
-            peers: peers?,
+            listen,
+            peers,
+            key_file,
             max_datagrams_per_second: rate?.value,
             resolve_interval: resolve?.value,
         }))
+    }
+
+    /// Without `key_file` nothing but the source address vouches for a datagram, which only the
+    /// kernel's refusal of loopback sources from the network makes true: anything but loopback needs
+    /// the key.
+    fn require_key(&mut self, map: &Map, listen: SocketAddr, peers: &[PeerAddress]) -> Res<()> {
+        let loopback = |peer: &PeerAddress| match peer {
+            PeerAddress::Socket(address) => address.ip().is_loopback(),
+            PeerAddress::Name { host, .. } => host == "localhost",
+        };
+        let outside = std::iter::once(listen.to_string())
+            .filter(|_| !listen.ip().is_loopback())
+            .chain(
+                peers
+                    .iter()
+                    .filter(|peer| !loopback(peer))
+                    .map(ToString::to_string),
+            )
+            .collect::<Vec<_>>();
+        let Some(first) = outside.first() else {
+            return Ok(());
+        };
+        let message = format!(
+            "replica_sync.key_file is required: {first}{} is not a loopback address, and without a \
+             key anyone who can send a datagram from a listed address could steer routing (make \
+             one with `openssl rand -hex 32 > sync.key` and give every replica the same file)",
+            if outside.len() > 1 { " (and more)" } else { "" }
+        );
+        Err(self.report(Phase::Value, map.at.origin(), message))
     }
 
     fn peer(&mut self, node: &Node, at: &Place) -> Res<PeerAddress> {

@@ -133,6 +133,8 @@ impl Workload<'_> {
             peers.first().map(|&listen| ReplicaSyncConfig {
                 listen,
                 peers: peers.iter().copied().map(PeerAddress::Socket).collect(),
+                // Loopback replicas: the empty key (a keyed sync differs by one MAC per datagram).
+                key_file: None,
                 resolve_interval: ReplicaSyncConfig::DEFAULT_RESOLVE_INTERVAL,
                 max_datagrams_per_second: NonZeroU32::new(
                     ReplicaSyncConfig::DEFAULT_MAX_DATAGRAMS_PER_SECOND,

@@ -35,7 +35,7 @@ use cachepick::events::decode::decode_batch;
 use cachepick::events::stream::Stream;
 use cachepick::load::{
     Announce, Announcement, PoolLoad, ScrapeDriver, ScrapeError, ScrapeObserver, ScrapeTicket,
-    take_announcement,
+    SyncKeys, take_announcement,
 };
 use cachepick::metrics::Metrics;
 use cachepick::route::{
@@ -176,6 +176,9 @@ pub(super) struct PickerRouter {
     scrapes: BTreeMap<u64, InFlight>,
     next_ticket: u64,
     sync: bool,
+    /// What the replicas' announcements are sealed and opened with: the sync between loopback
+    /// replicas, as the wall-clock replay runs it.
+    sync_keys: SyncKeys,
     /// `events` mode: the engines' batch format and block size.
     events: Option<(KvEventsFormat, u32)>,
     /// Each routed request's credit, with the replica that committed it.
@@ -246,6 +249,7 @@ impl PickerRouter {
             scrapes: BTreeMap::new(),
             next_ticket: 0,
             sync,
+            sync_keys: SyncKeys::loopback_only(),
             events: (config.pools.first().map(|pool| pool.index.mode) == Some(IndexMode::Events))
                 .then(|| {
                     (
@@ -335,13 +339,17 @@ impl PickerRouter {
                 .unwrap_or_else(PoisonError::into_inner),
         );
         for (pool, worker, uncached_tokens) in sent {
+            // Delivered in order, once each, in virtual time: the receiver's freshness and replay
+            // checks (wall-clock milliseconds) are skipped, the MAC is not.
             let announcement = Announcement {
                 origin: from as u64,
+                sequence: 0,
+                sent_at_ms: 0,
                 pool: &pool,
                 worker,
                 uncached_tokens,
             };
-            let Some(datagram) = announcement.encode() else {
+            let Some(datagram) = announcement.seal(&self.sync_keys) else {
                 continue;
             };
             for replica in (0..self.replicas.len()).filter(|replica| *replica != from) {
@@ -411,9 +419,10 @@ impl Router for PickerRouter {
             Wake::Tick { replica } => self.tick(replica, cx),
             Wake::Scraped { ticket } => self.scraped(ticket, cx),
             Wake::Announced { replica, datagram } => {
-                if let (Some(state), Some(announcement)) =
-                    (self.replicas.get(replica), Announcement::decode(&datagram))
-                {
+                if let (Some(state), Some(announcement)) = (
+                    self.replicas.get(replica),
+                    Announcement::open(&datagram, &self.sync_keys).ok(),
+                ) {
                     take_announcement(&announcement, &state.loads);
                 }
             }
