@@ -128,19 +128,18 @@ async fn datagrams_forged_altered_replayed_or_late_move_no_conversation_and_sign
     let (owner, first) = route(&client, &turn(0)).await;
     assert_eq!(first, "cache_miss");
 
-    // A genuine announcement for the owner, taken once; then its window is forgotten with the
-    // owner's next readings, and its copies are all the attacker has of it.
-    let captured = claim(owner, 1, unix_ms()).seal(&key).unwrap();
-    attacker.send_to(&captured, listen).unwrap();
-    harness
-        .wait_metrics("the genuine announcement", |text| {
-            received(text, "accepted") == 1
-        })
-        .await;
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
-
     let mut stayed = 0;
     for at in 1..=6 {
+        // A genuine announcement for the owner, taken once; its window is forgotten with the owner's
+        // next reading (every 200 ms), and its copies are all the attacker has of it.
+        let captured = claim(owner, at, unix_ms()).seal(&key).unwrap();
+        attacker.send_to(&captured, listen).unwrap();
+        harness
+            .wait_metrics("the genuine announcement", |text| {
+                received(text, "accepted") == at
+            })
+            .await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
         for copy in 0..COPIES {
             let sequence = 100 * at + copy;
             let mut altered = claim(owner, sequence, unix_ms()).seal(&key).unwrap();
@@ -158,7 +157,7 @@ async fn datagrams_forged_altered_replayed_or_late_move_no_conversation_and_sign
                 attacker.send_to(datagram, listen).unwrap();
             }
         }
-        let expected = 1 + 5 * COPIES * at;
+        let expected = at * (1 + 5 * COPIES);
         harness
             .wait_metrics("the forged datagrams", |text| {
                 [
@@ -192,7 +191,7 @@ async fn datagrams_forged_altered_replayed_or_late_move_no_conversation_and_sign
     let kind = 6 * COPIES;
     assert_eq!(
         counts,
-        [1, kind, 2 * kind, kind, kind],
+        [6, kind, 2 * kind, kind, kind],
         "accepted, malformed, unauthenticated, stale, replayed"
     );
     assert_eq!(stayed, 6);
@@ -201,7 +200,7 @@ async fn datagrams_forged_altered_replayed_or_late_move_no_conversation_and_sign
     // taken and divert the next turn, so what stayed above stayed because the forgeries were refused.
     // A reading of the owner completed between the claims and the decision forgets them (every
     // 200 ms here, so about one try in fifteen); a fresh burst tries again.
-    let mut sequence = 1_000;
+    let mut sequence = 10_000;
     let mut diverted = None;
     for _ in 0..3 {
         let accepted = received(&harness.metrics().await, "accepted");

@@ -38,8 +38,9 @@ impl ReplicaSyncCounters {
                     "Datagrams received on replica_sync.listen, by what became of them: accepted, \
                      own, unknown_source, malformed, unauthenticated (no key held signed it, or its \
                      MAC does not match: forged, altered, or a peer on another key), stale (sent \
-                     more than 10 s from this replica's clock), replayed (taken already), \
-                     unknown_worker, over_budget.",
+                     more than 10 s from this replica's clock, or before it started), replayed \
+                     (taken already), unknown_worker, over_budget (beyond max_datagrams_per_second \
+                     taken, or four times it refused, in a second).",
                 ),
                 &["outcome"],
             )?,

@@ -137,7 +137,7 @@ fn every_problem_of_the_section_is_listed_at_once() {
 #[test]
 fn a_key_is_required_unless_every_address_is_loopback() {
     for head in [
-        "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [127.0.0.1:9105, localhost:9106, '[::1]:9107']\n",
+        "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [127.0.0.1:9105, '[::1]:9107']\n",
         "replica_sync:\n  listen: '[::1]:9104'\n  peers: [127.0.0.2:9105]\n",
     ] {
         let sync = config(head).replica_sync.expect("on");
@@ -151,6 +151,10 @@ fn a_key_is_required_unless_every_address_is_loopback() {
         (
             "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [127.0.0.1:9105, 10.0.0.7:9104]\n",
             "10.0.0.7:9104 is",
+        ),
+        (
+            "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [localhost:9105]\n",
+            "localhost:9105 is",
         ),
         (
             "replica_sync:\n  listen: 127.0.0.1:9104\n  peers: [peers.llm.svc:9104, 10.0.0.8:9104]\n",

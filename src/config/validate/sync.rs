@@ -72,9 +72,10 @@ impl Validator<'_> {
     /// kernel's refusal of loopback sources from the network makes true: anything but loopback needs
     /// the key.
     fn require_key(&mut self, map: &Map, listen: SocketAddr, peers: &[PeerAddress]) -> Res<()> {
+        // A name is not loopback, `localhost` included: what it resolves to is not checked.
         let loopback = |peer: &PeerAddress| match peer {
             PeerAddress::Socket(address) => address.ip().is_loopback(),
-            PeerAddress::Name { host, .. } => host == "localhost",
+            PeerAddress::Name { .. } => false,
         };
         let outside = std::iter::once(listen.to_string())
             .filter(|_| !listen.ip().is_loopback())

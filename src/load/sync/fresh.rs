@@ -1,8 +1,9 @@
 //! Replay protection for `replica_sync`: each authenticated announcement is taken once, and only while
 //! it is fresh.
 //!
-//! A datagram's send time must be within [`FRESH_WITHIN`] of the receiver's clock, either way, so a
-//! datagram captured earlier is worthless after that; within it, each sender's sequence numbers are
+//! A datagram's send time must be within [`FRESH_WITHIN`] of the receiver's clock, either way, and no
+//! earlier than the receiver's start (a restarted receiver remembers nothing it took), so a datagram
+//! captured earlier is worthless after that; within it, each sender's sequence numbers are
 //! taken once, through a window of the last [`WINDOW`] numbers below the highest seen (UDP reorders;
 //! anything older than the window is refused as already seen). A sender's entry is forgotten once
 //! everything it sent is stale, so the table holds the replicas of the last few seconds, bounded by
@@ -37,6 +38,9 @@ pub enum Unfresh {
 #[derive(Debug, Default)]
 pub struct Seen {
     senders: HashMap<u64, Sender>,
+    /// Nothing sent before this, in ms, is taken: what this process's predecessor took, it cannot
+    /// tell apart from what it did not.
+    since_ms: u64,
 }
 
 #[derive(Debug)]
@@ -49,6 +53,14 @@ struct Sender {
 }
 
 impl Seen {
+    /// A table that takes nothing sent before `since_ms`: the receiver's start.
+    pub fn since(since_ms: u64) -> Seen {
+        Seen {
+            since_ms,
+            ..Seen::default()
+        }
+    }
+
     /// Takes `sequence` of `origin`, sent at `sent_at_ms`, if it is fresh at `now_ms` and not taken
     /// before.
     pub fn take(
@@ -59,7 +71,10 @@ impl Seen {
         now_ms: u64,
     ) -> Result<(), Unfresh> {
         let fresh = FRESH_WITHIN.as_millis() as u64;
-        if sent_at_ms.saturating_add(fresh) < now_ms || sent_at_ms > now_ms.saturating_add(fresh) {
+        if sent_at_ms.saturating_add(fresh) < now_ms
+            || sent_at_ms > now_ms.saturating_add(fresh)
+            || sent_at_ms < self.since_ms
+        {
             return Err(Unfresh::Stale);
         }
         if !self.senders.contains_key(&origin) && self.senders.len() >= MAX_ORIGINS {
@@ -141,6 +156,10 @@ mod tests {
         assert_eq!(seen.take(1, 4, NOW + fresh, NOW), Ok(()));
         assert_eq!(seen.take(1, 5, 0, NOW), Err(Unfresh::Stale));
         assert_eq!(seen.take(1, 6, u64::MAX, NOW), Err(Unfresh::Stale));
+        // A receiver that started a second ago takes nothing sent before, however fresh.
+        let mut restarted = Seen::since(NOW - 1_000);
+        assert_eq!(restarted.take(1, 3, NOW - 1_001, NOW), Err(Unfresh::Stale));
+        assert_eq!(restarted.take(1, 3, NOW - 1_000, NOW), Ok(()));
     }
 
     #[test]

@@ -46,7 +46,8 @@ use crate::config::{PeerAddress, ReplicaSyncConfig};
 pub enum Received {
     /// Added to the worker's peer window.
     Accepted,
-    /// This replica's own: from its own address, or carrying its origin under the key.
+    /// This replica's own: from the address it is bound to (when not a wildcard), or carrying its
+    /// origin under the key.
     Own,
     /// From an address that is not a listed peer.
     UnknownSource,
@@ -55,13 +56,14 @@ pub enum Received {
     /// Signed with no key this replica holds, or its MAC does not match: forged, altered, or from a
     /// peer on another key.
     Unauthenticated,
-    /// Sent further than `FRESH_WITHIN` from this replica's clock.
+    /// Sent further than `FRESH_WITHIN` from this replica's clock, or before this process started.
     Stale,
-    /// Its sender's sequence number was taken already, or too many senders are remembered.
+    /// Its sender's sequence number was taken already.
     Replayed,
     /// A pool or worker this replica does not know (yet, or any more).
     UnknownWorker,
-    /// Beyond `max_datagrams_per_second`.
+    /// Beyond `max_datagrams_per_second` (taken), or four times that (refused), or from a new sender
+    /// while a thousand others are remembered.
     OverBudget,
 }
 
@@ -149,7 +151,8 @@ pub struct ReplicaSync {
     /// The same socket, for sending from the request path: a plain non-blocking send, with no
     /// readiness the runtime must have observed first.
     sender: std::net::UdpSocket,
-    /// The bound address: nothing from it is a peer's, and nothing is sent to it.
+    /// The bound address: nothing from it is a peer's, and nothing is sent to it. A wildcard (`0.0.0.0`)
+    /// matches no address; the replica's own datagrams are then known by their origin.
     local: SocketAddr,
     /// The peers as configured: addresses, and names resolved every `resolve_interval`.
     listed: Vec<PeerAddress>,
@@ -165,6 +168,8 @@ pub struct ReplicaSync {
     key_file: Option<PathBuf>,
     budget: u32,
     stats: Arc<SyncStats>,
+    /// When the socket was bound, in ms since the Unix epoch.
+    bound_ms: u64,
 }
 
 impl ReplicaSync {
@@ -212,6 +217,7 @@ impl ReplicaSync {
             key_file: None,
             budget,
             stats: Arc::default(),
+            bound_ms: unix_ms(),
         })
     }
 
@@ -232,8 +238,13 @@ impl ReplicaSync {
         shutdown: impl Future<Output = ()>,
     ) {
         let mut buffer = [0u8; MAX_DATAGRAM + 1];
-        let mut window = Budget::new(self.budget);
-        let mut seen = Seen::default();
+        // Refused datagrams get a budget of their own, so forgeries from a spoofed peer address do
+        // not use up the peers' (an attacker needs four times the budget in forgeries a second to
+        // silence them), and the MACs a flood costs stay bounded.
+        let mut taken = Budget::new(self.budget);
+        let mut refused = Budget::new(self.budget.saturating_mul(REFUSED_PER_TAKEN));
+        // Nothing sent before this replica bound its socket is taken: its predecessor may have.
+        let mut seen = Seen::since(self.bound_ms);
         tokio::pin!(shutdown);
         loop {
             let (len, from) = tokio::select! {
@@ -245,14 +256,23 @@ impl ReplicaSync {
                     Err(_) => continue,
                 },
             };
+            // A dual-stack socket reports IPv4 peers as IPv4-mapped IPv6 addresses.
+            let from = SocketAddr::new(from.ip().to_canonical(), from.port());
             let outcome = self.screen(from).unwrap_or_else(|| {
-                if !window.admit(Instant::now()) {
+                let now = Instant::now();
+                if refused.spent(now) {
                     return Received::OverBudget;
                 }
                 let datagram = buffer.get(..len).unwrap_or_default();
                 match self.open(datagram, &mut seen, unix_ms()) {
-                    Ok(announcement) => take_announcement(&announcement, &pools),
-                    Err(refused) => refused,
+                    Ok(announcement) if taken.admit(now) => {
+                        take_announcement(&announcement, &pools)
+                    }
+                    Ok(_) => Received::OverBudget,
+                    Err(outcome) => {
+                        refused.admit(now);
+                        outcome
+                    }
                 }
             });
             self.stats.count(outcome);
@@ -348,7 +368,8 @@ impl ReplicaSync {
         )
         .map_err(|unfresh| match unfresh {
             Unfresh::Stale => Received::Stale,
-            Unfresh::Replayed | Unfresh::TooManySenders => Received::Replayed,
+            Unfresh::Replayed => Received::Replayed,
+            Unfresh::TooManySenders => Received::OverBudget,
         })?;
         Ok(announcement)
     }
@@ -473,6 +494,9 @@ impl Announce for ReplicaSync {
     }
 }
 
+/// Refused datagrams opened per second, per datagram the budget takes.
+const REFUSED_PER_TAKEN: u32 = 4;
+
 /// At most `limit` datagrams per second, counted in whole seconds.
 struct Budget {
     limit: u32,
@@ -489,7 +513,17 @@ impl Budget {
         }
     }
 
+    /// Counts one more at `now`, if this second has room for it.
     fn admit(&mut self, now: Instant) -> bool {
+        if self.spent(now) {
+            return false;
+        }
+        self.used += 1;
+        true
+    }
+
+    /// Whether this second's budget is used up at `now`.
+    fn spent(&mut self, now: Instant) -> bool {
         if self
             .started
             .is_none_or(|started| now.saturating_duration_since(started) >= Duration::from_secs(1))
@@ -497,11 +531,7 @@ impl Budget {
             self.started = Some(now);
             self.used = 0;
         }
-        if self.used >= self.limit {
-            return false;
-        }
-        self.used += 1;
-        true
+        self.used >= self.limit
     }
 }
 

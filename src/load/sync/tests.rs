@@ -281,6 +281,35 @@ async fn datagrams_beyond_the_budget_are_dropped_and_counted() {
     task.await.unwrap();
 }
 
+#[tokio::test]
+async fn forgeries_from_a_peer_s_address_leave_the_peers_budget_alone() {
+    let (a_socket, a) = loopback();
+    let (b_socket, b) = loopback();
+    let sender = replica(a_socket, &[b], 100);
+    let receiver = replica(b_socket, &[a], 2);
+    let load = pool();
+    let (stop, task) = receiving(&receiver, &load);
+    // Six forgeries from the peer's own address (as a spoofed source would arrive), then its two
+    // genuine announcements: the forgeries are refused within their own budget (four times two).
+    let forged = from(9, 1).seal(&keys(OTHER_KEY)).unwrap();
+    for _ in 0..6 {
+        sender.socket.send_to(&forged, b).await.unwrap();
+    }
+    sender.announce("m", worker(), 10);
+    sender.announce("m", worker(), 10);
+    // Beyond eight refused in the second, nothing more is opened.
+    for _ in 0..4 {
+        sender.socket.send_to(&forged, b).await.unwrap();
+    }
+    let stats = receiver.stats();
+    received(&stats, 12).await;
+    assert_eq!(stats.received(Received::Unauthenticated), 8);
+    assert_eq!(stats.received(Received::Accepted), 2);
+    assert_eq!(stats.received(Received::OverBudget), 2);
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
 #[test]
 fn the_budget_admits_its_limit_each_second() {
     let start = Instant::now();
