@@ -233,7 +233,7 @@ const FILES: [&str; 8] = [
     "policy: {prefill_tokens_per_second: 5000}\npools:\n  - model: m\n    engine: vllm\n    workers: [{endpoint: \"10.0.0.1:8000\"}]\n",
     "policy: {gate_unit: requests, worker_queue_limit: 4, saturation_queue_floor: 2}\n\
      pools:\n  - model: m\n    engine: vllm\n    workers: [{endpoint: \"10.0.0.1:8000\"}]\n",
-    "replica_sync: {listen: 0.0.0.0:9104, peers: [10.0.0.7:9104]}\n\
+    "replica_sync: {listen: 0.0.0.0:9104, peers: [10.0.0.7:9104], key_file: /etc/sync.key}\n\
      tracing: {otlp_endpoint: \"http://otel:4317\"}\n\
      cache_salt_header: x-tenant\n\
      debug_token_file: /etc/token\n\
