@@ -54,6 +54,7 @@ fn claim(worker: SocketAddr, sequence: u64, sent_at_ms: u64) -> Announcement<'st
         pool: MODEL,
         worker,
         uncached_tokens: CLAIM,
+        checkpoints: Vec::new(),
     }
 }
 

@@ -29,7 +29,7 @@ pub use engine::{
 };
 pub use fetch::ScrapeError;
 pub use inspect::{PoolView, WorkerView};
-pub use pool::{Announce, PoolLoad, RosterObserver, ScrapeObserver};
+pub use pool::{Announce, PeerGuesses, PoolLoad, RosterObserver, ScrapeObserver};
 pub use prom::{Labels, Sample, Samples, samples};
 pub use scrape::Scraper;
 pub use snapshot::{
@@ -37,7 +37,7 @@ pub use snapshot::{
     Reading, ScrapeOutcome, ScrapeStatus, Tier, TokenDispatches, WorkerState,
 };
 pub use sync::{
-    Announcement, FRESH_WITHIN, KeyError, MIN_KEY_BYTES, Received, ReplicaSync, SyncKeys,
-    SyncStats, Unopened, take_announcement,
+    Announcement, FRESH_WITHIN, KeyError, MAX_CHECKPOINTS, MIN_KEY_BYTES, Received, ReplicaSync,
+    SyncKeys, SyncStats, Unopened, take_announcement,
 };
 pub use tls::ScrapeTlsClient;

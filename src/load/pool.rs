@@ -29,9 +29,18 @@ pub trait ScrapeObserver: Send + Sync {
 }
 
 /// Where a pool's dispatches are announced to the other picker replicas (`replica_sync`,
-/// implemented by `sync::ReplicaSync`); never blocks.
+/// implemented by `sync::ReplicaSync`); never blocks. `checkpoints` is the prompt's chain at the
+/// checkpoint depths, as the pool's index recorded it (`prefix::checkpoints`; empty where peers
+/// cannot use it).
 pub trait Announce: Send + Sync + std::fmt::Debug {
-    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64);
+    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64, checkpoints: &[u64]);
+}
+
+/// Where another replica's guess of where a prompt's prefix now is goes: the pool's index, in `events`
+/// mode (implemented above this layer, by the route's index).
+pub trait PeerGuesses: Send + Sync + std::fmt::Debug {
+    /// `worker` holds the chain whose checkpoint hashes are `checkpoints`, as of `now`.
+    fn guess(&self, worker: WorkerId, checkpoints: &[u64], now: Instant);
 }
 
 /// What the request path shares with a pool's scraper: the current snapshot and the dispatch counts.
@@ -55,6 +64,8 @@ pub struct PoolLoad {
     restart_reports: Mutex<Option<mpsc::UnboundedReceiver<WorkerId>>>,
     /// `replica_sync`: where each dispatch is announced to the other replicas, once set at start-up.
     sync: OnceLock<Arc<dyn Announce>>,
+    /// Where the peers' guesses go, once the picker that owns the pool's index sets it.
+    guesses: OnceLock<Arc<dyn PeerGuesses>>,
     /// Per slot, when the worker last showed it is alive other than by answering a scrape (a KV event
     /// batch, a response it served), in milliseconds after `epoch` plus one; 0 for never. A scrape
     /// that times out on a worker heard from meanwhile is late, not a sign the worker is gone.
@@ -98,6 +109,7 @@ impl PoolLoad {
             restarts,
             restart_reports: Mutex::new(Some(restart_reports)),
             sync: OnceLock::new(),
+            guesses: OnceLock::new(),
             disaggregated: pool.pd.is_some(),
             heard: (0..pool.max_workers.get().max(pool.workers.len()))
                 .map(|_| AtomicU64::new(0))
@@ -163,11 +175,34 @@ impl PoolLoad {
     }
 
     /// Counts one request sent to worker `id` at `endpoint`, bringing `uncached_tokens`, and
-    /// announces it to the other replicas when `replica_sync` is on.
-    pub fn dispatched(&self, id: WorkerId, endpoint: SocketAddr, uncached_tokens: u64) {
+    /// announces it, with the prompt's `checkpoints`, to the other replicas when `replica_sync` is on.
+    pub fn dispatched(
+        &self,
+        id: WorkerId,
+        endpoint: SocketAddr,
+        uncached_tokens: u64,
+        checkpoints: &[u64],
+    ) {
         self.dispatches.record(id, uncached_tokens);
         if let Some(sync) = self.sync.get() {
-            sync.announce(&self.label, endpoint, uncached_tokens);
+            sync.announce(&self.label, endpoint, uncached_tokens, checkpoints);
+        }
+    }
+
+    /// Whether dispatches are announced to other replicas (so their checkpoints are worth computing).
+    pub fn announces(&self) -> bool {
+        self.sync.get().is_some()
+    }
+
+    /// Sends the peers' guesses of where prefixes are to `guesses` from now on.
+    pub fn take_guesses_through(&self, guesses: Arc<dyn PeerGuesses>) {
+        let _ = self.guesses.set(guesses);
+    }
+
+    /// A peer's guess: `worker` holds the chain with these checkpoint hashes, as of `now`.
+    pub fn peer_guess(&self, worker: WorkerId, checkpoints: &[u64], now: Instant) {
+        if let (Some(guesses), false) = (self.guesses.get(), checkpoints.is_empty()) {
+            guesses.guess(worker, checkpoints, now);
         }
     }
 

@@ -40,6 +40,7 @@ use super::hash::block_hashes_into;
 use super::index::{IndexStats, OwnerIndex, OwnerMatch, lock};
 use crate::config::PoolConfig;
 use crate::worker::WorkerId;
+use peers::PeerGuesses;
 
 /// Where a worker's match comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -47,7 +48,8 @@ use crate::worker::WorkerId;
 pub enum DepthSource {
     /// The engine's own KV events.
     Events,
-    /// A recent decision of this replica, not yet confirmed by the engine.
+    /// A recent decision of this replica, or of a peer that announced it over `replica_sync`, not yet
+    /// confirmed by the engine.
     Speculative,
 }
 
@@ -57,7 +59,7 @@ pub struct SourcedMatch {
     pub worker: WorkerId,
     /// Leading tokens the engine's events say the worker holds.
     pub events_tokens: u64,
-    /// Leading tokens a recent decision of this replica placed there.
+    /// Leading tokens a recent decision of this replica (or an announced one of a peer) placed there.
     pub speculative_tokens: u64,
 }
 
@@ -99,6 +101,8 @@ pub struct EventIndex {
     first_slot: Box<[u32]>,
     speculative: OwnerIndex,
     expiry: Mutex<VecDeque<Guess>>,
+    /// The other replicas' guesses (`replica_sync`), by checkpoint.
+    peers: Mutex<PeerGuesses>,
     speculative_ttl: Duration,
     block_size: NonZeroU32,
     workers: usize,
@@ -168,6 +172,7 @@ impl EventIndex {
             first_slot: first_slot.into(),
             speculative: OwnerIndex::new(&guesses),
             expiry: Mutex::new(VecDeque::new()),
+            peers: Mutex::default(),
             speculative_ttl,
             block_size,
             workers: ranks.len(),
@@ -208,6 +213,7 @@ impl EventIndex {
             self.suspend(slot, false);
         }
         self.speculative.clear_worker(worker);
+        lock(&self.peers).clear_worker(worker);
         self.set_capacity(worker, blocks);
     }
 
@@ -328,6 +334,7 @@ impl EventIndex {
         }
         if let Some(&worker) = self.slot_worker.get(slot.0 as usize) {
             self.speculative.clear_worker(worker);
+            lock(&self.peers).clear_worker(worker);
         }
     }
 
@@ -389,8 +396,23 @@ impl EventIndex {
         });
     }
 
+    /// Records another replica's guess (announced over `replica_sync`): `worker` holds the chain whose
+    /// checkpoint hashes are `checkpoints`, until `speculative_ttl` passes or the worker's slot is
+    /// cleared. `false` when it was not recorded (no guesses kept, or the table is full).
+    pub fn peer_guess(&self, worker: WorkerId, checkpoints: &[u64], now: Instant) -> bool {
+        if checkpoints.is_empty()
+            || self.speculative_ttl.is_zero()
+            || worker.index() >= self.workers
+        {
+            return false;
+        }
+        let mut peers = lock(&self.peers);
+        peers.expire(now);
+        peers.insert(worker, checkpoints, now + self.speculative_ttl)
+    }
+
     /// For each worker holding the prompt's first block, how many leading tokens it holds, by the
-    /// events or by a live guess, whichever is deeper. Deepest first, ties by worker id.
+    /// events or by a live guess (this replica's or a peer's), whichever is deeper. Deepest first, ties by worker id.
     pub fn matches(&self, hashes: &[u64], now: Instant) -> Vec<OwnerMatch> {
         let mut found: Vec<OwnerMatch> = self
             .sourced(hashes, now)
@@ -429,6 +451,20 @@ impl EventIndex {
             }
             if let Some(found) = sourced_entry(&mut by_worker, owner.worker) {
                 found.speculative_tokens = owner.matched_tokens;
+            }
+        }
+        let peers = {
+            let mut peers = lock(&self.peers);
+            peers.expire(now);
+            peers.deepest(hashes)
+        };
+        for (worker, depth) in peers {
+            if self.worker_suspended(worker) {
+                continue;
+            }
+            let tokens = (depth as u64).saturating_mul(u64::from(self.block_size.get()));
+            if let Some(found) = sourced_entry(&mut by_worker, worker) {
+                found.speculative_tokens = found.speculative_tokens.max(tokens);
             }
         }
         by_worker
@@ -473,7 +509,7 @@ impl EventIndex {
             },
             engine_keys,
             side_entries,
-            speculative_entries: self.speculative.stats().entries,
+            speculative_entries: self.speculative.stats().entries + lock(&self.peers).entries(),
         }
     }
 }
@@ -509,6 +545,8 @@ fn sourced_entry(by_worker: &mut Vec<SourcedMatch>, worker: WorkerId) -> Option<
     };
     by_worker.get_mut(at)
 }
+
+mod peers;
 
 #[cfg(test)]
 mod tests;

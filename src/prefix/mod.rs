@@ -8,6 +8,7 @@
 // Decisions are reproducible: no clock reads here (clippy.toml); `now` is an argument.
 #![deny(clippy::disallowed_methods)]
 
+mod checkpoint;
 mod events;
 mod hash;
 mod index;
@@ -17,6 +18,7 @@ mod lru;
 #[cfg(test)]
 mod tests;
 
+pub use checkpoint::{MAX_CHECKPOINTS, checkpoint_depths, checkpoints, is_checkpoint};
 pub use events::{DepthSource, EventIndex, EventIndexStats, Slot, SourcedMatch, Stored};
 pub use hash::{block_hashes, block_hashes_into, prefix_seed};
 pub use index::{IndexStats, OwnerIndex, OwnerMatch};

@@ -115,7 +115,7 @@ impl Pinned<'_> {
         else {
             return;
         };
-        self.pool.record(
+        let chain = self.pool.record(
             pick.selected,
             worker.capacity.max_total_tokens,
             &self.prepared.block_hashes,
@@ -128,6 +128,7 @@ impl Pinned<'_> {
             self.prepared
                 .prompt_tokens
                 .saturating_sub(pick.matched_tokens),
+            &self.pool.announced(chain),
         );
     }
 }

@@ -144,6 +144,17 @@ impl PoolRoute {
         });
         chain
     }
+
+    /// What of a recorded `chain` the other replicas are told: its checkpoints for an `events` pool,
+    /// whose chains every replica computes alike from the engine's tokens; nothing for an
+    /// `approximate` one, whose peers keep no guesses, or without `replica_sync`.
+    pub(super) fn announced(&self, chain: &[u64]) -> Vec<u64> {
+        if self.index.events().is_some() && self.load.announces() {
+            crate::prefix::checkpoints(chain)
+        } else {
+            Vec::new()
+        }
+    }
 }
 
 /// The request path for every pool of a configuration.
@@ -199,6 +210,11 @@ impl Picker {
                     }
                 }
                 let index = index::for_pool(pool, &capacities);
+                // The other replicas' decisions are guesses here too, until the engines' events say.
+                if let Some(events) = index.events() {
+                    let guesses = index::PeerGuessesInto(Arc::clone(events));
+                    load.take_guesses_through(Arc::new(guesses));
+                }
                 PoolRoute {
                     policy: ArcSwap::from_pointee(pool.policy.clone()),
                     config: pool.clone(),
@@ -553,6 +569,7 @@ impl<'p> Pinned<'p> {
             decision.selected,
             worker.endpoint,
             prepared.prompt_tokens.saturating_sub(matched),
+            &pool.announced(chain),
         );
         if decision.reason.is_off_owner() {
             pool.load.dispatches().record_cold(decision.selected);

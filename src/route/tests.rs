@@ -296,3 +296,16 @@ fn assert_same_answer(name: &str, explained: &Routing, routed: &Routing) {
         (dry, live) => panic!("{name}: explain answered {dry:?}, routing {live:?}"),
     }
 }
+
+/// The route cuts a chain to `prefix::MAX_CHECKPOINTS` hashes for `replica_sync`, whose datagram
+/// carries at most `load::MAX_CHECKPOINTS`; the two modules share a layer and may not import each
+/// other, so the route, above both, holds them equal.
+#[test]
+fn an_announced_chain_fits_the_datagram() {
+    assert_eq!(crate::prefix::MAX_CHECKPOINTS, crate::load::MAX_CHECKPOINTS);
+    let chain: Vec<u64> = (0..1 << 20).collect();
+    assert_eq!(
+        crate::prefix::checkpoints(&chain).len(),
+        crate::load::MAX_CHECKPOINTS
+    );
+}

@@ -36,7 +36,7 @@ pub use fresh::FRESH_WITHIN;
 use fresh::{Seen, Unfresh};
 pub use keys::{KeyError, MIN_KEY_BYTES, SyncKeys};
 use wire::MAX_DATAGRAM;
-pub use wire::{Announcement, Unopened};
+pub use wire::{Announcement, MAX_CHECKPOINTS, Unopened};
 
 use super::pool::{Announce, PoolLoad};
 use crate::config::{PeerAddress, ReplicaSyncConfig};
@@ -266,7 +266,7 @@ impl ReplicaSync {
                 let datagram = buffer.get(..len).unwrap_or_default();
                 match self.open(datagram, &mut seen, unix_ms()) {
                     Ok(announcement) if taken.admit(now) => {
-                        take_announcement(&announcement, &pools)
+                        take_announcement(&announcement, &pools, now)
                     }
                     Ok(_) => Received::OverBudget,
                     Err(outcome) => {
@@ -446,10 +446,12 @@ fn unix_ms() -> u64 {
 
 /// A peer's announcement, already authenticated as a peer's and not this replica's own, added to its
 /// worker's peer window with its tokens clamped to the pool's `max_model_len` (`pools` pairs each pool
-/// with it). The receive task's last step; a replay in virtual time delivers announcements here.
+/// with it), and its checkpoints to the pool's guesses of where prefixes are (received at `now`). The
+/// receive task's last step; a replay in virtual time delivers announcements here.
 pub fn take_announcement(
     announcement: &Announcement<'_>,
     pools: &[(Arc<PoolLoad>, u64)],
+    now: Instant,
 ) -> Received {
     let Some((load, most)) = pools
         .iter()
@@ -467,12 +469,14 @@ pub fn take_announcement(
     };
     load.dispatches()
         .record_peer(worker.id, announcement.uncached_tokens.min(*most));
+    load.peer_guess(worker.id, &announcement.checkpoints, now);
     Received::Accepted
 }
 
 impl Announce for ReplicaSync {
-    /// Tells every peer that this replica sent `uncached_tokens` to `worker` of `pool`. Never blocks.
-    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64) {
+    /// Tells every peer that this replica sent `uncached_tokens` to `worker` of `pool`, and the
+    /// prompt's chain at the checkpoint depths. Never blocks.
+    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64, checkpoints: &[u64]) {
         let announcement = Announcement {
             origin: self.origin,
             sequence: self.sequence.fetch_add(1, Ordering::Relaxed) + 1,
@@ -480,6 +484,7 @@ impl Announce for ReplicaSync {
             pool,
             worker,
             uncached_tokens,
+            checkpoints: checkpoints.to_vec(),
         };
         let Some(datagram) = announcement.seal(&self.keys.load()) else {
             return;

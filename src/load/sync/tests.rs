@@ -79,6 +79,7 @@ fn from(origin: u64, sequence: u64) -> Announcement<'static> {
         pool: "m",
         worker: worker(),
         uncached_tokens: 7,
+        checkpoints: Vec::new(),
     }
 }
 
@@ -91,11 +92,11 @@ async fn a_peer_s_dispatch_lands_in_the_worker_s_peer_window_and_nothing_else_ge
     let receiver = replica(b_socket, &[a, b], 100);
     let load = pool();
     let (stop, task) = receiving(&receiver, &load);
-    sender.announce("m", worker(), 1_000);
+    sender.announce("m", worker(), 1_000, &[]);
     // A peer cannot claim more than one request can bring.
-    sender.announce("m", worker(), 1 << 40);
-    sender.announce("m", "10.0.0.9:8000".parse().unwrap(), 1_000);
-    sender.announce("other-pool", worker(), 1_000);
+    sender.announce("m", worker(), 1 << 40, &[]);
+    sender.announce("m", "10.0.0.9:8000".parse().unwrap(), 1_000, &[]);
+    sender.announce("other-pool", worker(), 1_000, &[]);
     let key = keys(KEY);
     let valid = from(9, 1).seal(&key).unwrap();
     stranger.send_to(&valid, b).unwrap();
@@ -156,6 +157,39 @@ async fn a_peer_s_dispatch_lands_in_the_worker_s_peer_window_and_nothing_else_ge
             peer_tokens: 51_007,
             mark: 3,
         }
+    );
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+/// What the pool's index would be told of the peers' guesses.
+#[derive(Debug, Default)]
+struct Guesses(std::sync::Mutex<Vec<(crate::worker::WorkerId, Vec<u64>)>>);
+
+impl crate::load::PeerGuesses for Guesses {
+    fn guess(&self, worker: crate::worker::WorkerId, checkpoints: &[u64], _now: Instant) {
+        self.0.lock().unwrap().push((worker, checkpoints.to_vec()));
+    }
+}
+
+#[tokio::test]
+async fn a_peer_s_checkpoints_reach_the_pool_s_guesses() {
+    let (a_socket, a) = loopback();
+    let (b_socket, b) = loopback();
+    let sender = replica(a_socket, &[b], 100);
+    let receiver = replica(b_socket, &[a], 100);
+    let load = pool();
+    let guesses = Arc::new(Guesses::default());
+    load.take_guesses_through(Arc::clone(&guesses) as Arc<dyn crate::load::PeerGuesses>);
+    let (stop, task) = receiving(&receiver, &load);
+    let checkpoints: Vec<u64> = (1..=22).collect();
+    sender.announce("m", worker(), 1_600, &checkpoints);
+    // An approximate pool's sender shares no chain: nothing to guess.
+    sender.announce("m", worker(), 1_600, &[]);
+    received(&receiver.stats(), 2).await;
+    assert_eq!(
+        *guesses.0.lock().unwrap(),
+        [(crate::worker::WorkerId(0), checkpoints)]
     );
     let _ = stop.send(());
     task.await.unwrap();
@@ -247,7 +281,7 @@ async fn a_peer_named_by_dns_is_sent_to_once_the_name_resolves() {
         "{:?}",
         sender.peers.load()
     );
-    sender.announce("m", worker(), 10);
+    sender.announce("m", worker(), 10, &[]);
     received(&receiver.stats(), 1).await;
     assert_eq!(receiver.stats().received(Received::Accepted), 1);
     let _ = stop.send(true);
@@ -264,7 +298,7 @@ async fn datagrams_beyond_the_budget_are_dropped_and_counted() {
     let load = pool();
     let (stop, task) = receiving(&receiver, &load);
     for _ in 0..5 {
-        sender.announce("m", worker(), 10);
+        sender.announce("m", worker(), 10, &[]);
     }
     let stats = receiver.stats();
     received(&stats, 5).await;
@@ -295,8 +329,8 @@ async fn forgeries_from_a_peer_s_address_leave_the_peers_budget_alone() {
     for _ in 0..6 {
         sender.socket.send_to(&forged, b).await.unwrap();
     }
-    sender.announce("m", worker(), 10);
-    sender.announce("m", worker(), 10);
+    sender.announce("m", worker(), 10, &[]);
+    sender.announce("m", worker(), 10, &[]);
     // Beyond eight refused in the second, nothing more is opened.
     for _ in 0..4 {
         sender.socket.send_to(&forged, b).await.unwrap();

@@ -4,7 +4,9 @@
 //! sequence number (from 1, one per announcement) and its wall clock in milliseconds since the Unix
 //! epoch, which together let a receiver refuse a replayed or stale datagram; the uncached tokens (u64);
 //! the worker's port (u16), address family (4 or 6) and address; the pool label's length (u8) and the
-//! label; last, the HMAC-SHA256 of everything before it under the key.
+//! label; the number of checkpoint hashes (u8, at most [`MAX_CHECKPOINTS`]) and the hashes (u64 each:
+//! the prompt's chain at the checkpoint depths, `prefix::checkpoint`); last, the HMAC-SHA256 of
+//! everything before it under the key.
 //!
 //! A receiver looks the key up by its id, checks the MAC before it reads a field, and only then
 //! parses: a datagram without a valid MAC is never more than bytes.
@@ -13,12 +15,17 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use super::keys::SyncKeys;
 
+/// The most checkpoint hashes an announcement carries: `prefix::MAX_CHECKPOINTS`, which the route
+/// layer cuts a chain to (held equal by `route`'s tests, since neither module may import the other).
+pub const MAX_CHECKPOINTS: usize = 64;
+
 const MAGIC: &[u8; 4] = b"CPS2";
 const TAG_BYTES: usize = 32;
 /// Everything before the worker's address family.
 const FIXED: usize = 4 + 4 + 8 + 8 + 8 + 8 + 2;
-/// The largest datagram: the fixed part, an IPv6 address, a 255-byte label and the MAC.
-pub const MAX_DATAGRAM: usize = FIXED + 1 + 16 + 1 + 255 + TAG_BYTES;
+/// The largest datagram: the fixed part, an IPv6 address, a 255-byte label, every checkpoint and the
+/// MAC: 860 bytes, within one Ethernet frame.
+pub const MAX_DATAGRAM: usize = FIXED + 1 + 16 + 1 + 255 + 1 + 8 * MAX_CHECKPOINTS + TAG_BYTES;
 
 /// One replica's announcement of one dispatch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,6 +39,9 @@ pub struct Announcement<'a> {
     pub pool: &'a str,
     pub worker: SocketAddr,
     pub uncached_tokens: u64,
+    /// The prompt's chain at the checkpoint depths, for the peer's guess of where its prefix is (an
+    /// `events` pool's; empty for others).
+    pub checkpoints: Vec<u64>,
 }
 
 /// Why a datagram was not opened.
@@ -45,9 +55,12 @@ pub enum Unopened {
 
 impl Announcement<'_> {
     /// The datagram, signed with `keys`' signing key; `None` when the pool label is longer than 255
-    /// bytes.
+    /// bytes or there are more than [`MAX_CHECKPOINTS`] checkpoints.
     pub fn seal(&self, keys: &SyncKeys) -> Option<Vec<u8>> {
         let label = u8::try_from(self.pool.len()).ok()?;
+        let checkpoints = u8::try_from(self.checkpoints.len())
+            .ok()
+            .filter(|count| usize::from(*count) <= MAX_CHECKPOINTS)?;
         let key = keys.signing();
         let mut out = Vec::with_capacity(MAX_DATAGRAM);
         out.extend_from_slice(MAGIC);
@@ -73,6 +86,10 @@ impl Announcement<'_> {
         }
         out.push(label);
         out.extend_from_slice(self.pool.as_bytes());
+        out.push(checkpoints);
+        for hash in &self.checkpoints {
+            out.extend_from_slice(&hash.to_be_bytes());
+        }
         let tag = key.sign(&out);
         out.extend_from_slice(tag.as_ref());
         Some(out)
@@ -118,6 +135,15 @@ fn parse(mut rest: &[u8]) -> Option<Announcement<'_>> {
     };
     let label = usize::from(*take(1)?.first()?);
     let pool = std::str::from_utf8(take(label)?).ok()?;
+    let count = usize::from(*take(1)?.first()?);
+    if count > MAX_CHECKPOINTS {
+        return None;
+    }
+    let checkpoints = take(8 * count)?
+        .chunks_exact(8)
+        .map(|hash| hash.try_into().map(u64::from_be_bytes))
+        .collect::<Result<Vec<u64>, _>>()
+        .ok()?;
     if !rest.is_empty() {
         return None;
     }
@@ -128,6 +154,7 @@ fn parse(mut rest: &[u8]) -> Option<Announcement<'_>> {
         pool,
         worker: SocketAddr::new(ip, port),
         uncached_tokens,
+        checkpoints,
     })
 }
 
@@ -143,6 +170,7 @@ mod tests {
             pool: Box::leak(pool.to_owned().into_boxed_str()),
             worker: worker.parse().unwrap(),
             uncached_tokens: 40_960,
+            checkpoints: vec![11, 22, u64::MAX],
         }
     }
 
@@ -162,12 +190,22 @@ mod tests {
             assert!(datagram.len() <= MAX_DATAGRAM);
             assert_eq!(Announcement::open(&datagram, &keys), Ok(sent));
         }
-        let longest = announcement(&"x".repeat(255), "[fd00::17]:8000");
-        assert_eq!(longest.seal(&keys).unwrap().len(), MAX_DATAGRAM);
+        let longest = Announcement {
+            checkpoints: (0..MAX_CHECKPOINTS as u64).collect(),
+            ..announcement(&"x".repeat(255), "[fd00::17]:8000")
+        };
+        let datagram = longest.seal(&keys).unwrap();
+        assert_eq!(datagram.len(), MAX_DATAGRAM);
+        assert_eq!(Announcement::open(&datagram, &keys), Ok(longest));
         assert_eq!(
             announcement(&"x".repeat(256), "10.0.0.1:80").seal(&keys),
             None
         );
+        let too_many = Announcement {
+            checkpoints: vec![0; MAX_CHECKPOINTS + 1],
+            ..announcement("m", "10.0.0.1:80")
+        };
+        assert_eq!(too_many.seal(&keys), None);
     }
 
     #[test]

@@ -326,3 +326,24 @@ fn a_suspended_rank_keeps_its_blocks_but_makes_no_owner() {
     index.suspend(rank0, false);
     assert_eq!(depths(&index, &tokens, 4, now), [(0, 8)]);
 }
+
+#[test]
+fn a_peer_s_guess_makes_an_owner_at_its_deepest_checkpoint_until_the_ttl() {
+    let index = index(3, 16);
+    let start = start();
+    let tokens = prompt(16 * 100);
+    let chain = block_hashes(seed(), &tokens, size(16));
+    assert!(index.peer_guess(WorkerId(1), &crate::prefix::checkpoints(&chain), start));
+    // The same prompt and a follow-up that extends it: 96 blocks, the checkpoint at or below 100.
+    assert_eq!(depths(&index, &tokens, 16, start), [(1, 96 * 16)]);
+    assert_eq!(depths(&index, &prompt(16 * 130), 16, start), [(1, 96 * 16)]);
+    let sourced = index.sourced(&chain, start);
+    assert_eq!(sourced[0].source(), DepthSource::Speculative);
+    // A worker the pool does not have is refused.
+    assert!(!index.peer_guess(WorkerId(7), &[1, 2], start));
+    // Gone after the TTL, and with the worker's slot.
+    assert!(depths(&index, &tokens, 16, start + TTL).is_empty());
+    index.peer_guess(WorkerId(1), &crate::prefix::checkpoints(&chain), start);
+    index.reset_worker(WorkerId(1), 1000);
+    assert!(depths(&index, &tokens, 16, start).is_empty());
+}

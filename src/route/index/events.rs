@@ -10,11 +10,27 @@ use std::time::Instant;
 
 use super::{ChainStart, Chat, Feeds, Placement, PoolIndex, Tokens};
 use crate::config::{PoolConfig, WorkerConfig};
+use crate::load::PeerGuesses;
 use crate::prefix::{EventIndex, IndexStats, OwnerMatch, SourcedMatch, prefix_seed};
 use crate::tokenize::{PoolTokenizer, Stop};
 use crate::worker::WorkerId;
 
 pub(super) struct Events(Arc<EventIndex>);
+
+/// The other replicas' guesses (`replica_sync`), into an `events` pool's index.
+pub(crate) struct PeerGuessesInto(pub(crate) Arc<EventIndex>);
+
+impl std::fmt::Debug for PeerGuessesInto {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PeerGuessesInto(EventIndex)")
+    }
+}
+
+impl PeerGuesses for PeerGuessesInto {
+    fn guess(&self, worker: WorkerId, checkpoints: &[u64], now: Instant) {
+        self.0.peer_guess(worker, checkpoints, now);
+    }
+}
 
 impl Events {
     pub(super) fn new(pool: &PoolConfig, capacities: &[usize]) -> Self {

@@ -9,6 +9,8 @@
 mod approximate;
 mod events;
 
+pub(super) use events::PeerGuessesInto;
+
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Instant;

@@ -132,14 +132,18 @@ fn appliers(service: &Service, pool: &config::PoolConfig, dp_size: u32) -> Vec<V
 
 /// Announcements a replica made, waiting to be delivered.
 #[derive(Debug, Default)]
-struct Outbox(Mutex<Vec<(String, SocketAddr, u64)>>);
+struct Outbox(Mutex<Vec<Sent>>);
+
+/// One announcement: the pool, the worker, the uncached tokens, the chain's checkpoint hashes.
+type Sent = (String, SocketAddr, u64, Vec<u64>);
 
 impl Announce for Outbox {
-    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64) {
+    fn announce(&self, pool: &str, worker: SocketAddr, uncached_tokens: u64, checkpoints: &[u64]) {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).push((
             pool.to_owned(),
             worker,
             uncached_tokens,
+            checkpoints.to_vec(),
         ));
     }
 }
@@ -338,7 +342,7 @@ impl PickerRouter {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner),
         );
-        for (pool, worker, uncached_tokens) in sent {
+        for (pool, worker, uncached_tokens, checkpoints) in sent {
             // Delivered in order, once each, in virtual time: the receiver's freshness and replay
             // checks (wall-clock milliseconds) are skipped, the MAC is not.
             let announcement = Announcement {
@@ -348,6 +352,7 @@ impl PickerRouter {
                 pool: &pool,
                 worker,
                 uncached_tokens,
+                checkpoints,
             };
             let Some(datagram) = announcement.seal(&self.sync_keys) else {
                 continue;
@@ -423,7 +428,7 @@ impl Router for PickerRouter {
                     self.replicas.get(replica),
                     Announcement::open(&datagram, &self.sync_keys).ok(),
                 ) {
-                    take_announcement(&announcement, &state.loads);
+                    take_announcement(&announcement, &state.loads, self.at(cx.now));
                 }
             }
             Wake::KvEvents {
