@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use super::hash::block_hashes_into;
 use super::index::{IndexStats, OwnerIndex, OwnerMatch, lock};
+use super::keyed::KeyedHash;
 use crate::config::PoolConfig;
 use crate::worker::WorkerId;
 use peers::PeerGuesses;
@@ -100,7 +101,7 @@ pub struct EventIndex {
     /// The first slot of each worker.
     first_slot: Box<[u32]>,
     speculative: OwnerIndex,
-    expiry: Mutex<VecDeque<Guess>>,
+    guesses: Mutex<Guesses>,
     /// The other replicas' guesses (`replica_sync`), by checkpoint.
     peers: Mutex<PeerGuesses>,
     speculative_ttl: Duration,
@@ -111,6 +112,15 @@ pub struct EventIndex {
     /// Per slot: its stream broke and has not yet shown the engine is the same one, so its entries
     /// make no owner (they may describe a cache that died with its engine).
     suspended: Box<[AtomicBool]>,
+}
+
+/// This replica's guesses in flight: the order they expire in, and for each worker how many of them
+/// hold each block, so that a block leaves the guesses with the last guess that holds it. A hot prefix
+/// guessed again and again stays while the engine is still prefilling it, which at a fleet's knee
+/// takes longer than `speculative_ttl`.
+struct Guesses {
+    queue: VecDeque<Guess>,
+    holding: Vec<HashMap<u64, u32, KeyedHash>>,
 }
 
 /// A decision's placement and when it stops counting.
@@ -171,7 +181,12 @@ impl EventIndex {
             slot_worker: slot_worker.into(),
             first_slot: first_slot.into(),
             speculative: OwnerIndex::new(&guesses),
-            expiry: Mutex::new(VecDeque::new()),
+            guesses: Mutex::new(Guesses {
+                queue: VecDeque::new(),
+                holding: (0..ranks.len())
+                    .map(|_| HashMap::with_hasher(KeyedHash::new()))
+                    .collect(),
+            }),
             peers: Mutex::default(),
             speculative_ttl,
             block_size,
@@ -386,10 +401,16 @@ impl EventIndex {
         if hashes.is_empty() || self.speculative_ttl.is_zero() {
             return;
         }
-        let mut expiry = lock(&self.expiry);
-        self.expire(&mut expiry, now);
+        let mut guesses = lock(&self.guesses);
+        self.expire(&mut guesses, now);
+        let Some(holding) = guesses.holding.get_mut(worker.index()) else {
+            return;
+        };
         self.speculative.insert(worker, hashes);
-        expiry.push_back(Guess {
+        for &hash in hashes {
+            *holding.entry(hash).or_insert(0) += 1;
+        }
+        guesses.queue.push_back(Guess {
             until: now + self.speculative_ttl,
             worker,
             hashes: hashes.into(),
@@ -440,8 +461,8 @@ impl EventIndex {
             }
         }
         {
-            let mut expiry = lock(&self.expiry);
-            self.expire(&mut expiry, now);
+            let mut guesses = lock(&self.guesses);
+            self.expire(&mut guesses, now);
         }
         for owner in self.speculative.matches(hashes, self.block_size) {
             // A guess is about the engine this replica sent to; while the worker's streams are down
@@ -470,12 +491,32 @@ impl EventIndex {
         by_worker
     }
 
-    /// Drops the guesses that expired by `now`. A guess refreshed by a later decision for the same
-    /// worker is dropped with the first one's expiry: by then the engine's events have arrived.
-    fn expire(&self, expiry: &mut VecDeque<Guess>, now: Instant) {
-        while expiry.front().is_some_and(|guess| guess.until <= now) {
-            if let Some(guess) = expiry.pop_front() {
-                for &hash in guess.hashes.iter() {
+    /// Drops the guesses that expired by `now`; a block goes with the last live guess that holds it.
+    fn expire(&self, guesses: &mut Guesses, now: Instant) {
+        while guesses
+            .queue
+            .front()
+            .is_some_and(|guess| guess.until <= now)
+        {
+            let Some(guess) = guesses.queue.pop_front() else {
+                break;
+            };
+            let Some(holding) = guesses.holding.get_mut(guess.worker.index()) else {
+                continue;
+            };
+            for &hash in guess.hashes.iter() {
+                let last = match holding.get_mut(&hash) {
+                    Some(count) if *count > 1 => {
+                        *count -= 1;
+                        false
+                    }
+                    Some(_) => {
+                        holding.remove(&hash);
+                        true
+                    }
+                    None => true,
+                };
+                if last {
                     self.speculative.remove(guess.worker, hash);
                 }
             }

@@ -347,3 +347,19 @@ fn a_peer_s_guess_makes_an_owner_at_its_deepest_checkpoint_until_the_ttl() {
     index.reset_worker(WorkerId(1), 1000);
     assert!(depths(&index, &tokens, 16, start).is_empty());
 }
+
+#[test]
+fn a_prefix_guessed_again_stays_until_the_last_guess_expires() {
+    let index = index(2, 16);
+    let t0 = start();
+    let first = prompt(16 * 40);
+    let again = prompt(16 * 60);
+    index.speculate(WorkerId(0), &block_hashes(seed(), &first, size(16)), t0);
+    // A second turn of the same conversation, routed there a second later, shares its 40 blocks.
+    let t1 = t0 + Duration::from_secs(1);
+    index.speculate(WorkerId(0), &block_hashes(seed(), &again, size(16)), t1);
+    // When the first guess expires, the second still holds all 60 blocks, the shared 40 included.
+    assert_eq!(depths(&index, &again, 16, t0 + TTL), [(0, 60 * 16)]);
+    assert_eq!(depths(&index, &first, 16, t0 + TTL), [(0, 40 * 16)]);
+    assert!(depths(&index, &again, 16, t1 + TTL).is_empty());
+}
