@@ -60,5 +60,11 @@ mod tests {
         );
         assert!(checkpoints(&[]).is_empty());
         assert!(!is_checkpoint(0));
+        // The computed sequence is exactly the depths the predicate names.
+        let searched: Vec<usize> = (1..)
+            .filter(|depth| is_checkpoint(*depth))
+            .take(MAX_CHECKPOINTS)
+            .collect();
+        assert_eq!(all, searched);
     }
 }

@@ -114,6 +114,9 @@ pub struct EventIndex {
     suspended: Box<[AtomicBool]>,
 }
 
+/// The most blocks a worker's guesses hold, and the longest chain one guess records.
+const MAX_GUESSED_BLOCKS: usize = 1 << 14;
+
 /// This replica's guesses in flight: the order they expire in, and for each worker how many of them
 /// hold each block, so that a block leaves the guesses with the last guess that holds it. A hot prefix
 /// guessed again and again stays while the engine is still prefilling it, which at a fleet's knee
@@ -166,7 +169,10 @@ impl EventIndex {
             }
         }
         // A guess covers a burst, not a cache: a few thousand blocks a worker.
-        let guesses: Vec<usize> = capacity_blocks.iter().map(|&c| c.min(1 << 14)).collect();
+        let guesses: Vec<usize> = capacity_blocks
+            .iter()
+            .map(|&c| c.min(MAX_GUESSED_BLOCKS))
+            .collect();
         EventIndex {
             truth: OwnerIndex::with_engine_keys(&capacities),
             sides: capacities
@@ -227,8 +233,6 @@ impl EventIndex {
             self.clear(slot);
             self.suspend(slot, false);
         }
-        self.speculative.clear_worker(worker);
-        lock(&self.peers).clear_worker(worker);
         self.set_capacity(worker, blocks);
     }
 
@@ -388,6 +392,9 @@ impl EventIndex {
                 lock(sides).bound = blocks;
             }
         }
+        // A worker that joins after start-up had no capacity when the guesses were sized.
+        self.speculative
+            .set_capacity(worker, blocks.min(MAX_GUESSED_BLOCKS));
     }
 
     /// Records that `worker` was just chosen for the prompt `hashes`: a guess until `now +
@@ -401,6 +408,7 @@ impl EventIndex {
         if hashes.is_empty() || self.speculative_ttl.is_zero() {
             return;
         }
+        let hashes = hashes.get(..MAX_GUESSED_BLOCKS).unwrap_or(hashes);
         let mut guesses = lock(&self.guesses);
         self.expire(&mut guesses, now);
         let Some(holding) = guesses.holding.get_mut(worker.index()) else {
@@ -519,6 +527,10 @@ impl EventIndex {
                 if last {
                     self.speculative.remove(guess.worker, hash);
                 }
+            }
+            // A burst's counts go with it; the map need not keep the burst's room.
+            if holding.capacity() > 4 * holding.len().max(1024) {
+                holding.shrink_to(2 * holding.len());
             }
         }
     }

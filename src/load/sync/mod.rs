@@ -266,7 +266,13 @@ impl ReplicaSync {
                 let datagram = buffer.get(..len).unwrap_or_default();
                 match self.open(datagram, &mut seen, unix_ms()) {
                     Ok(announcement) if taken.admit(now) => {
-                        take_announcement(&announcement, &pools, now)
+                        // A guess counts from when the peer made it, not from when it arrived.
+                        let age = Duration::from_millis(
+                            unix_ms().saturating_sub(announcement.sent_at_ms),
+                        )
+                        .min(FRESH_WITHIN);
+                        let sent = now.checked_sub(age).unwrap_or(now);
+                        take_announcement(&announcement, &pools, sent)
                     }
                     Ok(_) => Received::OverBudget,
                     Err(outcome) => {
@@ -446,12 +452,13 @@ fn unix_ms() -> u64 {
 
 /// A peer's announcement, already authenticated as a peer's and not this replica's own, added to its
 /// worker's peer window with its tokens clamped to the pool's `max_model_len` (`pools` pairs each pool
-/// with it), and its checkpoints to the pool's guesses of where prefixes are (received at `now`). The
-/// receive task's last step; a replay in virtual time delivers announcements here.
+/// with it), and its checkpoints to the pool's guesses of where prefixes are (made at `sent`, on this
+/// replica's clock). The receive task's last step; a replay in virtual time delivers announcements
+/// here.
 pub fn take_announcement(
     announcement: &Announcement<'_>,
     pools: &[(Arc<PoolLoad>, u64)],
-    now: Instant,
+    sent: Instant,
 ) -> Received {
     let Some((load, most)) = pools
         .iter()
@@ -469,7 +476,7 @@ pub fn take_announcement(
     };
     load.dispatches()
         .record_peer(worker.id, announcement.uncached_tokens.min(*most));
-    load.peer_guess(worker.id, &announcement.checkpoints, now);
+    load.peer_guess(worker.id, &announcement.checkpoints, sent);
     Received::Accepted
 }
 

@@ -1,6 +1,6 @@
 //! The `replica_sync` datagram: one replica's announcement of one dispatch, sealed with a MAC.
 //!
-//! Big-endian: `CPS2`; the id of the key that signed it; the sender's origin (random per process), its
+//! Big-endian: `CPS3`; the id of the key that signed it; the sender's origin (random per process), its
 //! sequence number (from 1, one per announcement) and its wall clock in milliseconds since the Unix
 //! epoch, which together let a receiver refuse a replayed or stale datagram; the uncached tokens (u64);
 //! the worker's port (u16), address family (4 or 6) and address; the pool label's length (u8) and the
@@ -19,7 +19,9 @@ use super::keys::SyncKeys;
 /// layer cuts a chain to (held equal by `route`'s tests, since neither module may import the other).
 pub const MAX_CHECKPOINTS: usize = 64;
 
-const MAGIC: &[u8; 4] = b"CPS2";
+/// `CPS3`: the third layout (`CPS1` had no MAC, `CPS2` no checkpoints); a replica of another layout's
+/// release hears nothing of this one's (`malformed`), nor this one of its.
+const MAGIC: &[u8; 4] = b"CPS3";
 const TAG_BYTES: usize = 32;
 /// Everything before the worker's address family.
 const FIXED: usize = 4 + 4 + 8 + 8 + 8 + 8 + 2;

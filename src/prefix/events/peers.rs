@@ -2,13 +2,14 @@
 //! at the checkpoint depths (`checkpoint.rs`), until `speculative_ttl` passes as for this replica's own.
 //!
 //! A guess says a worker holds the blocks up to each of its checkpoints, so a request is matched by
-//! looking its own chain up at the same depths, deepest first: at most [`MAX_CHECKPOINTS`] lookups. The
-//! table holds at most [`MAX_ENTRIES`] hashes; past it a guess is dropped, which costs only that guess.
+//! looking its own chain up at the same depths: at most [`MAX_CHECKPOINTS`] lookups. The table holds at
+//! most [`MAX_ENTRIES`] hashes; a new guess makes room by dropping the oldest, which were soonest to
+//! expire anyway.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use super::super::checkpoint::checkpoint_depths;
+use super::super::checkpoint::{MAX_CHECKPOINTS, checkpoint_depths};
 use crate::worker::WorkerId;
 
 /// Hashes held at once: at 48 checkpoints a guess, 5,000 guesses in flight.
@@ -23,11 +24,18 @@ pub(super) struct PeerGuesses {
 }
 
 impl PeerGuesses {
-    /// Records that `worker` holds the chain whose checkpoint hashes are `checkpoints`, until `until`.
-    /// `false` when the table is full.
+    /// Records that `worker` holds the chain whose checkpoint hashes are `checkpoints`, until `until`,
+    /// dropping the oldest guesses if the table has no room. `false` for more checkpoints than a guess
+    /// has.
     pub(super) fn insert(&mut self, worker: WorkerId, checkpoints: &[u64], until: Instant) -> bool {
-        if self.entries + checkpoints.len() > MAX_ENTRIES {
+        if checkpoints.len() > MAX_CHECKPOINTS {
             return false;
+        }
+        while self.entries + checkpoints.len() > MAX_ENTRIES {
+            let Some((_, oldest, hashes)) = self.expiry.pop_front() else {
+                break;
+            };
+            self.remove(oldest, &hashes);
         }
         for &hash in checkpoints {
             let workers = self.held.entry(hash).or_default();
@@ -169,15 +177,29 @@ mod tests {
     }
 
     #[test]
-    fn the_table_is_bounded() {
+    fn the_table_is_bounded_and_a_new_guess_drops_the_oldest() {
         let until = any_instant() + Duration::from_secs(1);
         let mut guesses = PeerGuesses::default();
-        let checkpoints: Vec<u64> = (0..64).collect();
-        let fits = MAX_ENTRIES / 64;
-        for _ in 0..fits {
+        let fits = MAX_ENTRIES / MAX_CHECKPOINTS;
+        for guess in 0..fits as u64 {
+            let checkpoints: Vec<u64> = (0..MAX_CHECKPOINTS as u64)
+                .map(|n| guess << 8 | n)
+                .collect();
             assert!(guesses.insert(WorkerId(0), &checkpoints, until));
         }
-        assert!(!guesses.insert(WorkerId(0), &checkpoints, until));
         assert_eq!(guesses.entries(), MAX_ENTRIES);
+        assert_eq!(
+            guesses.deepest(&[0]),
+            [(WorkerId(0), 1)],
+            "the oldest guess is there"
+        );
+        assert!(guesses.insert(WorkerId(1), &[7_000_000_000], until));
+        assert_eq!(guesses.entries(), MAX_ENTRIES - MAX_CHECKPOINTS + 1);
+        assert!(
+            guesses.deepest(&[0]).is_empty(),
+            "the oldest guess made room"
+        );
+        assert_eq!(guesses.deepest(&[7_000_000_000]), [(WorkerId(1), 1)]);
+        assert!(!guesses.insert(WorkerId(1), &[0; MAX_CHECKPOINTS + 1], until));
     }
 }

@@ -363,3 +363,14 @@ fn a_prefix_guessed_again_stays_until_the_last_guess_expires() {
     assert_eq!(depths(&index, &first, 16, t0 + TTL), [(0, 40 * 16)]);
     assert!(depths(&index, &again, 16, t1 + TTL).is_empty());
 }
+
+#[test]
+fn a_worker_that_joins_after_start_up_keeps_its_guesses() {
+    // Slot 1 is empty at start-up (capacity 0), as in a discovery pool before its second worker.
+    let index = EventIndex::new(&[1, 1], &[1000, 0], size(16), TTL);
+    index.reset_worker(WorkerId(1), 1000);
+    let now = start();
+    let tokens = prompt(16 * 10);
+    index.speculate(WorkerId(1), &block_hashes(seed(), &tokens, size(16)), now);
+    assert_eq!(depths(&index, &tokens, 16, now), [(1, 10 * 16)]);
+}
