@@ -33,6 +33,23 @@ fn pool() -> Arc<PoolLoad> {
     PoolLoad::for_pools(&config).remove(0)
 }
 
+/// A sender and a receiver that list each other, the receiver taking `budget` datagrams a second;
+/// the receiver's address and its pool.
+fn pair(
+    budget: u32,
+) -> (
+    Arc<ReplicaSync>,
+    Arc<ReplicaSync>,
+    SocketAddr,
+    Arc<PoolLoad>,
+) {
+    let (a_socket, a) = loopback();
+    let (b_socket, b) = loopback();
+    let sender = replica(a_socket, &[b], 100);
+    let receiver = replica(b_socket, &[a], budget);
+    (sender, receiver, b, pool())
+}
+
 /// Waits until `stats` counts `total` received datagrams (UDP on loopback delivers, but not at once).
 async fn received(stats: &SyncStats, total: u64) {
     let all = || {
@@ -174,11 +191,7 @@ impl crate::load::PeerGuesses for Guesses {
 
 #[tokio::test]
 async fn a_peer_s_checkpoints_reach_the_pool_s_guesses() {
-    let (a_socket, a) = loopback();
-    let (b_socket, b) = loopback();
-    let sender = replica(a_socket, &[b], 100);
-    let receiver = replica(b_socket, &[a], 100);
-    let load = pool();
+    let (sender, receiver, _, load) = pair(100);
     let guesses = Arc::new(Guesses::default());
     load.take_guesses_through(Arc::clone(&guesses) as Arc<dyn crate::load::PeerGuesses>);
     let (stop, task) = receiving(&receiver, &load);
@@ -291,11 +304,7 @@ async fn a_peer_named_by_dns_is_sent_to_once_the_name_resolves() {
 
 #[tokio::test]
 async fn datagrams_beyond_the_budget_are_dropped_and_counted() {
-    let (a_socket, a) = loopback();
-    let (b_socket, b) = loopback();
-    let sender = replica(a_socket, &[b], 100);
-    let receiver = replica(b_socket, &[a], 2);
-    let load = pool();
+    let (sender, receiver, _, load) = pair(2);
     let (stop, task) = receiving(&receiver, &load);
     for _ in 0..5 {
         sender.announce("m", worker(), 10, &[]);
@@ -317,11 +326,7 @@ async fn datagrams_beyond_the_budget_are_dropped_and_counted() {
 
 #[tokio::test]
 async fn forgeries_from_a_peer_s_address_leave_the_peers_budget_alone() {
-    let (a_socket, a) = loopback();
-    let (b_socket, b) = loopback();
-    let sender = replica(a_socket, &[b], 100);
-    let receiver = replica(b_socket, &[a], 2);
-    let load = pool();
+    let (sender, receiver, b, load) = pair(2);
     let (stop, task) = receiving(&receiver, &load);
     // Six forgeries from the peer's own address (as a spoofed source would arrive), then its two
     // genuine announcements: the forgeries are refused within their own budget (four times two).
