@@ -1015,6 +1015,91 @@ async fn a_stream_dropped_mid_request_counts_as_reset_and_the_picker_keeps_servi
     harness.stop().await;
 }
 
+/// A proxy resets a stream with whatever reason its own failure carries, not only CANCEL: here hyper's
+/// INTERNAL_ERROR, sent when a request body fails (a connection's GOAWAY and a broken pipe are the same
+/// event to the picker). Each is the proxy going away, counted as `reset`; a message that does not
+/// decode is the stream's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_proxy_resets_with_any_reason_counts_as_reset() {
+    use http_body_util::BodyExt;
+    use prost::Message;
+
+    let harness = Harness::start(2, "").await;
+    let (frames, response) = raw_process(harness.listen, &post_headers(CHAT).encode_to_vec()).await;
+    // The headers' answer arrives: the stream is open at the picker, waiting for the body.
+    let mut body = response.into_body();
+    let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .expect("the headers' answer")
+        .expect("a frame")
+        .expect("not an error");
+    assert!(first.data_ref().is_some_and(|data| !data.is_empty()));
+    frames
+        .send(Err(std::io::Error::other("the proxy's client went away")))
+        .await
+        .unwrap();
+    let text = harness.wait_streams_closed("the reset stream closes").await;
+    assert_eq!(closed(&text, "reset"), 1.0, "a reset is counted as reset");
+    assert_eq!(
+        closed(&text, "error"),
+        0.0,
+        "a reset is not the stream's error"
+    );
+
+    // The control: a message that is not a ProcessingRequest.
+    let (_frames, _response) = raw_process(harness.listen, &[0xff, 0xff, 0xff]).await;
+    let text = harness
+        .wait_metrics("the undecodable stream closes", |text| {
+            closed(text, "error") + closed(text, "reset") == 2.0
+        })
+        .await;
+    assert_eq!(closed(&text, "error"), 1.0, "{text}");
+
+    let client = harness.client().await;
+    let route = decide(&client, CHAT, &chat(13, 500)).await;
+    harness.assert_routed_to_a_worker(&route);
+    harness.stop().await;
+}
+
+type RawFrames =
+    tokio::sync::mpsc::Sender<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>;
+
+/// Opens a `Process` call on its own HTTP/2 connection, as a proxy would, and sends `message` (protobuf
+/// bytes) as its first gRPC message; the sender sends the rest of the body, or fails it.
+async fn raw_process(
+    listen: SocketAddr,
+    message: &[u8],
+) -> (RawFrames, http::Response<hyper::body::Incoming>) {
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let tcp = tokio::net::TcpStream::connect(listen).await.unwrap();
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let (frames, receiver) = tokio::sync::mpsc::channel(4);
+    let request = http::Request::post(format!(
+        "http://{listen}/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(StreamBody::new(
+        tokio_stream::wrappers::ReceiverStream::new(receiver),
+    ))
+    .unwrap();
+    // A gRPC message: uncompressed, its length, the bytes.
+    let mut framed = vec![0];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(message);
+    frames.send(Ok(Frame::data(framed.into()))).await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    (frames, response)
+}
+
 // === 0. start-up ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -589,9 +589,22 @@ fn on_trailers(exchange: &Exchange) -> Step {
     }
 }
 
-/// Envoy resets the stream when the HTTP request ends; that is the normal end, not a failure.
+/// Whether the stream ended because the proxy went away: it cancelled the call (Envoy resets the stream
+/// when the HTTP request ends: the normal end, not a failure), or the transport under the stream stopped
+/// carrying it — a reset whatever its reason code, a GOAWAY, the connection's end. tonic gives those the
+/// code their HTTP/2 reason maps to (a GOAWAY's NO_ERROR is `Internal`), so they are known by the hyper or
+/// I/O error under the status. What remains is the stream's own error: a message that does not decode
+/// or is over the size limit.
 fn is_reset(status: &Status) -> bool {
-    matches!(status.code(), tonic::Code::Cancelled | tonic::Code::Unknown)
-        || status.message().contains("reset")
-        || status.message().contains("Reset")
+    if matches!(status.code(), tonic::Code::Cancelled | tonic::Code::Unknown) {
+        return true;
+    }
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if error.is::<hyper::Error>() || error.is::<std::io::Error>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
