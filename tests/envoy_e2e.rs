@@ -1210,12 +1210,11 @@ in_both_body_modes!(refusals_never_reach_a_worker);
 
 // === the one-command demo ===
 
-/// Runs `cachepick demo` with `args` (shortened phases) and returns its stdout; fails on a non-zero exit
-/// or after two minutes.
+/// Runs `cachepick demo` with `args` and returns its stdout; fails on a non-zero exit or after two
+/// minutes.
 fn run_demo(args: &[&str]) -> String {
     let mut child = std::process::Command::new(cachepick_rig::cachepick_binary())
         .arg("demo")
-        .args(["--duration-scale", "0.25", "--workers", "3"])
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -1241,6 +1240,18 @@ fn run_demo(args: &[&str]) -> String {
     }
 }
 
+/// A count the demo printed on a line of its own: `reason  count` or an Envoy stat `name: count`.
+fn demo_count(stdout: &str, name: &str) -> u64 {
+    stdout
+        .lines()
+        .map(str::trim)
+        .find_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            rest.trim_start_matches(':').trim().parse().ok()
+        })
+        .unwrap_or(0)
+}
+
 /// The `all` row of the demo's table: requests and errors.
 fn demo_totals(stdout: &str) -> (u64, u64) {
     let row = stdout
@@ -1260,6 +1271,7 @@ fn the_demo_runs_through_a_real_envoy_and_reports_envoys_counters() {
         format!("127.0.0.1:{listener}"),
         format!("127.0.0.1:{metrics}"),
     );
+    // The demo as a newcomer runs it (its full length and fleet), so every rung of the ladder shows.
     let stdout = run_demo(&[
         "--envoy",
         binary.to_str().expect("UTF-8 path"),
@@ -1288,11 +1300,27 @@ fn the_demo_runs_through_a_real_envoy_and_reports_envoys_counters() {
         .sum();
     assert_eq!(counted, requests, "{stdout}");
     assert!(stdout.contains("prefix hit"), "{stdout}");
+    // Every rung: the gate diverted from a queueing owner and the floor pinned while the fleet queued,
+    // as the picker's reasons and Envoy's own counters say.
+    for reason in [
+        "cache_hit",
+        "cache_miss",
+        "cache_worker_queued",
+        "saturation_pin",
+    ] {
+        assert!(demo_count(&stdout, reason) > 0, "{reason}\n{stdout}");
+        let stat = format!("vhost.llm.vcluster.{reason}.upstream_rq_total");
+        assert_eq!(
+            demo_count(&stdout, &stat),
+            demo_count(&stdout, reason),
+            "{stat}\n{stdout}"
+        );
+    }
 }
 
 #[test]
 fn the_demo_drives_the_picker_directly_without_envoy() {
-    let stdout = run_demo(&["--no-envoy"]);
+    let stdout = run_demo(&["--no-envoy", "--duration-scale", "0.25", "--workers", "3"]);
     let (requests, errors) = demo_totals(&stdout);
     assert!(requests > 50, "{stdout}");
     assert_eq!(errors, 0, "{stdout}");

@@ -1,8 +1,10 @@
 //! `cachepick demo`: the whole product on one machine in one command — a simulated fleet, the picker,
-//! and a real Envoy in front when one is installed — driven by the burst workload of `cachepick replay`
-//! (conversations sharing long prefixes: steady, a burst well above capacity, steady again) with the
-//! product's default policy (the gate and the floor in predicted prefill time, its durations in the
-//! simulator's wall time), then a short report and where to look.
+//! and a real Envoy in front when one is installed — driven by the burst workload's conversations of
+//! `cachepick replay` (sharing long prefixes) through four phases that reach every rung of the ladder:
+//! steady, one hot prefix whose owner queues (the gate diverts), a flood that queues the whole fleet
+//! (the floor pins), steady again. The product's default policy runs (the gate and the floor in
+//! predicted prefill time, its durations in the simulator's wall time); then a short report with the
+//! decision reasons and Envoy's per-reason counters, and where to look.
 //!
 //! It is one replay run with one policy and a shorter report: the same [`Stage`], driver and figures.
 //! Without Envoy the demo drives the picker over its ext_proc gRPC interface (the same messages Envoy
@@ -20,7 +22,7 @@ use crate::envoy::Envoy;
 use crate::replay::arms::{apply_policy, policy_yaml};
 use crate::replay::drive::{self, Route};
 use crate::replay::report::{PhaseFigures, PolicyReport};
-use crate::replay::trace::{self, BURST_PHASES, PromptBuilder};
+use crate::replay::trace::{self, BURST_GROUPS, Phase, PromptBuilder};
 use crate::replay::{Scenario, default_fleet};
 use crate::stage::{Stage, StageError};
 use crate::{find_envoy, nz};
@@ -63,8 +65,43 @@ pub enum DemoError {
 
 /// The burst scenario's trace time is divided by this, as `cachepick replay --scenario burst` does.
 const SPEEDUP: f64 = 4.0;
-/// The demo's share of the burst scenario's 100 s of trace time: 56 s, 14 s at [`SPEEDUP`].
+/// The demo's share of its phases' trace time (95 s): 53 s, 13 s at [`SPEEDUP`].
 const SCALE: f64 = 0.56;
+/// The demo's phases, in trace time: steady load near the fleet's capacity on conversations that share
+/// long prefixes; one conversation's prefix drawing the traffic, whose owner queues while the others
+/// do not, so the gate diverts (`cache_worker_queued`); a flood of requests each with its own long
+/// suffix, which queues every worker at once, so the floor pins requests to their owners rather than
+/// divert them (`saturation_pin`); steady again, as the backlog drains.
+const PHASES: [Phase; 4] = [
+    Phase {
+        name: "steady",
+        rate: 8.0,
+        length_ms: 30_000,
+        suffix_tokens: 256,
+        groups: BURST_GROUPS,
+    },
+    Phase {
+        name: "hot",
+        rate: 24.0,
+        length_ms: 10_000,
+        suffix_tokens: 1_024,
+        groups: 1,
+    },
+    Phase {
+        name: "flood",
+        rate: 96.0,
+        length_ms: 5_000,
+        suffix_tokens: 4_096,
+        groups: BURST_GROUPS,
+    },
+    Phase {
+        name: "recovery",
+        rate: 8.0,
+        length_ms: 50_000,
+        suffix_tokens: 256,
+        groups: BURST_GROUPS,
+    },
+];
 const MAX_IN_FLIGHT: usize = 2_000;
 /// The policy the demo runs: the product's default, as the replay names it.
 const POLICY: &str = "time_floor_all";
@@ -80,7 +117,7 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     } else {
         SCALE
     };
-    let items = trace::burst(options.seed, scale);
+    let items = trace::phased(options.seed, scale, &PHASES);
     let prompts = PromptBuilder::new(&sim.tokenizer, options.seed);
 
     let policy = policy_yaml(POLICY, &sim)
@@ -135,7 +172,7 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     };
 
     println!();
-    for phase in BURST_PHASES {
+    for phase in PHASES {
         println!(
             "phase {}: {} requests/s for {:.1}s",
             phase.name,
@@ -145,7 +182,7 @@ pub async fn run(options: DemoOptions) -> Result<(), DemoError> {
     }
     let started = Instant::now();
     let samples = drive::drive(&route, &items, &prompts, &sim.model, SPEEDUP, MAX_IN_FLIGHT).await;
-    let names: Vec<&str> = BURST_PHASES.iter().map(|phase| phase.name).collect();
+    let names: Vec<&str> = PHASES.iter().map(|phase| phase.name).collect();
     let figures = PolicyReport::new(
         POLICY,
         "",

@@ -101,6 +101,11 @@ pub struct Phase {
     pub rate: f64,
     /// Length in trace milliseconds.
     pub length_ms: u64,
+    /// Each request's own tokens after its group's shared prefix: what a cache hit still prefills.
+    pub suffix_tokens: u32,
+    /// The conversation groups requests are drawn from (the first `groups` of [`BURST_GROUPS`], by
+    /// the same skewed popularity); 1 sends every request to one shared prefix.
+    pub groups: u64,
 }
 
 /// The burst scenario's phases, in trace time: steady near the default fleet's capacity, a burst well
@@ -110,16 +115,22 @@ pub const BURST_PHASES: [Phase; 3] = [
         name: "steady",
         rate: 8.0,
         length_ms: 40_000,
+        suffix_tokens: BURST_SUFFIX_TOKENS,
+        groups: BURST_GROUPS,
     },
     Phase {
         name: "burst",
         rate: 24.0,
         length_ms: 10_000,
+        suffix_tokens: BURST_SUFFIX_TOKENS,
+        groups: BURST_GROUPS,
     },
     Phase {
         name: "recovery",
         rate: 8.0,
         length_ms: 50_000,
+        suffix_tokens: BURST_SUFFIX_TOKENS,
+        groups: BURST_GROUPS,
     },
 ];
 /// Conversation groups of the burst scenario; each shares a long prefix.
@@ -134,12 +145,18 @@ const BURST_OUTPUT_TOKENS: u32 = 64;
 /// popularity), steady load near the fleet's capacity, a burst well above it, then steady again.
 /// `scale` multiplies every phase's length (rates are unchanged).
 pub fn burst(seed: u64, scale: f64) -> Vec<Item> {
+    phased(seed, scale, &BURST_PHASES)
+}
+
+/// The burst scenario's conversations through other `phases` (the demo's adds one that queues the whole
+/// fleet); item `phase` is the index into `phases`.
+pub fn phased(seed: u64, scale: f64, phases: &[Phase]) -> Vec<Item> {
     let scale = duration_scale(scale);
     let mut rng = XorShift::new(seed ^ 0xB0B5_7E57);
     let mut items = Vec::new();
     let mut start_ms = 0.0_f64;
     let mut unique = 1_000_000_u64;
-    for (phase, spec) in BURST_PHASES.iter().enumerate() {
+    for (phase, spec) in phases.iter().enumerate() {
         let end_ms = start_ms + spec.length_ms as f64 * scale;
         let mut at = start_ms;
         loop {
@@ -149,16 +166,23 @@ pub fn burst(seed: u64, scale: f64) -> Vec<Item> {
                 break;
             }
             // Zipf-like popularity: group g is chosen with weight 1 / (g + 1).
-            let group = rng.weighted_group(BURST_GROUPS);
+            let group = rng.weighted_group(spec.groups.clamp(1, BURST_GROUPS));
             let mut hash_ids: Vec<u64> = (0..BURST_PREFIX_BLOCKS)
                 .map(|block| group * BURST_PREFIX_BLOCKS + block)
                 .collect();
-            unique += 1;
-            hash_ids.push(unique);
+            // The request's own blocks: one a trace block of its suffix (one for the burst's).
+            for _ in 0..spec
+                .suffix_tokens
+                .div_ceil(TRACE_BLOCK_TOKENS as u32)
+                .max(1)
+            {
+                unique += 1;
+                hash_ids.push(unique);
+            }
             items.push(Item {
                 timestamp_ms: at as u64,
                 input_length: (BURST_PREFIX_BLOCKS as u32) * TRACE_BLOCK_TOKENS as u32
-                    + BURST_SUFFIX_TOKENS,
+                    + spec.suffix_tokens,
                 output_length: BURST_OUTPUT_TOKENS,
                 hash_ids,
                 phase,
@@ -224,9 +248,14 @@ pub(crate) fn session_turn(at_ms: f64, context: &[u64], output_tokens: u64) -> I
 
 /// Phase boundaries of [`burst`] in trace milliseconds: `(name, start, end)`.
 pub fn burst_phase_bounds(scale: f64) -> Vec<(&'static str, f64, f64)> {
+    phase_bounds(&BURST_PHASES, scale)
+}
+
+/// Phase boundaries of [`phased`] in trace milliseconds: `(name, start, end)`.
+pub fn phase_bounds(phases: &[Phase], scale: f64) -> Vec<(&'static str, f64, f64)> {
     let scale = duration_scale(scale);
     let mut start = 0.0;
-    BURST_PHASES
+    phases
         .iter()
         .map(|phase| {
             let end = start + phase.length_ms as f64 * scale;
@@ -466,6 +495,34 @@ mod tests {
         assert_eq!(ideal_hit_rate(&[]), 0.0);
         // A line without ids (the parser takes it) hits nothing.
         assert_eq!(ideal_hit_rate(&[item(&[], 10), item(&[], 10)]), 0.0);
+    }
+
+    #[test]
+    fn a_phase_of_one_group_shares_one_prefix_and_a_long_suffix_brings_its_own_blocks() {
+        let phases = [Phase {
+            name: "hot",
+            rate: 50.0,
+            length_ms: 2_000,
+            suffix_tokens: 1_100,
+            groups: 1,
+        }];
+        let items = phased(3, 1.0, &phases);
+        assert!(items.len() > 50, "{}", items.len());
+        let prefix: Vec<u64> = (0..BURST_PREFIX_BLOCKS).collect();
+        for item in &items {
+            assert_eq!(item.hash_ids[..prefix.len()], prefix[..]);
+            // 1,100 tokens are three trace blocks of the request's own.
+            assert_eq!(item.hash_ids.len(), prefix.len() + 3);
+            assert_eq!(
+                item.input_length as usize,
+                prefix.len() * TRACE_BLOCK_TOKENS + 1_100
+            );
+        }
+        let own: std::collections::HashSet<u64> = items
+            .iter()
+            .flat_map(|item| item.hash_ids[prefix.len()..].to_vec())
+            .collect();
+        assert_eq!(own.len(), 3 * items.len(), "no two requests share a suffix");
     }
 
     #[test]
