@@ -9,16 +9,19 @@
 //! This module takes paths, not configuration types, so every layer may use it.
 
 use std::io;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use rustls::RootCertStore;
+use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -118,6 +121,9 @@ pub struct ServerFiles {
     pub key_file: PathBuf,
     /// When set, clients must present a certificate signed by one of these CAs (mTLS).
     pub client_ca_file: Option<PathBuf>,
+    /// When not empty, a client's certificate must also name one of these among its subject alternative
+    /// names (a DNS name, a URI such as a SPIFFE ID, an IP address); others fail the handshake.
+    pub allowed_client_identities: Vec<String>,
     /// How often the files are read again, so a rotated certificate reaches new connections.
     pub reload_interval: Duration,
 }
@@ -208,7 +214,14 @@ fn build_server(files: &ServerFiles) -> Result<Loaded, TlsError> {
                 path: path.clone(),
                 reason: error.to_string(),
             })?;
-            builder.with_client_cert_verifier(verifier)
+            if files.allowed_client_identities.is_empty() {
+                builder.with_client_cert_verifier(verifier)
+            } else {
+                builder.with_client_cert_verifier(Arc::new(AllowedClients {
+                    ca: verifier,
+                    identities: files.allowed_client_identities.clone(),
+                }))
+            }
         }
         _ => builder.with_no_client_auth(),
     };
@@ -225,6 +238,92 @@ fn build_server(files: &ServerFiles) -> Result<Loaded, TlsError> {
         contents,
         config: Arc::new(config),
     })
+}
+
+/// `tls.allowed_client_identities`: the CA's check, then the leaf must name one of the identities. A
+/// certificate from the same CA is not enough: a CA that signs for the whole mesh signs for clients
+/// that must not report what Envoy reports (the served endpoint, the response's status).
+#[derive(Debug)]
+struct AllowedClients {
+    ca: Arc<dyn ClientCertVerifier>,
+    identities: Vec<String>,
+}
+
+impl ClientCertVerifier for AllowedClients {
+    fn offer_client_auth(&self) -> bool {
+        self.ca.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.ca.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.ca.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self.ca.verify_client_cert(end_entity, intermediates, now)?;
+        if names_any(end_entity, &self.identities) {
+            Ok(verified)
+        } else {
+            tracing::debug!(
+                "a client certificate from the CA names none of tls.allowed_client_identities"
+            );
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName,
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.ca.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.ca.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.ca.supported_verify_schemes()
+    }
+}
+
+/// Whether `cert` names one of `identities` among its subject alternative names: an identity that
+/// parses as an IP address matches an IP address name; any other matches a DNS name (ASCII case
+/// ignored, a wildcard only as written) or a URI, exactly. A certificate that does not parse names
+/// nothing.
+pub fn names_any(cert: &CertificateDer<'_>, identities: &[String]) -> bool {
+    let Ok(cert) = webpki::EndEntityCert::try_from(cert) else {
+        return false;
+    };
+    identities
+        .iter()
+        .any(|identity| match identity.parse::<IpAddr>() {
+            Ok(ip) => cert
+                .verify_is_valid_for_subject_name(&ServerName::IpAddress(ip.into()))
+                .is_ok(),
+            Err(_) => {
+                cert.valid_dns_names()
+                    .any(|name| name.eq_ignore_ascii_case(identity))
+                    || cert.valid_uri_names().any(|uri| uri == identity)
+            }
+        })
 }
 
 // === client ===
@@ -293,6 +392,47 @@ mod tests {
     }
 
     #[test]
+    fn a_certificate_names_an_identity_by_dns_name_uri_or_ip_address() {
+        let pki = ca("test ca");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["Envoy.Gateway.svc".to_owned()]).unwrap();
+        params.subject_alt_names.push(rcgen::SanType::URI(
+            "spiffe://cluster.local/ns/gateway/sa/envoy"
+                .try_into()
+                .unwrap(),
+        ));
+        params
+            .subject_alt_names
+            .push(rcgen::SanType::IpAddress([10, 0, 0, 7].into()));
+        let cert = params
+            .signed_by(&rcgen::KeyPair::generate().unwrap(), &pki)
+            .unwrap();
+        let der = cert.der();
+        let names = |list: &[&str]| {
+            let list: Vec<String> = list.iter().map(|name| (*name).to_owned()).collect();
+            names_any(der, &list)
+        };
+        assert!(names(&["envoy.gateway.svc"]), "DNS names ignore ASCII case");
+        assert!(names(&["spiffe://cluster.local/ns/gateway/sa/envoy"]));
+        assert!(names(&["10.0.0.7"]));
+        assert!(names(&["someone.else", "10.0.0.7"]), "any one of them");
+        assert!(
+            !names(&["spiffe://cluster.local/ns/gateway/sa/Envoy"]),
+            "URIs exactly"
+        );
+        assert!(
+            !names(&["spiffe://cluster.local/ns/gateway"]),
+            "not a prefix"
+        );
+        assert!(!names(&["gateway.svc", "10.0.0.8", "10.0.0.7:80"]));
+        assert!(!names(&[]));
+        assert!(!names_any(
+            &CertificateDer::from(vec![0x30, 0x03, 1, 2, 3]),
+            &["x".to_owned()]
+        ));
+    }
+
+    #[test]
     fn bad_files_are_typed_errors_and_a_rotation_is_picked_up() {
         let dir = tempfile::tempdir().unwrap();
         let pki = ca("test ca");
@@ -301,6 +441,7 @@ mod tests {
             cert_file: write(dir.path(), "tls.crt", &cert),
             key_file: write(dir.path(), "tls.key", &key),
             client_ca_file: Some(write(dir.path(), "ca.crt", &pki.pem())),
+            allowed_client_identities: Vec::new(),
             reload_interval: ServerFiles::DEFAULT_RELOAD_INTERVAL,
         };
         let tls = ServerTls::load(files.clone()).unwrap();

@@ -237,7 +237,7 @@ const FILES: [&str; 8] = [
      tracing: {otlp_endpoint: \"http://otel:4317\"}\n\
      cache_salt_header: x-tenant\n\
      debug_token_file: /etc/token\n\
-     tls: {cert_file: /t/tls.crt, key_file: /t/tls.key, client_ca_file: /t/ca.crt}\n\
+     tls: {cert_file: /t/tls.crt, key_file: /t/tls.key, client_ca_file: /t/ca.crt, allowed_client_identities: [envoy.gateway.svc]}\n\
      load: {tls: {ca_file: /t/ca.crt, cert_file: /t/c.crt, key_file: /t/c.key, server_name: vllm}}\n\
      pools:\n  - model: m\n    engine: vllm\n    chat_template: /t/tpl.jinja\n\
      \x20   workers: [{endpoint: \"10.0.0.1:8000\", max_running_requests: 8, max_total_tokens: 4096}]\n",

@@ -13,13 +13,14 @@
 
 mod support {
     pub mod envoy;
+    pub mod picker;
     pub mod pki;
     pub mod provision;
     pub mod sim_client;
     pub mod sim_fleet;
 }
 
-use support::{envoy, pki, sim_client, sim_fleet};
+use support::{envoy, picker, pki, sim_client, sim_fleet};
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -41,6 +42,9 @@ use cachepick_sim::fleet::Fleet;
 use cachepick_sim::{Engine, SimConfig};
 use pki::{Ca, Leaf, SERVER_NAME};
 use sim_client::{CHAT, Client, DEADLINE, MODEL, bounded, metric_sum, read_whole};
+
+/// Envoy's identity in its client certificate: the SPIFFE ID Istio gives a gateway's service account.
+const ENVOY_ID: &str = "spiffe://cluster.local/ns/gateway/sa/envoy";
 
 /// The header a simulated worker echoes for cachepick's decision header.
 const ECHO_DECISION: &str = "x-sim-echo-x-cachepick-decision";
@@ -65,7 +69,7 @@ impl Certs {
         let ca = Ca::new(dir.path(), "server");
         let server = ca.server(dir.path(), "picker");
         let clients = Ca::new(dir.path(), "clients");
-        let envoy = clients.client(dir.path(), "envoy", "envoy-gateway");
+        let envoy = clients.client_named(dir.path(), "envoy", "envoy-gateway", &[], &[ENVOY_ID]);
         Certs {
             dir,
             ca,
@@ -82,7 +86,7 @@ impl Certs {
 
 /// A fleet, a picker with `tls:` (mTLS with `mtls`) and Envoy in front with the matching bootstrap.
 struct Stack {
-    _fleet: Fleet,
+    fleet: Fleet,
     config: Config,
     certs: Certs,
     gateway: SocketAddr,
@@ -92,14 +96,22 @@ struct Stack {
 
 impl Stack {
     async fn start(mtls: bool) -> Stack {
+        Stack::start_allowing(mtls, &[]).await
+    }
+
+    /// [`Stack::start`] with `tls.allowed_client_identities` when `identities` is not empty.
+    async fn start_allowing(mtls: bool, identities: &[&str]) -> Stack {
         let certs = Certs::new();
         let sim = sim_fleet::config(Engine::Vllm, 2);
         let fleet = sim_fleet::start(&sim).await;
-        let client_ca = if mtls {
+        let mut client_ca = if mtls {
             format!("\n  client_ca_file: {}", certs.clients.file.display())
         } else {
             String::new()
         };
+        if !identities.is_empty() {
+            client_ca += &format!("\n  allowed_client_identities: [{}]", identities.join(", "));
+        }
         let yaml = format!(
             "tls:\n  cert_file: {}\n  key_file: {}{client_ca}\n{}",
             certs.server.cert_file.display(),
@@ -132,7 +144,7 @@ impl Stack {
         assert!(bootstrap.contains("UpstreamTlsContext"), "{bootstrap}");
         let envoy = envoy::Envoy::start(&bootstrap).await;
         Stack {
-            _fleet: fleet,
+            fleet,
             config,
             certs,
             gateway,
@@ -351,6 +363,151 @@ async fn mtls_routes_envoy_with_its_certificate_and_refuses_clients_without_one(
         "each refused client failed its handshake",
     )
     .await;
+}
+
+/// A client's report of which worker served a request moves the prefix's owner there (feedback), so only
+/// Envoy may give one: with `allowed_client_identities`, a certificate the client CA signed for another
+/// identity fails the handshake, and its forged report never arrives; the same report from a listed
+/// identity (the control) moves the owner, so the test would see the forgery if it got through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_listed_client_identities_may_connect_and_report_where_a_request_went() {
+    let stack = Stack::start_allowing(true, &[ENVOY_ID, "operator.test"]).await;
+    // Envoy's certificate names its SPIFFE ID: it routes through the picker as before.
+    stack.assert_routed_by_the_picker().await;
+
+    let listen = stack.config.listen;
+    let dir = stack.certs.path();
+    let intruder = stack.certs.clients.client_named(
+        dir,
+        "intruder",
+        "envoy-gateway",
+        &["intruder.test"],
+        &["spiffe://cluster.local/ns/tenant/sa/app"],
+    );
+    let operator =
+        stack
+            .certs
+            .clients
+            .client_named(dir, "operator", "operator", &["operator.test"], &[]);
+    let before = handshake_failures(&stack.config).await;
+    let refused = forged_report(&stack, &intruder).await;
+    assert!(
+        refused.is_err(),
+        "an unlisted identity reported: {refused:?}"
+    );
+    let unlisted = readiness(tls_endpoint(listen, &stack.certs.ca, Some(&intruder))).await;
+    assert!(unlisted.is_err(), "{unlisted:?}");
+    wait_handshake_failures(
+        &stack.config,
+        before + 2.0,
+        "the unlisted identity failed its handshakes",
+    )
+    .await;
+    assert_eq!(moved(&stack.config).await, 0.0, "no forged report counted");
+
+    // The control: the same forgery from a listed identity is taken.
+    let served_by = forged_report(&stack, &operator)
+        .await
+        .expect("a listed identity connects");
+    let deadline = Instant::now() + DEADLINE;
+    while moved(&stack.config).await < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the listed identity's report to {served_by} was not taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `cachepick_feedback_total{outcome="moved"}`: reports that named a worker other than the chosen one.
+async fn moved(config: &Config) -> f64 {
+    let metrics = Client::new().get(config.metrics_listen, "/metrics").await;
+    metric_sum(
+        &metrics.text(),
+        "cachepick_feedback_total",
+        &[("outcome", "moved")],
+    )
+}
+
+/// A direct client of the picker with `identity` asks for a decision as Envoy would (its filter's
+/// feedback metadata on) and then reports that another worker served the request. The worker named, or
+/// the error that kept the client from reporting.
+async fn forged_report(stack: &Stack, identity: &Leaf) -> Result<SocketAddr, String> {
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpHeaders, ProcessingRequest, processing_request,
+    };
+    use envoy_types::pb::google::protobuf::{Struct, Value, value};
+    use picker::{body, post_headers, raw_header};
+
+    let channel = tls_endpoint(stack.config.listen, &stack.certs.ca, Some(identity))
+        .connect()
+        .await
+        .map_err(|error| format!("connect: {error:?}"))?;
+    let (sender, receiver) = tokio::sync::mpsc::channel(4);
+    let mut call = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(receiver));
+    call.metadata_mut().insert(
+        cachepick::protocol::FEEDBACK_METADATA,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    let chat = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": format!("forged: {}", "lorem ipsum ".repeat(300))}],
+        "max_tokens": 4,
+    });
+    sender.send(post_headers(CHAT)).await.unwrap();
+    sender
+        .send(body(&serde_json::to_vec(&chat).unwrap(), true))
+        .await
+        .unwrap();
+    let mut responses = ExternalProcessorClient::new(channel)
+        .process(call)
+        .await
+        .map_err(|status| format!("process: {status:?}"))?
+        .into_inner();
+    // The headers' answer, then the body's, which carries the route.
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        answers.push(
+            bounded("an answer", DEADLINE, responses.message())
+                .await
+                .map_err(|status| format!("answer: {status:?}"))?
+                .ok_or("the stream ended before the route")?,
+        );
+    }
+    let chosen = picker::route_of(&answers[1]).endpoints[0];
+    let served_by = stack
+        .fleet
+        .endpoints()
+        .into_iter()
+        .find(|worker| *worker != chosen)
+        .unwrap();
+    let attributes = Struct {
+        fields: [(
+            "upstream.address".to_owned(),
+            Value {
+                kind: Some(value::Kind::StringValue(served_by.to_string())),
+            },
+        )]
+        .into(),
+    };
+    sender
+        .send(ProcessingRequest {
+            attributes: [("envoy.filters.http.ext_proc".to_owned(), attributes)].into(),
+            request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+                headers: Some(envoy_types::pb::envoy::config::core::v3::HeaderMap {
+                    headers: vec![raw_header(":status", "200")],
+                }),
+                ..HttpHeaders::default()
+            })),
+            ..ProcessingRequest::default()
+        })
+        .await
+        .unwrap();
+    bounded("the response phase's answer", DEADLINE, responses.message())
+        .await
+        .map_err(|status| format!("response phase: {status:?}"))?;
+    Ok(served_by)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

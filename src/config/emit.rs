@@ -93,6 +93,8 @@ struct ListenerTls<'c> {
     cert_file: &'c Path,
     key_file: &'c Path,
     client_ca_file: Option<&'c Path>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    allowed_client_identities: &'c [String],
     reload_interval: String,
 }
 
@@ -463,6 +465,7 @@ impl<'c> From<&'c Config> for File<'c> {
                 cert_file: &tls.cert_file,
                 key_file: &tls.key_file,
                 client_ca_file: tls.client_ca_file.as_deref(),
+                allowed_client_identities: &tls.allowed_client_identities,
                 reload_interval: duration::format(tls.reload_interval),
             }),
             metrics_http: MetricsHttp {

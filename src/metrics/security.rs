@@ -98,7 +98,8 @@ impl SecurityMetrics {
             tls_handshake_failures: IntCounter::new(
                 "cachepick_tls_handshake_failures_total",
                 "Connections to listen that failed or timed out in the TLS handshake (a plain-text client, \
-                 a client without an accepted certificate under mTLS, a wrong CA), or were closed at once \
+                 a client without an accepted certificate under mTLS, one naming none of \
+                 tls.allowed_client_identities, a wrong CA), or were closed at once \
                  because 128 handshakes were already in progress.",
             )?,
             tls_reloads: IntCounterVec::new(

@@ -585,6 +585,15 @@ fn check_refuses_what_serve_refuses_with_the_same_message_once() {
             "key_file is required",
         ),
         (
+            "allowed client identities without client certificates",
+            format!(
+                "tls: {{cert_file: {missing}, key_file: {missing}, allowed_client_identities: [envoy.gateway.svc]}}\n{}",
+                pool("")
+            ),
+            "allowed_client_identities needs client_ca_file".to_owned(),
+            "needs client_ca_file",
+        ),
+        (
             "listen equal to metrics_listen",
             format!(
                 "listen: 127.0.0.1:19002\nmetrics_listen: 127.0.0.1:19002\n{}",

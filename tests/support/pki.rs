@@ -62,6 +62,31 @@ impl Ca {
         self.issue(dir, file, params)
     }
 
+    /// A client certificate (CN `name`) that also names `dns` and `uris` among its subject alternative
+    /// names (a SPIFFE ID is a URI), written as `dir/<file>.crt|.key`.
+    pub fn client_named(
+        &self,
+        dir: &Path,
+        file: &str,
+        name: &str,
+        dns: &[&str],
+        uris: &[&str],
+    ) -> Leaf {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("client parameters");
+        params.distinguished_name.push(DnType::CommonName, name);
+        for name in dns {
+            params
+                .subject_alt_names
+                .push(SanType::DnsName((*name).try_into().expect("a DNS name")));
+        }
+        for uri in uris {
+            params
+                .subject_alt_names
+                .push(SanType::URI((*uri).try_into().expect("a URI")));
+        }
+        self.issue(dir, file, params)
+    }
+
     fn issue(&self, dir: &Path, file: &str, params: CertificateParams) -> Leaf {
         let key = KeyPair::generate().expect("a key");
         let cert = params.signed_by(&key, &self.issuer).expect("a signed leaf");

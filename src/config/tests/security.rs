@@ -45,6 +45,7 @@ fn listener_tls_is_off_by_default_and_read_whole() {
             cert_file: PathBuf::from("/tls/tls.crt"),
             key_file: PathBuf::from("/tls/tls.key"),
             client_ca_file: Some(PathBuf::from("/tls/ca.crt")),
+            allowed_client_identities: Vec::new(),
             reload_interval: Duration::from_secs(60),
         })
     );
@@ -67,6 +68,66 @@ fn listener_tls_is_off_by_default_and_read_whole() {
         problems
             .iter()
             .any(|p| p.contains("tls.key_file (line 1): missing required key")),
+        "{problems:?}"
+    );
+}
+
+#[test]
+fn allowed_client_identities_need_client_certificates_and_are_listed_whole() {
+    let listed = config(
+        "tls:\n  cert_file: t.crt\n  key_file: t.key\n  client_ca_file: ca.crt\n  allowed_client_identities: [spiffe://cluster.local/ns/gateway/sa/envoy, envoy.gateway.svc, 10.0.0.7]\n",
+    );
+    let tls = listed.tls.as_ref().unwrap();
+    assert_eq!(
+        tls.allowed_client_identities,
+        [
+            "spiffe://cluster.local/ns/gateway/sa/envoy",
+            "envoy.gateway.svc",
+            "10.0.0.7"
+        ]
+    );
+    round_trips(&listed);
+
+    let problems = messages(&format!(
+        "tls:\n  cert_file: t.crt\n  key_file: t.key\n  allowed_client_identities: [envoy.gateway.svc]\n{POOL}"
+    ));
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("allowed_client_identities needs client_ca_file")),
+        "{problems:?}"
+    );
+    let many: Vec<String> = (0..=32).map(|n| format!("c{n}.test")).collect();
+    for (list, expected) in [
+        ("[]".to_owned(), "list 1 to 32 identities"),
+        (format!("[{}]", many.join(", ")), "list 1 to 32 identities"),
+        (
+            "[\"envoy gateway\", \"\"]".to_owned(),
+            "`envoy gateway` is not an identity",
+        ),
+        (
+            "envoy.gateway.svc".to_owned(),
+            "a list of certificate identities",
+        ),
+    ] {
+        let problems = messages(&format!(
+            "tls:\n  cert_file: t.crt\n  key_file: t.key\n  client_ca_file: ca.crt\n  allowed_client_identities: {list}\n{POOL}"
+        ));
+        assert!(
+            problems.iter().any(|p| p.contains(expected)),
+            "{list}: {problems:?}"
+        );
+    }
+    // Both bad entries are reported, not only the first.
+    let problems = messages(&format!(
+        "tls:\n  cert_file: t.crt\n  key_file: t.key\n  client_ca_file: ca.crt\n  allowed_client_identities: [\"a b\", ok.test, \"c d\"]\n{POOL}"
+    ));
+    assert_eq!(
+        problems
+            .iter()
+            .filter(|p| p.contains("is not an identity"))
+            .count(),
+        2,
         "{problems:?}"
     );
 }

@@ -12,7 +12,16 @@ use super::Validator;
 use crate::config::{ClientFiles, HttpLimits, ScrapeTls, ServerFiles};
 use cachepick_decode::{Decode, Field, Map, Node, Phase, Place, Res, Val};
 
-const LISTENER_TLS_KEYS: &[&str] = &["cert_file", "key_file", "client_ca_file", "reload_interval"];
+const LISTENER_TLS_KEYS: &[&str] = &[
+    "cert_file",
+    "key_file",
+    "client_ca_file",
+    "allowed_client_identities",
+    "reload_interval",
+];
+/// The most identities `tls.allowed_client_identities` lists: each is compared with every name of a
+/// connecting client's certificate.
+pub(super) const MAX_CLIENT_IDENTITIES: usize = 32;
 const SCRAPE_TLS_KEYS: &[&str] = &["ca_file", "cert_file", "key_file", "server_name"];
 const HTTP_KEYS: &[&str] = &[
     "max_connections",
@@ -39,6 +48,16 @@ impl Validator<'_> {
         let cert = self.required(&map, "cert_file", Self::path);
         let key = self.required(&map, "key_file", Self::path);
         let client_ca = self.opt(&map, "client_ca_file", Self::path);
+        let identities = self.opt(&map, "allowed_client_identities", Self::identities);
+        let identities = match (identities, &client_ca) {
+            (Ok(Some(Val { at, .. })), Ok(None)) => Err(self.report(
+                Phase::Cross,
+                at,
+                "allowed_client_identities needs client_ca_file: without client certificates there is \
+                 no identity to check",
+            )),
+            (identities, _) => identities.map(|given| given.map(|list| list.value)),
+        };
         let reload = self.positive_duration(
             &map,
             "reload_interval",
@@ -48,8 +67,48 @@ impl Validator<'_> {
             cert_file: cert?.value,
             key_file: key?.value,
             client_ca_file: client_ca?.map(|ca| ca.value),
+            allowed_client_identities: identities?.unwrap_or_default(),
             reload_interval: reload?.value,
         }))
+    }
+
+    /// `tls.allowed_client_identities`: 1 to [`MAX_CLIENT_IDENTITIES`] names as a certificate writes
+    /// them (a DNS name, a URI such as `spiffe://cluster.local/ns/gateway/sa/envoy`, an IP address).
+    fn identities(&mut self, node: &Node, at: &Place) -> Res<Vec<String>> {
+        let items = self.list(node, at, "a list of certificate identities")?;
+        let identities: Vec<Res<String>> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let at = at.index(i, item.line);
+                let identity = self.string(item, &at);
+                let given = identity.map(|value| Val {
+                    value,
+                    at: at.origin(),
+                });
+                self.check(given, |identity| {
+                    if identity.is_empty() || identity.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                        Err(format!("`{identity}` is not an identity: a certificate's DNS name, URI or IP address, without spaces"))
+                    } else {
+                        Ok(identity)
+                    }
+                })
+                .map(|val| val.value)
+            })
+            .collect();
+        let identities: Vec<String> = identities.into_iter().collect::<Res<_>>()?;
+        if identities.is_empty() || identities.len() > MAX_CLIENT_IDENTITIES {
+            return Err(self.report(
+                Phase::Value,
+                at.origin(),
+                format!(
+                    "list 1 to {MAX_CLIENT_IDENTITIES} identities (leave the key out to accept any \
+                     certificate from client_ca_file); got {}",
+                    identities.len()
+                ),
+            ));
+        }
+        Ok(identities)
     }
 
     /// `load.tls`; absent or null allows `http://` scrape URLs only.
