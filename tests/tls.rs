@@ -274,30 +274,40 @@ async fn wait_ready(addr: SocketAddr, ca: &Ca, identity: Option<&Leaf>) {
     }
 }
 
-async fn handshake_failures(config: &Config) -> f64 {
+const HANDSHAKE_FAILURES: &str = "cachepick_tls_handshake_failures_total";
+/// Reports that named a worker other than the chosen one.
+const MOVED: (&str, &[(&str, &str)]) = ("cachepick_feedback_total", &[("outcome", "moved")]);
+
+/// The picker's counter `name{labels}`, summed over its other labels.
+async fn counter(config: &Config, name: &str, labels: &[(&str, &str)]) -> f64 {
     let metrics = Client::new().get(config.metrics_listen, "/metrics").await;
-    metric_sum(
-        &metrics.text(),
-        "cachepick_tls_handshake_failures_total",
-        &[],
-    )
+    metric_sum(&metrics.text(), name, labels)
 }
 
-/// Waits until the picker has counted at least `count` failed handshakes. A client learns of its
-/// refusal from the alert the server sends before it counts, so the count may trail by a moment.
-async fn wait_handshake_failures(config: &Config, count: f64, why: &str) {
+async fn handshake_failures(config: &Config) -> f64 {
+    counter(config, HANDSHAKE_FAILURES, &[]).await
+}
+
+/// Waits until the picker's counter `name{labels}` is at least `count`. What a client sees (a refusal's
+/// alert, an answer) comes before the picker counts it, so the count may trail by a moment.
+async fn wait_counter(config: &Config, name: &str, labels: &[(&str, &str)], count: f64, why: &str) {
     let deadline = Instant::now() + DEADLINE;
     loop {
-        let counted = handshake_failures(config).await;
+        let counted = counter(config, name, labels).await;
         if counted >= count {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "{why}: {counted} handshake failures counted, expected at least {count}"
+            "{why}: {name} {counted}, expected at least {count}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Waits until the picker has counted at least `count` failed handshakes.
+async fn wait_handshake_failures(config: &Config, count: f64, why: &str) {
+    wait_counter(config, HANDSHAKE_FAILURES, &[], count, why).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,30 +413,24 @@ async fn only_listed_client_identities_may_connect_and_report_where_a_request_we
         "the unlisted identity failed its handshakes",
     )
     .await;
-    assert_eq!(moved(&stack.config).await, 0.0, "no forged report counted");
+    assert_eq!(
+        counter(&stack.config, MOVED.0, MOVED.1).await,
+        0.0,
+        "no forged report counted"
+    );
 
     // The control: the same forgery from a listed identity is taken.
     let served_by = forged_report(&stack, &operator)
         .await
         .expect("a listed identity connects");
-    let deadline = Instant::now() + DEADLINE;
-    while moved(&stack.config).await < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the listed identity's report to {served_by} was not taken"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// `cachepick_feedback_total{outcome="moved"}`: reports that named a worker other than the chosen one.
-async fn moved(config: &Config) -> f64 {
-    let metrics = Client::new().get(config.metrics_listen, "/metrics").await;
-    metric_sum(
-        &metrics.text(),
-        "cachepick_feedback_total",
-        &[("outcome", "moved")],
+    wait_counter(
+        &stack.config,
+        MOVED.0,
+        MOVED.1,
+        1.0,
+        &format!("the listed identity's report to {served_by} was not taken"),
     )
+    .await;
 }
 
 /// A direct client of the picker with `identity` asks for a decision as Envoy would (its filter's
