@@ -122,8 +122,9 @@ pub fn snapshot(pools: &[PoolReport]) -> String {
 fn kv_event_streams(out: &mut String, streams: &[StreamView]) {
     let _ = writeln!(
         out,
-        "  kv events: {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>9} {:>5} {:>7} {:>6} {:>9}",
+        "  kv events: {:<20} {:<6} {:>4} {:<10} {:>9} {:>8} {:>9} {:>9} {:>5} {:>7} {:>6} {:>9}",
         "STREAM",
+        "FROM",
         "RANK",
         "STATE",
         "LAST SEQ",
@@ -140,8 +141,9 @@ fn kv_event_streams(out: &mut String, streams: &[StreamView]) {
         let gpu = stream.tiers.first().map_or(0, |(_, blocks)| *blocks);
         let _ = writeln!(
             out,
-            "             {:<20} {:>4} {:<10} {:>9} {:>8} {:>9} {:>9} {:>5} {:>7} {:>6} {:>9}",
+            "             {:<20} {:<6} {:>4} {:<10} {:>9} {:>8} {:>9} {:>9} {:>5} {:>7} {:>6} {:>9}",
             stream.live.to_string(),
+            stream.from.as_str(),
             stream.rank,
             stream.state.as_str(),
             cell(stream.last_seq),

@@ -25,7 +25,7 @@ use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
-use cachepick::config::{DnsDiscovery, LoadSource, WorkerConfig, WorkerTemplate};
+use cachepick::config::{DnsDiscovery, KvEventsFrom, LoadSource, WorkerConfig, WorkerTemplate};
 use cachepick::discovery::dns::DnsSource;
 use cachepick::discovery::{Members, SourceState, SourceStatus, endpoints};
 use cachepick::worker::Role;
@@ -374,6 +374,7 @@ async fn every_address_of_the_name_is_a_worker_with_the_template() {
         max_total_tokens: NonZeroU64::new(100_000),
         kv_events_port: 5557,
         kv_replay_port: Some(5558),
+        kv_events_from: KvEventsFrom::Pool,
         scrape_https: false,
     };
     let mut source = start_source(server.addr, &template);

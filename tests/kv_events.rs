@@ -465,3 +465,104 @@ async fn the_snapshot_command_shows_every_stream() {
     assert!(text.contains(" live "), "{text}");
     stage.stop().await.unwrap();
 }
+
+/// Two workers of `format`'s engine whose configuration names no sockets: the pool's port is one where
+/// nobody publishes, and `index.sockets` is `sockets`.
+async fn unnamed_sockets_stage(format: KvEventsFormat, sockets: &str) -> (Stage, SocketAddr) {
+    let engine = match format {
+        KvEventsFormat::Sglang => Engine::Sglang,
+        _ => Engine::Vllm,
+    };
+    let mut sim = sim_fleet::config(engine, 2);
+    sim.kv_events = Some(KvEventsConfig::new(format));
+    let nobody = cachepick_rig::free_port().unwrap();
+    let stage = bounded(
+        "the stage to start",
+        Duration::from_secs(20),
+        Stage::start(&sim, |text| {
+            let unnamed: String = text
+                .lines()
+                .filter(|line| {
+                    !(line.starts_with("        kv_events:")
+                        || line.starts_with("          endpoint: tcp://")
+                        || line.starts_with("          replay_endpoint: tcp://"))
+                })
+                .map(|line| format!("{line}\n"))
+                .collect();
+            let text = events_mode(&unnamed).replacen(
+                "      stream_grace: 30s\n",
+                &format!(
+                    "      stream_grace: 30s\n      sockets: {sockets}\n      port: {}\n",
+                    nobody.port()
+                ),
+                1,
+            );
+            on_free_ports(&text, "kv_events test", Overrides::default())
+        }),
+    )
+    .await
+    .expect("stage");
+    (stage, nobody)
+}
+
+/// `index.sockets: advertised` (the default): each engine is asked where it publishes (vLLM's
+/// `/kv_event_sources`, SGLang's `/server_info`) and its streams move there from the pool's port, so
+/// what it caches makes it the owner; `/debug/snapshot` and `/metrics` say the engine named them.
+async fn subscribes_where_the_engine_says(format: KvEventsFormat) {
+    let (stage, nobody) = unnamed_sockets_stage(format, "advertised").await;
+    let worker = &stage.fleet.workers()[1];
+    let published = worker.kv_events().unwrap().ranks[0].live;
+    let stream = wait_stream(&stage, 1, DEADLINE, |s| s["state"] == "live").await;
+    assert_eq!(
+        (&stream["from"], &stream["live"]),
+        (&json!("engine"), &json!(published.to_string())),
+        "{stream:#}"
+    );
+    assert_ne!(published, nobody);
+    let text = prompt(&format!("advertised-{}", format.as_str()), 80);
+    send_directly(worker.addr(), &text).await;
+    wait_stream(&stage, 1, DEADLINE, |s| {
+        s["blocks_stored"].as_u64() > Some(0)
+    })
+    .await;
+    let picker = PickerClient::connect(stage.picker.listen()).await.unwrap();
+    let (chosen, reason, _) = decide(&picker, &text).await;
+    assert_eq!((chosen, reason.as_str()), (worker.addr(), "cache_hit"));
+    let metrics = request(Method::GET, stage.picker.metrics_listen(), "/metrics", None)
+        .await
+        .text();
+    let line = format!(
+        "cachepick_kv_events_stream_socket{{from=\"engine\",pool=\"sim-model\",rank=\"0\",socket=\"{published}\",worker=\"1\"}} 1"
+    );
+    assert!(metrics.lines().any(|l| l == line), "{line}\n{metrics}");
+    stage.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn vllm_workers_are_subscribed_where_kv_event_sources_says() {
+    subscribes_where_the_engine_says(KvEventsFormat::VllmMap).await;
+}
+
+#[tokio::test]
+async fn sglang_workers_are_subscribed_where_server_info_says() {
+    subscribes_where_the_engine_says(KvEventsFormat::Sglang).await;
+}
+
+/// The control: with `index.sockets: ports` no engine is asked, so the streams stay at the pool's
+/// port, where nobody publishes.
+#[tokio::test]
+async fn with_sockets_ports_the_engine_is_not_asked() {
+    let (stage, nobody) = unnamed_sockets_stage(KvEventsFormat::VllmMap, "ports").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stream = stream(&stage, 1).await;
+    assert_eq!(
+        (&stream["from"], &stream["live"], &stream["state"]),
+        (
+            &json!("pool"),
+            &json!(format!("127.0.0.1:{}", nobody.port())),
+            &json!("connecting")
+        ),
+        "{stream:#}"
+    );
+    stage.stop().await.unwrap();
+}

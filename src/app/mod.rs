@@ -19,7 +19,9 @@ use crate::discovery::kubernetes::KubernetesSource;
 use crate::events::EventFeeds;
 use crate::extproc;
 use crate::health::Readiness;
-use crate::load::{PoolLoad, PoolView, ReplicaSync, ScrapeTlsClient, Scraper, SyncKeys};
+use crate::load::{
+    HttpClient, PoolLoad, PoolView, ReplicaSync, ScrapeTlsClient, Scraper, SyncKeys,
+};
 use crate::metrics::Metrics;
 use crate::metrics_server::{self, DebugSource, ExplainFuture};
 use crate::prefix::EventIndex;
@@ -157,7 +159,8 @@ pub async fn serve_prepared(
         };
         tasks.spawn(scraper.run(stopped_future()));
     }
-    let feeds = service.start_event_feeds(stopped_future.clone());
+    let client = HttpClient::new(&config.load, scrape_tls.as_ref());
+    let feeds = service.start_event_feeds(stopped_future.clone(), client);
     let sources = start_sources(config, &loads, Some(&service), &mut tasks, &stopped_future);
     if let Some(reload) = reload {
         let targets = reload::Targets {
@@ -384,12 +387,22 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolReport>, A
         .collect();
     let feeds = EventFeeds::new(indexes);
     let (stop, stopped) = watch::channel(false);
-    let tasks = feeds.start(move || {
-        let mut stopped = stopped.clone();
-        async move {
-            let _ = stopped.wait_for(|stop| *stop).await;
-        }
-    });
+    let tls = config
+        .load
+        .tls
+        .as_ref()
+        .map(ScrapeTlsClient::load)
+        .transpose()?;
+    let client = HttpClient::new(&config.load, tls.as_ref());
+    let tasks = feeds.start(
+        move || {
+            let mut stopped = stopped.clone();
+            async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            }
+        },
+        client,
+    );
     let started = Instant::now();
     let loads = scraped(config, rounds).await?;
     if !tasks.is_empty() {

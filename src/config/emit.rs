@@ -23,8 +23,9 @@ use serde::Serialize;
 use cachepick_decode::{duration, size};
 
 use super::{
-    Config, Discovery, GateUnit, Gating, Handshake, IndexConfig, IndexMode, Mode, ModelMatch,
-    PdConfig, PodSelection, PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig,
+    Config, Discovery, GateUnit, Gating, Handshake, IndexConfig, IndexMode, IndexSockets,
+    KvEventsFrom, Mode, ModelMatch, PdConfig, PodSelection, PolicyConfig, PoolConfig,
+    TokenizerConfig, UnknownSubset, WorkerConfig,
 };
 use crate::worker::{Engine, Role};
 
@@ -407,9 +408,8 @@ impl EngineKeys {
     }
 }
 
-/// `index:`, written only when it differs from the default. The ports are what discovered workers'
-/// sockets are resolved with; a file worker's own sockets are written with it where they differ from
-/// the default ones.
+/// `index:`, written only when it differs from the default. The ports are what workers' sockets are
+/// resolved with when their own `kv_events:` does not name them (written with each such worker).
 #[serde_with::skip_serializing_none]
 #[derive(Serialize)]
 struct Index<'c> {
@@ -418,6 +418,7 @@ struct Index<'c> {
     stream_grace: String,
     #[serde(skip_serializing_if = "str::is_empty")]
     topic: &'c str,
+    sockets: IndexSockets,
     port: u16,
     replay_port: Option<u16>,
     commit_share: f64,
@@ -616,6 +617,7 @@ impl<'c> Index<'c> {
             speculative_ttl: duration::format(pool.index.speculative_ttl),
             stream_grace: duration::format(pool.index.stream_grace),
             topic: &pool.index.topic,
+            sockets: pool.index.sockets,
             port: pool.template.kv_events_port,
             replay_port: pool.template.kv_replay_port,
             commit_share: pool.index.commit_share.get(),
@@ -641,12 +643,11 @@ impl Pd {
     }
 }
 
-/// A worker's KV event sockets, unless they are the default ones (the documented port on its IP, no
-/// replay), which the file need not spell out.
+/// A worker's KV event sockets when its own `kv_events:` named them; the pool's `index:` gives the
+/// others (and with `sockets: advertised`, the engine).
 fn kv_events(worker: &WorkerConfig) -> Option<KvEvents> {
     let sockets = worker.kv_events;
-    let default = SocketAddr::new(worker.endpoint.ip(), IndexConfig::DEFAULT_LIVE_PORT);
-    (sockets.live != default || sockets.replay.is_some()).then(|| KvEvents {
+    (worker.kv_events_from == KvEventsFrom::Worker).then(|| KvEvents {
         endpoint: format!("tcp://{}", sockets.live),
         replay_endpoint: sockets.replay.map(|replay| format!("tcp://{replay}")),
     })

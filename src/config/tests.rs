@@ -192,6 +192,7 @@ fn the_full_example_is_accepted_with_its_values() {
                         live: addr("10.0.0.11:5557"),
                         replay: None,
                     },
+                    kv_events_from: KvEventsFrom::Engine,
                     bootstrap_port: None,
                 }],
                 policy: gated(4, 2),
@@ -227,6 +228,7 @@ fn the_full_example_is_accepted_with_its_values() {
                             live: addr("10.0.0.21:5557"),
                             replay: Some(addr("10.0.0.21:5558")),
                         },
+                        kv_events_from: KvEventsFrom::Engine,
                         bootstrap_port: None,
                     },
                     WorkerConfig {
@@ -243,6 +245,7 @@ fn the_full_example_is_accepted_with_its_values() {
                             live: addr("10.0.0.22:6000"),
                             replay: Some(addr("[fd00::22]:5558")),
                         },
+                        kv_events_from: KvEventsFrom::Worker,
                         bootstrap_port: None,
                     },
                 ],
@@ -347,6 +350,7 @@ fn defaults_fill_a_minimal_file() {
                 live: addr("10.0.0.1:5557"),
                 replay: None,
             },
+            kv_events_from: KvEventsFrom::Engine,
             bootstrap_port: None,
         }]
     );
@@ -1662,6 +1666,53 @@ fn kv_event_sockets_are_checked_and_every_rank_needs_a_port() {
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(
         found[0].contains("rank 3 would publish on port 65537"),
+        "{found:?}"
+    );
+}
+
+/// `index.sockets`: whose word a worker's KV event sockets are, file and discovered workers alike; a
+/// worker's own `kv_events:` is the override, never asked of the engine.
+#[test]
+fn who_names_a_workers_kv_event_sockets() {
+    let pool = |index: &str| {
+        format!(
+            "pools:\n  - model: m\n    engine: vllm\n    index: {index}\n    workers:\n      - endpoint: 10.0.0.1:8000\n      - endpoint: 10.0.0.2:8000\n        kv_events: {{endpoint: tcp://10.0.0.2:6000}}\n"
+        )
+    };
+    let from = |index: &str| -> Vec<KvEventsFrom> {
+        accepted(&pool(index), &NO_FLAGS).pools[0]
+            .workers
+            .iter()
+            .map(|worker| worker.kv_events_from)
+            .collect()
+    };
+    assert_eq!(
+        from("{mode: events}"),
+        [KvEventsFrom::Engine, KvEventsFrom::Worker]
+    );
+    assert_eq!(
+        from("{mode: events, sockets: ports}"),
+        [KvEventsFrom::Pool, KvEventsFrom::Worker]
+    );
+    let config = accepted(
+        &pool("{mode: events, sockets: ports, port: 6001}"),
+        &NO_FLAGS,
+    );
+    assert_eq!(config.pools[0].index.sockets, IndexSockets::Ports);
+    assert_eq!(
+        config.pools[0].workers[0].kv_events.live,
+        addr("10.0.0.1:6001")
+    );
+    // The effective file says the same, and a worker's sockets stay its own.
+    let again = accepted(&config.to_yaml(), &NO_FLAGS);
+    assert_eq!(again.pools[0].workers, config.pools[0].workers);
+    assert_eq!(again.pools[0].index, config.pools[0].index);
+    let found = problems(&pool("{mode: events, sockets: asked}"), &NO_FLAGS);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0]
+            .to_string()
+            .contains("expected one of: advertised, ports"),
         "{found:?}"
     );
 }

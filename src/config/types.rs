@@ -324,6 +324,9 @@ pub struct WorkerConfig {
     /// from `kv_events` or the pool's `index.kv_events` ports on the endpoint's IP; read only in
     /// `events` mode.
     pub kv_events: KvEventEndpoints,
+    /// Who named `kv_events`; with [`KvEventsFrom::Engine`] they are the pool's ports, used until the
+    /// engine says where it publishes.
+    pub kv_events_from: KvEventsFrom,
     /// SGLang's bootstrap server of a prefill worker in a `pd: {handshake: bootstrap}` pool; `None`
     /// takes the pool's `pd.bootstrap_port` on the endpoint's IP.
     pub bootstrap_port: Option<u16>,
@@ -377,6 +380,58 @@ impl IndexMode {
     }
 }
 
+/// `index.sockets`: where the picker learns each worker's KV event sockets when the worker's own
+/// `kv_events:` does not name them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexSockets {
+    /// Asked of the engine (vLLM's `/kv_event_sources`, SGLang's `/server_info`), the pool's ports
+    /// until it answers and whenever it does not say.
+    #[default]
+    Advertised,
+    /// The pool's `port` and `replay_port` on the worker's IP; the engine is not asked.
+    Ports,
+}
+
+impl IndexSockets {
+    pub const ALL: [IndexSockets; 2] = [IndexSockets::Advertised, IndexSockets::Ports];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexSockets::Advertised => "advertised",
+            IndexSockets::Ports => "ports",
+        }
+    }
+}
+
+/// Who named a worker's KV event sockets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvEventsFrom {
+    /// The worker's own `kv_events:`: the override, never asked of the engine.
+    Worker,
+    /// The pool's `index.port` and `index.replay_port` on the worker's IP.
+    Pool,
+    /// The engine, asked where it publishes (`index.sockets: advertised`).
+    Engine,
+}
+
+impl KvEventsFrom {
+    pub const ALL: [KvEventsFrom; 3] = [
+        KvEventsFrom::Worker,
+        KvEventsFrom::Pool,
+        KvEventsFrom::Engine,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvEventsFrom::Worker => "worker",
+            KvEventsFrom::Pool => "pool",
+            KvEventsFrom::Engine => "engine",
+        }
+    }
+}
+
 impl std::fmt::Display for IndexMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -405,12 +460,22 @@ pub struct IndexConfig {
     pub topic: String,
     /// `events` mode: a worker whose stream has been down this long no longer counts as an owner.
     pub stream_grace: Duration,
+    /// Whether a worker's sockets, when its `kv_events:` does not name them, are asked of its engine.
+    pub sockets: IndexSockets,
     /// The most of a worker's capacity one request's commit may record, in `(0, 1]`: its leading blocks
     /// up to this share, so that one huge prompt cannot flush every other prefix a worker holds.
     pub commit_share: DepthRatio,
 }
 
 impl IndexConfig {
+    /// Who names a worker's sockets when its own `kv_events:` does not.
+    pub fn kv_events_from(&self) -> KvEventsFrom {
+        match self.sockets {
+            IndexSockets::Advertised => KvEventsFrom::Engine,
+            IndexSockets::Ports => KvEventsFrom::Pool,
+        }
+    }
+
     /// llm-d's speculative entries live 2 s: longer than an engine takes to prefill and publish.
     pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(2);
     pub const DEFAULT_STREAM_GRACE: Duration = Duration::from_secs(10);
@@ -428,6 +493,7 @@ impl Default for IndexConfig {
             speculative_ttl: Self::DEFAULT_SPECULATIVE_TTL,
             topic: String::new(),
             stream_grace: Self::DEFAULT_STREAM_GRACE,
+            sockets: IndexSockets::default(),
             commit_share: DepthRatio::new(Self::DEFAULT_COMMIT_SHARE).unwrap_or(DepthRatio::ZERO),
         }
     }
@@ -520,6 +586,8 @@ pub struct WorkerTemplate {
     pub kv_events_port: u16,
     /// `index.replay_port`.
     pub kv_replay_port: Option<u16>,
+    /// `index.sockets`: [`KvEventsFrom::Engine`] (asked) or [`KvEventsFrom::Pool`].
+    pub kv_events_from: KvEventsFrom,
     /// `scrape_scheme: https`: discovered workers' metrics and loads are scraped over TLS (`load.tls`).
     pub scrape_https: bool,
 }
@@ -547,6 +615,7 @@ impl WorkerTemplate {
                     .kv_replay_port
                     .map(|port| SocketAddr::new(endpoint.ip(), port)),
             },
+            kv_events_from: self.kv_events_from,
             bootstrap_port: None,
         }
     }
@@ -563,6 +632,7 @@ impl Default for WorkerTemplate {
             max_total_tokens: None,
             kv_events_port: IndexConfig::DEFAULT_LIVE_PORT,
             kv_replay_port: None,
+            kv_events_from: KvEventsFrom::Engine,
             scrape_https: false,
         }
     }

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{
-    Config, Discovery, KvEventEndpoints, LoadSource, ModelMatch, Overrides, PdConfig, PolicyConfig,
-    PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig, WorkerTemplate,
+    Config, Discovery, KvEventEndpoints, KvEventsFrom, LoadSource, ModelMatch, Overrides, PdConfig,
+    PolicyConfig, PoolConfig, TokenizerConfig, UnknownSubset, WorkerConfig, WorkerTemplate,
 };
 use crate::worker::{Engine, Role};
 use cachepick_decode::{
@@ -124,7 +124,7 @@ struct WorkerDraft {
     dp_size: Res<NonZeroU32>,
     max_running_requests: Res<Option<NonZeroU64>>,
     max_total_tokens: Res<Option<NonZeroU64>>,
-    kv_events: Res<KvEventEndpoints>,
+    kv_events: Res<(KvEventEndpoints, KvEventsFrom)>,
     bootstrap_port: Field<u16>,
 }
 
@@ -180,6 +180,7 @@ impl WorkerDraft {
         let endpoint = self.endpoint?.value;
         let load_source = self.load_source?;
         let loads_url = self.loads_url?;
+        let (kv_events, kv_events_from) = self.kv_events?;
         Ok(WorkerConfig {
             endpoint,
             // Both engines serve Prometheus metrics on their API port.
@@ -198,7 +199,8 @@ impl WorkerDraft {
             dp_size: self.dp_size?,
             max_running_requests: self.max_running_requests?,
             max_total_tokens: self.max_total_tokens?,
-            kv_events: self.kv_events?,
+            kv_events,
+            kv_events_from,
             bootstrap_port: self.bootstrap_port?.map(|port| port.value),
         })
     }

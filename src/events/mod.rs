@@ -9,6 +9,8 @@
 //!   reconnection.
 //! - [`stream`]: each stream's state and counters, read by metrics and the debug endpoints.
 //! - [`zmtp`]: the ZeroMQ wire protocol, client side, with a byte limit on every frame.
+//! - [`locate`]: where an engine says it publishes (vLLM's `/kv_event_sources`, SGLang's
+//!   `/server_info`), taken only on the worker's own IP.
 //! - [`EventFeeds`]: every stream of every `events` pool, started by `app`.
 //!
 //! The types here are the engines' vocabulary with the engines' hashes; nothing in them is keyed by
@@ -19,6 +21,7 @@
 pub mod apply;
 pub mod decode;
 mod feeds;
+pub mod locate;
 pub mod stream;
 pub mod subscriber;
 pub mod zmtp;

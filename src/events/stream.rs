@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::Medium;
+use crate::config::KvEventsFrom;
 use crate::worker::WorkerId;
 
 /// Where a stream's subscriber is.
@@ -104,6 +105,9 @@ pub struct Stream {
     pub rank: u32,
     pub live: SocketAddr,
     pub replay: Option<SocketAddr>,
+    /// Who named the sockets (a [`KvEventsFrom`]): the worker's `kv_events:`, the pool's ports, or
+    /// the engine, which may confirm the pool's ports later.
+    from: AtomicU8,
     state: AtomicU8,
     /// The last sequence number applied; -1 before the first.
     last_seq: AtomicI64,
@@ -141,6 +145,7 @@ impl Stream {
             rank,
             live,
             replay,
+            from: AtomicU8::new(from_to_u8(KvEventsFrom::Worker)),
             state: AtomicU8::new(StreamState::Connecting.to_u8()),
             last_seq: AtomicI64::new(-1),
             batches: AtomicU64::new(0),
@@ -163,6 +168,24 @@ impl Stream {
             engine_block_size: AtomicU32::new(0),
             since: Mutex::new(None),
         }
+    }
+
+    /// The stream's sockets were named by `from`.
+    pub fn named_by(self, from: KvEventsFrom) -> Self {
+        self.set_from(from);
+        self
+    }
+
+    pub fn from(&self) -> KvEventsFrom {
+        match self.from.load(Ordering::Relaxed) {
+            0 => KvEventsFrom::Worker,
+            1 => KvEventsFrom::Pool,
+            _ => KvEventsFrom::Engine,
+        }
+    }
+
+    pub(super) fn set_from(&self, from: KvEventsFrom) {
+        self.from.store(from_to_u8(from), Ordering::Relaxed);
     }
 
     pub fn state(&self) -> StreamState {
@@ -217,6 +240,7 @@ impl Stream {
             rank: self.rank,
             live: self.live,
             replay: self.replay,
+            from: self.from(),
             state: self.state(),
             for_ms: since.map(|(at, _)| duration_ms(now.saturating_duration_since(at))),
             events_per_second: since.and_then(|(at, events)| {
@@ -264,6 +288,14 @@ impl Stream {
     }
 }
 
+fn from_to_u8(from: KvEventsFrom) -> u8 {
+    match from {
+        KvEventsFrom::Worker => 0,
+        KvEventsFrom::Pool => 1,
+        KvEventsFrom::Engine => 2,
+    }
+}
+
 fn medium_index(medium: Medium) -> usize {
     match medium {
         Medium::Gpu => 0,
@@ -284,6 +316,7 @@ pub struct StreamView {
     pub rank: u32,
     pub live: SocketAddr,
     pub replay: Option<SocketAddr>,
+    pub from: KvEventsFrom,
     pub state: StreamState,
     /// How long it has been in `state`.
     pub for_ms: Option<u64>,

@@ -40,4 +40,4 @@ pub use sync::{
     Announcement, FRESH_WITHIN, KeyError, MAX_CHECKPOINTS, MIN_KEY_BYTES, Received, ReplicaSync,
     SyncKeys, SyncStats, Unopened, take_announcement,
 };
-pub use tls::ScrapeTlsClient;
+pub use tls::{HttpClient, ScrapeTlsClient};

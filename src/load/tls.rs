@@ -35,15 +35,16 @@ impl ScrapeTlsClient {
     }
 }
 
-/// The scraper's client, one per pool.
+/// The scraper's client, one per pool; the KV event feeds ask the engines where they publish with it
+/// too, so an `https://` worker is asked over the same verified TLS.
 #[derive(Clone)]
-pub(super) enum HttpClient {
+pub enum HttpClient {
     Plain(Client<HttpConnector, Empty<Bytes>>),
     Tls(Client<hyper_rustls::HttpsConnector<HttpConnector>, Empty<Bytes>>),
 }
 
 impl HttpClient {
-    pub(super) fn new(config: &LoadConfig, tls: Option<&ScrapeTlsClient>) -> HttpClient {
+    pub fn new(config: &LoadConfig, tls: Option<&ScrapeTlsClient>) -> HttpClient {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.scrape_timeout));
         connector.set_nodelay(true);
@@ -70,7 +71,7 @@ impl HttpClient {
         }
     }
 
-    pub(super) fn request(&self, request: Request<Empty<Bytes>>) -> ResponseFuture {
+    pub fn request(&self, request: Request<Empty<Bytes>>) -> ResponseFuture {
         match self {
             HttpClient::Plain(client) => client.request(request),
             HttpClient::Tls(client) => client.request(request),

@@ -36,6 +36,7 @@ struct Families {
     resets: IntCounterVec,
     refused: IntCounterVec,
     held: IntGaugeVec,
+    socket: IntGaugeVec,
 }
 
 impl Families {
@@ -128,10 +129,18 @@ impl Families {
                 ),
                 &with("tier"),
             )?,
+            socket: IntGaugeVec::new(
+                Opts::new(
+                    "cachepick_kv_events_stream_socket",
+                    "1 for the socket each stream subscribes to and who named it: the worker's \
+                     kv_events (worker), the pool's ports (pool) or the engine when asked (engine).",
+                ),
+                &[STREAM[0], STREAM[1], STREAM[2], "socket", "from"],
+            )?,
         })
     }
 
-    fn collectors(&self) -> [&dyn Collector; 11] {
+    fn collectors(&self) -> [&dyn Collector; 12] {
         [
             &self.state,
             &self.last_seq,
@@ -144,6 +153,7 @@ impl Families {
             &self.resets,
             &self.refused,
             &self.held,
+            &self.socket,
         ]
     }
 }
@@ -205,6 +215,11 @@ fn record(families: &Families, pool: &str, view: &StreamView) {
             .with_label_values(&with(state.as_str()))
             .set(i64::from(state == view.state));
     }
+    let socket = view.live.to_string();
+    families
+        .socket
+        .with_label_values(&[pool, &worker, &rank, &socket, view.from.as_str()])
+        .set(1);
     families.last_seq.with_label_values(&stream).set(
         view.last_seq
             .map_or(-1, |seq| i64::try_from(seq).unwrap_or(i64::MAX)),

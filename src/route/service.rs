@@ -663,15 +663,17 @@ impl Service {
             .unwrap_or_default()
     }
 
-    /// Subscribes to every KV event stream of the `events` pools, until `shutdown()` completes.
+    /// Subscribes to every KV event stream of the `events` pools, until `shutdown()` completes;
+    /// engines are asked where they publish with `client` (the scrapers').
     pub fn start_event_feeds<F>(
         &self,
         shutdown: impl Fn() -> F + Send + Sync + 'static,
+        client: crate::load::HttpClient,
     ) -> Vec<tokio::task::JoinHandle<()>>
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        self.feeds.start(shutdown)
+        self.feeds.start(shutdown, client)
     }
 
     /// What keeps pool `pool`'s owner index and KV event streams in step with its roster; the app hands

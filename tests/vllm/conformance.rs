@@ -2,7 +2,8 @@
 //! vLLM with the same tokenizer, chat template and block size, and what a router reads of each
 //! compared — `/metrics` (names, types and label names of every family cachepick and its peers read),
 //! the KV event batches (their shape, and the fields and value kinds of each event), the responses'
-//! `usage` (whole-block `cached_tokens`), `/tokenize`, `/version` and `cache_config_info`.
+//! `usage` (whole-block `cached_tokens`), `/tokenize`, `/version`, `/kv_event_sources` and
+//! `cache_config_info`.
 //!
 //! Every difference fails, unless [`KNOWN`] lists it with the reason; a [`KNOWN`] entry no difference
 //! matches fails too, so the list never outlives what it explains.
@@ -305,6 +306,39 @@ async fn compare_tokenize_and_version(
     }
 }
 
+/// `/kv_event_sources`: the ranks that publish, and the fields of each rank's publisher.
+async fn compare_kv_event_sources(
+    real: SocketAddr,
+    simulated: SocketAddr,
+    differences: &mut Differences,
+) {
+    let sources = |addr| async move {
+        let (status, text) = vllm::get(addr, "/kv_event_sources", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{text}");
+        let sources: Value = serde_json::from_str(&text).unwrap();
+        let shape: BTreeMap<String, BTreeSet<String>> = sources
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(rank, source)| {
+                let fields = source.as_object().unwrap().keys().cloned().collect();
+                (rank.clone(), fields)
+            })
+            .collect();
+        (sources, shape)
+    };
+    let ((real, real_shape), (simulated, simulated_shape)) =
+        (sources(real).await, sources(simulated).await);
+    assert!(real["0"]["endpoint"].is_string(), "{real}");
+    if real_shape != simulated_shape {
+        differences.note(format!(
+            "/kv_event_sources: real {real}, simulated {simulated}"
+        ));
+    }
+}
+
 /// The KV event batches: their shape, and the first event's fields and value kinds.
 fn compare_events(real: &Msgpack, simulated: &Msgpack, differences: &mut Differences) {
     let (real_outer, real_fields) = shape(real);
@@ -393,6 +427,7 @@ async fn the_simulator_shows_a_router_what_the_real_engine_shows() {
     )
     .await;
     compare_events(&batches[0], &batches[1], &mut differences);
+    compare_kv_event_sources(engine.http, worker.addr(), &mut differences).await;
     let (real_metrics, _) = engine.metrics().await;
     let (status, simulated_metrics) = vllm::get(worker.addr(), "/metrics", Duration::from_secs(10))
         .await

@@ -134,13 +134,37 @@ fn chat_tokens(tokenizer: &PoolTokenizer, messages: &Value) -> (Vec<u32>, Vec<u3
 /// cachepick tokenizes a completion's prompt and a chat exactly as the engine does (`/tokenize`), and
 /// in `events` mode the blocks it derives from those tokens are the engine's own: a prompt sent to an
 /// engine directly, bypassing the picker, is found there to its last whole block by the engine's KV
-/// events alone, within 3 s.
+/// events alone, within 3 s. The workers name no sockets: each engine says where it publishes
+/// (`/kv_event_sources`), and the picker's streams are there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_and_block_keys_are_the_engines_and_bypassing_traffic_makes_an_owner() {
     let fleet = Fleet::lock(&engines()).await;
-    let stack = Stack::start(&fleet, Index::Events, "").await;
+    let stack = Stack::start(&fleet, Index::EventsAdvertised, "").await;
     let engine = &fleet.engines[1];
     let tokenizer = PoolTokenizer::new(&stack.config.pools[0]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let snapshot = stack.snapshot().await;
+        let streams = snapshot["pools"][0]["kv_events"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let asked = streams
+            .iter()
+            .all(|stream| stream["from"] == "engine" && stream["state"] == "live");
+        if asked && streams.len() == 2 {
+            for (worker, stream) in fleet.engines.iter().zip(&streams) {
+                assert_eq!(stream["live"], worker.kv_events.to_string(), "{stream}");
+                assert_eq!(stream["replay"], worker.replay.to_string(), "{stream}");
+            }
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the streams are not where the engines say they publish within 10 s: {streams:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     let prompt = prose(3_000, 1500);
     let engine_ids = engine

@@ -18,8 +18,11 @@ use crate::support::{envoy, serve};
 /// How the picker's pool learns who holds what.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Index {
-    /// The engines' KV events (with the replay sockets).
+    /// The engines' KV events (with the replay sockets), each worker's sockets named in the file.
     Events,
+    /// The engines' KV events at the sockets each engine advertises (`/kv_event_sources`): the
+    /// workers name none, and the pool's port is one where nobody publishes.
+    EventsAdvertised,
     /// The picker's own decisions.
     Approximate,
 }
@@ -71,8 +74,12 @@ pub fn config_text(engines: &[&Engine], index: Index, load: &str) -> String {
         }
     }
     let mode = match index {
-        Index::Events => "events",
-        Index::Approximate => "approximate",
+        Index::Events => "events".to_owned(),
+        Index::EventsAdvertised => {
+            let nobody = envoy::free_addr();
+            format!("events, sockets: advertised, port: {}", nobody.port())
+        }
+        Index::Approximate => "approximate".to_owned(),
     };
     format!(
         "load:\n  scrape_interval: 1s\n{load}\

@@ -68,6 +68,7 @@ fn a_dns_pool_reads_every_key_and_its_template() {
             max_total_tokens: NonZeroU64::new(100_000),
             kv_events_port: 6000,
             kv_replay_port: Some(6001),
+            kv_events_from: KvEventsFrom::Engine,
             scrape_https: false,
         }
     );

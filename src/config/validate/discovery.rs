@@ -184,6 +184,7 @@ impl Validator<'_> {
             max_total_tokens: keys.max_total_tokens?,
             kv_events_port: index.port.value,
             kv_replay_port: index.replay_port.as_ref().map(|port| port.value),
+            kv_events_from: index.config.kv_events_from(),
             scrape_https: https?,
         })
     }

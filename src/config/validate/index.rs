@@ -11,7 +11,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::Validator;
-use crate::config::{DepthRatio, IndexConfig, IndexMode, KvEventEndpoints};
+use crate::config::{
+    DepthRatio, IndexConfig, IndexMode, IndexSockets, KvEventEndpoints, KvEventsFrom,
+};
 use cachepick_decode::{Decode, Map, Node, Phase, Place, Res, Val, with_default};
 
 const INDEX_KEYS: &[&str] = &[
@@ -22,6 +24,7 @@ const INDEX_KEYS: &[&str] = &[
     "port",
     "replay_port",
     "commit_share",
+    "sockets",
 ];
 const KV_EVENTS_KEYS: &[&str] = &["endpoint", "replay_endpoint"];
 const TCP_ENDPOINT: &str =
@@ -72,6 +75,9 @@ impl Validator<'_> {
         let port = self.opt(&map, "port", Self::port);
         let port = with_default(port, IndexConfig::DEFAULT_LIVE_PORT);
         let replay_port = self.opt(&map, "replay_port", Self::port);
+        let sockets = self.opt(&map, "sockets", |v, node, at| {
+            v.keyword(node, at, &IndexSockets::ALL, IndexSockets::as_str)
+        });
         let share = self.opt(&map, "commit_share", Self::number);
         let share = self.check(with_default(share, defaults.commit_share.get()), |share| {
             DepthRatio::new(share)
@@ -84,6 +90,7 @@ impl Validator<'_> {
                 speculative_ttl: ttl?.value,
                 topic: topic?.map(|topic| topic.value).unwrap_or_default(),
                 stream_grace: grace?.value,
+                sockets: with_default(sockets, IndexSockets::default())?.value,
                 commit_share: share?.value,
             },
             port: port?,
@@ -105,14 +112,19 @@ impl Validator<'_> {
         })
     }
 
-    /// The worker's resolved sockets; every rank's port must exist.
+    /// The worker's resolved sockets and who named them; every rank's port must exist.
     pub(super) fn resolve_kv_events(
         &mut self,
         index: &IndexDraft,
         own: WorkerKvEvents,
         endpoint: SocketAddr,
         dp_size: u32,
-    ) -> Res<KvEventEndpoints> {
+    ) -> Res<(KvEventEndpoints, KvEventsFrom)> {
+        let from = if own.live.is_some() || own.replay.is_some() {
+            KvEventsFrom::Worker
+        } else {
+            index.config.kv_events_from()
+        };
         let live = own.live.unwrap_or_else(|| Val {
             value: SocketAddr::new(endpoint.ip(), index.port.value),
             at: index.port.at.clone(),
@@ -136,10 +148,11 @@ impl Validator<'_> {
             }
         }
         fits?;
-        Ok(KvEventEndpoints {
+        let sockets = KvEventEndpoints {
             live: live.value,
             replay: replay.map(|replay| replay.value),
-        })
+        };
+        Ok((sockets, from))
     }
 
     pub(super) fn port(&mut self, node: &Node, at: &Place) -> Res<u16> {

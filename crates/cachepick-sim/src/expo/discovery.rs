@@ -5,6 +5,7 @@ use serde_json::json;
 
 use super::{SGLANG_VERSION, VLLM_VERSION};
 use crate::config::Engine;
+use crate::kv_events::KvEventEndpoints;
 
 /// What discovery reports about a worker. Capacities are per data-parallel rank, as each engine
 /// scheduler reports its own.
@@ -24,6 +25,8 @@ pub struct Identity<'a> {
     pub disaggregation: &'static str,
     /// The port SGLang's bootstrap server answers on (the simulator's: the worker's own).
     pub bootstrap_port: u16,
+    /// Where the ranks publish KV cache events; `None` when events are off.
+    pub kv_events: Option<&'a KvEventEndpoints>,
 }
 
 impl Identity<'_> {
@@ -107,7 +110,59 @@ pub fn server_info_json(id: &Identity) -> Vec<u8> {
         "skip_tokenizer_init": false,
         "is_embedding": false,
         "version": id.version(),
+        "kv_events": sglang_kv_events(id),
     }))
+}
+
+/// SGLang's `kv_events` block of `/server_info` (its PR #25844, with the replay fields of #32729): the
+/// publisher's host and base port, rank `r` at base + `r`; `null` when it publishes nothing.
+fn sglang_kv_events(id: &Identity) -> serde_json::Value {
+    let Some(events) = id.kv_events else {
+        return serde_json::Value::Null;
+    };
+    let Some(first) = events.ranks.first() else {
+        return serde_json::Value::Null;
+    };
+    let mut block = json!({
+        "publisher": "zmq",
+        "endpoint_host": first.live.ip().to_string(),
+        "endpoint_port_base": first.live.port(),
+        "topic": events.topic,
+        "block_size": id.block_size,
+        "dp_size": id.dp_size,
+    });
+    if let (Some(replay), Some(block)) = (first.replay, block.as_object_mut()) {
+        block.insert(
+            "replay_endpoint_host".into(),
+            json!(replay.ip().to_string()),
+        );
+        block.insert("replay_endpoint_port_base".into(), json!(replay.port()));
+    }
+    block
+}
+
+/// vLLM's `GET /kv_event_sources` (0.32): each publishing rank's `KVEventsConfig`, keyed by the rank
+/// as a string; `{}` when events are off.
+pub fn kv_event_sources_json(id: &Identity) -> Vec<u8> {
+    let mut sources = serde_json::Map::new();
+    if let Some(events) = id.kv_events {
+        for rank in &events.ranks {
+            sources.insert(
+                rank.rank.to_string(),
+                json!({
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": format!("tcp://{}", rank.live),
+                    "replay_endpoint": rank.replay.map(|replay| format!("tcp://{replay}")),
+                    "buffer_steps": 10_000,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": events.topic,
+                }),
+            );
+        }
+    }
+    to_bytes(&serde_json::Value::Object(sources))
 }
 
 /// SGLang's `GET /model_info` (also `/get_model_info`).

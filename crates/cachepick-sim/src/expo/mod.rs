@@ -19,7 +19,9 @@ use crate::stats::{Histogram, RankStats};
 
 mod discovery;
 
-pub use discovery::{Identity, model_info_json, models_json, server_info_json, version_json};
+pub use discovery::{
+    Identity, kv_event_sources_json, model_info_json, models_json, server_info_json, version_json,
+};
 
 /// The version the simulated vLLM reports: the release whose exposition, events and APIs it follows
 /// (`tests/vllm/conformance.rs` holds it to that engine); the suffix marks it as the simulator.

@@ -268,6 +268,7 @@ fn identity(engine: Engine) -> Identity<'static> {
         tokenizer: "bytes",
         disaggregation: "null",
         bootstrap_port: 8998,
+        kv_events: None,
     }
 }
 
@@ -325,5 +326,51 @@ fn rendering_is_deterministic() {
     assert_eq!(
         render_metrics(Engine::Sglang, MODEL, &stats),
         render_metrics(Engine::Sglang, MODEL, &stats)
+    );
+}
+
+#[test]
+fn the_kv_event_sockets_are_advertised_as_each_engine_does() {
+    use crate::kv_events::{KvEventEndpoints, KvEventsFormat, RankEventEndpoints};
+    let addr = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let events = KvEventEndpoints {
+        format: KvEventsFormat::VllmMap,
+        topic: "kv".into(),
+        ranks: (0..2)
+            .map(|rank| RankEventEndpoints {
+                rank,
+                live: addr(5557 + rank as u16),
+                replay: Some(addr(6557 + rank as u16)),
+            })
+            .collect(),
+    };
+    let on = Identity {
+        kv_events: Some(&events),
+        ..identity(Engine::Vllm)
+    };
+    let sources = parse(&kv_event_sources_json(&on));
+    assert_eq!(sources["1"]["publisher"], "zmq");
+    assert_eq!(sources["1"]["endpoint"], "tcp://127.0.0.1:5558");
+    assert_eq!(sources["1"]["replay_endpoint"], "tcp://127.0.0.1:6558");
+    assert_eq!(sources["0"]["topic"], "kv");
+    assert_eq!(
+        parse(&kv_event_sources_json(&identity(Engine::Vllm))),
+        json!({})
+    );
+
+    let info = parse(&server_info_json(&Identity {
+        engine: Engine::Sglang,
+        ..on
+    }));
+    let block = &info["kv_events"];
+    assert_eq!(
+        (&block["endpoint_host"], &block["endpoint_port_base"]),
+        (&json!("127.0.0.1"), &json!(5557))
+    );
+    assert_eq!(block["replay_endpoint_port_base"], 6557);
+    assert_eq!(block["dp_size"], 2);
+    assert_eq!(
+        parse(&server_info_json(&identity(Engine::Sglang)))["kv_events"],
+        Value::Null
     );
 }

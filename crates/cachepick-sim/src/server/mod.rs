@@ -626,6 +626,7 @@ fn identity(shared: &Shared) -> Identity<'_> {
         tokenizer: &shared.spec.tokenizer_name,
         disaggregation: shared.spec.disaggregation.as_str(),
         bootstrap_port: shared.spec.addr.port(),
+        kv_events: shared.kv_events.as_ref(),
     }
 }
 

@@ -64,6 +64,10 @@ pub(super) async fn route(
             text(StatusCode::OK, String::new())
         }
         (&Method::GET, "/v1/models") => json(StatusCode::OK, expo::models_json(&identity(&shared))),
+        (&Method::GET, "/kv_event_sources") if engine == Engine::Vllm => json(
+            StatusCode::OK,
+            expo::kv_event_sources_json(&identity(&shared)),
+        ),
         (&Method::GET, "/version") if engine == Engine::Vllm => {
             json(StatusCode::OK, expo::version_json(&identity(&shared)))
         }
