@@ -419,3 +419,6 @@ async fn locate_forever(
         tokio::time::sleep(wait).await;
     }
 }
+
+#[cfg(test)]
+mod tests;
