@@ -387,12 +387,7 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolReport>, A
         .collect();
     let feeds = EventFeeds::new(indexes);
     let (stop, stopped) = watch::channel(false);
-    let tls = config
-        .load
-        .tls
-        .as_ref()
-        .map(ScrapeTlsClient::load)
-        .transpose()?;
+    let tls = scrape_tls(config)?;
     let client = HttpClient::new(&config.load, tls.as_ref());
     let tasks = feeds.start(
         move || {
@@ -404,7 +399,7 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolReport>, A
         client,
     );
     let started = Instant::now();
-    let loads = scraped(config, rounds).await?;
+    let loads = scraped(config, rounds, tls.as_ref()).await?;
     if !tasks.is_empty() {
         tokio::time::sleep(EVENTS_LOOK.saturating_sub(started.elapsed())).await;
     }
@@ -421,20 +416,28 @@ pub async fn snapshot(config: &Config, rounds: u32) -> Result<Vec<PoolReport>, A
     Ok(reports)
 }
 
+/// `load.tls`, read once: the scrapers' client and the KV event feeds' questions share it.
+fn scrape_tls(config: &Config) -> Result<Option<ScrapeTlsClient>, AppError> {
+    Ok(config
+        .load
+        .tls
+        .as_ref()
+        .map(ScrapeTlsClient::load)
+        .transpose()?)
+}
+
 /// How long `cachepick snapshot` listens to KV event streams at least: enough to connect and replay.
 pub const EVENTS_LOOK: Duration = Duration::from_secs(1);
 
 /// Every pool's load after `rounds` scrape rounds, `scrape_interval` apart: what the one-shot commands
 /// read instead of a running scraper.
-async fn scraped(config: &Config, rounds: u32) -> Result<Vec<Arc<PoolLoad>>, AppError> {
+async fn scraped(
+    config: &Config,
+    rounds: u32,
+    tls: Option<&ScrapeTlsClient>,
+) -> Result<Vec<Arc<PoolLoad>>, AppError> {
     let metrics = Arc::new(Metrics::new()?);
-    let tls = config
-        .load
-        .tls
-        .as_ref()
-        .map(ScrapeTlsClient::load)
-        .transpose()?;
-    let mut pools = pools(config, &metrics, tls.as_ref());
+    let mut pools = pools(config, &metrics, tls);
     discover_once(config, &mut pools).await;
     for round in 0..rounds {
         if round > 0 {
@@ -488,7 +491,7 @@ pub async fn explain(
     config: &Config,
     input: &ExplainInput<Vec<u8>>,
 ) -> Result<Result<Explanation, Refusal>, AppError> {
-    let loads = scraped(config, 1).await?;
+    let loads = scraped(config, 1, scrape_tls(config)?.as_ref()).await?;
     let picker = Picker::new(config, &loads)?;
     let service = Service::new(picker, Arc::new(Metrics::new()?));
     Ok(service.explain(&input.inbound()))
