@@ -35,6 +35,7 @@ pub use startup::{Prepared, StartError, prepare};
 
 mod reload;
 mod startup;
+mod warm;
 
 #[derive(Debug, Error)]
 pub enum AppError {
@@ -148,9 +149,20 @@ pub async fn serve_prepared(
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     service.set_effective_config(config);
     let mut tasks = tokio::task::JoinSet::new();
+    // Ready once warm: at once without siblings, else after asking them (`warm.rs`).
+    let (warmed_sender, warmed) = watch::channel(true);
     if let (Some(sync), Some(keys)) = (&config.replica_sync, sync_keys) {
         let sync = (sync, keys);
-        start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
+        let replica =
+            start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
+        serve_snapshots(&replica, &service, &mut tasks, &stopped_future)?;
+        warmed_sender.send_replace(false);
+        tasks.spawn(warm::warm_up(
+            replica,
+            Arc::clone(&service),
+            warmed_sender,
+            stopped_future(),
+        ));
     }
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
         let scraper = match service.roster(index) {
@@ -203,6 +215,7 @@ pub async fn serve_prepared(
         freshness: config.load.freshness,
         silent_after: config.load.silent_after,
         readiness,
+        warmed,
     };
     // The scrapers, sources and the metrics listener keep running through the drain, so the picker
     // decides on fresh load until its last answer; they stop once the gRPC server has.
@@ -244,7 +257,7 @@ fn start_replica_sync<F>(
     metrics: &Metrics,
     tasks: &mut tokio::task::JoinSet<()>,
     stopped: &impl Fn() -> F,
-) -> Result<(), AppError>
+) -> Result<Arc<ReplicaSync>, AppError>
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -271,6 +284,28 @@ where
     );
     tasks.spawn(Arc::clone(&replica).receive(bounds, stopped()));
     tasks.spawn(Arc::clone(&replica).refresh(stopped()));
+    Ok(replica)
+}
+
+/// Answers the siblings' warm-start requests on TCP at the sync's address (its port, whichever the
+/// datagrams got).
+fn serve_snapshots<F>(
+    replica: &Arc<ReplicaSync>,
+    service: &Arc<Service>,
+    tasks: &mut tokio::task::JoinSet<()>,
+    stopped: &impl Fn() -> F,
+) -> Result<(), AppError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let addr = replica.local_addr();
+    let listener = std::net::TcpListener::bind(addr)
+        .and_then(|listener| {
+            listener.set_nonblocking(true)?;
+            TcpListener::from_std(listener)
+        })
+        .map_err(|source| AppError::Bind { addr, source })?;
+    tasks.spawn(Arc::clone(replica).serve_snapshots(listener, warm::source(service), stopped()));
     Ok(())
 }
 

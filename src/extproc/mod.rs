@@ -101,6 +101,9 @@ pub struct ServeOptions {
     pub silent_after: Duration,
     /// Where readiness is also published, for the HTTP probes on `metrics_listen`.
     pub readiness: Readiness,
+    /// True once the replica's warm start is over (adopted a sibling's index, or found none to):
+    /// readiness waits for it.
+    pub warmed: watch::Receiver<bool>,
 }
 
 /// Readiness and the ext_proc service's health (what Envoy's health check asks) change together, and
@@ -112,17 +115,19 @@ async fn set_readiness(reporter: &HealthReporter, readiness: &Readiness, status:
     }
 }
 
-/// Keeps readiness true to what the picker can do: NOT_SERVING until every pool has had a scrape round,
-/// then SERVING exactly while some worker answers (`Service::can_route`: a late reading is not a worker
+/// Keeps readiness true to what the picker can do: NOT_SERVING until every pool has had a scrape round
+/// and the warm start is over, then SERVING exactly while some worker answers (`Service::can_route`: a late reading is not a worker
 /// gone); NOT_SERVING for good once `draining`.
 async fn follow_readiness(
     reporter: HealthReporter,
     readiness: Readiness,
     service: Arc<Service>,
     (freshness, silent_after): (Duration, Duration),
+    mut warmed: watch::Receiver<bool>,
     mut draining: watch::Receiver<bool>,
 ) {
-    // Ready only once every pool has completed a scrape round; a pool whose scraper is gone never is.
+    // Ready only once every pool has completed a scrape round (a pool whose scraper is gone never
+    // is), and the warm start is over.
     for mut round in service.rounds() {
         tokio::select! {
             waited = round.wait_for(|completed| *completed > 0) => {
@@ -132,6 +137,14 @@ async fn follow_readiness(
             }
             _ = draining.wait_for(|draining| *draining) => return,
         }
+    }
+    tokio::select! {
+        waited = warmed.wait_for(|warm| *warm) => {
+            if waited.is_err() {
+                return;
+            }
+        }
+        _ = draining.wait_for(|draining| *draining) => return,
     }
     // Lifecycles change when scrapes end: looking four times per freshness follows them closely.
     let every = (freshness / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
@@ -191,6 +204,7 @@ pub async fn serve(
         freshness,
         silent_after,
         readiness,
+        warmed,
     } = options;
     let Access { debug, token, tls } = access;
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -204,6 +218,7 @@ pub async fn serve(
         readiness.clone(),
         Arc::clone(&service),
         (freshness, silent_after),
+        warmed,
         draining,
     ));
     // A BUFFERED body arrives in one message: the decode limit follows max_body_bytes (tonic's 4 MiB

@@ -37,7 +37,8 @@ pub use snapshot::{
     Reading, ScrapeOutcome, ScrapeStatus, Tier, TokenDispatches, WorkerState,
 };
 pub use sync::{
-    Announcement, FRESH_WITHIN, KeyError, MAX_CHECKPOINTS, MIN_KEY_BYTES, Received, ReplicaSync,
-    SyncKeys, SyncStats, Unopened, take_announcement,
+    ASK_EACH_WITHIN, Announcement, FRESH_WITHIN, KeyError, MAX_CHECKPOINTS, MAX_SNAPSHOT_BYTES,
+    MIN_KEY_BYTES, Received, ReplicaSync, Served, SnapshotSource, SyncKeys, SyncStats, Unanswered,
+    Unopened, WARM_WITHIN, Warmed, take_announcement,
 };
 pub use tls::{HttpClient, ScrapeTlsClient};

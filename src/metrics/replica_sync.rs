@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{IntCounterVec, Opts};
+use prometheus::{IntCounterVec, IntGauge, Opts};
 
 use super::families::{descs, samples};
-use crate::load::{Received, SyncStats};
+use crate::load::{Received, Served, SyncStats, Warmed};
 
 #[derive(Debug)]
 pub(super) struct ReplicaSyncCounters {
@@ -17,6 +17,9 @@ pub(super) struct ReplicaSyncCounters {
     sent: IntCounterVec,
     received: IntCounterVec,
     key_reloads: IntCounterVec,
+    snapshots_served: IntCounterVec,
+    warm_start: IntCounterVec,
+    warm_blocks: IntGauge,
 }
 
 impl ReplicaSyncCounters {
@@ -52,6 +55,30 @@ impl ReplicaSyncCounters {
                 ),
                 &["outcome"],
             )?,
+            snapshots_served: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_replica_sync_snapshots_served_total",
+                    "Warm-start requests on replica_sync.listen (TCP), by outcome: answered (a \
+                     sibling on a key in force got this replica's owner index), unknown_source (not \
+                     a listed peer's address), busy (over 4 at once), malformed, unauthenticated, \
+                     stale, replayed, failed (the answer could not be sent within 60 s).",
+                ),
+                &["outcome"],
+            )?,
+            warm_start: IntCounterVec::new(
+                Opts::new(
+                    "cachepick_replica_sync_warm_start_total",
+                    "Siblings asked for their owner index when this replica started, by outcome: \
+                     adopted, empty (nothing to adopt), unusable, failed, timeout, malformed, \
+                     unauthenticated.",
+                ),
+                &["outcome"],
+            )?,
+            warm_blocks: IntGauge::new(
+                "cachepick_replica_sync_warm_blocks",
+                "Blocks this replica's approximate indexes held after adopting a sibling's at start \
+                 (0: it started cold).",
+            )?,
         })
     }
 
@@ -65,7 +92,14 @@ pub(super) struct ReplicaSyncCollector(pub(super) Arc<ReplicaSyncCounters>);
 
 impl Collector for ReplicaSyncCollector {
     fn desc(&self) -> Vec<&Desc> {
-        descs(&[&self.0.sent, &self.0.received, &self.0.key_reloads])
+        descs(&[
+            &self.0.sent,
+            &self.0.received,
+            &self.0.key_reloads,
+            &self.0.snapshots_served,
+            &self.0.warm_start,
+            &self.0.warm_blocks,
+        ])
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
@@ -95,6 +129,29 @@ impl Collector for ReplicaSyncCollector {
         let (applied, failed) = stats.key_reloads();
         reloads.with_label_values(&["applied"]).inc_by(applied);
         reloads.with_label_values(&["failed"]).inc_by(failed);
-        samples(&[&sent, &received, &reloads])
+        let served = self.0.snapshots_served.clone();
+        served.reset();
+        for outcome in Served::ALL {
+            served
+                .with_label_values(&[outcome.as_str()])
+                .inc_by(stats.served(outcome));
+        }
+        let warm = self.0.warm_start.clone();
+        warm.reset();
+        for outcome in Warmed::ALL {
+            warm.with_label_values(&[outcome.as_str()])
+                .inc_by(stats.warmed(outcome));
+        }
+        self.0
+            .warm_blocks
+            .set(i64::try_from(stats.warm_blocks()).unwrap_or(i64::MAX));
+        samples(&[
+            &sent,
+            &received,
+            &reloads,
+            &served,
+            &warm,
+            &self.0.warm_blocks,
+        ])
     }
 }

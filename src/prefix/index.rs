@@ -300,6 +300,36 @@ impl OwnerIndex {
             .collect()
     }
 
+    /// The blocks `worker` holds, least recent first: what a starting sibling replica adopts.
+    pub fn blocks_of(&self, worker: WorkerId) -> Vec<u64> {
+        self.lrus
+            .get(worker.index())
+            .map(|lru| lock(lru).oldest_first())
+            .unwrap_or_default()
+    }
+
+    /// Records `blocks` (least recent first, as [`OwnerIndex::blocks_of`] gives them) on `worker`, each
+    /// as its most recent block in turn, so the worker's list ends in the order the sibling had,
+    /// trimmed to this index's capacity from the least recent end. Prefix closure carries over: the
+    /// sibling's ancestors were more recent than their descendants, and so are they here. Returns how
+    /// many blocks the worker holds after.
+    pub fn adopt(&self, worker: WorkerId, blocks: &[u64]) -> usize {
+        let Some(lru) = self.lrus.get(worker.index()) else {
+            return 0;
+        };
+        let mut lru = lock(lru);
+        if lru.capacity == 0 {
+            return 0;
+        }
+        // Only the newest `capacity` can stay; replaying the older ones would evict them at once.
+        let keep = blocks.len().saturating_sub(lru.capacity);
+        for &hash in blocks.get(keep..).unwrap_or_default() {
+            self.hold(worker.0, &mut lru, hash);
+            self.evict_beyond_capacity(worker.0, &mut lru);
+        }
+        lru.len
+    }
+
     /// Counts what the index holds. Exact when no insert runs concurrently, otherwise a close view.
     pub fn stats(&self) -> IndexStats {
         let held: Vec<usize> = self.lrus.iter().map(|lru| lock(lru).len).collect();

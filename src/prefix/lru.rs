@@ -245,6 +245,24 @@ impl Lru {
     pub(super) fn node(&self, slot: u32) -> Option<&Node> {
         self.nodes.get(slot as usize)
     }
+
+    /// Every block's hash, least recent first: the order a sibling replays them in to rebuild the
+    /// same list (`OwnerIndex::adopt`).
+    pub(super) fn oldest_first(&self) -> Vec<u64> {
+        let mut order = Vec::with_capacity(self.len);
+        let mut slot = self
+            .node(SENTINEL)
+            .map_or(SENTINEL, |sentinel| sentinel.prev);
+        // Bounded by the slab, so a corrupt link cannot loop.
+        while slot != SENTINEL && order.len() < self.nodes.len() {
+            let Some(node) = self.node(slot) else {
+                break;
+            };
+            order.push(node.hash);
+            slot = node.prev;
+        }
+        order
+    }
 }
 
 #[cfg(test)]

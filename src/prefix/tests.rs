@@ -155,6 +155,23 @@ proptest! {
             }
             index.assert_consistent();
         }
+        // A sibling that adopts every worker's blocks holds the same lists in the same order, and
+        // one with half the capacity keeps each list's most recent half.
+        let same = OwnerIndex::new(&model.capacity);
+        let half: Vec<usize> = model.capacity.iter().map(|blocks| blocks / 2).collect();
+        let smaller = OwnerIndex::new(&half);
+        for worker in (0..POOL).map(|worker| WorkerId(worker as u32)) {
+            let blocks = index.blocks_of(worker);
+            same.adopt(worker, &blocks);
+            smaller.adopt(worker, &blocks);
+            prop_assert_eq!(same.held_in_order(worker), index.held_in_order(worker));
+            let mut newest = index.held_in_order(worker);
+            newest.truncate(half[worker.index()]);
+            prop_assert_eq!(smaller.held_in_order(worker), newest);
+        }
+        prop_assert_eq!(same.stats(), index.stats());
+        same.assert_consistent();
+        smaller.assert_consistent();
     }
 }
 

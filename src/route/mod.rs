@@ -30,6 +30,7 @@ mod prepared;
 mod service;
 mod settle;
 mod views;
+mod warm;
 
 pub use crate::protocol::RefusalReason;
 
@@ -45,6 +46,7 @@ pub use picker::{Allowance, Picker, PickerError, Pinned, RequestError};
 pub use prepared::Prepared;
 pub use service::Service;
 pub use views::{PoolReport, SourceReport};
+pub use warm::{Adopted, IndexSnapshot, PoolBlocks, SnapshotError};
 
 #[cfg(test)]
 mod tests;

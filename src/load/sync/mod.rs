@@ -21,6 +21,7 @@
 
 mod fresh;
 mod keys;
+mod warm;
 mod wire;
 
 use std::net::SocketAddr;
@@ -35,6 +36,9 @@ use tokio::net::UdpSocket;
 pub use fresh::FRESH_WITHIN;
 use fresh::{Seen, Unfresh};
 pub use keys::{KeyError, MIN_KEY_BYTES, SyncKeys};
+pub use warm::{
+    ASK_EACH_WITHIN, MAX_SNAPSHOT_BYTES, Served, SnapshotSource, Unanswered, WARM_WITHIN, Warmed,
+};
 use wire::MAX_DATAGRAM;
 pub use wire::{Announcement, MAX_CHECKPOINTS, Unopened};
 
@@ -104,6 +108,11 @@ pub struct SyncStats {
     /// Key file reads that changed the keys, and those that failed (the last keys stay).
     keys_applied: AtomicU64,
     keys_failed: AtomicU64,
+    /// Snapshot connections by [`Served`] outcome, and this replica's own warm start by [`Warmed`].
+    served: [AtomicU64; Served::ALL.len()],
+    warmed: [AtomicU64; Warmed::ALL.len()],
+    /// The blocks this replica's indexes held after its warm start adopted a sibling's.
+    warm_blocks: AtomicU64,
 }
 
 impl SyncStats {
@@ -127,6 +136,42 @@ impl SyncStats {
             self.keys_applied.load(Ordering::Relaxed),
             self.keys_failed.load(Ordering::Relaxed),
         )
+    }
+
+    /// Snapshot connections to this replica that ended with `outcome`.
+    pub fn served(&self, outcome: Served) -> u64 {
+        position(&Served::ALL, outcome)
+            .and_then(|at| self.served.get(at))
+            .map_or(0, |count| count.load(Ordering::Relaxed))
+    }
+
+    pub(super) fn count_served(&self, outcome: Served) {
+        if let Some(count) = position(&Served::ALL, outcome).and_then(|at| self.served.get(at)) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Siblings asked at this replica's start whose answer ended with `outcome`.
+    pub fn warmed(&self, outcome: Warmed) -> u64 {
+        position(&Warmed::ALL, outcome)
+            .and_then(|at| self.warmed.get(at))
+            .map_or(0, |count| count.load(Ordering::Relaxed))
+    }
+
+    /// Counts one sibling asked at start.
+    pub fn count_warmed(&self, outcome: Warmed) {
+        if let Some(count) = position(&Warmed::ALL, outcome).and_then(|at| self.warmed.get(at)) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The blocks the indexes held after adopting a sibling's snapshot (0 until one is adopted).
+    pub fn warm_blocks(&self) -> u64 {
+        self.warm_blocks.load(Ordering::Relaxed)
+    }
+
+    pub fn set_warm_blocks(&self, blocks: u64) {
+        self.warm_blocks.store(blocks, Ordering::Relaxed);
     }
 
     fn slot(&self, outcome: Received) -> Option<&AtomicU64> {
@@ -504,6 +549,10 @@ impl Announce for ReplicaSync {
             counter.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+fn position<T: PartialEq>(all: &[T], outcome: T) -> Option<usize> {
+    all.iter().position(|each| *each == outcome)
 }
 
 /// Refused datagrams opened per second, per datagram the budget takes.

@@ -94,4 +94,8 @@ impl PoolIndex for Approximate {
     fn restarted(&self, id: WorkerId, _pool: &PoolConfig) {
         self.0.clear_worker(id);
     }
+
+    fn shareable(&self) -> Option<&OwnerIndex> {
+        Some(&self.0)
+    }
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::{ChainStart, Chat, Feeds, Placement, PoolIndex, Tokens};
 use crate::config::{PoolConfig, WorkerConfig};
 use crate::load::PeerGuesses;
-use crate::prefix::{EventIndex, IndexStats, OwnerMatch, SourcedMatch, prefix_seed};
+use crate::prefix::{EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch, prefix_seed};
 use crate::tokenize::{PoolTokenizer, Stop};
 use crate::worker::WorkerId;
 
@@ -108,5 +108,10 @@ impl PoolIndex for Events {
                 self.0.clear(slot);
             }
         }
+    }
+
+    fn shareable(&self) -> Option<&OwnerIndex> {
+        // A starting replica's events index is rebuilt from each engine's replay, not a sibling's.
+        None
     }
 }

@@ -18,7 +18,7 @@ use std::time::Instant;
 use crate::config::{IndexMode, PoolConfig, WorkerConfig};
 use crate::events::EventFeeds;
 use crate::load::PoolSnapshot;
-use crate::prefix::{EventIndex, IndexStats, OwnerMatch, SourcedMatch};
+use crate::prefix::{EventIndex, IndexStats, OwnerIndex, OwnerMatch, SourcedMatch};
 use crate::tokenize::{Chat, PoolTokenizer, Stop, TokenizeError};
 use crate::worker::WorkerId;
 
@@ -62,6 +62,10 @@ pub(super) trait PoolIndex: Send + Sync {
 
     /// The worker of slot `id` restarted: its cache is empty.
     fn restarted(&self, id: WorkerId, pool: &PoolConfig);
+
+    /// What a starting sibling replica may adopt of this index (`route::warm`): the index of its own
+    /// decisions, which no engine can replay; `None` where the engines' events rebuild it.
+    fn shareable(&self) -> Option<&OwnerIndex>;
 }
 
 /// A prompt's tokens, or why it has none.
