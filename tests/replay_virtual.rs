@@ -320,3 +320,77 @@ fn regret_is_zero_for_the_oracle_and_counted_by_reason_for_the_others() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// `--join-at`: three arms per cachepick arm of several replicas, the same before the join, the
+/// joining replica deciding nothing before it and its share after; a warm joiner starts from its
+/// siblings' placements, so its first decisions after the join find more cached than a cold one's.
+#[test]
+fn a_replica_that_joins_decides_only_after_its_time_and_warm_starts_from_its_siblings() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = virtual_report(
+        &[
+            "--scenario",
+            "chat",
+            "--load",
+            "4",
+            "--duration-scale",
+            "0.5",
+            "--seeds",
+            "3",
+            "--policies",
+            "default",
+            "--replicas",
+            "4",
+            "--replica-sync",
+            "--join-at",
+            "10",
+            "--no-oracle",
+        ],
+        dir.path(),
+    );
+    let arms = report["arms"].as_array().unwrap();
+    let labels: Vec<&str> = arms
+        .iter()
+        .map(|arm| arm["arm"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "default/x4/present",
+            "default/x4/join",
+            "default/x4/join+warm",
+            "default/x4/sync/present",
+            "default/x4/sync/join",
+            "default/x4/sync/join+warm",
+        ]
+    );
+    let windows = |arm: &Value, run: usize| arm["runs"][run]["joined"]["windows"].clone();
+    let mut warm_ahead = 0;
+    for run in 0..3 {
+        let (present, cold, warm) = (
+            windows(&arms[3], run),
+            windows(&arms[4], run),
+            windows(&arms[5], run),
+        );
+        // Nine windows over every request; before the join the joiner decided nothing, after it
+        // its share.
+        let requests: u64 = cold
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["requests"].as_u64().unwrap())
+            .sum();
+        assert_eq!(requests, arms[4]["runs"][run]["requests"].as_u64().unwrap());
+        assert!(cold[0]["joiner_hit_rate"].is_null(), "{}", cold[0]);
+        assert!(!present[0]["joiner_hit_rate"].is_null(), "{}", present[0]);
+        assert!(!cold[1]["joiner_hit_rate"].is_null(), "{}", cold[1]);
+        // Cold and warm are the same run until the join.
+        assert_eq!(cold[0], warm[0]);
+        let first = |w: &Value| w[1]["joiner_hit_rate"].as_f64().unwrap();
+        warm_ahead += usize::from(first(&warm) > first(&cold));
+    }
+    assert!(
+        warm_ahead >= 2,
+        "the warm joiner ahead on {warm_ahead} of 3 seeds"
+    );
+}

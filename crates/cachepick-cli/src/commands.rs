@@ -209,6 +209,7 @@ fn replay_virtual(args: &ReplayArgs) -> anyhow::Result<()> {
         scrape_interval: args.scrape_interval,
         jobs: args.jobs,
         regret: args.regret,
+        join_at: args.join_at,
         out: out.clone(),
     };
     if args.goodput {

@@ -379,6 +379,11 @@ struct ReplayArgs {
     /// the soonest worker's from the true state (report.json: each run's `regret`, by reason).
     #[arg(long, conflicts_with = "goodput")]
     regret: bool,
+    /// --clock virtual: the last replica of every cachepick arm of 2 or more replicas joins SECONDS
+    /// of model time after the first arrival, once cold (`/join`) and once adopting its siblings'
+    /// owner indexes (`/join+warm`); each run's `joined` holds the windows after it.
+    #[arg(long, value_name = "SECONDS", conflicts_with = "goodput")]
+    join_at: Option<f64>,
     /// --clock virtual: instead of one load, each arm's goodput: the highest load at which TTFT p90
     /// stays within the SLO, found by bisection on every seed (--load is not used).
     #[arg(long)]

@@ -10,7 +10,7 @@ use cachepick::events::EventBatch;
 use cachepick_sim::SimConfig;
 use cachepick_sim::offline::{Happened, OfflineWorker};
 
-use super::figures::{Outcome, RunFigures};
+use super::figures::{JoinFigures, Outcome, RunFigures};
 use super::regret::Regret;
 use super::{Prompt, Workload};
 use crate::replay::report::percentile_index;
@@ -115,6 +115,8 @@ pub(super) struct Routed {
     /// tokens it credited the worker with holding, and the first token it predicted there (model
     /// seconds from the decision, the front not included). [`super::regret`] holds them to the truth.
     pub belief: Option<Belief>,
+    /// Which of the router's replicas decided (0 for a router of one).
+    pub replica: usize,
 }
 
 /// A router's picture of the chosen worker at its decision.
@@ -178,15 +180,23 @@ impl Cx<'_> {
 
 /// Runs `workload` through `router` over a fresh fleet of `sim`'s workers; the run's figures, with
 /// the decisions' regret when `regret` is given to measure it.
+///
+/// With `joined` (when, in model seconds after the first arrival, which replica joined), the figures
+/// also hold what followed, window by window ([`super::figures::JoinFigures`]).
 pub(super) fn simulate(
     sim: &SimConfig,
     workload: &Workload,
     router: &mut dyn Router,
     regret: Option<Regret>,
+    joined: Option<(f64, usize)>,
 ) -> RunFigures {
     let mut run = Run::start(sim, workload, router, regret);
     while run.advance(router).is_some() {}
-    run.figures(sim)
+    let figures = run.figures(sim);
+    RunFigures {
+        joined: joined.map(|joined| JoinFigures::of(workload, &run.outcomes, joined)),
+        ..figures
+    }
 }
 
 /// Whether `router` serves every request of `workload` with a TTFT p90 within `slo_ms` model
@@ -367,6 +377,7 @@ impl<'w> Run<'w> {
         if let Some(outcome) = self.outcomes.get_mut(index) {
             outcome.worker = Some(routed.worker);
             outcome.reason = Some(routed.reason);
+            outcome.replica = routed.replica;
         }
         if let (Some(regret), Some((_, tokens))) = (&mut self.regret, self.live.get(&index)) {
             regret.routed(index, tokens, routed, &self.workers, &self.fronts);

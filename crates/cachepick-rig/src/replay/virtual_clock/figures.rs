@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::Workload;
 use super::regret::RegretFigures;
+use super::{Request, Workload};
 use crate::replay::report::percentile;
 
 /// What happened to one request of a run.
@@ -19,6 +19,8 @@ pub(super) struct Outcome {
     pub cached: u32,
     /// The engine refused it (its queue was full, it could never fit).
     pub refused: bool,
+    /// The router replica that decided.
+    pub replica: usize,
 }
 
 /// One arm's run on one seed.
@@ -48,6 +50,118 @@ pub struct RunFigures {
     /// The decisions' regret against the soonest worker (`--regret`); absent unless measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub regret: Option<RegretFigures>,
+    /// What followed a replica's joining (`--join-at`); absent unless one joined.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub joined: Option<JoinFigures>,
+}
+
+/// The windows after a replica joined: how soon the fleet, and the new replica's own decisions, did
+/// as well as before.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct JoinFigures {
+    /// Model seconds after the first arrival.
+    pub at_s: f64,
+    /// The arrivals before the join, as one window, then [`JOIN_WINDOWS`] equal windows from the
+    /// join to the last arrival.
+    pub windows: Vec<WindowFigures>,
+}
+
+/// Windows the time after a join is cut into.
+pub const JOIN_WINDOWS: usize = 8;
+
+/// The requests that arrived in one window.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct WindowFigures {
+    /// From and to, model seconds after the first arrival.
+    pub from_s: f64,
+    pub to_s: f64,
+    pub requests: usize,
+    /// Σ cached ÷ Σ prompt tokens of the window's served requests.
+    pub hit_rate: Option<f64>,
+    /// The same over the requests the joining replica (the last) decided, and over the others'.
+    pub joiner_hit_rate: Option<f64>,
+    pub others_hit_rate: Option<f64>,
+    pub ttft_p90_ms: Option<f64>,
+}
+
+impl JoinFigures {
+    /// The windows of `outcomes` around replica `joiner`'s join at `at` (model seconds after the
+    /// first arrival).
+    pub(super) fn of(
+        workload: &Workload,
+        outcomes: &[Outcome],
+        (at, joiner): (f64, usize),
+    ) -> JoinFigures {
+        let first = workload.requests.first().map_or(0.0, |request| request.at);
+        let last = workload
+            .requests
+            .iter()
+            .map(|request| request.at - first)
+            .fold(at, f64::max);
+        let step = (last - at) / JOIN_WINDOWS as f64;
+        let mut bounds = vec![(0.0, at)];
+        bounds
+            .extend((0..JOIN_WINDOWS).map(|n| (at + step * n as f64, at + step * (n + 1) as f64)));
+        let windows = bounds
+            .iter()
+            .enumerate()
+            .map(|(nth, &(from, to))| {
+                let within = |request: &Request| {
+                    let since = request.at - first;
+                    // The last window holds the last arrival.
+                    since >= from && (since < to || (nth == bounds.len() - 1 && since <= to))
+                };
+                WindowFigures::of(workload, outcomes, (from, to), joiner, within)
+            })
+            .collect();
+        JoinFigures { at_s: at, windows }
+    }
+}
+
+impl WindowFigures {
+    fn of(
+        workload: &Workload,
+        outcomes: &[Outcome],
+        (from_s, to_s): (f64, f64),
+        joiner: usize,
+        within: impl Fn(&Request) -> bool,
+    ) -> WindowFigures {
+        let mut ttft = Vec::new();
+        // (prompt, cached) over all, the joiner's and the others'.
+        let mut sums = [(0_u64, 0_u64); 3];
+        for (request, outcome) in workload.requests.iter().zip(outcomes) {
+            if !within(request) {
+                continue;
+            }
+            let Some(first_token) = outcome.first_token else {
+                continue;
+            };
+            ttft.push((first_token - request.at) * 1e3);
+            let whose = if outcome.replica == joiner { 1 } else { 2 };
+            for at in [0, whose] {
+                if let Some(sum) = sums.get_mut(at) {
+                    sum.0 += u64::from(request.prompt_len);
+                    sum.1 += u64::from(outcome.cached);
+                }
+            }
+        }
+        ttft.sort_by(f64::total_cmp);
+        let rate =
+            |(prompt, cached): (u64, u64)| (prompt > 0).then(|| cached as f64 / prompt as f64);
+        WindowFigures {
+            from_s,
+            to_s,
+            requests: workload
+                .requests
+                .iter()
+                .filter(|request| within(request))
+                .count(),
+            hit_rate: rate(sums[0]),
+            joiner_hit_rate: rate(sums[1]),
+            others_hit_rate: rate(sums[2]),
+            ttft_p90_ms: percentile(&ttft, 0.9),
+        }
+    }
 }
 
 impl RunFigures {
@@ -106,6 +220,7 @@ impl RunFigures {
             simulated_s,
             gpu_seconds: simulated_s * ranks,
             regret: None,
+            joined: None,
         }
     }
 }

@@ -321,6 +321,7 @@ mod tests {
             scrape_interval: None,
             jobs: Some(1),
             regret: false,
+            join_at: None,
             out: std::path::PathBuf::new(),
         }
     }

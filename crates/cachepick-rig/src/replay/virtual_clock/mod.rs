@@ -39,6 +39,7 @@ use super::peers::PeerRule;
 use super::{ReplayError, Scenario, default_fleet};
 use engine::{Router, simulate};
 use figures::{Estimate, RunFigures};
+use picker::JoinStart;
 pub use report::{ArmReport, Speed, VirtualReport, write};
 use report::{arm_report, pair, shown, table};
 use workload::workload;
@@ -91,6 +92,10 @@ pub struct VirtualOptions {
     pub jobs: Option<usize>,
     /// Every run also measures its decisions' regret against the soonest worker ([`regret`]).
     pub regret: bool,
+    /// Every cachepick arm of more than one replica runs twice with its last replica joining this
+    /// many model seconds after the first arrival: cold, and with its siblings' owner indexes
+    /// adopted (`picker::Join`); the figures then hold the windows after the join.
+    pub join_at: Option<f64>,
     pub out: PathBuf,
 }
 
@@ -101,6 +106,7 @@ enum ArmKind {
         yaml: String,
         mode: IndexMode,
         sync: bool,
+        join: Option<picker::Join>,
     },
     Peer(PeerRule),
     Oracle,
@@ -204,6 +210,7 @@ fn arms(options: &VirtualOptions, sim: &SimConfig) -> Result<Vec<Arm>, ReplayErr
                         yaml: yaml.clone(),
                         mode,
                         sync: false,
+                        join: None,
                     },
                     replicas: n,
                     baseline: name == "default" && mode == IndexMode::Approximate,
@@ -215,6 +222,7 @@ fn arms(options: &VirtualOptions, sim: &SimConfig) -> Result<Vec<Arm>, ReplayErr
                             yaml: yaml.clone(),
                             mode,
                             sync: true,
+                            join: None,
                         },
                         replicas: n,
                         baseline: false,
@@ -241,7 +249,43 @@ fn arms(options: &VirtualOptions, sim: &SimConfig) -> Result<Vec<Arm>, ReplayErr
             baseline: false,
         });
     }
-    Ok(arms)
+    Ok(match options.join_at {
+        Some(at) => arms.into_iter().flat_map(|arm| joining(arm, at)).collect(),
+        None => arms,
+    })
+}
+
+/// A cachepick arm of several replicas as three whose figures are cut at `at`: its last replica
+/// there from the start (`/present`), joining at `at` cold (`/join`) and warm (`/join+warm`). Other
+/// arms stay as they are.
+fn joining(arm: Arm, at: f64) -> Vec<Arm> {
+    let ArmKind::Picker {
+        yaml, mode, sync, ..
+    } = &arm.kind
+    else {
+        return vec![arm];
+    };
+    if arm.replicas < 2 {
+        return vec![arm];
+    }
+    [
+        (JoinStart::Present, "present"),
+        (JoinStart::Cold, "join"),
+        (JoinStart::Warm, "join+warm"),
+    ]
+    .into_iter()
+    .map(|(start, name)| Arm {
+        label: format!("{}/{name}", arm.label),
+        kind: ArmKind::Picker {
+            yaml: yaml.clone(),
+            mode: *mode,
+            sync: *sync,
+            join: Some(picker::Join { at, start }),
+        },
+        replicas: arm.replicas,
+        baseline: false,
+    })
+    .collect()
 }
 
 /// One arm on one seed's workload.
@@ -256,7 +300,13 @@ fn run_arm(
     let regret = options
         .regret
         .then(|| regret::Regret::new(sim.params.profile.front));
-    Ok(simulate(sim, workload, router.as_mut(), regret))
+    let joined = match &arm.kind {
+        ArmKind::Picker {
+            join: Some(join), ..
+        } => Some((join.at, arm.replicas - 1)),
+        _ => None,
+    };
+    Ok(simulate(sim, workload, router.as_mut(), regret, joined))
 }
 
 /// A fresh router for `arm`, for a run of `requests` requests on `seed`.
@@ -269,13 +319,17 @@ fn router_of(
 ) -> Result<Box<dyn Router>, ReplayError> {
     let router_seed = seed ^ 0xC0FF_EE00;
     Ok(match &arm.kind {
-        ArmKind::Picker { yaml, mode, sync } => {
+        ArmKind::Picker {
+            yaml,
+            mode,
+            sync,
+            join,
+        } => {
             let config = picker::configuration(sim, yaml, *mode, options.scrape_interval)?;
             Box::new(picker::PickerRouter::new(
                 &config,
                 sim,
-                arm.replicas,
-                *sync,
+                (arm.replicas, *sync, *join),
                 requests,
                 router_seed,
             )?)
@@ -298,6 +352,13 @@ pub fn run(options: &VirtualOptions) -> Result<(VirtualReport, Speed), ReplayErr
     }
     if options.seeds == 0 {
         return Err(ReplayError::Virtual("--seeds must be at least 1".into()));
+    }
+    if let Some(at) = options.join_at
+        && (!(at.is_finite() && at >= 0.0) || options.replicas.iter().all(|n| *n < 2))
+    {
+        return Err(ReplayError::Virtual(format!(
+            "--join-at needs a time of 0 s or more and --replicas of 2 or more, got {at} s"
+        )));
     }
     let started = std::time::Instant::now();
     let seeds: Vec<u64> = (0..options.seeds as u64)

@@ -30,6 +30,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use cachepick::config::{self, Config, IndexMode};
+use cachepick::events::EventBatch;
 use cachepick::events::apply::Applier;
 use cachepick::events::decode::decode_batch;
 use cachepick::events::stream::Stream;
@@ -39,7 +40,8 @@ use cachepick::load::{
 };
 use cachepick::metrics::Metrics;
 use cachepick::route::{
-    Answer, Commit, CommitGate, Credit, Inbound, Moment, Picker, ServedReport, Service,
+    Answer, Commit, CommitGate, Credit, Inbound, IndexSnapshot, Moment, Picker, ServedReport,
+    Service,
 };
 use cachepick::worker::WorkerId;
 use cachepick_sim::fleet::{ConfiguredWorker, cachepick_config_for};
@@ -167,10 +169,46 @@ struct InFlight {
     ticket: ScrapeTicket,
 }
 
+/// The last replica of an arm joins it while it runs (`--join-at`): at `at` model seconds after the
+/// first arrival it starts scraping, and once its first scrape round is complete (when `serve` would
+/// say it is ready) it takes its turn in the round robin, with its siblings' owner indexes adopted
+/// first when [`JoinStart::Warm`] (their snapshots through the product's own encoding, as `serve`
+/// asks for them), or cold. Before it starts nobody sends it anything. In `events` mode it gets no batch until it is
+/// ready, then every batch published since the start, in order, as a stream that subscribes and asks
+/// the engine to replay from the beginning gets them (a replay ring that holds the whole run: the
+/// engine's own is bounded), then the live ones.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Join {
+    pub at: f64,
+    pub start: JoinStart,
+}
+
+/// How the last replica starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum JoinStart {
+    /// It is there from the start, like the others: what the joining ones are held to.
+    Present,
+    /// It joins at `at` and learns from its own traffic, as `serve` did before the warm start.
+    Cold,
+    /// It joins at `at` and adopts its siblings' owner indexes first.
+    Warm,
+}
+
+/// Where the joining replica is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Joining {
+    NotYet,
+    Scraping,
+    Joined,
+}
+
 /// cachepick's arm: `replicas` pickers of one configuration.
 pub(super) struct PickerRouter {
     replicas: Vec<Replica>,
-    next: usize,
+    join: Option<Join>,
+    joining: Joining,
+    /// `events` mode, while a replica is joining: every batch published so far, for its replay.
+    history: Vec<(usize, u32, Arc<EventBatch>)>,
     /// Virtual time 0 as an `Instant`: the product's types take instants; only differences matter.
     epoch: Instant,
     rng: SmallRng,
@@ -193,8 +231,7 @@ impl PickerRouter {
     pub fn new(
         config: &Config,
         sim: &SimConfig,
-        replicas: usize,
-        sync: bool,
+        (replicas, sync, join): (usize, bool, Option<Join>),
         requests: usize,
         seed: u64,
     ) -> Result<PickerRouter, ReplayError> {
@@ -238,9 +275,16 @@ impl PickerRouter {
                 outbox,
             });
         }
+        let join = join.filter(|join| built.len() > 1 && join.start != JoinStart::Present);
         Ok(PickerRouter {
             replicas: built,
-            next: 0,
+            join,
+            joining: if join.is_some() {
+                Joining::NotYet
+            } else {
+                Joining::Joined
+            },
+            history: Vec::new(),
             epoch,
             rng: SmallRng::seed_from_u64(seed),
             workers: endpoints(sim)
@@ -267,6 +311,73 @@ impl PickerRouter {
 
     fn at(&self, now: f64) -> Instant {
         self.epoch + Duration::from_secs_f64(now.max(0.0))
+    }
+
+    /// Replicas that exist: the joining one not before it starts.
+    fn present(&self) -> usize {
+        match self.joining {
+            Joining::NotYet => self.replicas.len() - 1,
+            Joining::Scraping | Joining::Joined => self.replicas.len(),
+        }
+    }
+
+    /// Replicas that take requests: the joining one once it is ready.
+    fn active(&self) -> usize {
+        match self.joining {
+            Joining::NotYet | Joining::Scraping => self.replicas.len() - 1,
+            Joining::Joined => self.replicas.len(),
+        }
+    }
+
+    /// Moves the joining replica along at `now`: it starts scraping at its time, and is ready (warm
+    /// or cold) once its first scrape round is complete.
+    fn follow_join(&mut self, cx: &mut Cx<'_>) {
+        let Some(join) = self.join else {
+            return;
+        };
+        let joiner = self.replicas.len() - 1;
+        let first = cx
+            .workload
+            .requests
+            .first()
+            .map_or(0.0, |request| request.at);
+        if self.joining == Joining::NotYet && cx.now - first >= join.at {
+            self.joining = Joining::Scraping;
+            cx.schedule(cx.now, Wake::Tick { replica: joiner });
+        }
+        let scraped = self.replicas.get(joiner).is_some_and(|state| {
+            state
+                .loads
+                .iter()
+                .all(|(load, _)| *load.rounds().borrow() > 0)
+        });
+        if self.joining != Joining::Scraping || !scraped {
+            return;
+        }
+        self.joining = Joining::Joined;
+        for (worker, rank, batch) in std::mem::take(&mut self.history) {
+            cx.schedule(
+                cx.now + EVENT_DELAY.as_secs_f64(),
+                Wake::KvEvents {
+                    replica: joiner,
+                    worker,
+                    rank,
+                    batch,
+                },
+            );
+        }
+        if join.start != JoinStart::Warm {
+            return;
+        }
+        let Some((state, siblings)) = self.replicas.split_last() else {
+            return;
+        };
+        for sibling in siblings {
+            let bytes = sibling.service.picker().index_snapshot().encode();
+            if let Ok(snapshot) = IndexSnapshot::decode(&bytes) {
+                state.service.picker().adopt(&snapshot);
+            }
+        }
     }
 
     /// Replica `replica`'s scrape round at `now`.
@@ -357,7 +468,7 @@ impl PickerRouter {
             let Some(datagram) = announcement.seal(&self.sync_keys) else {
                 continue;
             };
-            for replica in (0..self.replicas.len()).filter(|replica| *replica != from) {
+            for replica in (0..self.present()).filter(|replica| *replica != from) {
                 cx.schedule(
                     cx.now + SYNC_DELAY.as_secs_f64(),
                     Wake::Announced {
@@ -377,15 +488,17 @@ impl Router for PickerRouter {
                 worker.record_events(true);
             }
         }
-        for replica in 0..self.replicas.len() {
+        for replica in 0..self.present() {
             cx.schedule(0.0, Wake::Tick { replica });
         }
     }
 
     fn route(&mut self, request: usize, cx: &mut Cx<'_>) -> Option<Routed> {
+        self.follow_join(cx);
         let body = cx.workload.body(request, cx.text(request));
-        let replica = self.next % self.replicas.len();
-        self.next = self.next.wrapping_add(1);
+        // By the request's place in the arrivals, which is also the order of the calls: the same
+        // request goes to the same replica in every arm that has as many replicas taking requests.
+        let replica = request % self.active();
         let moment = Moment {
             at: self.at(cx.now),
             seed: self.rng.random(),
@@ -416,6 +529,7 @@ impl Router for PickerRouter {
                 credited_tokens: routed.matched_tokens,
                 predicted_s: routed.predicted_ttft_us.map(|us| us as f64 / 1e6),
             }),
+            replica,
         })
     }
 
@@ -468,7 +582,10 @@ impl Router for PickerRouter {
                 continue;
             };
             let batch = Arc::new(batch);
-            for replica in 0..self.replicas.len() {
+            if self.active() < self.replicas.len() {
+                self.history.push((worker, rank, Arc::clone(&batch)));
+            }
+            for replica in 0..self.active() {
                 cx.schedule(
                     cx.now + EVENT_DELAY.as_secs_f64(),
                     Wake::KvEvents {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use super::figures::{Estimate, RunFigures};
+use super::figures::{Estimate, RunFigures, WindowFigures};
 use super::{Arm, ArmKind};
 use crate::replay::ReplayError;
 
@@ -189,7 +189,95 @@ pub(super) fn table(report: &VirtualReport) -> String {
             versus,
         );
     }
+    for arm in &report.arms {
+        join_table(&mut out, arm, &report.arms);
+    }
     out
+}
+
+/// For an arm a replica joined (`--join-at`), its figures window by window; for a joining arm, also
+/// the difference to the same arm with that replica there from the start, paired by seed.
+fn join_table(out: &mut String, arm: &ArmReport, arms: &[ArmReport]) {
+    let windows = |arm: &ArmReport| -> Vec<Vec<WindowFigures>> {
+        arm.runs
+            .iter()
+            .map(|run| {
+                run.joined
+                    .as_ref()
+                    .map(|joined| joined.windows.clone())
+                    .unwrap_or_default()
+            })
+            .collect()
+    };
+    let own = windows(arm);
+    let Some(first) = arm.runs.first().and_then(|run| run.joined.as_ref()) else {
+        return;
+    };
+    // Held to the same arm with its last replica there from the start: the same requests reach
+    // that replica after the join in both.
+    let present = ["/join+warm", "/join"]
+        .iter()
+        .find_map(|suffix| arm.arm.strip_suffix(suffix))
+        .and_then(|base| {
+            let label = format!("{base}/present");
+            arms.iter().find(|other| other.arm == label)
+        })
+        .map(windows);
+    let _ = writeln!(
+        out,
+        "\n{}: the last replica joins {:.0} s after the first arrival (window times from the first \
+         run; hit rates in %).\n\n\
+         | window, s | requests | hit | joiner's hit | the others' hit | TTFT p90 ms | joiner's hit − present's, points | p90 ÷ present's |\n\
+         |---|--:|--:|--:|--:|--:|--:|--:|",
+        arm.arm, first.at_s
+    );
+    for (nth, window) in first.windows.iter().enumerate() {
+        let at = |runs: &[Vec<WindowFigures>], figure: fn(&WindowFigures) -> Option<f64>| {
+            runs.iter()
+                .map(|windows| windows.get(nth).and_then(figure))
+                .collect::<Vec<_>>()
+        };
+        let hit = at(&own, |w| w.hit_rate);
+        let p90 = at(&own, |w| w.ttft_p90_ms);
+        let paired =
+            |cold: &[Option<f64>], mine: &[Option<f64>], f: fn(f64, f64) -> Option<f64>| {
+                Estimate::of(
+                    mine.iter()
+                        .zip(cold)
+                        .map(|(mine, cold)| f((*mine)?, (*cold)?)),
+                )
+            };
+        let joiner = at(&own, |w| w.joiner_hit_rate);
+        let (hit_delta, p90_ratio) = present.as_ref().map_or((None, None), |present| {
+            (
+                paired(
+                    &at(present, |w| w.joiner_hit_rate),
+                    &joiner,
+                    |mine, present| Some(mine - present),
+                ),
+                paired(&at(present, |w| w.ttft_p90_ms), &p90, |mine, present| {
+                    (present > 0.0).then(|| mine / present)
+                }),
+            )
+        });
+        let _ = writeln!(
+            out,
+            "| {:.0}–{:.0} | {} | {} | {} | {} | {} | {} | {} |",
+            window.from_s,
+            window.to_s,
+            window.requests,
+            shown(Estimate::of(hit.iter().copied()).as_ref(), 100.0, 1),
+            shown(Estimate::of(joiner.iter().copied()).as_ref(), 100.0, 1),
+            shown(
+                Estimate::of(at(&own, |w| w.others_hit_rate)).as_ref(),
+                100.0,
+                1
+            ),
+            shown(Estimate::of(p90.iter().copied()).as_ref(), 1.0, 0),
+            shown(hit_delta.as_ref(), 100.0, 1),
+            shown(p90_ratio.as_ref(), 1.0, 2),
+        );
+    }
 }
 
 /// Writes `report.json` and `table.md` under the output directory.

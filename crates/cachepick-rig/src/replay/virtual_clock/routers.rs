@@ -50,6 +50,7 @@ impl Router for OracleRouter {
             worker,
             reason: "oracle",
             belief: None,
+            replica: 0,
         })
     }
 
@@ -149,6 +150,7 @@ impl Router for PeerRouter {
             worker,
             reason: self.rule.label(),
             belief: None,
+            replica,
         })
     }
 
