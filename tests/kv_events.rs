@@ -566,3 +566,44 @@ async fn with_sockets_ports_the_engine_is_not_asked() {
     );
     stage.stop().await.unwrap();
 }
+
+/// A picker that starts beside engines already holding prompts says it is ready only once its streams
+/// have replayed the engines' rings, so its very first decision finds what they hold (the warm start
+/// of an `events` pool). The picker runs `app::run`, whose readiness waits as `serve`'s does.
+#[tokio::test]
+async fn a_starting_picker_is_ready_only_once_the_engines_rings_are_replayed() {
+    let mut sim = sim_fleet::config(Engine::Vllm, 2);
+    // A replay that takes a while, as a long ring over a slow link does: a picker ready before it ends
+    // would send these first requests where nothing is known of them.
+    let mut events = KvEventsConfig::new(KvEventsFormat::VllmMap);
+    events.replay_delay = Duration::from_millis(1_500);
+    sim.kv_events = Some(events);
+    let fleet = sim_fleet::start(&sim).await;
+    let mut held = Vec::new();
+    for (at, worker) in fleet.workers().iter().enumerate() {
+        // Past `min_match_tokens` (1,024), as every prompt here.
+        let text = prompt(&format!("held before the picker started {at}"), 80);
+        send_directly(worker.addr(), &text).await;
+        held.push((worker.addr(), text));
+    }
+    let config = on_free_ports(
+        &events_mode(&fleet.cachepick_config()),
+        "kv_events test",
+        Overrides::default(),
+    )
+    .unwrap();
+    let mut picker = cachepick_rig::stage::Picker::spawn(config);
+    picker
+        .ready(cachepick_rig::stage::READY_WITHIN)
+        .await
+        .unwrap();
+    let client = PickerClient::connect(picker.listen()).await.unwrap();
+    for (worker, text) in &held {
+        let (chosen, reason, _) = decide(&client, text).await;
+        assert_eq!(
+            (chosen, reason.as_str()),
+            (*worker, "cache_hit"),
+            "the first decisions after readiness"
+        );
+    }
+}

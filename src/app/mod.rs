@@ -149,20 +149,13 @@ pub async fn serve_prepared(
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     service.set_effective_config(config);
     let mut tasks = tokio::task::JoinSet::new();
-    // Ready once warm: at once without siblings, else after asking them (`warm.rs`).
-    let (warmed_sender, warmed) = watch::channel(true);
+    let mut replica = None;
     if let (Some(sync), Some(keys)) = (&config.replica_sync, sync_keys) {
         let sync = (sync, keys);
-        let replica =
+        let started =
             start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
-        serve_snapshots(&replica, &service, &mut tasks, &stopped_future)?;
-        warmed_sender.send_replace(false);
-        tasks.spawn(warm::warm_up(
-            replica,
-            Arc::clone(&service),
-            warmed_sender,
-            stopped_future(),
-        ));
+        serve_snapshots(&started, &service, &mut tasks, &stopped_future)?;
+        replica = Some(started);
     }
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
         let scraper = match service.roster(index) {
@@ -173,6 +166,14 @@ pub async fn serve_prepared(
     }
     let client = HttpClient::new(&config.load, scrape_tls.as_ref());
     let feeds = service.start_event_feeds(stopped_future.clone(), client);
+    // Ready once warm: the siblings asked, the event streams replayed (`warm.rs`).
+    let (warmed_sender, warmed) = watch::channel(false);
+    tasks.spawn(warm::warm_up(
+        replica,
+        Arc::clone(&service),
+        warmed_sender,
+        stopped_future(),
+    ));
     let sources = start_sources(config, &loads, Some(&service), &mut tasks, &stopped_future);
     if let Some(reload) = reload {
         let targets = reload::Targets {

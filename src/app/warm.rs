@@ -1,5 +1,6 @@
-//! Warm start under `replica_sync`: each replica answers its siblings' snapshot requests, and at
-//! start asks them for theirs before it says it is ready.
+//! Warm start: what a replica does between its first scrape round and saying it is ready. Under
+//! `replica_sync` it answers its siblings' snapshot requests, and at start asks them for theirs; in
+//! every case it waits for its KV event streams to replay their engines' rings.
 //!
 //! A replica that starts or restarts behind the same Envoy as its siblings would otherwise route
 //! with empty `approximate` indexes: every conversation a sibling placed looks new to it, so it
@@ -9,10 +10,12 @@
 //! sibling's index holds what it placed itself, so the union is what the fleet knows); readiness
 //! waits for that. A replica with no sibling that
 //! answers (the first of a fleet, or a fleet restarted together) starts cold, as before, and says
-//! so. An `events` pool needs none of this: its engines replay their caches to a new subscriber.
+//! so. An `events` pool needs no sibling: each engine replays what its ring holds to a new
+//! subscriber, and readiness waits for those replays (a stream that cannot connect is not waited
+//! for), within the same `WARM_WITHIN`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use rand::seq::SliceRandom;
@@ -30,24 +33,63 @@ pub(super) fn source(service: &Arc<Service>) -> SnapshotSource {
 /// Asks the siblings for a snapshot once the rosters are known, adopts the first with something in
 /// it, and marks `warmed` either way, or at shutdown.
 pub(super) async fn warm_up(
-    replica: Arc<ReplicaSync>,
+    replica: Option<Arc<ReplicaSync>>,
     service: Arc<Service>,
     warmed: watch::Sender<bool>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::select! {
-        () = ask_siblings(&replica, &service) => {}
+        () = warm(replica.as_deref(), &service) => {}
         () = shutdown => {}
     }
     let _ = warmed.send(true);
 }
 
-async fn ask_siblings(replica: &ReplicaSync, service: &Arc<Service>) {
+async fn warm(replica: Option<&ReplicaSync>, service: &Arc<Service>) {
     for mut round in service.rounds() {
         if round.wait_for(|completed| *completed > 0).await.is_err() {
             return;
         }
     }
+    let deadline = Instant::now() + WARM_WITHIN;
+    if let Some(replica) = replica {
+        ask_siblings(replica, service).await;
+    }
+    replayed(service, deadline).await;
+}
+
+/// Waits until every KV event stream has replayed its engine's ring on its first connection (or
+/// found nothing to connect to), until `deadline`.
+async fn replayed(service: &Service, deadline: Instant) {
+    let started = Instant::now();
+    loop {
+        let (settled, all) = service.event_streams_settled();
+        if settled == all {
+            if all > 0 {
+                tracing::info!(
+                    streams = all,
+                    took_ms = started.elapsed().as_millis(),
+                    "warm start: every KV event stream has replayed its engine's ring"
+                );
+            }
+            return;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                waiting = all - settled,
+                streams = all,
+                "warm start: KV event streams still replaying; ready without them"
+            );
+            return;
+        }
+        tokio::time::sleep(REPLAY_POLL).await;
+    }
+}
+
+/// How often readiness looks at the streams' replays.
+const REPLAY_POLL: Duration = Duration::from_millis(20);
+
+async fn ask_siblings(replica: &ReplicaSync, service: &Arc<Service>) {
     if service.picker().index_snapshot().pools.is_empty() {
         return;
     }

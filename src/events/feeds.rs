@@ -214,6 +214,16 @@ impl EventFeeds {
         self.pools.iter().map(|pool| &**pool)
     }
 
+    /// Streams whose first try is over, and all streams, over every pool.
+    pub fn settled(&self) -> (usize, usize) {
+        self.pools
+            .iter()
+            .flat_map(|feed| feed.streams())
+            .fold((0, 0), |(settled, all), stream| {
+                (settled + usize::from(stream.settled()), all + 1)
+            })
+    }
+
     /// Every stream's counters now, by pool.
     pub fn views(&self, now: Instant) -> Vec<(String, Vec<StreamView>)> {
         self.pools

@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -111,6 +111,9 @@ pub struct Stream {
     state: AtomicU8,
     /// The last sequence number applied; -1 before the first.
     last_seq: AtomicI64,
+    /// The first connection's catch-up is over (the engine's ring replayed, or found unusable), or
+    /// the first connection failed: what readiness waits for at start.
+    settled: AtomicBool,
     pub(super) batches: AtomicU64,
     pub(super) events: AtomicU64,
     pub(super) blocks_stored: AtomicU64,
@@ -148,6 +151,7 @@ impl Stream {
             from: AtomicU8::new(from_to_u8(KvEventsFrom::Worker)),
             state: AtomicU8::new(StreamState::Connecting.to_u8()),
             last_seq: AtomicI64::new(-1),
+            settled: AtomicBool::new(false),
             batches: AtomicU64::new(0),
             events: AtomicU64::new(0),
             blocks_stored: AtomicU64::new(0),
@@ -186,6 +190,15 @@ impl Stream {
 
     pub(super) fn set_from(&self, from: KvEventsFrom) {
         self.from.store(from_to_u8(from), Ordering::Relaxed);
+    }
+
+    /// Whether the first try is over: replayed what the engine's ring held, or could not connect.
+    pub fn settled(&self) -> bool {
+        self.settled.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn settle(&self) {
+        self.settled.store(true, Ordering::Relaxed);
     }
 
     pub fn state(&self) -> StreamState {

@@ -150,6 +150,7 @@ impl Subscriber {
                         .set_state(StreamState::Live, Instant::now());
                     tracing::debug!(%live, "kv events: subscribed");
                     self.catch_up().await;
+                    self.applier.stream().settle();
                     let broken = tokio::select! {
                         broken = self.receive(&mut connection) => broken,
                         () = &mut shutdown => return,
@@ -161,7 +162,11 @@ impl Subscriber {
                         .stream()
                         .set_state(StreamState::Connecting, down_since);
                 }
-                Err(error) => tracing::debug!(%live, %error, "kv events: not connected"),
+                Err(error) => {
+                    // Nothing to replay from: readiness need not wait for this stream.
+                    self.applier.stream().settle();
+                    tracing::debug!(%live, %error, "kv events: not connected");
+                }
             }
             if down_since.elapsed() >= self.grace
                 && self.applier.stream().state() != StreamState::Stale

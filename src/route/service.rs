@@ -676,6 +676,12 @@ impl Service {
         self.feeds.start(shutdown, client)
     }
 
+    /// KV event streams whose first connection has replayed the engine's ring (or failed), and all
+    /// of them: a starting replica is ready once they are equal.
+    pub fn event_streams_settled(&self) -> (usize, usize) {
+        self.feeds.settled()
+    }
+
     /// What keeps pool `pool`'s owner index and KV event streams in step with its roster; the app hands
     /// it to the pool's scraper.
     pub fn roster(&self, pool: usize) -> Option<Arc<dyn RosterObserver>> {

@@ -173,6 +173,9 @@ pub struct KvEventsConfig {
     /// Worker `i`'s rank 0 publishes on `base_port + i * stride` and replays on that plus `dp_size`,
     /// where `stride` is `dp_size`, doubled with replay; `None` takes free ports.
     pub base_port: Option<u16>,
+    /// How long each rank waits before answering a replay request (and publishes nothing meanwhile):
+    /// a test's stand-in for a long ring on a slow link. Not in the file; zero unless a test sets it.
+    pub replay_delay: std::time::Duration,
 }
 
 impl KvEventsConfig {
@@ -188,6 +191,7 @@ impl KvEventsConfig {
             ring_batches: NonZeroU32::new(Self::DEFAULT_RING_BATCHES).unwrap_or(NonZeroU32::MIN),
             topic: String::new(),
             base_port: None,
+            replay_delay: std::time::Duration::ZERO,
         }
     }
 }

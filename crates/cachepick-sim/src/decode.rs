@@ -376,6 +376,7 @@ impl Decoder<'_> {
             ring_batches: ring_batches?.value,
             topic: topic?.map(|topic| topic.value).unwrap_or_default(),
             base_port: base_port?.map(|port| port.value),
+            replay_delay: std::time::Duration::ZERO,
         }))
     }
 
@@ -863,6 +864,7 @@ mod tests {
                 ring_batches: NonZeroU32::new(7).unwrap(),
                 topic: String::new(),
                 base_port: Some(6000),
+                replay_delay: std::time::Duration::ZERO,
             }
         );
         let flag = SimOverrides {

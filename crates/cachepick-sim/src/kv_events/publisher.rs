@@ -128,6 +128,7 @@ pub(crate) struct PublisherSpec {
     pub topic: Bytes,
     pub ring_batches: usize,
     pub block_size: u32,
+    pub replay_delay: Duration,
 }
 
 impl PublisherSpec {
@@ -137,6 +138,7 @@ impl PublisherSpec {
             topic: Bytes::from(config.topic.clone().into_bytes()),
             ring_batches: usize::try_from(config.ring_batches.get()).unwrap_or(usize::MAX),
             block_size,
+            replay_delay: config.replay_delay,
         }
     }
 }
@@ -267,6 +269,7 @@ pub(crate) async fn run(
             request = next_request(&mut requests) => match request {
                 Some(request) => {
                     if let Some(replies) = &mut replies {
+                        tokio::time::sleep(spec.replay_delay).await;
                         serve_replay(&spec, replies, request, &ring).await;
                     }
                 }
