@@ -85,8 +85,12 @@ impl Logged {
 }
 
 /// How long after accepting `/admin/crash` a simulated worker closes its connections (it dies about
-/// 20 ms after answering), with room for a loaded machine.
+/// 20 ms after answering), with room for a loaded machine; where the run saw it die later, from then.
 pub const DYING: Duration = Duration::from_millis(250);
+
+/// How long after a worker is seen down its connections may still be closing: it is marked down first,
+/// then its connection tasks are aborted, on a runtime a loaded machine may hold up.
+pub const CLOSING: Duration = Duration::from_millis(100);
 
 /// How long after a restarted picker is ready Envoy may still fail open past it: its health check of
 /// the picker runs every second and one success brings it back, so a check in flight plus the next one,
@@ -103,6 +107,13 @@ pub struct Spell {
     /// When it was back (serving again); `None`: not back by the end of the run.
     #[serde(rename = "to_s", serialize_with = "super::seconds_opt")]
     pub to: Option<Duration>,
+    /// A crashed worker: when the run first saw it down; `None` where nobody watched.
+    #[serde(
+        rename = "dead_s",
+        serialize_with = "super::seconds_opt",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub dead: Option<Duration>,
 }
 
 impl Spell {
@@ -128,12 +139,15 @@ pub struct Timeline {
 
 impl Timeline {
     /// Whether `worker` died while a request on it was in flight (sent at `from`, over at `to`). A
-    /// spell starts when the worker accepted its crash order; it dies within [`DYING`] of that, so a
-    /// request sent in that margin may still have reached it.
+    /// spell starts when the worker accepted its crash order; it dies within [`DYING`] of that, or
+    /// within [`CLOSING`] of when the run saw it down if that is later (a loaded machine delays the
+    /// death), so a request sent in that margin may still have reached it.
     pub fn worker_died_during(&self, worker: &str, from: Duration, to: Duration) -> bool {
-        self.workers_down
-            .iter()
-            .any(|spell| spell.what == worker && from <= spell.from + DYING && spell.from <= to)
+        self.workers_down.iter().any(|spell| {
+            let reached =
+                (spell.from + DYING).max(spell.dead.map_or(spell.from, |dead| dead + CLOSING));
+            spell.what == worker && from <= reached && spell.from <= to
+        })
     }
 
     /// Whether at some instant in `[from, to]` every worker was down.
@@ -318,17 +332,21 @@ mod tests {
                     what: A.to_owned(),
                     from: s(1_000),
                     to: Some(s(2_000)),
+                    dead: None,
                 },
                 Spell {
                     what: B.to_owned(),
                     from: s(1_500),
                     to: Some(s(1_800)),
+                    // Seen down 600 ms after its crash order, on a loaded machine.
+                    dead: Some(s(2_100)),
                 },
             ],
             picker_down: vec![Spell {
                 what: "picker".to_owned(),
                 from: s(5_000),
                 to: None,
+                dead: None,
             }],
         }
     }
@@ -399,6 +417,36 @@ mod tests {
         let cause = classify(&later, Some(&logged), &timeline());
         assert!(matches!(cause, Cause::StreamCut { .. }), "{cause:?}");
         assert!(cause.servable_loss());
+    }
+
+    #[test]
+    fn a_request_reset_by_a_worker_that_died_late_on_a_loaded_machine_is_its_death() {
+        // B accepted its crash at 1.5 s but was seen down only at 2.1 s: a request sent at 1.9 s,
+        // past the usual margin, reached it alive and was reset when it died.
+        let reset = Observed {
+            status: Some(503),
+            ..seen(1_900, 2_150)
+        };
+        let logged = Logged {
+            code: 503,
+            details: "upstream_reset_before_response_started{connection_termination}".to_owned(),
+            upstream: Some(B.to_owned()),
+            ..Logged::default()
+        };
+        let cause = classify(&reset, Some(&logged), &timeline());
+        assert_eq!(
+            cause,
+            Cause::WorkerDied {
+                worker: B.to_owned()
+            }
+        );
+        // Sent after its death had been seen and its connections closed, the same reset is a loss.
+        let after = Observed {
+            sent: s(2_250),
+            ended: s(2_300),
+            ..reset
+        };
+        assert!(classify(&after, Some(&logged), &timeline()).servable_loss());
     }
 
     #[test]

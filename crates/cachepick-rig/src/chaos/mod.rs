@@ -435,6 +435,7 @@ async fn fire(
                         what: endpoint,
                         from: times.crashed,
                         to: Some(times.restarted),
+                        dead: Some(times.died),
                     });
                     Done::Nothing
                 }
@@ -444,6 +445,7 @@ async fn fire(
                         what: endpoint,
                         from: step.at,
                         to: None,
+                        dead: None,
                     });
                     Done::Failed(error)
                 }
@@ -479,6 +481,7 @@ async fn fire(
                 what: "picker".to_owned(),
                 from,
                 to: None,
+                dead: None,
             });
             tokio::time::sleep(*down_for).await;
             if let Err(error) = lock(&shared.picker).start() {

@@ -45,6 +45,9 @@ fn seconds<S: serde::Serializer>(duration: &Duration, serializer: S) -> Result<S
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CrashTimes {
     pub crashed: Duration,
+    /// When the worker was first seen down (its ports closing): on a loaded machine its death can
+    /// come well after the ~20 ms it asks for.
+    pub died: Duration,
     pub restarted: Duration,
 }
 
@@ -295,12 +298,17 @@ pub async fn crash(fleet: &Fleet, crash: &Crash, start: Instant) -> Result<Crash
     let due = Instant::now() + crash.restart_after + Duration::from_millis(50);
     let deadline = due + RESTART_GRACE;
     let mut down = false;
+    let mut died = None;
     loop {
         let up = worker.is_up();
+        if !up && died.is_none() {
+            died = Some(start.elapsed());
+        }
         down |= !up || Instant::now() >= due;
         if down && up {
             return Ok(CrashTimes {
                 crashed,
+                died: died.unwrap_or(crashed),
                 restarted: start.elapsed(),
             });
         }
@@ -339,6 +347,7 @@ mod tests {
     fn times() -> CrashTimes {
         CrashTimes {
             crashed: Duration::from_millis(2_000),
+            died: Duration::from_millis(2_020),
             restarted: Duration::from_millis(2_500),
         }
     }
