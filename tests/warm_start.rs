@@ -15,7 +15,7 @@ mod support {
 }
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, UdpSocket};
+use std::net::SocketAddr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -30,29 +30,23 @@ const KEY: &str = "9c1e5a7b3d2f4e6a8b0c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e1
 /// Conversations the first replica places before the second starts.
 const CONVERSATIONS: usize = 8;
 
-/// A replica: the process, its log lines, its ext_proc and metrics addresses.
+/// A replica: the process, its log lines, its ext_proc, metrics and `replica_sync` addresses.
 struct Replica {
     _server: Server,
     lines: mpsc::Receiver<String>,
     listen: SocketAddr,
     metrics: String,
+    sync: SocketAddr,
 }
 
-/// A UDP port free now, for a replica's `replica_sync.listen` (its TCP twin serves snapshots).
-fn free_sync_port() -> SocketAddr {
-    UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
+/// A peer address where nothing listens: a replica listing only it has no sibling to ask (the sync
+/// screens askers by address, so listing 127.0.0.1 admits the others here).
+const NOBODY: &str = "127.0.0.1:9";
 
-fn start(
-    fleet: &Fleet,
-    dir: &tempfile::TempDir,
-    name: &str,
-    listen: SocketAddr,
-    peers: &[SocketAddr],
-) -> Replica {
+/// Starts a replica whose `replica_sync` listens on a port the system chooses (its datagrams and
+/// its snapshots alike), listing `peers`.
+fn start(fleet: &Fleet, dir: &tempfile::TempDir, name: &str, peers: &[SocketAddr]) -> Replica {
+    let listen: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let key_file = dir.path().join("sync.key");
     std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
     let peers: Vec<String> = peers.iter().map(ToString::to_string).collect();
@@ -71,15 +65,18 @@ fn start(
         lines,
         listen: any,
         metrics: String::new(),
+        sync: any,
     };
-    // The sync logs its own `listen=` first: the listeners are those of the start line.
-    let started = replica.lines_until("cachepick started").pop().unwrap();
-    let field = |name: &str| {
-        let rest = started.split(&format!(" {name}=")).nth(1).unwrap();
+    // The sync logs its own `listen=` first, the listeners theirs in the start line.
+    let log = replica.lines_until("cachepick started");
+    let field = |wanted: &str, name: &str| {
+        let line = log.iter().find(|line| line.contains(wanted)).unwrap();
+        let rest = line.split(&format!(" {name}=")).nth(1).unwrap();
         rest.split_whitespace().next().unwrap().to_owned()
     };
-    replica.listen = field("listen").parse().unwrap();
-    replica.metrics = field("metrics_listen");
+    replica.listen = field("cachepick started", "listen").parse().unwrap();
+    replica.metrics = field("cachepick started", "metrics_listen");
+    replica.sync = field("replica sync on", "listen").parse().unwrap();
     replica
 }
 
@@ -146,10 +143,10 @@ fn warm(text: &str, outcome: &str) -> f64 {
 async fn a_replica_started_beside_a_warm_sibling_routes_its_conversations_to_their_owners() {
     let fleet = support::sim_fleet::start(&support::sim_fleet::config(Engine::Vllm, 4)).await;
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (free_sync_port(), free_sync_port());
+    let nobody: SocketAddr = NOBODY.parse().unwrap();
 
-    let first = start(&fleet, &dir, "first", a, &[a, b]);
-    // Its sibling is not up: it asks, finds nobody, and starts cold, then ready.
+    let first = start(&fleet, &dir, "first", &[nobody]);
+    // Its only peer is nobody: it asks, finds nobody, and starts cold, then ready.
     let log = first.lines_until("ready:");
     assert!(
         log.iter().any(|line| line.contains("starting cold")),
@@ -164,7 +161,7 @@ async fn a_replica_started_beside_a_warm_sibling_routes_its_conversations_to_the
     }
 
     // What is not a sibling's request gets nothing, and is counted.
-    let mut stranger = std::net::TcpStream::connect(a).unwrap();
+    let mut stranger = std::net::TcpStream::connect(first.sync).unwrap();
     stranger.write_all(&[0u8; 64]).unwrap();
     let mut answer = Vec::new();
     stranger
@@ -173,7 +170,7 @@ async fn a_replica_started_beside_a_warm_sibling_routes_its_conversations_to_the
     let _ = stranger.read_to_end(&mut answer);
     assert!(answer.is_empty(), "a stranger got {} bytes", answer.len());
 
-    let second = start(&fleet, &dir, "second", b, &[a, b]);
+    let second = start(&fleet, &dir, "second", &[first.sync]);
     // Warm before ready: the adoption is logged before readiness.
     let log = second.lines_until("ready:");
     assert!(
@@ -205,8 +202,7 @@ async fn a_replica_started_beside_a_warm_sibling_routes_its_conversations_to_the
     }
 
     // The control: a replica with no sibling to ask routes the same turns as new conversations.
-    let c = free_sync_port();
-    let alone = start(&fleet, &dir, "alone", c, &[c]);
+    let alone = start(&fleet, &dir, "alone", &[nobody]);
     alone.lines_until("ready:");
     assert_eq!(warm(&alone.metrics(), "adopted"), 0.0);
     let client = alone.client().await;

@@ -152,9 +152,9 @@ pub async fn serve_prepared(
     let mut replica = None;
     if let (Some(sync), Some(keys)) = (&config.replica_sync, sync_keys) {
         let sync = (sync, keys);
-        let started =
+        let (started, listener) =
             start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
-        serve_snapshots(&started, &service, &mut tasks, &stopped_future)?;
+        serve_snapshots(&started, listener, &service, &mut tasks, &stopped_future)?;
         replica = Some(started);
     }
     for (index, (_, scraper)) in pools.into_iter().enumerate() {
@@ -258,7 +258,7 @@ fn start_replica_sync<F>(
     metrics: &Metrics,
     tasks: &mut tokio::task::JoinSet<()>,
     stopped: &impl Fn() -> F,
-) -> Result<Arc<ReplicaSync>, AppError>
+) -> Result<(Arc<ReplicaSync>, std::net::TcpListener), AppError>
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -266,7 +266,7 @@ where
         addr: sync.listen,
         source,
     };
-    let replica = ReplicaSync::bind(sync, keys).map_err(bind_error)?;
+    let (replica, listener) = ReplicaSync::bind(sync, keys).map_err(bind_error)?;
     for load in loads {
         load.announce_through(Arc::clone(&replica) as Arc<dyn crate::load::Announce>);
     }
@@ -285,13 +285,13 @@ where
     );
     tasks.spawn(Arc::clone(&replica).receive(bounds, stopped()));
     tasks.spawn(Arc::clone(&replica).refresh(stopped()));
-    Ok(replica)
+    Ok((replica, listener))
 }
 
-/// Answers the siblings' warm-start requests on TCP at the sync's address (its port, whichever the
-/// datagrams got).
+/// Answers the siblings' warm-start requests on `listener`, TCP at the sync's address.
 fn serve_snapshots<F>(
     replica: &Arc<ReplicaSync>,
+    listener: std::net::TcpListener,
     service: &Arc<Service>,
     tasks: &mut tokio::task::JoinSet<()>,
     stopped: &impl Fn() -> F,
@@ -300,11 +300,9 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let addr = replica.local_addr();
-    let listener = std::net::TcpListener::bind(addr)
-        .and_then(|listener| {
-            listener.set_nonblocking(true)?;
-            TcpListener::from_std(listener)
-        })
+    let listener = listener
+        .set_nonblocking(true)
+        .and_then(|()| TcpListener::from_std(listener))
         .map_err(|source| AppError::Bind { addr, source })?;
     tasks.spawn(Arc::clone(replica).serve_snapshots(listener, warm::source(service), stopped()));
     Ok(())

@@ -220,8 +220,15 @@ pub struct ReplicaSync {
 impl ReplicaSync {
     /// Binds `config.listen` with `keys` (read from `config.key_file` by start-up's checks); sending
     /// from the same socket makes each datagram's source the sender's listed address.
-    pub fn bind(config: &ReplicaSyncConfig, keys: SyncKeys) -> std::io::Result<Arc<ReplicaSync>> {
-        let socket = std::net::UdpSocket::bind(config.listen)?;
+    ///
+    /// Returns with it the TCP listener on the same address and port, where the siblings' warm-start
+    /// requests are answered (`warm.rs`): a port the system chooses (port 0) is chosen for both, a few
+    /// tries at most, since another process may hold the TCP port of the datagrams' free one.
+    pub fn bind(
+        config: &ReplicaSyncConfig,
+        keys: SyncKeys,
+    ) -> std::io::Result<(Arc<ReplicaSync>, std::net::TcpListener)> {
+        let (socket, listener) = bind_pair(config.listen)?;
         let mut sync = ReplicaSync::on(
             socket,
             config.peers.clone(),
@@ -230,7 +237,7 @@ impl ReplicaSync {
         )?;
         sync.resolve_interval = config.resolve_interval;
         sync.key_file.clone_from(&config.key_file);
-        Ok(Arc::new(sync))
+        Ok((Arc::new(sync), listener))
     }
 
     /// The sync on a bound `socket`; needs the runtime.
@@ -549,6 +556,22 @@ impl Announce for ReplicaSync {
             counter.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// A UDP socket and a TCP listener on `listen`, on the same port.
+fn bind_pair(listen: SocketAddr) -> std::io::Result<(std::net::UdpSocket, std::net::TcpListener)> {
+    const TRIES: usize = 8;
+    let mut last = None;
+    for _ in 0..TRIES {
+        let socket = std::net::UdpSocket::bind(listen)?;
+        match std::net::TcpListener::bind(socket.local_addr()?) {
+            Ok(listener) => return Ok((socket, listener)),
+            // A fixed port is the operator's: its TCP half taken is an error to report.
+            Err(error) if listen.port() != 0 => return Err(error),
+            Err(error) => last = Some(error),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no port free for both UDP and TCP")))
 }
 
 fn position<T: PartialEq>(all: &[T], outcome: T) -> Option<usize> {
