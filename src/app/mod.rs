@@ -149,31 +149,28 @@ pub async fn serve_prepared(
     let service = Service::with_overload(picker, Arc::clone(&metrics), &config.overload);
     service.set_effective_config(config);
     let mut tasks = tokio::task::JoinSet::new();
-    let mut replica = None;
-    if let (Some(sync), Some(keys)) = (&config.replica_sync, sync_keys) {
-        let sync = (sync, keys);
-        let (started, listener) =
-            start_replica_sync(config, sync, &loads, &metrics, &mut tasks, &stopped_future)?;
-        serve_snapshots(&started, listener, &service, &mut tasks, &stopped_future)?;
-        replica = Some(started);
-    }
-    for (index, (_, scraper)) in pools.into_iter().enumerate() {
-        let scraper = match service.roster(index) {
-            Some(roster) => scraper.with_roster(roster),
-            None => scraper,
-        };
-        tasks.spawn(scraper.run(stopped_future()));
-    }
+    let replica = match (&config.replica_sync, sync_keys) {
+        (Some(sync), Some(keys)) => Some(start_replica_sync(
+            config,
+            (sync, keys),
+            (&loads, &service, &metrics),
+            &mut tasks,
+            &stopped_future,
+        )?),
+        _ => None,
+    };
+    start_scrapers(pools, &service, &mut tasks, &stopped_future);
     let client = HttpClient::new(&config.load, scrape_tls.as_ref());
     let feeds = service.start_event_feeds(stopped_future.clone(), client);
     // Ready once warm: the siblings asked, the event streams replayed (`warm.rs`).
     let (warmed_sender, warmed) = watch::channel(false);
-    tasks.spawn(warm::warm_up(
+    let warm_up = warm::warm_up(
         replica,
         Arc::clone(&service),
         warmed_sender,
         stopped_future(),
-    ));
+    );
+    tasks.spawn(warm_up);
     let sources = start_sources(config, &loads, Some(&service), &mut tasks, &stopped_future);
     if let Some(reload) = reload {
         let targets = reload::Targets {
@@ -198,13 +195,7 @@ pub async fn serve_prepared(
         access,
         stopped_future(),
     ));
-    tracing::info!(
-        listen = %bound,
-        metrics_listen = %metrics_bound,
-        pools = config.pools.len(),
-        file_workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
-        "cachepick started"
-    );
+    log_started(config, bound, metrics_bound);
     let options = extproc::ServeOptions {
         access: extproc::Access {
             debug: config.debug_on_listen(),
@@ -249,16 +240,44 @@ fn metrics_access(
     }
 }
 
+/// The start line, with the addresses bound (tests and operators read the ports the system chose).
+fn log_started(config: &Config, bound: SocketAddr, metrics_bound: SocketAddr) {
+    tracing::info!(
+        listen = %bound,
+        metrics_listen = %metrics_bound,
+        pools = config.pools.len(),
+        file_workers = config.pools.iter().map(|pool| pool.workers.len()).sum::<usize>(),
+        "cachepick started"
+    );
+}
+
+/// Starts each pool's scraper, handing it the pool's roster observer.
+fn start_scrapers<F>(
+    pools: Vec<(Arc<PoolLoad>, Scraper)>,
+    service: &Service,
+    tasks: &mut tokio::task::JoinSet<()>,
+    stopped: &impl Fn() -> F,
+) where
+    F: Future<Output = ()> + Send + 'static,
+{
+    for (index, (_, scraper)) in pools.into_iter().enumerate() {
+        let scraper = match service.roster(index) {
+            Some(roster) => scraper.with_roster(roster),
+            None => scraper,
+        };
+        tasks.spawn(scraper.run(stopped()));
+    }
+}
+
 /// Binds the replica-sync socket, announces every pool's dispatches through it and starts its
-/// receiver and resolver.
+/// receiver, resolver and the siblings' warm-start listener.
 fn start_replica_sync<F>(
     config: &Config,
     (sync, keys): (&ReplicaSyncConfig, SyncKeys),
-    loads: &[Arc<PoolLoad>],
-    metrics: &Metrics,
+    (loads, service, metrics): (&[Arc<PoolLoad>], &Arc<Service>, &Metrics),
     tasks: &mut tokio::task::JoinSet<()>,
     stopped: &impl Fn() -> F,
-) -> Result<(Arc<ReplicaSync>, std::net::TcpListener), AppError>
+) -> Result<Arc<ReplicaSync>, AppError>
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -285,7 +304,8 @@ where
     );
     tasks.spawn(Arc::clone(&replica).receive(bounds, stopped()));
     tasks.spawn(Arc::clone(&replica).refresh(stopped()));
-    Ok((replica, listener))
+    serve_snapshots(&replica, listener, service, tasks, stopped)?;
+    Ok(replica)
 }
 
 /// Answers the siblings' warm-start requests on `listener`, TCP at the sync's address.
